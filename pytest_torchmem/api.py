@@ -1,0 +1,130 @@
+"""The public entry points: :func:`estimate` and :func:`measure`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from pytest_torchmem.report import MemoryReport
+from pytest_torchmem.step import LossFn, OptimizerFactory
+from pytest_torchmem.tracing.devices import device_model
+from pytest_torchmem.tracing.trace import trace_step
+
+__all__ = ["estimate", "measure"]
+
+
+@dataclass(frozen=True)
+class StepRequest:
+    """Validated arguments of :func:`estimate` and :func:`measure`."""
+
+    model: nn.Module
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    device: str
+    loss_fn: LossFn | None
+    optimizer: OptimizerFactory | None
+    train: bool
+
+
+def _request(
+    entry: str,
+    model: Any,
+    inputs: Any,
+    device: Any,
+    loss_fn: Any,
+    optimizer: Any,
+    train: Any,
+) -> StepRequest:
+    if not isinstance(model, nn.Module):
+        raise TypeError(
+            f"{entry}() needs an nn.Module as model, got {type(model).__name__}; "
+            "wrap a function in an nn.Module whose forward calls it"
+        )
+    if isinstance(inputs, torch.Tensor):
+        args, kwargs = (inputs,), {}
+    elif isinstance(inputs, tuple):
+        args, kwargs = inputs, {}
+    elif isinstance(inputs, dict):
+        bad = [key for key in inputs if not isinstance(key, str)]
+        if bad:
+            raise TypeError(f"keyword inputs need string keys, got {bad[0]!r}")
+        args, kwargs = (), dict(inputs)
+    else:
+        hint = "; pass a tuple for positional arguments" if isinstance(inputs, list) else ""
+        raise TypeError(
+            "inputs must be a tensor, a tuple of positional arguments or a dict of "
+            f"keyword arguments, got {type(inputs).__name__}{hint}"
+        )
+    if isinstance(device, torch.device):
+        device = str(device)
+    if not isinstance(device, str):
+        raise TypeError(f"device must be 'cpu' or 'cuda', got {device!r}")
+    kind, _, index = device.partition(":")
+    if kind not in ("cpu", "cuda") or (index and (kind == "cpu" or not index.isdigit())):
+        raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}")
+    for name, value in (("loss_fn", loss_fn), ("optimizer", optimizer)):
+        if value is not None and not callable(value):
+            raise TypeError(f"{name} must be callable or None, got {type(value).__name__}")
+    if isinstance(optimizer, torch.optim.Optimizer):  # pragma: no cover - callable check above
+        raise TypeError("optimizer must be a factory, e.g. lambda params: torch.optim.SGD(params, lr=0.1)")
+    if not isinstance(train, bool):
+        raise TypeError(f"train must be True or False, got {train!r}")
+    return StepRequest(model, args, kwargs, kind, loss_fn, optimizer, train)
+
+
+def estimate(
+    model: nn.Module,
+    inputs: Any,
+    *,
+    device: str = "cpu",
+    loss_fn: LossFn | None = None,
+    optimizer: OptimizerFactory | None = None,
+    train: bool = True,
+) -> MemoryReport:
+    """Estimate the memory of one step of ``model`` on ``inputs`` with fake tensors.
+
+    The step is forward, ``loss_fn`` and ``loss.backward()`` (``train=True``),
+    then ``optimizer.step()`` and ``zero_grad(set_to_none=True)`` when
+    ``optimizer`` (a callable ``params -> Optimizer``) is given; with
+    ``train=False`` it is the forward alone under ``torch.no_grad()``.
+    ``model`` may hold real or meta-device tensors; it is left exactly as it
+    was, and no real memory in proportion to the model or its activations is
+    allocated.
+    """
+    request = _request("estimate", model, inputs, device, loss_fn, optimizer, train)
+    return trace_step(
+        request.model,
+        request.args,
+        request.kwargs,
+        device=device_model(request.device),
+        loss_fn=request.loss_fn,
+        optimizer=request.optimizer,
+        train=request.train,
+    )
+
+
+def measure(
+    model: nn.Module,
+    inputs: Any,
+    *,
+    device: str = "cpu",
+    loss_fn: LossFn | None = None,
+    optimizer: OptimizerFactory | None = None,
+    train: bool = True,
+) -> MemoryReport:
+    """Run one step of ``model`` for real and report the memory it took.
+
+    The same step as :func:`estimate`. On ``"cpu"`` every allocation and free
+    is read from the PyTorch profiler's allocator events; on ``"cuda"`` from
+    ``torch.cuda``'s peak statistics. The model's parameters, buffers and
+    gradients are cloned first, so the model itself is left as it was.
+    """
+    from pytest_torchmem.measuring import measure_step
+
+    request = _request("measure", model, inputs, device, loss_fn, optimizer, train)
+    return measure_step(request)
+
+

@@ -1,0 +1,325 @@
+"""Real runs: the memory one step really takes.
+
+``measure(device="cpu")`` runs the step under ``torch.profiler`` with
+``profile_memory=True`` and reads every allocation and free of the CPU
+allocator from its event tree. The step marks its phases, module entries and
+exits and roles with zero-length ``record_function`` ranges, so the events are
+turned into the same :class:`~pytest_torchmem.timeline.Timeline` the fake
+trace writes, and read by the same :func:`~pytest_torchmem.timeline.analyze`.
+
+``measure(device="cuda")`` reads ``torch.cuda``'s peak statistics, reset at
+each phase boundary.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Final
+
+import torch
+from torch.autograd.profiler import record_function
+from torch.profiler import ProfilerActivity, profile
+
+from pytest_torchmem.model_state import Converted, collect, convert, substituted
+from pytest_torchmem.report import Category, MemoryReport
+from pytest_torchmem.step import ModuleTracker, run_step
+from pytest_torchmem.timeline import Phase, StorageInfo, Timeline, analyze
+
+if TYPE_CHECKING:
+    from pytest_torchmem.api import StepRequest
+
+__all__ = ["measure_step"]
+
+_MARK: Final = "torchmem::"
+_Allocation = torch._C._profiler._ExtraFields_Allocation
+
+
+@dataclass
+class _MarkingProbe:
+    """Marks the step's progress in the profiler's event tree."""
+
+    roles: list[tuple[Category, list[int]]] = field(default_factory=list)
+
+    @staticmethod
+    def _mark(text: str) -> None:
+        with record_function(_MARK + text):
+            pass
+
+    def set_phase(self, phase: Phase | None) -> None:
+        self._mark(f"phase:{-1 if phase is None else int(phase)}")
+
+    def enter_module(self, index: int) -> None:
+        self._mark(f"enter:{index}")
+
+    def exit_module(self, index: int) -> None:
+        self._mark(f"exit:{index}")
+
+    def assign_role(self, category: Category, tensors: Iterable[torch.Tensor]) -> None:
+        self.roles.append((category, [t.untyped_storage().data_ptr() for t in tensors]))
+        self._mark(f"role:{len(self.roles) - 1}")
+
+
+def _real_storage(device: torch.device) -> Any:
+    def make(t: torch.Tensor) -> torch.UntypedStorage:
+        if t.device.type == "meta":
+            raise ValueError(
+                "measure() runs the step for real, but the model or inputs hold meta "
+                "tensors; use estimate() for a model built on the meta device"
+            )
+        source = t.untyped_storage()
+        copy = torch.empty(source.nbytes(), dtype=torch.uint8, device=device).untyped_storage()
+        copy.copy_(source)
+        return copy
+
+    return make
+
+
+def measure_step(request: StepRequest) -> MemoryReport:
+    """Run ``request``'s step for real on its device and report its memory."""
+    if request.device == "cuda":
+        return _measure_cuda(request)
+    return _measure_cpu(request)
+
+
+def _baseline_groups(standins: Converted) -> tuple[tuple[Category, list[torch.Tensor]], ...]:
+    return (
+        (Category.PARAMETERS, standins.parameters),
+        (Category.BUFFERS, standins.buffers + standins.attributes),
+        (Category.INPUTS, standins.inputs),
+        (Category.GRADIENTS, standins.gradients),
+    )
+
+
+def _measure_cpu(request: StepRequest) -> MemoryReport:
+    _, timeline, baseline = profile_cpu_step(request)
+    analysis = analyze(timeline, baseline)
+    forward, backward, step = analysis.phase_peaks
+    return MemoryReport(
+        device="cpu",
+        forward_peak=forward,
+        backward_peak=backward,
+        step_peak=step,
+        breakdown=analysis.breakdown,
+        modules=analysis.modules,
+    )
+
+
+def profile_cpu_step(request: StepRequest) -> tuple[Any, Timeline, list[int]]:
+    """Run the step on the CPU under the profiler: ``(profiler, timeline, baseline sids)``."""
+    device = torch.device("cpu")
+    model_tensors = collect(request.model)
+    with torch.no_grad():
+        standins = convert(
+            model_tensors, request.args, request.kwargs, device, _real_storage(device)
+        )
+    timeline = Timeline()
+    by_ptr: dict[int, int] = {}
+    baseline: list[int] = []
+    for category, tensors in _baseline_groups(standins):
+        for t in tensors:
+            storage = t.untyped_storage()
+            if storage.data_ptr() in by_ptr or storage.nbytes() == 0:
+                continue
+            sid = timeline.new_storage(StorageInfo(storage.nbytes(), category))
+            by_ptr[storage.data_ptr()] = sid
+            baseline.append(sid)
+
+    probe = _MarkingProbe()
+    modules = ModuleTracker(request.model, probe)
+    timeline.module_names = modules.names
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        with substituted(model_tensors, standins.model), modules:
+            run_step(
+                request.model,
+                standins.args,
+                standins.kwargs,
+                parameters=standins.parameters,
+                inputs=standins.inputs,
+                loss_fn=request.loss_fn,
+                optimizer=request.optimizer,
+                train=request.train,
+                probe=probe,
+            )
+        del standins
+    _read_events(prof, timeline, by_ptr, probe)
+    return prof, timeline, baseline
+
+
+def _read_events(prof: Any, timeline: Timeline, by_ptr: dict[int, int], probe: _MarkingProbe) -> None:
+    """Turn the profiler's allocator events and marks into timeline events."""
+    events: list[tuple[int, Any]] = []
+    stack = list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        node = stack.pop()
+        fields = node.extra_fields
+        if isinstance(fields, _Allocation):
+            if fields.device.type == "cpu":
+                events.append((node.start_time_ns, node))
+        elif node.name.startswith(_MARK):
+            events.append((node.start_time_ns, node))
+        stack.extend(node.children)
+    events.sort(key=lambda pair: pair[0])
+
+    phase: Phase | None = None
+    started = False
+    module = -1
+    for _, node in events:
+        fields = node.extra_fields
+        if not isinstance(fields, _Allocation):
+            kind, _, value = node.name[len(_MARK) :].partition(":")
+            number = int(value)
+            if kind == "phase":
+                started = True
+                phase = None if number < 0 else Phase(number)
+                timeline.phase(phase)
+            elif kind == "enter":
+                module = number
+                timeline.enter(number)
+            elif kind == "exit":
+                timeline.exit(number)
+            elif kind == "role":
+                category, ptrs = probe.roles[number]
+                for ptr in ptrs:
+                    sid = by_ptr.get(ptr)
+                    if sid is not None:
+                        timeline.assign_role(sid, category)
+            continue
+        if not started:
+            continue
+        size = fields.alloc_size
+        if size > 0:
+            info = StorageInfo(
+                size,
+                Category.WORKSPACE if _is_scratch(node) else None,
+                phase=phase,
+                module=module,
+                op=_kernel_name(node),
+            )
+            sid = timeline.new_storage(info)
+            by_ptr[fields.ptr] = sid
+            timeline.alloc(sid)
+        elif size < 0:
+            sid = by_ptr.pop(fields.ptr, None)
+            if sid is not None:
+                timeline.free(sid)
+
+
+_COMPOSITE: dict[str, bool] = {}
+
+
+def _is_composite(name: str) -> bool:
+    found = _COMPOSITE.get(name)
+    if found is None:
+        try:
+            found = torch._C._dispatch_has_kernel_for_dispatch_key(
+                name, "CompositeImplicitAutograd"
+            )
+        except RuntimeError:
+            found = False
+        _COMPOSITE[name] = found
+    return found
+
+
+def _kernel_node(node: Any) -> Any:
+    """The outermost aten op above ``node`` that is a kernel, not a composite."""
+    found = None
+    parent = node.parent
+    while parent is not None:
+        if parent.name.startswith("aten::") and not _is_composite(parent.name):
+            found = parent
+        parent = parent.parent
+    return found
+
+
+def _kernel_name(node: Any) -> str:
+    kernel = _kernel_node(node)
+    return kernel.name if kernel is not None else ""
+
+
+def _is_scratch(node: Any) -> bool:
+    """True when the allocation is freed before its kernel returns."""
+    kernel = _kernel_node(node)
+    if kernel is None:
+        return False
+    ptr = node.extra_fields.ptr
+    end = kernel.end_time_ns
+    stack = list(kernel.children)
+    while stack:
+        child = stack.pop()
+        fields = child.extra_fields
+        if (
+            isinstance(fields, _Allocation)
+            and fields.ptr == ptr
+            and fields.alloc_size < 0
+            and child.start_time_ns > node.start_time_ns
+            and child.start_time_ns <= end
+        ):
+            return True
+        stack.extend(child.children)
+    return False
+
+
+def _measure_cuda(request: StepRequest) -> MemoryReport:
+    if not torch.cuda.is_available():
+        raise RuntimeError(
+            "measure(device='cuda') runs the step on a GPU, and torch.cuda.is_available() "
+            "is False here; use estimate(device='cuda') to predict it"
+        )
+    device = torch.device("cuda", torch.cuda.current_device())
+    model_tensors = collect(request.model)
+    with torch.no_grad():
+        standins = convert(
+            model_tensors, request.args, request.kwargs, device, _real_storage(device)
+        )
+    probe = _CudaPeakProbe(device)
+    modules = ModuleTracker(request.model, probe)
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    with substituted(model_tensors, standins.model), modules:
+        run_step(
+            request.model,
+            standins.args,
+            standins.kwargs,
+            parameters=standins.parameters,
+            inputs=standins.inputs,
+            loss_fn=request.loss_fn,
+            optimizer=request.optimizer,
+            train=request.train,
+            probe=probe,
+        )
+    del standins
+    return MemoryReport(
+        device="cuda",
+        forward_peak=probe.peaks[Phase.FORWARD],
+        backward_peak=probe.peaks[Phase.BACKWARD],
+        step_peak=probe.peaks[Phase.STEP],
+        reserved_peak=probe.reserved,
+    )
+
+
+class _CudaPeakProbe:
+    """Reads and resets the CUDA peak statistics at each phase boundary."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.phase: Phase | None = None
+        self.peaks = {phase: 0 for phase in Phase}
+        self.reserved = 0
+
+    def set_phase(self, phase: Phase | None) -> None:
+        torch.cuda.synchronize(self.device)
+        if self.phase is not None:
+            self.peaks[self.phase] = torch.cuda.max_memory_allocated(self.device)
+        self.reserved = max(self.reserved, torch.cuda.max_memory_reserved(self.device))
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self.phase = phase
+
+    def enter_module(self, index: int) -> None:
+        pass
+
+    def exit_module(self, index: int) -> None:
+        pass
+
+    def assign_role(self, category: Category, tensors: Iterable[torch.Tensor]) -> None:
+        pass

@@ -1,0 +1,1 @@
+"""pytest hooks of pytest-torchmem (filled in by the plugin issue)."""

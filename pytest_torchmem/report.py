@@ -1,0 +1,168 @@
+"""The result of one traced or measured step: :class:`MemoryReport` and its JSON form."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from enum import Enum
+from types import MappingProxyType
+from typing import Any, Final
+
+__all__ = ["Category", "ModulePeak", "Unsupported", "MemoryReport", "SCHEMA_VERSION"]
+
+#: Version of the report's JSON form; bumped on any incompatible change.
+SCHEMA_VERSION: Final = 1
+
+
+class Category(str, Enum):
+    """What a storage is for; each live byte at the peak belongs to exactly one.
+
+    A storage shared by several roles is charged to the first role in this order.
+    """
+
+    #: ``nn.Parameter`` storages of the model.
+    PARAMETERS = "parameters"
+    #: Registered buffers of the model (running statistics, caches, masks).
+    BUFFERS = "buffers"
+    #: The tensors handed to the model.
+    INPUTS = "inputs"
+    #: ``.grad`` of parameters and inputs (existing ones and those made by backward).
+    GRADIENTS = "gradients"
+    #: Tensors kept by the optimizer in ``optimizer.state``.
+    OPTIMIZER_STATE = "optimizer_state"
+    #: Tensors made during forward and ``loss_fn``, including those saved for backward.
+    ACTIVATIONS = "activations"
+    #: Other tensors made during backward and the optimizer step.
+    TEMPORARIES = "temporaries"
+    #: Scratch that kernels take from the allocator and return before they finish.
+    WORKSPACE = "workspace"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass(frozen=True, slots=True)
+class ModulePeak:
+    """Peak live bytes on the device while a module's forward, and its backward, ran.
+
+    The figure is the whole device's live bytes, not only what the module made;
+    0 means the module did not run in that phase.
+    """
+
+    forward: int = 0
+    backward: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Unsupported:
+    """An op that could not be traced faithfully, and where the user's code called it."""
+
+    op: str
+    reason: str
+    location: str = ""
+
+    def __str__(self) -> str:
+        where = f" at {self.location}" if self.location else ""
+        return f"{self.op}{where}: {self.reason}"
+
+
+def _frozen(mapping: Mapping[Any, Any]) -> Mapping[Any, Any]:
+    return MappingProxyType(dict(mapping))
+
+
+@dataclass(frozen=True)
+class MemoryReport:
+    """Peak memory of one step on one device, in bytes.
+
+    Produced by :func:`pytest_torchmem.estimate` and :func:`pytest_torchmem.measure`;
+    see the design notes for the exact meaning of each figure.
+    """
+
+    device: str
+    forward_peak: int
+    backward_peak: int = 0
+    step_peak: int = 0
+    breakdown: Mapping[Category, int] = field(default_factory=dict)
+    reserved_peak: int | None = None
+    modules: Mapping[str, ModulePeak] = field(default_factory=dict)
+    unsupported: tuple[Unsupported, ...] = ()
+
+    def __post_init__(self) -> None:
+        breakdown = {Category(key): int(value) for key, value in self.breakdown.items()}
+        ordered = {category: breakdown.get(category, 0) for category in Category}
+        object.__setattr__(self, "breakdown", _frozen(ordered))
+        object.__setattr__(self, "modules", _frozen(self.modules))
+        object.__setattr__(self, "unsupported", tuple(self.unsupported))
+
+    @property
+    def peak(self) -> int:
+        """The largest of the three phase peaks."""
+        return max(self.forward_peak, self.backward_peak, self.step_peak)
+
+    @property
+    def complete(self) -> bool:
+        """True when every op was traced faithfully (``unsupported`` is empty)."""
+        return not self.unsupported
+
+    def phase_peaks(self) -> dict[str, int]:
+        """``{"forward": ..., "backward": ..., "step": ..., "peak": ...}``."""
+        return {
+            "forward": self.forward_peak,
+            "backward": self.backward_peak,
+            "step": self.step_peak,
+            "peak": self.peak,
+        }
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict; :meth:`from_dict` gives back an equal report."""
+        return {
+            "schema": SCHEMA_VERSION,
+            "device": self.device,
+            "forward_peak": self.forward_peak,
+            "backward_peak": self.backward_peak,
+            "step_peak": self.step_peak,
+            "peak": self.peak,
+            "reserved_peak": self.reserved_peak,
+            "breakdown": {category.value: nbytes for category, nbytes in self.breakdown.items()},
+            "modules": {
+                name: {"forward": peak.forward, "backward": peak.backward}
+                for name, peak in self.modules.items()
+            },
+            "unsupported": [
+                {"op": entry.op, "reason": entry.reason, "location": entry.location}
+                for entry in self.unsupported
+            ],
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> MemoryReport:
+        """Rebuild a report from :meth:`to_dict` output."""
+        schema = data.get("schema", SCHEMA_VERSION)
+        if schema != SCHEMA_VERSION:
+            raise ValueError(
+                f"report schema {schema!r} is not supported (this version reads {SCHEMA_VERSION})"
+            )
+        return cls(
+            device=data["device"],
+            forward_peak=int(data["forward_peak"]),
+            backward_peak=int(data.get("backward_peak", 0)),
+            step_peak=int(data.get("step_peak", 0)),
+            reserved_peak=data.get("reserved_peak"),
+            breakdown=data.get("breakdown", {}),
+            modules={
+                name: ModulePeak(int(peak["forward"]), int(peak["backward"]))
+                for name, peak in data.get("modules", {}).items()
+            },
+            unsupported=tuple(Unsupported(**entry) for entry in data.get("unsupported", ())),
+        )
+
+    def to_json(self, **kwargs: Any) -> str:
+        """The report as JSON text (sorted keys, two-space indent unless overridden)."""
+        kwargs.setdefault("indent", 2)
+        kwargs.setdefault("sort_keys", True)
+        return json.dumps(self.to_dict(), **kwargs)
+
+    @classmethod
+    def from_json(cls, text: str) -> MemoryReport:
+        return cls.from_dict(json.loads(text))

@@ -1,0 +1,1 @@
+"""The fake-tensor tracer: one step on fake tensors, every storage recorded."""

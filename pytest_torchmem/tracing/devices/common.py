@@ -1,0 +1,70 @@
+"""Rules every device model starts from: stand-ins for value-dependent ops.
+
+Fake tensors have no values, so ``nonzero``, ``masked_select``, ``unique`` or
+``.item()`` cannot be run. To let the trace go on, each gets the largest
+output it could have (every element selected) or a neutral scalar, and the
+estimate lists the op in ``unsupported``: for that op the figure is an upper
+bound, not exact.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Final
+
+import torch
+
+from pytest_torchmem.tracing.rules import OpCall, RuleSet
+
+__all__ = ["COMMON"]
+
+aten = torch.ops.aten
+
+#: Rules shared by every device model; device models copy it and add their own.
+COMMON: Final = RuleSet("common")
+
+_UPPER: Final = "output size depends on tensor values; the largest possible output was assumed"
+
+
+def _arg(call: OpCall, index: int, name: str, default: Any) -> Any:
+    if len(call.args) > index:
+        return call.args[index]
+    return call.kwargs.get(name, default)
+
+
+@COMMON.fallback(aten._local_scalar_dense.default)
+def _item(call: OpCall) -> tuple[Any, str]:
+    t = call.args[0]
+    value: Any
+    if t.dtype == torch.bool:
+        value = False
+    elif t.dtype.is_floating_point:
+        value = 0.0
+    elif t.dtype.is_complex:
+        value = 0j
+    else:
+        value = 0
+    return value, f"the Python value of a tensor is not known; {value!r} was used"
+
+
+@COMMON.fallback(aten.nonzero.default)
+def _nonzero(call: OpCall) -> tuple[Any, str]:
+    t = call.args[0]
+    return t.new_empty((t.numel(), t.dim()), dtype=torch.long), _UPPER
+
+
+@COMMON.fallback(aten.masked_select.default)
+def _masked_select(call: OpCall) -> tuple[Any, str]:
+    t, mask = call.args[0], call.args[1]
+    shape = torch.broadcast_shapes(t.shape, mask.shape)
+    return t.new_empty((shape.numel(),)), _UPPER
+
+
+@COMMON.fallback(aten._unique2.default)
+def _unique2(call: OpCall) -> tuple[Any, str]:
+    t = call.args[0]
+    return_inverse = _arg(call, 2, "return_inverse", False)
+    return_counts = _arg(call, 3, "return_counts", False)
+    out = t.new_empty((t.numel(),))
+    inverse = t.new_empty(t.shape if return_inverse else (0,), dtype=torch.long)
+    counts = t.new_empty((t.numel(),) if return_counts else (0,), dtype=torch.long)
+    return (out, inverse, counts), _UPPER

@@ -1,0 +1,92 @@
+"""One step of a model on fake tensors, read into a :class:`MemoryReport`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from pytest_torchmem.model_state import Converted, collect, convert, substituted
+from pytest_torchmem.report import Category, MemoryReport
+from pytest_torchmem.step import LossFn, ModuleTracker, OptimizerFactory, run_step
+from pytest_torchmem.timeline import analyze
+from pytest_torchmem.tracing.devices import DeviceModel
+from pytest_torchmem.tracing.tracker import TraceAborted, Tracker
+
+__all__ = ["trace_step"]
+
+
+def trace_step(
+    model: nn.Module,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    *,
+    device: DeviceModel,
+    loss_fn: LossFn | None,
+    optimizer: OptimizerFactory | None,
+    train: bool,
+) -> MemoryReport:
+    """Trace one step of ``model`` on fake tensors of ``device`` and report its memory."""
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True, allow_fallback_kernels=False)
+    where = device.trace_device
+    model_tensors = collect(model)
+
+    def fake_storage(t: torch.Tensor) -> torch.UntypedStorage:
+        nbytes = t.untyped_storage().nbytes()
+        return torch.empty(nbytes, dtype=torch.uint8, device=where).untyped_storage()
+
+    with fake_mode:
+        standins = convert(model_tensors, args, kwargs, where, fake_storage)
+    tracker = Tracker(fake_mode, where, device.rules)
+    baseline = _adopt(tracker, standins)
+    modules = ModuleTracker(model, tracker)
+    tracker.timeline.module_names = modules.names
+    try:
+        with substituted(model_tensors, standins.model), modules, fake_mode, tracker:
+            run_step(
+                model,
+                standins.args,
+                standins.kwargs,
+                parameters=standins.parameters,
+                inputs=standins.inputs,
+                loss_fn=loss_fn,
+                optimizer=optimizer,
+                train=train,
+                probe=tracker,
+            )
+    except TraceAborted:
+        tracker.set_phase(None)
+    del standins
+
+    analysis = analyze(tracker.timeline, baseline)
+    forward, backward, step = analysis.phase_peaks
+    return MemoryReport(
+        device=device.name,
+        forward_peak=forward,
+        backward_peak=backward,
+        step_peak=step,
+        breakdown=analysis.breakdown,
+        modules=analysis.modules,
+        unsupported=tuple(tracker.unsupported),
+    )
+
+
+def _adopt(tracker: Tracker, standins: Converted) -> list[int]:
+    """Register the storages live before the step; return them, each once."""
+    baseline: list[int] = []
+    seen: set[int] = set()
+    groups = (
+        (Category.PARAMETERS, standins.parameters),
+        (Category.BUFFERS, standins.buffers + standins.attributes),
+        (Category.INPUTS, standins.inputs),
+        (Category.GRADIENTS, standins.gradients),
+    )
+    for category, tensors in groups:
+        for t in tensors:
+            sid = tracker.adopt(t, category)
+            if sid is not None and sid not in seen:
+                seen.add(sid)
+                baseline.append(sid)
+    return baseline
