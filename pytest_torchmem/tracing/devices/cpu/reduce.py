@@ -1,9 +1,346 @@
-"""CPU rules: reduce."""
+"""CPU rules: reductions.
+
+Two mechanisms make CPU reductions take memory beyond their output:
+
+* **Input casts.** ``make_reduction`` / ``make_reduction_from_out_ty``
+  (``aten/src/ATen/native/ReduceOpsUtils.h``) build the reduction iterator on
+  ``self.to(dtype)`` when the reduction's dtype is not the input's: summing a
+  ``bool`` mask into ``int64``, ``sum(dtype=...)``, the ``float`` pass of a
+  ``bfloat16`` mean, ``any()`` of a float tensor. The copy has the input's
+  ``numel`` and lives until the kernel returns.
+* **Two-pass reductions.** ``TensorIteratorBase::parallel_reduce``
+  (``aten/src/ATen/TensorIteratorReduce.cpp``), which ``sum``, ``prod``,
+  ``amax``/``amin`` and ``all``/``any`` run through (``cascade_sum`` and
+  ``binary_kernel_reduce_vec`` in ``native/cpu/Reduce.h``), reduces a tensor to
+  a single element with a per-thread buffer, ``at::empty({max_threads} +
+  output.shape, output.dtype)``, when the input has at least
+  ``at::internal::GRAIN_SIZE`` (32768) elements and more than one intra-op
+  thread is available. Reductions to more than one element split the output
+  instead and take nothing.
+"""
 
 from __future__ import annotations
 
+from typing import Any, Final
+
 import torch
 
-from pytest_torchmem.tracing.devices.cpu.base import CPU  # noqa: F401
+from pytest_torchmem.tracing.devices.cpu.base import CPU, num_threads
+from pytest_torchmem.tracing.devices.cpu.misc import arg, itemsize
+from pytest_torchmem.tracing.rules import OUTPUTS, Alloc, Free, OpCall, Steps
+
+__all__ = ["GRAIN_SIZE", "two_pass_buffer", "sum_steps", "mean_steps"]
 
 aten = torch.ops.aten
+
+#: ``at::internal::GRAIN_SIZE``: below it ATen runs a loop on one thread.
+GRAIN_SIZE: Final = 32768
+
+
+def two_pass_buffer(input_numel: int, output_numel: int, dtype: torch.dtype) -> int:
+    """Bytes of ``two_pass_reduction``'s per-thread buffer (``TensorIteratorReduce.cpp``):
+    used when the output is one element, the input has ``GRAIN_SIZE`` elements
+    or more and more than one thread runs."""
+    threads = num_threads()
+    if output_numel != 1 or input_numel < GRAIN_SIZE or threads == 1:
+        return 0
+    return threads * itemsize(dtype)
+
+
+def _first(out: Any) -> torch.Tensor:
+    return out[0] if isinstance(out, (tuple, list)) else out
+
+
+def sum_steps(
+    self: torch.Tensor | tuple[int, torch.dtype], out_numel: int, out_dtype: torch.dtype, tag: str = "sum"
+) -> list[Alloc | Free]:
+    """Scratch of ``sum_out`` into an existing output (``ReduceOps.cpp``,
+    ``SumKernel.cpp``): the input cast to the output dtype, then the two-pass
+    buffer; both given back before the kernel returns. ``self`` is the input, or
+    its ``(numel, dtype)``."""
+    numel, dtype = (self.numel(), self.dtype) if isinstance(self, torch.Tensor) else self
+    steps: list[Alloc | Free] = []
+    if numel == 0:
+        return steps
+    if dtype != out_dtype:
+        steps.append(Alloc(f"{tag}: input as {out_dtype}", numel * itemsize(out_dtype)))
+    buffer = two_pass_buffer(numel, out_numel, out_dtype)
+    if buffer:
+        steps += [Alloc(f"{tag}: per-thread partials", buffer), Free(f"{tag}: per-thread partials")]
+    if dtype != out_dtype:
+        steps.append(Free(f"{tag}: input as {out_dtype}"))
+    return steps
+
+
+def mean_steps(
+    self: torch.Tensor | tuple[int, torch.dtype], out_numel: int, out_dtype: torch.dtype
+) -> list[Alloc | Free]:
+    """Scratch of ``mean_out`` on the CPU after its output is allocated (``ReduceOps.cpp``).
+
+    ``at::sum_out(result_temp, self, dim, keepdim, sum_dtype).div_(dim_prod)``:
+    ``bfloat16``/``half`` results are summed into a ``float`` copy of the result
+    (``result.to(kFloat)``), which is copied back and freed; ``div_`` by the
+    ``int64`` element count wraps it (8 bytes) and casts it to the sum's dtype.
+    ``self`` is the input, or its ``(numel, dtype)``.
+    """
+    half = out_dtype in (torch.bfloat16, torch.float16)
+    sum_dtype = torch.float32 if half else out_dtype
+    steps: list[Alloc | Free] = []
+    if half:
+        steps.append(Alloc("mean: float result", out_numel * itemsize(torch.float32)))
+    steps += sum_steps(self, out_numel, sum_dtype, "mean")
+    steps += [
+        Alloc("mean: wrapped count", 8),
+        Alloc("mean: count as result dtype", itemsize(sum_dtype)),
+        Free("mean: count as result dtype"),
+        Free("mean: wrapped count"),
+    ]
+    if half:
+        steps.append(Free("mean: float result"))
+    return steps
+
+
+# -- sum, prod, amax/amin, all/any ---------------------------------------------
+
+
+@CPU.scratch(
+    aten.sum.default, aten.sum.dim_IntList, aten.sum.IntList_out,
+    aten.nansum.default, aten.nansum.out,
+    aten.prod.default, aten.prod.dim_int, aten.prod.int_out,
+)  # fmt: skip
+def _sum(call: OpCall) -> Steps:
+    """``sum``/``nansum``/``prod`` (``ReduceOps.cpp``: ``make_reduction_from_out_ty``
+    casts the input to the result dtype; ``cascade_sum`` / ``binary_kernel_reduce_vec``
+    reduce through ``parallel_reduce``)."""
+    self, out = arg(call, 0, "self"), _first(call.out)
+    return [OUTPUTS, *sum_steps(self, out.numel(), out.dtype)]
+
+
+@CPU.scratch(aten.amax.default, aten.amax.out, aten.amin.default, aten.amin.out)
+def _amax(call: OpCall) -> Steps:
+    """``amax``/``amin`` (``ReduceOps.cpp``): ``make_reduction`` in the input dtype,
+    ``max_values_stub`` through ``binary_kernel_reduce_vec``."""
+    self, out = arg(call, 0, "self"), _first(call.out)
+    return [OUTPUTS, *sum_steps(self, out.numel(), out.dtype, "amax")]
+
+
+@CPU.scratch(
+    aten.all.default, aten.all.dim, aten.all.dims, aten.all.out, aten.all.dims_out, aten.all.all_out,
+    aten.any.default, aten.any.dim, aten.any.dims, aten.any.out, aten.any.dims_out, aten.any.all_out,
+)  # fmt: skip
+def _all_any(call: OpCall) -> Steps:
+    """``allany_impl`` (``ReduceOps.cpp``): one element is ``self.to(kBool)``; more go
+    through ``make_reduction_from_out_ty(..., kBool)`` (a bool copy of a non-bool
+    input) and ``binary_kernel_reduce_vec``."""
+    self, out = arg(call, 0, "self"), _first(call.out)
+    if self.numel() == 0:
+        return [OUTPUTS]
+    if self.numel() == 1:
+        return [OUTPUTS, *([Alloc("self as bool", 1)] if self.dtype != torch.bool else [])]
+    return [OUTPUTS, *sum_steps(self, out.numel(), torch.bool, "all/any")]
+
+
+# -- mean, var, std --------------------------------------------------------------
+
+
+@CPU.scratch(aten.mean.default, aten.mean.dim, aten.mean.out, aten.mean.dtype_out)
+def _mean(call: OpCall) -> Steps:
+    """``mean_out`` on the CPU (``ReduceOps.cpp``): ``sum_out(...).div_(dim_prod)``."""
+    self, out = arg(call, 0, "self"), _first(call.out)
+    return [OUTPUTS, *mean_steps(self, out.numel(), out.dtype)]
+
+
+def _full_reduction(self: torch.Tensor, out: torch.Tensor) -> bool:
+    return self.numel() > 0 and out.numel() == 1
+
+
+@CPU.scratch(aten.var.correction, aten.var.correction_out, aten.std.correction, aten.std.correction_out)
+def _var(call: OpCall) -> Steps:
+    """``std_var_out`` (``ReduceOps.cpp``): a full reduction of a ``float``/``double``
+    tensor runs ``std_var_all_cpu``, which first takes ``self.mean().item()``."""
+    self, out = arg(call, 0, "self"), _first(call.out)
+    if not _full_reduction(self, out) or self.dtype not in (torch.float32, torch.float64):
+        return [OUTPUTS]
+    return [
+        OUTPUTS,
+        Alloc("std_var_all_cpu: mean", itemsize(self.dtype)),
+        *mean_steps(self, 1, self.dtype),
+        Free("std_var_all_cpu: mean"),
+    ]
+
+
+@CPU.scratch(aten.linalg_vector_norm.default, aten.linalg_vector_norm.out)
+def _vector_norm(call: OpCall) -> Steps:
+    """``linalg_vector_norm_out`` (``LinearAlgebra.cpp``): with ``dtype=`` other than
+    the input's, ``make_reduction_from_out_ty`` reduces a converted copy."""
+    self, out = arg(call, 0, "self"), _first(call.out)
+    if self.numel() == 0 or self.dtype == out.dtype or self.is_complex():
+        return [OUTPUTS]
+    return [OUTPUTS, Alloc("norm: input as result dtype", self.numel() * itemsize(out.dtype))]
+
+
+# -- scans and sorts ---------------------------------------------------------------
+
+
+@CPU.scratch(aten.cumsum.default, aten.cumsum.out, aten.cumprod.default, aten.cumprod.out)
+def _cumsum(call: OpCall) -> Steps:
+    """``cumsum``/``cumprod`` (``ReduceOps.cpp``, ``impl_func_cum_ops``): an input of
+    another dtype than the result is converted first (``self.to(result dtype)``)."""
+    self, out = arg(call, 0, "self"), _first(call.out)
+    if self.dtype == out.dtype:
+        return [OUTPUTS]
+    return [OUTPUTS, Alloc("scan: input as result dtype", self.numel() * itemsize(out.dtype))]
+
+
+@CPU.scratch(aten.sort.default, aten.sort.stable, aten.sort.values, aten.sort.values_stable)
+def _sort(call: OpCall) -> Steps:
+    """``sort_kernel`` (``native/cpu/SortingKernel.cpp``): ``_fill_indices`` makes
+    ``arange(size(dim))`` in ``int64`` and copies it into the indices."""
+    self = arg(call, 0, "self")
+    dim = call.kwargs.get("dim", -1)
+    for a in call.args[1:]:
+        if isinstance(a, int) and not isinstance(a, bool):
+            dim = a
+            break
+    if self.dim() == 0:
+        return [OUTPUTS]
+    return [OUTPUTS, Alloc("sort: arange indices", self.shape[dim % self.dim()] * 8)]
+
+
+# -- losses ----------------------------------------------------------------------------
+#
+# ``Reduction``: 0 none, 1 mean, 2 sum (``aten/src/ATen/core/Reduction.h``).
+
+
+def _reduction(call: OpCall, index: int) -> int:
+    return int(arg(call, index, "reduction", 1))
+
+
+def _reduce_loss(numel: int, dtype: torch.dtype, reduction: int) -> list[Alloc | Free]:
+    """``apply_loss_reduction`` (``Loss.cpp``): ``loss.mean()`` or ``loss.sum()``."""
+    if reduction == 1:
+        return mean_steps((numel, dtype), 1, dtype)
+    return sum_steps((numel, dtype), 1, dtype)
+
+
+def _scalar_in_input_sized_storage(out: torch.Tensor, numel: int) -> torch.Tensor:
+    """A 0-dim loss whose storage kept the unreduced size: the CPU kernel allocated the
+    output at the loss's full size and then ``resize_``d it to a scalar, which does
+    not give the memory back."""
+    big = torch.empty(numel, dtype=out.dtype, device=out.device)
+    return big.resize_(())
+
+
+def _broadcast_numel(*tensors: torch.Tensor) -> int:
+    return torch.broadcast_shapes(*(t.shape for t in tensors)).numel()
+
+
+@CPU.implementation(aten.mse_loss.default, aten.smooth_l1_loss.default)
+def _pointwise_loss_output(call: OpCall) -> Any:
+    """``mse_loss`` / ``smooth_l1_loss`` meta functions (``Loss.cpp``) build a binary
+    iterator on the output, allocating it at the inputs' broadcast size, then
+    ``resize_({})`` it when reducing: the scalar loss keeps that storage."""
+    out = call.func(*call.args, **call.kwargs)
+    self, target = arg(call, 0, "self"), arg(call, 1, "target")
+    if _reduction(call, 2) == 0 or not isinstance(out, torch.Tensor):
+        return out
+    if call.func is aten.smooth_l1_loss.default and float(arg(call, 3, "beta", 1.0)) == 0.0:
+        return out  # beta == 0 is l1_loss
+    return _scalar_in_input_sized_storage(out, _broadcast_numel(self, target))
+
+
+@CPU.scratch(aten.mse_loss.default, aten.smooth_l1_loss.default, aten.huber_loss.default)
+def _pointwise_loss(call: OpCall) -> Steps:
+    """``mse_loss_out`` / ``smooth_l1_loss_out`` / ``huber_loss`` (``Loss.cpp``): reducing
+    losses compute the unreduced loss into a temporary (``borrowing_binary_op``),
+    then ``mean_out`` / ``sum_out`` it into the output."""
+    self, target, out = arg(call, 0, "self"), arg(call, 1, "target"), _first(call.out)
+    reduction = _reduction(call, 2)
+    if reduction == 0:
+        return [OUTPUTS]
+    if call.func is aten.smooth_l1_loss.default and float(arg(call, 3, "beta", 1.0)) == 0.0:
+        return [OUTPUTS]  # l1_loss: composite, its ops are traced
+    numel = _broadcast_numel(self, target)
+    loss = Alloc("unreduced loss", numel * out.element_size())
+    if call.func is aten.huber_loss.default:
+        steps: list[Any] = [loss, OUTPUTS]
+    else:
+        steps = [OUTPUTS, loss]
+    return [*steps, *_reduce_loss(numel, out.dtype, reduction), Free(loss.tag)]
+
+
+@CPU.implementation(aten.binary_cross_entropy.default)
+def _bce_output(call: OpCall) -> Any:
+    """``binary_cross_entropy_out_cpu`` (``Loss.cpp``) writes the unreduced loss into
+    ``empty_like(input)``, then ``resize_as_`` it to the reduced scalar: the scalar
+    keeps the input-sized storage."""
+    out = call.func(*call.args, **call.kwargs)
+    if _reduction(call, 3) == 0:
+        return out
+    return _scalar_in_input_sized_storage(out, arg(call, 0, "self").numel())
+
+
+@CPU.scratch(aten.binary_cross_entropy.default)
+def _bce(call: OpCall) -> Steps:
+    """``binary_cross_entropy_out_cpu``: ``apply_loss_reduction`` makes the reduced
+    value, which is copied into the loss and freed."""
+    self, out = arg(call, 0, "self"), _first(call.out)
+    reduction = _reduction(call, 3)
+    if reduction == 0:
+        return [OUTPUTS]
+    size = out.element_size()
+    return [
+        OUTPUTS,
+        Alloc("reduced loss", size),
+        *_reduce_loss(self.numel(), out.dtype, reduction),
+        Free("reduced loss"),
+    ]
+
+
+@CPU.scratch(aten.binary_cross_entropy_backward.default)
+def _bce_backward(call: OpCall) -> Steps:
+    """``binary_cross_entropy_backward_out_cpu`` (``Loss.cpp``): for a mean,
+    ``grad_input.div_(input.numel())`` wraps and casts the count."""
+    out = _first(call.out)
+    if _reduction(call, 4) != 1:
+        return [OUTPUTS]
+    return [OUTPUTS, Alloc("wrapped count", 8), Alloc("count as gradient dtype", out.element_size())]
+
+
+@CPU.scratch(aten.binary_cross_entropy_with_logits.default)
+def _bce_with_logits(call: OpCall) -> Steps:
+    """``binary_cross_entropy_with_logits`` (``Loss.cpp``): ``log_sigmoid(input)``
+    (``log_sigmoid_forward`` also makes an input-sized buffer), with ``pos_weight``
+    ``(pos_weight - 1).mul(target).add_(1)`` multiplied into it, the loss into
+    ``empty_like(input)`` by one kernel, then ``apply_loss_reduction``."""
+    self, target = arg(call, 0, "self"), arg(call, 1, "target")
+    pos_weight = arg(call, 3, "pos_weight")
+    reduction = _reduction(call, 4)
+    size = self.element_size()
+    numel = self.numel()
+    steps: list[Any] = [
+        Alloc("log_sigmoid(input)", numel * size),
+        Alloc("log_sigmoid buffer", numel * size),
+        Free("log_sigmoid buffer"),
+    ]
+    if isinstance(pos_weight, torch.Tensor):
+        weight_size = pos_weight.element_size()
+        steps += [
+            Alloc("wrapped 1", 8), Alloc("1 as pos_weight dtype", weight_size),
+            Alloc("pos_weight - 1", pos_weight.numel() * weight_size),
+            Free("1 as pos_weight dtype"), Free("wrapped 1"),
+            Alloc("log_weight", _broadcast_numel(pos_weight, target) * weight_size),
+            Alloc("wrapped 1 (add_)", 8), Alloc("1 as log_weight dtype", weight_size),
+            Free("1 as log_weight dtype"), Free("wrapped 1 (add_)"),
+            Free("pos_weight - 1"), Free("log_weight"),
+        ]  # fmt: skip
+    if reduction == 0:
+        return [*steps, OUTPUTS, Free("log_sigmoid(input)")]
+    return [
+        *steps,
+        Alloc("unreduced loss", numel * size),
+        OUTPUTS,
+        *_reduce_loss(numel, self.dtype, reduction),
+        Free("unreduced loss"),
+        Free("log_sigmoid(input)"),
+    ]

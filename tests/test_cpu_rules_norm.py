@@ -1,0 +1,348 @@
+"""CPU rules for normalisation (``pytest_torchmem/tracing/devices/cpu/norm.py``).
+
+Two kinds of test: the buffers a rule gives for one call, worked out by hand from
+``Normalization.cpp`` / ``batch_norm_kernel.cpp``, ``layer_norm_kernel.cpp`` and
+``group_norm_kernel.cpp``; and small modules whose estimate equals the CPU
+allocator's measurement in every phase, at 1 and 2 intra-op threads, in
+``float32``, ``bfloat16`` and mixed ``bfloat16``-input / ``float``-parameter form.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import pytest_torchmem as tm
+from pytest_torchmem.tracing.devices.cpu import CPU
+from pytest_torchmem.tracing.rules import Alloc, OpCall
+
+aten = torch.ops.aten
+BF16 = torch.bfloat16
+CL = torch.channels_last
+
+
+@contextlib.contextmanager
+def intra_op_threads(n: int) -> Iterator[int]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield n
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.fixture(params=[1, 2], ids=lambda n: f"{n}thread")
+def threads(request: pytest.FixtureRequest) -> Iterator[int]:
+    with intra_op_threads(request.param) as n:
+        yield n
+
+
+def scratch(op: Any, args: tuple[Any, ...]) -> dict[str, int]:
+    """The buffers (tag -> bytes) the CPU scratch rule of ``op`` gives for fake ``args``."""
+    out = op(*args)
+    steps = CPU.scratch_rule(op)(OpCall(op, args, {}, out))
+    return {s.tag: s.nbytes for s in steps if isinstance(s, Alloc) and s.nbytes}
+
+
+def implementation(op: Any, args: tuple[Any, ...]) -> Any:
+    return CPU.implementation_rule(op)(OpCall(op, args, {}))
+
+
+class Lambda(nn.Module):
+    """``fn(*parameters, *inputs, *buffers)`` as a module."""
+
+    def __init__(
+        self,
+        fn: Callable[..., torch.Tensor],
+        params: tuple[torch.Tensor, ...],
+        buffers: tuple[torch.Tensor, ...],
+    ) -> None:
+        super().__init__()
+        self.fn = fn
+        self.params = nn.ParameterList(nn.Parameter(p.detach().clone()) for p in params)
+        for i, b in enumerate(buffers):
+            self.register_buffer(f"b{i}", b.detach().clone())
+
+    def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
+        return self.fn(*self.params, *inputs, *self.buffers())
+
+
+def assert_exact(
+    fn: Callable[..., torch.Tensor],
+    params: tuple[torch.Tensor, ...] = (),
+    inputs: tuple[torch.Tensor, ...] = (),
+    buffers: tuple[torch.Tensor, ...] = (),
+) -> None:
+    torch.manual_seed(0)
+    model = Lambda(fn, params, buffers)
+    estimated = tm.estimate(model, inputs)
+    measured = tm.measure(model, inputs)
+    assert estimated.unsupported == ()
+    assert estimated.phase_peaks() == measured.phase_peaks()
+
+
+# -- batch norm: the bytes of one call, by hand ----------------------------------------
+
+
+def test_batch_norm_training_buffers(threads: int) -> None:
+    """Training, 16 channels of float: ``_mean`` and ``_var_sum`` (16 x 4 B each),
+    then ``alpha`` and ``beta`` (16 x 4 B each); a channels-last input reduces
+    through ``{threads, 16}`` floats first."""
+    with FakeTensorMode():
+        x, c = torch.empty(8, 16, 12, 12), torch.empty(16)
+        args = (x, c, c, c, c, True, 0.1, 1e-5)
+        assert scratch(aten.native_batch_norm.default, args) == {
+            "_mean": 64, "_var_sum": 64, "alpha": 64, "beta": 64,
+        }  # fmt: skip
+        args = (x.to(memory_format=CL), c, c, c, c, True, 0.1, 1e-5)
+        assert scratch(aten.native_batch_norm.default, args) == {
+            "_mean": 64, "_var_sum": 64, "per-thread sums": threads * 16 * 4, "alpha": 64, "beta": 64,
+        }  # fmt: skip
+
+
+def test_batch_norm_mixed_type_keeps_float_statistics() -> None:
+    """A ``bfloat16`` input with ``float`` parameters: statistics, ``_mean``,
+    ``_var_sum``, ``alpha`` and ``beta`` are ``float`` (16 x 4 B)."""
+    with FakeTensorMode():
+        x, c = torch.empty(8, 16, 12, 12, dtype=BF16), torch.empty(16)
+        args = (x, c, c, c, c, True, 0.1, 1e-5)
+        out, mean, invstd = implementation(aten.native_batch_norm.default, args)
+        assert (out.dtype, mean.dtype, invstd.dtype) == (BF16, torch.float32, torch.float32)
+        assert scratch(aten.native_batch_norm.default, args) == {
+            "_mean": 64, "_var_sum": 64, "alpha": 64, "beta": 64,
+        }  # fmt: skip
+
+
+def test_batch_norm_eval_buffers() -> None:
+    """Evaluation: no statistics are collected; ``alpha`` and ``beta`` remain."""
+    with FakeTensorMode():
+        x, c = torch.empty(8, 16, 12, 12), torch.empty(16)
+        assert scratch(aten.native_batch_norm.default, (x, c, c, c, c, False, 0.1, 1e-5)) == {
+            "alpha": 64,
+            "beta": 64,
+        }
+
+
+def test_batch_norm_backward_buffers(threads: int) -> None:
+    """Contiguous: ``grad_input`` is made twice (8 x 16 x 12 x 12 x 4 B). Channels
+    last adds a ``{2, threads, 16}`` float buffer; ``bfloat16`` also float copies of
+    weight, mean and inverse std (16 x 4 B each)."""
+    with FakeTensorMode():
+        x, c = torch.empty(8, 16, 12, 12), torch.empty(16)
+        first = 8 * 16 * 12 * 12 * 4
+        args = (x, x, c, c, c, c, c, True, 1e-5, [True, True, True])
+        assert scratch(aten.native_batch_norm_backward.default, args) == {"grad_input (first)": first}
+        xc = x.to(memory_format=CL)
+        args = (xc, xc, c, c, c, c, c, True, 1e-5, [True, True, True])
+        assert scratch(aten.native_batch_norm_backward.default, args) == {
+            "grad_input (first)": first,
+            "sum/dotp buffer": 2 * threads * 16 * 4,
+        }
+        xb = xc.to(BF16)
+        args = (xb, xb, c, c, c, c, c, True, 1e-5, [True, True, True])
+        assert scratch(aten.native_batch_norm_backward.default, args) == {
+            "grad_input (first)": first // 2,
+            "weight_f": 64, "mean_f": 64, "invstd_f": 64,
+            "sum/dotp buffer": 2 * threads * 16 * 4,
+        }  # fmt: skip
+
+
+def test_batch_norm_backward_honours_the_output_mask() -> None:
+    """Without ``output_mask[0]`` the CPU kernel makes no ``grad_input`` (the fake
+    kernel does); nor is it made twice."""
+    with FakeTensorMode():
+        x, c = torch.empty(8, 16, 12, 12), torch.empty(16)
+        args = (x, x, c, c, c, c, c, True, 1e-5, [False, True, True])
+        grad_input, grad_weight, grad_bias = implementation(aten.native_batch_norm_backward.default, args)
+        assert grad_input is None and grad_weight.shape == grad_bias.shape == (16,)
+        assert scratch(aten.native_batch_norm_backward.default, args) == {}
+
+
+# -- layer and group norm: the bytes of one call, by hand -------------------------------
+
+
+def test_layer_norm_backward_buffer(threads: int) -> None:
+    """``{2, threads, 64}`` elements of the input dtype for dgamma/dbeta partials;
+    a broadcast ``dY`` is made contiguous (8 x 16 x 64 x 4 B)."""
+    with FakeTensorMode():
+        x, w, stat = torch.empty(8, 16, 64), torch.empty(64), torch.empty(8, 16, 1)
+        mask = [True, True, True]
+        op = aten.native_layer_norm_backward.default
+        buffer = "dgamma/dbeta buffer"
+        assert scratch(op, (x, x, [64], stat, stat, w, w, mask)) == {buffer: 2 * threads * 64 * 4}
+        xb = x.to(BF16)
+        assert scratch(op, (xb, xb, [64], stat, stat, w, w, mask)) == {buffer: 2 * threads * 64 * 2}
+        assert scratch(op, (xb, xb, [64], stat, stat, w, w, [True, False, False])) == {}
+        ones = torch.ones(()).expand(8, 16, 64)
+        assert scratch(op, (ones, x, [64], stat, stat, w, w, mask)) == {
+            "dY contiguous": 8 * 16 * 64 * 4,
+            "dgamma/dbeta buffer": 2 * threads * 64 * 4,
+        }
+
+
+def test_layer_and_group_norm_mixed_type_statistics() -> None:
+    """``param_scalar_type``: ``float`` mean and rstd for a ``bfloat16`` input with
+    ``float`` weights; the group-norm ``dX`` stays ``bfloat16``."""
+    with FakeTensorMode():
+        x, w = torch.empty(4, 16, 64, dtype=BF16), torch.empty(64)
+        _, mean, rstd = implementation(aten.native_layer_norm.default, (x, [64], w, w, 1e-5))
+        assert mean.dtype == rstd.dtype == torch.float32
+        x, w = torch.empty(4, 16, 8, 8, dtype=BF16), torch.empty(16)
+        _, mean, rstd = implementation(aten.native_group_norm.default, (x, w, w, 4, 16, 64, 4, 1e-5))
+        assert mean.dtype == rstd.dtype == torch.float32
+        dx, dw, db = implementation(
+            aten.native_group_norm_backward.default, (x, x, mean, rstd, w, 4, 16, 64, 4, [True, True, True])
+        )
+        assert (dx.dtype, dw.dtype, db.dtype) == (BF16, torch.float32, torch.float32)
+
+
+def test_group_norm_buffers(threads: int) -> None:
+    """Channels last, 4 x 16 channels in 4 groups: ``HxW < 1024`` takes ``{N*G, 2*D}``
+    floats; ``HxW >= 1024`` ``{threads, N, 2C}`` and ``{N, 2G}``. The backward keeps
+    ``ds``/``db`` of ``{N, C}`` floats (plus the same two buffers at ``HxW >= 2048``)."""
+    with FakeTensorMode():
+        w = torch.empty(16)
+        small = torch.empty(4, 16, 8, 8).to(memory_format=CL)
+        assert scratch(aten.native_group_norm.default, (small, w, w, 4, 16, 64, 4, 1e-5)) == {
+            "scale/bias": 4 * 2 * 16 * 4
+        }
+        assert scratch(aten.native_group_norm.default, (small.contiguous(), w, w, 4, 16, 64, 4, 1e-5)) == {}
+        big = torch.empty(2, 16, 48, 48).to(memory_format=CL)
+        assert scratch(aten.native_group_norm.default, (big, w, w, 2, 16, 2304, 4, 1e-5)) == {
+            "per-thread moments": threads * 2 * 2 * 16 * 4,
+            "mean/rstd": 2 * 2 * 4 * 4,
+        }
+        stat = torch.empty(2, 4)
+        args = (big, big, stat, stat, w, 2, 16, 2304, 4, [True, True, True])
+        assert scratch(aten.native_group_norm_backward.default, args) == {
+            "ds": 2 * 16 * 4,
+            "db": 2 * 16 * 4,
+            "per-thread gradients": threads * 2 * 2 * 16 * 4,
+            "ds/db times gamma": 2 * 2 * 4 * 4,
+        }
+
+
+# -- estimate == measure --------------------------------------------------------------
+
+_C = 16
+
+
+def _bn(training: bool, loss: str = "square") -> Callable[..., torch.Tensor]:
+    def fn(x: torch.Tensor, w: Any, b: Any, rm: torch.Tensor, rv: torch.Tensor) -> torch.Tensor:
+        y = F.batch_norm(x, rm, rv, w, b, training=training)
+        return y.square().sum() if loss == "square" else y.sum()
+
+    return fn
+
+
+@pytest.mark.parametrize(
+    "shape, layout, dtype, param_dtype",
+    [
+        ((8, _C, 12, 12), "contiguous", torch.float32, torch.float32),
+        ((8, _C, 12, 12), "channels_last", torch.float32, torch.float32),
+        ((64, _C), "contiguous", torch.float32, torch.float32),
+        ((64, _C, 1, 1), "contiguous", torch.float32, torch.float32),
+        ((8, _C, 12, 12), "sliced", torch.float32, torch.float32),
+        ((4, _C, 6, 6, 6), "contiguous", torch.float32, torch.float32),
+        ((8, _C, 12, 12), "contiguous", BF16, BF16),
+        ((8, _C, 12, 12), "contiguous", BF16, torch.float32),
+        ((8, _C, 12, 12), "channels_last", BF16, torch.float32),
+    ],
+    ids=lambda v: str(v).replace("torch.", "").replace(" ", ""),
+)
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+def test_batch_norm_exact(
+    threads: int,
+    shape: tuple[int, ...],
+    layout: str,
+    dtype: torch.dtype,
+    param_dtype: torch.dtype,
+    training: bool,
+) -> None:
+    x = torch.randn(shape, dtype=dtype)
+    if layout == "channels_last":
+        x = x.to(memory_format=CL)
+    elif layout == "sliced":
+        x = torch.randn(shape[0], shape[1], shape[2] * 2, shape[3], dtype=dtype)[:, :, ::2]
+    w, b = torch.randn(_C, dtype=param_dtype), torch.randn(_C, dtype=param_dtype)
+    rm, rv = torch.zeros(_C, dtype=param_dtype), torch.ones(_C, dtype=param_dtype)
+    # The input is a parameter, so grad_input is wanted.
+    assert_exact(_bn(training), (x, w, b), (), (rm, rv))
+
+
+def test_batch_norm_exact_without_input_gradient(threads: int) -> None:
+    """Only weight and bias want gradients, and ``sum()`` hands the backward a
+    broadcast (non-contiguous) gradient."""
+    x, w, b = torch.randn(8, _C, 12, 12), torch.randn(_C), torch.randn(_C)
+    stats = (torch.zeros(_C), torch.ones(_C))
+    assert_exact(lambda w, b, x, rm, rv: _bn(True, "sum")(x, w, b, rm, rv), (w, b), (x,), stats)
+    assert_exact(lambda w, b, x, rm, rv: _bn(True)(x, w, b, rm, rv), (w, b), (x,), stats)
+
+
+def test_batch_norm_exact_without_affine(threads: int) -> None:
+    x = torch.randn(8, _C, 12, 12).to(memory_format=CL)
+    assert_exact(
+        lambda x, rm, rv: F.batch_norm(x, rm, rv, None, None, training=False).square().sum(),
+        (x,), (), (torch.zeros(_C), torch.ones(_C)),
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "shape, dtype, param_dtype",
+    [
+        ((8, 16, 64), torch.float32, torch.float32),
+        ((300, 64), torch.float32, torch.float32),
+        ((8, 16, 64), BF16, BF16),
+        ((8, 16, 64), BF16, torch.float32),
+    ],
+    ids=lambda v: str(v).replace("torch.", "").replace(" ", ""),
+)
+def test_layer_norm_exact(
+    threads: int, shape: tuple[int, ...], dtype: torch.dtype, param_dtype: torch.dtype
+) -> None:
+    x = torch.randn(shape, dtype=dtype)
+    w, b = torch.randn(64, dtype=param_dtype), torch.randn(64, dtype=param_dtype)
+    assert_exact(lambda x, w, b: F.layer_norm(x, (64,), w, b).square().sum(), (x, w, b))
+
+
+def test_layer_norm_exact_strided_and_broadcast(threads: int) -> None:
+    """A transposed input is copied contiguous; ``sum()`` gives a broadcast ``dY``;
+    a norm without affine takes no dgamma/dbeta buffer."""
+    x, w, b = torch.randn(8, 16, 64), torch.randn(64), torch.randn(64)
+    assert_exact(lambda x, w, b: F.layer_norm(x.transpose(0, 1), (64,), w, b).square().sum(), (x, w, b))
+    assert_exact(lambda x, w, b: F.layer_norm(x, (64,), w, b).sum(), (x, w, b))
+    assert_exact(lambda x: F.layer_norm(x, (16, 64)).square().sum(), (x,))
+
+
+@pytest.mark.parametrize(
+    "shape, layout, dtype, param_dtype",
+    [
+        ((4, 16, 8, 8), "contiguous", torch.float32, torch.float32),
+        ((4, 16, 8, 8), "channels_last", torch.float32, torch.float32),
+        ((2, 16, 48, 48), "channels_last", torch.float32, torch.float32),
+        ((4, 16, 8, 8), "contiguous", BF16, BF16),
+        ((4, 16, 8, 8), "contiguous", BF16, torch.float32),
+        ((4, 16, 8, 8), "channels_last", BF16, torch.float32),
+    ],
+    ids=lambda v: str(v).replace("torch.", "").replace(" ", ""),
+)
+def test_group_norm_exact(
+    threads: int, shape: tuple[int, ...], layout: str, dtype: torch.dtype, param_dtype: torch.dtype
+) -> None:
+    x = torch.randn(shape, dtype=dtype)
+    if layout == "channels_last":
+        x = x.to(memory_format=CL)
+    w, b = torch.randn(16, dtype=param_dtype), torch.randn(16, dtype=param_dtype)
+    assert_exact(lambda x, w, b: F.group_norm(x, 4, w, b).square().sum(), (x, w, b))
+
+
+def test_group_norm_exact_without_affine(threads: int) -> None:
+    x = torch.randn(4, 16, 8, 8).to(memory_format=CL)
+    assert_exact(lambda x: F.group_norm(x, 4).square().sum(), (x,))

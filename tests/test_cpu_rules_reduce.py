@@ -1,0 +1,224 @@
+"""CPU rules for reductions and losses (``pytest_torchmem/tracing/devices/cpu/reduce.py``).
+
+The bytes a rule gives for one call are worked out by hand from
+``TensorIteratorReduce.cpp`` (the two-pass reduction's ``{threads} + output``
+buffer, taken when the output is one element, the input has at least
+``GRAIN_SIZE`` = 32768 elements and more than one thread runs), ``ReduceOps.cpp``
+(input casts of ``make_reduction``, ``mean_out``'s ``sum_out(...).div_(n)``),
+``SortingKernel.cpp`` and ``Loss.cpp``; small modules then check that the
+estimate equals the CPU allocator's measurement in every phase, at 1 and 2
+intra-op threads, below and above the grain size, in ``float32`` and ``bfloat16``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import pytest_torchmem as tm
+from pytest_torchmem.tracing.devices.cpu import CPU
+from pytest_torchmem.tracing.devices.cpu.reduce import GRAIN_SIZE, two_pass_buffer
+from pytest_torchmem.tracing.rules import Alloc, OpCall
+
+aten = torch.ops.aten
+BF16 = torch.bfloat16
+
+
+@contextlib.contextmanager
+def intra_op_threads(n: int) -> Iterator[int]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield n
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.fixture(params=[1, 2], ids=lambda n: f"{n}thread")
+def threads(request: pytest.FixtureRequest) -> Iterator[int]:
+    with intra_op_threads(request.param) as n:
+        yield n
+
+
+def scratch(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None) -> dict[str, int]:
+    """The buffers (tag -> bytes) the CPU scratch rule of ``op`` gives for fake ``args``."""
+    kwargs = kwargs or {}
+    out = op(*args, **kwargs)
+    steps = CPU.scratch_rule(op)(OpCall(op, args, kwargs, out))
+    return {s.tag: s.nbytes for s in steps if isinstance(s, Alloc) and s.nbytes}
+
+
+class Lambda(nn.Module):
+    def __init__(self, fn: Callable[..., torch.Tensor], params: tuple[torch.Tensor, ...]) -> None:
+        super().__init__()
+        self.fn = fn
+        self.params = nn.ParameterList(nn.Parameter(p.detach().clone()) for p in params)
+
+    def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
+        return self.fn(*self.params, *inputs)
+
+
+def assert_exact(
+    fn: Callable[..., torch.Tensor],
+    params: tuple[torch.Tensor, ...] = (),
+    inputs: tuple[torch.Tensor, ...] = (),
+    *,
+    train: bool = True,
+) -> None:
+    model = Lambda(fn, params)
+    estimated = tm.estimate(model, inputs, train=train)
+    measured = tm.measure(model, inputs, train=train)
+    assert estimated.unsupported == ()
+    assert estimated.phase_peaks() == measured.phase_peaks()
+
+
+# -- the bytes of one call, by hand ---------------------------------------------------
+
+
+def test_two_pass_buffer_condition(threads: int) -> None:
+    """One output element, ``GRAIN_SIZE`` input elements and several threads:
+    ``threads`` output elements; else nothing."""
+    assert GRAIN_SIZE == 32768
+    expected = 0 if threads == 1 else threads * 4
+    assert two_pass_buffer(32768, 1, torch.float32) == expected
+    assert two_pass_buffer(32767, 1, torch.float32) == 0
+    assert two_pass_buffer(65536, 256, torch.float32) == 0
+    assert two_pass_buffer(65536, 1, torch.float64) == (0 if threads == 1 else threads * 8)
+
+
+def test_sum_buffers(threads: int) -> None:
+    """``x.sum()`` of 256 x 256 floats: the two-pass buffer only; a bool mask is
+    summed into ``int64`` from an ``int64`` copy (65536 x 8 B)."""
+    with FakeTensorMode():
+        x = torch.empty(256, 256)
+        partials = {} if threads == 1 else {"sum: per-thread partials": threads * 4}
+        assert scratch(aten.sum.default, (x,)) == partials
+        assert scratch(aten.sum.dim_IntList, (x, [1])) == {}
+        mask = torch.empty(256, 256, dtype=torch.bool)
+        assert scratch(aten.sum.default, (mask,)) == {
+            "sum: input as torch.int64": 65536 * 8,
+            **({} if threads == 1 else {"sum: per-thread partials": threads * 8}),
+        }
+
+
+def test_mean_buffers(threads: int) -> None:
+    """``mean`` is ``sum_out(...).div_(numel)``: the ``int64`` count wrapped (8 B) and
+    cast to the sum's dtype; ``bfloat16`` sums a ``float`` copy of the input into a
+    ``float`` result."""
+    with FakeTensorMode():
+        x = torch.empty(256, 256)
+        two_pass = {} if threads == 1 else {"mean: per-thread partials": threads * 4}
+        assert scratch(aten.mean.default, (x,)) == {
+            **two_pass, "mean: wrapped count": 8, "mean: count as result dtype": 4,
+        }  # fmt: skip
+        assert scratch(aten.mean.dim, (x.to(BF16), [1])) == {
+            "mean: float result": 256 * 4,
+            "mean: input as torch.float32": 65536 * 4,
+            "mean: wrapped count": 8,
+            "mean: count as result dtype": 4,
+        }
+
+
+def test_full_variance_takes_a_mean_first(threads: int) -> None:
+    """``std_var_all_cpu`` (float/double, full reduction) computes ``self.mean()``."""
+    with FakeTensorMode():
+        x = torch.empty(256, 256)
+        two_pass = {} if threads == 1 else {"mean: per-thread partials": threads * 4}
+        assert scratch(aten.var.correction, (x,)) == {
+            "std_var_all_cpu: mean": 4,
+            **two_pass,
+            "mean: wrapped count": 8,
+            "mean: count as result dtype": 4,
+        }
+        assert scratch(aten.var.correction, (x, [1])) == {}
+        assert scratch(aten.var.correction, (x.to(BF16),)) == {}
+
+
+def test_scans_sorts_and_predicates() -> None:
+    """``cumsum`` of a bool mask converts it to ``int64``; ``sort`` fills its indices
+    from ``arange(size(dim))``; ``any()`` of floats reduces a bool copy."""
+    with FakeTensorMode():
+        mask = torch.empty(64, 32, dtype=torch.bool)
+        assert scratch(aten.cumsum.default, (mask, 0)) == {"scan: input as result dtype": 64 * 32 * 8}
+        x = torch.empty(64, 32)
+        assert scratch(aten.sort.default, (x, 0)) == {"sort: arange indices": 64 * 8}
+        assert scratch(aten.sort.default, (x,)) == {"sort: arange indices": 32 * 8}
+        assert scratch(aten.any.default, (x,)) == {"all/any: input as torch.bool": 64 * 32}
+
+
+def test_pointwise_losses_keep_an_input_sized_scalar() -> None:
+    """``mse_loss`` builds its output at the inputs' size, then ``resize_({})``s it:
+    the scalar keeps 64 x 200 x 4 B. The unreduced loss is a temporary of that size."""
+    with FakeTensorMode():
+        x = torch.empty(64, 200)
+        out = CPU.implementation_rule(aten.mse_loss.default)(OpCall(aten.mse_loss.default, (x, x), {}))
+        assert out.shape == () and out.untyped_storage().nbytes() == 64 * 200 * 4
+        assert scratch(aten.mse_loss.default, (x, x, 2)) == {"unreduced loss": 64 * 200 * 4}
+        assert scratch(aten.mse_loss.default, (x, x, 0)) == {}
+        out = CPU.implementation_rule(aten.binary_cross_entropy.default)(
+            OpCall(aten.binary_cross_entropy.default, (x, x), {})
+        )
+        assert out.untyped_storage().nbytes() == 64 * 200 * 4
+
+
+# -- estimate == measure --------------------------------------------------------------
+
+SHAPES = [(32, 50), (256, 256)]  # below and above GRAIN_SIZE elements
+DTYPES = [torch.float32, BF16]
+
+
+def _ids(v: Any) -> str:
+    return str(v).replace("torch.", "").replace(" ", "")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=_ids)
+@pytest.mark.parametrize("shape", SHAPES, ids=_ids)
+def test_reductions_exact(threads: int, shape: tuple[int, int], dtype: torch.dtype) -> None:
+    x = torch.randn(shape, dtype=dtype)
+    assert_exact(lambda x: x.sum() + x.mean() + x.amax() * x.amin(1).sum(), (x,))
+    assert_exact(lambda x: x.mean(1).sum() * x.sum(0).mean(), (x,))
+    assert_exact(lambda x: x.var() + x.std(1).sum() + x.norm(), (x,))
+    assert_exact(lambda x: x * ((x > 0).sum() + (x > 0).any() + (x > 0).all() + x.any()), (x,))
+    assert_exact(lambda x: (x.cumsum(0) + (x > 0).cumsum(1)).sum(), (x,))
+    # Forward only: the backward formulas of prod and sort take another branch for
+    # fake tensors (isTensorSubclassLike), which the CPU kernels do not.
+    assert_exact(lambda x: x.prod() + x.sort(-1)[0].sum() + x.argsort(0).sum(), (x,), train=False)
+
+
+def test_reductions_with_dtype_exact(threads: int) -> None:
+    x = torch.randn(256, 256)
+    assert_exact(lambda x: x.sum(dtype=torch.float64).float() + x.mean(dtype=torch.float64).float(), (x,))
+    assert_exact(lambda x: torch.linalg.vector_norm(x.to(BF16), dtype=torch.float32), (x,))
+    assert_exact(lambda x: x.double().var().float(), (x,))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=_ids)
+def test_softmax_and_cross_entropy_exact(threads: int, dtype: torch.dtype) -> None:
+    logits, target = torch.randn(64, 200, dtype=dtype), torch.randint(0, 200, (64,))
+    assert_exact(lambda x: x.softmax(-1).square().sum() + x.log_softmax(0).square().sum(), (logits,))
+    assert_exact(lambda x: F.cross_entropy(x, target), (logits,))
+    assert_exact(lambda x: F.cross_entropy(x, target, label_smoothing=0.1, ignore_index=3), (logits,))
+    assert_exact(lambda x: F.nll_loss(x.log_softmax(-1), target, reduction="sum"), (logits,))
+    images, pixels = torch.randn(4, 10, 8, 8, dtype=dtype), torch.randint(0, 10, (4, 8, 8))
+    assert_exact(lambda x: F.cross_entropy(x, pixels), (images,))
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_losses_exact(threads: int, reduction: str) -> None:
+    x, y = torch.randn(64, 200), torch.randn(64, 200)
+    assert_exact(lambda x: F.mse_loss(x, y, reduction=reduction).sum(), (x,))
+    assert_exact(lambda x: F.smooth_l1_loss(x, y, reduction=reduction).sum(), (x,))
+    assert_exact(lambda x: F.huber_loss(x, y, reduction=reduction).sum(), (x,))
+    assert_exact(lambda x: F.binary_cross_entropy(x.sigmoid(), y.sigmoid(), reduction=reduction).sum(), (x,))
+    # Forward only: its backward formula takes an out-of-place branch for fake tensors.
+    target, weight = y.sigmoid(), torch.rand(200)
+    bce = F.binary_cross_entropy_with_logits
+    assert_exact(lambda x: bce(x, target, reduction=reduction).sum(), (x,), train=False)
+    assert_exact(lambda x: bce(x, target, pos_weight=weight, reduction=reduction).sum(), (x,), train=False)
