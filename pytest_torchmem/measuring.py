@@ -21,7 +21,7 @@ import torch
 from torch.autograd.profiler import record_function
 from torch.profiler import ProfilerActivity, profile
 
-from pytest_torchmem.model_state import Converted, collect, convert, substituted
+from pytest_torchmem.model_state import Converted, StandIns, collect, convert, substituted
 from pytest_torchmem.report import Category, MemoryReport
 from pytest_torchmem.step import ModuleTracker, run_step
 from pytest_torchmem.timeline import Phase, StorageInfo, Timeline, analyze
@@ -60,19 +60,27 @@ class _MarkingProbe:
         self._mark(f"role:{len(self.roles) - 1}")
 
 
-def _real_storage(device: torch.device) -> Any:
-    def make(t: torch.Tensor) -> torch.UntypedStorage:
+def _copies(device: torch.device) -> StandIns:
+    """Stand-ins that are real copies on ``device``, made before the profiler starts."""
+
+    def real(t: torch.Tensor) -> torch.Tensor:
         if t.device.type == "meta":
             raise ValueError(
                 "measure() runs the step for real, but the model or inputs hold meta "
                 "tensors; use estimate() for a model built on the meta device"
             )
-        source = t.untyped_storage()
+        return t
+
+    def dense(t: torch.Tensor) -> torch.Tensor:
+        return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device).copy_(real(t))
+
+    def storage(t: torch.Tensor) -> torch.UntypedStorage:
+        source = real(t).untyped_storage()
         copy = torch.empty(source.nbytes(), dtype=torch.uint8, device=device).untyped_storage()
         copy.copy_(source)
         return copy
 
-    return make
+    return StandIns(device, dense, storage)
 
 
 def measure_step(request: StepRequest) -> MemoryReport:
@@ -110,9 +118,7 @@ def profile_cpu_step(request: StepRequest) -> tuple[Any, Timeline, list[int]]:
     device = torch.device("cpu")
     model_tensors = collect(request.model)
     with torch.no_grad():
-        standins = convert(
-            model_tensors, request.args, request.kwargs, device, _real_storage(device)
-        )
+        standins = convert(model_tensors, request.args, request.kwargs, _copies(device))
     timeline = Timeline()
     by_ptr: dict[int, int] = {}
     baseline: list[int] = []
@@ -269,9 +275,7 @@ def _measure_cuda(request: StepRequest) -> MemoryReport:
     device = torch.device("cuda", torch.cuda.current_device())
     model_tensors = collect(request.model)
     with torch.no_grad():
-        standins = convert(
-            model_tensors, request.args, request.kwargs, device, _real_storage(device)
-        )
+        standins = convert(model_tensors, request.args, request.kwargs, _copies(device))
     probe = _CudaPeakProbe(device)
     modules = ModuleTracker(request.model, probe)
     torch.cuda.synchronize(device)

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-__all__ = ["Slot", "ModelTensors", "collect", "convert", "substituted", "MakeStorage"]
+__all__ = ["Slot", "ModelTensors", "StandIns", "collect", "convert", "substituted"]
 
 SlotKind = Literal["parameter", "buffer", "attribute"]
 
@@ -67,16 +67,37 @@ def collect(model: nn.Module) -> ModelTensors:
     return found
 
 
-#: Makes the stand-in storage for an original storage: ``(original tensor) -> storage``.
-MakeStorage = Callable[[torch.Tensor], torch.UntypedStorage]
+@dataclass(frozen=True)
+class StandIns:
+    """How to make stand-ins on one device.
+
+    ``dense(t)`` makes a stand-in with ``t``'s shape and strides on a storage of
+    its own (used when ``t`` spans its whole storage, the common case);
+    ``storage(t)`` makes a stand-in for ``t``'s whole storage, which the
+    stand-ins of the tensors sharing it then view.
+    """
+
+    device: torch.device
+    dense: Callable[[torch.Tensor], torch.Tensor]
+    storage: Callable[[torch.Tensor], torch.UntypedStorage]
+    #: Turns a fresh stand-in into a parameter: ``(tensor, requires_grad) -> parameter``.
+    parameter: Callable[[torch.Tensor, bool], torch.Tensor] = nn.Parameter
+
+
+def _spans_its_storage(t: torch.Tensor) -> bool:
+    if t.storage_offset() != 0:
+        return False
+    span = 0
+    if t.numel():
+        span = (1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))) * t.element_size()
+    return span == t.untyped_storage().nbytes()
 
 
 class _Converter:
     """Converts tensors one by one; tensors that share a storage share the new one."""
 
-    def __init__(self, device: torch.device, make_storage: MakeStorage) -> None:
-        self.device = device
-        self.make_storage = make_storage
+    def __init__(self, make: StandIns) -> None:
+        self.make = make
         self.storages: dict[int, torch.UntypedStorage] = {}
         self.tensors: dict[int, torch.Tensor] = {}
 
@@ -86,12 +107,16 @@ class _Converter:
             return done
         key = t.untyped_storage()._cdata
         storage = self.storages.get(key)
-        if storage is None:
-            storage = self.storages[key] = self.make_storage(t)
-        new = torch.empty(0, dtype=t.dtype, device=self.device)
-        new.set_(storage, t.storage_offset(), t.shape, t.stride())
+        if storage is None and _spans_its_storage(t):
+            new = self.make.dense(t)
+            self.storages[key] = new.untyped_storage()
+        else:
+            if storage is None:
+                storage = self.storages[key] = self.make.storage(t)
+            new = torch.empty(0, dtype=t.dtype, device=self.make.device)
+            new.set_(storage, t.storage_offset(), t.shape, t.stride())
         if isinstance(t, nn.Parameter):
-            new = nn.Parameter(new, requires_grad=t.requires_grad)
+            new = self.make.parameter(new, t.requires_grad)
         elif t.requires_grad:
             new.requires_grad_(True)
         self.tensors[id(t)] = new
@@ -121,11 +146,10 @@ def convert(
     model_tensors: ModelTensors,
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
-    device: torch.device,
-    make_storage: MakeStorage,
+    make: StandIns,
 ) -> Converted:
-    """Make stand-ins on ``device`` for the model's tensors and the inputs' tensors."""
-    convert_one = _Converter(device, make_storage)
+    """Make stand-ins for the model's tensors and the inputs' tensors."""
+    convert_one = _Converter(make)
     parameters = [convert_one(t) for t in model_tensors.unique("parameter")]
     buffers = [convert_one(t) for t in model_tensors.unique("buffer")]
     attributes = [convert_one(t) for t in model_tensors.unique("attribute")]

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from pytest_torchmem.model_state import Converted, collect, convert, substituted
+from pytest_torchmem.model_state import Converted, StandIns, collect, convert, substituted
 from pytest_torchmem.report import Category, MemoryReport
 from pytest_torchmem.step import LossFn, ModuleTracker, OptimizerFactory, run_step
 from pytest_torchmem.timeline import analyze
@@ -33,12 +33,16 @@ def trace_step(
     where = device.trace_device
     model_tensors = collect(model)
 
-    def fake_storage(t: torch.Tensor) -> torch.UntypedStorage:
-        nbytes = t.untyped_storage().nbytes()
-        return torch.empty(nbytes, dtype=torch.uint8, device=where).untyped_storage()
-
+    fakes = StandIns(
+        where,
+        dense=lambda t: torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=where),
+        storage=lambda t: torch.empty(
+            t.untyped_storage().nbytes(), dtype=torch.uint8, device=where
+        ).untyped_storage(),
+        parameter=_fake_parameter,
+    )
     with fake_mode:
-        standins = convert(model_tensors, args, kwargs, where, fake_storage)
+        standins = convert(model_tensors, args, kwargs, fakes)
     tracker = Tracker(fake_mode, where, device.rules)
     baseline = _adopt(tracker, standins)
     modules = ModuleTracker(model, tracker)
@@ -71,6 +75,14 @@ def trace_step(
         modules=analysis.modules,
         unsupported=tuple(tracker.unsupported),
     )
+
+
+def _fake_parameter(t: torch.Tensor, requires_grad: bool) -> torch.Tensor:
+    """Mark a fresh fake tensor as a parameter, as ``nn.Parameter`` does for tensor
+    subclasses (``isinstance(t, nn.Parameter)`` holds), without its ``detach()``."""
+    t.requires_grad_(requires_grad)
+    t._is_param = True  # type: ignore[attr-defined]
+    return t
 
 
 def _adopt(tracker: Tracker, standins: Converted) -> list[int]:

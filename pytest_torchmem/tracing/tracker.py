@@ -15,6 +15,7 @@ import os
 import sys
 import weakref
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any, Final
 
 import torch
@@ -26,9 +27,18 @@ from torch._subclasses.fake_tensor import (
     UnsupportedOperatorException,
 )
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.weak import WeakIdKeyDictionary
 
 from pytest_torchmem.report import Category, Unsupported
-from pytest_torchmem.tracing.rules import OUTPUTS, Alloc, Free, OpCall, RuleSet
+from pytest_torchmem.tracing.rules import (
+    OUTPUTS,
+    Alloc,
+    Free,
+    ImplementationRule,
+    OpCall,
+    RuleSet,
+    ScratchRule,
+)
 from pytest_torchmem.timeline import Phase, StorageInfo, Timeline
 
 __all__ = ["Tracker", "TraceAborted", "user_location"]
@@ -39,6 +49,14 @@ _META: Final = torch.device("meta")
 _LIFTS: Final = frozenset(
     {torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default, torch.ops.aten.lift.default}
 )
+_PRIM_DEVICE: Final = torch.ops.prim.device.default
+_ADD: Final = torch.ops.aten.add.Tensor
+# Inside __torch_dispatch__, the C++ use counts of an argument include the
+# references the dispatcher and the Python binding hold: a tensor that only
+# autograd's input buffer holds shows these counts (checked in the tests
+# against the real engine's in-place accumulation).
+_BUFFER_ONLY_USE_COUNT: Final = 4
+_BUFFER_ONLY_STORAGE_USE_COUNT: Final = 2
 _OWN_DIRS: Final = (
     os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
     os.path.dirname(os.path.abspath(torch.__file__)),
@@ -60,6 +78,19 @@ def user_location() -> str:
     return ""
 
 
+@dataclass(frozen=True, slots=True)
+class _OpPlan:
+    """What the tracker needs to know about an op, worked out once per op."""
+
+    name: str
+    localize: bool
+    implementation: ImplementationRule | None
+    scratch: ScratchRule | None
+    mutable: bool
+    #: ``(position, name)`` of the arguments the schema types as Tensor.
+    tensor_slots: tuple[tuple[int, str], ...]
+
+
 class Tracker(TorchDispatchMode):
     """Records the storage timeline of the ops dispatched while it is active."""
 
@@ -74,14 +105,18 @@ class Tracker(TorchDispatchMode):
         self.module = -1
         self._live: dict[int, int] = {}  # storage _cdata -> sid
         self._refs: dict[int, weakref.ref[Any]] = {}  # sid -> weak reference keeping the callback
-        self._mutable: dict[Any, bool] = {}
-        self._foreign: weakref.WeakKeyDictionary[torch.Tensor, torch.Tensor] = (
-            weakref.WeakKeyDictionary()
-        )
+        self._plans: dict[Any, _OpPlan] = {}
+        # Keyed by identity: a WeakKeyDictionary compares keys with ==, which on
+        # tensors is an elementwise op (it fails on a closure's labels tensor).
+        self._foreign: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self._modules: list[int] = []  # running modules, innermost last
-        self._tensor_slots: dict[Any, tuple[tuple[int, str], ...]] = {}
         #: Whether Python numbers passed as tensors cost device memory (CPU only).
         self.wrapped_scalars = device.type == "cpu"
+        # Ops that took Python numbers in Tensor slots while autograd was recording:
+        # (weak refs to their outputs, the outputs' nodes before the op, the slots'
+        # names), settled once autograd has attached the op's node.
+        self._pending_numbers: list[tuple[list[weakref.ref[Any]], list[Any], list[str]]] = []
+        self._saved_numbers: set[int] = set()  # _cdata of wrapped numbers autograd saved
 
     # -- storages -----------------------------------------------------------
 
@@ -147,17 +182,20 @@ class Tracker(TorchDispatchMode):
     # -- the step's progress (the Probe protocol of pytest_torchmem.step) ----
 
     def set_phase(self, phase: Phase | None) -> None:
+        self._settle_numbers(final=True)
         self.phase = phase
         self._modules.clear()
         self.module = -1
         self.timeline.phase(phase)
 
     def enter_module(self, index: int) -> None:
+        self._settle_numbers()
         self._modules.append(index)
         self.module = index
         self.timeline.enter(index)
 
     def exit_module(self, index: int) -> None:
+        self._settle_numbers()
         for pos in range(len(self._modules) - 1, -1, -1):
             if self._modules[pos] == index:
                 del self._modules[pos]
@@ -166,6 +204,7 @@ class Tracker(TorchDispatchMode):
         self.timeline.exit(index)
 
     def assign_role(self, category: Category, tensors: Iterable[torch.Tensor]) -> None:
+        self._settle_numbers()
         for t in tensors:
             sid = self.storage_id(t)
             if sid is not None:
@@ -173,14 +212,40 @@ class Tracker(TorchDispatchMode):
 
     # -- dispatch ------------------------------------------------------------
 
+    def _plan(self, func: Any) -> _OpPlan:
+        plan = self._plans.get(func)
+        if plan is None:
+            plan = self._plans[func] = _OpPlan(
+                name=str(func),
+                localize=func not in _LIFTS,
+                implementation=self.rules.implementation_rule(func),
+                scratch=self.rules.scratch_rule(func),
+                mutable=func._schema.is_mutable,
+                tensor_slots=tuple(
+                    (i, arg.name)
+                    for i, arg in enumerate(func._schema.arguments)
+                    if isinstance(arg.type, torch.TensorType)
+                ),
+            )
+        return plan
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if func is _PRIM_DEVICE and type(args[0]) is FakeTensor:
+            # Asked constantly by autograd and C++ code; it allocates nothing.
+            return args[0].fake_device
         kwargs = kwargs or {}
-        if func not in _LIFTS:
+        if self._pending_numbers:
+            self._settle_numbers()
+        plan = self._plan(func)
+        if plan.localize:
             args, kwargs = self._localize(args, kwargs)
-        implementation = self.rules.implementation_rule(func)
+        if func is _ADD and self._accumulates_in_place(args, kwargs):
+            # Autograd's input buffer adds a second gradient in place on plain
+            # tensors; on fake ones it cannot tell, so it is done here.
+            return args[0].add_(args[1])
         try:
-            if implementation is not None:
-                out = implementation(OpCall(func, args, kwargs))
+            if plan.implementation is not None:
+                out = plan.implementation(OpCall(func, args, kwargs))
             else:
                 out = func(*args, **kwargs)
         except (DataDependentOutputException, DynamicOutputShapeException) as exc:
@@ -188,46 +253,153 @@ class Tracker(TorchDispatchMode):
         except UnsupportedOperatorException as exc:
             self._abort(func, f"fake tensors cannot run it ({exc})")
 
-        scratch = self.rules.scratch_rule(func)
-        steps = scratch(OpCall(func, args, kwargs, out)) if scratch is not None else None
-        wrapped = self._wrapped_scalars(func, args, kwargs) if self.wrapped_scalars else 0
+        steps = plan.scratch(OpCall(func, args, kwargs, out)) if plan.scratch is not None else None
+        numbers = (
+            self._wrapped_numbers(plan, args, kwargs)
+            if self.wrapped_scalars and plan.tensor_slots
+            else []
+        )
+        if numbers:
+            numbers = self._fresh_numbers(numbers)
+        wrapped = sum(_number_nbytes(value) for _, value in numbers)
         if wrapped:
             steps = [Alloc("<wrapped scalars>", wrapped), *(steps or (OUTPUTS,))]
         if steps:
-            self._run_steps(func, steps, out)
+            self._run_steps(plan, steps, out)
         else:
-            self._record_outputs(func, out)
+            self._record_outputs(plan, out)
+        if numbers and torch.is_grad_enabled():
+            self._remember_numbers(args, kwargs, out, [name for name, _ in numbers])
         return out
 
-    def _wrapped_scalars(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
-        """Bytes of the CPU tensors that wrap Python numbers passed where ``func`` takes a Tensor.
+    def _accumulates_in_place(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+        """Whether this ``add`` is autograd's input buffer summing two gradients in place.
+
+        The engine (``InputBuffer::accumulate``) does ``old.add_(new)`` when grad
+        mode is off and it holds the last reference to ``old`` and its storage,
+        which is dense; otherwise ``old + new``. Fake tensors count as tensor
+        subclasses, for which the engine always takes the second branch.
+        """
+        if kwargs or len(args) != 2 or torch.is_grad_enabled() or self.phase != Phase.BACKWARD:
+            return False
+        old, new = args
+        if (
+            type(old) is not FakeTensor
+            or type(new) is not FakeTensor
+            or torch._C._current_autograd_node() is None
+            or old.shape != new.shape
+            or old.dtype != new.dtype
+            or not _dense(old)
+        ):
+            return False
+        return (
+            old._use_count() == _BUFFER_ONLY_USE_COUNT
+            and torch._C._storage_Use_Count(old.untyped_storage()._cdata)
+            == _BUFFER_ONLY_STORAGE_USE_COUNT
+        )
+
+    def _wrapped_numbers(
+        self, plan: _OpPlan, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> list[tuple[str, Any]]:
+        """``(slot name, value)`` of the Python numbers passed where the op takes a Tensor.
 
         Eager PyTorch wraps such a number in a 0-dim CPU tensor (int64, double,
         complex128 or bool) for the duration of the call.
         """
-        slots = self._tensor_slots.get(func)
-        if slots is None:
-            slots = self._tensor_slots[func] = tuple(
-                (i, arg.name)
-                for i, arg in enumerate(func._schema.arguments)
-                if isinstance(arg.type, torch.TensorType)
-            )
-        total = 0
-        for index, name in slots:
+        found = []
+        for index, name in plan.tensor_slots:
             value = args[index] if index < len(args) else kwargs.get(name)
-            if isinstance(value, bool):
-                total += 1
-            elif isinstance(value, complex):
-                total += 16
-            elif isinstance(value, (int, float)):
-                total += 8
-        return total
+            if _number_nbytes(value):
+                found.append((name, value))
+        return found
 
-    def _record_outputs(self, func: Any, out: Any) -> None:
-        mutable = self._mutable.get(func)
-        if mutable is None:
-            mutable = self._mutable[func] = func._schema.is_mutable
-        name = ""
+    # -- wrapped numbers that autograd saves --------------------------------------
+    #
+    # The wrapped-number tensor of ``x / 3.0`` is saved by ``DivBackward0`` (its
+    # ``other``): it lives on until the backward node releases it, and the
+    # backward's ``grad / other`` reuses it instead of wrapping a new one. The
+    # fake trace sees plain Python numbers, but autograd saves the same real
+    # wrapped tensors during the trace, so their lifetimes can be followed.
+
+    def _fresh_numbers(self, numbers: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
+        """``numbers`` less those the running backward node unpacked from its saved ones."""
+        node = torch._C._current_autograd_node()
+        if node is None or not self._saved_numbers:
+            return numbers
+        saved = []
+        for attr in dir(node):
+            if attr.startswith("_saved_"):
+                try:
+                    value = getattr(node, attr)
+                except RuntimeError:  # released
+                    continue
+                if isinstance(value, torch.Tensor) and value._cdata in self._saved_numbers:
+                    with torch._C._DisableTorchDispatch():  # a real tensor: read it directly
+                        saved.append(value.item())
+        fresh = []
+        for name, value in numbers:
+            if value in saved:
+                saved.remove(value)
+            else:
+                fresh.append((name, value))
+        return fresh
+
+    def _remember_numbers(self, args: Any, kwargs: Any, out: Any, names: list[str]) -> None:
+        inputs = [*args, *kwargs.values()]
+        if not any(isinstance(t, torch.Tensor) and t.requires_grad for t in inputs):
+            return
+        results = out if isinstance(out, (tuple, list)) else (out,)
+        outs = [t for t in results if isinstance(t, torch.Tensor)]
+        if outs:
+            # An in-place op's output keeps its old node until autograd rebases it.
+            before = [t.grad_fn for t in outs]
+            self._pending_numbers.append(([weakref.ref(t) for t in outs], before, names))
+
+    def _settle_numbers(self, final: bool = False) -> None:
+        """Charge the wrapped numbers that the last ops' backward nodes saved, until released.
+
+        Called before the next op (or step event), once autograd has attached the
+        node to the op's outputs; nothing is allocated in between.
+        """
+        pending, self._pending_numbers = self._pending_numbers, []
+        for refs, before, names in pending:
+            outs = [(t, old) for t, old in zip((r() for r in refs), before) if t is not None]
+            node = next((t.grad_fn for t, old in outs if t.grad_fn not in (None, old)), None)
+            if node is None:
+                if outs and not final:  # autograd has not attached the op's node yet
+                    self._pending_numbers.append((refs, before, names))
+                continue
+            for name in names:
+                try:
+                    saved = getattr(node, f"_saved_{name}", None)
+                except RuntimeError:
+                    continue
+                if (
+                    not isinstance(saved, torch.Tensor)
+                    or isinstance(saved, FakeTensor)
+                    or saved.dim() != 0
+                    or saved._cdata in self._saved_numbers
+                ):
+                    continue
+                self._charge_saved_number(saved)
+
+    def _charge_saved_number(self, saved: torch.Tensor) -> None:
+        key = saved._cdata
+        info = StorageInfo(
+            nbytes=saved.element_size(), phase=self.phase, module=self.module, op="<saved wrapped scalar>"
+        )
+        sid = self.timeline.new_storage(info)
+        self.timeline.alloc(sid)
+        self._saved_numbers.add(key)
+
+        def released(_ref: Any) -> None:
+            self._saved_numbers.discard(key)
+            self._refs.pop(sid, None)
+            self.timeline.free(sid)
+
+        self._refs[sid] = weakref.ref(saved, released)
+
+    def _record_outputs(self, plan: _OpPlan, out: Any) -> None:
         if isinstance(out, torch.Tensor):
             outs: Any = (out,)
         elif isinstance(out, (tuple, list)):
@@ -236,30 +408,29 @@ class Tracker(TorchDispatchMode):
             return
         for t in outs:
             if isinstance(t, torch.Tensor):
-                if mutable:
+                if plan.mutable:
                     self._check_resize(t)
                 if t.device == self.device:
-                    name = name or str(func)
-                    self._track(t, None, name)
+                    self._track(t, None, plan.name)
             elif isinstance(t, (tuple, list)):
-                self._record_outputs(func, t)
+                self._record_outputs(plan, t)
 
-    def _run_steps(self, func: Any, steps: Any, out: Any) -> None:
+    def _run_steps(self, plan: _OpPlan, steps: Any, out: Any) -> None:
         held: dict[str, int] = {}
         for step in steps:
             if step is OUTPUTS:
-                self._record_outputs(func, out)
+                self._record_outputs(plan, out)
             elif isinstance(step, Alloc):
                 if step.nbytes <= 0:
                     continue
                 if step.tag in held:
-                    raise ValueError(f"rule for {func}: buffer {step.tag!r} allocated twice")
+                    raise ValueError(f"rule for {plan.name}: buffer {step.tag!r} allocated twice")
                 info = StorageInfo(
                     nbytes=step.nbytes,
                     category=Category.WORKSPACE,
                     phase=self.phase,
                     module=self.module,
-                    op=str(func),
+                    op=plan.name,
                 )
                 sid = self.timeline.new_storage(info)
                 held[step.tag] = sid
@@ -269,9 +440,9 @@ class Tracker(TorchDispatchMode):
                 if sid is not None:
                     self.timeline.free(sid)
             else:
-                raise TypeError(f"rule for {func} returned {step!r}, not Alloc, Free or OUTPUTS")
+                raise TypeError(f"rule for {plan.name} returned {step!r}, not Alloc, Free or OUTPUTS")
         if OUTPUTS not in steps:
-            self._record_outputs(func, out)
+            self._record_outputs(plan, out)
         for sid in reversed(list(held.values())):
             self.timeline.free(sid)
 
@@ -316,6 +487,27 @@ class Tracker(TorchDispatchMode):
             Unsupported(str(func), f"{reason}; the trace stopped here", user_location())
         )
         raise TraceAborted(str(func))
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Whether ``t``'s elements fill a block of its storage with no gaps or overlaps."""
+    expected = 1
+    for stride, size in sorted((stride, size) for size, stride in zip(t.shape, t.stride()) if size != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _number_nbytes(value: Any) -> int:
+    """Bytes of the 0-dim tensor ATen wraps the Python number ``value`` in (0 if not one)."""
+    if isinstance(value, bool):
+        return 1
+    if isinstance(value, complex):
+        return 16
+    if isinstance(value, (int, float)):
+        return 8
+    return 0
 
 
 def _needs_faking(value: Any) -> bool:

@@ -59,6 +59,20 @@ def _masked_select(call: OpCall) -> tuple[Any, str]:
     return t.new_empty((shape.numel(),)), _UPPER
 
 
+@COMMON.fallback(aten.index.Tensor)
+def _index_with_masks(call: OpCall) -> tuple[Any, str]:
+    """``x[mask]``: every element of a boolean mask is assumed selected."""
+    t, indices = call.args[0], call.args[1]
+    expanded: list[Any] = []
+    for index in indices:
+        if index is not None and index.dtype in (torch.bool, torch.uint8):
+            everything = index.new_empty((index.numel(),), dtype=torch.long)
+            expanded.extend([everything] * index.dim())
+        else:
+            expanded.append(index)
+    return aten.index.Tensor(t, expanded), _UPPER
+
+
 @COMMON.fallback(aten._unique2.default)
 def _unique2(call: OpCall) -> tuple[Any, str]:
     t = call.args[0]
