@@ -1,0 +1,78 @@
+"""The timeline analysis on hand-written event sequences."""
+
+from __future__ import annotations
+
+from pytest_torchmem.report import Category, ModulePeak
+from pytest_torchmem.timeline import Phase, StorageInfo, Timeline, analyze
+
+
+def _timeline() -> tuple[Timeline, list[int]]:
+    tl = Timeline(module_names=["(model)", "fc"])
+    param = tl.new_storage(StorageInfo(100, Category.PARAMETERS))
+    inp = tl.new_storage(StorageInfo(10, Category.INPUTS))
+    return tl, [param, inp]
+
+
+def test_phase_peaks_breakdown_and_modules() -> None:
+    tl, baseline = _timeline()
+    tl.phase(Phase.FORWARD)
+    tl.enter(0)
+    tl.enter(1)
+    act = tl.new_storage(StorageInfo(50, phase=Phase.FORWARD))
+    tl.alloc(act)
+    tmp = tl.new_storage(StorageInfo(30, phase=Phase.FORWARD))
+    tl.alloc(tmp)  # live 190: forward peak
+    tl.free(tmp)
+    tl.exit(1)
+    tl.exit(0)
+    tl.phase(Phase.BACKWARD)
+    tl.enter(1)
+    grad = tl.new_storage(StorageInfo(100, phase=Phase.BACKWARD))
+    tl.alloc(grad)  # live 260: overall peak
+    tl.exit(1)
+    tl.free(act)
+    ws = tl.new_storage(StorageInfo(5, Category.WORKSPACE, phase=Phase.BACKWARD))
+    tl.alloc(ws)
+    tl.free(ws)
+    tl.assign_role(grad, Category.GRADIENTS)
+    tl.phase(None)
+
+    result = analyze(tl, baseline)
+    assert result.baseline == 110
+    assert result.phase_peaks == (190, 260, 0)
+    assert result.breakdown[Category.GRADIENTS] == 100
+    assert result.breakdown[Category.ACTIVATIONS] == 50
+    assert result.breakdown[Category.PARAMETERS] == 100
+    assert sum(result.breakdown.values()) == 260
+    assert result.modules == {"(model)": ModulePeak(190, 0), "fc": ModulePeak(190, 260)}
+
+
+def test_resize_counts_both_blocks_while_copying() -> None:
+    tl, baseline = _timeline()
+    tl.phase(Phase.FORWARD)
+    buf = tl.new_storage(StorageInfo(40, phase=Phase.FORWARD))
+    tl.alloc(buf)
+    tl.resize(buf, 40 + 80)
+    tl.resize(buf, 80)
+    tl.free(buf)
+    tl.phase(None)
+    assert analyze(tl, baseline).phase_peaks[0] == 110 + 120
+
+
+def test_the_first_role_in_category_order_wins() -> None:
+    tl, _ = _timeline()
+    sid = tl.new_storage(StorageInfo(8, phase=Phase.STEP))
+    tl.assign_role(sid, Category.OPTIMIZER_STATE)
+    tl.assign_role(sid, Category.GRADIENTS)
+    assert tl.category_of(sid) == Category.GRADIENTS
+    assert tl.category_of(tl.new_storage(StorageInfo(8, phase=Phase.FORWARD))) == Category.ACTIVATIONS
+    assert tl.category_of(tl.new_storage(StorageInfo(8, phase=Phase.STEP))) == Category.TEMPORARIES
+
+
+def test_live_at_phase_start_counts_toward_its_peak() -> None:
+    tl, baseline = _timeline()
+    tl.phase(Phase.FORWARD)
+    tl.phase(Phase.BACKWARD)
+    tl.phase(Phase.STEP)
+    tl.phase(None)
+    assert analyze(tl, baseline).phase_peaks == (110, 110, 110)
