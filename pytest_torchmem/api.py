@@ -11,6 +11,7 @@ from torch import nn
 from pytest_torchmem.report import MemoryReport
 from pytest_torchmem.step import LossFn, OptimizerFactory
 from pytest_torchmem.tracing.devices import device_model
+from pytest_torchmem.tracing.devices.cuda.profiles import gpu_profile
 from pytest_torchmem.tracing.trace import trace_step
 
 __all__ = ["estimate", "measure"]
@@ -83,6 +84,7 @@ def estimate(
     loss_fn: LossFn | None = None,
     optimizer: OptimizerFactory | None = None,
     train: bool = True,
+    gpu: str | None = None,
 ) -> MemoryReport:
     """Estimate the memory of one step of ``model`` on ``inputs`` with fake tensors.
 
@@ -93,8 +95,16 @@ def estimate(
     ``model`` may hold real or meta-device tensors; it is left exactly as it
     was, and no real memory in proportion to the model or its activations is
     allocated.
+
+    ``device="cuda"`` needs no GPU: the step is traced on fake tensors and
+    charged through a model of CUDA's caching allocator, following the
+    architecture of ``gpu`` (a name from
+    :data:`pytest_torchmem.tracing.devices.cuda.profiles.PROFILES`, default
+    ``"H100"``).
     """
     request = _request("estimate", model, inputs, device, loss_fn, optimizer, train)
+    if gpu is not None and request.device != "cuda":
+        raise ValueError(f"gpu={gpu!r} applies to device='cuda' only, not {device!r}")
     return trace_step(
         request.model,
         request.args,
@@ -103,6 +113,7 @@ def estimate(
         loss_fn=request.loss_fn,
         optimizer=request.optimizer,
         train=request.train,
+        gpu=gpu_profile(gpu) if request.device == "cuda" else None,
     )
 
 

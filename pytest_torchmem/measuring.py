@@ -55,6 +55,9 @@ class _MarkingProbe:
     def exit_module(self, index: int) -> None:
         self._mark(f"exit:{index}")
 
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        pass
+
     def assign_role(self, category: Category, tensors: Iterable[torch.Tensor]) -> None:
         self.roles.append((category, [t.untyped_storage().data_ptr() for t in tensors]))
         self._mark(f"role:{len(self.roles) - 1}")
@@ -323,6 +326,9 @@ class _CudaPeakProbe:
         pass
 
     def exit_module(self, index: int) -> None:
+        pass
+
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         pass
 
     def assign_role(self, category: Category, tensors: Iterable[torch.Tensor]) -> None:

@@ -37,6 +37,8 @@ class Probe(Protocol):
 
     def exit_module(self, index: int) -> None: ...
 
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> None: ...
+
     def assign_role(self, category: Category, tensors: Iterable[torch.Tensor]) -> None: ...
 
 
@@ -181,6 +183,7 @@ def run_step(
                 f"torch.optim.Optimizer, got {type(opt).__name__} back; "
                 "e.g. optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3)"
             )
+        probe.prepare_optimizer(opt)
 
     probe.set_phase(Phase.FORWARD)
     output = _call(model, args, kwargs)

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import IntEnum
-from typing import Final
+from typing import Any, Final, Protocol
 
 from pytest_torchmem.report import Category, ModulePeak
 
-__all__ = ["Phase", "Timeline", "StorageInfo", "Analysis", "analyze"]
+__all__ = ["Phase", "Timeline", "StorageInfo", "Analysis", "Allocator", "analyze"]
 
 
 class Phase(IntEnum):
@@ -30,7 +30,7 @@ class Phase(IntEnum):
 # Event kinds. An event is a tuple ``(kind, a, b)``.
 ALLOC: Final = 0  # (ALLOC, sid, nbytes)
 FREE: Final = 1  # (FREE, sid, 0)
-RESIZE: Final = 2  # (RESIZE, sid, new nbytes)
+RESIZE: Final = 2  # (RESIZE, sid, new nbytes): a new block, a copy, the old block freed
 PHASE: Final = 3  # (PHASE, phase, 0); phase -1 ends the step
 ENTER: Final = 4  # (ENTER, module index, 0)
 EXIT: Final = 5  # (EXIT, module index, 0)
@@ -114,21 +114,51 @@ class Analysis:
     baseline: int
     #: Index of the event at which the overall peak was first reached (-1: the baseline).
     peak_event: int
+    #: The allocator's reserved-bytes peak, when one was simulated.
+    reserved_peak: int | None = None
 
 
-def analyze(timeline: Timeline, baseline: list[int]) -> Analysis:
-    """Replay ``timeline`` from the live ``baseline`` storages and read every figure."""
+class Allocator(Protocol):
+    """What :func:`analyze` needs of an allocator model (the CUDA caching allocator)."""
+
+    def malloc(self, nbytes: int) -> Any: ...
+
+    def free(self, block: Any) -> None: ...
+
+    @property
+    def peak_reserved(self) -> int: ...
+
+
+def _charge(allocator: Allocator | None, blocks: dict[int, Any], sid: int, nbytes: int) -> int:
+    """Bytes a new storage of ``nbytes`` is charged: itself, or its allocator block."""
+    if allocator is None:
+        return nbytes
+    block = allocator.malloc(nbytes)
+    if block is None:
+        return 0
+    blocks[sid] = block
+    return block.size
+
+
+def analyze(timeline: Timeline, baseline: list[int], allocator: Allocator | None = None) -> Analysis:
+    """Replay ``timeline`` from the live ``baseline`` storages and read every figure.
+
+    Without ``allocator`` a storage costs its bytes; with one, each storage is
+    handed to it in order and costs the block it gets (``allocator`` is then
+    also asked for its reserved peak).
+    """
     categories = [timeline.category_of(sid) for sid in range(len(timeline.storages))]
     cat_index = {category: i for i, category in enumerate(_CATEGORY_ORDER)}
     cat_of = [cat_index[category] for category in categories]
     size: dict[int, int] = {}
+    blocks: dict[int, Any] = {}
     by_cat = [0] * len(_CATEGORY_ORDER)
     live = 0
     for sid in baseline:
-        nbytes = timeline.storages[sid].nbytes
-        size[sid] = nbytes
-        by_cat[cat_of[sid]] += nbytes
-        live += nbytes
+        charged = _charge(allocator, blocks, sid, timeline.storages[sid].nbytes)
+        size[sid] = charged
+        by_cat[cat_of[sid]] += charged
+        live += charged
     base = live
 
     peaks = [0, 0, 0]
@@ -144,31 +174,40 @@ def analyze(timeline: Timeline, baseline: list[int]) -> Analysis:
 
     for index, (kind, a, b) in enumerate(timeline.events):
         if kind == ALLOC or kind == RESIZE:
-            old = size.get(a, 0)
             if kind == ALLOC and a in size:
                 continue  # already live: counted once
-            size[a] = b
-            delta = b - old
-            live += delta
-            by_cat[cat_of[a]] += delta
-            if delta <= 0:
-                continue
-            if phase >= 0 and live > peaks[phase]:
-                peaks[phase] = live
-            if live > best:
-                best = live
-                best_cat = list(by_cat)
-                peak_event = index
-            if active:
-                table = bwd_peak if phase == Phase.BACKWARD else fwd_peak
-                for module in active:
-                    if live > table[module]:
-                        table[module] = live
+            old = size.get(a, 0)
+            old_block = blocks.pop(a, None)
+            charged = _charge(allocator, blocks, a, b)
+            # a resize holds the old block until the data is copied into the new one
+            live += charged
+            by_cat[cat_of[a]] += charged
+            if charged > 0:
+                if phase >= 0 and live > peaks[phase]:
+                    peaks[phase] = live
+                if live > best:
+                    best = live
+                    best_cat = list(by_cat)
+                    peak_event = index
+                if active:
+                    table = bwd_peak if phase == Phase.BACKWARD else fwd_peak
+                    for module in active:
+                        if live > table[module]:
+                            table[module] = live
+            size[a] = charged
+            if old:
+                live -= old
+                by_cat[cat_of[a]] -= old
+            if old_block is not None and allocator is not None:
+                allocator.free(old_block)
         elif kind == FREE:
             nbytes = size.pop(a, None)
             if nbytes is not None:
                 live -= nbytes
                 by_cat[cat_of[a]] -= nbytes
+            block = blocks.pop(a, None)
+            if block is not None and allocator is not None:
+                allocator.free(block)
         elif kind == PHASE:
             for module in active:
                 depth[module] = 0
@@ -207,4 +246,5 @@ def analyze(timeline: Timeline, baseline: list[int]) -> Analysis:
         modules=modules,
         baseline=base,
         peak_event=peak_event,
+        reserved_peak=None if allocator is None else allocator.peak_reserved,
     )

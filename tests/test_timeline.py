@@ -52,7 +52,6 @@ def test_resize_counts_both_blocks_while_copying() -> None:
     tl.phase(Phase.FORWARD)
     buf = tl.new_storage(StorageInfo(40, phase=Phase.FORWARD))
     tl.alloc(buf)
-    tl.resize(buf, 40 + 80)
     tl.resize(buf, 80)
     tl.free(buf)
     tl.phase(None)

@@ -27,7 +27,7 @@ that no rule silently shadows another.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Final, TypeAlias
 
 import torch
@@ -36,7 +36,9 @@ from torch._ops import OpOverload, OpOverloadPacket
 __all__ = [
     "Alloc",
     "Free",
+    "Keep",
     "OUTPUTS",
+    "TraceContext",
     "OpCall",
     "RuleSet",
     "ScratchRule",
@@ -61,6 +63,27 @@ class Free:
     tag: str
 
 
+@dataclass(frozen=True, slots=True)
+class Keep:
+    """The kernel takes ``nbytes`` that outlive the call (a library's cached
+    workspace): live from here to the end of the step."""
+
+    tag: str
+    nbytes: int
+
+
+@dataclass
+class TraceContext:
+    """What rules may read about the trace they run in, and keep state in."""
+
+    #: The modelled device: ``"cpu"`` or ``"cuda"``.
+    device: str
+    #: The GPU profile (:class:`~pytest_torchmem.tracing.devices.cuda.profiles.GpuProfile`) on cuda.
+    gpu: Any = None
+    #: Per-trace state of rules (e.g. which library workspaces exist already).
+    memo: dict[str, Any] = field(default_factory=dict)
+
+
 class _Outputs:
     __slots__ = ()
 
@@ -71,7 +94,7 @@ class _Outputs:
 #: Where, among a scratch rule's steps, the op's outputs are allocated.
 OUTPUTS: Final = _Outputs()
 
-Step: TypeAlias = "Alloc | Free | _Outputs"
+Step: TypeAlias = "Alloc | Free | Keep | _Outputs"
 Steps: TypeAlias = Sequence[Step]
 
 
@@ -84,6 +107,8 @@ class OpCall:
     kwargs: dict[str, Any]
     #: The op's outputs (``None`` for implementation rules, which make them).
     out: Any = None
+    #: The trace this call belongs to.
+    context: TraceContext | None = None
 
 
 ScratchRule: TypeAlias = Callable[[OpCall], "Steps | None"]

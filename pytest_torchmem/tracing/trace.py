@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -13,6 +14,8 @@ from pytest_torchmem.report import Category, MemoryReport
 from pytest_torchmem.step import LossFn, ModuleTracker, OptimizerFactory, run_step
 from pytest_torchmem.timeline import analyze
 from pytest_torchmem.tracing.devices import DeviceModel
+from pytest_torchmem.tracing.devices.cuda.profiles import GpuProfile
+from pytest_torchmem.tracing.rules import TraceContext
 from pytest_torchmem.tracing.tracker import TraceAborted, Tracker
 
 __all__ = ["trace_step"]
@@ -27,8 +30,13 @@ def trace_step(
     loss_fn: LossFn | None,
     optimizer: OptimizerFactory | None,
     train: bool,
+    gpu: GpuProfile | None = None,
 ) -> MemoryReport:
-    """Trace one step of ``model`` on fake tensors of ``device`` and report its memory."""
+    """Trace one step of ``model`` on fake tensors of ``device`` and report its memory.
+
+    ``gpu`` is the GPU profile the CUDA rules follow (ignored on cpu).
+    """
+    context = TraceContext(device.name, gpu=gpu)
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True, allow_fallback_kernels=False)
     where = device.trace_device
     model_tensors = collect(model)
@@ -43,12 +51,21 @@ def trace_step(
     )
     with fake_mode:
         standins = convert(model_tensors, args, kwargs, fakes)
-    tracker = Tracker(fake_mode, where, device.rules)
+    tracker = Tracker(
+        fake_mode,
+        where,
+        device.rules,
+        context=context,
+        aliases=device.aliases,
+        wraps_numbers=device.wraps_numbers,
+        optimizer_hook=device.prepare_optimizer,
+    )
     baseline = _adopt(tracker, standins)
     modules = ModuleTracker(model, tracker)
     tracker.timeline.module_names = modules.names
+    router = device.router(context) if device.router is not None else nullcontext()
     try:
-        with substituted(model_tensors, standins.model), modules, fake_mode, tracker:
+        with substituted(model_tensors, standins.model), modules, fake_mode, tracker, router:
             run_step(
                 model,
                 standins.args,
@@ -64,7 +81,8 @@ def trace_step(
         tracker.set_phase(None)
     del standins
 
-    analysis = analyze(tracker.timeline, baseline)
+    allocator = device.allocator(context) if device.allocator is not None else None
+    analysis = analyze(tracker.timeline, baseline, allocator)
     forward, backward, step = analysis.phase_peaks
     return MemoryReport(
         device=device.name,
@@ -72,6 +90,7 @@ def trace_step(
         backward_peak=backward,
         step_peak=step,
         breakdown=analysis.breakdown,
+        reserved_peak=analysis.reserved_peak,
         modules=analysis.modules,
         unsupported=tuple(tracker.unsupported),
     )

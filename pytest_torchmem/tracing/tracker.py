@@ -35,15 +35,16 @@ from pytest_torchmem.tracing.rules import (
     Alloc,
     Free,
     ImplementationRule,
+    Keep,
     OpCall,
     RuleSet,
     ScratchRule,
+    TraceContext,
 )
 from pytest_torchmem.timeline import Phase, StorageInfo, Timeline
 
 __all__ = ["Tracker", "TraceAborted", "user_location"]
 
-_META: Final = torch.device("meta")
 # Ops through which torch.tensor(...) hands a freshly made real tensor to the
 # fake mode, which turns it into a fake constant (its value stays known).
 _LIFTS: Final = frozenset(
@@ -94,11 +95,31 @@ class _OpPlan:
 class Tracker(TorchDispatchMode):
     """Records the storage timeline of the ops dispatched while it is active."""
 
-    def __init__(self, fake_mode: FakeTensorMode, device: torch.device, rules: RuleSet) -> None:
+    def __init__(
+        self,
+        fake_mode: FakeTensorMode,
+        device: torch.device,
+        rules: RuleSet,
+        *,
+        context: TraceContext | None = None,
+        aliases: frozenset[str] = frozenset({"meta"}),
+        wraps_numbers: bool | None = None,
+        optimizer_hook: Callable[[torch.optim.Optimizer, TraceContext], None] | None = None,
+    ) -> None:
+        """Track the storages of fake tensors on ``device`` (the trace device).
+
+        ``aliases`` are device types the traced program may name that stand for
+        the modelled device (factories and ``.to()`` with them land on
+        ``device``); ``wraps_numbers`` says whether Python numbers passed as
+        tensors cost device memory (CPU only, the default on a CPU trace).
+        """
         super().__init__()
         self.fake_mode: Final = fake_mode
         self.device: Final = device
         self.rules: Final = rules
+        self.context: Final = context or TraceContext(device.type)
+        self.aliases: Final = aliases
+        self._optimizer_hook = optimizer_hook
         self.timeline = Timeline()
         self.unsupported: list[Unsupported] = []
         self.phase: Phase | None = None
@@ -106,12 +127,13 @@ class Tracker(TorchDispatchMode):
         self._live: dict[int, int] = {}  # storage _cdata -> sid
         self._refs: dict[int, weakref.ref[Any]] = {}  # sid -> weak reference keeping the callback
         self._plans: dict[Any, _OpPlan] = {}
+        self._resized: dict[int, int] = {}  # sid -> bytes after its last resize
         # Keyed by identity: a WeakKeyDictionary compares keys with ==, which on
         # tensors is an elementwise op (it fails on a closure's labels tensor).
         self._foreign: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self._modules: list[int] = []  # running modules, innermost last
         #: Whether Python numbers passed as tensors cost device memory (CPU only).
-        self.wrapped_scalars = device.type == "cpu"
+        self.wrapped_scalars = device.type == "cpu" if wraps_numbers is None else wraps_numbers
         # Ops that took Python numbers in Tensor slots while autograd was recording:
         # (weak refs to their outputs, the outputs' nodes before the op, the slots'
         # names), settled once autograd has attached the op's node.
@@ -172,12 +194,10 @@ class Tracker(TorchDispatchMode):
         if sid is None:
             return
         nbytes = storage.nbytes()
-        info = self.timeline.storages[sid]
-        if nbytes > info.nbytes:
+        if nbytes > self._resized.get(sid, self.timeline.storages[sid].nbytes):
             # The allocator gives a new block and frees the old one after the copy.
-            self.timeline.resize(sid, info.nbytes + nbytes)
             self.timeline.resize(sid, nbytes)
-            info.nbytes = nbytes
+            self._resized[sid] = nbytes
 
     # -- the step's progress (the Probe protocol of pytest_torchmem.step) ----
 
@@ -202,6 +222,10 @@ class Tracker(TorchDispatchMode):
                 break
         self.module = self._modules[-1] if self._modules else -1
         self.timeline.exit(index)
+
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        if self._optimizer_hook is not None:
+            self._optimizer_hook(optimizer, self.context)
 
     def assign_role(self, category: Category, tensors: Iterable[torch.Tensor]) -> None:
         self._settle_numbers()
@@ -245,7 +269,7 @@ class Tracker(TorchDispatchMode):
             return args[0].add_(args[1])
         try:
             if plan.implementation is not None:
-                out = plan.implementation(OpCall(func, args, kwargs))
+                out = plan.implementation(OpCall(func, args, kwargs, context=self.context))
             else:
                 out = func(*args, **kwargs)
         except (DataDependentOutputException, DynamicOutputShapeException) as exc:
@@ -253,7 +277,11 @@ class Tracker(TorchDispatchMode):
         except UnsupportedOperatorException as exc:
             self._abort(func, f"fake tensors cannot run it ({exc})")
 
-        steps = plan.scratch(OpCall(func, args, kwargs, out)) if plan.scratch is not None else None
+        steps = (
+            plan.scratch(OpCall(func, args, kwargs, out, self.context))
+            if plan.scratch is not None
+            else None
+        )
         numbers = (
             self._wrapped_numbers(plan, args, kwargs)
             if self.wrapped_scalars and plan.tensor_slots
@@ -439,18 +467,37 @@ class Tracker(TorchDispatchMode):
                 sid = held.pop(step.tag, None)
                 if sid is not None:
                     self.timeline.free(sid)
+            elif isinstance(step, Keep):
+                if step.nbytes > 0:
+                    info = StorageInfo(
+                        nbytes=step.nbytes,
+                        category=Category.WORKSPACE,
+                        phase=self.phase,
+                        module=self.module,
+                        op=plan.name,
+                    )
+                    self.timeline.alloc(self.timeline.new_storage(info))
             else:
-                raise TypeError(f"rule for {plan.name} returned {step!r}, not Alloc, Free or OUTPUTS")
+                raise TypeError(
+                    f"rule for {plan.name} returned {step!r}, not Alloc, Free, Keep or OUTPUTS"
+                )
         if OUTPUTS not in steps:
             self._record_outputs(plan, out)
         for sid in reversed(list(held.values())):
             self.timeline.free(sid)
 
+    def _device_for(self, device: torch.device) -> torch.device:
+        """Where a tensor the program puts on ``device`` lives in the trace."""
+        return self.device if device.type in self.aliases else device
+
     def _localize(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
-        """Move meta-device factories and tensors made outside the trace onto the fake device."""
+        """Move factories naming the modelled device, and tensors made outside the
+        trace, onto the trace device."""
         device = kwargs.get("device")
-        if device is not None and torch.device(device) == _META:
-            kwargs = {**kwargs, "device": self.device}
+        if device is not None:
+            device = torch.device(device)
+            if device.type in self.aliases:
+                kwargs = {**kwargs, "device": self.device}
         if any(_needs_faking(a) for a in args):
             args = tuple(self._fake_foreign(a) for a in args)
         return args, kwargs
@@ -465,7 +512,7 @@ class Tracker(TorchDispatchMode):
             # Live before the step but outside the model's parameters, buffers and
             # attributes (a closure's tensor, say): known, so that in-place writes
             # into it allocate nothing, but not charged, as a real run cannot see it.
-            fake = fake_like(value, self.device)
+            fake = fake_like(value, self._device_for(value.device))
             if value.requires_grad and value.is_leaf:
                 fake.requires_grad_(True)
             self._foreign[value] = fake
@@ -478,7 +525,7 @@ class Tracker(TorchDispatchMode):
         fallback = self.rules.fallback_rule(func)
         if fallback is None:
             self._abort(func, f"output depends on tensor values ({type(exc).__name__})")
-        out, reason = fallback(OpCall(func, args, kwargs))
+        out, reason = fallback(OpCall(func, args, kwargs, context=self.context))
         self.unsupported.append(Unsupported(str(func), reason, user_location()))
         return out
 
