@@ -1,0 +1,250 @@
+"""CPU rules for convolutions (``pytest_torchmem/tracing/devices/cpu/conv.py``).
+
+Two kinds of test: the bytes the rules give for one call, worked out by hand
+from the kernels' logic (ATen's backend choice, ideep's reorders, oneDNN's
+formats and scratchpad bookings: a booking costs its size plus 128 bytes of
+alignment, 4096 for page-aligned buffers and barriers); and small modules
+whose estimate equals the CPU allocator's measurement in every phase, at 1
+and 2 intra-op threads. The oneDNN figures are those of avx512_core
+(16-channel blocks).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import pytest_torchmem as tm
+from pytest_torchmem.tracing.devices.cpu import CPU
+from pytest_torchmem.tracing.devices.cpu.base import cpu_capability
+from pytest_torchmem.tracing.rules import Alloc, OpCall
+
+aten = torch.ops.aten
+
+avx512 = pytest.mark.skipif(
+    not (torch.backends.mkldnn.is_available() and cpu_capability().startswith("AVX512")),
+    reason="the figures are oneDNN's avx512_core ones (16-channel blocks)",
+)
+
+
+@pytest.fixture(params=[1, 2], ids=lambda n: f"{n}thread")
+def threads(request: pytest.FixtureRequest) -> Iterator[int]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
+def buffers(op: Any, args: tuple[Any, ...]) -> dict[str, int]:
+    """Bytes of the buffers the scratch rule of ``op`` gives, by kind."""
+    out = op(*args)
+    steps = CPU.scratch_rule(op)(OpCall(op, args, {}, out))
+    kinds: dict[str, int] = {}
+    for step in steps:
+        if isinstance(step, Alloc):
+            kind = step.tag.split("#")[0]
+            kinds[kind] = kinds.get(kind, 0) + step.nbytes
+    return kinds
+
+
+def conv(
+    x: tuple[int, ...], w: tuple[int, ...], *, bias: bool = True, stride: int = 1, padding: int = 0,
+    groups: int = 1, transposed: bool = False, output_padding: int = 0,
+) -> dict[str, int]:
+    """The rule's buffers for ``aten.convolution`` on fake float32 tensors."""
+    dim = len(x) - 2
+    with FakeTensorMode():
+        args = (
+            torch.empty(x), torch.empty(w), torch.empty(w[1] * groups if transposed else w[0]) if bias else None,
+            [stride] * dim, [padding] * dim, [1] * dim, transposed, [output_padding] * dim, groups,
+        )
+        return buffers(aten.convolution.default, args)
+
+
+def conv_backward(
+    x: tuple[int, ...], w: tuple[int, ...], out: tuple[int, ...], *, mask: tuple[bool, bool, bool],
+    stride: int = 1, padding: int = 0, groups: int = 1, grad_output_expanded: bool = False,
+) -> dict[str, int]:
+    dim = len(x) - 2
+    with FakeTensorMode():
+        grad = torch.empty(()).expand(out) if grad_output_expanded else torch.empty(out)
+        args = (
+            grad, torch.empty(x), torch.empty(w), [w[0]] if mask[2] else None,
+            [stride] * dim, [padding] * dim, [1] * dim, False, [0] * dim, groups, list(mask),
+        )
+        return buffers(aten.convolution_backward.default, args)
+
+
+# -- the bytes of each rule, by hand ------------------------------------------------------
+
+
+@avx512
+def test_jit_forward_reorders_into_16_channel_blocks(threads: int) -> None:
+    """jit:avx512_core forward: nChw16c source and result, OIhw16i16o weights."""
+    got = conv((8, 16, 16, 16), (32, 16, 3, 3), padding=1)
+    assert got == {
+        "src reorder": 8 * 16 * 16 * 16 * 4,
+        "weights reorder": 32 * 16 * 3 * 3 * 4,
+        "dst": 8 * 32 * 16 * 16 * 4,
+    }
+
+
+@avx512
+def test_first_convolution_reads_nchw_and_pads_output_channels(threads: int) -> None:
+    """ic < 16: the source is used as is; Ohwi16o weights and the result are
+    padded to 16 channels, and so is the bias (a 16-float scratchpad)."""
+    got = conv((2, 5, 9, 9), (7, 5, 3, 3), padding=1)
+    assert got == {
+        "scratchpad": 16 * 4 + 128,
+        "weights reorder": 16 * 5 * 3 * 3 * 4,
+        "dst": 2 * 16 * 9 * 9 * 4,
+    }
+
+
+@avx512
+def test_backward_weights_reduction_buffer_per_extra_thread(threads: int) -> None:
+    """jit:avx512_core backward-weights splits the minibatch between the two
+    threads: the second accumulates into its own weights+bias copy, plus a
+    page-sized barrier. One thread: no scratchpad."""
+    got = conv_backward((8, 16, 16, 16), (32, 16, 3, 3), (8, 32, 16, 16), mask=(True, True, True), padding=1)
+    reduction = (32 * 16 * 9 + 32) * 4 + 128 + 4096 + 4096
+    assert got.get("scratchpad", 0) == (reduction if threads == 2 else 0)
+    assert got["grad_weight"] == 32 * 16 * 9 * 4  # OIhw16i16o, no padding
+    assert got["grad_bias"] == 32 * 4
+
+
+@avx512
+def test_1x1_stride_2_copies_the_source_to_unit_stride_per_thread(threads: int) -> None:
+    """jit_1x1 forward with stride 2: each thread reduces its 8x8 output's
+    source rows (32 channels) into a unit-stride buffer."""
+    got = conv((4, 32, 16, 16), (64, 32, 1, 1), stride=2, bias=False)
+    assert got["scratchpad"] == threads * 8 * 8 * 32 * 4 + 128
+
+
+@avx512
+def test_strided_backward_data_brgemm_buffers(threads: int) -> None:
+    """brgconv_strided backward-data in nhwc: per thread a page of 40-byte
+    brgemm batch elements (103 of them), the output gradient padded by the
+    kernel overflow (9x9x16 floats, rounded to 4096 floats) and its mask (a
+    page); the nhwc input gradient is copied .contiguous()."""
+    got = conv_backward((4, 16, 16, 16), (16, 16, 3, 3), (4, 16, 8, 8), mask=(True, False, False), stride=2, padding=1)
+    batch = threads * 103 * 40 + 4096
+    inp = threads * 4096 * 4 + 4096
+    masks = threads * 4096 + 4096
+    assert got["scratchpad"] == batch + inp + masks
+    assert got["dense nhwc"] == 4 * 16 * 16 * 16 * 4
+    assert got["grad_output reorder"] == 4 * 16 * 8 * 8 * 4  # to nhwc
+
+
+@avx512
+def test_gemm_backward_weights_for_4_channel_groups(threads: int) -> None:
+    """Groups of 4 channels: x64:gemm:jit backward-weights with outer
+    threading: per thread a weights accumulator booked as
+    ``book<float>(weights bytes)`` and im2col columns (4 * 9 * 100 floats)."""
+    got = conv_backward((2, 12, 10, 10), (12, 4, 3, 3), (2, 12, 10, 10), mask=(False, True, False), padding=1, groups=3)
+    weights = 12 * 4 * 9 * 4
+    assert got["scratchpad"] == (threads * weights * 4 + 128) + (threads * 4 * 9 * 100 * 4 + 128)
+
+
+@avx512
+def test_strided_transposed_convolution_nests_the_brgemm_scratchpad(threads: int) -> None:
+    """brg_deconv: the strided backward-data of the swapped convolution; its
+    input (8x8, overflow 1 on each side: 10x10x32 floats) padded per thread."""
+    got = conv((4, 32, 8, 8), (32, 16, 4, 4), stride=2, padding=1, transposed=True)
+    inner = (threads * 103 * 40 + 4096) + (threads * 4096 * 4 + 4096) + (threads * 4096 + 4096)
+    assert got["scratchpad"] == inner + 128
+    assert got["src reorder"] == 4 * 32 * 8 * 8 * 4  # to nhwc
+    assert got["dense nhwc"] == 4 * 16 * 16 * 16 * 4
+
+
+@avx512
+def test_1x1_below_16_images_on_one_thread_takes_the_slow_path(threads: int) -> None:
+    """use_mkldnn: a 1x1 unit-stride convolution of fewer than 16 images runs
+    thnn_conv2d on one thread (no columns for 1x1), oneDNN on two."""
+    got = conv((4, 32, 16, 16), (16, 32, 1, 1), bias=False)
+    if threads == 1:
+        assert got == {}
+    else:
+        assert got["src reorder"] == 4 * 32 * 16 * 16 * 4
+
+
+def test_slow_conv2d_columns(threads: int) -> None:
+    """One image of 8 channels (N*C*H*W <= 20480, 3x3): thnn_conv2d with
+    im2col columns of 8 * 9 rows by 10 * 10 columns."""
+    assert conv((1, 8, 10, 10), (8, 8, 3, 3), padding=1) == {"columns": 8 * 9 * 100 * 4}
+
+
+def test_float64_takes_the_slow_path(threads: int) -> None:
+    with FakeTensorMode():
+        x, w = torch.empty(2, 4, 8, 8, dtype=torch.float64), torch.empty(6, 4, 3, 3, dtype=torch.float64)
+        got = buffers(aten.convolution.default, (x, w, None, [1, 1], [1, 1], [1, 1], False, [0, 0], 1))
+    assert got == {"columns": 2 * 4 * 9 * 64 * 8}
+
+
+@avx512
+def test_expanded_grad_output_is_made_contiguous(threads: int) -> None:
+    """The gradient of ``out.sum()`` is an expanded scalar: the backward first
+    copies it ``.contiguous()`` (freed last)."""
+    got = conv_backward(
+        (4, 32, 16, 16), (32, 1, 3, 3), (4, 32, 16, 16), mask=(False, True, False), padding=1, groups=32,
+        grad_output_expanded=True,
+    )
+    assert got["grad_output contiguous"] == 4 * 32 * 16 * 16 * 4
+
+
+# -- estimate == measure --------------------------------------------------------------------
+
+CL = torch.channels_last
+
+SHAPES: dict[str, tuple[Any, tuple[int, ...], dict[str, Any]]] = {
+    "odd_channels": (lambda: nn.Conv2d(5, 7, 3, padding=1), (2, 5, 9, 9), {}),
+    "stride2_odd": (lambda: nn.Conv2d(5, 7, 3, stride=2, padding=1), (2, 5, 9, 9), {}),
+    "stride2_no_bias": (lambda: nn.Conv2d(24, 40, 3, stride=2, padding=1, bias=False), (3, 24, 13, 13), {}),
+    "dilation": (lambda: nn.Conv2d(20, 24, 3, padding=2, dilation=2), (2, 20, 9, 9), {}),
+    "groups_4ch": (lambda: nn.Conv2d(12, 12, 3, padding=1, groups=3), (2, 12, 10, 10), {}),
+    "groups_16ch": (lambda: nn.Conv2d(64, 64, 3, padding=1, groups=4), (2, 64, 12, 12), {}),
+    "depthwise_5x5": (lambda: nn.Conv2d(48, 48, 5, padding=2, groups=48), (2, 48, 14, 14), {}),
+    "pointwise_stride2": (lambda: nn.Conv2d(32, 64, 1, stride=2, bias=False), (4, 32, 16, 16), {}),
+    "pointwise_padded": (lambda: nn.Conv2d(16, 32, 1, padding=1, groups=4, bias=False), (4, 16, 10, 10), {}),
+    "batch1": (lambda: nn.Conv2d(8, 8, 3, padding=1), (1, 8, 10, 10), {}),
+    "batch16": (lambda: nn.Conv2d(16, 16, 3, padding=1), (16, 16, 8, 8), {}),
+    "channels_last": (lambda: nn.Conv2d(16, 32, 3, padding=1).to(memory_format=CL), (2, 16, 12, 12), {"cl": True}),
+    "channels_last_groups": (
+        lambda: nn.Conv2d(12, 20, 2, stride=3, groups=2, bias=False).to(memory_format=CL), (4, 12, 14, 14), {"cl": True},
+    ),
+    "channels_last_depthwise": (
+        lambda: nn.Conv2d(32, 32, 3, padding=1, groups=32).to(memory_format=CL), (4, 32, 12, 12), {"cl": True},
+    ),
+    "channels_last_pointwise": (lambda: nn.Conv2d(12, 1, 1).to(memory_format=CL), (8, 12, 12, 12), {"cl": True}),
+    "conv1d": (lambda: nn.Conv1d(16, 32, 3, padding=1), (2, 16, 20), {}),
+    "conv1d_pointwise": (lambda: nn.Conv1d(16, 32, 1), (2, 16, 20), {}),
+    "conv3d": (lambda: nn.Conv3d(16, 32, 3, padding=1), (2, 16, 6, 6, 6), {}),
+    "conv3d_depthwise_strided": (lambda: nn.Conv3d(5, 5, 3, stride=2, groups=5, bias=False), (4, 5, 5, 5, 5), {}),
+    "transposed_stride1": (lambda: nn.ConvTranspose2d(16, 8, 3, padding=1), (2, 16, 7, 7), {}),
+    "transposed_output_padding": (
+        lambda: nn.ConvTranspose2d(8, 16, 3, stride=2, padding=1, output_padding=1), (2, 8, 7, 7), {},
+    ),
+    "input_without_grad": (lambda: nn.Conv2d(3, 16, 3, padding=1), (4, 3, 16, 16), {"no_grad_input": True}),
+    "float64": (lambda: nn.Conv2d(4, 6, 3, padding=1).double(), (2, 4, 8, 8), {"dtype": torch.float64}),
+}
+
+
+@pytest.mark.parametrize("name", list(SHAPES))
+def test_estimate_equals_measure(name: str, threads: int) -> None:
+    build, shape, extra = SHAPES[name]
+    torch.manual_seed(0)
+    model = build()
+    x = torch.randn(shape, dtype=extra.get("dtype", torch.float32))
+    if extra.get("cl"):
+        x = x.contiguous(memory_format=CL)
+    if not extra.get("no_grad_input"):
+        x.requires_grad_(True)
+    estimated = tm.estimate(model, x)
+    measured = tm.measure(model, x)
+    assert estimated.unsupported == ()
+    assert estimated.phase_peaks() == measured.phase_peaks()
