@@ -248,3 +248,16 @@ def test_estimate_equals_measure(name: str, threads: int) -> None:
     measured = tm.measure(model, x)
     assert estimated.unsupported == ()
     assert estimated.phase_peaks() == measured.phase_peaks()
+
+
+def test_unmodelled_low_precision_convolutions_are_listed_as_unsupported() -> None:
+    """A rule that knows it models a call only in part says so: the bf16 oneDNN
+    convolution's scratch is missing, and the report must not look complete."""
+    model = torch.nn.Conv2d(4, 6, 3).to(torch.bfloat16)
+    report = tm.estimate(model, torch.randn(2, 4, 8, 8, dtype=torch.bfloat16))
+    assert {entry.op for entry in report.unsupported} == {
+        "aten.convolution.default",
+        "aten.convolution_backward.default",
+    }
+    assert all("bfloat16/float16" in entry.reason for entry in report.unsupported)
+    assert not report.complete

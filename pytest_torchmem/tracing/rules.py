@@ -37,6 +37,7 @@ __all__ = [
     "Alloc",
     "Free",
     "Keep",
+    "Inexact",
     "OUTPUTS",
     "TraceContext",
     "OpCall",
@@ -72,6 +73,14 @@ class Keep:
     nbytes: int
 
 
+@dataclass(frozen=True, slots=True)
+class Inexact:
+    """The rule knows it does not model this call fully: the estimate lists the op
+    (with ``reason`` and the user's source line) in ``unsupported``."""
+
+    reason: str
+
+
 @dataclass
 class TraceContext:
     """What rules may read about the trace they run in, and keep state in."""
@@ -94,7 +103,7 @@ class _Outputs:
 #: Where, among a scratch rule's steps, the op's outputs are allocated.
 OUTPUTS: Final = _Outputs()
 
-Step: TypeAlias = "Alloc | Free | Keep | _Outputs"
+Step: TypeAlias = "Alloc | Free | Keep | Inexact | _Outputs"
 Steps: TypeAlias = Sequence[Step]
 
 

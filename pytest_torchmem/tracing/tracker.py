@@ -35,6 +35,7 @@ from pytest_torchmem.tracing.rules import (
     Alloc,
     Free,
     ImplementationRule,
+    Inexact,
     Keep,
     OpCall,
     RuleSet,
@@ -128,6 +129,7 @@ class Tracker(TorchDispatchMode):
         self._refs: dict[int, weakref.ref[Any]] = {}  # sid -> weak reference keeping the callback
         self._plans: dict[Any, _OpPlan] = {}
         self._resized: dict[int, int] = {}  # sid -> bytes after its last resize
+        self._inexact: set[Unsupported] = set()
         # Keyed by identity: a WeakKeyDictionary compares keys with ==, which on
         # tensors is an elementwise op (it fails on a closure's labels tensor).
         self._foreign: WeakIdKeyDictionary = WeakIdKeyDictionary()
@@ -467,6 +469,8 @@ class Tracker(TorchDispatchMode):
                 sid = held.pop(step.tag, None)
                 if sid is not None:
                     self.timeline.free(sid)
+            elif isinstance(step, Inexact):
+                self._report_inexact(plan.name, step.reason)
             elif isinstance(step, Keep):
                 if step.nbytes > 0:
                     info = StorageInfo(
@@ -479,7 +483,8 @@ class Tracker(TorchDispatchMode):
                     self.timeline.alloc(self.timeline.new_storage(info))
             else:
                 raise TypeError(
-                    f"rule for {plan.name} returned {step!r}, not Alloc, Free, Keep or OUTPUTS"
+                    f"rule for {plan.name} returned {step!r}, "
+                    "not Alloc, Free, Keep, Inexact or OUTPUTS"
                 )
         if OUTPUTS not in steps:
             self._record_outputs(plan, out)
@@ -520,6 +525,13 @@ class Tracker(TorchDispatchMode):
         return fake
 
     # -- what fake tensors cannot do ------------------------------------------
+
+    def _report_inexact(self, op: str, reason: str) -> None:
+        """List ``op`` in ``unsupported`` once per reason and source line."""
+        entry = Unsupported(op, reason, user_location())
+        if entry not in self._inexact:
+            self._inexact.add(entry)
+            self.unsupported.append(entry)
 
     def _data_dependent(self, func: Any, args: Any, kwargs: Any, exc: Exception) -> Any:
         fallback = self.rules.fallback_rule(func)

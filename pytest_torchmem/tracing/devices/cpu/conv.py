@@ -59,7 +59,7 @@ import torch
 import torch._prims_common
 
 from pytest_torchmem.tracing.devices.cpu.base import CPU, cpu_capability, num_threads
-from pytest_torchmem.tracing.rules import OUTPUTS, Alloc, Free, OpCall, Step
+from pytest_torchmem.tracing.rules import OUTPUTS, Alloc, Free, Inexact, OpCall, Step
 
 aten = torch.ops.aten
 
@@ -1880,11 +1880,23 @@ def _steps_or_default(steps: list[Step] | None) -> list[Step]:
     return steps if steps is not None else [OUTPUTS]
 
 
+_LOW_PRECISION_GAP: Final = Inexact(
+    "the scratch of oneDNN's bfloat16/float16 convolution kernels is not modelled; "
+    "only the outputs are counted"
+)
+
+
+def _flag_low_precision(call: OpCall, steps: list[Step]) -> list[Step]:
+    if call.args[0].dtype in (torch.bfloat16, torch.float16):
+        return [_LOW_PRECISION_GAP, *steps]
+    return steps
+
+
 @CPU.scratch(aten.convolution.default)
 def _convolution(call: OpCall) -> list[Step]:
     """``at::_convolution`` on the CPU: oneDNN's reorders, result buffer and
     scratchpad (``mkldnn_convolution``), or the slow paths' im2col columns."""
-    return _steps_or_default(_convolution_steps(call))
+    return _flag_low_precision(call, _steps_or_default(_convolution_steps(call)))
 
 
 @CPU.scratch(aten.convolution_backward.default)
@@ -1893,4 +1905,4 @@ def _convolution_backward(call: OpCall) -> list[Step]:
     gradient, oneDNN's backward-data then backward-weights primitives (each
     with its reorders, result buffers and scratchpad), or the slow paths'
     columns."""
-    return _steps_or_default(_convolution_backward_steps(call))
+    return _flag_low_precision(call, _steps_or_default(_convolution_backward_steps(call)))
