@@ -1,50 +1,80 @@
-"""The accuracy table: estimate(device="cpu") against measure(device="cpu") for the model zoo.
+"""The accuracy table: estimate against measure for the model zoo (tests/zoo.py).
 
-    python benchmarks/accuracy.py [case ...]
+    python benchmarks/accuracy.py [case ...]                 # CPU: profiler allocator events
+    python benchmarks/accuracy.py --device cuda [case ...]   # GPU: torch.cuda peak statistics
 
-Prints, per model family and phase, the estimate, the measurement and the error.
+Prints, per model family and phase, the estimate, the measurement and the
+error; ``--device cuda`` needs a GPU and names its profile with ``--gpu``
+(default: the profile whose name appears in the device's name, else H100).
+Exits 1 unless every case is exact (cpu) or within ``--rtol`` (cuda).
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
 import time
 import warnings
 from pathlib import Path
 
+import torch
 from tabulate import tabulate
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 import pytest_torchmem as tm  # noqa: E402
+from pytest_torchmem.tracing.devices.cuda.profiles import PROFILES  # noqa: E402
 from zoo import CASES  # noqa: E402
 
 
-def main(names: list[str]) -> int:
+def _gpu_name(requested: str | None) -> str | None:
+    if requested or not torch.cuda.is_available():
+        return requested
+    device_name = torch.cuda.get_device_name().replace(" ", "").upper()
+    for name in sorted(PROFILES, key=len, reverse=True):
+        if name.replace("-", "").upper() in device_name:
+            return name
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("cases", nargs="*", help="zoo case names (default: all)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--gpu", default=None, help="GPU profile for --device cuda")
+    parser.add_argument("--rtol", type=float, default=0.01, help="allowed error on cuda (default 1%%)")
+    options = parser.parse_args(argv)
     warnings.filterwarnings("ignore")
+    gpu = _gpu_name(options.gpu) if options.device == "cuda" else None
     rows = []
-    exact = 0
-    cases = [case for case in CASES if not names or case.name in names]
+    good = 0
+    cases = [case for case in CASES if not options.cases or case.name in options.cases]
     for case in cases:
         model, inputs = case.make()
         start = time.perf_counter()
-        est = tm.estimate(model, inputs, **case.options)
+        est = tm.estimate(model, inputs, device=options.device, gpu=gpu, **case.options)
         seconds = time.perf_counter() - start
-        real = tm.measure(model, inputs, **case.options)
-        same = est.phase_peaks() == real.phase_peaks()
-        exact += same
+        real = tm.measure(model, inputs, device=options.device, **case.options)
+        worst = 0.0
         for phase in ("forward", "backward", "step"):
             e, r = est.phase_peaks()[phase], real.phase_peaks()[phase]
             if e == r == 0:
                 continue
             error = (e - r) / r if r else float("inf")
+            worst = max(worst, abs(error))
             rows.append([case.name, phase, e, r, e - r, f"{error:+.3%}", f"{seconds:.2f}"])
+        if options.device == "cuda":
+            rows.append([case.name, "reserved", est.reserved_peak, real.reserved_peak, "", "", ""])
         if est.unsupported:
             rows.append([case.name, "unsupported", "; ".join(map(str, est.unsupported)), "", "", "", ""])
-    print(tabulate(rows, headers=["model", "phase", "estimate B", "measured B", "error B", "error", "estimate s"]))
-    print(f"\n{exact}/{len(cases)} model families exact in every phase")
-    return 0 if exact == len(cases) else 1
+        exact = est.phase_peaks() == real.phase_peaks()
+        good += exact if options.device == "cpu" else worst <= options.rtol
+    headers = ["model", "phase", "estimate B", "measured B", "error B", "error", "estimate s"]
+    print(tabulate(rows, headers=headers))
+    what = "exact in every phase" if options.device == "cpu" else f"within {options.rtol:.1%}"
+    print(f"\n{good}/{len(cases)} model families {what} on {options.device}" + (f" ({gpu})" if gpu else ""))
+    return 0 if good == len(cases) else 1
 
 
 if __name__ == "__main__":
-    raise SystemExit(main(sys.argv[1:]))
+    raise SystemExit(main())

@@ -270,12 +270,27 @@ def _is_scratch(node: Any) -> bool:
 
 
 def _measure_cuda(request: StepRequest) -> MemoryReport:
+    """One step on the GPU, from a defined state.
+
+    The state: the caching allocator holds no cached blocks
+    (``empty_cache()``), no cuBLAS workspaces exist
+    (``torch._C._cuda_clearCublasWorkspaces()``), then the model's tensors and
+    the inputs are copied to the GPU (parameters, buffers, tensor attributes,
+    inputs, then gradients, the order the estimate charges them), peaks are
+    reset, and the step runs. Memory the process held before (the user's own
+    tensors, anything else) is subtracted from every figure.
+    """
     if not torch.cuda.is_available():
         raise RuntimeError(
             "measure(device='cuda') runs the step on a GPU, and torch.cuda.is_available() "
             "is False here; use estimate(device='cuda') to predict it"
         )
     device = torch.device("cuda", torch.cuda.current_device())
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    torch._C._cuda_clearCublasWorkspaces()
+    held_allocated = torch.cuda.memory_allocated(device)
+    held_reserved = torch.cuda.memory_reserved(device)
     model_tensors = collect(request.model)
     with torch.no_grad():
         standins = convert(model_tensors, request.args, request.kwargs, _copies(device))
@@ -296,12 +311,16 @@ def _measure_cuda(request: StepRequest) -> MemoryReport:
             probe=probe,
         )
     del standins
+
+    def own(nbytes: int) -> int:
+        return max(nbytes - held_allocated, 0) if nbytes else 0
+
     return MemoryReport(
         device="cuda",
-        forward_peak=probe.peaks[Phase.FORWARD],
-        backward_peak=probe.peaks[Phase.BACKWARD],
-        step_peak=probe.peaks[Phase.STEP],
-        reserved_peak=probe.reserved,
+        forward_peak=own(probe.peaks[Phase.FORWARD]),
+        backward_peak=own(probe.peaks[Phase.BACKWARD]),
+        step_peak=own(probe.peaks[Phase.STEP]),
+        reserved_peak=max(probe.reserved - held_reserved, 0),
     )
 
 

@@ -100,6 +100,13 @@ class _Converter:
         self.make = make
         self.storages: dict[int, torch.UntypedStorage] = {}
         self.tensors: dict[int, torch.Tensor] = {}
+        self.with_grads: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def gradients(self) -> None:
+        """Give the stand-ins the stand-ins of their originals' ``.grad``, after
+        everything else: stand-ins are made in the order the trace charges them."""
+        for original, new in self.with_grads:
+            new.grad = self(original.grad)  # type: ignore[arg-type]
 
     def __call__(self, t: torch.Tensor) -> torch.Tensor:
         done = self.tensors.get(id(t))
@@ -121,7 +128,7 @@ class _Converter:
             new.requires_grad_(True)
         self.tensors[id(t)] = new
         if t.grad is not None and new.requires_grad:
-            new.grad = self(t.grad)
+            self.with_grads.append((t, new))
         return new
 
 
@@ -164,6 +171,7 @@ def convert(
             inputs.append(leaf)
         new_leaves.append(leaf)
     new_args, new_kwargs = tree_unflatten(new_leaves, spec)
+    convert_one.gradients()
     return Converted(
         model=dict(convert_one.tensors),
         args=new_args,
