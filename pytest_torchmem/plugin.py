@@ -1,1 +1,167 @@
-"""pytest hooks of pytest-torchmem (filled in by the plugin issue)."""
+"""pytest hooks of pytest-torchmem: options, the ``memory_budget`` marker, the ``torchmem`` fixture.
+
+Each hook hands off to the run's :class:`~pytest_torchmem.session.TorchmemSession`,
+kept in ``config.stash``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator
+from typing import Any, Final
+
+import pytest
+
+from pytest_torchmem import hookspecs
+from pytest_torchmem.session import (
+    DEFAULT_DEVICES,
+    MARKER,
+    MEASURE_MODES,
+    UNUSED_MODES,
+    TorchmemFixture,
+    TorchmemSession,
+)
+
+SESSION_KEY: Final = pytest.StashKey[TorchmemSession]()
+
+_MARKER_HELP: Final = (
+    f"{MARKER}(forward=None, backward=None, step=None, peak=None, devices=None, rtol=None, "
+    "atol=None): memory caps of the step checked by the torchmem fixture (bytes, or strings "
+    "such as '512 MiB'), the devices to trace, and the drift allowed from the snapshot."
+)
+
+
+def _session(config: pytest.Config) -> TorchmemSession:
+    return config.stash[SESSION_KEY]
+
+
+def pytest_addhooks(pluginmanager: pytest.PytestPluginManager) -> None:
+    pluginmanager.add_hookspecs(hookspecs)
+
+
+def _option(
+    parser: pytest.Parser, name: str, help_text: str, ini_type: str = "string", **kwargs: Any
+) -> None:
+    """``--torchmem-NAME`` and its ini twin ``torchmem_NAME`` (the command line wins)."""
+    dest = "torchmem_" + name.replace("-", "_")
+    if ini_type == "bool":
+        kwargs.update(action="store_true", default=None)  # None: not given, ask the ini file
+    parser.getgroup("torchmem").addoption(f"--torchmem-{name}", dest=dest, help=help_text, **kwargs)
+    default = False if ini_type == "bool" else ""
+    parser.addini(dest, f"default of --torchmem-{name}", type=ini_type, default=default)  # type: ignore[arg-type]
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.getgroup("torchmem", "memory regression tests of PyTorch models (pytest-torchmem)")
+    _option(
+        parser,
+        "update",
+        "Write or refresh the snapshot entries of the selected tests, and drop their unused "
+        "entries, instead of comparing.",
+        "bool",
+    )
+    _option(
+        parser,
+        "devices",
+        "Comma-separated devices to trace when a test's marker names none "
+        f"(default: {','.join(DEFAULT_DEVICES)}).",
+        metavar="NAMES",
+    )
+    _option(
+        parser,
+        "rtol",
+        "Default relative drift allowed from the snapshot (e.g. 0.02; default 0).",
+        metavar="R",
+    )
+    _option(
+        parser,
+        "atol",
+        "Default absolute drift allowed from the snapshot (bytes, or e.g. '1 MiB'; default 0).",
+        metavar="SIZE",
+    )
+    _option(
+        parser,
+        "unused",
+        "What snapshot entries that no test of this run used do: fail the run (default), warn, "
+        "or ignore. Judged only over the tests that ran.",
+        choices=UNUSED_MODES,
+    )
+    _option(parser, "json", "Write a JSON report of every check to PATH.", metavar="PATH")
+    _option(
+        parser,
+        "measure",
+        "Also run cuda checks on the real GPU and compare with the estimate: auto (default: "
+        "where a GPU is present), on or off.",
+        choices=MEASURE_MODES,
+    )
+    _option(
+        parser,
+        "measure-rtol",
+        "Relative difference allowed between the GPU measurement and the estimate (default 0.05).",
+        metavar="R",
+    )
+    _option(
+        parser, "gpu", "The GPU profile the cuda device models (default: H100).", metavar="NAME"
+    )
+    _option(
+        parser,
+        "fail-on-improvement",
+        "Fail checks whose memory shrank beyond the tolerance, so that snapshots get tightened.",
+        "bool",
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", _MARKER_HELP)
+    config.stash[SESSION_KEY] = TorchmemSession(config)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if SESSION_KEY in config.stash:
+        del config.stash[SESSION_KEY]
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    return _session(config).header()
+
+
+def pytest_itemcollected(item: pytest.Item) -> None:
+    _session(item.config).collected(item)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_pycollect_makeitem(
+    collector: pytest.Collector, name: str, obj: object
+) -> Generator[None, Any, Any]:
+    made = yield
+    _session(collector.config).validate(collector, made)
+    return made
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    report = yield
+    _session(item.config).finished(item, report)
+    return report
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node: Any, error: object) -> None:
+    _session(node.config).worker_down(node)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    _session(session.config).finish(session)
+
+
+def pytest_terminal_summary(
+    terminalreporter: pytest.TerminalReporter, config: pytest.Config
+) -> None:
+    _session(config).write_summary(terminalreporter)
+
+
+@pytest.fixture
+def torchmem(request: pytest.FixtureRequest) -> TorchmemFixture:
+    """Memory checks of this test: ``torchmem.check(model, inputs, ...)``."""
+    return TorchmemFixture(_session(request.config), request.node)

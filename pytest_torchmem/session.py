@@ -1,0 +1,657 @@
+"""The state of one pytest run, kept in ``config.stash``: settings, results, pending writes.
+
+The plugin's hooks hand everything to :class:`TorchmemSession`. Checks run in
+the process that runs the test (a pytest-xdist worker or the only process);
+snapshot files are written once, at the end, by the process that is not a
+worker, which merges what the workers sent through ``config.workeroutput``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import platform
+import shlex
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final
+
+import pytest
+import torch
+from torch import nn
+
+from pytest_torchmem.api import StepRequest, _request
+from pytest_torchmem.report import MemoryReport
+from pytest_torchmem.snapshots import (
+    Entry,
+    Key,
+    SnapshotError,
+    SnapshotFile,
+    module_of,
+    snapshot_path,
+    unused_keys,
+    write_merged,
+)
+from pytest_torchmem.step import LossFn, OptimizerFactory
+from pytest_torchmem.summary import (
+    Unused,
+    json_report,
+    table_lines,
+    totals,
+    totals_line,
+    unused_lines,
+)
+from pytest_torchmem.tracing.devices import DEVICES, device_model
+from pytest_torchmem.tracing.rules import RuleSet
+from pytest_torchmem.tracing.trace import trace_step
+from pytest_torchmem.verdict import (
+    MarkerError,
+    MarkerSpec,
+    Result,
+    Tolerance,
+    failure_message,
+    judge,
+    parse_devices,
+    parse_marker,
+    parse_rtol,
+    parse_size,
+)
+
+__all__ = [
+    "DEFAULT_DEVICES",
+    "DEFAULT_NAME",
+    "MARKER",
+    "Settings",
+    "TorchmemSession",
+    "TorchmemFixture",
+    "TorchmemWarning",
+]
+
+#: The devices traced when neither the marker nor ``--torchmem-devices`` names any.
+DEFAULT_DEVICES: Final[tuple[str, ...]] = ("cpu",)
+#: The name of a check made without ``name=``.
+DEFAULT_NAME: Final = "default"
+#: The marker's name.
+MARKER: Final = "memory_budget"
+#: The key of this plugin's data in ``config.workeroutput`` (pytest-xdist).
+WORKER_KEY: Final = "torchmem"
+
+UNUSED_MODES: Final = ("fail", "warn", "ignore")
+MEASURE_MODES: Final = ("auto", "on", "off")
+
+_SPEC_KEY: Final = pytest.StashKey[MarkerSpec]()
+
+
+class TorchmemWarning(pytest.PytestWarning):
+    """A suspicious use of pytest-torchmem that does not stop the run."""
+
+
+def _option(config: pytest.Config, name: str) -> tuple[Any, str]:
+    """The value of option ``name`` (command line first, then ini) and where it came from."""
+    value = config.getoption(name)
+    if value is not None:
+        return value, "--" + name.replace("_", "-")
+    value = config.getini(name)
+    if value in ("", None):
+        return None, ""
+    return value, f"ini option {name}"
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The options of the run, resolved and validated."""
+
+    update: bool = False
+    devices: tuple[str, ...] = DEFAULT_DEVICES
+    #: True when ``--torchmem-devices`` narrowed the devices on the command line.
+    devices_given: bool = False
+    tolerance: Tolerance = Tolerance()
+    unused: str = "fail"
+    json_path: Path | None = None
+    measure: str = "auto"
+    measure_rtol: float = 0.05
+    gpu: str = "H100"
+    fail_on_improvement: bool = False
+
+    @classmethod
+    def from_config(cls, config: pytest.Config) -> Settings:
+        """Read every option (command line, else its ini twin); bad values are usage errors."""
+        values: dict[str, Any] = {}
+        try:
+            values["update"] = bool(_option(config, "torchmem_update")[0])
+            values["fail_on_improvement"] = bool(_option(config, "torchmem_fail_on_improvement")[0])
+            devices, source = _option(config, "torchmem_devices")
+            if devices is not None:
+                values["devices"] = parse_devices(devices, DEVICES, source)
+                values["devices_given"] = source.startswith("--")
+            rtol, rtol_source = _option(config, "torchmem_rtol")
+            atol, atol_source = _option(config, "torchmem_atol")
+            values["tolerance"] = Tolerance(
+                0.0 if rtol is None else parse_rtol(rtol, rtol_source),
+                0 if atol is None else parse_size(atol, atol_source),
+            )
+            measure_rtol, source = _option(config, "torchmem_measure_rtol")
+            if measure_rtol is not None:
+                values["measure_rtol"] = parse_rtol(measure_rtol, source)
+        except MarkerError as exc:
+            raise pytest.UsageError(str(exc)) from None
+        for name, choices in (("unused", UNUSED_MODES), ("measure", MEASURE_MODES)):
+            value, source = _option(config, f"torchmem_{name}")
+            if value is None:
+                continue
+            if value not in choices:
+                raise pytest.UsageError(
+                    f"{source}: expected one of {', '.join(choices)}, got {value!r}"
+                )
+            values[name] = value
+        gpu, source = _option(config, "torchmem_gpu")
+        if gpu is not None:
+            if not str(gpu).strip():
+                raise pytest.UsageError(f"{source}: name a GPU profile, e.g. H100")
+            values["gpu"] = str(gpu).strip()
+        path, source = _option(config, "torchmem_json")
+        if path is not None:
+            base = config.invocation_params.dir if source.startswith("--") else _ini_dir(config)
+            values["json_path"] = base / path
+        settings = cls(**values)
+        if settings.measure == "on" and not torch.cuda.is_available():
+            raise pytest.UsageError(
+                "--torchmem-measure=on compares the estimate with a real GPU run, and "
+                "torch.cuda.is_available() is False here; use auto or off"
+            )
+        return settings
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "update": self.update,
+            "devices": list(self.devices),
+            "rtol": self.tolerance.rtol,
+            "atol": self.tolerance.atol,
+            "unused": self.unused,
+            "measure": self.measure,
+            "measure_rtol": self.measure_rtol,
+            "gpu_profile": self.gpu,
+            "fail_on_improvement": self.fail_on_improvement,
+        }
+
+
+def _ini_dir(config: pytest.Config) -> Path:
+    return config.inipath.parent if config.inipath is not None else config.rootpath
+
+
+def module_test_id(item: pytest.Item) -> str:
+    """The test's id inside its module: the node id after the file (``TestA::test_b[1]``)."""
+    return item.nodeid.split("::", 1)[1] if "::" in item.nodeid else item.name
+
+
+def _quote(target: str) -> str:
+    if any(char in target for char in '"$`\\!'):
+        return shlex.quote(target)
+    return f'"{target}"'
+
+
+def _environment(device: str, gpu: str) -> dict[str, Any]:
+    """What the figures depend on besides the model: recorded in each entry."""
+    environment: dict[str, Any] = {"torch": torch.__version__}
+    if device.startswith("cuda"):
+        environment["gpu"] = gpu
+    else:
+        environment["cpu_threads"] = torch.get_num_threads()
+        environment["cpu_isa"] = torch.backends.cpu.get_cpu_capability()
+    return environment
+
+
+class TorchmemSession:
+    """Everything one pytest run knows about its memory checks."""
+
+    def __init__(self, config: pytest.Config) -> None:
+        self.config: Final = config
+        self.settings: Final = Settings.from_config(config)
+        self.is_worker: Final = hasattr(config, "workerinput")
+        self.results: list[Result] = []
+        #: Snapshot file -> entries to write (``--torchmem-update``).
+        self.writes: dict[str, dict[Key, Entry]] = {}
+        #: (snapshot file, key) of every check made.
+        self.used: set[tuple[str, Key]] = set()
+        #: (module, test id) of every test whose call passed.
+        self.completed: set[tuple[str, str]] = set()
+        #: Module -> the test ids collected in it, selected or not.
+        self.known: dict[str, set[str]] = {}
+        #: Modules of which only some tests were collected (``file.py::test_x`` arguments).
+        self.narrowed: set[str] = set()
+        self.unused: list[Unused] = []
+        self.written: list[str] = []
+        self.errors: list[str] = []
+        self._targets = self._node_targets(config)
+        self._snapshots: dict[Path, SnapshotFile] = {}
+        self._rules: dict[tuple[str, tuple[int, ...]], RuleSet] = {}
+        self._names: dict[str, set[str]] = {}
+        self._measuring: bool | None = None
+
+    # -- collection -----------------------------------------------------------------
+
+    @staticmethod
+    def _node_targets(config: pytest.Config) -> set[str] | None:
+        """Files named with ``::`` on the command line (None: some could not be resolved)."""
+        targets: set[str] = set()
+        for arg in config.args:
+            if "::" not in arg:
+                continue
+            path = Path(config.invocation_params.dir, arg.split("::", 1)[0])
+            if not path.is_file():
+                return None
+            targets.add(str(path.resolve()))
+        return targets
+
+    def collected(self, item: pytest.Item) -> None:
+        """Remember every collected test id: a deselected test is not a deleted one."""
+        module = str(item.path)
+        self.known.setdefault(module, set()).add(module_test_id(item))
+        if self._targets is None or str(item.path.resolve()) in self._targets:
+            self.narrowed.add(module)
+
+    def validate(self, collector: pytest.Collector, made: Any) -> None:
+        """Read the ``memory_budget`` markers of the tests just made from a test function.
+
+        A malformed marker fails the collection of the module (as a malformed
+        ``parametrize`` does), with a message that names the bad value; this
+        works alike under pytest-xdist, whose workers collect.
+        """
+        items = made if isinstance(made, list) else [made]
+        for item in items:
+            if not isinstance(item, pytest.Item):
+                continue
+            marks = list(item.iter_markers(MARKER))
+            if not marks:
+                continue
+            try:
+                item.stash[_SPEC_KEY] = parse_marker(marks, DEVICES)
+            except MarkerError as exc:
+                raise collector.CollectError(f"{item.nodeid}: {exc}") from None
+            if "torchmem" not in getattr(item, "fixturenames", ()):
+                item.warn(
+                    TorchmemWarning(
+                        f"@pytest.mark.{MARKER} has no effect on {item.nodeid}: "
+                        "the test does not use the torchmem fixture"
+                    )
+                )
+
+    def spec(self, item: pytest.Item) -> MarkerSpec:
+        __tracebackhide__ = True
+        spec = item.stash.get(_SPEC_KEY, None)
+        if spec is None:  # an item that pytest's Python collector did not make
+            try:
+                spec = parse_marker(list(item.iter_markers(MARKER)), DEVICES)
+            except MarkerError as exc:
+                pytest.fail(f"{item.nodeid}: {exc}", pytrace=False)
+            item.stash[_SPEC_KEY] = spec
+        return spec
+
+    # -- running --------------------------------------------------------------------
+
+    def finished(self, item: pytest.Item, report: pytest.TestReport) -> None:
+        """Note the tests whose call passed: only their entries can be judged unused."""
+        if report.when == "call" and report.passed:
+            self.completed.add((str(item.path), module_test_id(item)))
+
+    def _claim(self, item: pytest.Item, name: str | None) -> str:
+        if name is None:
+            name = DEFAULT_NAME
+        elif not isinstance(name, str) or not name.strip():
+            raise TypeError(f"torchmem.check(name=...) must be a non-empty string, got {name!r}")
+        names = self._names.setdefault(item.nodeid, set())
+        if name in names:
+            hint = "" if name != DEFAULT_NAME else " without a name"
+            raise ValueError(
+                f"torchmem.check was called twice{hint} as {name!r} in {item.nodeid}; "
+                "pass name=... to tell several checks in one test apart"
+            )
+        names.add(name)
+        return name
+
+    def rules(self, item: pytest.Item, device: str) -> RuleSet:
+        """This session's rules for ``device`` under the ``conftest.py`` files of ``item``.
+
+        Each distinct set of ``pytest_torchmem_add_rules`` implementations gets
+        its own copy of the device's built-in rules, filled once.
+        """
+        hook = item.ihook.pytest_torchmem_add_rules
+        cache_key = (device, tuple(id(impl.plugin) for impl in hook.get_hookimpls()))
+        rules = self._rules.get(cache_key)
+        if rules is None:
+            rules = device_model(device).rules.copy()
+            hook(device=device, rules=rules)
+            self._rules[cache_key] = rules
+        return rules
+
+    def measuring(self) -> bool:
+        """Whether ``cuda`` checks also run the step on the real GPU."""
+        if self._measuring is None:
+            mode = self.settings.measure
+            self._measuring = mode == "on" or (mode == "auto" and torch.cuda.is_available())
+        return self._measuring
+
+    def _snapshot(self, path: Path) -> SnapshotFile:
+        snapshot = self._snapshots.get(path)
+        if snapshot is None:
+            snapshot = self._snapshots[path] = SnapshotFile.load(path)
+        return snapshot
+
+    def display(self, path: Path) -> str:
+        """``path`` as the user sees it: relative to where pytest was started."""
+        try:
+            return Path(os.path.relpath(path, self.config.invocation_params.dir)).as_posix()
+        except ValueError:  # another drive on Windows
+            return str(path)
+
+    def accept_command(self, item: pytest.Item) -> str:
+        target = self.display(item.path)
+        if "::" in item.nodeid:
+            target += "::" + module_test_id(item)
+        return f"pytest --torchmem-update {_quote(target)}"
+
+    def _estimate(
+        self, item: pytest.Item, request: StepRequest, device: str, name: str
+    ) -> MemoryReport:
+        """The estimate on ``device`` with this session's rules, as the hooks adjust it."""
+        report = trace_step(
+            request.model,
+            request.args,
+            request.kwargs,
+            device=dataclasses.replace(device_model(device), rules=self.rules(item, device)),
+            loss_fn=request.loss_fn,
+            optimizer=request.optimizer,
+            train=request.train,
+        )
+        adjusted = item.ihook.pytest_torchmem_adjust_report(
+            item=item, device=device, name=name, report=report
+        )
+        if adjusted is None:
+            return report
+        if not isinstance(adjusted, MemoryReport):
+            raise TypeError(
+                "pytest_torchmem_adjust_report must return a MemoryReport or None, "
+                f"got {type(adjusted).__name__}"
+            )
+        return adjusted
+
+    def check(
+        self,
+        item: pytest.Item,
+        model: nn.Module,
+        inputs: Any,
+        *,
+        loss_fn: LossFn | None,
+        optimizer: OptimizerFactory | None,
+        train: bool,
+        name: str | None,
+    ) -> dict[str, MemoryReport]:
+        __tracebackhide__ = True
+        request = _request("torchmem.check", model, inputs, "cpu", loss_fn, optimizer, train)
+        name = self._claim(item, name)
+        spec = self.spec(item)
+        devices = spec.devices or self.settings.devices
+        path = snapshot_path(item.path)
+        try:
+            snapshot = self._snapshot(path)
+        except SnapshotError as exc:
+            pytest.fail(str(exc), pytrace=False)
+        reports: dict[str, MemoryReport] = {}
+        results: list[Result] = []
+        for device in devices:
+            report = self._estimate(item, request, device, name)
+            measured = None
+            if device.startswith("cuda") and self.measuring():
+                from pytest_torchmem.measuring import measure_step
+
+                measured = measure_step(dataclasses.replace(request, device="cuda"))
+            entry = Entry.from_report(report, _environment(device, self.settings.gpu), measured)
+            key = Key(module_test_id(item), name, device)
+            result = judge(
+                nodeid=item.nodeid,
+                key=key,
+                file=self.display(path),
+                accept=self.accept_command(item),
+                estimate=entry,
+                snapshot=snapshot.get(key),
+                tolerance=spec.tolerance(self.settings.tolerance),
+                budgets=spec.budgets,
+                update=self.settings.update,
+                fail_on_improvement=self.settings.fail_on_improvement,
+                measure_rtol=self.settings.measure_rtol,
+            )
+            self.results.append(result)
+            self.used.add((str(path), key))
+            if self.settings.update:
+                self.writes.setdefault(str(path), {})[key] = entry
+            _record_properties(item, result)
+            reports[device] = report
+            results.append(result)
+        if any(result.failed for result in results):
+            pytest.fail(failure_message(results, self.config.get_verbosity()), pytrace=False)
+        return reports
+
+    # -- pytest-xdist ---------------------------------------------------------------
+
+    def payload(self) -> str:
+        """What a worker sends to the controller (JSON text: execnet carries it as is)."""
+        return json.dumps(
+            {
+                "results": [result.to_json() for result in self.results],
+                "writes": {
+                    path: [[list(key), entry.to_json()] for key, entry in entries.items()]
+                    for path, entries in self.writes.items()
+                },
+                "used": [[path, list(key)] for path, key in self.used],
+                "completed": [list(test) for test in self.completed],
+                "known": {module: sorted(ids) for module, ids in self.known.items()},
+                "narrowed": sorted(self.narrowed),
+            }
+        )
+
+    def merge(self, payload: str) -> None:
+        """Take in what one worker sent."""
+        data = json.loads(payload)
+        self.results.extend(Result.from_json(result) for result in data["results"])
+        for path, entries in data["writes"].items():
+            target = self.writes.setdefault(path, {})
+            for key, entry in entries:
+                target[Key(*key)] = Entry.from_json(entry)
+        self.used.update((path, Key(*key)) for path, key in data["used"])
+        self.completed.update((module, test) for module, test in data["completed"])
+        for module, ids in data["known"].items():
+            self.known.setdefault(module, set()).update(ids)
+        self.narrowed.update(data["narrowed"])
+
+    def worker_down(self, node: Any) -> None:
+        output = getattr(node, "workeroutput", {})
+        if WORKER_KEY in output:
+            self.merge(output[WORKER_KEY])
+
+    # -- the end --------------------------------------------------------------------
+
+    def finish(self, session: pytest.Session) -> None:
+        """Send the results (worker); or judge unused entries, write files, set the exit status."""
+        if self.is_worker:
+            self.config.workeroutput[WORKER_KEY] = self.payload()  # type: ignore[attr-defined]
+            return
+        self.results.sort(key=lambda r: (r.nodeid, r.key.name, r.key.device))
+        removals = self._find_unused()
+        if self.settings.update:
+            self._flush(removals)
+        self._write_json()
+        failing = self.errors or (
+            self.unused and self.settings.unused == "fail" and not self.settings.update
+        )
+        if failing and session.exitstatus == pytest.ExitCode.OK:
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+    def _snapshot_files(self) -> set[Path]:
+        """The files to judge: those of collected modules, and orphans beside them."""
+        modules = set(self.known) | {module for module, _ in self.completed}
+        files = {snapshot_path(Path(module)) for module in modules}
+        for folder in {path.parent for path in files}:
+            if folder.is_dir():
+                files.update(path for path in folder.glob("*.json") if not module_of(path).exists())
+        return files
+
+    def _find_unused(self) -> dict[Path, list[Key]]:
+        if self.settings.unused == "ignore" or self.config.option.collectonly:
+            return {}
+        completed: dict[str, set[str]] = {}
+        for module, test in self.completed:
+            completed.setdefault(module, set()).add(test)
+        devices = set(self.settings.devices) if self.settings.devices_given else None
+        found: dict[Path, list[Key]] = {}
+        for path in sorted(self._snapshot_files()):
+            if not path.is_file():
+                continue
+            try:
+                snapshot = SnapshotFile.load(path)
+            except SnapshotError as exc:
+                self.errors.append(str(exc))
+                continue
+            module = str(module_of(path))
+            if not module_of(path).exists():
+                keys = snapshot.keys()
+            else:
+                keys = unused_keys(
+                    snapshot,
+                    completed=completed.get(module, set()),
+                    used={key for file, key in self.used if file == str(path)},
+                    known=None if module in self.narrowed else self.known.get(module, set()),
+                    devices=devices,
+                )
+            if keys:
+                found[path] = keys
+                self.unused.extend(Unused(self.display(path), key) for key in keys)
+        return found
+
+    def _flush(self, removals: dict[Path, list[Key]]) -> None:
+        """Write every pending entry and drop the unused ones, one locked merge per file."""
+        for path in sorted(set(map(Path, self.writes)) | set(removals)):
+            try:
+                changed = write_merged(path, self.writes.get(str(path), {}), removals.get(path, ()))
+            except (SnapshotError, OSError) as exc:
+                self.errors.append(f"torchmem: could not write {self.display(path)}: {exc}")
+                continue
+            if changed:
+                self.written.append(self.display(path))
+
+    def environment(self) -> dict[str, Any]:
+        from pytest_torchmem import __version__
+
+        return {
+            "pytest_torchmem": __version__,
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+            "platform": platform.platform(),
+            "gpu_profile": self.settings.gpu,
+            "cpu_threads": torch.get_num_threads(),
+            "cpu_isa": torch.backends.cpu.get_cpu_capability(),
+        }
+
+    def _write_json(self) -> None:
+        path = self.settings.json_path
+        if path is None:
+            return
+        report = json_report(
+            self.results,
+            self.unused,
+            environment=self.environment(),
+            settings={**self.settings.to_json(), "measured_on_gpu": bool(self._measuring)},
+        )
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(report, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+        except OSError as exc:
+            self.errors.append(f"torchmem: could not write the JSON report {path}: {exc}")
+
+    # -- reporting ------------------------------------------------------------------
+
+    def header(self) -> str:
+        settings = self.settings
+        mode = "update" if settings.update else "compare"
+        return (
+            f"torchmem: {mode}, devices {','.join(settings.devices)}, {settings.tolerance}, "
+            f"gpu profile {settings.gpu}"
+        )
+
+    def summary_lines(self) -> list[str]:
+        """The terminal summary: the table, unused entries, files written, the totals."""
+        if self.is_worker or not (self.results or self.unused or self.errors):
+            return []
+        verbosity = self.config.get_verbosity()
+        lines = table_lines(self.results, verbosity=verbosity)
+        lines += unused_lines(self.unused, mode=self.settings.unused, update=self.settings.update)
+        lines += [f"wrote {path}" for path in self.written]
+        lines += self.errors
+        lines.append(totals_line(totals(self.results, self.unused)))
+        return lines
+
+    def write_summary(self, terminal: pytest.TerminalReporter) -> None:
+        lines = self.summary_lines()
+        if lines:
+            terminal.write_sep("-", "torchmem")
+            for line in lines:
+                terminal.write_line(line)
+
+
+def _record_properties(item: pytest.Item, result: Result) -> None:
+    """The figures as junitxml properties (what the ``record_property`` fixture does)."""
+    prefix = f"torchmem.{result.key.name}.{result.key.device}"
+    entry = result.estimate
+    figures: list[tuple[str, object]] = [
+        ("forward_peak", entry.forward_peak),
+        ("backward_peak", entry.backward_peak),
+        ("step_peak", entry.step_peak),
+        ("peak", entry.peak),
+    ]
+    if entry.reserved_peak is not None:
+        figures.append(("reserved_peak", entry.reserved_peak))
+    if result.snapshot is not None:
+        figures.append(("snapshot_peak", result.snapshot.peak))
+    figures.append(("status", result.status.value))
+    item.user_properties.extend((f"{prefix}.{name}", value) for name, value in figures)
+
+
+class TorchmemFixture:
+    """The ``torchmem`` fixture: memory checks of the current test."""
+
+    def __init__(self, session: TorchmemSession, item: pytest.Item) -> None:
+        self._session = session
+        self._item = item
+
+    def __repr__(self) -> str:
+        return f"<torchmem fixture of {self._item.nodeid}>"
+
+    def check(
+        self,
+        model: nn.Module,
+        inputs: Any,
+        *,
+        loss_fn: LossFn | None = None,
+        optimizer: OptimizerFactory | None = None,
+        train: bool = True,
+        name: str | None = None,
+    ) -> dict[str, MemoryReport]:
+        """Trace one step of ``model`` on each device and check it; return the reports by device.
+
+        The estimate on each device (the marker's ``devices``, else
+        ``--torchmem-devices``) is compared with the snapshot entry of this
+        test, check ``name`` and device, and with the marker's budgets; the
+        test fails with a message that says what moved and how to accept it.
+        ``name`` tells several checks in one test apart. Under
+        ``--torchmem-update`` the entries are written at the end of the run.
+        """
+        __tracebackhide__ = True
+        return self._session.check(
+            self._item,
+            model,
+            inputs,
+            loss_fn=loss_fn,
+            optimizer=optimizer,
+            train=train,
+            name=name,
+        )

@@ -1,0 +1,196 @@
+"""What a run reports: the terminal table, its totals line and the JSON report.
+
+Results become lines and dicts here; the plugin only hands the lines to the
+terminal reporter and the dict to a file.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Final
+
+from tabulate import tabulate
+
+from pytest_torchmem.snapshots import Key
+from pytest_torchmem.units import format_bytes, format_delta
+from pytest_torchmem.verdict import Result, Status
+
+__all__ = [
+    "Unused",
+    "REPORT_SCHEMA",
+    "totals",
+    "totals_line",
+    "table_lines",
+    "unused_lines",
+    "json_report",
+]
+
+#: Version of the JSON report's layout.
+REPORT_SCHEMA: Final = 1
+
+#: The counts always shown in the totals line, in this order.
+_ALWAYS: Final = ("passed", "regressed", "improved", "missing", "unused")
+#: The counts shown only when not zero.
+_SOMETIMES: Final = ("over budget", "mismatch", "new", "updated")
+
+
+@dataclass(frozen=True, order=True)
+class Unused:
+    """A snapshot entry that no test of the run used."""
+
+    file: str
+    key: Key
+
+    def to_json(self) -> dict[str, str]:
+        return {
+            "file": self.file,
+            "test": self.key.test,
+            "name": self.key.name,
+            "device": self.key.device,
+        }
+
+
+def totals(results: Sequence[Result], unused: Sequence[Unused]) -> dict[str, int]:
+    """Checks by status (each test, check and device once), and the unused entries."""
+    counts = Counter(result.status.value for result in results)
+    found = {name: counts.get(name, 0) for name in (*_ALWAYS, *_SOMETIMES)}
+    found["unused"] = len(unused)
+    found["checks"] = len(results)
+    found["failed"] = sum(result.failed for result in results)
+    return found
+
+
+def totals_line(counts: Mapping[str, int]) -> str:
+    """``torchmem: 4 checks: 2 passed, 1 regressed, 0 improved, 1 missing, 0 unused``."""
+    parts = [f"{counts[name]} {name}" for name in _ALWAYS]
+    parts += [f"{counts[name]} {name}" for name in _SOMETIMES if counts.get(name)]
+    checks = counts["checks"]
+    return f"torchmem: {checks} check{'' if checks == 1 else 's'}: {', '.join(parts)}"
+
+
+def _test_label(result: Result) -> str:
+    name = result.key.name
+    return result.nodeid if name == "default" else f"{result.nodeid} [{name}]"
+
+
+def _change(result: Result) -> str:
+    if result.snapshot is None:
+        return "-"
+    change = result.largest_change()
+    if change is None:
+        return "0 B"
+    return f"{change.figure} {format_delta(change.estimate, change.reference)}"
+
+
+def _status(result: Result) -> str:
+    if result.failed and result.status is Status.IMPROVED:  # --torchmem-fail-on-improvement
+        return f"{result.status} (failed)"
+    return str(result.status)
+
+
+def table_lines(results: Sequence[Result], *, verbosity: int = 0) -> list[str]:
+    """A row per test, check and device: the peaks, the largest change, the status.
+
+    Under ``-q`` (``verbosity < 0``) only the rows that are not plain passes.
+    """
+    rows = []
+    for result in results:
+        if verbosity < 0 and result.status is Status.PASSED:
+            continue
+        estimate = result.estimate
+        rows.append(
+            (
+                _test_label(result),
+                result.key.device,
+                format_bytes(estimate.forward_peak),
+                format_bytes(estimate.backward_peak),
+                format_bytes(estimate.step_peak),
+                format_bytes(estimate.peak),
+                _change(result),
+                _status(result),
+            )
+        )
+    if not rows:
+        return []
+    headers = ("test", "device", "forward", "backward", "step", "peak", "change", "status")
+    return tabulate(rows, headers=headers, tablefmt="simple", disable_numparse=True).splitlines()
+
+
+def unused_lines(unused: Sequence[Unused], *, mode: str, update: bool) -> list[str]:
+    """The unused entries, and what happens to them."""
+    if not unused:
+        return []
+    lines = [f"unused: {entry.file}: {entry.key}" for entry in unused]
+    if update:
+        lines.append(
+            f"removed {len(unused)} unused snapshot entr{'y' if len(unused) == 1 else 'ies'}"
+        )
+    else:
+        verdict = "fail this run" if mode == "fail" else "are reported (--torchmem-unused=warn)"
+        lines.append(
+            f"{len(unused)} unused snapshot entr{'y' if len(unused) == 1 else 'ies'} {verdict}: "
+            "remove them by rerunning these tests with --torchmem-update"
+        )
+    return lines
+
+
+def _figures(entry: Any) -> dict[str, int | None]:
+    return {
+        "forward": entry.forward_peak,
+        "backward": entry.backward_peak,
+        "step": entry.step_peak,
+        "peak": entry.peak,
+        "reserved": entry.reserved_peak,
+    }
+
+
+def _result_json(result: Result) -> dict[str, Any]:
+    estimate = _figures(result.estimate)
+    snapshot = None if result.snapshot is None else _figures(result.snapshot)
+    delta = None
+    if snapshot is not None:
+        delta = {
+            name: value - snapshot[name]
+            for name, value in estimate.items()
+            if value is not None and snapshot.get(name) is not None
+        }
+    return {
+        "nodeid": result.nodeid,
+        "test": result.key.test,
+        "name": result.key.name,
+        "device": result.key.device,
+        "status": result.status.value,
+        "failed": result.failed,
+        "snapshot_file": result.file,
+        "estimate": estimate,
+        "snapshot": snapshot,
+        "delta": delta,
+        "tolerance": {"rtol": result.tolerance.rtol, "atol": result.tolerance.atol},
+        "allowed": {change.figure: change.allowed for change in result.changes},
+        "budgets": dict(result.budgets),
+        "breakdown": dict(result.estimate.breakdown),
+        "measured": None if result.estimate.measured is None else dict(result.estimate.measured),
+        "unsupported": list(result.estimate.unsupported),
+        "environment": dict(result.estimate.environment),
+        "accept": result.accept,
+    }
+
+
+def json_report(
+    results: Sequence[Result],
+    unused: Sequence[Unused],
+    *,
+    environment: Mapping[str, Any],
+    settings: Mapping[str, Any],
+) -> dict[str, Any]:
+    """The run as one JSON-ready dict: environment, settings, results, unused, totals."""
+    return {
+        "schema": REPORT_SCHEMA,
+        "environment": dict(environment),
+        "settings": dict(settings),
+        "results": [_result_json(result) for result in results],
+        "unused": [entry.to_json() for entry in unused],
+        "totals": totals(results, unused),
+    }

@@ -1,0 +1,87 @@
+"""Every example suite in ``examples/`` passes against its committed snapshots; CI gates on them."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import pytest_torchmem as tm
+
+pytest_plugins = ("pytester",)
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+SUITES = sorted(path.parent.name for path in EXAMPLES.glob("*/test_*.py"))
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _warm() -> None:
+    tm.estimate(nn.Linear(2, 2), torch.randn(1, 2))  # see test_plugin_e2e
+
+
+@pytest.fixture(autouse=True)
+def _quiet_plugins(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PYTEST_ADDOPTS", "-p no:hypothesispytest -p no:cacheprovider")
+
+
+def copy_suite(pytester: pytest.Pytester, name: str) -> Path:
+    target = pytester.path / name
+    shutil.copytree(EXAMPLES / name, target)
+    return target
+
+
+def test_there_are_the_three_promised_suites() -> None:
+    assert {"mlp", "cnn", "transformer"} <= set(SUITES)
+    for name in SUITES:
+        (module,) = (EXAMPLES / name).glob("test_*.py")
+        snapshot = EXAMPLES / name / "__torchmem__" / f"{module.stem}.json"
+        assert json.loads(snapshot.read_text())["tests"], f"{snapshot} is not committed"
+
+
+@pytest.mark.parametrize("name", SUITES)
+def test_example_suite_passes_against_its_committed_snapshot(
+    pytester: pytest.Pytester, name: str
+) -> None:
+    copy_suite(pytester, name)
+    result = pytester.runpytest_inprocess(name, "--torchmem-unused=fail")
+    # On failure, the output says which figure moved: after a deliberate change to
+    # a device model, accept it with `pytest --torchmem-update examples/<name>`.
+    assert result.ret == 0, result.stdout.str()
+    result.stdout.fnmatch_lines(
+        ["torchmem: * checks: * passed, 0 regressed, 0 improved, 0 missing, 0 unused"]
+    )
+
+
+def test_a_wider_layer_fails_the_cnn_example_and_names_the_modules(
+    pytester: pytest.Pytester,
+) -> None:
+    suite = copy_suite(pytester, "cnn")
+    module = suite / "test_cnn.py"
+    source = module.read_text()
+    assert "block(3, 16), block(16, 32)" in source
+    module.write_text(source.replace("block(3, 16), block(16, 32)", "block(3, 24), block(24, 32)"))
+    result = pytester.runpytest_inprocess("cnn", "-k", "test_cnn_training_step and 4")
+    assert result.ret == pytest.ExitCode.TESTS_FAILED
+    result.stdout.fnmatch_lines(
+        [
+            "torchmem: regressed on cpu: cnn/test_cnn.py::test_cnn_training_step[[]4[]] [[]default[]]",
+            "cpu forward peak grew: *",
+            "  categories that moved most (at the peak): *",
+            "  modules that moved most (forward peak): features*",
+            'accept the change with: pytest --torchmem-update "cnn/test_cnn.py::test_cnn_training_step[[]4[]]"',
+        ]
+    )
+
+
+def test_ci_workflow_gates_pull_requests_on_the_examples() -> None:
+    workflow = (EXAMPLES / "ci" / "memory-regression.yml").read_text()
+    assert "\non:\n  pull_request:" in workflow
+    assert "python -m pytest examples" in workflow
+    assert "--torchmem-unused=fail" in workflow
+    # In CI a missing or moved entry must fail, so the gate never updates.
+    run_lines = [line for line in workflow.splitlines() if not line.lstrip().startswith("#")]
+    assert not any("--torchmem-update" in line for line in run_lines)

@@ -1,0 +1,196 @@
+"""Snapshot files: format, atomic merged writes under a lock, unused entries."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import stat
+from pathlib import Path
+
+import pytest
+
+from pytest_torchmem.report import Category, MemoryReport, ModulePeak, Unsupported
+from pytest_torchmem.snapshots import (
+    FILE_SCHEMA,
+    Entry,
+    Key,
+    SnapshotError,
+    SnapshotFile,
+    module_of,
+    snapshot_path,
+    unused_keys,
+    write_merged,
+)
+
+
+def entry(forward: int = 100, backward: int = 200, step: int = 0, **kwargs) -> Entry:
+    return Entry(forward_peak=forward, backward_peak=backward, step_peak=step, **kwargs)
+
+
+def test_snapshot_path_is_beside_the_module(tmp_path: Path) -> None:
+    module = tmp_path / "tests" / "test_model.py"
+    path = snapshot_path(module)
+    assert path == tmp_path / "tests" / "__torchmem__" / "test_model.json"
+    assert module_of(path) == module
+
+
+def test_entry_from_report_records_peaks_breakdown_modules_and_environment() -> None:
+    report = MemoryReport(
+        device="cuda",
+        forward_peak=1024,
+        backward_peak=3072,
+        step_peak=2048,
+        breakdown={Category.PARAMETERS: 512, Category.ACTIVATIONS: 2560},
+        reserved_peak=4 * 2**20,
+        modules={"(model)": ModulePeak(1024, 3072), "fc": ModulePeak(1000, 3000)},
+        unsupported=(Unsupported("aten.nonzero.default", "why", "model.py:3"),) * 2,
+    )
+    data = Entry.from_report(report, {"torch": "2.13.0", "gpu": "H100"}).to_json()
+    assert data["forward_peak"] == 1024
+    assert data["backward_peak"] == 3072
+    assert data["step_peak"] == 2048
+    assert data["peak"] == 3072
+    assert data["reserved_peak"] == 4 * 2**20
+    assert data["breakdown"]["parameters"] == 512
+    assert data["breakdown"]["activations"] == 2560
+    assert data["breakdown"]["workspace"] == 0
+    assert data["modules"]["fc"] == {"forward": 1000, "backward": 3000}
+    assert data["environment"] == {"torch": "2.13.0", "gpu": "H100"}
+    # Op names only, once each: a location would change with every edit of the model's file.
+    assert data["unsupported"] == ["aten.nonzero.default"]
+    assert Entry.from_json(data).to_json() == data
+
+
+def test_cpu_entry_has_no_reserved_peak_and_no_empty_fields() -> None:
+    data = entry().to_json()
+    assert "reserved_peak" not in data
+    assert "unsupported" not in data
+    assert "measured" not in data
+
+
+def test_file_format_is_sorted_indented_versioned(tmp_path: Path) -> None:
+    snapshot = SnapshotFile(tmp_path / "x.json")
+    snapshot.entries[Key("test_b", "default", "cpu")] = entry(1)
+    snapshot.entries[Key("test_a", "eval", "cpu")] = entry(2)
+    text = snapshot.dumps()
+    data = json.loads(text)
+    assert data["schema"] == FILE_SCHEMA
+    assert list(data["tests"]) == ["test_a", "test_b"]
+    assert text == json.dumps(data, indent=2, sort_keys=True) + "\n"
+    assert text.startswith(
+        '{\n  "schema": 1,\n  "tests": {\n    "test_a": {\n      "eval": {\n        "cpu": {'
+    )
+
+
+def test_write_merged_is_atomic_and_leaves_no_temporary(tmp_path: Path) -> None:
+    path = tmp_path / "__torchmem__" / "test_m.json"
+    assert write_merged(path, {Key("t", "default", "cpu"): entry()})
+    assert SnapshotFile.load(path).get(Key("t", "default", "cpu")) == entry()
+    assert sorted(p.name for p in path.parent.iterdir()) == ["test_m.json"]
+    # A file made by open() would be readable by others: the temporary file's 0600 is not kept.
+    mode = stat.S_IMODE(path.stat().st_mode)
+    assert mode == 0o666 & ~_umask()
+    # The same content again: not rewritten.
+    before = path.stat().st_mtime_ns
+    assert not write_merged(path, {Key("t", "default", "cpu"): entry()})
+    assert path.stat().st_mtime_ns == before
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def test_write_merged_rereads_the_file_before_writing(tmp_path: Path) -> None:
+    """Regression guard: an update keeps the entries another process wrote after this one read."""
+    path = tmp_path / "test_m.json"
+    write_merged(path, {Key("a", "default", "cpu"): entry(1)})
+    stale = SnapshotFile.load(path)  # what this process saw when it started
+    write_merged(path, {Key("b", "default", "cpu"): entry(2)})  # another process
+    assert stale.get(Key("b", "default", "cpu")) is None
+    write_merged(path, {Key("c", "default", "cpu"): entry(3)})  # this process flushes
+    assert SnapshotFile.load(path).keys() == [
+        Key("a", "default", "cpu"),
+        Key("b", "default", "cpu"),
+        Key("c", "default", "cpu"),
+    ]
+
+
+def test_removals_and_deleting_an_emptied_file(tmp_path: Path) -> None:
+    path = tmp_path / "test_m.json"
+    a, b = Key("a", "default", "cpu"), Key("b", "default", "cpu")
+    write_merged(path, {a: entry(1), b: entry(2)})
+    write_merged(path, {}, [a])
+    assert SnapshotFile.load(path).keys() == [b]
+    # A key both written and removed is written.
+    write_merged(path, {a: entry(3)}, [a])
+    assert SnapshotFile.load(path).get(a) == entry(3)
+    write_merged(path, {}, [a, b])
+    assert not path.exists()
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("{", "not valid JSON"),
+        ('<<<<<<< HEAD\n{"schema": 1}\n=======\n', "git conflict markers"),
+        ("[]", "does not hold a JSON object"),
+        ('{"schema": 99, "tests": {}}', "has schema 99"),
+        (
+            '{"schema": 1, "tests": {"t": {"default": {"cpu": {"backward_peak": 1}}}}}',
+            "malformed entry",
+        ),
+    ],
+)
+def test_unreadable_files_are_refused_with_the_fix(tmp_path: Path, text: str, message: str) -> None:
+    path = tmp_path / "test_m.json"
+    path.write_text(text)
+    with pytest.raises(SnapshotError, match=message) as info:
+        SnapshotFile.load(path)
+    assert str(path) in str(info.value)
+    # Never overwritten: the entries of other tests would be lost.
+    with pytest.raises(SnapshotError):
+        write_merged(path, {Key("t", "default", "cpu"): entry()})
+    assert path.read_text() == text
+
+
+def _writer(path: str, prefix: str, count: int) -> None:
+    for index in range(count):
+        write_merged(Path(path), {Key(f"{prefix}{index}", "default", "cpu"): entry(index)})
+
+
+def test_two_processes_writing_one_file_lose_no_entry(tmp_path: Path) -> None:
+    """Regression guard: the lock and re-read-merge make concurrent writers lose nothing."""
+    path = tmp_path / "test_m.json"
+    context = multiprocessing.get_context("fork")
+    workers = [context.Process(target=_writer, args=(str(path), p, 25)) for p in ("x", "y")]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join(60)
+        assert worker.exitcode == 0
+    assert len(SnapshotFile.load(path).keys()) == 50
+
+
+def test_unused_keys_judges_only_tests_that_ran() -> None:
+    snapshot = SnapshotFile(Path("x.json"))
+    keys = {
+        "ran_used": Key("test_a", "default", "cpu"),
+        "ran_dropped_check": Key("test_a", "eval", "cpu"),
+        "ran_other_device": Key("test_a", "default", "cuda"),
+        "deselected": Key("test_b", "default", "cpu"),
+        "deleted": Key("test_gone", "default", "cpu"),
+    }
+    for key in keys.values():
+        snapshot.entries[key] = entry()
+    common = dict(completed={"test_a"}, used={keys["ran_used"]})
+    found = unused_keys(snapshot, known={"test_a", "test_b"}, devices=None, **common)
+    assert found == sorted([keys["ran_dropped_check"], keys["ran_other_device"], keys["deleted"]])
+    # --torchmem-devices cpu on the command line: cuda entries are not judged.
+    found = unused_keys(snapshot, known={"test_a", "test_b"}, devices={"cpu"}, **common)
+    assert found == sorted([keys["ran_dropped_check"], keys["deleted"]])
+    # Only part of the module collected (file.py::test_a): a missing test id proves nothing.
+    found = unused_keys(snapshot, known=None, devices={"cpu"}, **common)
+    assert found == [keys["ran_dropped_check"]]
