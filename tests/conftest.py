@@ -3,3 +3,16 @@ from pathlib import Path
 
 # The model zoo (tests/zoo.py) is shared by the test suite and the benchmarks.
 sys.path.insert(0, str(Path(__file__).parent))
+
+
+import pytest  # noqa: E402
+from collections.abc import Iterator  # noqa: E402
+
+from exactness import intra_op_threads  # noqa: E402
+
+
+@pytest.fixture(params=[1, 2], ids=lambda n: f"{n}thread")
+def threads(request: pytest.FixtureRequest) -> Iterator[int]:
+    """Run the test at 1 and at 2 intra-op threads (CPU kernels' buffers depend on it)."""
+    with intra_op_threads(request.param) as n:
+        yield n

@@ -8,9 +8,7 @@ intra-op threads.
 
 from __future__ import annotations
 
-import contextlib
 import math
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -19,9 +17,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from exactness import intra_op_threads, rule_buffers as scratch
 import pytest_torchmem as tm
-from pytest_torchmem.tracing.devices.cpu import CPU
-from pytest_torchmem.tracing.rules import Alloc, OpCall
 from zoo import CASES
 
 aten = torch.ops.aten
@@ -35,30 +32,6 @@ onednn_bf16 = pytest.mark.skipif(
     or torch.cpu._is_amx_tile_supported(),
     reason="the bfloat16 figures follow oneDNN's gemm_bf16_matmul_t (a CPU without native bfloat16)",
 )
-
-
-@contextlib.contextmanager
-def intra_op_threads(n: int) -> Iterator[int]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield n
-    finally:
-        torch.set_num_threads(before)
-
-
-@pytest.fixture(params=[1, 2], ids=lambda n: f"{n}thread")
-def threads(request: pytest.FixtureRequest) -> Iterator[int]:
-    with intra_op_threads(request.param) as n:
-        yield n
-
-
-def scratch(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None) -> dict[str, int]:
-    """The non-empty buffers the CPU scratch rule of ``op`` gives for fake ``args``."""
-    kwargs = kwargs or {}
-    out = op(*args, **kwargs)
-    steps = CPU.scratch_rule(op)(OpCall(op, args, kwargs, out))
-    return {s.tag: s.nbytes for s in steps if isinstance(s, Alloc) and s.nbytes}
 
 
 # -- the bytes of one call, by hand ---------------------------------------------------

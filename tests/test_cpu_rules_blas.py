@@ -17,10 +17,11 @@ import torch.nn.functional as F
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from exactness import assert_exact, intra_op_threads, rule_buffers as scratch
 import pytest_torchmem as tm
 from pytest_torchmem.tracing.devices.cpu import CPU
 from pytest_torchmem.tracing.devices.cpu.blas import onednn_gemm_accumulator_bytes
-from pytest_torchmem.tracing.rules import Alloc, OpCall
+from pytest_torchmem.tracing.rules import OpCall
 from zoo import CASES
 
 aten = torch.ops.aten
@@ -34,20 +35,10 @@ onednn_bf16 = pytest.mark.skipif(
 )
 
 
-@pytest.fixture(params=[1, 2], ids=lambda n: f"{n}thread")
-def threads(request: pytest.FixtureRequest) -> Iterator[int]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(before)
-
-
 @pytest.fixture
 def two_threads() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(before)
+    with intra_op_threads(2):
+        yield
 
 
 class Fn(nn.Module):
@@ -61,21 +52,6 @@ class Fn(nn.Module):
 
     def forward(self, *inputs: Any) -> Any:
         return self.f(self, *inputs)
-
-
-def assert_exact(model: nn.Module, inputs: Any, **options: Any) -> None:
-    estimated = tm.estimate(model, inputs, **options)
-    measured = tm.measure(model, inputs, **options)
-    assert estimated.unsupported == ()
-    assert estimated.phase_peaks() == measured.phase_peaks()
-
-
-def scratch(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None) -> dict[str, int]:
-    """The non-empty buffers the CPU scratch rule of ``op`` gives for fake ``args``."""
-    kwargs = kwargs or {}
-    out = op(*args, **kwargs)
-    steps = CPU.scratch_rule(op)(OpCall(op, args, kwargs, out))
-    return {s.tag: s.nbytes for s in steps if isinstance(s, Alloc) and s.nbytes}
 
 
 # -- the bytes of one call, by hand ---------------------------------------------------

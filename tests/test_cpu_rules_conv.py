@@ -11,7 +11,6 @@ and 2 intra-op threads. The oneDNN figures are those of avx512_core
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -30,14 +29,6 @@ avx512 = pytest.mark.skipif(
     not (torch.backends.mkldnn.is_available() and cpu_capability().startswith("AVX512")),
     reason="the figures are oneDNN's avx512_core ones (16-channel blocks)",
 )
-
-
-@pytest.fixture(params=[1, 2], ids=lambda n: f"{n}thread")
-def threads(request: pytest.FixtureRequest) -> Iterator[int]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(before)
 
 
 def buffers(op: Any, args: tuple[Any, ...]) -> dict[str, int]:

@@ -12,72 +12,26 @@ at 1 and 2 intra-op threads, in ``float32`` and ``bfloat16``.
 
 from __future__ import annotations
 
-import contextlib
 import math
-from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-import pytest_torchmem as tm
+from exactness import assert_fn_exact as assert_exact, rule_buffers
 from pytest_torchmem.tracing.devices.cpu import CPU
 from pytest_torchmem.tracing.devices.cpu.misc import promotion_casts
-from pytest_torchmem.tracing.rules import Alloc, OpCall
+from pytest_torchmem.tracing.rules import OpCall
 
 aten = torch.ops.aten
 BF16 = torch.bfloat16
 
 
-@contextlib.contextmanager
-def intra_op_threads(n: int) -> Iterator[int]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield n
-    finally:
-        torch.set_num_threads(before)
-
-
-@pytest.fixture(params=[1, 2], ids=lambda n: f"{n}thread")
-def threads(request: pytest.FixtureRequest) -> Iterator[int]:
-    with intra_op_threads(request.param) as n:
-        yield n
-
-
 def scratch(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None) -> list[int]:
     """The sizes of the buffers the CPU scratch rule of ``op`` gives for fake ``args``."""
-    kwargs = kwargs or {}
-    out = op(*args, **kwargs)
-    steps = CPU.scratch_rule(op)(OpCall(op, args, kwargs, out))
-    return [s.nbytes for s in steps if isinstance(s, Alloc) and s.nbytes]
-
-
-class Lambda(nn.Module):
-    def __init__(self, fn: Callable[..., torch.Tensor], params: tuple[torch.Tensor, ...]) -> None:
-        super().__init__()
-        self.fn = fn
-        self.params = nn.ParameterList(nn.Parameter(p.detach().clone()) for p in params)
-
-    def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
-        return self.fn(*self.params, *inputs)
-
-
-def assert_exact(
-    fn: Callable[..., torch.Tensor],
-    params: tuple[torch.Tensor, ...] = (),
-    inputs: tuple[torch.Tensor, ...] = (),
-    *,
-    train: bool = True,
-) -> None:
-    model = Lambda(fn, params)
-    estimated = tm.estimate(model, inputs, train=train)
-    measured = tm.measure(model, inputs, train=train)
-    assert estimated.unsupported == ()
-    assert estimated.phase_peaks() == measured.phase_peaks()
+    return list(rule_buffers(op, args, kwargs).values())
 
 
 # -- the bytes of one call, by hand ---------------------------------------------------

@@ -9,83 +9,25 @@ allocator's measurement in every phase, at 1 and 2 intra-op threads, in
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-import pytest_torchmem as tm
+from exactness import assert_fn_exact as assert_exact, rule_buffers as scratch
 from pytest_torchmem.tracing.devices.cpu import CPU
-from pytest_torchmem.tracing.rules import Alloc, OpCall
+from pytest_torchmem.tracing.rules import OpCall
 
 aten = torch.ops.aten
 BF16 = torch.bfloat16
 CL = torch.channels_last
 
 
-@contextlib.contextmanager
-def intra_op_threads(n: int) -> Iterator[int]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield n
-    finally:
-        torch.set_num_threads(before)
-
-
-@pytest.fixture(params=[1, 2], ids=lambda n: f"{n}thread")
-def threads(request: pytest.FixtureRequest) -> Iterator[int]:
-    with intra_op_threads(request.param) as n:
-        yield n
-
-
-def scratch(op: Any, args: tuple[Any, ...]) -> dict[str, int]:
-    """The buffers (tag -> bytes) the CPU scratch rule of ``op`` gives for fake ``args``."""
-    out = op(*args)
-    steps = CPU.scratch_rule(op)(OpCall(op, args, {}, out))
-    return {s.tag: s.nbytes for s in steps if isinstance(s, Alloc) and s.nbytes}
-
-
 def implementation(op: Any, args: tuple[Any, ...]) -> Any:
     return CPU.implementation_rule(op)(OpCall(op, args, {}))
-
-
-class Lambda(nn.Module):
-    """``fn(*parameters, *inputs, *buffers)`` as a module."""
-
-    def __init__(
-        self,
-        fn: Callable[..., torch.Tensor],
-        params: tuple[torch.Tensor, ...],
-        buffers: tuple[torch.Tensor, ...],
-    ) -> None:
-        super().__init__()
-        self.fn = fn
-        self.params = nn.ParameterList(nn.Parameter(p.detach().clone()) for p in params)
-        for i, b in enumerate(buffers):
-            self.register_buffer(f"b{i}", b.detach().clone())
-
-    def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
-        return self.fn(*self.params, *inputs, *self.buffers())
-
-
-def assert_exact(
-    fn: Callable[..., torch.Tensor],
-    params: tuple[torch.Tensor, ...] = (),
-    inputs: tuple[torch.Tensor, ...] = (),
-    buffers: tuple[torch.Tensor, ...] = (),
-) -> None:
-    torch.manual_seed(0)
-    model = Lambda(fn, params, buffers)
-    estimated = tm.estimate(model, inputs)
-    measured = tm.measure(model, inputs)
-    assert estimated.unsupported == ()
-    assert estimated.phase_peaks() == measured.phase_peaks()
 
 
 # -- batch norm: the bytes of one call, by hand ----------------------------------------

@@ -13,8 +13,6 @@ LSTM, GRU and RNN modules, forward and backward, at one and two threads.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import pytest
@@ -22,6 +20,7 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from exactness import intra_op_threads
 import pytest_torchmem as tm
 from pytest_torchmem.tracing.devices.cpu import CPU
 from pytest_torchmem.tracing.rules import OUTPUTS, Alloc, Free, OpCall
@@ -47,14 +46,7 @@ needs_packed_bf16 = pytest.mark.skipif(
 )
 
 
-@contextmanager
-def threads(n: int) -> Iterator[None]:
-    old = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(old)
+threads = intra_op_threads  # as a context manager: ``with threads(2):``
 
 
 def layer_args(
