@@ -1,0 +1,303 @@
+"""cuBLAS/cuBLASLt workspaces, cuBLAS operand copies and cuDNN convolution rules of the
+fake cuda device. Every figure is computed by hand from the sources the rules cite
+(CublasHandlePool.cpp, Blas.cpp, cuBlasCommonArgs.h, ConvShared.cpp, Convolution.cpp);
+every storage is charged its caching-allocator block (multiples of 512 bytes)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import pytest_torchmem as tm
+from pytest_torchmem.tracing.devices.cuda import CUDA
+from pytest_torchmem.tracing.devices.cuda.profiles import gpu_profile
+from pytest_torchmem.tracing.devices.cuda.workspaces import (
+    ConvWorkspacePolicy,
+    conv_workspace_policy,
+    cublas_workspace_size,
+    cublaslt_workspace_size,
+)
+from pytest_torchmem.tracing.rules import (
+    OUTPUTS,
+    Alloc,
+    Free,
+    Keep,
+    OpCall,
+    TraceContext,
+)
+
+aten = torch.ops.aten
+MiB = 1 << 20
+H100_WS = 32 * MiB  # 4096 * 8 KiB
+A100_WS = 8 * MiB + 128 * 1024  # :4096:2:16:8
+
+_ENV = (
+    "CUBLAS_WORKSPACE_CONFIG",
+    "CUBLASLT_WORKSPACE_SIZE",
+    "TORCH_CUBLASLT_UNIFIED_WORKSPACE",
+    "DISABLE_ADDMM_CUDA_LT",
+    "TORCHMEM_CUDNN_WORKSPACE",
+    "CUDNN_CONV_WSCAP_DBG",
+)
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in _ENV:
+        monkeypatch.delenv(name, raising=False)
+
+
+def meta(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype, device="meta")
+
+
+def run_rule(
+    func: Any, args: tuple[Any, ...], out: Any, gpu: str = "H100", **kwargs: Any
+) -> list[Any]:
+    rule = CUDA.scratch_rule(func)
+    assert rule is not None, func
+    context = TraceContext("cuda", gpu=gpu_profile(gpu))
+    return list(rule(OpCall(func, args, kwargs, out, context)))
+
+
+# -- sizes ------------------------------------------------------------------------------
+
+
+def test_default_cublas_workspace_by_architecture() -> None:
+    """parseChosenWorkspaceSize: 32 MiB on compute capability 9.x-12.x, else :4096:2:16:8."""
+    assert cublas_workspace_size(gpu_profile("H100")) == 33_554_432
+    assert cublas_workspace_size(gpu_profile("B200")) == 33_554_432
+    for name in ("V100", "T4", "A100", "A10G", "L4"):
+        assert cublas_workspace_size(gpu_profile(name)) == 8_519_680
+
+
+def test_cublas_workspace_config(monkeypatch: pytest.MonkeyPatch) -> None:
+    h100 = gpu_profile("H100")
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    assert cublas_workspace_size(h100) == 4096 * 1024 * 8
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":16:8")  # the deterministic setting
+    assert cublas_workspace_size(h100) == 16 * 1024 * 8
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:2:16:8")
+    assert cublas_workspace_size(h100) == 8_519_680
+    monkeypatch.setenv(
+        "CUBLAS_WORKSPACE_CONFIG", "4096"
+    )  # no :SIZE:COUNT pair: the default
+    assert cublas_workspace_size(h100) == H100_WS
+
+
+def test_cublaslt_workspace_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    h100 = gpu_profile("H100")
+    assert (
+        cublaslt_workspace_size(h100) == 1024 * 1024
+    )  # 1024 KiB, under the cuBLAS size
+    monkeypatch.setenv(
+        "CUBLASLT_WORKSPACE_SIZE", "65536"
+    )  # 64 MiB: capped when unified
+    assert cublaslt_workspace_size(h100) == H100_WS
+    monkeypatch.setenv("TORCH_CUBLASLT_UNIFIED_WORKSPACE", "0")
+    assert cublaslt_workspace_size(h100) == 64 * MiB
+    monkeypatch.setenv(
+        "CUBLASLT_WORKSPACE_SIZE", "abc"
+    )  # std::stoi throws: the default
+    assert cublaslt_workspace_size(h100) == 1024 * 1024
+
+
+# -- lifetime: one per thread, kept --------------------------------------------------------
+
+
+def test_forward_matmul_keeps_one_workspace() -> None:
+    """Linear(64, 64) on (8, 64), forward only: addmm with a 1-d bias goes through
+    cuBLASLt's gemm_and_bias, whose workspace is the cuBLAS one (unified): 32 MiB on
+    H100, kept to the end of the step."""
+    model = nn.Linear(64, 64)
+    report = tm.estimate(model, torch.randn(8, 64), device="cuda", train=False)
+    assert report.breakdown[tm.Category.WORKSPACE] == H100_WS
+    params = 64 * 64 * 4 + 512  # weight 16 KiB, bias 256 B -> 512
+    assert (
+        report.forward_peak == params + 2048 + 2048 + H100_WS
+    )  # input, output, workspace
+
+
+def test_backward_runs_on_the_autograd_thread_with_its_own_workspace() -> None:
+    """The backward's matmuls run on the autograd engine's device thread, whose cuBLAS
+    handle gets a second workspace: both are live at the backward peak, beside the
+    weight gradient's mm(grad.t(), x) clone of the stride-0 gradient that sum()'s
+    backward expands (8 * 64 * 4 = 2048 bytes)."""
+    model = nn.Linear(64, 64)
+    h100 = tm.estimate(model, torch.randn(8, 64), device="cuda")
+    assert h100.breakdown[tm.Category.WORKSPACE] == 2 * H100_WS + 2048
+    a100 = tm.estimate(model, torch.randn(8, 64), device="cuda", gpu="A100")
+    assert a100.breakdown[tm.Category.WORKSPACE] == 2 * A100_WS + 2048
+    assert h100.peak - a100.peak == 2 * (H100_WS - A100_WS)
+
+
+def test_workspace_is_taken_once_per_thread() -> None:
+    x, w = meta(8, 64), meta(64, 64)
+    rule = CUDA.scratch_rule(aten.mm.default)
+    assert rule is not None
+    context = TraceContext("cuda", gpu=gpu_profile("H100"))
+    first = list(rule(OpCall(aten.mm.default, (x, w), {}, meta(8, 64), context)))
+    second = list(rule(OpCall(aten.mm.default, (x, w), {}, meta(8, 64), context)))
+    assert [s for s in first if isinstance(s, Keep)] == [
+        Keep("cublas workspace (main thread)", H100_WS)
+    ]
+    assert not any(isinstance(s, Keep) for s in second)
+
+
+def test_separate_cublaslt_workspace(monkeypatch: pytest.MonkeyPatch) -> None:
+    """TORCH_CUBLASLT_UNIFIED_WORKSPACE=0: addmm with a bias epilogue takes its own
+    1 MiB cuBLASLt workspace; a plain mm then takes the 32 MiB cuBLAS one."""
+    monkeypatch.setenv("TORCH_CUBLASLT_UNIFIED_WORKSPACE", "0")
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64, bias=False))
+    report = tm.estimate(model, torch.randn(8, 64), device="cuda", train=False)
+    assert report.breakdown[tm.Category.WORKSPACE] == 1 * MiB + H100_WS
+    monkeypatch.setenv(
+        "DISABLE_ADDMM_CUDA_LT", "1"
+    )  # addmm through cuBLAS: one workspace
+    report = tm.estimate(model, torch.randn(8, 64), device="cuda", train=False)
+    assert report.breakdown[tm.Category.WORKSPACE] == H100_WS
+
+
+def test_no_blas_no_workspace() -> None:
+    """Nothing multiplies matrices: no workspace; an empty product calls no BLAS."""
+    report = tm.estimate(nn.ReLU(), torch.randn(8, 64), device="cuda", train=False)
+    assert report.breakdown[tm.Category.WORKSPACE] == 0
+    assert run_rule(aten.mm.default, (meta(8, 0), meta(0, 4)), meta(8, 4)) == [OUTPUTS]
+
+
+# -- operand copies ----------------------------------------------------------------------------
+
+
+def test_expanded_gradient_is_cloned_for_cublas() -> None:
+    """mm(grad, w) with grad = ones(()).expand(32, 64) (sum()'s backward): strides (0, 0),
+    neither dense nor a matrix with a leading dimension: prepare_matrix_for_cublas
+    clones it, 32 * 64 * 4 = 8192 bytes, for the call. The transposed weight is dense."""
+    grad = meta(1, 1).expand(32, 64)
+    weight = meta(128, 64).t()
+    steps = run_rule(aten.mm.default, (grad, weight), meta(32, 128))
+    assert steps == [
+        OUTPUTS,
+        Alloc("mat_b", 8192),
+        Keep("cublas workspace (main thread)", H100_WS),
+        Free("mat_b"),
+    ]
+
+
+def test_strided_slice_is_passed_with_its_leading_dimension() -> None:
+    """A column slice x[:, :32] of a (16, 64) matrix has strides (64, 1): ld 64 >= 32, no copy."""
+    x = meta(16, 64)[:, :32]
+    steps = run_rule(aten.mm.default, (x, meta(32, 8)), meta(16, 8))
+    assert not any(isinstance(s, Alloc) for s in steps)
+
+
+def test_bmm_copies() -> None:
+    """bmm into a contiguous (4, 8, 16) result: transpose_result, so batch2 is
+    prepared first. batch1 = (1, 8, 32).expand(4, 8, 32) has strides (0, 32, 1),
+    which a batched gemm takes (ld 32 >= 8); batch2 = a (4, 16, 32) tensor
+    transposed in a way no ld describes, (4, 32, 16) with strides (512, 1, 32)
+    passes too; a stride-0 middle dimension does not and is cloned (4 * 32 * 16 * 4)."""
+    b1 = meta(1, 8, 32).expand(4, 8, 32)
+    b2 = meta(4, 16, 32).transpose(1, 2)
+    assert not any(
+        isinstance(s, Alloc)
+        for s in run_rule(aten.bmm.default, (b1, b2), meta(4, 8, 16))
+    )
+    b2 = meta(4, 1, 16).expand(4, 32, 16)
+    steps = run_rule(aten.bmm.default, (b1, b2), meta(4, 8, 16))
+    assert [s for s in steps if isinstance(s, Alloc)] == [
+        Alloc("batch_a", 4 * 32 * 16 * 4)
+    ]
+
+
+# -- cuDNN convolution -------------------------------------------------------------------
+
+
+def test_conv_workspace_policy(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert conv_workspace_policy() == ConvWorkspacePolicy("none")
+    monkeypatch.setenv("TORCHMEM_CUDNN_WORKSPACE", "64 MiB")
+    assert conv_workspace_policy() == ConvWorkspacePolicy("fixed", 64 * MiB)
+    monkeypatch.setenv("TORCHMEM_CUDNN_WORKSPACE", "max")
+    with pytest.raises(ValueError, match="CUDNN_CONV_WSCAP_DBG"):
+        conv_workspace_policy()
+    monkeypatch.setenv("CUDNN_CONV_WSCAP_DBG", "256")
+    assert conv_workspace_policy() == ConvWorkspacePolicy("max", 256 * MiB)
+
+
+def test_cudnn_forward_charges_the_policy(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Conv2d(3, 8, 3) on (2, 3, 16, 16), forward only: the cuDNN call's workspace is
+    allocated and freed inside the call, so the forward peak grows by exactly it."""
+    model, x = nn.Conv2d(3, 8, 3), torch.randn(2, 3, 16, 16)
+    base = tm.estimate(model, x, device="cuda", train=False)
+    monkeypatch.setenv("TORCHMEM_CUDNN_WORKSPACE", "1 MiB")
+    with_ws = tm.estimate(model, x, device="cuda", train=False)
+    assert with_ws.forward_peak - base.forward_peak == MiB
+    assert with_ws.breakdown[tm.Category.WORKSPACE] == MiB
+
+
+def test_cudnn_channels_last_copies_a_contiguous_input(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A channels-last weight makes cuDNN run in NHWC: _convolution copies the
+    contiguous input, input.contiguous(channels_last), 2*3*16*16*4 = 6144 bytes."""
+    monkeypatch.setenv("TORCHMEM_CUDNN_WORKSPACE", "4096")
+    x = meta(2, 3, 16, 16)
+    w = meta(8, 3, 3, 3).contiguous(memory_format=torch.channels_last)
+    out = meta(2, 8, 14, 14).contiguous(memory_format=torch.channels_last)
+    steps = run_rule(
+        aten.convolution.default,
+        (x, w, None, [1, 1], [0, 0], [1, 1], False, [0, 0], 1),
+        out,
+    )
+    assert steps == [
+        Alloc("input", 6144),
+        OUTPUTS,
+        Alloc("weight", 0),
+        Alloc("cudnn workspace", 4096),
+        Free("cudnn workspace"),
+    ]
+
+
+def test_depthwise_float32_runs_the_native_kernel(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """groups == channels in float32 (contiguous): _conv_depthwise2d, not cuDNN
+    (use_cudnn_depthwise wants float16 or channels-last): no cuDNN workspace."""
+    monkeypatch.setenv("TORCHMEM_CUDNN_WORKSPACE", "1 MiB")
+    x, w = meta(2, 32, 16, 16), meta(32, 1, 3, 3)
+    steps = run_rule(
+        aten.convolution.default,
+        (x, w, None, [1, 1], [1, 1], [1, 1], False, [0, 0], 32),
+        meta(2, 32, 16, 16),
+    )
+    assert steps == [Alloc("input", 0), OUTPUTS, Alloc("weight", 0)]
+    # float16, 32 channels, 3x3 stride 1, width 16 >= 7: cuDNN's depthwise engines
+    x16, w16 = (
+        meta(2, 32, 16, 16, dtype=torch.float16),
+        meta(32, 1, 3, 3, dtype=torch.float16),
+    )
+    steps = run_rule(
+        aten.convolution.default,
+        (x16, w16, None, [1, 1], [1, 1], [1, 1], False, [0, 0], 32),
+        meta(2, 32, 16, 16, dtype=torch.float16),
+    )
+    assert Alloc("cudnn workspace", MiB) in steps
+
+
+def test_cudnn_backward_copies_an_expanded_gradient() -> None:
+    """Conv2d(3, 8, 3) whose output is summed: grad_output is a stride-0 expand of
+    the (2, 8, 14, 14) output. The input gradient's cuDNN call takes
+    grad_output.contiguous() (2*8*14*14*4 = 12544 bytes), the weight gradient's
+    another; the bias gradient reduces it (no global buffers at this size)."""
+    x, w = meta(2, 3, 16, 16), meta(8, 3, 3, 3)
+    grad = meta(1, 1, 1, 1).expand(2, 8, 14, 14)
+    outs = (meta(2, 3, 16, 16), meta(8, 3, 3, 3), meta(8))
+    steps = run_rule(
+        aten.convolution_backward.default,
+        (grad, x, w, [8], [1, 1], [0, 0], [1, 1], False, [0, 0], 1, [True, True, True]),
+        outs,
+    )
+    allocs = [s for s in steps if isinstance(s, Alloc) and s.nbytes]
+    assert allocs == [Alloc("grad_output_bi", 12544), Alloc("grad_output_bw", 12544)]
