@@ -823,10 +823,12 @@ Policy = Callable[[CudaRouter, torch.dtype, tuple[Any, ...], dict[str, Any]], "t
 
 
 def _cast_all(router: CudaRouter, to: torch.dtype, lower: torch.dtype, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    return (
-        tuple(router.cast(a, to, lower) for a in args),
-        {key: router.cast(value, to, lower) for key, value in kwargs.items()},
-    )
+    """Cast every eligible argument, last argument first: autocast's wrapper casts
+    them in a C++ pack expansion, which GCC evaluates right to left (a CUDA build
+    casts ``linear``'s bias, then weight, then input; ``benchmarks/cuda_routing.py``)."""
+    values = [*args, *kwargs.values()]
+    cast = [router.cast(value, to, lower) for value in reversed(values)][::-1]
+    return tuple(cast[: len(args)]), dict(zip(kwargs, cast[len(args) :]))
 
 
 def _lower_precision(router: CudaRouter, lower: torch.dtype, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
