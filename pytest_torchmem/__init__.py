@@ -3,11 +3,21 @@
 ``estimate`` traces one training step with fake tensors and predicts its
 memory on a fake ``cpu`` or ``cuda`` device; ``measure`` runs the same step for
 real. Both return a :class:`MemoryReport`.
+
+The names are imported on first use: pytest imports this package for its
+plugin entry point in every run, and ``pytest --help`` or a test suite that
+never checks memory should not pay for importing torch.
 """
 
-from pytest_torchmem.api import estimate, measure
-from pytest_torchmem.report import Category, MemoryReport, ModulePeak, Unsupported
-from pytest_torchmem.units import format_bytes, parse_bytes
+from __future__ import annotations
+
+from importlib import import_module
+from typing import TYPE_CHECKING, Any, Final
+
+if TYPE_CHECKING:
+    from pytest_torchmem.api import estimate, measure
+    from pytest_torchmem.report import Category, MemoryReport, ModulePeak, Unsupported
+    from pytest_torchmem.units import format_bytes, parse_bytes
 
 __all__ = [
     "estimate",
@@ -21,3 +31,28 @@ __all__ = [
 ]
 
 __version__ = "0.1.0"
+
+#: Public name -> the module that defines it.
+_LAZY: Final = {
+    "estimate": "pytest_torchmem.api",
+    "measure": "pytest_torchmem.api",
+    "MemoryReport": "pytest_torchmem.report",
+    "Category": "pytest_torchmem.report",
+    "ModulePeak": "pytest_torchmem.report",
+    "Unsupported": "pytest_torchmem.report",
+    "parse_bytes": "pytest_torchmem.units",
+    "format_bytes": "pytest_torchmem.units",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(import_module(module), name)
+    globals()[name] = value  # later look-ups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

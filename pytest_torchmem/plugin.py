@@ -1,7 +1,8 @@
 """pytest hooks of pytest-torchmem: options, the ``memory_budget`` marker, the ``torchmem`` fixture.
 
 Each hook hands off to the run's :class:`~pytest_torchmem.session.TorchmemSession`,
-kept in ``config.stash``.
+kept in ``config.stash``. Nothing here imports torch: pytest imports this module
+in every run, and the tracer is imported by the first memory check.
 """
 
 from __future__ import annotations
@@ -14,8 +15,10 @@ import pytest
 from pytest_torchmem import hookspecs
 from pytest_torchmem.session import (
     DEFAULT_DEVICES,
+    DEFAULT_GPU,
     MARKER,
     MEASURE_MODES,
+    STALE_MODES,
     UNUSED_MODES,
     TorchmemFixture,
     TorchmemSession,
@@ -25,8 +28,9 @@ SESSION_KEY: Final = pytest.StashKey[TorchmemSession]()
 
 _MARKER_HELP: Final = (
     f"{MARKER}(forward=None, backward=None, step=None, peak=None, devices=None, rtol=None, "
-    "atol=None): memory caps of the step checked by the torchmem fixture (bytes, or strings "
-    "such as '512 MiB'), the devices to trace, and the drift allowed from the snapshot."
+    "atol=None, gpu=None): memory caps of the step checked by the torchmem fixture (bytes, or "
+    "strings such as '512 MiB'), the devices to trace, the drift allowed from the snapshot, "
+    "and the GPU profile the cuda estimate follows (e.g. 'A100')."
 )
 
 
@@ -100,13 +104,23 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         metavar="R",
     )
     _option(
-        parser, "gpu", "The GPU profile the cuda device models (default: H100).", metavar="NAME"
+        parser,
+        "gpu",
+        f"The GPU profile the fake cuda device models, e.g. A100 (default: {DEFAULT_GPU}).",
+        metavar="NAME",
     )
     _option(
         parser,
         "fail-on-improvement",
         "Fail checks whose memory shrank beyond the tolerance, so that snapshots get tightened.",
         "bool",
+    )
+    _option(
+        parser,
+        "stale",
+        "What a snapshot entry recorded in another environment (torch version, CPU threads or "
+        "ISA, GPU profile) does: warn (default: reported, not compared) or fail.",
+        choices=STALE_MODES,
     )
 
 

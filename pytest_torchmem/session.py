@@ -4,6 +4,11 @@ The plugin's hooks hand everything to :class:`TorchmemSession`. Checks run in
 the process that runs the test (a pytest-xdist worker or the only process);
 snapshot files are written once, at the end, by the process that is not a
 worker, which merges what the workers sent through ``config.workeroutput``.
+
+This module does not import torch: pytest loads the plugin in every run, and a
+run that checks no memory (``pytest --help``, another project's tests, the
+xdist controller) should not pay for it. The tracer is imported by the first
+check.
 """
 
 from __future__ import annotations
@@ -15,14 +20,10 @@ import platform
 import shlex
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import pytest
-import torch
-from torch import nn
 
-from pytest_torchmem.api import StepRequest, _request
-from pytest_torchmem.report import MemoryReport
 from pytest_torchmem.snapshots import (
     Entry,
     Key,
@@ -33,18 +34,15 @@ from pytest_torchmem.snapshots import (
     unused_keys,
     write_merged,
 )
-from pytest_torchmem.step import LossFn, OptimizerFactory
 from pytest_torchmem.summary import (
     Unused,
     json_report,
+    stale_lines,
     table_lines,
     totals,
     totals_line,
     unused_lines,
 )
-from pytest_torchmem.tracing.devices import DEVICES, device_model
-from pytest_torchmem.tracing.rules import RuleSet
-from pytest_torchmem.tracing.trace import trace_step
 from pytest_torchmem.verdict import (
     MarkerError,
     MarkerSpec,
@@ -53,10 +51,19 @@ from pytest_torchmem.verdict import (
     failure_message,
     judge,
     parse_devices,
+    parse_gpu,
     parse_marker,
     parse_rtol,
     parse_size,
 )
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from pytest_torchmem.api import StepRequest
+    from pytest_torchmem.report import MemoryReport
+    from pytest_torchmem.step import LossFn, OptimizerFactory
+    from pytest_torchmem.tracing.rules import RuleSet
 
 __all__ = [
     "DEFAULT_DEVICES",
@@ -68,8 +75,13 @@ __all__ = [
     "TorchmemWarning",
 ]
 
-#: The devices traced when neither the marker nor ``--torchmem-devices`` names any.
-DEFAULT_DEVICES: Final[tuple[str, ...]] = ("cpu",)
+#: The devices traced when neither the marker nor ``--torchmem-devices`` names any:
+#: both fake devices (DESIGN.md).
+DEFAULT_DEVICES: Final[tuple[str, ...]] = ("cpu", "cuda")
+#: The GPU profile modelled when neither the marker nor ``--torchmem-gpu`` names one.
+#: ``tracing.devices.cuda.profiles.DEFAULT_GPU``, spelled out so that the report
+#: header needs no torch (a test checks that the two agree).
+DEFAULT_GPU: Final = "H100"
 #: The name of a check made without ``name=``.
 DEFAULT_NAME: Final = "default"
 #: The marker's name.
@@ -79,8 +91,15 @@ WORKER_KEY: Final = "torchmem"
 
 UNUSED_MODES: Final = ("fail", "warn", "ignore")
 MEASURE_MODES: Final = ("auto", "on", "off")
+STALE_MODES: Final = ("warn", "fail")
 
 _SPEC_KEY: Final = pytest.StashKey[MarkerSpec]()
+
+_DEVICE_HINT: Final = (
+    "torchmem: on the fake cuda device the step runs on fake tensors of that device, as it "
+    "would on a GPU: a tensor that loss_fn or the model takes from outside the inputs (labels "
+    "in a closure, a mask made once) must follow the output, e.g. labels.to(logits.device)"
+)
 
 
 class TorchmemWarning(pytest.PytestWarning):
@@ -111,8 +130,9 @@ class Settings:
     json_path: Path | None = None
     measure: str = "auto"
     measure_rtol: float = 0.05
-    gpu: str = "H100"
+    gpu: str = DEFAULT_GPU
     fail_on_improvement: bool = False
+    stale: str = "warn"
 
     @classmethod
     def from_config(cls, config: pytest.Config) -> Settings:
@@ -123,8 +143,11 @@ class Settings:
             values["fail_on_improvement"] = bool(_option(config, "torchmem_fail_on_improvement")[0])
             devices, source = _option(config, "torchmem_devices")
             if devices is not None:
-                values["devices"] = parse_devices(devices, DEVICES, source)
+                values["devices"] = parse_devices(devices, known_devices(), source)
                 values["devices_given"] = source.startswith("--")
+            gpu, source = _option(config, "torchmem_gpu")
+            if gpu is not None:
+                values["gpu"] = parse_gpu(gpu, known_gpus(), source)
             rtol, rtol_source = _option(config, "torchmem_rtol")
             atol, atol_source = _option(config, "torchmem_atol")
             values["tolerance"] = Tolerance(
@@ -136,7 +159,8 @@ class Settings:
                 values["measure_rtol"] = parse_rtol(measure_rtol, source)
         except MarkerError as exc:
             raise pytest.UsageError(str(exc)) from None
-        for name, choices in (("unused", UNUSED_MODES), ("measure", MEASURE_MODES)):
+        modes = (("unused", UNUSED_MODES), ("measure", MEASURE_MODES), ("stale", STALE_MODES))
+        for name, choices in modes:
             value, source = _option(config, f"torchmem_{name}")
             if value is None:
                 continue
@@ -145,17 +169,12 @@ class Settings:
                     f"{source}: expected one of {', '.join(choices)}, got {value!r}"
                 )
             values[name] = value
-        gpu, source = _option(config, "torchmem_gpu")
-        if gpu is not None:
-            if not str(gpu).strip():
-                raise pytest.UsageError(f"{source}: name a GPU profile, e.g. H100")
-            values["gpu"] = str(gpu).strip()
         path, source = _option(config, "torchmem_json")
         if path is not None:
             base = config.invocation_params.dir if source.startswith("--") else _ini_dir(config)
             values["json_path"] = base / path
         settings = cls(**values)
-        if settings.measure == "on" and not torch.cuda.is_available():
+        if settings.measure == "on" and not _gpu_present():
             raise pytest.UsageError(
                 "--torchmem-measure=on compares the estimate with a real GPU run, and "
                 "torch.cuda.is_available() is False here; use auto or off"
@@ -173,7 +192,28 @@ class Settings:
             "measure_rtol": self.measure_rtol,
             "gpu_profile": self.gpu,
             "fail_on_improvement": self.fail_on_improvement,
+            "stale": self.stale,
         }
+
+
+def known_devices() -> tuple[str, ...]:
+    """The modelled devices (importing the device models imports torch)."""
+    from pytest_torchmem.tracing.devices import DEVICES
+
+    return tuple(DEVICES)
+
+
+def known_gpus() -> tuple[str, ...]:
+    """The names of the GPU profiles the fake ``cuda`` device can follow."""
+    from pytest_torchmem.tracing.devices.cuda.profiles import PROFILES
+
+    return tuple(PROFILES)
+
+
+def _gpu_present() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def _ini_dir(config: pytest.Config) -> Path:
@@ -191,11 +231,22 @@ def _quote(target: str) -> str:
     return f'"{target}"'
 
 
-def _environment(device: str, gpu: str) -> dict[str, Any]:
-    """What the figures depend on besides the model: recorded in each entry."""
+def device_environment(device: str, gpu: str) -> dict[str, Any]:
+    """What the figures of ``device`` depend on besides the model: recorded in each entry.
+
+    CPU kernels pick their paths and size their scratch by the intra-op thread
+    count and the vector ISA; the CUDA rules follow the GPU profile and the
+    caching allocator's configuration. Both follow the torch version. An entry
+    recorded where any of these differ is stale: its bytes are not compared.
+    """
+    import torch
+
     environment: dict[str, Any] = {"torch": torch.__version__}
     if device.startswith("cuda"):
         environment["gpu"] = gpu
+        alloc_conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "").strip()
+        if alloc_conf:  # recorded only when set, so that the default leaves no trace
+            environment["cuda_alloc_conf"] = alloc_conf
     else:
         environment["cpu_threads"] = torch.get_num_threads()
         environment["cpu_isa"] = torch.backends.cpu.get_cpu_capability()
@@ -266,7 +317,7 @@ class TorchmemSession:
             if not marks:
                 continue
             try:
-                item.stash[_SPEC_KEY] = parse_marker(marks, DEVICES)
+                item.stash[_SPEC_KEY] = parse_marker(marks, known_devices(), known_gpus())
             except MarkerError as exc:
                 raise collector.CollectError(f"{item.nodeid}: {exc}") from None
             if "torchmem" not in getattr(item, "fixturenames", ()):
@@ -282,7 +333,7 @@ class TorchmemSession:
         spec = item.stash.get(_SPEC_KEY, None)
         if spec is None:  # an item that pytest's Python collector did not make
             try:
-                spec = parse_marker(list(item.iter_markers(MARKER)), DEVICES)
+                spec = parse_marker(list(item.iter_markers(MARKER)), known_devices(), known_gpus())
             except MarkerError as exc:
                 pytest.fail(f"{item.nodeid}: {exc}", pytrace=False)
             item.stash[_SPEC_KEY] = spec
@@ -320,6 +371,8 @@ class TorchmemSession:
         cache_key = (device, tuple(id(impl.plugin) for impl in hook.get_hookimpls()))
         rules = self._rules.get(cache_key)
         if rules is None:
+            from pytest_torchmem.tracing.devices import device_model
+
             rules = device_model(device).rules.copy()
             hook(device=device, rules=rules)
             self._rules[cache_key] = rules
@@ -329,7 +382,7 @@ class TorchmemSession:
         """Whether ``cuda`` checks also run the step on the real GPU."""
         if self._measuring is None:
             mode = self.settings.measure
-            self._measuring = mode == "on" or (mode == "auto" and torch.cuda.is_available())
+            self._measuring = mode == "on" or (mode == "auto" and _gpu_present())
         return self._measuring
 
     def _snapshot(self, path: Path) -> SnapshotFile:
@@ -352,18 +405,29 @@ class TorchmemSession:
         return f"pytest --torchmem-update {_quote(target)}"
 
     def _estimate(
-        self, item: pytest.Item, request: StepRequest, device: str, name: str
+        self, item: pytest.Item, request: StepRequest, device: str, name: str, gpu: str
     ) -> MemoryReport:
         """The estimate on ``device`` with this session's rules, as the hooks adjust it."""
-        report = trace_step(
-            request.model,
-            request.args,
-            request.kwargs,
-            device=dataclasses.replace(device_model(device), rules=self.rules(item, device)),
-            loss_fn=request.loss_fn,
-            optimizer=request.optimizer,
-            train=request.train,
-        )
+        from pytest_torchmem.report import MemoryReport
+        from pytest_torchmem.tracing.devices import device_model
+        from pytest_torchmem.tracing.devices.cuda.profiles import gpu_profile
+        from pytest_torchmem.tracing.trace import trace_step
+
+        try:
+            report = trace_step(
+                request.model,
+                request.args,
+                request.kwargs,
+                device=dataclasses.replace(device_model(device), rules=self.rules(item, device)),
+                loss_fn=request.loss_fn,
+                optimizer=request.optimizer,
+                train=request.train,
+                gpu=gpu_profile(gpu) if device.startswith("cuda") else None,
+            )
+        except RuntimeError as exc:
+            if device.startswith("cuda") and "devices" in str(exc) and hasattr(exc, "add_note"):
+                exc.add_note(_DEVICE_HINT)
+            raise
         adjusted = item.ihook.pytest_torchmem_adjust_report(
             item=item, device=device, name=name, report=report
         )
@@ -388,10 +452,13 @@ class TorchmemSession:
         name: str | None,
     ) -> dict[str, MemoryReport]:
         __tracebackhide__ = True
+        from pytest_torchmem.api import _request
+
         request = _request("torchmem.check", model, inputs, "cpu", loss_fn, optimizer, train)
         name = self._claim(item, name)
         spec = self.spec(item)
         devices = spec.devices or self.settings.devices
+        gpu = spec.gpu or self.settings.gpu
         path = snapshot_path(item.path)
         try:
             snapshot = self._snapshot(path)
@@ -400,13 +467,15 @@ class TorchmemSession:
         reports: dict[str, MemoryReport] = {}
         results: list[Result] = []
         for device in devices:
-            report = self._estimate(item, request, device, name)
+            report = self._estimate(item, request, device, name, gpu)
             measured = None
             if device.startswith("cuda") and self.measuring():
+                # What measure(device="cuda") does: the step on the real GPU, from
+                # the state measuring.py defines (empty caches, no cuBLAS workspace).
                 from pytest_torchmem.measuring import measure_step
 
                 measured = measure_step(dataclasses.replace(request, device="cuda"))
-            entry = Entry.from_report(report, _environment(device, self.settings.gpu), measured)
+            entry = Entry.from_report(report, device_environment(device, gpu), measured)
             key = Key(module_test_id(item), name, device)
             result = judge(
                 nodeid=item.nodeid,
@@ -420,6 +489,7 @@ class TorchmemSession:
                 update=self.settings.update,
                 fail_on_improvement=self.settings.fail_on_improvement,
                 measure_rtol=self.settings.measure_rtol,
+                fail_on_stale=self.settings.stale == "fail",
             )
             self.results.append(result)
             self.used.add((str(path), key))
@@ -540,6 +610,8 @@ class TorchmemSession:
                 self.written.append(self.display(path))
 
     def environment(self) -> dict[str, Any]:
+        import torch
+
         from pytest_torchmem import __version__
 
         return {
@@ -550,7 +622,13 @@ class TorchmemSession:
             "gpu_profile": self.settings.gpu,
             "cpu_threads": torch.get_num_threads(),
             "cpu_isa": torch.backends.cpu.get_cpu_capability(),
+            # The GPU the cuda checks were measured on (--torchmem-measure), if any.
+            "measured_on": torch.cuda.get_device_name() if self._measured() else None,
         }
+
+    def _measured(self) -> bool:
+        """Whether any check of the run (in this process or a worker) was measured on a GPU."""
+        return any(result.estimate.measured is not None for result in self.results)
 
     def _write_json(self) -> None:
         path = self.settings.json_path
@@ -560,7 +638,7 @@ class TorchmemSession:
             self.results,
             self.unused,
             environment=self.environment(),
-            settings={**self.settings.to_json(), "measured_on_gpu": bool(self._measuring)},
+            settings={**self.settings.to_json(), "measured_on_gpu": self._measured()},
         )
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -584,6 +662,7 @@ class TorchmemSession:
             return []
         verbosity = self.config.get_verbosity()
         lines = table_lines(self.results, verbosity=verbosity)
+        lines += stale_lines(self.results, mode=self.settings.stale)
         lines += unused_lines(self.unused, mode=self.settings.unused, update=self.settings.update)
         lines += [f"wrote {path}" for path in self.written]
         lines += self.errors

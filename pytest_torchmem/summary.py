@@ -15,7 +15,7 @@ from tabulate import tabulate
 
 from pytest_torchmem.snapshots import Key
 from pytest_torchmem.units import format_bytes, format_delta
-from pytest_torchmem.verdict import Result, Status
+from pytest_torchmem.verdict import Result, Status, stale_reason
 
 __all__ = [
     "Unused",
@@ -24,6 +24,7 @@ __all__ = [
     "totals_line",
     "table_lines",
     "unused_lines",
+    "stale_lines",
     "json_report",
 ]
 
@@ -33,7 +34,7 @@ REPORT_SCHEMA: Final = 1
 #: The counts always shown in the totals line, in this order.
 _ALWAYS: Final = ("passed", "regressed", "improved", "missing", "unused")
 #: The counts shown only when not zero.
-_SOMETIMES: Final = ("over budget", "mismatch", "new", "updated")
+_SOMETIMES: Final = ("over budget", "mismatch", "stale", "new", "updated")
 
 
 @dataclass(frozen=True, order=True)
@@ -78,6 +79,8 @@ def _test_label(result: Result) -> str:
 def _change(result: Result) -> str:
     if result.snapshot is None:
         return "-"
+    if result.stale:  # the figures are not comparable: say why instead
+        return stale_reason(result)
     change = result.largest_change()
     if change is None:
         return "0 B"
@@ -85,7 +88,7 @@ def _change(result: Result) -> str:
 
 
 def _status(result: Result) -> str:
-    if result.failed and result.status is Status.IMPROVED:  # --torchmem-fail-on-improvement
+    if result.failed and result.status in (Status.IMPROVED, Status.STALE):  # asked to fail
         return f"{result.status} (failed)"
     return str(result.status)
 
@@ -93,28 +96,33 @@ def _status(result: Result) -> str:
 def table_lines(results: Sequence[Result], *, verbosity: int = 0) -> list[str]:
     """A row per test, check and device: the peaks, the largest change, the status.
 
-    Under ``-q`` (``verbosity < 0``) only the rows that are not plain passes.
+    A ``reserved`` column (the caching allocator's segments) appears when a
+    ``cuda`` check is among the rows. Under ``-q`` (``verbosity < 0``) only the
+    rows that are not plain passes.
     """
-    rows = []
-    for result in results:
-        if verbosity < 0 and result.status is Status.PASSED:
-            continue
-        estimate = result.estimate
-        rows.append(
-            (
-                _test_label(result),
-                result.key.device,
-                format_bytes(estimate.forward_peak),
-                format_bytes(estimate.backward_peak),
-                format_bytes(estimate.step_peak),
-                format_bytes(estimate.peak),
-                _change(result),
-                _status(result),
-            )
-        )
-    if not rows:
+    shown = [result for result in results if not (verbosity < 0 and result.status is Status.PASSED)]
+    if not shown:
         return []
-    headers = ("test", "device", "forward", "backward", "step", "peak", "change", "status")
+    reserved = any(result.estimate.reserved_peak is not None for result in shown)
+    rows = []
+    for result in shown:
+        estimate = result.estimate
+        row = [
+            _test_label(result),
+            result.key.device,
+            format_bytes(estimate.forward_peak),
+            format_bytes(estimate.backward_peak),
+            format_bytes(estimate.step_peak),
+            format_bytes(estimate.peak),
+        ]
+        if reserved:
+            row.append(
+                "-" if estimate.reserved_peak is None else format_bytes(estimate.reserved_peak)
+            )
+        rows.append((*row, _change(result), _status(result)))
+    headers = ["test", "device", "forward", "backward", "step", "peak"]
+    headers += ["reserved"] if reserved else []
+    headers += ["change", "status"]
     return tabulate(rows, headers=headers, tablefmt="simple", disable_numparse=True).splitlines()
 
 
@@ -133,6 +141,30 @@ def unused_lines(unused: Sequence[Unused], *, mode: str, update: bool) -> list[s
             f"{len(unused)} unused snapshot entr{'y' if len(unused) == 1 else 'ies'} {verdict}: "
             "remove them by rerunning these tests with --torchmem-update"
         )
+    return lines
+
+
+def stale_lines(results: Sequence[Result], *, mode: str) -> list[str]:
+    """The checks whose snapshot entry was recorded in another environment, and how to fix it."""
+    stale = [result for result in results if result.stale]
+    if not stale:
+        return []
+    lines = [
+        f"stale: {_test_label(result)} on {result.key.device}: snapshot environment differs "
+        f"({stale_reason(result)}); re-record on this machine with: {result.accept}"
+        for result in stale
+    ]
+    one = len(stale) == 1
+    count = f"{len(stale)} stale check{'' if one else 's'}"
+    whose = "its snapshot entry was" if one else "their snapshot entries were"
+    if mode == "fail":
+        verdict = f"failed: {whose} recorded in another environment (--torchmem-stale=fail)"
+    else:
+        verdict = (
+            f"{'was' if one else 'were'} not compared: {whose} recorded in another environment "
+            "(--torchmem-stale=warn; budgets still apply)"
+        )
+    lines.append(f"{count} {verdict}")
     return lines
 
 
@@ -167,6 +199,7 @@ def _result_json(result: Result) -> dict[str, Any]:
         "estimate": estimate,
         "snapshot": snapshot,
         "delta": delta,
+        "stale": {change.name: [change.snapshot, change.current] for change in result.stale},
         "tolerance": {"rtol": result.tolerance.rtol, "atol": result.tolerance.atol},
         "allowed": {change.figure: change.allowed for change in result.changes},
         "budgets": dict(result.budgets),

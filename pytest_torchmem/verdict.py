@@ -13,7 +13,6 @@ from enum import Enum
 from typing import Any, Final
 
 from pytest_torchmem.snapshots import Entry, Key
-from pytest_torchmem.step import ROOT_NAME
 from pytest_torchmem.units import format_bytes, format_delta, parse_bytes
 
 __all__ = [
@@ -21,11 +20,15 @@ __all__ = [
     "MarkerError",
     "MarkerSpec",
     "parse_marker",
+    "parse_gpu",
     "Tolerance",
     "Status",
     "Change",
     "Breach",
     "Mismatch",
+    "EnvChange",
+    "environment_changes",
+    "stale_reason",
     "Result",
     "judge",
     "failure_message",
@@ -33,8 +36,10 @@ __all__ = [
 
 #: The figures a ``memory_budget`` marker can cap.
 BUDGETS: Final = ("forward", "backward", "step", "peak")
-_MARKER_KEYS: Final = (*BUDGETS, "devices", "rtol", "atol")
+_MARKER_KEYS: Final = (*BUDGETS, "devices", "rtol", "atol", "gpu")
 _MARKER: Final = "memory_budget"
+#: The name ``step.ModuleTracker`` gives the model itself (not imported: it needs torch).
+_ROOT_NAME: Final = "(model)"
 
 
 class MarkerError(ValueError):
@@ -63,6 +68,8 @@ class MarkerSpec:
     devices: tuple[str, ...] | None = None
     rtol: float | None = None
     atol: int | None = None
+    #: The GPU profile the ``cuda`` estimate follows (a name from ``PROFILES``).
+    gpu: str | None = None
 
     def tolerance(self, default: Tolerance) -> Tolerance:
         return Tolerance(
@@ -118,11 +125,24 @@ def parse_devices(value: Any, valid: Iterable[str], where: str) -> tuple[str, ..
     return tuple(dict.fromkeys(names))
 
 
-def parse_marker(marks: Sequence[Any], valid_devices: Iterable[str]) -> MarkerSpec:
+def parse_gpu(value: Any, known: Iterable[str], where: str) -> str:
+    """A GPU profile name among ``known`` (case-insensitive), spelled as ``known`` spells it."""
+    known = tuple(known)
+    if isinstance(value, str):
+        for name in known:
+            if name.lower() == value.strip().lower():
+                return name
+    raise MarkerError(f"{where}: unknown GPU profile {value!r}; known profiles: {', '.join(known)}")
+
+
+def parse_marker(
+    marks: Sequence[Any], valid_devices: Iterable[str], gpus: Iterable[str] = ()
+) -> MarkerSpec:
     """Read the ``memory_budget`` marks of a test, closest first (as ``iter_markers`` gives).
 
     A closer mark (the function's) overrides a farther one (its class's or
-    module's) key by key. Raises :class:`MarkerError` naming the bad value.
+    module's) key by key. ``gpus`` are the known GPU profile names. Raises
+    :class:`MarkerError` naming the bad value.
     """
     merged: dict[str, Any] = {}
     for mark in reversed(list(marks)):
@@ -154,7 +174,10 @@ def parse_marker(marks: Sequence[Any], valid_devices: Iterable[str]) -> MarkerSp
     atol = None
     if merged.get("atol") is not None:
         atol = parse_size(merged["atol"], f"{_MARKER}(atol={merged['atol']!r})")
-    return MarkerSpec(budgets=budgets, devices=devices, rtol=rtol, atol=atol)
+    gpu = None
+    if merged.get("gpu") is not None:
+        gpu = parse_gpu(merged["gpu"], gpus, f"{_MARKER}(gpu={merged['gpu']!r})")
+    return MarkerSpec(budgets=budgets, devices=devices, rtol=rtol, atol=atol, gpu=gpu)
 
 
 class Status(str, Enum):
@@ -167,6 +190,8 @@ class Status(str, Enum):
     OVER_BUDGET = "over budget"
     #: The real GPU measurement and the estimate disagree.
     MISMATCH = "mismatch"
+    #: The snapshot entry was recorded in another environment: its bytes are not compared.
+    STALE = "stale"
     #: ``--torchmem-update``: the entry was missing and is written.
     NEW = "new"
     #: ``--torchmem-update``: the entry changed and is rewritten.
@@ -224,6 +249,33 @@ class Mismatch:
 
 
 @dataclass(frozen=True)
+class EnvChange:
+    """One fact of the environment that differs between the snapshot entry and this run."""
+
+    name: str
+    #: As the snapshot recorded it (None: not recorded).
+    snapshot: Any
+    #: As this run has it (None: not part of this run's environment).
+    current: Any
+
+    def __str__(self) -> str:
+        def shown(value: Any) -> str:
+            return "-" if value is None else str(value)
+
+        return f"{self.name} {shown(self.snapshot)} -> {shown(self.current)}"
+
+
+def environment_changes(snapshot: Entry, current: Entry) -> tuple[EnvChange, ...]:
+    """What differs between the environments the two entries were made in."""
+    then, now = snapshot.environment, current.environment
+    return tuple(
+        EnvChange(name, then.get(name), now.get(name))
+        for name in sorted(set(then) | set(now))
+        if then.get(name) != now.get(name)
+    )
+
+
+@dataclass(frozen=True)
 class Result:
     """The verdict of one check of one test on one device."""
 
@@ -242,24 +294,31 @@ class Result:
     changes: tuple[Change, ...] = ()
     breaches: tuple[Breach, ...] = ()
     mismatches: tuple[Mismatch, ...] = ()
+    #: How the snapshot's environment differs from this run's (empty: comparable).
+    stale: tuple[EnvChange, ...] = ()
     #: True when an improvement beyond the tolerance fails the test.
     strict: bool = False
     #: True under ``--torchmem-update``: the estimate is written as the new entry.
     update: bool = False
-
-    def moved(self, how: str) -> list[Change]:
-        return [change for change in self.changes if change.moved == how]
 
     @property
     def acceptable(self) -> bool:
         """True when ``--torchmem-update`` would make this check pass its snapshot."""
         if self.update:
             return False
+        if self.stale:
+            return True
         return (
             self.snapshot is None
             or bool(self.moved("grew"))
             or (self.strict and bool(self.moved("shrank")))
         )
+
+    def moved(self, how: str) -> list[Change]:
+        """The changes that moved ``how`` beyond the tolerance (none when stale: not compared)."""
+        if self.stale:
+            return []
+        return [change for change in self.changes if change.moved == how]
 
     def largest_change(self) -> Change | None:
         """The change with the largest relative size (absolute for a zero reference)."""
@@ -286,6 +345,7 @@ class Result:
             "changes": [vars(change) for change in self.changes],
             "breaches": [vars(breach) for breach in self.breaches],
             "mismatches": [vars(mismatch) for mismatch in self.mismatches],
+            "stale": [vars(change) for change in self.stale],
             "strict": self.strict,
             "update": self.update,
         }
@@ -307,6 +367,7 @@ class Result:
             changes=tuple(Change(**change) for change in data["changes"]),
             breaches=tuple(Breach(**breach) for breach in data["breaches"]),
             mismatches=tuple(Mismatch(**mismatch) for mismatch in data["mismatches"]),
+            stale=tuple(EnvChange(**change) for change in data.get("stale", ())),
             strict=data["strict"],
             update=data["update"],
         )
@@ -356,14 +417,21 @@ def judge(
     update: bool,
     fail_on_improvement: bool,
     measure_rtol: float = 0.05,
+    fail_on_stale: bool = False,
 ) -> Result:
     """The verdict of one check on one device.
 
     Budgets fail even under ``update``; without ``update`` a missing entry and
     a figure grown beyond the tolerance fail, and one shrunk beyond it fails
-    when ``fail_on_improvement``. Where the entry holds a real measurement,
-    each phase must agree with the estimate within ``measure_rtol``.
+    when ``fail_on_improvement``. An entry recorded in another environment
+    (torch version, CPU threads or ISA, GPU profile: the entries'
+    ``environment``) is stale: its bytes are not compared, and it fails only
+    when ``fail_on_stale``; budgets still apply. Where the entry holds a real
+    measurement, each phase must agree with the estimate within ``measure_rtol``.
     """
+    stale: tuple[EnvChange, ...] = ()
+    if snapshot is not None and not update:
+        stale = environment_changes(snapshot, estimate)
     changes: tuple[Change, ...] = ()
     if snapshot is not None:
         reference = snapshot.figures()
@@ -378,9 +446,9 @@ def judge(
         measured = _measured_figures(estimate.measured)
         breaches += _budget_breaches(measured, budgets, "measured")
         recorded = None
-        if snapshot is not None and snapshot.measured is not None:
+        if snapshot is not None and snapshot.measured is not None and not stale:
             recorded = _measured_figures(snapshot.measured)
-        before = None if snapshot is None else snapshot.figures()
+        before = None if snapshot is None or stale else snapshot.figures()
         for figure, value in estimate.figures().items():
             if figure not in measured:
                 continue
@@ -398,8 +466,9 @@ def judge(
                         else measured[figure] - recorded[figure],
                     )
                 )
-    grew = any(change.moved == "grew" for change in changes)
-    shrank = any(change.moved == "shrank" for change in changes)
+    # A stale entry's figures were made by other kernels: a difference says nothing.
+    grew = not stale and any(change.moved == "grew" for change in changes)
+    shrank = not stale and any(change.moved == "shrank" for change in changes)
     if update:
         if snapshot is None:
             status = Status.NEW
@@ -411,6 +480,8 @@ def judge(
     else:
         if snapshot is None:
             status = Status.MISSING
+        elif stale:
+            status = Status.STALE
         elif grew:
             status = Status.REGRESSED
         elif mismatches:
@@ -420,7 +491,12 @@ def judge(
         else:
             status = Status.PASSED
         failed = bool(
-            breaches or snapshot is None or grew or mismatches or (shrank and fail_on_improvement)
+            breaches
+            or snapshot is None
+            or grew
+            or mismatches
+            or (shrank and fail_on_improvement)
+            or (stale and fail_on_stale)
         )
     if breaches:
         status = Status.OVER_BUDGET
@@ -440,6 +516,7 @@ def judge(
         changes=changes,
         breaches=tuple(breaches),
         mismatches=tuple(mismatches),
+        stale=stale,
         strict=fail_on_improvement,
         update=update,
     )
@@ -498,8 +575,8 @@ def _detail_lines(result: Result, verbosity: int) -> list[str]:
     for change in moved[:1] if verbosity < 2 else moved:
         index = _MODULE_PHASE[change.figure]
         # The model itself always moves with the device's peak: it says nothing.
-        before = {n: p[index] for n, p in snapshot.modules.items() if n != ROOT_NAME}
-        after = {n: p[index] for n, p in result.estimate.modules.items() if n != ROOT_NAME}
+        before = {n: p[index] for n, p in snapshot.modules.items() if n != _ROOT_NAME}
+        after = {n: p[index] for n, p in result.estimate.modules.items() if n != _ROOT_NAME}
         modules = _moves(before, after, limit if limit is None else max(limit, 3))
         if modules:
             lines.append(f"  modules that moved most ({change.figure} peak): {', '.join(modules)}")
@@ -522,14 +599,19 @@ def _table(result: Result) -> list[str]:
     return rows
 
 
-def _environment_lines(result: Result) -> list[str]:
-    now = dict(result.estimate.environment)
-    then = {} if result.snapshot is None else dict(result.snapshot.environment)
-    differ = sorted(name for name in set(now) | set(then) if now.get(name) != then.get(name))
-    if result.snapshot is None or not differ:
-        return []
-    parts = [f"{name} {then.get(name, '-')} -> {now.get(name, '-')}" for name in differ]
-    return [f"  note: the snapshot was made in another environment: {', '.join(parts)}"]
+def stale_reason(result: Result) -> str:
+    """``cpu_threads 4 -> 2, torch 2.12.0 -> 2.13.0``: what differs, snapshot -> this run."""
+    return ", ".join(map(str, result.stale))
+
+
+def _stale_line(result: Result) -> str:
+    assert result.snapshot is not None
+    return (
+        f"{result.key.device}: the snapshot entry was recorded in another environment "
+        f"({stale_reason(result)}): its figures are not compared with this run's "
+        f"(estimate: peak {format_bytes(result.estimate.peak)}, snapshot: peak "
+        f"{format_bytes(result.snapshot.peak)})"
+    )
 
 
 def _mismatch_line(mismatch: Mismatch, device: str) -> str:
@@ -564,6 +646,8 @@ def _problems(result: Result, verbosity: int) -> list[str]:
         lines.append(
             f"{device}: no snapshot entry (estimate: peak {format_bytes(result.estimate.peak)})"
         )
+    if result.stale:
+        lines.append(_stale_line(result))
     grew = shrank = []
     if not result.update:
         grew = result.moved("grew")
@@ -576,12 +660,9 @@ def _problems(result: Result, verbosity: int) -> list[str]:
         lines.extend(_detail_lines(result, verbosity))
     if verbosity >= 2:
         lines.extend(_table(result))
-        lines.extend(_environment_lines(result))
         if result.estimate.unsupported:
             ops = ", ".join(result.estimate.unsupported)
             lines.append(f"  incomplete estimate: these ops were not traced faithfully: {ops}")
-    elif verbosity >= 0:
-        lines.extend(_environment_lines(result))
     return lines
 
 
@@ -610,11 +691,12 @@ def failure_message(results: Sequence[Result], verbosity: int = 0) -> str:
             lines.append(f"snapshot: {result.file}, key {result.key} ({state})")
     acceptable = [result for result in failed if result.acceptable]
     if acceptable:
-        verb = (
-            "create the entry"
-            if all(r.snapshot is None for r in acceptable)
-            else "accept the change"
-        )
+        if all(r.snapshot is None for r in acceptable):
+            verb = "create the entry"
+        elif all(r.stale for r in acceptable):
+            verb = "re-record the entry on this machine"
+        else:
+            verb = "accept the change"
         lines.append(f"{verb} with: {first.accept}")
     if any(result.breaches for result in failed):
         lines.append(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 import xml.etree.ElementTree as ET
 from typing import Any
 
@@ -70,11 +71,13 @@ def test_missing_entry_fails_prints_the_command_and_writes_nothing(
         result.assert_outcomes(failed=1)
         result.stdout.fnmatch_lines(
             [
-                "torchmem: missing on cpu: test_m.py::test_linear [[]default[]]",
+                "torchmem: missing on cpu, missing on cuda: test_m.py::test_linear [[]default[]]",
                 "cpu: no snapshot entry (estimate: peak *)",
+                "cuda: no snapshot entry (estimate: peak *)",
                 'snapshot: __torchmem__/test_m.json, key "test_linear" > "default" > "cpu" (no such entry)',
+                'snapshot: __torchmem__/test_m.json, key "test_linear" > "default" > "cuda" (no such entry)',
                 'create the entry with: pytest --torchmem-update "test_m.py::test_linear"',
-                "torchmem: 1 check: 0 passed, 0 regressed, 0 improved, 1 missing, 0 unused",
+                "torchmem: 2 checks: 0 passed, 0 regressed, 0 improved, 2 missing, 0 unused",
             ]
         )
         assert not (pytester.path / "__torchmem__").exists()
@@ -167,7 +170,7 @@ def test_names_tell_checks_apart_and_unnamed_twice_is_an_error(pytester: pytest.
 def test_two(torchmem):
     a = torchmem.check(nn.Linear(8, 4), torch.randn(2, 8), name="train")
     b = torchmem.check(nn.Linear(8, 4), torch.randn(2, 8), name="eval", train=False)
-    assert set(a) == set(b) == {"cpu"}
+    assert set(a) == set(b) == {"cpu", "cuda"}
     assert a["cpu"].backward_peak > 0 and b["cpu"].backward_peak == 0
 
 def test_unnamed_twice(torchmem):
@@ -200,9 +203,10 @@ def test_messages_under_q_and_vv(pytester: pytest.Pytester) -> None:
     quiet = pytester.runpytest("-q")
     quiet.stdout.fnmatch_lines(
         [
-            "torchmem: regressed on cpu: test_m.py::test_linear [[]default[]]",
+            "torchmem: regressed on cpu, regressed on cuda: test_m.py::test_linear [[]default[]]",
             "cpu forward peak grew: estimate *, snapshot *: +*, allowed ±0 B (rtol 0, atol 0 B)",
             "cpu backward peak grew: *",
+            "cuda forward peak grew: *",
             'accept the change with: pytest --torchmem-update "test_m.py::test_linear"',
         ]
     )
@@ -249,14 +253,15 @@ def test_improvement_is_reported_and_fails_when_asked(pytester: pytest.Pytester)
     result.stdout.fnmatch_lines(
         [
             "test_m.py::test_linear  cpu * -* improved",
-            "torchmem: 1 check: 0 passed, 0 regressed, 1 improved, 0 missing, 0 unused",
+            "test_m.py::test_linear  cuda * -* improved",
+            "torchmem: 2 checks: 0 passed, 0 regressed, 2 improved, 0 missing, 0 unused",
         ]
     )
     strict = pytester.runpytest("--torchmem-fail-on-improvement")
     assert strict.ret == pytest.ExitCode.TESTS_FAILED
     strict.stdout.fnmatch_lines(
         [
-            "torchmem: improved on cpu: test_m.py::test_linear [[]default[]]",
+            "torchmem: improved on cpu, improved on cuda: test_m.py::test_linear [[]default[]]",
             "cpu forward peak shrank: *",
             'accept the change with: pytest --torchmem-update "test_m.py::test_linear"',
         ]
@@ -277,7 +282,7 @@ def test_budget_exceeded_fails_even_under_update(pytester: pytest.Pytester) -> N
 def test_over(torchmem):
     torchmem.check(nn.Linear(8, 4), torch.randn(2, 8))
 
-@pytest.mark.memory_budget(forward="1 MiB", backward="1 MB", step="0 B", peak="1.5 MiB")
+@pytest.mark.memory_budget(forward="48 MiB", backward="100 MB", step="0 B", peak="0.5 GiB")
 def test_within(torchmem):
     torchmem.check(nn.Linear(8, 4), torch.randn(2, 8))
 """
@@ -288,8 +293,9 @@ def test_within(torchmem):
         result.assert_outcomes(passed=1, failed=1)
         result.stdout.fnmatch_lines(
             [
-                "torchmem: over budget on cpu: test_m.py::test_over [[]default[]]",
+                "torchmem: over budget on cpu, over budget on cuda: test_m.py::test_over [[]default[]]",
                 "cpu peak over budget: estimate * B, budget 100 B (memory_budget(peak=...)): * B over",
+                "cuda peak over budget: estimate * MiB, budget 100 B (memory_budget(peak=...)): * over",
                 "a budget is a hard limit: --torchmem-update does not lift it; *",
             ]
         )
@@ -302,7 +308,7 @@ def test_class_and_module_markers_merge_closest_first(pytester: pytest.Pytester)
 pytestmark = pytest.mark.memory_budget(peak=100, rtol=0.5)
 
 class TestX:
-    @pytest.mark.memory_budget(peak="1 MiB")
+    @pytest.mark.memory_budget(peak="1 GiB")
     def test_raised(self, torchmem):
         torchmem.check(nn.Linear(8, 4), torch.randn(2, 8))
 
@@ -313,7 +319,7 @@ class TestX:
     result = pytester.runpytest("--torchmem-update")
     result.assert_outcomes(passed=1, failed=1)
     result.stdout.fnmatch_lines(
-        ["torchmem: over budget on cpu: test_m.py::TestX::test_module_cap *"]
+        ["torchmem: over budget on cpu, over budget on cuda: test_m.py::TestX::test_module_cap *"]
     )
 
 
@@ -332,7 +338,11 @@ class TestX:
         ('rtol="two percent"', "memory_budget(rtol='two percent'): cannot read 'two percent' *"),
         (
             "budget=5",
-            "*does not know 'budget'; it takes forward, backward, step, peak, devices, rtol, atol",
+            "*does not know 'budget'; it takes forward, backward, step, peak, devices, rtol, atol, gpu",
+        ),
+        (
+            'gpu="H1000"',
+            "memory_budget(gpu='H1000'): unknown GPU profile 'H1000'; known profiles: *H100*",
         ),
         ('"1 GiB"', "*takes keyword arguments only*got positional ('1 GiB',)"),
     ],
@@ -402,14 +412,20 @@ def test_unused_entries_of_deleted_tests_and_dropped_checks(pytester: pytest.Pyt
     result.assert_outcomes(passed=2)
     result.stdout.fnmatch_lines(
         [
-            'unused: __torchmem__/test_gone.json: "test_a" > "default" > "cpu"',
-            'unused: __torchmem__/test_gone.json: "test_b" > "default" > "cpu"',
-            'unused: __torchmem__/test_gone.json: "test_b" > "extra" > "cpu"',
-            'unused: __torchmem__/test_gone.json: "test_c" > "default" > "cpu"',
-            'unused: __torchmem__/test_m.json: "test_b" > "extra" > "cpu"',
-            'unused: __torchmem__/test_m.json: "test_c" > "default" > "cpu"',
-            "6 unused snapshot entries fail this run: remove them by rerunning these tests with --torchmem-update",
-            "torchmem: 2 checks: 2 passed, 0 regressed, 0 improved, 0 missing, 6 unused",
+            f'unused: __torchmem__/{file}.json: "{test}" > "{name}" > "{device}"'
+            for file, test, name in (
+                ("test_gone", "test_a", "default"),
+                ("test_gone", "test_b", "default"),
+                ("test_gone", "test_b", "extra"),
+                ("test_gone", "test_c", "default"),
+                ("test_m", "test_b", "extra"),
+                ("test_m", "test_c", "default"),
+            )
+            for device in ("cpu", "cuda")
+        ]
+        + [
+            "12 unused snapshot entries fail this run: remove them by rerunning these tests with --torchmem-update",
+            "torchmem: 4 checks: 4 passed, 0 regressed, 0 improved, 0 missing, 12 unused",
         ]
     )
     assert (pytester.path / "__torchmem__" / "test_m.json").read_text() == before
@@ -422,7 +438,7 @@ def test_unused_entries_of_deleted_tests_and_dropped_checks(pytester: pytest.Pyt
     # The update removes them, and the emptied orphan file.
     result = pytester.runpytest("--torchmem-update")
     assert result.ret == 0
-    result.stdout.fnmatch_lines(["removed 6 unused snapshot entries"])
+    result.stdout.fnmatch_lines(["removed 12 unused snapshot entries"])
     assert entries(pytester) == {"test_a": ["default"], "test_b": ["default"]}
     assert not orphan.exists()
 
@@ -444,7 +460,7 @@ def test_unused_judged_only_over_tests_that_ran(pytester: pytest.Pytester) -> No
     result = pytester.runpytest()
     result.assert_outcomes(passed=1, failed=1, skipped=1)
     assert "unused:" not in result.stdout.str()
-    result.stdout.fnmatch_lines(["torchmem: 2 checks: 2 passed, *, 0 unused"])
+    result.stdout.fnmatch_lines(["torchmem: 4 checks: 4 passed, *, 0 unused"])
     # Under --torchmem-update with -k, the other tests' entries are kept.
     make(pytester, THREE)
     assert pytester.runpytest("--torchmem-update", "-k", "test_a").ret == 0
@@ -473,6 +489,7 @@ torchmem_measure = off
 torchmem_measure_rtol = 0.1
 torchmem_gpu = A100
 torchmem_fail_on_improvement = true
+torchmem_stale = fail
 """
     )
     result = pytester.runpytest()
@@ -491,6 +508,7 @@ torchmem_fail_on_improvement = true
         "measure_rtol": 0.1,
         "gpu_profile": "A100",
         "fail_on_improvement": True,
+        "stale": "fail",
         "measured_on_gpu": False,
     }
     assert (pytester.path / "__torchmem__" / "test_m.json").is_file()
@@ -536,6 +554,21 @@ torchmem_fail_on_improvement = true
             "",
             "*argument --torchmem-unused: invalid choice: 'never'*",
         ),
+        (
+            ["--torchmem-gpu", "H1000"],
+            "",
+            "--torchmem-gpu: unknown GPU profile 'H1000'; known profiles: V100, *, H100, *",
+        ),
+        (
+            [],
+            "torchmem_gpu = TPUv5",
+            "ini option torchmem_gpu: unknown GPU profile 'TPUv5'; known profiles: *",
+        ),
+        (
+            [],
+            "torchmem_stale = sometimes",
+            "ini option torchmem_stale: expected one of warn, fail, got 'sometimes'",
+        ),
     ],
 )
 def test_bad_option_values_are_usage_errors(
@@ -557,18 +590,163 @@ def test_measure_on_without_a_gpu_is_a_usage_error(pytester: pytest.Pytester) ->
     )
 
 
-def test_devices_option_and_marker(pytester: pytest.Pytester) -> None:
+def test_devices_default_option_and_marker(pytester: pytest.Pytester) -> None:
+    """Both fake devices by default; the option narrows the default; the marker wins."""
     body = """
 @pytest.mark.memory_budget(devices="cpu")
 def test_marked(torchmem):
     assert set(torchmem.check(nn.Linear(8, 4), torch.randn(2, 8))) == {"cpu"}
 
-def test_default(torchmem):
-    assert set(torchmem.check(nn.Linear(8, 4), torch.randn(2, 8))) == {"cpu"}
+def test_default(torchmem, request):
+    wanted = request.config.getoption("torchmem_devices") or "cpu,cuda"
+    assert set(torchmem.check(nn.Linear(8, 4), torch.randn(2, 8))) == set(wanted.split(","))
 """
     make(pytester, body)
-    assert pytester.runpytest("--torchmem-update", "--torchmem-devices", "cpu").ret == 0
-    assert entries(pytester) == {"test_default": ["default"], "test_marked": ["default"]}
+    assert pytester.runpytest("--torchmem-update").ret == 0
+    stored = snapshot(pytester)["tests"]
+    assert sorted(stored["test_default"]["default"]) == ["cpu", "cuda"]
+    assert sorted(stored["test_marked"]["default"]) == ["cpu"]
+    cpu, cuda = stored["test_default"]["default"]["cpu"], stored["test_default"]["default"]["cuda"]
+    assert "reserved_peak" not in cpu
+    assert cuda["reserved_peak"] >= cuda["peak"] > 0
+    assert cuda["environment"] == {"gpu": "H100", "torch": torch.__version__}
+    # Narrowed to cuda on the command line: the cpu entry of test_default is not unused.
+    result = pytester.runpytest("--torchmem-devices", "cuda")
+    assert result.ret == 0
+    result.stdout.fnmatch_lines(["test_m.py::test_default  cuda *passed", "*0 unused"])
+    assert "test_m.py::test_default  cpu" not in result.stdout.str()
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="exception notes are Python 3.11+")
+def test_a_cpu_tensor_captured_by_loss_fn_gets_a_hint_on_cuda(pytester: pytest.Pytester) -> None:
+    body = """
+def test_labels(torchmem):
+    labels = torch.tensor([0, 1])
+    torchmem.check(
+        nn.Linear(8, 4), torch.randn(2, 8),
+        loss_fn=lambda logits: nn.functional.cross_entropy(logits, labels),
+    )
+"""
+    make(pytester, body)
+    result = pytester.runpytest("--torchmem-update")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(
+        ["*torchmem: on the fake cuda device the step runs on fake tensors of that device*"]
+    )
+    assert "labels.to(logits.device)" in result.stdout.str()
+
+
+# -- the GPU profile ---------------------------------------------------------------------------
+
+GPU_BODY = """
+def test_h100(torchmem):
+    torchmem.check(nn.Linear(8, 4), torch.randn(2, 8))
+
+@pytest.mark.memory_budget(gpu="a100")
+def test_a100(torchmem):
+    torchmem.check(nn.Linear(8, 4), torch.randn(2, 8))
+"""
+
+
+def test_gpu_profile_from_marker_option_and_ini(pytester: pytest.Pytester) -> None:
+    """The cuda estimate follows the GPU profile: marker first, then --torchmem-gpu / ini, then H100."""
+    make(pytester, GPU_BODY)
+    assert pytester.runpytest("--torchmem-update").ret == 0
+    stored = snapshot(pytester)["tests"]
+    h100, a100 = stored["test_h100"]["default"]["cuda"], stored["test_a100"]["default"]["cuda"]
+    assert h100["environment"]["gpu"] == "H100"
+    assert a100["environment"]["gpu"] == "A100"  # the marker's name, spelled as the profile's
+    # The profile changes the figures (cuBLAS sizes its workspace by architecture), not the cpu ones.
+    assert a100["breakdown"]["workspace"] < h100["breakdown"]["workspace"]
+    assert stored["test_h100"]["default"]["cpu"] == stored["test_a100"]["default"]["cpu"]
+    # Another profile for the run: the H100 entry is stale (not compared), the marker still wins.
+    pytester.makeini("[pytest]\ntorchmem_gpu = A100\n")
+    result = pytester.runpytest()
+    assert result.ret == 0
+    result.stdout.fnmatch_lines(
+        [
+            "torchmem: compare, devices cpu,cuda, rtol 0, atol 0 B, gpu profile A100",
+            "test_m.py::test_h100  cuda * gpu H100 -> A100  stale",
+            "torchmem: 4 checks: 3 passed, 0 regressed, 0 improved, 0 missing, 0 unused, 1 stale",
+        ]
+    )
+    assert pytester.runpytest("--torchmem-gpu", "h100").ret == 0  # the command line wins
+
+
+# -- stale environments --------------------------------------------------------------------------
+
+
+def test_entry_from_another_environment_is_stale(pytester: pytest.Pytester) -> None:
+    """Regression guard: an entry recorded on another machine is reported stale, never compared as bytes."""
+    make(pytester, LINEAR.format(out=4))
+    assert pytester.runpytest("--torchmem-update").ret == 0
+    path = pytester.path / "__torchmem__" / "test_m.json"
+    data = json.loads(path.read_text())
+    cpu = data["tests"]["test_linear"]["default"]["cpu"]
+    threads = torch.get_num_threads()
+    # Recorded on a bigger machine, whose kernels needed other scratch: the bytes differ too.
+    cpu["environment"]["cpu_threads"] = threads + 6
+    cpu["forward_peak"] = 8
+    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+    result = pytester.runpytest()
+    assert result.ret == 0  # by default a stale entry is reported, and does not fail
+    result.stdout.fnmatch_lines(
+        [
+            f"test_m.py::test_linear  cpu * cpu_threads {threads + 6} -> {threads}  stale",
+            "test_m.py::test_linear  cuda * 0 B * passed",
+            (
+                "stale: test_m.py::test_linear on cpu: snapshot environment differs (cpu_threads "
+                f"{threads + 6} -> {threads}); re-record on this machine with: "
+                'pytest --torchmem-update "test_m.py::test_linear"'
+            ),
+            (
+                "1 stale check was not compared: its snapshot entry was recorded in another "
+                "environment (--torchmem-stale=warn; budgets still apply)"
+            ),
+            "torchmem: 2 checks: 1 passed, 0 regressed, 0 improved, 0 missing, 0 unused, 1 stale",
+        ]
+    )
+    for args, ini in ((["--torchmem-stale=fail"], ""), ([], "[pytest]\ntorchmem_stale = fail\n")):
+        pytester.makeini(ini)
+        strict = pytester.runpytest(*args)
+        assert strict.ret == pytest.ExitCode.TESTS_FAILED
+        strict.stdout.fnmatch_lines(
+            [
+                "torchmem: stale on cpu: test_m.py::test_linear [[]default[]]",
+                (
+                    "cpu: the snapshot entry was recorded in another environment "
+                    f"(cpu_threads {threads + 6} -> {threads}): its figures are not compared "
+                    "with this run's (estimate: peak *, snapshot: peak *)"
+                ),
+                're-record the entry on this machine with: pytest --torchmem-update "test_m.py::test_linear"',
+                "test_m.py::test_linear  cpu * stale (failed)",
+            ]
+        )
+    pytester.makeini("")
+    # Budgets still apply to a stale entry.
+    make(pytester, "@pytest.mark.memory_budget(peak=100)" + LINEAR.format(out=4))
+    result = pytester.runpytest()
+    assert result.ret == pytest.ExitCode.TESTS_FAILED
+    result.stdout.fnmatch_lines(
+        [
+            "torchmem: over budget on cpu, over budget on cuda: test_m.py::test_linear *",
+            "cpu peak over budget: *",
+            "cpu: the snapshot entry was recorded in another environment *",
+        ]
+    )
+    # Re-recording on this machine makes the entry current again.
+    make(pytester, LINEAR.format(out=4))
+    result = pytester.runpytest("--torchmem-update")
+    assert result.ret == 0
+    result.stdout.fnmatch_lines(["test_m.py::test_linear  cpu * updated"])
+    assert pytester.runpytest().ret == 0
+    assert (
+        json.loads(path.read_text())["tests"]["test_linear"]["default"]["cpu"]["environment"][
+            "cpu_threads"
+        ]
+        == threads
+    )
 
 
 # -- reports -------------------------------------------------------------------------------------
@@ -597,25 +775,34 @@ def test_json_report(pytester: pytest.Pytester) -> None:
     }
     assert report["environment"]["torch"] == torch.__version__
     assert report["environment"]["gpu_profile"] == "H100"
+    # On cuda, Linear(8, 9) still fits the 512-byte blocks of Linear(8, 4): no change there.
     assert report["totals"] == {
-        "passed": 1,
+        "passed": 3,
         "regressed": 1,
         "improved": 0,
         "missing": 0,
         "unused": 0,
         "over budget": 0,
         "mismatch": 0,
+        "stale": 0,
         "new": 0,
         "updated": 0,
-        "checks": 2,
+        "checks": 4,
         "failed": 1,
     }
-    by_test = {entry["test"]: entry for entry in report["results"]}
+    by_test = {(entry["test"], entry["device"]): entry for entry in report["results"]}
     stored = snapshot(pytester)["tests"]
-    passed, regressed = by_test["test_a"], by_test["test_c"]
+    passed, regressed = by_test["test_a", "cpu"], by_test["test_c", "cpu"]
+    assert by_test["test_c", "cuda"]["status"] == "passed"
+    assert by_test["test_c", "cuda"]["environment"] == {"gpu": "H100", "torch": torch.__version__}
+    assert (
+        by_test["test_c", "cuda"]["estimate"]["reserved"]
+        >= by_test["test_c", "cuda"]["estimate"]["peak"]
+    )
     assert passed["status"] == "passed" and not passed["failed"]
     assert passed["estimate"]["peak"] == stored["test_a"]["default"]["cpu"]["peak"]
     assert passed["delta"] == {"forward": 0, "backward": 0, "step": 0, "peak": 0}
+    assert passed["stale"] == {}
     assert regressed["status"] == "regressed" and regressed["failed"]
     assert regressed["snapshot"]["forward"] == stored["test_c"]["default"]["cpu"]["forward_peak"]
     assert (
@@ -637,17 +824,21 @@ def test_terminal_table_and_totals(pytester: pytest.Pytester) -> None:
             "*- torchmem -*",
             "test *device*forward*backward*step*peak*change*status",
             "test_m.py::test_a  * cpu  * B  * B  * 0 B  * B  * -  * new",
+            "test_m.py::test_a  * cuda * MiB * MiB * 0 B * MiB * -  * new",
             "test_m.py::test_b [[]extra[]] *cpu*new",
+            "test_m.py::test_b [[]extra[]] *cuda*new",
             "wrote __torchmem__/test_m.json",
-            "torchmem: 4 checks: 0 passed, 0 regressed, 0 improved, 0 missing, 0 unused, 4 new",
+            "torchmem: 8 checks: 0 passed, 0 regressed, 0 improved, 0 missing, 0 unused, 8 new",
         ]
     )
     result = pytester.runpytest()
-    result.stdout.fnmatch_lines(["test_m.py::test_a  * cpu * 0 B * passed"])
+    result.stdout.fnmatch_lines(
+        ["test_m.py::test_a  * cpu * 0 B * passed", "test_m.py::test_a  * cuda * 0 B * passed"]
+    )
     quiet = pytester.runpytest("-q")  # passes only: just the totals
     assert "test_m.py::test_a " not in quiet.stdout.str()
     quiet.stdout.fnmatch_lines(
-        ["torchmem: 4 checks: 4 passed, 0 regressed, 0 improved, 0 missing, 0 unused"]
+        ["torchmem: 8 checks: 8 passed, 0 regressed, 0 improved, 0 missing, 0 unused"]
     )
 
 
@@ -773,6 +964,7 @@ def test_help_lists_every_option(pytester: pytest.Pytester) -> None:
         "--torchmem-measure-rtol=R",
         "--torchmem-gpu=NAME",
         "--torchmem-fail-on-improvement",
+        "--torchmem-stale=*",
     ):
         result.stdout.fnmatch_lines([f"*{option}*"])
     for ini in (
@@ -786,5 +978,6 @@ def test_help_lists_every_option(pytester: pytest.Pytester) -> None:
         "torchmem_measure_rtol",
         "torchmem_gpu",
         "torchmem_fail_on_improvement",
+        "torchmem_stale",
     ):
         result.stdout.fnmatch_lines([f"*{ini} (*"])

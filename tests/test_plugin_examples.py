@@ -50,10 +50,13 @@ def test_example_suite_passes_against_its_committed_snapshot(
     result = pytester.runpytest_inprocess(name, "--torchmem-unused=fail")
     # On failure, the output says which figure moved: after a deliberate change to
     # a device model, accept it with `pytest --torchmem-update examples/<name>`.
+    # (On a machine whose CPU threads or ISA differ from the snapshots', the cpu
+    # checks are stale: reported, not compared.)
     assert result.ret == 0, result.stdout.str()
     result.stdout.fnmatch_lines(
-        ["torchmem: * checks: * passed, 0 regressed, 0 improved, 0 missing, 0 unused"]
+        ["torchmem: * checks: * passed, 0 regressed, 0 improved, 0 missing, 0 unused*"]
     )
+    assert "cuda" in result.stdout.str()  # both fake devices by default
 
 
 def test_a_wider_layer_fails_the_cnn_example_and_names_the_modules(
@@ -68,8 +71,8 @@ def test_a_wider_layer_fails_the_cnn_example_and_names_the_modules(
     assert result.ret == pytest.ExitCode.TESTS_FAILED
     result.stdout.fnmatch_lines(
         [
-            "torchmem: regressed on cpu: cnn/test_cnn.py::test_cnn_training_step[[]4[]] [[]default[]]",
-            "cpu forward peak grew: *",
+            "torchmem: regressed on *: cnn/test_cnn.py::test_cnn_training_step[[]4[]] [[]default[]]",
+            "* forward peak grew: *",
             "  categories that moved most (at the peak): *",
             "  modules that moved most (forward peak): features*",
             'accept the change with: pytest --torchmem-update "cnn/test_cnn.py::test_cnn_training_step[[]4[]]"',

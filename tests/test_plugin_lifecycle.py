@@ -78,7 +78,7 @@ def test_update_pass_regress_read_accept(
     result.stdout.fnmatch_lines(
         [
             "wrote __torchmem__/test_m.json",
-            "torchmem: 4 checks: 0 passed, 0 regressed, 0 improved, 0 missing, 0 unused, 4 new",
+            "torchmem: 8 checks: 0 passed, 0 regressed, 0 improved, 0 missing, 0 unused, 8 new",
         ]
     )
     created = stored_tests(pytester)
@@ -96,7 +96,7 @@ def test_update_pass_regress_read_accept(
     result.assert_outcomes(passed=1, failed=2)  # (xdist does not count deselected tests)
     result.stdout.fnmatch_lines(
         [
-            "torchmem: regressed on cpu: test_m.py::test_a [[]default[]]",
+            "torchmem: regressed on cpu, regressed on cuda: test_m.py::test_a [[]default[]]",
             "cpu forward peak grew: estimate *, snapshot *: +*, allowed ±0 B (rtol 0, atol 0 B)",
             "cpu backward peak grew: *",
             "  categories that moved most (at the peak): *",
@@ -110,8 +110,9 @@ def test_update_pass_regress_read_accept(
     result.stdout.fnmatch_lines(
         [
             'unused: __torchmem__/test_m.json: "test_b" > "eval" > "cpu"',
-            "1 unused snapshot entry fail this run: *",
-            "torchmem: 3 checks: 1 passed, 1 regressed, 0 improved, 1 missing, 1 unused",
+            'unused: __torchmem__/test_m.json: "test_b" > "eval" > "cuda"',
+            "2 unused snapshot entries fail this run: *",
+            "torchmem: 6 checks: 2 passed, 2 regressed, 0 improved, 2 missing, 2 unused",
         ]
     )
     assert 'test_c" >' not in result.stdout.str()  # deselected: not judged
@@ -121,7 +122,7 @@ def test_update_pass_regress_read_accept(
     result = run("--torchmem-update", "-k", "not test_c")
     assert result.ret == 0
     result.stdout.fnmatch_lines(
-        ["removed 1 unused snapshot entry", "wrote __torchmem__/test_m.json"]
+        ["removed 2 unused snapshot entries", "wrote __torchmem__/test_m.json"]
     )
     accepted = stored_tests(pytester)
     assert {test: sorted(checks) for test, checks in accepted.items()} == {
@@ -141,7 +142,7 @@ def test_update_pass_regress_read_accept(
         result = run()
         assert result.ret == 0
         result.stdout.fnmatch_lines(
-            ["torchmem: 4 checks: 4 passed, 0 regressed, 0 improved, 0 missing, 0 unused"]
+            ["torchmem: 8 checks: 8 passed, 0 regressed, 0 improved, 0 missing, 0 unused"]
         )
 
 

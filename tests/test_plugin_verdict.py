@@ -9,6 +9,7 @@ import pytest
 
 from pytest_torchmem.snapshots import Entry, Key
 from pytest_torchmem.verdict import (
+    EnvChange,
     MarkerError,
     Result,
     Status,
@@ -182,7 +183,6 @@ def _regression() -> Result:
         backward=2600,
         breakdown={"activations": 1100, "parameters": 400, "gradients": 400},
         modules={"(model)": (1000, 2600), "encoder": (900, 2600), "head": (1000, 1850)},
-        environment={"torch": "2.14.0", "cpu_threads": 2},
     )
     return verdict(after, before, tolerance=Tolerance(0.02, 0))
 
@@ -195,7 +195,6 @@ def test_failure_message_default_verbosity() -> None:
         "allowed \u00b140 B (rtol 0.02, atol 0 B)",
         "  categories that moved most (at the peak): activations +600 B (+120.0%)",
         "  modules that moved most (backward peak): encoder +600 B (+30.0%), head +50 B (+2.8%)",
-        "  note: the snapshot was made in another environment: torch 2.13.0 -> 2.14.0",
         'snapshot: __torchmem__/t.json, key "test_x" > "default" > "cpu" (entry)',
         'accept the change with: pytest --torchmem-update "t.py::test_x"',
     ]
@@ -233,3 +232,64 @@ def test_budget_message_says_update_does_not_lift_it() -> None:
     )
     assert "--torchmem-update does not lift it" in message
     assert "accept the change" not in message
+
+
+# -- stale environments ------------------------------------------------------------------
+
+
+def test_entry_from_another_environment_is_stale_not_compared() -> None:
+    """Regression guard: bytes recorded with other CPU kernels (thread count) are not compared."""
+    snapshot = entry(forward=1000, environment={"torch": "2.13.0", "cpu_threads": 4})
+    now = entry(forward=9000)  # would be a regression in the same environment
+    result = verdict(now, snapshot)
+    assert result.status is Status.STALE and not result.failed
+    assert result.stale == (EnvChange("cpu_threads", 4, 2),)
+    assert not result.moved("grew")
+    assert result.acceptable
+    # Asked to: the stale entry fails, and the message says what differs and how to re-record it.
+    strict = verdict(now, snapshot, fail_on_stale=True)
+    assert strict.status is Status.STALE and strict.failed
+    assert failure_message([strict]).splitlines() == [
+        "torchmem: stale on cpu: t.py::test_x [default]",
+        (
+            "cpu: the snapshot entry was recorded in another environment (cpu_threads 4 -> 2): "
+            "its figures are not compared with this run's (estimate: peak 8.79 KiB, snapshot: "
+            "peak 1.95 KiB)"
+        ),
+        'snapshot: __torchmem__/t.json, key "test_x" > "default" > "cpu" (entry)',
+        're-record the entry on this machine with: pytest --torchmem-update "t.py::test_x"',
+    ]
+    assert Result.from_json(strict.to_json()) == strict
+
+
+def test_stale_names_every_difference_and_budgets_still_apply() -> None:
+    snapshot = entry(environment={"torch": "2.12.0", "gpu": "A100"})
+    now = entry(forward=5000, environment={"torch": "2.13.0", "gpu": "H100", "extra": 1})
+    result = verdict(now, snapshot, budgets={"forward": 4096})
+    assert [str(change) for change in result.stale] == [
+        "extra - -> 1",
+        "gpu A100 -> H100",
+        "torch 2.12.0 -> 2.13.0",
+    ]
+    assert result.status is Status.OVER_BUDGET and result.failed
+    message = failure_message([result])
+    assert "cpu forward peak over budget: estimate 4.88 KiB, budget 4.00 KiB" in message
+    assert "recorded in another environment (extra - -> 1, gpu A100 -> H100, torch" in message
+
+
+def test_update_rewrites_a_stale_entry() -> None:
+    snapshot = entry(environment={"torch": "2.12.0", "cpu_threads": 2})
+    result = verdict(entry(), snapshot, update=True)
+    assert result.status is Status.UPDATED and not result.failed and not result.stale
+
+
+def test_marker_gpu_is_checked_against_the_known_profiles() -> None:
+    gpus = ("V100", "A100", "H100")
+    assert parse_marker([mark(gpu="a100")], DEVICES, gpus).gpu == "A100"
+    assert parse_marker([mark(gpu="A100"), mark(gpu="V100")], DEVICES, gpus).gpu == "A100"
+    assert parse_marker([mark(peak=1)], DEVICES, gpus).gpu is None
+    with pytest.raises(MarkerError) as error:
+        parse_marker([mark(gpu="TPUv5")], DEVICES, gpus)
+    assert str(error.value) == (
+        "memory_budget(gpu='TPUv5'): unknown GPU profile 'TPUv5'; known profiles: V100, A100, H100"
+    )

@@ -1,8 +1,9 @@
 """A multi-layer perceptron: the smallest memory regression suite.
 
-Run it with ``pytest examples/mlp``; after a change to the model, accept the
-new figures with ``pytest --torchmem-update examples/mlp`` and commit the diff
-of ``examples/mlp/__torchmem__/test_mlp.json``.
+Each check is traced on the fake ``cpu`` and ``cuda`` devices. Run it with
+``pytest examples/mlp``; after a change to the model, accept the new figures
+with ``pytest --torchmem-update examples/mlp`` and commit the diff of
+``examples/mlp/__torchmem__/test_mlp.json``.
 """
 
 import pytest
@@ -23,12 +24,17 @@ def make_mlp(
 
 
 def cross_entropy(labels: torch.Tensor):
-    return lambda logits: nn.functional.cross_entropy(logits, labels)
+    # The loss runs on the device being traced: move what it captures there.
+    return lambda logits: nn.functional.cross_entropy(logits, labels.to(logits.device))
 
 
-# A hard cap: the test fails when the training step needs more, even under
-# --torchmem-update. The snapshot catches smaller drifts.
-@pytest.mark.memory_budget(peak="2 MiB")
+# A hard cap on every traced device (cpu and cuda by default): the test fails
+# when the training step needs more, even under --torchmem-update. The snapshot
+# catches smaller drifts. On the fake cuda device (an H100 unless told
+# otherwise) most of the step is cuBLAS workspace: 32 MiB for the forward's
+# stream and 32 MiB more for the backward, which autograd runs on its own
+# stream.
+@pytest.mark.memory_budget(peak="80 MiB")
 def test_mlp_training_step(torchmem):
     torch.manual_seed(0)
     x, labels = torch.randn(64, 128), torch.randint(0, 10, (64,))

@@ -38,14 +38,17 @@ def build() -> nn.Module:
 
 def next_token_loss(tokens: torch.Tensor):
     def loss(logits: torch.Tensor) -> torch.Tensor:
-        return nn.functional.cross_entropy(
-            logits[:, :-1].reshape(-1, VOCAB), tokens[:, 1:].reshape(-1)
-        )
+        targets = tokens[:, 1:].reshape(-1).to(logits.device)  # the device being traced
+        return nn.functional.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), targets)
 
     return loss
 
 
-@pytest.mark.memory_budget(step="16 MiB")
+# The optimizer step creates AdamW's two moments per parameter: a budget on the
+# step phase catches a change that makes them bigger (a wider model, fp32
+# master weights). On the fake cuda device (H100) the step peaks at about
+# 67 MiB, two 32 MiB cuBLAS workspaces included.
+@pytest.mark.memory_budget(step="80 MiB")
 def test_training_step_with_adamw(torchmem):
     tokens = torch.randint(0, VOCAB, (4, CONTEXT))
     torchmem.check(

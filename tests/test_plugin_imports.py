@@ -1,0 +1,99 @@
+"""Imports: pytest loads the plugin in every run; torch is imported only by the first memory check."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+pytest_plugins = ("pytester",)
+
+
+def run_python(code: str) -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+
+
+def test_importing_the_plugin_does_not_import_torch() -> None:
+    """Regression guard: `import pytest_torchmem.plugin` (pytest's entry point) stays free of torch."""
+    run_python(
+        """
+        import sys
+        import pytest_torchmem.plugin
+        assert "torch" not in sys.modules, "the plugin imported torch"
+        import pytest_torchmem as tm
+        assert tm.__version__ == "0.1.0"
+        assert tm.parse_bytes("1 KiB") == 1024 and tm.format_bytes(1024) == "1.00 KiB"
+        assert "torch" not in sys.modules, "the units imported torch"
+        """
+    )
+
+
+def test_public_names_are_the_defining_modules() -> None:
+    import pytest_torchmem as tm
+    from pytest_torchmem import api, report, units
+
+    assert tm.__all__ == [
+        "estimate",
+        "measure",
+        "MemoryReport",
+        "Category",
+        "ModulePeak",
+        "Unsupported",
+        "parse_bytes",
+        "format_bytes",
+    ]
+    for name in tm.__all__:
+        defining = next(m for m in (api, report, units) if hasattr(m, name))
+        assert getattr(tm, name) is getattr(defining, name)
+    from pytest_torchmem import MemoryReport, estimate
+
+    assert estimate is api.estimate and MemoryReport is report.MemoryReport
+    assert set(tm.__all__) <= set(dir(tm))
+    with pytest.raises(AttributeError, match="no_such_name"):
+        tm.no_such_name  # noqa: B018
+
+
+def test_a_suite_that_checks_no_memory_never_imports_torch(pytester: pytest.Pytester) -> None:
+    """`pytest --help` and a suite without the torchmem fixture run without importing torch."""
+    pytester.makepyfile(
+        test_plain="""
+        import sys
+
+        def test_no_torch_here():
+            assert "torch" not in sys.modules
+        """
+    )
+    pytester.makeconftest(
+        """
+        import sys
+
+        def pytest_unconfigure(config):
+            assert "torch" not in sys.modules, "torch was imported"
+        """
+    )
+    # Only this plugin (and pytester's own): another installed plugin may import torch itself.
+    args = ("-p", "no:hypothesispytest", "-p", "no:xdist", "-p", "no:cacheprovider")
+    assert pytester.runpytest_subprocess(*args, "--help").ret == 0
+    result = pytester.runpytest_subprocess(*args)
+    result.assert_outcomes(passed=1)
+    assert result.ret == 0
+    result.stdout.fnmatch_lines(["torchmem: compare, devices cpu,cuda, *, gpu profile H100"])
+
+
+def test_the_plugins_default_gpu_is_the_device_models() -> None:
+    from pytest_torchmem.session import DEFAULT_GPU, known_devices
+    from pytest_torchmem.tracing.devices.cuda import profiles
+
+    assert DEFAULT_GPU == profiles.DEFAULT_GPU
+    from pytest_torchmem.session import DEFAULT_DEVICES
+
+    assert set(DEFAULT_DEVICES) == set(known_devices()) == {"cpu", "cuda"}
