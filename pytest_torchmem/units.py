@@ -81,5 +81,8 @@ def format_delta(new: int, old: int) -> str:
     sign = "+" if delta >= 0 else "-"
     text = f"{sign}{format_bytes(abs(delta))}"
     if old:
-        text += f" ({sign}{abs(delta) / old:.1%})"
+        share = abs(delta) / old
+        # a small change to a big figure keeps two significant digits, never "+0.0%"
+        percent = f"{share:.1%}" if share >= 0.001 or not share else f"{share * 100:.2g}%"
+        text += f" ({sign}{percent})"
     return text

@@ -55,6 +55,8 @@ def test_format() -> None:
     assert format_delta(110, 100) == "+10 B (+10.0%)"
     assert format_delta(90, 100) == "-10 B (-10.0%)"
     assert format_delta(5, 0) == "+5 B"
+    assert format_delta(32 * 2**20 + 1024, 32 * 2**20) == "+1.00 KiB (+0.0031%)"
+    assert format_delta(100, 100) == "+0 B (+0.0%)"
 
 
 @given(st.integers(min_value=0, max_value=2**50))
