@@ -267,7 +267,10 @@ def test_sdpa_backend_gradient_limits_on_sm89() -> None:
         assert backend(q, gpu="A100") == SDPBackend.FLASH
 
 
+@pytest.mark.filterwarnings("ignore:`torch.backends.cuda.sdp_kernel\\(\\)` is deprecated:FutureWarning")
 def test_sdpa_backend_follows_the_user_settings() -> None:
+    """Both the current ``sdpa_kernel`` and the deprecated ``sdp_kernel`` that users
+    still call are honoured."""
     q = meta(2, 4, 128, 64, dtype=H)
     with sdpa_kernel(Backend.MATH):
         assert backend(q) == SDPBackend.MATH
