@@ -7,7 +7,8 @@ vocab 50257, context 1024) and a batch of 8 x 1024 tokens it times, in one
 run and interleaved round by round (so that a machine's changing load hits
 every contender alike):
 
-* ``estimate``   -- ``pytest_torchmem.estimate(model, tokens, device="cpu")``,
+* ``estimate``   -- ``pytest_torchmem.estimate(model, tokens, device="cpu")``
+  (``--device cuda``: the fake cuda device, with its router and allocator model),
   forward and backward;
 * ``plain fake`` -- the same forward and backward under a bare
   ``FakeTensorMode``: the parameters and tokens made fake here, no tracking.
@@ -177,6 +178,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=7, help="timed runs of each contender")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--real-params", action="store_true", help="real parameters, not meta")
+    parser.add_argument(
+        "--device", choices=("cpu", "cuda"), default="cpu", help="the fake device estimate models"
+    )
     parser.add_argument("--check", action="store_true", help="exit 1 when a target is missed")
     parser.add_argument("--profile", action="store_true", help="also cProfile one estimate")
     args = parser.parse_args(argv)
@@ -189,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     n_params = sum(p.numel() for p in model.parameters())
 
     def estimate_at(batch: int, name: str) -> Contender:
-        return Contender(name, lambda: None, lambda _: tm.estimate(model, tokens[batch], device="cpu"))
+        return Contender(name, lambda: None, lambda _: tm.estimate(model, tokens[batch], device=args.device))
 
     est = estimate_at(args.batch, "estimate")
     plain = Contender("plain fake", lambda: copy.deepcopy(meta_model), lambda m: plain_fake(m, tokens[args.batch]))

@@ -89,6 +89,12 @@ CUDNN_VERSION: Final = 91500
 #: ``CUDNN_BN_MIN_EPSILON`` of cuDNN >= 7.5 (``cudnn.h``).
 _CUDNN_BN_MIN_EPSILON: Final = 0.0
 
+#: Modules whose Python-level torch functions are run with the mode active inside:
+#: their bodies call what the router routes (``F.multi_head_attention_forward``
+#: calls ``dropout`` and ``scaled_dot_product_attention``). Tensor's Python
+#: methods (``torch._tensor``) only forward to one op, which the router already saw.
+_COMPOSITE_MODULES: Final = frozenset({"torch.nn.functional", "torch.functional"})
+
 Handler = Callable[["CudaRouter", Any, Any, tuple[Any, ...], dict[str, Any]], Any]
 _ROUTES: dict[Any, Handler] = {}
 
@@ -206,7 +212,11 @@ class CudaRouter(PreDispatchTorchFunctionMode):
             return handler(self, func, types_, args, kwargs)
         if "device" in kwargs and _names_cuda(kwargs["device"]):
             kwargs = {**kwargs, "device": _TRACE_DEVICE}
-        if type(func) is types.FunctionType and func not in self._running:
+        if (
+            type(func) is types.FunctionType
+            and func.__module__ in _COMPOSITE_MODULES
+            and func not in self._running
+        ):
             # A Python-level torch function: run its body with the mode active, so
             # that the ops it calls are routed too. A Python override of a Tensor
             # method (``Tensor.unflatten`` calling ``super().unflatten``) comes back

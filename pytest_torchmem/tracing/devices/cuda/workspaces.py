@@ -216,13 +216,11 @@ def _nbytes(t: torch.Tensor) -> int:
 def _matrix_needs_copy(t: torch.Tensor) -> bool:
     """``prepare_matrix_for_cublas``: a 2-d operand is cloned contiguous unless it is
     dense or has a unit stride with a leading dimension at least its extent."""
-    if prims.is_non_overlapping_and_dense_or_false(t):
-        return False
     s0, s1 = t.stride()
     n0, n1 = t.shape
-    if s0 == 1 and s1 >= max(1, n0):
+    if (s0 == 1 and s1 >= max(1, n0)) or (s1 == 1 and s0 >= max(1, n1)):
         return False
-    return not (s1 == 1 and s0 >= max(1, n1))
+    return not prims.is_non_overlapping_and_dense_or_false(t)
 
 
 def _batch_needs_copy(t: torch.Tensor, transpose_result: bool, m: int, n: int) -> bool:
