@@ -761,6 +761,19 @@ def _bias_grad_steps(
     return [*steps, Free("grad_bias:semaphores"), Free("grad_bias:buffer")]
 
 
+def _cudnn_input_grad(call: OpCall, grad_output: torch.Tensor, weight: torch.Tensor) -> list[Any]:
+    """cuDNN's backward-data call: the weight and gradient in the layout it asks
+    for (``contiguous(format)`` copies where they differ) and its workspace."""
+    layout = _cudnn_format(grad_output, weight)
+    return [
+        Alloc("weight_bi", _copy_bytes(weight, layout)),
+        Alloc("grad_output_bi", _copy_bytes(grad_output, layout)),
+        *_conv_workspace(call, "cudnn workspace (input grad)"),
+        Free("grad_output_bi"),
+        Free("weight_bi"),
+    ]
+
+
 @CUDA.scratch(aten.convolution_backward.default)
 def _convolution_backward(call: OpCall) -> list[Step]:
     """``convolution_backward`` (Convolution.cpp) on CUDA.
@@ -797,14 +810,7 @@ def _convolution_backward(call: OpCall) -> list[Step]:
         else:
             go = grad_output
         if mask[0]:
-            gi_fmt = _cudnn_format(go, weight)
-            steps += [
-                Alloc("weight_bi", _copy_bytes(weight, gi_fmt)),
-                Alloc("grad_output_bi", _copy_bytes(go, gi_fmt)),
-                *_conv_workspace(call, "cudnn workspace (input grad)"),
-                Free("grad_output_bi"),
-                Free("weight_bi"),
-            ]
+            steps += _cudnn_input_grad(call, go, weight)
         if mask[1]:
             layout = _cudnn_format(input, go)
             steps += [
@@ -824,14 +830,7 @@ def _convolution_backward(call: OpCall) -> list[Step]:
             else (torch.empty_like(grad_output, memory_format=_suggest(input)))
         )
         if mask[0]:
-            gi_fmt = _cudnn_format(go, weight)
-            steps += [
-                Alloc("weight_bi", _copy_bytes(weight, gi_fmt)),
-                Alloc("grad_output_bi", _copy_bytes(go, gi_fmt)),
-                *_conv_workspace(call, "cudnn workspace (input grad)"),
-                Free("grad_output_bi"),
-                Free("weight_bi"),
-            ]
+            steps += _cudnn_input_grad(call, go, weight)
         if mask[1]:
             layout = _cudnn_format(go, input)
             steps += [
