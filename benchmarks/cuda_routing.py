@@ -521,25 +521,18 @@ def step_probe(case: Any, device: Any, prepare: Callable[[Any, Any], None] | Non
     ``optimizer.step()`` and ``zero_grad(set_to_none=True)``, logged."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from pytest_torchmem.model_state import StandIns, collect, convert, substituted
+    from pytest_torchmem.model_state import collect, convert, substituted
     from pytest_torchmem.report import Category
     from pytest_torchmem.timeline import Phase
     from pytest_torchmem.tracing.devices.cuda import caching_allocator
     from pytest_torchmem.tracing.devices.cuda.profiles import gpu_profile
     from pytest_torchmem.tracing.rules import TraceContext
-    from pytest_torchmem.tracing.trace import _adopt, _fake_parameter
+    from pytest_torchmem.tracing.trace import adopt, fake_standins
 
     model, _ = case.make()
     where = device.trace_device
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True, allow_fallback_kernels=False)
-    fakes = StandIns(
-        where,
-        dense=lambda t: torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=where),
-        storage=lambda t: torch.empty(
-            t.untyped_storage().nbytes(), dtype=torch.uint8, device=where
-        ).untyped_storage(),
-        parameter=_fake_parameter,
-    )
+    fakes = fake_standins(where)
     model_tensors = collect(model)
     with fake_mode:
         standins = convert(model_tensors, (), {}, fakes)
@@ -551,7 +544,7 @@ def step_probe(case: Any, device: Any, prepare: Callable[[Any, Any], None] | Non
         fake_mode, where, device.rules, context=context, aliases=device.aliases,
         wraps_numbers=device.wraps_numbers, optimizer_hook=prepare,
     )
-    _adopt(tracker, standins)
+    adopt(tracker, standins)
     error = None
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -18,7 +18,7 @@ from pytest_torchmem.tracing.devices.cuda.profiles import GpuProfile
 from pytest_torchmem.tracing.rules import TraceContext
 from pytest_torchmem.tracing.tracker import TraceAborted, Tracker
 
-__all__ = ["trace_step"]
+__all__ = ["trace_step", "fake_standins", "adopt"]
 
 
 def trace_step(
@@ -41,16 +41,8 @@ def trace_step(
     where = device.trace_device
     model_tensors = collect(model)
 
-    fakes = StandIns(
-        where,
-        dense=lambda t: torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=where),
-        storage=lambda t: torch.empty(
-            t.untyped_storage().nbytes(), dtype=torch.uint8, device=where
-        ).untyped_storage(),
-        parameter=_fake_parameter,
-    )
     with fake_mode:
-        standins = convert(model_tensors, args, kwargs, fakes)
+        standins = convert(model_tensors, args, kwargs, fake_standins(where))
     tracker = Tracker(
         fake_mode,
         where,
@@ -60,7 +52,7 @@ def trace_step(
         wraps_numbers=device.wraps_numbers,
         optimizer_hook=device.prepare_optimizer,
     )
-    baseline = _adopt(tracker, standins)
+    baseline = adopt(tracker, standins)
     modules = ModuleTracker(model, tracker)
     tracker.timeline.module_names = modules.names
     router = device.router(context) if device.router is not None else nullcontext()
@@ -96,6 +88,18 @@ def trace_step(
     )
 
 
+def fake_standins(where: torch.device) -> StandIns:
+    """Fake stand-ins on ``where`` (use them with a FakeTensorMode active)."""
+    return StandIns(
+        where,
+        dense=lambda t: torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=where),
+        storage=lambda t: torch.empty(
+            t.untyped_storage().nbytes(), dtype=torch.uint8, device=where
+        ).untyped_storage(),
+        parameter=_fake_parameter,
+    )
+
+
 def _fake_parameter(t: torch.Tensor, requires_grad: bool) -> torch.Tensor:
     """Mark a fresh fake tensor as a parameter, as ``nn.Parameter`` does for tensor
     subclasses (``isinstance(t, nn.Parameter)`` holds), without its ``detach()``."""
@@ -104,7 +108,7 @@ def _fake_parameter(t: torch.Tensor, requires_grad: bool) -> torch.Tensor:
     return t
 
 
-def _adopt(tracker: Tracker, standins: Converted) -> list[int]:
+def adopt(tracker: Tracker, standins: Converted) -> list[int]:
     """Register the storages live before the step; return them, each once."""
     baseline: list[int] = []
     seen: set[int] = set()

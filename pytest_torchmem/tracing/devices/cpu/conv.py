@@ -50,7 +50,7 @@ from __future__ import annotations
 
 import functools
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Final
@@ -373,6 +373,20 @@ def _jit_bwd_w(p: _Geo, nthr: int, nxc: bool) -> _Prim | None:
     return _Prim("jit:avx512_core", src, wei_b, dst, scratch.size)
 
 
+def _least_memory(
+    splits: list[tuple[int, int, int]], mem: Callable[[int, int, int], int]
+) -> tuple[tuple[int, int, int], int]:
+    """The thread split (minibatch, output-channel, input-channel) of least memory
+    cost, the last of equals winning, starting from (1, 1, 1): the first pass of
+    oneDNN's backward-weights ``balance()``."""
+    best = (1, 1, 1)
+    best_mem = mem(*best)
+    for split in splits:
+        if mem(*split) <= best_mem:
+            best_mem, best = mem(*split), split
+    return best, best_mem
+
+
 def _jit_bwd_w_balance(
     p: _Geo, nthreads: int, harness: str, hw_transp: bool, ic_block: int, nb_ic: int, nb_oc: int
 ) -> tuple[int, int]:
@@ -404,11 +418,7 @@ def _jit_bwd_w_balance(
         for nmb in range(1, min(nthr, p.mb * p.o[0] * nthr_oh_reduce) + 1)
         for noc in range(1, min(nthr // nmb, nb_oc) + 1)
     ]
-    best = (1, 1, 1)
-    best_mem = mem(*best)
-    for split in splits:
-        if mem(*split) <= best_mem:
-            best_mem, best = mem(*split), split
+    best, best_mem = _least_memory(splits, mem)
     best_comp = comp(*best)
     for split in splits:
         c = comp(*split)
@@ -658,11 +668,7 @@ def _1x1_bwd_w_balance(
         for nmb in range(1, min(nthr, p.mb * nb_reduce) + 1)
         for noc in range(1, min(nthr // nmb, nb_load) + 1)
     ]
-    best = (1, 1, 1)
-    best_mem = mem(*best)
-    for split in splits:
-        if mem(*split) <= best_mem:
-            best_mem, best = mem(*split), split
+    best, best_mem = _least_memory(splits, mem)
     nmb, noc, nic = best
     if nthreads // 2 < nmb < nthreads:
         nmb = min(p.mb, nthreads)
