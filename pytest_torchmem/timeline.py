@@ -12,11 +12,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import IntEnum
-from typing import Any, Final, Protocol
+from typing import Any, Final, NamedTuple, Protocol
 
 from pytest_torchmem.report import Category, ModulePeak
 
-__all__ = ["Phase", "Timeline", "StorageInfo", "Analysis", "Allocator", "analyze"]
+__all__ = ["Phase", "Timeline", "StorageInfo", "Frame", "Analysis", "Allocator", "analyze"]
 
 
 class Phase(IntEnum):
@@ -38,6 +38,14 @@ EXIT: Final = 5  # (EXIT, module index, 0)
 _CATEGORY_ORDER: Final = tuple(Category)
 
 
+class Frame(NamedTuple):
+    """One Python frame of the user's code that led to an allocation."""
+
+    filename: str
+    line: int
+    name: str
+
+
 @dataclass(slots=True)
 class StorageInfo:
     """One storage: its size when made, its role, and where it was made."""
@@ -51,6 +59,8 @@ class StorageInfo:
     module: int = -1
     #: The op that made it (empty for storages live before the step).
     op: str = ""
+    #: The user's frames that made it, innermost first (recorded on request only).
+    frames: tuple[Frame, ...] = ()
 
 
 @dataclass

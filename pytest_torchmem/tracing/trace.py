@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from contextlib import nullcontext
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -12,13 +13,26 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from pytest_torchmem.model_state import Converted, StandIns, collect, convert, substituted
 from pytest_torchmem.report import Category, MemoryReport
 from pytest_torchmem.step import LossFn, ModuleTracker, OptimizerFactory, run_step
-from pytest_torchmem.timeline import analyze
+from pytest_torchmem.timeline import Analysis, Timeline, analyze
 from pytest_torchmem.tracing.devices import DeviceModel
 from pytest_torchmem.tracing.devices.cuda.profiles import GpuProfile
 from pytest_torchmem.tracing.rules import TraceContext
 from pytest_torchmem.tracing.tracker import TraceAborted, Tracker
 
-__all__ = ["trace_step", "fake_standins", "adopt"]
+__all__ = ["Trace", "trace", "trace_step", "fake_standins", "adopt"]
+
+
+@dataclass(frozen=True)
+class Trace:
+    """One traced step: its report, and the timeline the report was read from."""
+
+    report: MemoryReport
+    timeline: Timeline
+    #: Storages live before the step (their sids), each once.
+    baseline: list[int]
+    analysis: Analysis
+    device: DeviceModel
+    context: TraceContext
 
 
 def trace_step(
@@ -36,6 +50,32 @@ def trace_step(
 
     ``gpu`` is the GPU profile the CUDA rules follow (ignored on cpu).
     """
+    return trace(
+        model,
+        args,
+        kwargs,
+        device=device,
+        loss_fn=loss_fn,
+        optimizer=optimizer,
+        train=train,
+        gpu=gpu,
+    ).report
+
+
+def trace(
+    model: nn.Module,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    *,
+    device: DeviceModel,
+    loss_fn: LossFn | None,
+    optimizer: OptimizerFactory | None,
+    train: bool,
+    gpu: GpuProfile | None = None,
+    record_frames: bool = False,
+) -> Trace:
+    """:func:`trace_step`, keeping the timeline (with the user's frames of every
+    allocation when ``record_frames``)."""
     context = TraceContext(device.name, gpu=gpu)
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True, allow_fallback_kernels=False)
     where = device.trace_device
@@ -51,6 +91,7 @@ def trace_step(
         aliases=device.aliases,
         wraps_numbers=device.wraps_numbers,
         optimizer_hook=device.prepare_optimizer,
+        record_frames=record_frames,
     )
     baseline = adopt(tracker, standins)
     modules = ModuleTracker(model, tracker)
@@ -76,7 +117,7 @@ def trace_step(
     allocator = device.allocator(context) if device.allocator is not None else None
     analysis = analyze(tracker.timeline, baseline, allocator)
     forward, backward, step = analysis.phase_peaks
-    return MemoryReport(
+    report = MemoryReport(
         device=device.name,
         forward_peak=forward,
         backward_peak=backward,
@@ -86,6 +127,7 @@ def trace_step(
         modules=analysis.modules,
         unsupported=tuple(tracker.unsupported),
     )
+    return Trace(report, tracker.timeline, baseline, analysis, device, context)
 
 
 def fake_standins(where: torch.device) -> StandIns:

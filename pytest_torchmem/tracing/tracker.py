@@ -42,9 +42,9 @@ from pytest_torchmem.tracing.rules import (
     ScratchRule,
     TraceContext,
 )
-from pytest_torchmem.timeline import Phase, StorageInfo, Timeline
+from pytest_torchmem.timeline import Frame, Phase, StorageInfo, Timeline
 
-__all__ = ["Tracker", "TraceAborted", "user_location"]
+__all__ = ["Tracker", "TraceAborted", "user_location", "user_frames"]
 
 # Ops through which torch.tensor(...) hands a freshly made real tensor to the
 # fake mode, which turns it into a fake constant (its value stays known).
@@ -80,6 +80,19 @@ def user_location() -> str:
     return ""
 
 
+def user_frames(limit: int = 16) -> tuple[Frame, ...]:
+    """The frames outside torch and this package, innermost first (at most ``limit``)."""
+    frames: list[Frame] = []
+    frame = sys._getframe(1)
+    while frame is not None and len(frames) < limit:
+        code = frame.f_code
+        filename = code.co_filename
+        if not filename.startswith(_OWN_DIRS) and not filename.startswith("<"):
+            frames.append(Frame(filename, frame.f_lineno, code.co_name))
+        frame = frame.f_back
+    return tuple(frames)
+
+
 @dataclass(frozen=True, slots=True)
 class _OpPlan:
     """What the tracker needs to know about an op, worked out once per op."""
@@ -106,6 +119,7 @@ class Tracker(TorchDispatchMode):
         aliases: frozenset[str] = frozenset({"meta"}),
         wraps_numbers: bool | None = None,
         optimizer_hook: Callable[[torch.optim.Optimizer, TraceContext], None] | None = None,
+        record_frames: bool = False,
     ) -> None:
         """Track the storages of fake tensors on ``device`` (the trace device).
 
@@ -113,6 +127,8 @@ class Tracker(TorchDispatchMode):
         the modelled device (factories and ``.to()`` with them land on
         ``device``); ``wraps_numbers`` says whether Python numbers passed as
         tensors cost device memory (CPU only, the default on a CPU trace).
+        ``record_frames`` keeps the user's frames of every allocation in the
+        timeline (:attr:`StorageInfo.frames`), for reports that show them.
         """
         super().__init__()
         self.fake_mode: Final = fake_mode
@@ -121,6 +137,7 @@ class Tracker(TorchDispatchMode):
         self.context: Final = context or TraceContext(device.type)
         self.aliases: Final = aliases
         self._optimizer_hook = optimizer_hook
+        self.record_frames: Final = record_frames
         self.timeline = Timeline()
         self.unsupported: list[Unsupported] = []
         self.phase: Phase | None = None
@@ -170,6 +187,7 @@ class Tracker(TorchDispatchMode):
             phase=self.phase,
             module=self.module,
             op=op,
+            frames=user_frames() if self.record_frames and op else (),
         )
         sid = self.timeline.new_storage(info)
         self._live[key] = sid
@@ -455,14 +473,7 @@ class Tracker(TorchDispatchMode):
                     continue
                 if step.tag in held:
                     raise ValueError(f"rule for {plan.name}: buffer {step.tag!r} allocated twice")
-                info = StorageInfo(
-                    nbytes=step.nbytes,
-                    category=Category.WORKSPACE,
-                    phase=self.phase,
-                    module=self.module,
-                    op=plan.name,
-                )
-                sid = self.timeline.new_storage(info)
+                sid = self._workspace(plan, step.nbytes)
                 held[step.tag] = sid
                 self.timeline.alloc(sid)
             elif isinstance(step, Free):
@@ -473,14 +484,7 @@ class Tracker(TorchDispatchMode):
                 self._report_inexact(plan.name, step.reason)
             elif isinstance(step, Keep):
                 if step.nbytes > 0:
-                    info = StorageInfo(
-                        nbytes=step.nbytes,
-                        category=Category.WORKSPACE,
-                        phase=self.phase,
-                        module=self.module,
-                        op=plan.name,
-                    )
-                    self.timeline.alloc(self.timeline.new_storage(info))
+                    self.timeline.alloc(self._workspace(plan, step.nbytes))
             else:
                 raise TypeError(
                     f"rule for {plan.name} returned {step!r}, "
@@ -490,6 +494,18 @@ class Tracker(TorchDispatchMode):
             self._record_outputs(plan, out)
         for sid in reversed(list(held.values())):
             self.timeline.free(sid)
+
+    def _workspace(self, plan: _OpPlan, nbytes: int) -> int:
+        """A new storage for a buffer a rule allocates; its sid."""
+        info = StorageInfo(
+            nbytes=nbytes,
+            category=Category.WORKSPACE,
+            phase=self.phase,
+            module=self.module,
+            op=plan.name,
+            frames=user_frames() if self.record_frames else (),
+        )
+        return self.timeline.new_storage(info)
 
     def _device_for(self, device: torch.device) -> torch.device:
         """Where a tensor the program puts on ``device`` lives in the trace."""
