@@ -12,11 +12,22 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import IntEnum
+from collections.abc import Iterator
 from typing import Any, Final, NamedTuple, Protocol
 
 from pytest_torchmem.report import Category, ModulePeak
 
-__all__ = ["Phase", "Timeline", "StorageInfo", "Frame", "Analysis", "Allocator", "analyze"]
+__all__ = [
+    "Allocator",
+    "Analysis",
+    "Charge",
+    "Frame",
+    "Phase",
+    "StorageInfo",
+    "Timeline",
+    "analyze",
+    "replay",
+]
 
 
 class Phase(IntEnum):
@@ -258,3 +269,52 @@ def analyze(timeline: Timeline, baseline: list[int], allocator: Allocator | None
         peak_event=peak_event,
         reserved_peak=None if allocator is None else allocator.peak_reserved,
     )
+
+
+class Charge(NamedTuple):
+    """One change of the live bytes, as :func:`replay` reads it off a timeline."""
+
+    #: Index of the event in :attr:`Timeline.events` (-1: a storage of the baseline).
+    index: int
+    sid: int
+    #: Bytes charged (positive) or given back (negative).
+    nbytes: int
+    #: The allocator's block, when an allocator is replayed (None otherwise).
+    block: Any
+
+
+def replay(
+    timeline: Timeline, baseline: list[int], allocator: Allocator | None = None
+) -> Iterator[Charge]:
+    """Every change of the live bytes of ``timeline``, in order, as :func:`analyze` counts them.
+
+    The baseline storages come first (``index`` -1). A storage allocated while
+    live is not counted again; a resize charges the new block before giving
+    back the old one. With ``allocator`` each storage costs its block, and the
+    allocator is driven as it would be on the device.
+    """
+    size: dict[int, int] = {}
+    blocks: dict[int, Any] = {}
+    for sid in baseline:
+        size[sid] = _charge(allocator, blocks, sid, timeline.storages[sid].nbytes)
+        yield Charge(-1, sid, size[sid], blocks.get(sid))
+    for index, (kind, a, b) in enumerate(timeline.events):
+        if kind == ALLOC or kind == RESIZE:
+            if kind == ALLOC and a in size:
+                continue
+            old = size.get(a, 0)
+            old_block = blocks.pop(a, None)
+            charged = _charge(allocator, blocks, a, b)
+            size[a] = charged
+            yield Charge(index, a, charged, blocks.get(a))
+            if old:
+                yield Charge(index, a, -old, old_block)
+            if old_block is not None and allocator is not None:
+                allocator.free(old_block)
+        elif kind == FREE:
+            nbytes = size.pop(a, None)
+            block = blocks.pop(a, None)
+            if nbytes is not None:
+                yield Charge(index, a, -nbytes, block)
+            if block is not None and allocator is not None:
+                allocator.free(block)

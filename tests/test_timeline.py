@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pytest_torchmem.report import Category, ModulePeak
-from pytest_torchmem.timeline import Phase, StorageInfo, Timeline, analyze
+from pytest_torchmem.timeline import Charge, Phase, StorageInfo, Timeline, analyze, replay
 
 
 def _timeline() -> tuple[Timeline, list[int]]:
@@ -75,3 +75,28 @@ def test_live_at_phase_start_counts_toward_its_peak() -> None:
     tl.phase(Phase.STEP)
     tl.phase(None)
     assert analyze(tl, baseline).phase_peaks == (110, 110, 110)
+
+
+def test_replay_lists_every_change_of_the_live_bytes() -> None:
+    tl, baseline = _timeline()
+    tl.phase(Phase.FORWARD)  # event 0
+    buf = tl.new_storage(StorageInfo(40, phase=Phase.FORWARD))
+    tl.alloc(buf)  # 1
+    tl.alloc(buf)  # 2: already live, not counted again
+    tl.resize(buf, 80)  # 3: the new block, then the old one given back
+    tl.free(buf)  # 4
+    tl.free(buf)  # 5: already free
+    tl.phase(None)
+    assert list(replay(tl, baseline)) == [
+        Charge(-1, 0, 100, None),
+        Charge(-1, 1, 10, None),
+        Charge(1, buf, 40, None),
+        Charge(3, buf, 80, None),
+        Charge(3, buf, -40, None),
+        Charge(4, buf, -80, None),
+    ]
+    running = peak = 0
+    for charge in replay(tl, baseline):
+        running += charge.nbytes
+        peak = max(peak, running)
+    assert peak == analyze(tl, baseline).phase_peaks[0] == 230
