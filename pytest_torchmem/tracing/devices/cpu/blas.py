@@ -25,6 +25,7 @@ scratchpad is not modelled; nor are float32 matmuls routed to oneDNN by
 
 from __future__ import annotations
 
+import functools
 import struct
 from dataclasses import dataclass
 from typing import Any, Final
@@ -71,8 +72,14 @@ def _mkldnn_enabled() -> bool:
 def _onednn_usable(dtype: torch.dtype) -> bool:
     """``use_mkldnn_bf16_matmul()`` / ``use_mkldnn_fp16_matmul()`` (no tensors): oneDNN
     computes this reduced-precision matmul on this CPU."""
-    if not _mkldnn_enabled():
-        return False
+    return _mkldnn_enabled() and _onednn_supports(dtype)
+
+
+@functools.cache
+def _onednn_supports(dtype: torch.dtype) -> bool:
+    """``mkldnn_bf16_device_check()`` / ``mkldnn_fp16_device_check()``: this CPU's ISA,
+    fixed for the process, so asked once (the op goes through the trace's dispatch
+    modes, ~1 ms a call, and the attention backward rule asks per gemm)."""
     if dtype == torch.bfloat16:
         return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     if dtype == torch.float16:

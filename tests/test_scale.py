@@ -1,0 +1,130 @@
+"""The Llama model of the scale benchmark (benchmarks/llama.py), estimated as a user would.
+
+Expected bytes are counted by hand from each configuration's shapes: bfloat16
+parameters take 2 bytes an element, their gradients the same, AdamW's
+``exp_avg`` and ``exp_avg_sq`` the same again each.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from pathlib import Path
+
+import torch
+
+import pytest_torchmem as tm
+from pytest_torchmem.report import Category
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.llama import CONFIGS, LlamaConfig, build, parameter_count
+
+BF16 = 2  # bytes
+
+
+def adamw(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=1e-3)
+
+
+def parameter_shapes(cfg: LlamaConfig) -> list[tuple[int, ...]]:
+    """Every parameter's shape, written out from the architecture."""
+    hd = cfg.dim // cfg.heads
+    layer = [
+        (cfg.dim,),  # attention_norm
+        (cfg.heads * hd, cfg.dim),  # wq
+        (cfg.kv_heads * hd, cfg.dim),  # wk
+        (cfg.kv_heads * hd, cfg.dim),  # wv
+        (cfg.dim, cfg.heads * hd),  # wo
+        (cfg.dim,),  # ffn_norm
+        (cfg.ffn, cfg.dim),  # w1
+        (cfg.dim, cfg.ffn),  # w2
+        (cfg.ffn, cfg.dim),  # w3
+    ]
+    return [(cfg.vocab, cfg.dim), *layer * cfg.layers, (cfg.dim,), (cfg.vocab, cfg.dim)]
+
+
+def numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for size in shape:
+        n *= size
+    return n
+
+
+def cuda_block(nbytes: int) -> int:
+    """The caching allocator's block for a request: a multiple of 512 bytes."""
+    return -(-nbytes // 512) * 512
+
+
+def tokens(cfg: LlamaConfig, batch: int, seq: int) -> torch.Tensor:
+    return torch.randint(0, cfg.vocab, (batch, seq), generator=torch.Generator().manual_seed(0))
+
+
+def test_parameter_counts_are_llama_2s() -> None:
+    """The 7B and 70B shapes have Llama 2's published parameter counts."""
+    assert parameter_count(CONFIGS["7b"]) == 6_738_415_616
+    assert parameter_count(CONFIGS["70b"]) == 68_976_648_192
+    for cfg in CONFIGS.values():
+        assert parameter_count(cfg) == sum(numel(s) for s in parameter_shapes(cfg))
+    model = build(CONFIGS["tiny"])
+    assert [tuple(p.shape) for p in model.parameters()] == parameter_shapes(CONFIGS["tiny"])
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert {p.device.type for p in model.parameters()} == {"meta"}
+
+
+def test_tiny_step_on_cpu_matches_measure_and_hand_count(threads: int) -> None:
+    """Real bf16 tensors: estimate == measure in every phase; at the step peak the
+    parameters, gradients and AdamW state are exactly the configuration's bytes."""
+    cfg = CONFIGS["tiny"]
+    torch.manual_seed(0)
+    model = build(cfg, "cpu")
+    x = tokens(cfg, 2, 32)
+    measured = tm.measure(model, (x, x), device="cpu", optimizer=adamw)
+    est = tm.estimate(model, (x, x), device="cpu", optimizer=adamw)
+    assert est.phase_peaks() == measured.phase_peaks()
+    assert est.unsupported == ()
+
+    weights = sum(numel(s) for s in parameter_shapes(cfg)) * BF16
+    n_tensors = len(parameter_shapes(cfg))
+    assert est.peak == est.step_peak
+    assert est.breakdown[Category.PARAMETERS] == weights
+    assert est.breakdown[Category.GRADIENTS] == weights
+    # exp_avg and exp_avg_sq, and each parameter's float32 step counter (CPU tensors)
+    assert est.breakdown[Category.OPTIMIZER_STATE] == 2 * weights + 4 * n_tensors
+    assert est.breakdown[Category.BUFFERS] == cfg.head_dim // 2 * 4  # float32 inv_freq
+
+
+def test_tiny_step_on_cuda_hand_count() -> None:
+    """Fake cuda: every storage is charged its 512-byte block; AdamW defaults to
+    foreach, whose ``_foreach_sqrt(exp_avg_sqs)`` list is live at the step peak,
+    and keeps its step counters on the host."""
+    cfg = CONFIGS["tiny"]
+    est = tm.estimate(build(cfg), (tokens(cfg, 2, 32),) * 2, device="cuda", optimizer=adamw)
+    blocks = sum(cuda_block(numel(s) * BF16) for s in parameter_shapes(cfg))
+    assert est.peak == est.step_peak
+    assert est.breakdown[Category.PARAMETERS] == blocks
+    assert est.breakdown[Category.GRADIENTS] == blocks
+    assert est.breakdown[Category.OPTIMIZER_STATE] == 2 * blocks
+    assert est.breakdown[Category.TEMPORARIES] == blocks
+
+
+def test_meta_model_of_7b_width() -> None:
+    """Two decoder layers of the 7B shape, built on meta, on 256 tokens: no real
+    memory needed, and the step peak holds the hand-counted bytes."""
+    cfg = dataclasses.replace(CONFIGS["7b"], layers=2)
+    model = build(cfg)
+    est = tm.estimate(model, (tokens(cfg, 1, 256),) * 2, device="cuda", optimizer=adamw)
+    # 2 x 32000 x 4096 (embedding, head) + 2 x (4 x 4096^2 + 3 x 4096 x 11008 + 2 x 4096) + 4096
+    weights = (2 * 32000 * 4096 + 2 * (4 * 4096**2 + 3 * 4096 * 11008 + 2 * 4096) + 4096) * BF16
+    assert est.breakdown[Category.PARAMETERS] == weights  # every tensor a multiple of 512 B
+    assert est.breakdown[Category.GRADIENTS] == weights
+    assert est.breakdown[Category.OPTIMIZER_STATE] == 2 * weights
+    assert est.breakdown[Category.TEMPORARIES] == weights  # foreach AdamW's sqrt(exp_avg_sq)
+    assert est.step_peak >= 5 * weights
+    assert {p.device.type for p in model.parameters()} == {"meta"}
+    assert all(p.grad is None for p in model.parameters())
+
+    forward = tm.estimate(model, tokens(cfg, 1, 256), device="cuda", train=False)
+    # at least the parameters and the bf16 logits (256 x 32000)
+    assert forward.forward_peak >= weights + 256 * 32000 * BF16
+    assert forward.backward_peak == forward.step_peak == 0
