@@ -66,11 +66,15 @@ def _request(
     kind, _, index = device.partition(":")
     if kind not in ("cpu", "cuda") or (index and (kind == "cpu" or not index.isdigit())):
         raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}")
+    if isinstance(optimizer, torch.optim.Optimizer):  # it would hold the model's real parameters
+        raise TypeError(
+            "optimizer must be a factory that makes the optimizer from the parameters it is "
+            f"given, not a {type(optimizer).__name__}; "
+            "e.g. optimizer=lambda params: torch.optim.SGD(params, lr=0.1)"
+        )
     for name, value in (("loss_fn", loss_fn), ("optimizer", optimizer)):
         if value is not None and not callable(value):
             raise TypeError(f"{name} must be callable or None, got {type(value).__name__}")
-    if isinstance(optimizer, torch.optim.Optimizer):  # pragma: no cover - callable check above
-        raise TypeError("optimizer must be a factory, e.g. lambda params: torch.optim.SGD(params, lr=0.1)")
     if not isinstance(train, bool):
         raise TypeError(f"train must be True or False, got {train!r}")
     return StepRequest(model, args, kwargs, kind, loss_fn, optimizer, train)

@@ -17,10 +17,17 @@ written with sorted keys and a two-space indent, so that one changed test is a
 small diff in a pull request. Files are only written at the end of a session
 (never by pytest-xdist workers), under a lock, after re-reading the file and
 merging, so that two pytest processes updating the same file lose no entry.
+
+Reading is strict: a file that is not a snapshot of this schema (bad JSON, a
+hand-edited entry with a wrong type, an unknown device) raises
+:class:`SnapshotFormatError`, which names the file and, where JSON gives one,
+the line; a file of a newer schema raises :class:`SnapshotError` and is never
+overwritten by this version.
 """
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import json
 import os
@@ -42,6 +49,8 @@ __all__ = [
     "Entry",
     "SnapshotFile",
     "SnapshotError",
+    "SnapshotFormatError",
+    "DEVICE_KEYS",
     "snapshot_path",
     "module_of",
     "write_merged",
@@ -54,10 +63,29 @@ SNAPSHOT_DIR: Final = "__torchmem__"
 FILE_SCHEMA: Final = 1
 #: The phases whose peaks are recorded and compared.
 PHASES: Final = ("forward", "backward", "step")
+#: The devices an entry can be recorded for: ``tracing.devices.DEVICES``, spelled
+#: out so that reading a snapshot needs no torch (a test checks that the two agree).
+DEVICE_KEYS: Final = ("cpu", "cuda")
+#: What to do about a file that cannot be read.
+_FIX: Final = (
+    "fix it, or rewrite it by rerunning all the tests of its module with --torchmem-update"
+)
 
 
 class SnapshotError(Exception):
     """A snapshot file that cannot be read or written."""
+
+
+class SnapshotFormatError(SnapshotError):
+    """A snapshot file whose content is not a snapshot this version can read.
+
+    Unlike a file of a newer schema, ``--torchmem-update`` may replace it.
+    ``reason`` says what is wrong, without the file's name.
+    """
+
+    def __init__(self, message: str, reason: str) -> None:
+        super().__init__(message)
+        self.reason: Final = reason
 
 
 @dataclass(frozen=True, order=True)
@@ -163,22 +191,96 @@ class Entry:
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> Entry:
+        """The entry ``to_json`` wrote; a bad field raises ``TypeError`` or ``ValueError``.
+
+        The three phase peaks are required; every byte count must be an integer
+        >= 0 (not a string, a float or a bool). Unknown fields are ignored.
+        """
+        if not isinstance(data, Mapping):
+            raise TypeError(f"an entry must be a JSON object, got {_shown(data)}")
+        for name in ("forward_peak", "backward_peak", "step_peak"):
+            if name not in data:
+                raise ValueError(f"the field {name!r} is missing")
+        forward, backward, step = (
+            _nbytes(data[name], name) for name in ("forward_peak", "backward_peak", "step_peak")
+        )
+        if "peak" in data and _nbytes(data["peak"], "peak") != max(forward, backward, step):
+            raise ValueError(
+                f"peak is {data['peak']}, not the largest of forward_peak, backward_peak "
+                f"and step_peak ({max(forward, backward, step)}): was it edited by hand?"
+            )
         reserved = data.get("reserved_peak")
         measured = data.get("measured")
+        modules = {}
+        for name, peaks in _object(data.get("modules", {}), "modules").items():
+            where = f"modules[{name!r}]"
+            peaks = _object(peaks, where)
+            modules[name] = (
+                _nbytes(peaks.get("forward", 0), f"{where}.forward"),
+                _nbytes(peaks.get("backward", 0), f"{where}.backward"),
+            )
+        unsupported = data.get("unsupported", [])
+        if not isinstance(unsupported, list) or not all(isinstance(op, str) for op in unsupported):
+            raise ValueError(f"unsupported must be a list of op names, got {_shown(unsupported)}")
         return cls(
-            forward_peak=int(data["forward_peak"]),
-            backward_peak=int(data.get("backward_peak", 0)),
-            step_peak=int(data.get("step_peak", 0)),
-            reserved_peak=None if reserved is None else int(reserved),
-            breakdown={str(k): int(v) for k, v in data.get("breakdown", {}).items()},
-            modules={
-                str(name): (int(peaks.get("forward", 0)), int(peaks.get("backward", 0)))
-                for name, peaks in data.get("modules", {}).items()
+            forward_peak=forward,
+            backward_peak=backward,
+            step_peak=step,
+            reserved_peak=None if reserved is None else _nbytes(reserved, "reserved_peak"),
+            breakdown={
+                name: _nbytes(nbytes, f"breakdown[{name!r}]")
+                for name, nbytes in _object(data.get("breakdown", {}), "breakdown").items()
             },
-            unsupported=tuple(str(op) for op in data.get("unsupported", ())),
-            environment=dict(data.get("environment", {})),
-            measured=None if measured is None else {str(k): int(v) for k, v in measured.items()},
+            modules=modules,
+            unsupported=tuple(unsupported),
+            environment=dict(_object(data.get("environment", {}), "environment")),
+            measured=None
+            if measured is None
+            else {
+                name: _nbytes(nbytes, f"measured[{name!r}]")
+                for name, nbytes in _object(measured, "measured").items()
+            },
         )
+
+
+def _shown(value: Any) -> str:
+    """``value`` for an error message, cut short."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _nbytes(value: Any, where: str) -> int:
+    if type(value) is int and value >= 0:  # the common case first: files hold thousands
+        return value
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(
+            f"{where} must be a whole number of bytes (an integer >= 0), got {_shown(value)}"
+        )
+    return value
+
+
+def _object(value: Any, where: str) -> Mapping[str, Any]:
+    if type(value) is not dict and not isinstance(value, Mapping):
+        raise TypeError(f"{where} must be a JSON object, got {_shown(value)}")
+    return value
+
+
+def _position(raw: bytes, offset: int) -> tuple[int, int]:
+    """Line and column (from 1) of byte ``offset`` in ``raw``."""
+    line_start = raw.rfind(b"\n", 0, offset) + 1
+    return raw.count(b"\n", 0, offset) + 1, offset - line_start + 1
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object's members; a key given twice (a bad merge) is an error."""
+    data = dict(pairs)
+    if len(data) != len(pairs):
+        seen: set[str] = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise ValueError(f"the key {key!r} appears twice in one object (a bad merge?)")
+            seen.add(key)
+    return data
 
 
 def module_of(snapshot: Path) -> Path:
@@ -205,42 +307,92 @@ class SnapshotFile:
 
     @classmethod
     def load(cls, path: Path) -> SnapshotFile:
-        """Read ``path``; a file that does not exist reads as empty."""
+        """Read ``path``; a file that does not exist reads as empty.
+
+        Raises :class:`SnapshotFormatError` for a file that is not a snapshot,
+        :class:`SnapshotError` for one of a newer schema or that cannot be read.
+        """
         try:
-            text = path.read_text(encoding="utf-8")
+            raw = path.read_bytes()
         except FileNotFoundError:
             return cls(path)
         except OSError as exc:
             raise SnapshotError(f"cannot read snapshot file {path}: {exc}") from None
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            line, column = _position(raw, exc.start)
+            byte = raw[exc.start]
+            reason = f"it is not UTF-8 text (byte 0x{byte:02x} at line {line}, column {column})"
+            raise SnapshotFormatError(
+                f"cannot read snapshot file {path}:{line}:{column}: {reason}; {_FIX}",
+                reason,
+            ) from None
         return cls.parse(path, text)
 
     @classmethod
     def parse(cls, path: Path, text: str) -> SnapshotFile:
-        fix = "fix it, or delete it and rerun the tests with --torchmem-update"
-        try:
-            data = json.loads(text)
-        except ValueError as exc:
-            conflict = "<<<<<<<" in text
-            why = "it holds git conflict markers" if conflict else f"it is not valid JSON ({exc})"
-            raise SnapshotError(f"cannot read snapshot file {path}: {why}; {fix}") from None
-        if not isinstance(data, dict):
-            raise SnapshotError(f"snapshot file {path} does not hold a JSON object; {fix}")
-        schema = data.get("schema")
-        if schema != FILE_SCHEMA:
-            raise SnapshotError(
-                f"snapshot file {path} has schema {schema!r}; this version of pytest-torchmem "
-                f"reads schema {FILE_SCHEMA} (upgrade pytest-torchmem, or {fix})"
+        """The snapshot held by ``text``, the content of the file at ``path``."""
+
+        def refuse(reason: str, where: str = "") -> SnapshotFormatError:
+            return SnapshotFormatError(
+                f"cannot read snapshot file {path}{where}: {reason}; {_FIX}", reason
             )
-        entries: dict[Key, Entry] = {}
+
+        if "<<<<<<<" in text:
+            line = text[: text.index("<<<<<<<")].count("\n") + 1
+            raise refuse("it holds git conflict markers", f":{line}:1")
+        if not text.strip():
+            raise refuse("it is empty")
         try:
-            for test, checks in data.get("tests", {}).items():
-                for name, devices in checks.items():
-                    for device, entry in devices.items():
-                        entries[Key(test, name, device)] = Entry.from_json(entry)
-        except (AttributeError, KeyError, TypeError, ValueError) as exc:
-            raise SnapshotError(
-                f"snapshot file {path} has a malformed entry ({exc!r}); {fix}"
+            data = json.loads(text, object_pairs_hook=_unique_keys)
+        except json.JSONDecodeError as exc:
+            # Every snapshot ends with its closing brace: one that does not was cut short.
+            cut = "" if text.rstrip().endswith("}") else " (the file is cut short)"
+            raise refuse(
+                f"it is not valid JSON: {exc.msg} at line {exc.lineno}, column {exc.colno}{cut}",
+                f":{exc.lineno}:{exc.colno}",
             ) from None
+        except (ValueError, RecursionError) as exc:
+            raise refuse(f"it is not valid JSON: {exc}") from None
+        if not isinstance(data, dict):
+            raise refuse(f"it does not hold a JSON object (it holds a {type(data).__name__})")
+        schema = data.get("schema")
+        if isinstance(schema, bool) or not isinstance(schema, int) or schema < 1:
+            raise refuse(f'it has no valid schema version ("schema": {_shown(schema)})')
+        if schema > FILE_SCHEMA:
+            raise SnapshotError(
+                f"snapshot file {path} has schema {schema}: it was written by a newer "
+                f"pytest-torchmem (this version reads and writes schema {FILE_SCHEMA}); upgrade "
+                "pytest-torchmem to use it (--torchmem-update does not overwrite it with an "
+                "older schema)"
+            )
+        if schema != FILE_SCHEMA:  # pragma: no cover - no older schema exists yet
+            raise refuse(f"it has schema {schema}, which this version cannot read")
+        entries: dict[Key, Entry] = {}
+        tests = data.get("tests", {})
+        if not isinstance(tests, dict):
+            raise refuse(f'"tests" must be a JSON object, got {_shown(tests)}')
+        for test, checks in tests.items():
+            if not isinstance(checks, dict):
+                raise refuse(f"test {test!r} must map check names to devices, got {_shown(checks)}")
+            for name, devices in checks.items():
+                if not isinstance(devices, dict):
+                    raise refuse(
+                        f"check {json.dumps(test)} > {json.dumps(name)} must map devices to "
+                        f"entries, got {_shown(devices)}"
+                    )
+                for device, entry in devices.items():
+                    key = Key(test, name, device)
+                    if device not in DEVICE_KEYS:
+                        raise refuse(
+                            f"it has an entry {key} for the unknown device {device!r} "
+                            f"(known: {', '.join(DEVICE_KEYS)})"
+                        )
+                    try:
+                        entries[key] = Entry.from_json(entry)
+                    except (TypeError, ValueError) as exc:
+                        raise refuse(f"it has a malformed entry {key}: {exc}") from None
         return cls(path, entries)
 
     def get(self, key: Key) -> Entry | None:
@@ -260,20 +412,42 @@ class SnapshotFile:
         return json.dumps(document, indent=2, sort_keys=True, ensure_ascii=False) + "\n"
 
 
-def write_merged(path: Path, writes: Mapping[Key, Entry], removals: Iterable[Key] = ()) -> bool:
+def write_merged(
+    path: Path,
+    writes: Mapping[Key, Entry],
+    removals: Iterable[Key] = (),
+    *,
+    replace_unreadable: bool = False,
+) -> bool:
     """Apply ``writes`` and ``removals`` to the file at ``path``; True when it changed.
 
     Under an exclusive lock, the file is read again (another pytest process may
     have written it since this one read it), changed, and replaced atomically:
-    written to a temporary file in the same directory, then renamed over it.
-    A file left with no entry is deleted.
+    written to a temporary file in the same directory, then renamed over it, so
+    that an interrupted write leaves the previous file whole. A file left with
+    no entry is deleted. A file that cannot be read raises
+    :class:`SnapshotError` and is left as it is, unless ``replace_unreadable``
+    and it is not a snapshot at all (:class:`SnapshotFormatError`): then it is
+    replaced by ``writes``. A file of a newer schema, or one without write
+    permission, is never touched.
     """
     with _locked(path):
-        current = SnapshotFile.load(path)
+        try:
+            current = SnapshotFile.load(path)
+        except SnapshotFormatError:
+            if not replace_unreadable:
+                raise
+            current = SnapshotFile(path)
+        if path.exists() and not os.access(path, os.W_OK):
+            raise SnapshotError(f"snapshot file {path} is read-only; make it writable to update it")
+        _remove_leftovers(path)
+        before = dict(current.entries)
         for key in removals:
             if key not in writes:
                 current.entries.pop(key, None)
         current.entries.update(writes)
+        if current.entries == before and path.exists():
+            return False  # nothing to change: spare formatting a big file to find out
         if not current.entries:
             if path.exists():
                 path.unlink()
@@ -281,7 +455,7 @@ def write_merged(path: Path, writes: Mapping[Key, Entry], removals: Iterable[Key
             return False
         text = current.dumps()
         try:
-            if path.read_text(encoding="utf-8") == text:
+            if path.read_bytes() == text.encode("utf-8"):
                 return False
         except FileNotFoundError:
             pass
@@ -289,9 +463,30 @@ def write_merged(path: Path, writes: Mapping[Key, Entry], removals: Iterable[Key
         return True
 
 
+def _temporary_prefix(path: Path) -> str:
+    return f".{path.name}."
+
+
+def _remove_leftovers(path: Path) -> None:
+    """Delete temporary files that a writer of ``path`` left when it died mid-write.
+
+    Called under the lock of ``path``: no other writer of it is running, so
+    every such file is a leftover.
+    """
+    if not path.parent.is_dir():
+        return
+    for leftover in path.parent.glob(f"{glob.escape(_temporary_prefix(path))}*.tmp"):
+        try:
+            leftover.unlink()
+        except OSError:
+            pass
+
+
 def _atomic_write(path: Path, text: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    handle, temporary = tempfile.mkstemp(
+        dir=path.parent, prefix=_temporary_prefix(path), suffix=".tmp"
+    )
     try:
         with os.fdopen(handle, "w", encoding="utf-8", newline="\n") as stream:
             stream.write(text)

@@ -24,7 +24,10 @@ _UNITS: Final[dict[str, int]] = {
     "gib": 2**30,
     "tib": 2**40,
 }
-_PATTERN: Final = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([a-zA-Z]*)\s*$")
+# A sign (refused, but named), a decimal number, and a unit: anything from a letter to
+# the next space, so that "5 GB/s" is reported as an unknown unit, not as unreadable.
+_PATTERN: Final = re.compile(r"^\s*([+-]?)([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([a-zA-Z]\S*)?\s*$")
+_EXPONENT: Final = re.compile(r"^[eE][+-]?[0-9]+$")
 
 
 def parse_bytes(value: int | str) -> int:
@@ -47,7 +50,15 @@ def parse_bytes(value: int | str) -> int:
         raise ValueError(
             f"cannot read {value!r} as a byte size; write e.g. '1.5 GiB', '512 MB' or '4096'"
         )
-    number, unit = match.groups()
+    sign, number, unit = match.groups()
+    unit = unit or ""
+    if sign == "-":
+        raise ValueError(f"cannot read {value!r} as a byte size: it cannot be negative")
+    if _EXPONENT.match(unit):
+        raise ValueError(
+            f"cannot read {value!r} as a byte size: write it without an exponent, "
+            "e.g. '1 GB' or '1000000000'"
+        )
     factor = _UNITS.get(unit.lower())
     if factor is None:
         raise ValueError(
@@ -75,11 +86,14 @@ def format_bytes(nbytes: int) -> str:
     raise AssertionError("unreachable")
 
 
-def format_delta(new: int, old: int) -> str:
-    """``'+12.00 MiB (+3.1%)'``: the change from ``old`` to ``new``."""
+def format_delta(new: int, old: int, *, exact: bool = False) -> str:
+    """``'+12.00 MiB (+3.1%)'``: the change from ``old`` to ``new``.
+
+    ``exact``: the change as a whole number of bytes, ``'+12582912 (+3.1%)'``.
+    """
     delta = new - old
     sign = "+" if delta >= 0 else "-"
-    text = f"{sign}{format_bytes(abs(delta))}"
+    text = f"{sign}{abs(delta) if exact else format_bytes(abs(delta))}"
     if old:
         share = abs(delta) / old
         # a small change to a big figure keeps two significant digits, never "+0.0%"

@@ -7,8 +7,9 @@ bytes; nothing traces or reads files.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from decimal import Decimal
 from enum import Enum
 from typing import Any, Final
 
@@ -29,8 +30,15 @@ __all__ = [
     "EnvChange",
     "environment_changes",
     "stale_reason",
+    "FIGURES",
+    "figures_of",
+    "compare",
+    "compared",
     "Result",
     "judge",
+    "figure_name",
+    "change_line",
+    "moved_lines",
     "failure_message",
 ]
 
@@ -54,7 +62,8 @@ class Tolerance:
     atol: int = 0
 
     def allowed(self, reference: int) -> int:
-        return math.floor(self.atol + self.rtol * reference)
+        # In decimal, as written: 0.29 * 100 is 28.999999999999996 in binary floating point.
+        return math.floor(self.atol + Decimal(repr(float(self.rtol))) * reference)
 
     def __str__(self) -> str:
         return f"rtol {self.rtol:g}, atol {format_bytes(self.atol)}"
@@ -128,10 +137,14 @@ def parse_devices(value: Any, valid: Iterable[str], where: str) -> tuple[str, ..
 def parse_gpu(value: Any, known: Iterable[str], where: str) -> str:
     """A GPU profile name among ``known`` (case-insensitive), spelled as ``known`` spells it."""
     known = tuple(known)
-    if isinstance(value, str):
-        for name in known:
-            if name.lower() == value.strip().lower():
-                return name
+    if not isinstance(value, str):
+        raise MarkerError(
+            f"{where}: a GPU profile is a name such as 'A100', got {value!r}; "
+            f"known profiles: {', '.join(known)}"
+        )
+    for name in known:
+        if name.lower() == value.strip().lower():
+            return name
     raise MarkerError(f"{where}: unknown GPU profile {value!r}; known profiles: {', '.join(known)}")
 
 
@@ -273,6 +286,58 @@ def environment_changes(snapshot: Entry, current: Entry) -> tuple[EnvChange, ...
         for name in sorted(set(then) | set(now))
         if then.get(name) != now.get(name)
     )
+
+
+#: Every figure of an entry that can be compared, in the order they are shown.
+FIGURES: Final = ("forward", "backward", "step", "peak", "reserved")
+#: The figures the plugin compares with the snapshot (``peak`` is the largest of the phases).
+_SNAPSHOT_FIGURES: Final = ("forward", "backward", "step", "reserved")
+
+
+def figures_of(entry: Entry) -> dict[str, int]:
+    """The figures of ``entry`` in bytes, in :data:`FIGURES` order (``reserved`` when known)."""
+    figures = {**entry.figures(), "peak": entry.peak}
+    return {name: figures[name] for name in FIGURES if name in figures}
+
+
+def compare(
+    estimate: Entry, reference: Entry, allowed: Callable[[str, int], int | None]
+) -> tuple[Change, ...]:
+    """A :class:`Change` for each figure both entries have and ``allowed`` gates.
+
+    ``allowed(figure, reference_value)`` is the number of bytes the figure may
+    move either way, or None when the figure is not compared.
+    """
+    before, after = figures_of(reference), figures_of(estimate)
+    changes = []
+    for figure, value in after.items():
+        if figure in before:
+            limit = allowed(figure, before[figure])
+            if limit is not None:
+                changes.append(Change(figure, value, before[figure], limit))
+    return tuple(changes)
+
+
+def compared(
+    changes: Sequence[Change],
+    stale: Sequence[EnvChange],
+    *,
+    fail_on_improvement: bool = False,
+    fail_on_stale: bool = False,
+) -> tuple[Status, bool]:
+    """The status of an entry compared with its reference, and whether that fails.
+
+    Entries made in different environments (``stale``) are not compared. Else
+    a figure grown beyond its allowance is a regression, which fails; one shrunk
+    beyond it (and none grown) an improvement, which fails when asked to.
+    """
+    if stale:
+        return Status.STALE, fail_on_stale
+    if any(change.moved == "grew" for change in changes):
+        return Status.REGRESSED, True
+    if any(change.moved == "shrank" for change in changes):
+        return Status.IMPROVED, fail_on_improvement
+    return Status.PASSED, False
 
 
 @dataclass(frozen=True)
@@ -434,11 +499,10 @@ def judge(
         stale = environment_changes(snapshot, estimate)
     changes: tuple[Change, ...] = ()
     if snapshot is not None:
-        reference = snapshot.figures()
-        changes = tuple(
-            Change(figure, value, reference[figure], tolerance.allowed(reference[figure]))
-            for figure, value in estimate.figures().items()
-            if figure in reference
+        changes = compare(
+            estimate,
+            snapshot,
+            lambda figure, ref: tolerance.allowed(ref) if figure in _SNAPSHOT_FIGURES else None,
         )
     breaches = _budget_breaches(_peaks(estimate), budgets, "estimate")
     mismatches: list[Mismatch] = []
@@ -466,9 +530,6 @@ def judge(
                         else measured[figure] - recorded[figure],
                     )
                 )
-    # A stale entry's figures were made by other kernels: a difference says nothing.
-    grew = not stale and any(change.moved == "grew" for change in changes)
-    shrank = not stale and any(change.moved == "shrank" for change in changes)
     if update:
         if snapshot is None:
             status = Status.NEW
@@ -479,25 +540,16 @@ def judge(
         failed = bool(breaches or mismatches)
     else:
         if snapshot is None:
-            status = Status.MISSING
-        elif stale:
-            status = Status.STALE
-        elif grew:
-            status = Status.REGRESSED
-        elif mismatches:
-            status = Status.MISMATCH
-        elif shrank:
-            status = Status.IMPROVED
+            status, failed = Status.MISSING, True
         else:
-            status = Status.PASSED
-        failed = bool(
-            breaches
-            or snapshot is None
-            or grew
-            or mismatches
-            or (shrank and fail_on_improvement)
-            or (stale and fail_on_stale)
-        )
+            # A stale entry's figures were made by other kernels: a difference says nothing.
+            status, failed = compared(
+                changes,
+                stale,
+                fail_on_improvement=fail_on_improvement,
+                fail_on_stale=fail_on_stale,
+            )
+        failed = failed or bool(breaches or mismatches)
     if breaches:
         status = Status.OVER_BUDGET
     elif mismatches:
@@ -528,7 +580,8 @@ _TOP: Final = {-1: 0, 0: 3, 1: 5}
 _MODULE_PHASE: Final = {"forward": 0, "backward": 1}
 
 
-def _figure_name(figure: str) -> str:
+def figure_name(figure: str) -> str:
+    """``"backward peak"``, ``"reserved peak"``, ``"peak"``: a figure as messages name it."""
     if figure == "peak":
         return "peak"
     return "reserved peak" if figure == "reserved" else f"{figure} peak"
@@ -550,13 +603,48 @@ def _moves(before: Mapping[str, int], after: Mapping[str, int], limit: int | Non
     ]
 
 
-def _change_line(change: Change, tolerance: Tolerance, device: str) -> str:
+def change_line(
+    change: Change, device: str, allowance: str, names: tuple[str, str] = ("estimate", "snapshot")
+) -> str:
+    """``cpu forward peak grew: estimate ..., snapshot ...: +d (+p%), allowed ±a (allowance)``.
+
+    ``names`` name the new and the reference figure; ``allowance`` says where
+    the allowed drift comes from.
+    """
+    new, old = names
     return (
-        f"{device} {_figure_name(change.figure)} {change.moved}: "
-        f"estimate {format_bytes(change.estimate)}, snapshot {format_bytes(change.reference)}: "
+        f"{device} {figure_name(change.figure)} {change.moved}: "
+        f"{new} {format_bytes(change.estimate)}, {old} {format_bytes(change.reference)}: "
         f"{format_delta(change.estimate, change.reference)}, "
-        f"allowed \u00b1{format_bytes(change.allowed)} ({tolerance})"
+        f"allowed \u00b1{format_bytes(change.allowed)} ({allowance})"
     )
+
+
+def _change_line(change: Change, tolerance: Tolerance, device: str) -> str:
+    return change_line(change, device, str(tolerance))
+
+
+def moved_lines(
+    before: Entry, after: Entry, phases: Iterable[str], limit: int | None = 3
+) -> list[str]:
+    """Which categories (at the peak) and modules (in each of ``phases``) moved most.
+
+    ``limit``: at most this many categories per line, and at least 3 modules
+    (None: all).
+    """
+    lines: list[str] = []
+    categories = _moves(before.breakdown, after.breakdown, limit)
+    if categories:
+        lines.append(f"  categories that moved most (at the peak): {', '.join(categories)}")
+    for phase in phases:
+        index = _MODULE_PHASE[phase]
+        # The model itself always moves with the device's peak: it says nothing.
+        old = {n: p[index] for n, p in before.modules.items() if n != _ROOT_NAME}
+        new = {n: p[index] for n, p in after.modules.items() if n != _ROOT_NAME}
+        modules = _moves(old, new, limit if limit is None else max(limit, 3))
+        if modules:
+            lines.append(f"  modules that moved most ({phase} peak): {', '.join(modules)}")
+    return lines
 
 
 def _detail_lines(result: Result, verbosity: int) -> list[str]:
@@ -567,20 +655,8 @@ def _detail_lines(result: Result, verbosity: int) -> list[str]:
     limit = None if verbosity >= 2 else _TOP.get(verbosity, 3)
     if limit == 0:
         return []
-    lines: list[str] = []
-    categories = _moves(snapshot.breakdown, result.estimate.breakdown, limit)
-    if categories:
-        lines.append(f"  categories that moved most (at the peak): {', '.join(categories)}")
-    moved = [c for c in result.changes if c.moved and c.figure in _MODULE_PHASE]
-    for change in moved[:1] if verbosity < 2 else moved:
-        index = _MODULE_PHASE[change.figure]
-        # The model itself always moves with the device's peak: it says nothing.
-        before = {n: p[index] for n, p in snapshot.modules.items() if n != _ROOT_NAME}
-        after = {n: p[index] for n, p in result.estimate.modules.items() if n != _ROOT_NAME}
-        modules = _moves(before, after, limit if limit is None else max(limit, 3))
-        if modules:
-            lines.append(f"  modules that moved most ({change.figure} peak): {', '.join(modules)}")
-    return lines
+    moved = [c.figure for c in result.changes if c.moved and c.figure in _MODULE_PHASE]
+    return moved_lines(snapshot, result.estimate, moved[:1] if verbosity < 2 else moved, limit)
 
 
 def _table(result: Result) -> list[str]:
@@ -623,7 +699,7 @@ def _mismatch_line(mismatch: Mismatch, device: str) -> str:
         return f"the {what} moved {'+' if delta > 0 else '-'}{format_bytes(abs(delta))}"
 
     return (
-        f"{device} {_figure_name(mismatch.figure)}: measured {format_bytes(mismatch.measured)} "
+        f"{device} {figure_name(mismatch.figure)}: measured {format_bytes(mismatch.measured)} "
         f"on the GPU, estimated {format_bytes(mismatch.estimate)}: "
         f"{format_delta(mismatch.measured, mismatch.estimate)}, "
         f"allowed \u00b1{format_bytes(mismatch.allowed)}; "
@@ -637,7 +713,7 @@ def _problems(result: Result, verbosity: int) -> list[str]:
     lines: list[str] = []
     for breach in result.breaches:
         lines.append(
-            f"{device} {_figure_name(breach.figure)} over budget: {breach.source} "
+            f"{device} {figure_name(breach.figure)} over budget: {breach.source} "
             f"{format_bytes(breach.value)}, budget {format_bytes(breach.limit)} "
             f"(memory_budget({breach.figure}=...)): "
             f"{format_bytes(breach.value - breach.limit)} over"

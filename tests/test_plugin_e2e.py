@@ -158,7 +158,7 @@ def test_unreadable_snapshot_file_fails_the_check_with_its_name(pytester: pytest
     result = pytester.runpytest()
     assert result.ret == pytest.ExitCode.TESTS_FAILED
     result.stdout.fnmatch_lines(
-        ["*cannot read snapshot file *test_m.json: it holds git conflict markers*"]
+        ["*cannot read snapshot file *test_m.json:1:1: it holds git conflict markers*"]
     )
 
 
