@@ -204,6 +204,10 @@ def _result_json(result: Result) -> dict[str, Any]:
         "allowed": {change.figure: change.allowed for change in result.changes},
         "budgets": dict(result.budgets),
         "breakdown": dict(result.estimate.breakdown),
+        "modules": {
+            name: {"forward": fwd, "backward": bwd}
+            for name, (fwd, bwd) in result.estimate.modules.items()
+        },
         "measured": None if result.estimate.measured is None else dict(result.estimate.measured),
         "unsupported": list(result.estimate.unsupported),
         "environment": dict(result.estimate.environment),

@@ -1,0 +1,8 @@
+"""``python -m pytest_torchmem``: the command line of :mod:`pytest_torchmem.cli`."""
+
+import sys
+
+from pytest_torchmem.cli import main
+
+if __name__ == "__main__":
+    sys.exit(main())
