@@ -92,6 +92,21 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     _option(parser, "json", "Write a JSON report of every check to PATH.", metavar="PATH")
     _option(
         parser,
+        "timeline",
+        "Write each check's estimated allocation timeline into DIR, one file per check and "
+        "device, in the format of torch.cuda.memory._snapshot() (open it with PyTorch's memory "
+        "viewer).",
+        metavar="DIR",
+    )
+    _option(
+        parser,
+        "html",
+        "Write a self-contained HTML report of every check to PATH: memory across the step by "
+        "category, the largest tensors at the peak, the comparison with the snapshot.",
+        metavar="PATH",
+    )
+    _option(
+        parser,
         "measure",
         "Also run cuda checks on the real GPU and compare with the estimate: auto (default: "
         "where a GPU is present), on or off.",

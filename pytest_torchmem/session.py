@@ -29,6 +29,7 @@ from pytest_torchmem.snapshots import (
     Key,
     SnapshotError,
     SnapshotFile,
+    SnapshotFormatError,
     module_of,
     snapshot_path,
     unused_keys,
@@ -64,6 +65,7 @@ if TYPE_CHECKING:
     from pytest_torchmem.report import MemoryReport
     from pytest_torchmem.step import LossFn, OptimizerFactory
     from pytest_torchmem.tracing.rules import RuleSet
+    from pytest_torchmem.tracing.trace import Trace
 
 __all__ = [
     "DEFAULT_DEVICES",
@@ -111,7 +113,10 @@ def _option(config: pytest.Config, name: str) -> tuple[Any, str]:
     value = config.getoption(name)
     if value is not None:
         return value, "--" + name.replace("_", "-")
-    value = config.getini(name)
+    try:
+        value = config.getini(name)
+    except (ValueError, pytest.UsageError) as exc:  # a bool ini option that is not one
+        raise pytest.UsageError(f"ini option {name}: {exc}; write true or false") from None
     if value in ("", None):
         return None, ""
     return value, f"ini option {name}"
@@ -128,6 +133,10 @@ class Settings:
     tolerance: Tolerance = Tolerance()
     unused: str = "fail"
     json_path: Path | None = None
+    #: ``--torchmem-timeline``: where each check's timeline goes, for torch's memory viewer.
+    timeline_dir: Path | None = None
+    #: ``--torchmem-html``: the HTML report.
+    html_path: Path | None = None
     measure: str = "auto"
     measure_rtol: float = 0.05
     gpu: str = DEFAULT_GPU
@@ -169,10 +178,15 @@ class Settings:
                     f"{source}: expected one of {', '.join(choices)}, got {value!r}"
                 )
             values[name] = value
-        path, source = _option(config, "torchmem_json")
-        if path is not None:
-            base = config.invocation_params.dir if source.startswith("--") else _ini_dir(config)
-            values["json_path"] = base / path
+        for option, field_name in (
+            ("torchmem_json", "json_path"),
+            ("torchmem_timeline", "timeline_dir"),
+            ("torchmem_html", "html_path"),
+        ):
+            path, source = _option(config, option)
+            if path is not None:
+                base = config.invocation_params.dir if source.startswith("--") else _ini_dir(config)
+                values[field_name] = base / path
         settings = cls(**values)
         if settings.measure == "on" and not _gpu_present():
             raise pytest.UsageError(
@@ -180,6 +194,11 @@ class Settings:
                 "torch.cuda.is_available() is False here; use auto or off"
             )
         return settings
+
+    @property
+    def record_frames(self) -> bool:
+        """Whether the trace keeps the user's frames of each allocation (for the exports)."""
+        return self.timeline_dir is not None or self.html_path is not None
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -274,6 +293,8 @@ class TorchmemSession:
         self.unused: list[Unused] = []
         self.written: list[str] = []
         self.errors: list[str] = []
+        #: What the HTML report shows of each check (JSON-ready; workers send theirs).
+        self.views: list[dict[str, Any]] = []
         self._targets = self._node_targets(config)
         self._snapshots: dict[Path, SnapshotFile] = {}
         self._rules: dict[tuple[str, tuple[int, ...]], RuleSet] = {}
@@ -391,6 +412,19 @@ class TorchmemSession:
             snapshot = self._snapshots[path] = SnapshotFile.load(path)
         return snapshot
 
+    def _snapshot_to_check(self, path: Path) -> SnapshotFile | str:
+        """The snapshot file checks compare with, or why it cannot be read."""
+        try:
+            return self._snapshot(path)
+        except SnapshotFormatError as exc:
+            if not self.settings.update:
+                return str(exc)
+            # --torchmem-update replaces a file that is not a snapshot: nothing to compare.
+            snapshot = self._snapshots[path] = SnapshotFile(path)
+            return snapshot
+        except SnapshotError as exc:
+            return str(exc)
+
     def display(self, path: Path) -> str:
         """``path`` as the user sees it: relative to where pytest was started."""
         try:
@@ -406,15 +440,16 @@ class TorchmemSession:
 
     def _estimate(
         self, item: pytest.Item, request: StepRequest, device: str, name: str, gpu: str
-    ) -> MemoryReport:
-        """The estimate on ``device`` with this session's rules, as the hooks adjust it."""
+    ) -> tuple[MemoryReport, Trace]:
+        """The estimate on ``device`` with this session's rules, as the hooks adjust it,
+        and the trace it was read from."""
         from pytest_torchmem.report import MemoryReport
         from pytest_torchmem.tracing.devices import device_model
         from pytest_torchmem.tracing.devices.cuda.profiles import gpu_profile
-        from pytest_torchmem.tracing.trace import trace_step
+        from pytest_torchmem.tracing.trace import trace
 
         try:
-            report = trace_step(
+            traced = trace(
                 request.model,
                 request.args,
                 request.kwargs,
@@ -423,22 +458,23 @@ class TorchmemSession:
                 optimizer=request.optimizer,
                 train=request.train,
                 gpu=gpu_profile(gpu) if device.startswith("cuda") else None,
+                record_frames=self.settings.record_frames,
             )
         except RuntimeError as exc:
             if device.startswith("cuda") and "devices" in str(exc) and hasattr(exc, "add_note"):
                 exc.add_note(_DEVICE_HINT)
             raise
         adjusted = item.ihook.pytest_torchmem_adjust_report(
-            item=item, device=device, name=name, report=report
+            item=item, device=device, name=name, report=traced.report
         )
         if adjusted is None:
-            return report
+            return traced.report, traced
         if not isinstance(adjusted, MemoryReport):
             raise TypeError(
                 "pytest_torchmem_adjust_report must return a MemoryReport or None, "
                 f"got {type(adjusted).__name__}"
             )
-        return adjusted
+        return adjusted, traced
 
     def check(
         self,
@@ -460,14 +496,13 @@ class TorchmemSession:
         devices = spec.devices or self.settings.devices
         gpu = spec.gpu or self.settings.gpu
         path = snapshot_path(item.path)
-        try:
-            snapshot = self._snapshot(path)
-        except SnapshotError as exc:
-            pytest.fail(str(exc), pytrace=False)
+        snapshot = self._snapshot_to_check(path)
+        if isinstance(snapshot, str):  # failed outside the except: no chained traceback
+            pytest.fail(snapshot, pytrace=False)
         reports: dict[str, MemoryReport] = {}
         results: list[Result] = []
         for device in devices:
-            report = self._estimate(item, request, device, name, gpu)
+            report, traced = self._estimate(item, request, device, name, gpu)
             measured = None
             if device.startswith("cuda") and self.measuring():
                 # What measure(device="cuda") does: the step on the real GPU, from
@@ -496,11 +531,26 @@ class TorchmemSession:
             if self.settings.update:
                 self.writes.setdefault(str(path), {})[key] = entry
             _record_properties(item, result)
+            self._export(result, traced)
             reports[device] = report
             results.append(result)
         if any(result.failed for result in results):
             pytest.fail(failure_message(results, self.config.get_verbosity()), pytrace=False)
         return reports
+
+    def _export(self, result: Result, traced: Trace) -> None:
+        """Keep what ``--torchmem-timeline`` and ``--torchmem-html`` ask for of one check."""
+        if self.settings.timeline_dir is not None:
+            from pytest_torchmem.memory_viz import write_timeline
+
+            try:
+                write_timeline(self.settings.timeline_dir, result, traced)
+            except OSError as exc:
+                self.errors.append(f"torchmem: could not write a timeline: {exc}")
+        if self.settings.html_path is not None:
+            from pytest_torchmem.html_report import check_view
+
+            self.views.append(check_view(result, traced, root=self.config.invocation_params.dir))
 
     # -- pytest-xdist ---------------------------------------------------------------
 
@@ -517,6 +567,7 @@ class TorchmemSession:
                 "completed": [list(test) for test in self.completed],
                 "known": {module: sorted(ids) for module, ids in self.known.items()},
                 "narrowed": sorted(self.narrowed),
+                "views": self.views,
             }
         )
 
@@ -533,6 +584,7 @@ class TorchmemSession:
         for module, ids in data["known"].items():
             self.known.setdefault(module, set()).update(ids)
         self.narrowed.update(data["narrowed"])
+        self.views.extend(data["views"])
 
     def worker_down(self, node: Any) -> None:
         output = getattr(node, "workeroutput", {})
@@ -549,8 +601,18 @@ class TorchmemSession:
         self.results.sort(key=lambda r: (r.nodeid, r.key.name, r.key.device))
         removals = self._find_unused()
         if self.settings.update:
-            self._flush(removals)
+            if session.exitstatus == pytest.ExitCode.INTERRUPTED:
+                # A run stopped half way (Ctrl-C, pytest.exit) writes nothing: the files
+                # stay as they were rather than hold half of an update.
+                if self.writes or removals:
+                    self.errors.append(
+                        "torchmem: the run was interrupted: no snapshot file was written; "
+                        "rerun with --torchmem-update"
+                    )
+            elif self._flush(removals):
+                session.exitstatus = pytest.ExitCode.INTERRUPTED
         self._write_json()
+        self._write_html()
         failing = self.errors or (
             self.unused and self.settings.unused == "fail" and not self.settings.update
         )
@@ -579,6 +641,10 @@ class TorchmemSession:
                 continue
             try:
                 snapshot = SnapshotFile.load(path)
+            except SnapshotFormatError as exc:
+                if not (self.settings.update and str(path) in self.writes):  # else replaced
+                    self.errors.append(str(exc))
+                continue
             except SnapshotError as exc:
                 self.errors.append(str(exc))
                 continue
@@ -598,16 +664,46 @@ class TorchmemSession:
                 self.unused.extend(Unused(self.display(path), key) for key in keys)
         return found
 
-    def _flush(self, removals: dict[Path, list[Key]]) -> None:
-        """Write every pending entry and drop the unused ones, one locked merge per file."""
-        for path in sorted(set(map(Path, self.writes)) | set(removals)):
+    def _flush(self, removals: dict[Path, list[Key]]) -> bool:
+        """Write every pending entry and drop the unused ones, one locked merge per file.
+
+        Each file is replaced whole or left as it was. A file that is not a
+        snapshot is replaced by this run's entries. Returns True when Ctrl-C
+        stopped the writing (the files not yet written are left as they were).
+        """
+        paths = sorted(set(map(Path, self.writes)) | set(removals))
+        for index, path in enumerate(paths):
+            writes = self.writes.get(str(path), {})
+            shown = self.display(path)
             try:
-                changed = write_merged(path, self.writes.get(str(path), {}), removals.get(path, ()))
-            except (SnapshotError, OSError) as exc:
-                self.errors.append(f"torchmem: could not write {self.display(path)}: {exc}")
+                try:
+                    changed = write_merged(path, writes, removals.get(path, ()))
+                except SnapshotFormatError as exc:
+                    if not writes:
+                        raise
+                    changed = write_merged(path, writes, replace_unreadable=True)
+                    shown += f" (replacing a file that was not a snapshot: {exc.reason})"
+            except KeyboardInterrupt:
+                left = ", ".join(self.display(later) for later in paths[index:])
+                self.errors.append(
+                    f"torchmem: interrupted while writing snapshot files; left as they were: "
+                    f"{left}; rerun with --torchmem-update"
+                )
+                return True
+            except SnapshotError as exc:
+                self.errors.append(f"torchmem: could not write {shown}: {exc}")
+                continue
+            except OSError as exc:
+                where = f": {exc.filename}" if exc.filename else ""
+                self.errors.append(
+                    f"torchmem: could not write {shown}: {exc.strerror or exc}{where}; the file "
+                    f"on disk is unchanged (make {self.display(path.parent)} writable, then "
+                    "rerun with --torchmem-update)"
+                )
                 continue
             if changed:
-                self.written.append(self.display(path))
+                self.written.append(shown)
+        return False
 
     def environment(self) -> dict[str, Any]:
         import torch
@@ -645,6 +741,19 @@ class TorchmemSession:
             path.write_text(json.dumps(report, indent=2, sort_keys=True) + "\n", encoding="utf-8")
         except OSError as exc:
             self.errors.append(f"torchmem: could not write the JSON report {path}: {exc}")
+
+    def _write_html(self) -> None:
+        path = self.settings.html_path
+        if path is None:
+            return
+        from pytest_torchmem.html_report import write_report
+
+        try:
+            write_report(path, self.views, environment=self.environment())
+        except OSError as exc:
+            self.errors.append(f"torchmem: could not write the HTML report {path}: {exc}")
+        else:
+            self.written.append(self.display(path))
 
     # -- reporting ------------------------------------------------------------------
 

@@ -72,6 +72,9 @@ class StorageInfo:
     op: str = ""
     #: The user's frames that made it, innermost first (recorded on request only).
     frames: tuple[Frame, ...] = ()
+    #: The autograd node that was running when it was made, in backward (``MmBackward0``;
+    #: recorded with the frames).
+    node: str = ""
 
 
 @dataclass
