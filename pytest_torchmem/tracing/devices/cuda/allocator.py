@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import os
 from bisect import bisect_left, insort
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Final
 
@@ -736,6 +736,12 @@ class CachingAllocator:
         self._num_ooms = 0
         self._num_device_alloc = 0
         self._num_device_free = 0
+        #: Called as ``observer(action, segment, address, size)`` each time device
+        #: memory is taken or given back, with the actions of the allocator's
+        #: ``record_trace``: ``"segment_alloc"``/``"segment_free"`` (``cudaMalloc``/
+        #: ``cudaFree``), ``"segment_map"``/``"segment_unmap"`` (pages of expandable
+        #: segments; ``address`` and ``size`` are the pages').
+        self.observer: Callable[[str, Segment, int, int], None] | None = None
 
     # ------------------------------------------------------------ public API
 
@@ -1032,6 +1038,8 @@ class CachingAllocator:
         if self._reserved > self._peak_reserved:
             self._peak_reserved = self._reserved
         self._num_device_alloc += 1
+        if self.observer is not None:
+            self.observer("segment_alloc", segment, segment.address, alloc_size)
         return block
 
     def _release_block(self, block: Block) -> None:
@@ -1042,6 +1050,8 @@ class CachingAllocator:
         del self._segments[block.segment.address]
         self._reserved -= block.size
         self._num_device_free += 1
+        if self.observer is not None:
+            self.observer("segment_free", block.segment, block.segment.address, block.size)
 
     def _garbage_collect_cached_blocks(self) -> None:
         """``garbage_collect_cached_blocks``.
@@ -1202,6 +1212,7 @@ class CachingAllocator:
             to_map.next = rest
             pool.insert_unmapped(rest)
             to_map.size = mapped
+        start = to_map.address
         self._try_merge_blocks(to_map, to_map.prev, pool)
         self._try_merge_blocks(to_map, to_map.next, pool)
         pool.insert(to_map)
@@ -1210,6 +1221,8 @@ class CachingAllocator:
         if self._reserved > self._peak_reserved:
             self._peak_reserved = self._reserved
         self._num_device_alloc += 1
+        if self.observer is not None:
+            self.observer("segment_map", segment, start, mapped)
         return True
 
     def _unmap_block(self, block: Block, pool: _BlockPool) -> None:
@@ -1253,3 +1266,5 @@ class CachingAllocator:
         segment.reserved -= length
         self._reserved -= length
         self._num_device_free += 1
+        if self.observer is not None:
+            self.observer("segment_unmap", segment, start, length)
