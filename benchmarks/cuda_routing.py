@@ -24,7 +24,7 @@ every model of the zoo (``tests/zoo.py``), op by op::
 C++ costs one model, not the run) and records, per phase, the aten ops that
 dispatch produced with their outputs (shape, dtype, device, storage bytes,
 whether the storage is new) and every failure with its error. The step goes
-through the project's own tracer (``trace_step``, its tracker wrapped to log
+through the project's own tracer (``trace``, its tracker wrapped to log
 each op, as ``benchmarks/kernel_diff.py`` does) with a device model whose
 trace device is ``cuda:0`` itself: no router, no implementation rules, the
 CUDA scratch rules and the caching-allocator model kept so that the byte
@@ -251,7 +251,7 @@ def _logging_tracker_class() -> type:
         def adopt(self, t: torch.Tensor, category: Any) -> int | None:
             sid = super().adopt(t, category)
             # Storages adopted before the first op are the step's baseline (as in
-            # trace_step); later ones are foreign tensors, never charged.
+            # trace); later ones are foreign tensors, never charged.
             if sid is not None and not self._tracing and sid not in self.baseline:
                 self.baseline.append(sid)
             return sid
@@ -320,7 +320,7 @@ def _describe(exc: BaseException) -> str:
 
 @contextmanager
 def _logging_trace() -> Iterator[list[Any]]:
-    """While active, every ``trace_step`` uses a logging tracker; yields the trackers made."""
+    """While active, every ``trace`` uses a logging tracker; yields the trackers made."""
     from pytest_torchmem.tracing import trace
 
     made: list[Any] = []
@@ -407,7 +407,7 @@ def trace_case(case: Any, device: Any, *, gpu: str | None = None) -> dict[str, A
     from pytest_torchmem.tracing.devices.cuda import caching_allocator
     from pytest_torchmem.tracing.devices.cuda.profiles import gpu_profile
     from pytest_torchmem.tracing.rules import TraceContext
-    from pytest_torchmem.tracing.trace import trace_step
+    from pytest_torchmem.tracing.trace import trace
 
     model, inputs = case.make()
     options = dict(case.options)
@@ -421,11 +421,11 @@ def trace_case(case: Any, device: Any, *, gpu: str | None = None) -> dict[str, A
         warnings.simplefilter("always")
         started = time.perf_counter()
         try:
-            report = trace_step(
+            report = trace(
                 request.model, request.args, request.kwargs, device=device,
                 loss_fn=request.loss_fn, optimizer=request.optimizer, train=request.train,
                 gpu=gpu_profile(gpu),
-            )
+            ).report
         except Exception as exc:  # noqa: BLE001 - the reference's failures are findings
             error = exc
         seconds = time.perf_counter() - started

@@ -16,8 +16,7 @@ checks), and runs it in this process with ``pytest.main`` in four scenarios:
   session re-reads, merges and re-checks the big file under its lock.
 
 The benchmark wraps, for timing only, the tracing entry point
-(``pytest_torchmem.tracing.trace.trace``, or ``trace_step`` where that is what
-the session calls), ``TorchmemSession.check``, its per-test hooks and the end
+(``pytest_torchmem.tracing.trace.trace``), ``TorchmemSession.check``, its per-test hooks and the end
 of the session (``finish`` and ``write_summary``); the product runs unpatched.
 Columns, per scenario:
 
@@ -136,9 +135,7 @@ def instrumented() -> Iterator[dict[str, Clock]]:
         setattr(owner, name, clock.wrap(original))
 
     # The session imports its tracing function at each check: patching the module works.
-    for name in ("trace", "trace_step"):
-        if hasattr(trace_module, name):
-            patch(trace_module, name, clocks["trace"])
+    patch(trace_module, "trace", clocks["trace"])
     patch(TorchmemSession, "check", clocks["check"])
     patch(TorchmemSession, "finish", clocks["end"])
     patch(TorchmemSession, "write_summary", clocks["end"])
@@ -211,7 +208,7 @@ def profile_checks(folder: Path, tests: int) -> None:
     """cProfile of the checks of a compare run, tracing excluded."""
     profile = cProfile.Profile()
     original_check = TorchmemSession.check
-    trace_names = [name for name in ("trace", "trace_step") if hasattr(trace_module, name)]
+    trace_names = ["trace"]
     originals = {name: getattr(trace_module, name) for name in trace_names}
 
     def check(*args: Any, **kwargs: Any) -> Any:

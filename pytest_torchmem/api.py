@@ -12,7 +12,7 @@ from pytest_torchmem.report import MemoryReport
 from pytest_torchmem.step import LossFn, OptimizerFactory
 from pytest_torchmem.tracing.devices import device_model
 from pytest_torchmem.tracing.devices.cuda.profiles import gpu_profile
-from pytest_torchmem.tracing.trace import trace_step
+from pytest_torchmem.tracing.trace import trace
 
 __all__ = ["estimate", "measure"]
 
@@ -109,7 +109,7 @@ def estimate(
     request = _request("estimate", model, inputs, device, loss_fn, optimizer, train)
     if gpu is not None and request.device != "cuda":
         raise ValueError(f"gpu={gpu!r} applies to device='cuda' only, not {device!r}")
-    return trace_step(
+    return trace(
         request.model,
         request.args,
         request.kwargs,
@@ -118,7 +118,7 @@ def estimate(
         optimizer=request.optimizer,
         train=request.train,
         gpu=gpu_profile(gpu) if request.device == "cuda" else None,
-    )
+    ).report
 
 
 def measure(

@@ -59,7 +59,9 @@ class _MarkingProbe:
         pass
 
     def assign_role(self, category: Category, tensors: Iterable[torch.Tensor]) -> None:
-        self.roles.append((category, [t.untyped_storage().data_ptr() for t in tensors]))
+        # A zero tensor (the gradient of sgn, say) has no memory and no data pointer.
+        ptrs = [t.untyped_storage().data_ptr() for t in tensors if not t._is_zerotensor()]
+        self.roles.append((category, ptrs))
         self._mark(f"role:{len(self.roles) - 1}")
 
 
@@ -218,16 +220,35 @@ _COMPOSITE: dict[str, bool] = {}
 
 
 def _is_composite(name: str) -> bool:
+    """Whether the profiled op ``name`` (no overload name) is CompositeImplicitAutograd.
+
+    The fake trace sees such an op's parts, not the op. The profiler does not
+    say which overload ran: the default one if the op has it, else the op is
+    composite when every overload but the ``out=`` ones is (``aten::lstm``'s
+    ``input`` and ``data``, ``aten::softmax.int``).
+    """
     found = _COMPOSITE.get(name)
     if found is None:
-        try:
-            found = torch._C._dispatch_has_kernel_for_dispatch_key(
-                name, "CompositeImplicitAutograd"
-            )
-        except RuntimeError:
-            found = False
+        found = _has_composite_kernel(name)
+        if found is None:
+            namespace, _, op = name.partition("::")
+            try:
+                overloads = getattr(getattr(torch.ops, namespace), op).overloads()
+            except (AttributeError, RuntimeError):
+                overloads = []
+            kinds = [_has_composite_kernel(f"{name}.{o}") for o in overloads if not o.endswith("out")]
+            known = [kind for kind in kinds if kind is not None]
+            found = bool(known) and all(known)
         _COMPOSITE[name] = found
     return found
+
+
+def _has_composite_kernel(name: str) -> bool | None:
+    """None when there is no operator ``name``."""
+    try:
+        return torch._C._dispatch_has_kernel_for_dispatch_key(name, "CompositeImplicitAutograd")
+    except RuntimeError:
+        return None
 
 
 def _kernel_node(node: Any) -> Any:

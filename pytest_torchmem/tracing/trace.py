@@ -17,9 +17,9 @@ from pytest_torchmem.timeline import Analysis, Timeline, analyze
 from pytest_torchmem.tracing.devices import DeviceModel
 from pytest_torchmem.tracing.devices.cuda.profiles import GpuProfile
 from pytest_torchmem.tracing.rules import TraceContext
-from pytest_torchmem.tracing.tracker import TraceAborted, Tracker
+from pytest_torchmem.tracing.tracker import Tracker
 
-__all__ = ["Trace", "trace", "trace_step", "fake_standins", "adopt"]
+__all__ = ["Trace", "adopt", "fake_standins", "trace"]
 
 
 @dataclass(frozen=True)
@@ -35,33 +35,6 @@ class Trace:
     context: TraceContext
 
 
-def trace_step(
-    model: nn.Module,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    *,
-    device: DeviceModel,
-    loss_fn: LossFn | None,
-    optimizer: OptimizerFactory | None,
-    train: bool,
-    gpu: GpuProfile | None = None,
-) -> MemoryReport:
-    """Trace one step of ``model`` on fake tensors of ``device`` and report its memory.
-
-    ``gpu`` is the GPU profile the CUDA rules follow (ignored on cpu).
-    """
-    return trace(
-        model,
-        args,
-        kwargs,
-        device=device,
-        loss_fn=loss_fn,
-        optimizer=optimizer,
-        train=train,
-        gpu=gpu,
-    ).report
-
-
 def trace(
     model: nn.Module,
     args: tuple[Any, ...],
@@ -74,8 +47,11 @@ def trace(
     gpu: GpuProfile | None = None,
     record_frames: bool = False,
 ) -> Trace:
-    """:func:`trace_step`, keeping the timeline (with the user's frames of every
-    allocation when ``record_frames``)."""
+    """Trace one step of ``model`` on fake tensors of ``device``: its report and timeline.
+
+    ``gpu`` is the GPU profile the CUDA rules follow (ignored on cpu);
+    ``record_frames`` keeps the user's frames of every allocation.
+    """
     context = TraceContext(device.name, gpu=gpu)
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True, allow_fallback_kernels=False)
     where = device.trace_device
@@ -110,7 +86,9 @@ def trace(
                 train=train,
                 probe=tracker,
             )
-    except TraceAborted:
+    except Exception as exc:
+        if not tracker.stopped_by(exc):
+            raise  # the program's own error
         tracker.set_phase(None)
     del standins
 

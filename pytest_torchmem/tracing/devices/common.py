@@ -82,3 +82,7 @@ def _unique2(call: OpCall) -> tuple[Any, str]:
     inverse = t.new_empty(t.shape if return_inverse else (0,), dtype=torch.long)
     counts = t.new_empty((t.numel(),) if return_counts else (0,), dtype=torch.long)
     return (out, inverse, counts), _UPPER
+
+
+# Backward formulas that write in place eagerly (registers into COMMON).
+from pytest_torchmem.tracing.devices import autograd_paths as _autograd_paths  # noqa: F401

@@ -1,0 +1,59 @@
+"""CPU kernels made of other ATen ops (``pytest_torchmem.tracing.devices.cpu.composite``)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+import pytest_torchmem as tm
+from exactness import Lambda
+
+F32 = 4
+
+
+def _forward(fn: Callable[..., Any], *inputs: torch.Tensor) -> int:
+    report = tm.estimate(Lambda(fn), inputs, train=False)
+    assert report.forward_peak == tm.measure(Lambda(fn), inputs, train=False).forward_peak
+    return report.forward_peak
+
+
+def test_logsumexp_bytes_by_hand() -> None:
+    """(64, 128) over dim 1: ``maxes`` (64 floats) stays; ``abs``, the wrapped 8-byte
+    infinity, its 4-byte float cast and the (64,) mask come and go; then ``self - maxes``
+    (64 * 128 floats) beside the result (64 floats): x + maxes + difference + result."""
+    x = torch.randn(64, 128)
+    assert _forward(lambda x: x.logsumexp(1), x) == (64 * 128 + 64 + 64 * 128 + 64) * F32
+
+
+def test_isinf_bytes_by_hand() -> None:
+    """``self.abs() == inf``: the absolute values (64 * 128 floats), the wrapped number
+    and its cast (8 + 4) and the boolean result (64 * 128 bytes)."""
+    x = torch.randn(64, 128)
+    assert _forward(torch.isinf, x) == 2 * 64 * 128 * F32 + 8 + F32 + 64 * 128
+
+
+def test_dist_bytes_by_hand() -> None:
+    """``norm(self - other, p)``: the broadcast difference, then the 0-dim result."""
+    x, y = torch.randn(64, 128), torch.randn(128)
+    assert _forward(lambda x, y: torch.dist(x, y, 3), x, y) == (2 * 64 * 128 + 128 + 1) * F32
+
+
+@pytest.mark.parametrize(
+    "fn",
+    [
+        lambda x: x.logsumexp(-1),
+        lambda x: x.logsumexp((0, 2), keepdim=True),
+        lambda x: torch.logsumexp(x.transpose(0, 1), 0),
+        lambda x: x * torch.isinf(x),
+        lambda x: torch.dist(x, x.flip(0)),
+    ],
+    ids=["logsumexp last", "logsumexp keepdim", "logsumexp transposed", "isinf", "dist"],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_step_equals_measure(fn: Callable[..., Any], dtype: torch.dtype, threads: int) -> None:
+    x = torch.randn(6, 10, 12, dtype=dtype, requires_grad=True)
+    model = Lambda(fn)
+    assert tm.estimate(model, x).phase_peaks() == tm.measure(model, x).phase_peaks()

@@ -1,0 +1,179 @@
+"""CPU indexing and selection kernels (``cpu.indexing``, ``cpu.sorting``)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import pytest_torchmem as tm
+from exactness import Lambda
+
+F32, I64 = 4, 8
+
+
+def _forward(fn: Callable[..., Any], x: torch.Tensor) -> int:
+    report = tm.estimate(Lambda(fn), x, train=False)
+    assert report.forward_peak == tm.measure(Lambda(fn), x, train=False).forward_peak
+    return report.forward_peak
+
+
+# -- embedding_dense_backward ---------------------------------------------------------------
+
+
+def test_embedding_backward_copies_a_broadcast_gradient() -> None:
+    """``Embedding(100, 32)`` on (8, 16) indices, loss = sum: the output gradient is a
+    broadcast scalar, which ``embedding_dense_backward_cpu`` copies (``grad_.contiguous()``,
+    8 * 16 * 32 floats) beside ``grad_weight`` (100 * 32 floats).
+
+    Backward: weight 12800 + indices 1024 + loss and its gradient 8 + grad_weight 12800
+    + the copy 16384 = 43016 (the output is dropped once the loss is taken).
+    """
+    torch.manual_seed(0)
+    model, idx = nn.Embedding(100, 32), torch.randint(0, 100, (8, 16))
+    report = tm.estimate(model, idx)
+    assert report.backward_peak == 2 * 100 * 32 * F32 + 8 * 16 * I64 + 2 * F32 + 8 * 16 * 32 * F32
+    assert report.phase_peaks() == tm.measure(model, idx).phase_peaks()
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+@pytest.mark.parametrize("padding_idx", [None, 0])
+def test_embedding_step_equals_measure(
+    transposed: bool, padding_idx: int | None, threads: int
+) -> None:
+    class Lookup(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = nn.Embedding(50, 24, padding_idx=padding_idx)
+            self.out = nn.Linear(24, 8)
+
+        def forward(self, idx: torch.Tensor) -> torch.Tensor:
+            return self.out(self.emb(idx).transpose(0, 1))
+
+    torch.manual_seed(0)
+    idx = torch.randint(0, 50, (12, 6) if transposed else (6, 12))
+    idx = idx.t() if transposed else idx
+    model = Lookup()
+    assert tm.estimate(model, idx).phase_peaks() == tm.measure(model, idx).phase_peaks()
+
+
+# -- kthvalue, median ------------------------------------------------------------------------
+
+
+def test_kthvalue_partitions_a_copy() -> None:
+    """``kthvalue_out_impl_cpu``: values (16,) and indices (16,), then a clone of the
+    (16, 32) input and an int64 index tensor of its size."""
+    x = torch.randn(16, 32)
+    expected = 16 * 32 * F32 + 16 * (F32 + I64) + 16 * 32 * (F32 + I64)
+    assert _forward(lambda x: x.kthvalue(5, dim=1), x) == expected
+
+
+def test_median_dim_copies_only_a_strided_reduction() -> None:
+    """``median_with_indices_impl`` copies the input when the reduced dim is not the
+    innermost (dim 0 of a (16, 32) tensor), not otherwise."""
+    x = torch.randn(16, 32)
+    assert _forward(lambda x: x.median(dim=0), x) == 2 * 16 * 32 * F32 + 32 * (F32 + I64)
+    assert _forward(lambda x: x.median(dim=1), x) == 16 * 32 * F32 + 16 * (F32 + I64)
+
+
+def test_median_of_everything_partitions_a_clone() -> None:
+    """``median_impl``: ``self.clone()`` and the 0-dim result."""
+    x = torch.randn(16, 32)
+    assert _forward(lambda x: x.nanmedian(), x) == 2 * 16 * 32 * F32 + F32
+
+
+@pytest.mark.parametrize(
+    "fn",
+    [
+        lambda x: x.kthvalue(3, dim=0).values,
+        lambda x: x.kthvalue(1, dim=-1, keepdim=True).values,
+        lambda x: x.median(dim=0).values,
+        lambda x: x.nanmedian(dim=-1).values,
+        lambda x: x.t().median(dim=1).values,
+    ],
+    ids=[
+        "kthvalue dim 0",
+        "kthvalue keepdim",
+        "median dim 0",
+        "nanmedian last",
+        "median transposed",
+    ],
+)
+def test_selection_step_equals_measure(fn: Callable[..., Any], threads: int) -> None:
+    x = torch.randn(12, 20, requires_grad=True)
+    model = Lambda(fn)
+    assert tm.estimate(model, x).phase_peaks() == tm.measure(model, x).phase_peaks()
+
+
+# -- pixel_shuffle, pixel_unshuffle, channel_shuffle ----------------------------------------------
+
+
+def test_pixel_shuffle_backward_copies_a_broadcast_gradient() -> None:
+    """``pixel_shuffle``'s backward is ``pixel_unshuffle`` of the gradient, whose CPU kernel
+    makes its output, then ``self.contiguous()``: the broadcast gradient of the sum
+    (2 * 2 * 8 * 8 floats) is copied. Backward: x 1024 + loss and its gradient 8 +
+    output 1024 + copy 1024 = 3080."""
+    x = torch.randn(2, 8, 4, 4, requires_grad=True)
+    model = nn.PixelShuffle(2)
+    report = tm.estimate(model, x)
+    assert report.backward_peak == 3 * 2 * 8 * 4 * 4 * F32 + 2 * F32
+    assert report.phase_peaks() == tm.measure(model, x).phase_peaks()
+
+
+@pytest.mark.parametrize(
+    ("fn", "layout"),
+    [
+        (lambda x: torch.pixel_shuffle(x, 2), "contiguous"),
+        (lambda x: torch.pixel_unshuffle(x, 2), "channels_last"),
+        (lambda x: torch.pixel_shuffle(x.transpose(2, 3), 2), "contiguous"),
+        (lambda x: torch.channel_shuffle(x, 4), "contiguous"),
+        (lambda x: torch.channel_shuffle(x, 2), "channels_last"),
+        (lambda x: torch.channel_shuffle(x.transpose(2, 3), 2), "contiguous"),
+    ],
+    ids=[
+        "pixel",
+        "unshuffle cl",
+        "pixel transposed",
+        "channel",
+        "channel cl",
+        "channel transposed",
+    ],
+)
+def test_shuffle_step_equals_measure(fn: Callable[..., Any], layout: str, threads: int) -> None:
+    x = torch.randn(2, 8, 6, 6)
+    if layout == "channels_last":
+        x = x.contiguous(memory_format=torch.channels_last)
+    x.requires_grad_()
+    model = Lambda(lambda x: fn(x) * 2)
+    assert tm.estimate(model, x).phase_peaks() == tm.measure(model, x).phase_peaks()
+
+
+# -- roll ---------------------------------------------------------------------------------------
+
+
+def test_roll_over_two_dims_holds_an_intermediate() -> None:
+    """A shifted-window roll over (H, W) of a (2, 8, 8, 16) activation (Swin's
+    ``torch.roll(x, (-3, -3), (1, 2))``): ``roll_common`` rolls H into an intermediate
+    of the input's size, then W into the output."""
+    x = torch.randn(2, 8, 8, 16)
+    nbytes = 2 * 8 * 8 * 16 * F32
+    assert _forward(lambda x: torch.roll(x, (-3, -3), (1, 2)), x) == 3 * nbytes
+    assert _forward(lambda x: torch.roll(x, 3, 1), x) == 2 * nbytes
+
+
+@pytest.mark.parametrize(
+    "fn",
+    [
+        lambda x: torch.roll(x, (1, 2, 3), (0, 1, 2)),
+        lambda x: torch.roll(x.transpose(0, 2), 5),
+        lambda x: torch.roll(x.transpose(0, 2), (2, -1), (0, 1)),
+    ],
+    ids=["three dims", "flattened transposed", "two dims transposed"],
+)
+def test_roll_step_equals_measure(fn: Callable[..., Any], threads: int) -> None:
+    x = torch.randn(4, 6, 8, requires_grad=True)
+    model = Lambda(fn)
+    assert tm.estimate(model, x).phase_peaks() == tm.measure(model, x).phase_peaks()

@@ -1,0 +1,160 @@
+"""What the tracer cannot do is reported in ``unsupported``; the program's own errors propagate.
+
+The tracer's failures: an op with no fake kernel, C++ code or ``.numpy()``
+reading a fake tensor's values, a memory rule that fails, and anything raised
+after a value-dependent op got a stand-in value. The program's: everything
+else, unchanged (the user's exceptions, a shape error the real kernel raises
+too).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import pytest_torchmem as tm
+from pytest_torchmem.tracing.devices import DEVICES
+from pytest_torchmem.tracing.rules import OpCall
+from pytest_torchmem.tracing.trace import trace
+from exactness import Lambda
+
+F32 = 4
+
+
+@torch.library.custom_op("torchmem_tests::triple", mutates_args=())
+def _triple(x: torch.Tensor) -> torch.Tensor:
+    return x * 3
+
+
+def _line_of(text: str) -> str:
+    with open(__file__) as source:
+        for number, line in enumerate(source, 1):
+            if text in line and "_line_of" not in line:
+                return f"{__file__}:{number}"
+    raise AssertionError(text)
+
+
+def _only(report: tm.MemoryReport) -> tm.Unsupported:
+    assert len(report.unsupported) == 1, report.unsupported
+    return report.unsupported[0]
+
+
+# -- the tracer's failures: reported, the trace stopped there ----------------------------
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_custom_op_without_fake_kernel_is_reported(device: str) -> None:
+    x = torch.randn(256)
+    model = Lambda(lambda x: _triple(x.exp()))  # custom op call
+    report = tm.estimate(model, x, device=device, train=False)
+    entry = _only(report)
+    assert entry.op == "torchmem_tests.triple.default"
+    assert "no fake impl" in entry.reason and entry.reason.endswith("the trace stopped here")
+    assert entry.location == _line_of("# custom op call")
+    if device == "cpu":  # what ran before the op is counted: x, then exp(x)
+        assert report.forward_peak == 2 * 256 * F32
+
+
+def test_numpy_in_forward_is_reported() -> None:
+    model = Lambda(lambda x: torch.from_numpy(x.numpy() * 2))  # numpy call
+    entry = _only(tm.estimate(model, torch.randn(8), train=False))
+    assert entry.op == "Tensor.numpy"
+    assert entry.location == _line_of("# numpy call")
+
+
+def test_cpp_reading_tensor_values_is_reported() -> None:
+    """``tensor_split`` with a tensor of split points reads them in C++."""
+    model = Lambda(lambda x, at: torch.tensor_split(x, at)[0] * 2)  # reads values
+    entry = _only(tm.estimate(model, (torch.randn(8), torch.tensor([2, 5])), train=False))
+    assert entry.op == "(tensor values)"
+    assert "not allocated" in entry.reason and entry.reason.endswith("the trace stopped here")
+    assert entry.location == _line_of("# reads values")
+
+
+def test_error_after_a_stand_in_value_is_reported() -> None:
+    """``int(n)`` gets the stand-in 0: the empty ``stack`` fails only in the trace."""
+    model = Lambda(lambda x, n: torch.stack([x * i for i in range(int(n))]))  # uses a value
+    report = tm.estimate(model, (torch.randn(4), torch.tensor(3)), train=False)
+    first, second = report.unsupported
+    assert first.op == "aten._local_scalar_dense.default"
+    assert "stack expects a non-empty TensorList" in second.reason
+    assert "after aten._local_scalar_dense.default" in second.reason
+    assert second.location == _line_of("# uses a value")
+    with pytest.raises(RuntimeError, match="non-empty"):  # the same program, for real, runs
+        torch.stack([])
+    tm.measure(model, (torch.randn(4), torch.tensor(3)), train=False)
+
+
+def test_failing_scratch_rule_costs_only_its_scratch() -> None:
+    rules = DEVICES["cpu"].rules.copy()
+
+    @rules.scratch(torch.ops.aten.exp.default)
+    def _broken(call: OpCall) -> Any:
+        raise IndexError("a case the rule did not foresee")
+
+    x = torch.randn(64)
+    report = trace(
+        Lambda(torch.exp),
+        (x,),
+        {},
+        device=replace(DEVICES["cpu"], rules=rules),
+        loss_fn=None,
+        optimizer=None,
+        train=False,
+    ).report
+    entry = _only(report)
+    assert entry.op == "aten.exp.default"
+    assert "memory rule failed (IndexError: a case the rule did not foresee)" in entry.reason
+    assert report.forward_peak == 2 * 64 * F32  # input and output: the trace went on
+
+
+# -- the program's errors: raised unchanged ----------------------------------------------
+
+
+@pytest.mark.parametrize("entry", [tm.estimate, tm.measure], ids=["estimate", "measure"])
+def test_users_exception_propagates(entry: Callable[..., Any]) -> None:
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        if x.dim() != 3:
+            raise ValueError("expected a batch of sequences")
+        return x
+
+    with pytest.raises(ValueError, match="expected a batch of sequences"):
+        entry(Lambda(forward), torch.randn(4, 4))
+
+
+@pytest.mark.parametrize("entry", [tm.estimate, tm.measure], ids=["estimate", "measure"])
+def test_shape_error_of_a_real_op_propagates(entry: Callable[..., Any]) -> None:
+    """The meta kernel words it differently from the CPU kernel, but it is the same
+    error: the (2, 16) activation does not fit the (32, 4) layer."""
+    model = nn.Sequential(nn.Linear(8, 16), nn.Linear(32, 4))
+    with pytest.raises(RuntimeError, match=r"2.*16.*32.*4"):
+        entry(model, torch.randn(2, 8))
+
+
+def test_users_exception_before_any_stand_in_is_not_swallowed() -> None:
+    """The user's own exception propagates even when it comes from deep in a module tree."""
+
+    class Inner(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            raise NotImplementedError("Inner.forward is abstract")
+
+    with pytest.raises(NotImplementedError, match="abstract"):
+        tm.estimate(nn.Sequential(nn.Linear(4, 4), Inner()), torch.randn(2, 4))
+
+
+# -- zero tensors ---------------------------------------------------------------------------
+
+
+def test_zero_tensor_gradient_costs_nothing() -> None:
+    """``sgn``'s gradient is an ``_efficientzerotensor``: no memory, and no data
+    pointer for measure() to read."""
+    x = torch.randn(100, 100, requires_grad=True)
+    model = Lambda(lambda x: torch.sgn(x) * x)
+    estimated, measured = tm.estimate(model, x), tm.measure(model, x)
+    assert estimated.phase_peaks() == measured.phase_peaks()
+    assert estimated.complete
