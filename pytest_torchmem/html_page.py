@@ -528,7 +528,8 @@ def _tensors_table(view: Mapping[str, Any]) -> str:
         return ""
     alive = view["alive"]
     shown = sum(row["bytes"] for row in rows)
-    share = f"{shown / alive['bytes']:.0%}" if alive["bytes"] else "-"
+    # one decimal, never rounded up to a "100%" that would claim every storage is listed
+    share = f"{math.floor(1000 * shown / alive['bytes']) / 10:g}%" if alive["bytes"] else "-"
     head = (
         "<h3>Largest tensors alive at the peak</h3>"
         f'<p class="muted small">{alive["count"]} storages hold {escape(format_bytes(alive["bytes"]))}'

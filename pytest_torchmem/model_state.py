@@ -85,7 +85,9 @@ class StandIns:
 
 
 def _spans_its_storage(t: torch.Tensor) -> bool:
-    if t.storage_offset() != 0:
+    """Whether ``t`` covers its whole storage with no element stored twice (an
+    expanded tensor shares its elements: it is a view of a smaller storage)."""
+    if t.storage_offset() != 0 or any(stride == 0 and size > 1 for size, stride in zip(t.shape, t.stride())):
         return False
     span = 0
     if t.numel():

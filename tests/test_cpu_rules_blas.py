@@ -269,3 +269,106 @@ def test_zoo_cases(threads: int, name: str) -> None:
     case = next(c for c in CASES if c.name == name)
     model, inputs = case.make()
     assert_exact(model, inputs, **case.options)
+
+
+def test_linear_on_a_strided_input_adds_its_bias_in_place(threads: int) -> None:
+    """Regression: ``linear`` of an input neither 2-d nor contiguous runs ``at::matmul``
+    and then ``output.add_(bias)``; for tensor subclasses (fake tensors) the composite
+    adds out of place. A (3, 4, 8) transposed input and 64 outputs: the fake step
+    held one more 3 x 4 x 64 float tensor (3072 B) at the forward peak. The CPU router
+    runs the plain-tensor path; also inside ``F.multi_head_attention_forward``."""
+    torch.manual_seed(0)
+    lin = nn.Linear(8, 64)
+    x = torch.randn(4, 3, 8)
+    strided = [
+        lambda lin, x: lin(x.transpose(0, 1)),
+        lambda lin, x: lin(x.unsqueeze(0).expand(2, 4, 3, 8)),
+        lambda lin, x: F.linear(x.transpose(0, 1), lin.weight, lin.bias),
+    ]
+    for fn in strided:
+        model = _Apply(lin, fn)
+        assert_exact(model, x, train=False)
+        assert_exact(model, x, loss_fn=lambda out: out.sum())
+    # By hand: parameters (64 x 8 + 64) x 4 B, the input 4 x 3 x 8 x 4 B, then the
+    # copy of the input that matmul folds (384 B) and the 3 x 4 x 64 output (3072 B).
+    estimated = tm.estimate(_Apply(lin, strided[0]), x, train=False)
+    assert estimated.forward_peak == (64 * 8 + 64) * 4 + 384 + 384 + 3072
+    mha = nn.MultiheadAttention(8, 2, batch_first=True)
+    assert_exact(_Apply(mha, lambda m, x: m(x, x, x)[0]), torch.randn(2, 5, 8))
+
+
+class _Apply(nn.Module):
+    def __init__(self, module: nn.Module, fn: Callable[[nn.Module, torch.Tensor], torch.Tensor]) -> None:
+        super().__init__()
+        self.module, self.fn = module, fn
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fn(self.module, x)
+
+
+class _Apply(nn.Module):
+    def __init__(self, module: nn.Module, fn: Callable[[nn.Module, torch.Tensor], torch.Tensor]) -> None:
+        super().__init__()
+        self.module, self.fn = module, fn
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fn(self.module, x)
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_checkpoint_recomputes_a_strided_linear_in_place(threads: int, reentrant: bool) -> None:
+    """Regression: the backward ran without the CPU router, so a checkpoint's
+    recomputation added a strided linear's bias out of place (one more output-sized
+    tensor), and with early stopping recomputed past where the real step stops."""
+    torch.manual_seed(0)
+    lin, norm = nn.Linear(8, 16), nn.GroupNorm(1, 16)
+
+    def body(x: torch.Tensor) -> torch.Tensor:
+        y = lin(x.transpose(1, 2)).transpose(1, 2)
+        return lin.weight.new_ones(()) * norm(y).transpose(1, 2).sum(-1)
+
+    def fn(_: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return torch.utils.checkpoint.checkpoint(
+            body, x, use_reentrant=reentrant, preserve_rng_state=False
+        )
+
+    model = _Apply(nn.ModuleList([lin, norm]), fn)
+    x = torch.randn(2, 8, 5, requires_grad=reentrant)
+    estimated, measured = tm.estimate(model, x), tm.measure(model, x)
+    assert estimated.unsupported == ()
+    assert estimated.phase_peaks() == measured.phase_peaks()
+    assert estimated.breakdown == measured.breakdown
+
+
+class _MovedLinear(nn.Module):
+    """A Linear on the channels moved last (a strided view), moved back."""
+
+    def __init__(self, c: int, out: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(c, out)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x.movedim(1, -1)).movedim(-1, 1)
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_checkpoint_recomputes_a_strided_linear_in_place(threads: int, reentrant: bool) -> None:
+    """Regression: the backward ran without the CPU router, so a checkpoint's
+    recomputation added a strided linear's bias out of place: one more output-sized
+    tensor, alive at the backward peak here (a case tests/test_properties.py found)."""
+    torch.manual_seed(0)
+    body = nn.Sequential(
+        _MovedLinear(1, 2), nn.GroupNorm(1, 2, affine=False), _MovedLinear(2, 2), _MovedLinear(2, 1)
+    )
+
+    def fn(body: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.utils.checkpoint.checkpoint(
+            body, x, use_reentrant=reentrant, preserve_rng_state=False
+        )
+
+    model = _Apply(body, fn)
+    x = torch.randn(2, 1, 7, requires_grad=reentrant)
+    estimated, measured = tm.estimate(model, x), tm.measure(model, x)
+    assert estimated.unsupported == ()
+    assert estimated.phase_peaks() == measured.phase_peaks()
+    assert estimated.breakdown == measured.breakdown

@@ -252,3 +252,40 @@ def test_unmodelled_low_precision_convolutions_are_listed_as_unsupported() -> No
     }
     assert all("bfloat16/float16" in entry.reason for entry in report.unsupported)
     assert not report.complete
+
+
+def test_gradients_are_made_where_the_kernel_makes_them(threads: int) -> None:
+    """Regression: the backward rules placed each gradient as a scratch buffer, freed
+    it and made the op's outputs at the end: the same peaks, but at the peak the
+    bytes counted as workspace, not gradients. Now each gradient is the op's output
+    where the kernel makes it (``Output``), and the whole breakdown agrees: a 1x1
+    convolution on one element (the slow path's weight gradient, 4 bytes), a
+    depthwise one (oneDNN), and a float64 grouped one (the slow path, per group)."""
+    cases = [
+        (nn.Conv1d(1, 1, 1, bias=False), torch.randn(1, 1, 1)),
+        (nn.Conv2d(32, 32, 3, padding=1, groups=32), torch.randn(4, 32, 16, 16)),
+        (nn.Conv2d(8, 8, 3, padding=1, groups=2).double(), torch.randn(2, 8, 6, 6, dtype=torch.float64)),
+        (nn.Conv1d(16, 2, 3, padding="same", dilation=2, groups=2), torch.randn(4, 16, 6)),
+    ]
+    for module, x in cases:
+        for inputs in (x, x.clone().requires_grad_()):
+            estimated, measured = tm.estimate(module, inputs), tm.measure(module, inputs)
+            assert estimated.phase_peaks() == measured.phase_peaks()
+            assert dict(estimated.breakdown) == dict(measured.breakdown)
+    module, x = cases[0]
+    assert tm.estimate(module, x).breakdown[tm.Category.WORKSPACE] == 0
+
+
+def test_grouped_slow_path_copies_each_strided_gradient_slice(threads: int) -> None:
+    """Regression: the slow paths run one convolution per group on
+    ``subtensor(t, 1, groups, g)``, ``narrow(...).contiguous(...)``: a copy of the
+    group's slice of a broadcast output gradient (``sum()``'s backward) even for one
+    image, where the rule assumed one image needs none. A (1, 2, 1, 1) input, two
+    groups, padding (0, 1): each group's 1 x 1 x 1 x 3 float gradient (12 B)."""
+    for dtype in (torch.float32, torch.float64):
+        for groups, shape in ((2, (1, 2, 1, 1)), (2, (1, 2, 3, 3)), (4, (1, 4, 5, 5))):
+            channels = shape[1]
+            conv = nn.Conv2d(channels, channels, 1, padding=(0, 1), groups=groups, bias=False).to(dtype)
+            x = torch.randn(*shape, dtype=dtype)
+            for loss in (None, lambda out: out.square().sum()):
+                assert tm.estimate(conv, x, loss_fn=loss).phase_peaks() == tm.measure(conv, x, loss_fn=loss).phase_peaks()

@@ -13,17 +13,22 @@ at 1 and 2 intra-op threads, in ``float32`` and ``bfloat16``.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils.checkpoint import checkpoint
 
-from exactness import assert_fn_exact as assert_exact, rule_buffers
+from exactness import Lambda, assert_exact as assert_model_exact, assert_fn_exact as assert_exact, rule_buffers
+import pytest_torchmem as tm
 from pytest_torchmem.tracing.devices.cpu import CPU
-from pytest_torchmem.tracing.devices.cpu.misc import promotion_casts
-from pytest_torchmem.tracing.rules import OpCall
+from pytest_torchmem.tracing.devices.cpu.misc import promotion_casts, view_strides
+from pytest_torchmem.tracing.rules import Alloc, Free, OpCall
 
 aten = torch.ops.aten
 BF16 = torch.bfloat16
@@ -150,3 +155,201 @@ def test_dropout_exact(threads: int, dtype: torch.dtype) -> None:
     assert_exact(lambda x: F.dropout(x, 0.1).square().sum(), (x,))
     assert_exact(lambda x: torch.native_dropout(x, 0.1, True)[0].square().sum(), (x,))
     assert_exact(lambda x: torch.native_dropout(x, 0.1, False)[0].square().sum(), (x,))
+
+
+# -- foreach ops: the CPU slow path ------------------------------------------------------
+
+
+def _inner_peak(op: Any, args: tuple[Any, ...]) -> int:
+    """The most bytes a scratch rule's buffers hold at once."""
+    live = top = 0
+    sizes: dict[str, int] = {}
+    out = op(*args)
+    for step in CPU.scratch_rule(op)(OpCall(op, args, {}, out)):
+        if isinstance(step, Alloc):
+            sizes[step.tag] = step.nbytes
+            live += step.nbytes
+            top = max(top, live)
+        elif isinstance(step, Free):
+            live -= sizes.pop(step.tag)
+    return top
+
+
+def test_foreach_scalar_ops_loop_over_scalar_overloads() -> None:
+    """The CPU runs ``_foreach_mul_(tensors, 0.9)`` as ``t.mul_(0.9)`` per tensor
+    (``ForeachOpsKernels.cpp``): each call wraps the number (8 B ``double``) and
+    casts it to the tensor's dtype (4 B ``float``, 2 B ``bfloat16``, nothing for a
+    ``double``), and frees both before the next call."""
+    with FakeTensorMode():
+        a, b = torch.empty(3, 3), torch.empty(3, dtype=BF16)
+        d = torch.empty(5, dtype=torch.float64)
+        assert scratch(aten._foreach_mul_.Scalar, ([a, b], 0.9)) == [8, 4, 8, 2]
+        assert _inner_peak(aten._foreach_mul_.Scalar, ([a, b], 0.9)) == 8 + 4
+        assert scratch(aten._foreach_div_.ScalarList, ([a, d], [2.0, 3.0])) == [8, 4, 8]
+        assert scratch(aten._foreach_add.Scalar, ([b, b], 1.0)) == [8, 2, 8, 2]
+        # Tensor operands: only promotions. a.add_(double): a float temporary
+        # output and ``a`` as double (3 x 3 x 8 B each); b + b: nothing.
+        assert scratch(aten._foreach_add_.List, ([a, b], [a.double(), b])) == [72, 72]
+        assert scratch(aten._foreach_mul_.Tensor, ([a], torch.tensor(2.0))) == []
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, BF16, torch.float64], ids=_ids)
+@pytest.mark.parametrize("name", ["Adam", "AdamW"])
+def test_foreach_optimizers_exact(threads: int, dtype: torch.dtype, name: str) -> None:
+    """Adam's and AdamW's foreach steps on the CPU: ``_foreach_mul_(exp_avg_sqs, beta2)``,
+    ``_foreach_div_(..., bias_correction2_sqrt)``, ``_foreach_add_(..., eps)`` and, with
+    weight decay, ``_foreach_mul_(params, 1 - lr * wd)`` or ``_foreach_add``."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 8)).to(dtype)
+    x = torch.randn(4, 16, dtype=dtype)
+    cls = getattr(torch.optim, name)
+    for amsgrad, weight_decay in ((False, 0.0), (True, 0.01)):
+        options = {"lr": 0.01, "foreach": True, "amsgrad": amsgrad, "weight_decay": weight_decay}
+        assert_model_exact(model, x, optimizer=lambda p, options=options: cls(p, **options))
+
+
+class _CheckpointedHeads(torch.nn.Module):
+    """``s = fc(x) / sqrt(d)`` (a saved wrapped number), then a non-reentrant
+    checkpoint whose body multiplies by a Python number."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 8)
+        self.a, self.b = torch.nn.Linear(8, 1), torch.nn.Linear(1, 8)
+
+    def body(self, h: torch.Tensor) -> torch.Tensor:
+        h = (h.view(2, 3, 2, 4).transpose(1, 2) * 2.0).transpose(1, 2).reshape(2, 3, 8)
+        return self.b(self.a(h))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        s = self.fc(x) / math.sqrt(8)
+        return s + 0.5 * checkpoint(self.body, s, use_reentrant=False, preserve_rng_state=False)
+
+
+def test_saved_numbers_are_read_without_running_checkpoint_hooks() -> None:
+    """Regression: looking for saved wrapped numbers on the running backward node read
+    every saved tensor, which runs a non-reentrant checkpoint's unpack hook (a
+    recomputation inside the recomputation: torch's internal assertion failed)."""
+    torch.manual_seed(0)
+    assert_model_exact(_CheckpointedHeads(), torch.randn(2, 3, 8))
+
+
+# -- views ----------------------------------------------------------------------------
+
+
+@st.composite
+def _viewable(draw: Any) -> tuple[torch.Tensor, tuple[int, ...]]:
+    """A strided tensor (sizes of 1 common, some dims permuted or sliced) and a
+    shape of the same number of elements."""
+    shape = draw(st.lists(st.sampled_from([1, 1, 2, 3, 4]), min_size=0, max_size=5))
+    base = torch.empty([s * draw(st.sampled_from([1, 1, 2])) for s in shape])
+    t = base[tuple(slice(None, s) for s in shape)]
+    order = draw(st.permutations(range(len(shape))))
+    t = t.permute(order) if draw(st.booleans()) else t
+    dims = draw(st.lists(st.sampled_from([1, 1, 2, 3, 4, 6]), min_size=0, max_size=5))
+    new = tuple(dims) if math.prod(dims) == t.numel() else (*dims, t.numel() // max(math.prod(dims), 1), 1)
+    if math.prod(new) != t.numel():
+        new = (1, t.numel(), 1)
+    return t, new
+
+
+@settings(max_examples=300, deadline=None, derandomize=True, database=None)
+@given(_viewable())
+def test_view_strides_follow_compute_stride(case: tuple[torch.Tensor, tuple[int, ...]]) -> None:
+    """``view_strides`` gives the strides the real ``view`` gives, sizes of 1
+    included, and None where the real one refuses."""
+    t, new = case
+    try:
+        expected: tuple[int, ...] | None = t.view(new).stride()
+    except RuntimeError:
+        expected = None
+    assert view_strides(t.shape, t.stride(), new) == expected
+
+
+def test_fake_view_takes_the_real_strides() -> None:
+    """Regression: ``(1, 1, 3, 2)`` with strides ``(2, 2, 2, 1)`` viewed as ``(1, 1, 6)``
+    is ``(6, 6, 1)`` in ATen (the fake kernel said ``(2, 2, 1)``), and the CPU
+    ``mm`` of its transpose then copies nothing. Found in ``nn.MultiheadAttention``'s
+    backward with one token."""
+    with FakeTensorMode():
+        x = torch.empty(1, 1, 3, 2)
+        out = CPU.implementation_rule(aten.view.default)(OpCall(aten.view.default, (x, [1, 1, 6]), {}))
+        assert out.stride() == (6, 6, 1)
+        assert out.untyped_storage()._cdata == x.untyped_storage()._cdata
+    layer = torch.nn.MultiheadAttention(2, 1, bias=False)
+    torch.manual_seed(0)
+    assert_model_exact(_SelfAttention(layer), torch.randn(1, 1, 2))
+
+
+class _SelfAttention(torch.nn.Module):
+    def __init__(self, layer: torch.nn.MultiheadAttention) -> None:
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layer(x, x, x, need_weights=False)[0]
+
+
+def test_exact_gelu_backward_reorders_strided_gradients_for_onednn() -> None:
+    """``gelu_backward_out_cpu`` runs oneDNN's eltwise backward for a contiguous float
+    input: a transposed (4, 5, 12) output gradient, and the input gradient laid out
+    like it, are reordered into dense 960 B buffers; a strided input, the tanh
+    approximation or float64 take the TensorIterator kernel (nothing)."""
+    with FakeTensorMode():
+        x, g = torch.empty(4, 5, 12), torch.empty(4, 12, 5).transpose(1, 2)
+        assert scratch(aten.gelu_backward.default, (g, x)) == [960, 960]
+        assert scratch(aten.gelu_backward.default, (x, x)) == []
+        assert scratch(aten.gelu_backward.default, (g, g)) == []
+        assert scratch(aten.gelu_backward.default, (g, x), {"approximate": "tanh"}) == []
+        assert scratch(aten.gelu_backward.default, (g.double(), x.double())) == []
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, BF16, torch.float16], ids=_ids)
+def test_activation_backwards_exact(threads: int, dtype: torch.dtype) -> None:
+    """Regression: with a broadcast output gradient (``sum()``'s backward) the
+    reduced-precision meta kernels of ``gelu/sigmoid/tanh/silu/mish_backward`` made a
+    contiguous input gradient where TensorIterator follows the input's layout, and
+    autograd then copied it into a strided leaf's layout."""
+    for make in (
+        lambda: torch.randn(4, 12, 5, dtype=dtype).transpose(1, 2),
+        lambda: torch.randn(2, 3, 4, 5, dtype=dtype).contiguous(memory_format=torch.channels_last),
+    ):
+        x = make().requires_grad_()
+        for act in (F.gelu, torch.sigmoid, torch.tanh, F.silu, F.mish):
+            assert_exact(lambda x, act=act: act(x).sum(), (x,))
+        assert_exact(lambda x: F.gelu(x).transpose(-1, -2).square().sum(), (x.detach().contiguous(),))
+
+
+def _assert_exact_with_breakdown(fn: Callable[..., torch.Tensor], params: tuple[torch.Tensor, ...]) -> None:
+    """``assert_exact``, and the same bytes in every category (a gradient copied by
+    ``AccumulateGrad`` shows there, if not always in the peaks)."""
+    model = Lambda(fn, params)
+    estimated, measured = tm.estimate(model, ()), tm.measure(model, ())
+    assert estimated.unsupported == ()
+    assert estimated.phase_peaks() == measured.phase_peaks()
+    assert estimated.breakdown == measured.breakdown
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, BF16], ids=_ids)
+def test_gradients_arriving_transposed_keep_their_layout(threads: int, dtype: torch.dtype) -> None:
+    """Regression: the fake kernels (decompositions) of ``hardtanh/hardswish/
+    hardsigmoid/softplus/elu/logit_backward`` and ``native_dropout_backward`` laid
+    the input gradient out like the input, where TensorIterator follows the output
+    gradient; a contiguous leaf then copied a gradient that arrived transposed
+    (``AccumulateGrad``) in the estimate only."""
+    with FakeTensorMode():
+        g, x = torch.empty(2, 3, 4, dtype=dtype).transpose(1, 2), torch.empty(2, 4, 3, dtype=dtype)
+        for op, args in (
+            (aten.hardtanh_backward.default, (g, x, -1.0, 1.0)),
+            (aten.elu_backward.default, (g, 1.0, 1.0, 1.0, False, x)),
+            (aten.native_dropout_backward.default, (g, x > 0, 2.0)),
+        ):
+            out = CPU.implementation_rule(op)(OpCall(op, args, {}))
+            assert out.stride() == g.stride(), op
+    x = torch.randn(2, 4, 3, dtype=dtype, requires_grad=True)
+    for act in (
+        F.hardtanh, F.relu6, F.hardswish, F.hardsigmoid, F.softplus, F.elu, F.selu, F.celu,
+        lambda x: torch.logit(x, eps=1e-3),
+    ):  # fmt: skip
+        _assert_exact_with_breakdown(lambda x, act=act: act(x).transpose(1, 2).mul(0.5).sum(), (x,))
+    _assert_exact_with_breakdown(lambda x: F.dropout(x, 0.5).transpose(1, 2).mul(0.5).sum(), (x,))

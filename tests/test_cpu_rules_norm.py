@@ -17,7 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from exactness import assert_fn_exact as assert_exact, rule_buffers as scratch
+from exactness import Lambda, assert_fn_exact as assert_exact, intra_op_threads, rule_buffers as scratch
+import pytest_torchmem as tm
 from pytest_torchmem.tracing.devices.cpu import CPU
 from pytest_torchmem.tracing.rules import OpCall
 
@@ -288,3 +289,94 @@ def test_group_norm_exact(
 def test_group_norm_exact_without_affine(threads: int) -> None:
     x = torch.randn(4, 16, 8, 8).to(memory_format=CL)
     assert_exact(lambda x: F.group_norm(x, 4).square().sum(), (x,))
+
+
+def test_channels_last_statistics_buffer_needs_more_rows_than_threads() -> None:
+    """``batch_norm_cpu_collect_stats_channels_last_impl`` reduces through a
+    ``{threads, C}`` buffer only when ``N*H*W > threads`` (float and double): a
+    (2, 3, 1, 1) float input has 2 rows, so 2 threads read them directly and 1 thread
+    takes a 1 x 3 x 4 B buffer. (The bfloat16 kernel takes its float buffer always.)"""
+    with FakeTensorMode():
+        x, c = torch.empty(2, 3, 1, 1), torch.empty(3)
+        args = (x, c, c, c, c, True, 0.1, 1e-5)
+        with intra_op_threads(2):
+            assert "per-thread sums" not in scratch(aten.native_batch_norm.default, args)
+            xb, cb = x.to(BF16), c.to(BF16)
+            bf16 = scratch(aten.native_batch_norm.default, (xb, cb, cb, cb, cb, True, 0.1, 1e-5))
+            assert bf16["per-thread sums"] == 2 * 3 * 4
+        with intra_op_threads(1):
+            assert scratch(aten.native_batch_norm.default, args)["per-thread sums"] == 12
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, BF16], ids=str)
+def test_batch_norm_few_rows_and_channels_last_leaves_exact(threads: int, dtype: torch.dtype) -> None:
+    """Regression: N x C x 1 x 1 inputs with no more rows than threads; and a
+    channels-last bfloat16 leaf, whose input gradient the kernel makes channels last
+    (the fake kernel made it contiguous, and autograd copied it to the leaf's layout)."""
+    for shape, cl in (((2, 2, 1), False), ((2, 3, 1, 1), False), ((1, 4, 2, 1), True), ((2, 4, 3, 3), True)):
+        x = torch.randn(*shape, dtype=dtype)
+        if cl:
+            x = x.contiguous(memory_format=CL)
+        channels = shape[1]
+        ones, zeros = torch.ones(channels, dtype=dtype), torch.zeros(channels, dtype=dtype)
+        leaf = x.clone().requires_grad_()
+        assert_exact(lambda w, b, x: F.batch_norm(x, None, None, w, b, training=True).sum(), (ones, zeros), (leaf,))
+        assert_exact(lambda x: F.batch_norm(x, None, None, training=True), (), (x,), train=False)
+
+
+def test_batch_norm_strided_input_buffers() -> None:
+    """A transposed (8, 4, 10) float input is not contiguous: evaluation takes
+    ``invstd = 1 / sqrt(running_var + eps)`` (the wrapped ``eps`` and its float, then
+    three 4 x 4 B tensors: ``Scalar / Tensor`` is ``empty_like(y).fill_(1).div_(y)``)
+    and, with no affine parameters, a 1-element weight and bias for the iterator."""
+    with FakeTensorMode():
+        x, c = torch.empty(8, 10, 4).transpose(1, 2), torch.empty(4)
+        assert scratch(aten.native_batch_norm.default, (x, None, None, c, c, False, 0.1, 1e-5)) == {
+            "eps wrapped": 8, "eps cast": 4, "running_var + eps": 16, "sqrt": 16, "invstd": 16,
+            "weight 1": 4, "bias 0": 4,
+        }  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, BF16], ids=str)
+def test_batch_norm_strided_input_exact(threads: int, dtype: torch.dtype) -> None:
+    """Regression: a transposed input, training (statistics through ``at::mean``, the
+    output made before them) and evaluation, with and without affine parameters; the
+    input gradient is contiguous (``empty_like(input, suggest_memory_format())``), so
+    autograd copies it into the strided leaf's layout; the output too is contiguous
+    (``empty_like(self, self.suggest_memory_format())``)."""
+    x = torch.randn(8, 10, 4, dtype=dtype).transpose(1, 2)
+    w, b = torch.randn(4, dtype=dtype), torch.randn(4, dtype=dtype)
+    mean, var = torch.zeros(4, dtype=dtype), torch.ones(4, dtype=dtype)
+    leaf = x.detach().clone().requires_grad_()
+    for training in (True, False):
+        def normed(x: torch.Tensor, w: Any = None, b: Any = None, training: bool = training) -> torch.Tensor:
+            return F.batch_norm(x, mean, var, w, b, training)
+
+        assert_exact(lambda w, b, x, normed=normed: normed(x, w, b).sum(), (w, b), (leaf,))
+        # the output is contiguous, so a second batch norm takes the contiguous path
+        assert_exact(lambda x, normed=normed: normed(normed(x)), (), (x,), train=False)
+
+
+def _assert_exact_with_breakdown(fn: Callable[..., torch.Tensor], params: tuple[torch.Tensor, ...]) -> None:
+    """``assert_exact``, and the same bytes in every category (a gradient copied by
+    ``AccumulateGrad`` shows there, if not always in the peaks)."""
+    model = Lambda(fn, params)
+    estimated, measured = tm.estimate(model, ()), tm.measure(model, ())
+    assert estimated.unsupported == ()
+    assert estimated.phase_peaks() == measured.phase_peaks()
+    assert estimated.breakdown == measured.breakdown
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, BF16], ids=str)
+def test_norm_gradients_follow_the_input_layout(threads: int, dtype: torch.dtype) -> None:
+    """Regression: the fake kernels of ``native_layer_norm_backward`` and
+    ``native_group_norm_backward`` laid ``dX`` out like ``dY``; the CPU kernels make
+    it contiguous (layer norm) or like ``X`` (group norm), so a gradient arriving
+    transposed was copied by the leaf's ``AccumulateGrad`` in the estimate only."""
+    x = torch.randn(2, 4, 6, dtype=dtype, requires_grad=True)
+    _assert_exact_with_breakdown(lambda x: F.layer_norm(x, (6,)).transpose(1, 2).mul(0.5).sum(), (x,))
+    _assert_exact_with_breakdown(lambda x: F.group_norm(x, 2).transpose(1, 2).mul(0.5).sum(), (x,))
+    w = torch.randn(6, dtype=dtype, requires_grad=True)
+    _assert_exact_with_breakdown(lambda x, w: F.layer_norm(x, (6,), w, w).transpose(1, 2).mul(0.5).sum(), (x, w))
+    x = torch.randn(2, 4, 3, 5, dtype=dtype).contiguous(memory_format=torch.channels_last)
+    _assert_exact_with_breakdown(lambda x: F.group_norm(x, 2).permute(0, 2, 3, 1).mul(0.5).sum(), (x.requires_grad_(),))

@@ -171,3 +171,84 @@ def test_losses_exact(threads: int, reduction: str) -> None:
     bce = F.binary_cross_entropy_with_logits
     assert_exact(lambda x: bce(x, target, reduction=reduction).sum(), (x,), train=False)
     assert_exact(lambda x: bce(x, target, pos_weight=weight, reduction=reduction).sum(), (x,), train=False)
+
+
+def test_softmax_copies_a_non_contiguous_input() -> None:
+    """``softmax_cpu_out`` runs on ``input.contiguous()`` (3 x 4 x 5 x 6 floats = 1440 B
+    when the input is a transposed view); the backward on ``grad.contiguous()`` and
+    ``output.contiguous()``."""
+    with FakeTensorMode():
+        x = torch.empty(3, 4, 5, 6)
+        xt = x.transpose(1, 3)
+        assert scratch(aten._softmax.default, (x, -1, False)) == {}
+        assert scratch(aten._softmax.default, (xt, -1, False)) == {"input contiguous": 1440}
+        assert scratch(aten._log_softmax.default, (xt.to(BF16), 1, False)) == {"input contiguous": 720}
+        args = (xt, x.transpose(1, 3).contiguous(), 1, torch.float32)
+        assert scratch(aten._softmax_backward_data.default, args) == {"grad contiguous": 1440}
+        args = (xt.contiguous(), xt, 1, torch.float32)
+        assert scratch(aten._log_softmax_backward_data.default, args) == {"output contiguous": 1440}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, BF16], ids=str)
+def test_softmax_of_views_exact(threads: int, dtype: torch.dtype) -> None:
+    """Softmax over a transposed view, a gradient that arrives transposed, and the
+    attention math path's ``_safe_softmax`` on a view (its inner softmax frees its copy)."""
+    x = torch.randn(3, 4, 5, 6, dtype=dtype)
+    assert_exact(lambda x: x.transpose(1, 3).softmax(-1).square().sum(), (x,))
+    assert_exact(lambda x: x.log_softmax(1).transpose(1, 3).square().sum(), (x,))
+    assert_exact(lambda x: aten._safe_softmax(x.transpose(1, 3), -1).square().sum(), (x,))
+    assert_exact(lambda x: x.transpose(1, 3).softmax(-1), (x,), train=False)
+
+
+def test_reduced_precision_sum_of_two_adjacent_reduced_dims_runs_in_float() -> None:
+    """``sum_out``'s ``should_use_acc_buffer`` (``ReduceOps.cpp``): a bfloat16/half sum
+    whose reduction iterator starts with two reduced dimensions (after reordering and
+    coalescing) sums ``self.to(float)`` into a float result: (3, 3, 24) over dims 0 and
+    2 takes a 3 x 4 B result and a 216 x 4 B copy; over dim 2 alone, or over a
+    broadcast (stride-0) input, nothing."""
+    from pytest_torchmem.tracing.devices.cpu.reduce import uses_acc_buffer
+
+    with FakeTensorMode():
+        x = torch.empty(3, 3, 24, dtype=BF16)
+        assert uses_acc_buffer(x, [0, 2], BF16)
+        assert uses_acc_buffer(x.half(), [0, 2], torch.float16)
+        assert not uses_acc_buffer(x.float(), [0, 2], torch.float32)
+        assert not uses_acc_buffer(x, [2], BF16)
+        assert not uses_acc_buffer(x, None, BF16)  # contiguous: coalesced to one dim
+        assert not uses_acc_buffer(torch.ones((), dtype=BF16).expand(3, 3, 24), [0, 2], BF16)
+        assert scratch(aten.sum.dim_IntList, (x, [0, 2])) == {
+            "sum: float result": 12, "sum (float): input as torch.float32": 864,
+        }  # fmt: skip
+        assert scratch(aten.sum.dim_IntList, (x, [2])) == {}
+
+
+@pytest.mark.parametrize("dtype", [BF16, torch.float16], ids=str)
+def test_reduced_precision_sums_exact(threads: int, dtype: torch.dtype) -> None:
+    """Sums over permuted layouts, and the gradient of a loss on a transposed input
+    (``mse_loss_backward`` makes it contiguous, ``zeros_like(input, contiguous)``)."""
+    x = torch.randn(3, 5, 24, dtype=dtype)
+    for dims in ([0, 2], [0, 1], [1], [0], [2]):
+        assert_exact(lambda x, dims=dims: x.sum(dims), (x,), train=False)
+        assert_exact(lambda x, dims=dims: x.transpose(0, 2).sum(dims).square().sum(), (x,))
+    # The pooled, channels-last-like input's gradient is contiguous: the pooling
+    # backward then copies its channels-last input gradient.
+    x = torch.randn(4, 12, 16, dtype=dtype)
+    target = torch.randn(4, 16, 6, dtype=dtype)
+    assert_exact(lambda x: F.mse_loss(F.avg_pool1d(x.transpose(1, 2), 2), target), (x.requires_grad_(),))
+    assert_exact(lambda x: F.smooth_l1_loss(F.avg_pool1d(x.transpose(1, 2), 2), target), (x,))
+
+
+def test_log_softmax_backward_makes_a_contiguous_gradient(threads: int) -> None:
+    """``_log_softmax_backward_data`` makes the input gradient contiguous whatever the
+    layout of ``grad`` (its meta function); the fake kernel follows ``grad``. A
+    contiguous leaf keeps it as its ``.grad`` (``AccumulateGrad`` steals it), where a
+    transposed one would be copied (16 B more here)."""
+    with FakeTensorMode():
+        grad, output = torch.empty(2, 3, 4).transpose(1, 2), torch.empty(2, 4, 3)
+        call = OpCall(aten._log_softmax_backward_data.default, (grad, output, 2, torch.float32), {})
+        out = CPU.implementation_rule(aten._log_softmax_backward_data.default)(call)
+        assert out.shape == (2, 4, 3) and out.is_contiguous()
+    x = torch.randn(1, 2, 2, requires_grad=True)
+    assert_exact(lambda x: x.log_softmax(-1).transpose(1, 2).mul(0.5).sum(), (x,))
+    x = torch.randn(3, 8, 5, requires_grad=True)
+    assert_exact(lambda x: x.log_softmax(1).permute(2, 0, 1).square().sum(), (x,))

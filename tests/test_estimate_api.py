@@ -435,3 +435,15 @@ def test_input_buffer_accumulation_matches_the_engine(shared: bool) -> None:
         # gradients, and x's two partial gradients while they are summed into the
         # first; an out-of-place sum would make an eighth.
         assert estimated.backward_peak < 8 * 256 * 256 * F32
+
+
+def test_an_expanded_input_is_copied_as_a_view_of_its_storage() -> None:
+    """Regression: an input made with ``expand`` (one row repeated four times) spans its
+    5-float storage but stores elements twice; ``measure`` copied it into a tensor of
+    its strides (zero-stride ``copy_`` raises). It is now a view of a copy of its
+    storage, in both the estimate and the measurement (20 bytes of inputs)."""
+    x = torch.ones(1, 5).expand(4, 5)
+    model = torch.nn.Linear(5, 3)
+    estimated, measured = tm.estimate(model, x), tm.measure(model, x)
+    assert estimated.phase_peaks() == measured.phase_peaks()
+    assert estimated.breakdown[tm.Category.INPUTS] == measured.breakdown[tm.Category.INPUTS] == 20

@@ -70,3 +70,34 @@ def test_unit_round_trip(n: int, unit: str) -> None:
     factor = {"KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "kB": 10**3, "MB": 10**6, "GB": 10**9}[unit]
     assert parse_bytes(f"{n} {unit}") == n * factor
     assert parse_bytes(f"{n}.5 {unit}") == n * factor + factor // 2
+
+
+_FACTORS = {
+    "B": 1, "kB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+    "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40,
+}  # fmt: skip
+
+
+@given(st.integers(min_value=0, max_value=2**50), st.sampled_from(sorted(_FACTORS)))
+def test_any_byte_count_written_exactly_in_any_unit_round_trips(n: int, unit: str) -> None:
+    """Bytes -> text -> bytes: ``n`` bytes in ``unit`` is a finite decimal (units are
+    powers of 2 or of 10), written out in full it parses back to ``n``, in any case."""
+    from decimal import Decimal, localcontext
+
+    with localcontext() as context:
+        context.prec = 100  # the quotient in full: up to 40 decimals for TiB
+        text = format(Decimal(n) / _FACTORS[unit], "f")
+    assert parse_bytes(f"{text} {unit}") == n
+    assert parse_bytes(f"{text}{unit.upper()}") == n
+    assert parse_bytes(f"  {text} {unit.lower()}  ") == n
+
+
+@given(st.integers(min_value=0, max_value=4095), st.sampled_from([0, 10, 20, 30, 40]))
+def test_format_then_parse_round_trips_when_the_figure_is_exact(quarters: int, shift: int) -> None:
+    """Bytes -> text -> bytes -> text: ``format_bytes`` writes bytes below 1 KiB, else
+    two decimals of the largest binary unit under the figure; when those are exact
+    (quarter units here), its text parses back to the bytes and formats the same."""
+    n = quarters % 1024 if shift == 0 else max(quarters, 4) << shift >> 2
+    text = format_bytes(n)
+    assert parse_bytes(text) == n
+    assert format_bytes(parse_bytes(text)) == text

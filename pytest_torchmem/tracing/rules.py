@@ -38,6 +38,7 @@ __all__ = [
     "Free",
     "Keep",
     "Inexact",
+    "Output",
     "OUTPUTS",
     "TraceContext",
     "OpCall",
@@ -81,6 +82,16 @@ class Inexact:
     reason: str
 
 
+@dataclass(frozen=True, slots=True)
+class Output:
+    """The kernel makes the op's output ``index`` here; the others are made at
+    :data:`OUTPUTS` (or after the last step). For kernels that make their outputs
+    one by one with scratch in between (a convolution's input gradient, then its
+    weight gradient)."""
+
+    index: int
+
+
 @dataclass
 class TraceContext:
     """What rules may read about the trace they run in, and keep state in."""
@@ -103,7 +114,7 @@ class _Outputs:
 #: Where, among a scratch rule's steps, the op's outputs are allocated.
 OUTPUTS: Final = _Outputs()
 
-Step: TypeAlias = "Alloc | Free | Keep | Inexact | _Outputs"
+Step: TypeAlias = "Alloc | Free | Keep | Inexact | Output | _Outputs"
 Steps: TypeAlias = Sequence[Step]
 
 

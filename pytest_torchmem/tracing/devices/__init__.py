@@ -18,6 +18,7 @@ import torch
 from pytest_torchmem.timeline import Allocator
 from pytest_torchmem.tracing.devices import cuda
 from pytest_torchmem.tracing.devices.cpu import CPU
+from pytest_torchmem.tracing.devices.cpu.router import CpuRouter
 from pytest_torchmem.tracing.rules import RuleSet, TraceContext
 
 __all__ = ["DeviceModel", "device_model", "DEVICES"]
@@ -50,6 +51,7 @@ DEVICES: Final[dict[str, DeviceModel]] = {
         rules=CPU,
         aliases=frozenset({"meta"}),
         wraps_numbers=True,
+        router=CpuRouter,
     ),
     # On a CPU-only torch an autograd op on a (fake) cuda tensor kills the
     # interpreter, so the fake cuda device is traced on fake meta tensors: the

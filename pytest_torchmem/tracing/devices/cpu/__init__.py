@@ -10,11 +10,17 @@ filled by the modules of this package, one per kernel family.
 from pytest_torchmem.tracing.devices.cpu import (  # noqa: F401  (they register rules)
     attention,
     blas,
+    composite,
     conv,
+    indexing,
     misc,
     norm,
+    padding,
+    pool,
     reduce,
     rnn,
+    sorting,
+    upsample,
 )
 from pytest_torchmem.tracing.devices.cpu.base import CPU
 

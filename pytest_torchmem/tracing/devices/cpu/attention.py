@@ -142,10 +142,8 @@ def _flash_attention_backward(call: OpCall) -> Steps:
     alpha = scale if scale is not None else 1.0 / math.sqrt(head)
     gemm = 0
     if _is_reduced(dtype) and q_len and kv_len:
-        gemm = max(
-            onednn_gemm_bytes(dtype, False, False, m, n, k, a)
-            for m, n, k, a in _backward_gemms(q_len, kv_len, head, q_split, kv_split, is_causal, alpha)
-        )
+        shapes = set(_backward_gemms(q_len, kv_len, head, q_split, kv_split, is_causal, alpha))
+        gemm = max(onednn_gemm_bytes(dtype, False, False, m, n, k, a) for m, n, k, a in shapes)
     return [
         OUTPUTS,
         Alloc("grad_out (contiguous copy)", grad_out_copy),
@@ -175,6 +173,8 @@ def _safe_softmax(call: OpCall) -> Steps:
         softmax_steps = list(softmax(OpCall(aten._softmax.default, (self, dim, False), {}, out)) or ())
     if OUTPUTS not in softmax_steps:
         softmax_steps.append(OUTPUTS)
+    # the inner softmax gives its scratch back when it returns
+    softmax_steps += [Free(s.tag) for s in reversed(softmax_steps) if isinstance(s, Alloc)]
     rows = self.numel() // self.shape[dim] if self.dim() and self.shape[dim] else self.numel()
     return [
         Alloc("input converted to dtype", converted),

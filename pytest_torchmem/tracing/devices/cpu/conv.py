@@ -59,7 +59,7 @@ import torch
 import torch._prims_common
 
 from pytest_torchmem.tracing.devices.cpu.base import CPU, cpu_capability, num_threads
-from pytest_torchmem.tracing.rules import OUTPUTS, Alloc, Free, Inexact, OpCall, Step
+from pytest_torchmem.tracing.rules import OUTPUTS, Alloc, Free, Inexact, OpCall, Output, Step
 
 aten = torch.ops.aten
 
@@ -1493,16 +1493,26 @@ def _suggests_cl(t: torch.Tensor) -> bool:
     return fmt in (torch.channels_last, torch.channels_last_3d)
 
 
+def _view4d_suggests_cl(t: torch.Tensor) -> bool:
+    """``_suggests_cl`` of ``view4d(t.contiguous())``, the 4-d view ``_convolution``
+    makes of a 1-d convolution's operands: ``unsqueeze(2)`` gives the new size-1
+    dim the stride ``size[2] * stride[2]``, so a ``(N, 1, L)`` input whose channel
+    stride is 1 suggests channels last."""
+    shape = tuple(t.shape)
+    strides = tuple(t.stride()) if t.is_contiguous() else (shape[1] * shape[2], shape[2], 1)
+    shape4, strides4 = (shape[0], shape[1], 1, shape[2]), (strides[0], strides[1], shape[2] * strides[2], strides[2])
+    return torch._prims_common.are_strides_like_channels_last_or_false(shape4, strides4)
+
+
 def _channels_last(c: _Conv, backend: str) -> bool:
     """``determine_backend_memory_format``: channels-last for oneDNN when the
-    input or the weight suggests it (never for float64; never for the 1-d
-    view), and for the slow 2-d paths (``thnn_conv_use_channels_last``)."""
-    if c.conv1d:
-        return False
+    input or the weight suggests it (never for float64), and for the slow 2-d
+    paths (``thnn_conv_use_channels_last``); a 1-d convolution asks its 4-d views."""
+    suggests = _view4d_suggests_cl if c.conv1d else _suggests_cl
     if backend.startswith("mkldnn"):
-        return c.input.dtype != torch.float64 and (_suggests_cl(c.input) or _suggests_cl(c.weight))
+        return c.input.dtype != torch.float64 and (suggests(c.input) or suggests(c.weight))
     if backend in ("slow2d", "slow_dilated2d", "slow_transpose2d"):
-        return c.input.dim() == 4 and (_suggests_cl(c.input) or _suggests_cl(c.weight))
+        return (c.conv1d or c.input.dim() == 4) and (suggests(c.input) or suggests(c.weight))
     return False
 
 
@@ -1569,6 +1579,11 @@ class _Steps:
     def outputs(self) -> None:
         self.steps.append(OUTPUTS)
 
+    def output(self, index: int, nbytes: int) -> None:
+        """The op's output ``index`` is made here (when it has bytes)."""
+        if nbytes > 0:
+            self.steps.append(Output(index))
+
 
 def _mkldnn_forward(s: _Steps, c: _Conv, out: torch.Tensor) -> bool:
     """``mkldnn_convolution`` / ``mkldnn_convolution_transpose`` on float32;
@@ -1615,10 +1630,9 @@ def _mkldnn_backward(s: _Steps, c: _Conv, grad_output: torch.Tensor, mask: Seque
             return False
     go_copy = s.alloc(_contiguous_copy(grad_output, cl), "grad_output contiguous")
     grad_input = _nbytes(outs[0]) if mask[0] and outs[0] is not None else 0
-    stand_in = None
     if data is not None:
         if cl:
-            stand_in = s.alloc(grad_input, "grad_input")
+            s.output(0, grad_input)
         if c.transposed:  # forward of the swapped convolution: src is the output gradient
             go, wei, gi, scratch_b = data.src, data.wei, data.dst, data.scratch
             scratch = s.alloc(scratch_b, "scratchpad")
@@ -1635,10 +1649,10 @@ def _mkldnn_backward(s: _Steps, c: _Conv, grad_output: torch.Tensor, mask: Seque
         if not cl:
             if data.nxc_result:
                 first = s.alloc(grad_input, "dense nhwc")
-                stand_in = s.alloc(grad_input, "grad_input")
+                s.output(0, grad_input)
                 s.free(first)
             else:
-                stand_in = s.alloc(grad_input, "grad_input")
+                s.output(0, grad_input)
             s.free(gi_t)
     if weights is not None:
         go_t = s.alloc(weights.dst, "grad_output reorder")
@@ -1647,8 +1661,6 @@ def _mkldnn_backward(s: _Steps, c: _Conv, grad_output: torch.Tensor, mask: Seque
         scratch = s.alloc(weights.scratch, "scratchpad")
         gb_t = s.alloc(p.g * p.oc * p.dsz if mask[2] else 0, "grad_bias")
         s.free(scratch, src_t, go_t)
-        s.free(stand_in)
-        stand_in = None
         gw_bytes = _nbytes(outs[1]) if mask[1] and outs[1] is not None else 0
         if cl:
             # mkldnn_to_dense(grad_w).to(channels_last); hwio weights are
@@ -1664,7 +1676,6 @@ def _mkldnn_backward(s: _Steps, c: _Conv, grad_output: torch.Tensor, mask: Seque
             s.free(dense)
         s.free(gw_t, gb_t)
     else:
-        s.free(stand_in)
         s.outputs()
     s.free(go_copy)
     return True
@@ -1775,6 +1786,17 @@ _SLOW: Final = frozenset(
 )
 
 
+def _subtensor_copy(t: torch.Tensor, groups: int) -> int:
+    """Bytes of one group's ``subtensor(t, 1, groups, g)`` (``Convolution.cpp``):
+    ``t.narrow(1, n * g, n).contiguous(t.suggest_memory_format())``, a copy unless
+    the slice already is (one image of a contiguous tensor)."""
+    fmt = torch.channels_last if _suggests_cl(t) else torch.contiguous_format
+    if t.dim() == 5 and fmt == torch.channels_last:
+        fmt = torch.channels_last_3d
+    part = t.narrow(1, 0, t.shape[1] // groups)
+    return 0 if part.is_contiguous(memory_format=fmt) else _nbytes(t) // groups
+
+
 def _slow_forward(s: _Steps, c: _Conv, backend: str, out: torch.Tensor) -> None:
     """``_convolution`` on a slow path: ``input.contiguous(fmt)``, then per
     group (``subtensor``: a contiguous copy of the group's input channels) the
@@ -1807,20 +1829,16 @@ def _slow_backward(s: _Steps, c: _Conv, backend: str, grad_output: torch.Tensor,
     w_copy = s.alloc(_contiguous_copy(c.weight, k.channels_last), "weight contiguous")
     sizes = [_nbytes(o) if o is not None else 0 for o in outs]
     if c.groups == 1 or backend == "slow3d":
-        stand_ins: list[Any] = []
 
         def output(i: int) -> Any:
-            # gradients come in the kernel's order; the op's outputs are made at once
-            stand_ins.append(s.alloc(sizes[i], "gradient"))
-            return stand_ins[-1]
+            s.output(i, sizes[i])  # the gradients, in the kernel's order
 
         go_copy = _contiguous_copy(grad_output, k.channels_last)
         _slow_backward_group(s, k, mask, go_copy, output)
-        s.free(*stand_ins)
         s.outputs()
     else:
         g = c.groups
-        go_g = 0 if k.n == 1 else _nbytes(grad_output) // g
+        go_g = _subtensor_copy(grad_output, g)
         x_g_bytes = 0 if k.n == 1 else _nbytes(c.input) // g
         per: list[list[Any]] = [[], [], []]
         for _ in range(g):

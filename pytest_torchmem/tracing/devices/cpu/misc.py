@@ -26,6 +26,7 @@ it before the kernel; the tracker already charges that one.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Iterable, Sequence
 from typing import Any, Final
 
@@ -84,7 +85,10 @@ def _common_dtype(inputs: Sequence[Any], *, int_to_float: bool) -> torch.dtype |
     if len(inputs) != 2 or not any(isinstance(v, torch.Tensor) for v in inputs):
         return None
     try:
-        dtype = torch.result_type(inputs[0], inputs[1])
+        # Read from the dtypes alone: without the trace's dispatch modes, which
+        # would otherwise hash the fake arguments for their cache on every call.
+        with torch._C._DisableTorchDispatch():
+            dtype = torch.result_type(inputs[0], inputs[1])
     except (RuntimeError, TypeError):
         return None
     if int_to_float and not (dtype.is_floating_point or dtype.is_complex):
@@ -182,6 +186,13 @@ def _functional_binary_ops() -> tuple[Any, ...]:
     )
 
 
+#: ``compute_elementwise_output_strides`` by the output's shape and the inputs' shapes
+#: and strides, which alone decide it: a model repeats a few layouts layer after
+#: layer, and computing one dispatches an ``expand`` per input.
+_LAYOUTS: dict[tuple[Any, ...], tuple[int, ...]] = {}
+_LAYOUTS_MAX: Final = 4096
+
+
 @CPU.implementation(*_functional_binary_ops())
 def _binary_layout(call: OpCall) -> Any:
     """The output strides ``TensorIterator`` gives a binary op (``compute_strides``:
@@ -189,20 +200,68 @@ def _binary_layout(call: OpCall) -> Any:
     gets them wrong for reduced-precision inputs when the first one is a
     broadcast (stride-0) view of a channels-last tensor's shape, which changes
     later kernels' paths (a channels-last batch norm backward, ``.contiguous()``)."""
+    return _iterator_layout(call, reduced_only=True)
+
+
+def _iterator_layout(call: OpCall, reduced_only: bool, operands: tuple[int, int] = (0, 1)) -> Any:
+    """``call``'s output laid out as ``TensorIterator`` lays out a binary op on the
+    arguments at ``operands`` (for reduced-precision inputs only if ``reduced_only``)."""
     out = call.func(*call.args, **call.kwargs)
-    tensors = [a for a in call.args[:2] if isinstance(a, torch.Tensor)]
+    tensors = [
+        a for a in (call.args[i] for i in operands if i < len(call.args)) if isinstance(a, torch.Tensor)
+    ]
     if (
         len(tensors) < 2
         or not isinstance(out, torch.Tensor)
-        or not any(t.dtype in (torch.bfloat16, torch.float16) for t in tensors)
+        or (reduced_only and not any(t.dtype in (torch.bfloat16, torch.float16) for t in tensors))
         or any(t.dim() == 0 for t in tensors)
     ):
         return out
-    expanded = [t.expand(out.shape) for t in tensors]
-    strides = tuple(compute_elementwise_output_strides(*expanded))
+    key = (tuple(out.shape), *((tuple(t.shape), t.stride()) for t in tensors))
+    strides = _LAYOUTS.get(key)
+    if strides is None:
+        expanded = [t.expand(out.shape) for t in tensors]
+        strides = tuple(compute_elementwise_output_strides(*expanded))
+        if len(_LAYOUTS) >= _LAYOUTS_MAX:
+            _LAYOUTS.clear()
+        _LAYOUTS[key] = strides
     if strides == out.stride():
         return out
     return torch.empty_strided(out.shape, strides, dtype=out.dtype, device=out.device)
+
+
+#: Activation backwards, binary TensorIterator ops on ``(grad, input or output)`` whose
+#: meta kernels lay out a reduced-precision result the same wrong way.
+_ACTIVATION_BACKWARD: Final = (
+    aten.gelu_backward.default, aten.sigmoid_backward.default, aten.tanh_backward.default,
+    aten.silu_backward.default, aten.mish_backward.default,
+)  # fmt: skip
+CPU.implementation(*_ACTIVATION_BACKWARD)(_binary_layout)
+
+#: Binary TensorIterator ops on ``(grad, input)`` whose fake kernels (decompositions)
+#: lay out the result like ``input``, at any dtype, where ``TensorIterator`` follows
+#: ``grad`` when the two disagree: ``hardtanh_backward``, ``hardswish_backward``,
+#: ``logit_backward`` (``TensorIterator::borrowing_binary_op``), the structured
+#: ``elu_backward``, ``hardsigmoid_backward``, ``softplus_backward``
+#: (``build_borrowing_binary_op``) and ``native_dropout_backward`` (``grad * mask *
+#: scale``, ``Dropout.cpp``). A leaf keeps a gradient laid out like itself as its
+#: ``.grad`` and copies any other (``AccumulateGrad``).
+_GRAD_FIRST_BACKWARD: Final = (
+    aten.hardtanh_backward.default, aten.hardswish_backward.default,
+    aten.logit_backward.default, aten.hardsigmoid_backward.default,
+    aten.softplus_backward.default, aten.native_dropout_backward.default,
+)  # fmt: skip
+
+
+@CPU.implementation(*_GRAD_FIRST_BACKWARD)
+def _grad_first_layout(call: OpCall) -> Any:
+    return _iterator_layout(call, reduced_only=False)
+
+
+@CPU.implementation(aten.elu_backward.default)
+def _elu_backward_layout(call: OpCall) -> Any:
+    """(``elu_backward(grad, alpha, scale, input_scale, is_result, self_or_result)``)"""
+    return _iterator_layout(call, reduced_only=False, operands=(0, 5))
 
 
 @CPU.scratch(*_ARITHMETIC)
@@ -276,6 +335,151 @@ def _where(call: OpCall) -> Steps:
     ``result_type(self, other)`` are converted with ``.to(result_type)`` first."""
     self, other = arg(call, 1, "self"), arg(call, 2, "other")
     return [*promotion_casts([self, other], cast_output=False), OUTPUTS]
+
+
+# -- views: the strides ATen gives -----------------------------------------------------
+
+
+def view_strides(
+    shape: Sequence[int], strides: Sequence[int], new_shape: Sequence[int]
+) -> tuple[int, ...] | None:
+    """``at::detail::computeStride`` (``aten/src/ATen/TensorUtils.cpp``): the strides of
+    ``view(new_shape)`` of a tensor, or None when it cannot be a view. Sizes of 1
+    get the stride of the chunk they fall in, where the fake kernels choose others."""
+    if not shape:
+        return (1,) * len(new_shape)
+    numel = math.prod(shape)
+    if numel == 0:
+        if tuple(shape) == tuple(new_shape):
+            return tuple(strides)
+        out, step = [0] * len(new_shape), 1
+        for d in range(len(new_shape) - 1, -1, -1):
+            out[d] = step
+            step *= max(new_shape[d], 1)
+        return tuple(out)
+    out = [0] * len(new_shape)
+    view_d = len(new_shape) - 1
+    chunk_base_stride = strides[-1]
+    tensor_numel = view_numel = 1
+    for tensor_d in range(len(shape) - 1, -1, -1):
+        tensor_numel *= shape[tensor_d]
+        if tensor_d == 0 or (
+            shape[tensor_d - 1] != 1 and strides[tensor_d - 1] != tensor_numel * chunk_base_stride
+        ):
+            while view_d >= 0 and (view_numel < tensor_numel or new_shape[view_d] == 1):
+                out[view_d] = view_numel * chunk_base_stride
+                view_numel *= new_shape[view_d]
+                view_d -= 1
+            if view_numel != tensor_numel:
+                return None
+            if tensor_d > 0:
+                chunk_base_stride = strides[tensor_d - 1]
+                tensor_numel = view_numel = 1
+    return tuple(out) if view_d == -1 else None
+
+
+@CPU.implementation(aten.view.default, aten._unsafe_view.default)
+def _view(call: OpCall) -> Any:
+    """``view_impl`` (``TensorShape.cpp``) takes its strides from ``computeStride``;
+    the fake kernel gives sizes of 1 other strides, which later kernels read (the
+    CPU ``addmm``'s operand checks compare them)."""
+    out = call.func(*call.args, **call.kwargs)
+    x = call.args[0]
+    strides = view_strides(x.shape, x.stride(), out.shape)
+    if strides is None or strides == out.stride():
+        return out
+    return out.as_strided(out.shape, strides, out.storage_offset())
+
+
+# -- activations run by oneDNN ---------------------------------------------------------
+
+
+def _onednn_eltwise(x: torch.Tensor) -> bool:
+    """``use_mkldnn`` of ``Activation.cpp``: oneDNN enabled, a contiguous input of more
+    than one element, ``float32`` (or ``bfloat16`` where oneDNN runs it)."""
+    if not (torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled):
+        return False
+    if not x.is_contiguous() or x.numel() <= 1:
+        return False
+    if x.dtype == torch.bfloat16:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return x.dtype == torch.float32
+
+
+@CPU.scratch(aten.gelu_backward.default)
+def _gelu_backward(call: OpCall) -> Steps:
+    """``gelu_backward_out_cpu`` (``Activation.cpp``): the exact GELU of a oneDNN input
+    (:func:`_onednn_eltwise`) runs ``ideep::eltwise_backward``, which reorders an
+    output gradient, and the input gradient (laid out as the iterator lays out
+    ``grad, self``), that are not dense like the input into dense buffers."""
+    grad, x = arg(call, 0, "grad_output"), arg(call, 1, "self")
+    if arg(call, 2, "approximate", "none") != "none" or not _onednn_eltwise(x):
+        return [OUTPUTS]
+    steps: list[Any] = [OUTPUTS]
+    for name, t in (("grad_output", grad), ("grad_input", call.out)):
+        if not t.is_contiguous():
+            steps.append(Alloc(f"{name} dense", x.numel() * x.element_size()))
+    return steps
+
+
+# -- foreach ops: the CPU slow path ---------------------------------------------------
+
+
+def _foreach_table() -> dict[Any, tuple[Any, str]]:
+    """``_foreach_<op>[_]`` overload -> (the per-tensor overload its CPU kernel calls,
+    how the second operand is given: one ``scalar``, ``scalars`` or a ``list`` of
+    tensors, one per tensor, or one 0-dim ``tensor``)."""
+    table = {}
+    for name in ("add", "sub", "mul", "div"):
+        for suffix in ("", "_"):
+            packet = getattr(aten, f"_foreach_{name}{suffix}")
+            single = getattr(aten, f"{name}{suffix}")
+            for overload, operand, per_tensor in (
+                ("Scalar", "scalar", "Scalar"),
+                ("ScalarList", "scalars", "Scalar"),
+                ("Tensor", "tensor", "Tensor"),
+                ("List", "list", "Tensor"),
+            ):
+                if overload in packet.overloads():
+                    table[getattr(packet, overload)] = (getattr(single, per_tensor), operand)
+    return table
+
+
+_FOREACH: Final = _foreach_table()
+
+
+@CPU.scratch(*_FOREACH)
+def _foreach_binary(call: OpCall) -> Steps:
+    """``foreach_tensor_<op>_{scalar,scalarlist,tensor,list}_kernel_slow[_]``
+    (``ForeachOpsKernels.cpp``): the CPU has no fused foreach kernels, so each is a
+    loop of ``tensors[i].<op>[_](operand_i)``, one ``<op>[_].Scalar`` or
+    ``.Tensor`` call per tensor, whose buffers (the wrapped number and its
+    promotion, above) are freed before the next call. Out of place, the results
+    are placed first: exact when the last call's buffers are the largest, as in
+    a list of one dtype (an optimizer's parameters)."""
+    per_tensor, operand = _FOREACH[call.func]
+    rule = CPU.scratch_rule(per_tensor)
+    if rule is None:  # pragma: no cover - every per-tensor overload has a rule
+        return [OUTPUTS]
+    tensors, other = call.args[0], arg(call, 1, "other")
+    if other is None:
+        other = call.kwargs.get("scalar", call.kwargs.get("scalars"))
+    kwargs = {"alpha": call.kwargs["alpha"]} if "alpha" in call.kwargs else {}
+    inplace = call.func._schema.name.endswith("_")
+    steps: list[Any] = [] if inplace else [OUTPUTS]
+    for i, t in enumerate(tensors):
+        second = other[i] if operand in ("scalars", "list") else other
+        out = t if inplace else call.out[i]
+        held: list[str] = []
+        for step in rule(OpCall(per_tensor, (t, second), kwargs, out, call.context)):
+            if isinstance(step, Alloc):
+                held.append(f"{i}: {step.tag}")
+                steps.append(Alloc(held[-1], step.nbytes))
+            elif isinstance(step, Free):
+                held.remove(f"{i}: {step.tag}")
+                steps.append(Free(f"{i}: {step.tag}"))
+        steps += [Free(tag) for tag in reversed(held)]
+    return steps
 
 
 # -- dropout -------------------------------------------------------------------------

@@ -20,8 +20,8 @@ from torch._prims_common import suggest_memory_format
 
 from pytest_torchmem.tracing.devices.cpu.base import CPU, num_threads
 from pytest_torchmem.tracing.devices.cpu.misc import arg, itemsize
-from pytest_torchmem.tracing.devices.cpu.reduce import mean_steps, sum_steps
-from pytest_torchmem.tracing.rules import OUTPUTS, Alloc, Free, OpCall, Steps
+from pytest_torchmem.tracing.devices.cpu.reduce import acc_buffer_steps, mean_steps, sum_steps, uses_acc_buffer
+from pytest_torchmem.tracing.rules import OUTPUTS, Alloc, Free, OpCall, Output, Steps
 
 aten = torch.ops.aten
 
@@ -110,9 +110,16 @@ _BATCH_NORM_FORWARD: Final = (
 @CPU.implementation(*_BATCH_NORM_FORWARD)
 def _batch_norm_dtypes(call: OpCall) -> Any:
     """``batch_norm_cpu`` (``Normalization.cpp``): with a mixed-type input the saved
-    mean and inverse std are ``float`` (the meta kernel keeps the input dtype)."""
+    mean and inverse std are ``float`` (the meta kernel keeps the input dtype); an
+    input in neither layout (a transposed view) gets an output laid out as it
+    suggests, ``empty_like(self, self.suggest_memory_format())``, where the meta
+    kernel keeps the input's strides."""
     out = call.func(*call.args, **call.kwargs)
     x, weight, bias, running_mean, running_var, _ = _batch_norm_args(call)
+    if isinstance(out[0], torch.Tensor) and not _contiguous_any(x):
+        fmt = _suggest_memory_format(x)
+        if not out[0].is_contiguous(memory_format=fmt):
+            out = (torch.empty_like(out[0], memory_format=fmt), *out[1:])
     if _mixed(x, weight, bias, running_mean, running_var):
         return _with_float_stats(out)
     return out
@@ -125,7 +132,8 @@ def _batch_norm(call: OpCall) -> Steps:
 
     Training: the statistics are collected into ``_mean`` and ``_var_sum``
     (``C`` elements each), through a ``{threads, C}`` buffer for channels-last
-    inputs (and for ``N x C x 1 x 1``); a non-contiguous input takes its mean
+    inputs (and for ``N x C x 1 x 1``) when there are more than ``threads``
+    rows of ``C`` values (``N > num_threads``); a non-contiguous input takes its mean
     with ``at::mean`` instead. The contiguous transform then computes
     per-channel ``alpha`` and ``beta`` (``C`` elements each).
     """
@@ -141,13 +149,19 @@ def _batch_norm(call: OpCall) -> Steps:
     if training:
         if _contiguous_any(x):
             steps += [Alloc("_mean", channels * param), Alloc("_var_sum", channels * param)]
-            if not x.is_contiguous() or image_size == 1:  # the channels-last kernel
+            # the channels-last kernel reduces through {threads, C}: for float and
+            # double only when N*H*W > threads (as measured with torch 2.13; the
+            # reduced-precision kernel takes the buffer whatever the row count)
+            rows = x.numel() // channels
+            many_rows = rows > num_threads() or x.dtype in _REDUCED
+            if (not x.is_contiguous() or image_size == 1) and many_rows:
                 sums = num_threads() * channels * opmath
                 steps += [Alloc("per-thread sums", sums), Free("per-thread sums")]
             steps += [Free("_mean"), Free("_var_sum")]
         else:
-            # save_mean = at::mean(input, reduce_dims, dtype): the output is the op's.
-            steps += mean_steps(x, channels, _param_dtype(x, mixed))
+            # the output, then save_mean = at::mean(input, reduce_dims[, dtype]) with
+            # its scratch, then save_var = at::empty({C}) (and the rest)
+            steps = [Output(0), Output(1), *mean_steps(x, channels, _param_dtype(x, mixed)), OUTPUTS]
     all_contiguous = (
         _contiguous_any(x)
         and all(_contiguous_or_none(t) for t in (weight, bias, running_mean, running_var))
@@ -155,17 +169,22 @@ def _batch_norm(call: OpCall) -> Steps:
     if all_contiguous:
         steps += [Alloc("alpha", channels * opmath), Alloc("beta", channels * opmath)]
     elif not training:
-        # invstd = 1 / at::sqrt(running_var + eps): add.Scalar, sqrt, then
-        # reciprocal() * 1 (ATen's Scalar / Tensor), each Scalar wrapped and cast.
+        # invstd = 1 / at::sqrt(running_var + eps): add.Scalar (eps wrapped and cast),
+        # sqrt, then ATen's Scalar / Tensor, empty_like(y).fill_(1).div_(y)
+        # (TensorOperators.h); the temporaries die at the end of the statement.
         size = running_var.element_size()
         var = running_var.numel() * size
         steps += [
             Alloc("eps wrapped", 8), Alloc("eps cast", size), Alloc("running_var + eps", var),
             Free("eps cast"), Free("eps wrapped"),
-            Alloc("sqrt", var), Free("running_var + eps"),
-            Alloc("reciprocal", var), Alloc("one wrapped", 8), Alloc("one cast", size),
-            Alloc("invstd", var), Free("one cast"), Free("one wrapped"), Free("reciprocal"), Free("sqrt"),
+            Alloc("sqrt", var), Alloc("invstd", var), Free("sqrt"), Free("running_var + eps"),
         ]  # fmt: skip
+    if not all_contiguous:
+        # batch_norm_cpu_transform_input_template: a missing weight or bias is a
+        # scalar_tensor_static(1 or 0) of the input's type for the TensorIterator
+        for name, t in (("weight 1", weight), ("bias 0", bias)):
+            if not isinstance(t, torch.Tensor):
+                steps.append(Alloc(name, x.element_size()))
     return steps
 
 
@@ -175,9 +194,17 @@ _BATCH_NORM_BACKWARD: Final = (aten.native_batch_norm_backward.default, aten.bat
 @CPU.implementation(*_BATCH_NORM_BACKWARD)
 def _batch_norm_backward_mask(call: OpCall) -> Any:
     """``batch_norm_backward_cpu_template`` makes ``grad_input`` only when
-    ``output_mask[0]``; the fake kernel (a decomposition) always returns one."""
-    out = call.func(*call.args, **call.kwargs)
+    ``output_mask[0]``, laid out as the input suggests (``empty_like(input,
+    input.suggest_memory_format())``); the fake kernel (a decomposition) always
+    returns one, laid out as the input (or contiguous for a channels-last
+    ``bfloat16`` one), which decides whether autograd copies it to a leaf's layout."""
+    out = list(call.func(*call.args, **call.kwargs))
     mask = arg(call, 9, "output_mask", [True, True, True])
+    x, grad_input = arg(call, 1, "input"), out[0]
+    if isinstance(grad_input, torch.Tensor):
+        fmt = _suggest_memory_format(x)
+        if not grad_input.is_contiguous(memory_format=fmt):
+            out[0] = torch.empty_like(grad_input, memory_format=fmt)
     return tuple(t if wanted else None for t, wanted in zip(out, mask))
 
 
@@ -231,11 +258,15 @@ def _batch_norm_backward(call: OpCall) -> Steps:
 
 
 def _sum_over_channels(grad_out: torch.Tensor, channels: int) -> list[Any]:
-    """``at::sum(grad_out, reduce_dims)`` of the non-contiguous backward path."""
-    return [
-        Alloc("sum over N and spatial dims", channels * grad_out.element_size()),
-        *sum_steps(grad_out, channels, grad_out.dtype),
-    ]
+    """``at::sum(grad_out, reduce_dims)`` of the non-contiguous backward path (in
+    ``float`` for a reduced-precision gradient whose layout starts with two reduced
+    dimensions, ``should_use_acc_buffer``)."""
+    dims = [0, *range(2, grad_out.dim())]
+    if uses_acc_buffer(grad_out, dims, grad_out.dtype):
+        inner = acc_buffer_steps(grad_out, channels)
+    else:
+        inner = sum_steps(grad_out, channels, grad_out.dtype)
+    return [Alloc("sum over N and spatial dims", channels * grad_out.element_size()), *inner]
 
 
 # -- layer norm --------------------------------------------------------------------
@@ -266,6 +297,18 @@ def _layer_norm(call: OpCall) -> Steps:
     (``LayerNormKernelImplInternal``) takes nothing more."""
     x, weight, bias = arg(call, 0, "input"), arg(call, 2, "weight"), arg(call, 3, "bias")
     return [*_copies_if_strided(x, weight, bias), OUTPUTS]
+
+
+@CPU.implementation(aten.native_layer_norm_backward.default)
+def _layer_norm_backward_layout(call: OpCall) -> Any:
+    """``layer_norm_backward_cpu`` (``layer_norm.cpp``) makes ``dX`` contiguous
+    (``empty_like`` of the contiguous ``X``) whatever the layouts of ``X`` and
+    ``dY``; the fake kernel (a decomposition) follows ``dY``."""
+    out = call.func(*call.args, **call.kwargs)
+    dx = out[0]
+    if isinstance(dx, torch.Tensor) and not dx.is_contiguous():
+        return (torch.empty_like(dx, memory_format=torch.contiguous_format), *out[1:])
+    return out
 
 
 @CPU.scratch(aten.native_layer_norm_backward.default)
@@ -308,11 +351,14 @@ def _group_norm_dtypes(call: OpCall) -> Any:
 def _group_norm_backward_dtypes(call: OpCall) -> Any:
     """``native_group_norm_backward`` (``group_norm.cpp``): ``dX`` is ``empty_like(X)``
     and ``dgamma``/``dbeta`` ``empty_like(gamma)``; with ``float`` statistics of a
-    mixed-type input the fake kernel promotes ``dX`` to ``float``."""
+    mixed-type input the fake kernel promotes ``dX`` to ``float``, and it lays
+    ``dX`` out like ``dY`` (a decomposition), not like ``X``."""
     out = call.func(*call.args, **call.kwargs)
     x, weight = arg(call, 1, "input"), arg(call, 4, "weight")
     fixed = []
-    for t, like in zip(out, (x, weight, weight)):
+    for index, (t, like) in enumerate(zip(out, (x, weight, weight))):
+        if index == 0 and isinstance(t, torch.Tensor) and t.stride() != x.stride():
+            t = torch.empty_like(x)  # X is contiguous in its suggested format (checked)
         if isinstance(t, torch.Tensor) and isinstance(like, torch.Tensor) and t.dtype != like.dtype:
             t = torch.empty_like(t, dtype=like.dtype)
         fixed.append(t)

@@ -100,6 +100,89 @@ def mean_steps(
     return steps
 
 
+def _reduced_dims_first(shape: list[int], strides: list[list[int]], reduced: list[bool]) -> list[int]:
+    """``TensorIteratorBase::reorder_dimensions`` of a reduction (``TensorIterator.cpp``):
+    the order of the dimensions, fastest first, as an insertion sort that moves the
+    output's reduced (stride-0) dimensions to the front and otherwise sorts by the
+    operands' strides (output first), the smaller size first on ties."""
+    ndim = len(shape)
+    perm = list(range(ndim - 1, -1, -1))
+
+    def should_swap(dim0: int, dim1: int) -> int:
+        for i, stride in enumerate(strides):
+            s0, s1 = stride[dim0], stride[dim1]
+            if i == 0 and (s0 == 0) != (s1 == 0):
+                return 1 if s1 == 0 else -1
+            if s0 == 0 or s1 == 0:
+                continue
+            if s0 != s1:
+                return -1 if s0 < s1 else 1
+            if shape[dim0] > shape[dim1]:
+                return 1
+        return 0
+
+    for i in range(1, ndim):
+        dim1 = i
+        for dim0 in range(i - 1, -1, -1):
+            comparison = should_swap(perm[dim0], perm[dim1])
+            if comparison > 0:
+                perm[dim0], perm[dim1] = perm[dim1], perm[dim0]
+                dim1 = dim0
+            elif comparison < 0:
+                break
+    return perm
+
+
+def uses_acc_buffer(self: torch.Tensor, dims: Any, out_dtype: torch.dtype) -> bool:
+    """``should_use_acc_buffer`` of ``sum_out`` (``ReduceOps.cpp``): a ``bfloat16`` /
+    ``half`` sum whose reduction iterator, once its dimensions are reordered and
+    coalesced, starts with two reduced dimensions (a permuted-layout input) is done
+    in ``float`` instead (pytorch#83149)."""
+    if out_dtype not in (torch.bfloat16, torch.float16) or self.dim() < 2 or self.numel() == 0:
+        return False
+    ndim = self.dim()
+    if dims is None or (isinstance(dims, (list, tuple)) and len(dims) == 0):
+        reduced_set = set(range(ndim))
+    else:
+        reduced_set = {d % ndim for d in ([dims] if isinstance(dims, int) else dims)}
+    shape = list(self.shape)
+    reduced = [d in reduced_set for d in range(ndim)]
+    out_strides, step = [0] * ndim, 1
+    for d in range(ndim - 1, -1, -1):
+        if not reduced[d]:
+            out_strides[d] = step
+            step *= shape[d]
+    strides = [out_strides, list(self.stride())]
+    perm = _reduced_dims_first(shape, strides, reduced)
+    shape = [shape[d] for d in perm]
+    strides = [[s[d] for d in perm] for s in strides]
+    # coalesce_dimensions
+    prev = 0
+    for dim in range(1, ndim):
+        if shape[prev] == 1 or shape[dim] == 1 or all(shape[prev] * s[prev] == s[dim] for s in strides):
+            if shape[prev] == 1:
+                for s in strides:
+                    s[prev] = s[dim]
+            shape[prev] *= shape[dim]
+        else:
+            prev += 1
+            if prev != dim:
+                for s in strides:
+                    s[prev] = s[dim]
+                shape[prev] = shape[dim]
+    return prev + 1 >= 2 and strides[0][0] == 0 and strides[0][1] == 0
+
+
+def acc_buffer_steps(self: torch.Tensor, out_numel: int, tag: str = "sum") -> list[Alloc | Free]:
+    """The ``float`` path of ``sum_out``: a ``float`` result, ``self.to(float)``, their
+    sum (the two-pass buffer if any), then the copy into the result."""
+    return [
+        Alloc(f"{tag}: float result", out_numel * 4),
+        *sum_steps(self, out_numel, torch.float32, f"{tag} (float)"),
+        Free(f"{tag}: float result"),
+    ]
+
+
 # -- sum, prod, amax/amin, all/any ---------------------------------------------
 
 
@@ -113,7 +196,12 @@ def _sum(call: OpCall) -> Steps:
     casts the input to the result dtype; ``cascade_sum`` / ``binary_kernel_reduce_vec``
     reduce through ``parallel_reduce``)."""
     self, out = arg(call, 0, "self"), _first(call.out)
+    if call.func in _SUMS and uses_acc_buffer(self, arg(call, 1, "dim"), out.dtype):
+        return [OUTPUTS, *acc_buffer_steps(self, out.numel())]
     return [OUTPUTS, *sum_steps(self, out.numel(), out.dtype)]
+
+
+_SUMS: Final = frozenset({aten.sum.default, aten.sum.dim_IntList, aten.sum.IntList_out})
 
 
 @CPU.scratch(aten.amax.default, aten.amax.out, aten.amin.default, aten.amin.out)
@@ -249,6 +337,20 @@ def _pointwise_loss_output(call: OpCall) -> Any:
     return _scalar_in_input_sized_storage(out, _broadcast_numel(self, target))
 
 
+@CPU.implementation(
+    aten.mse_loss_backward.default, aten.smooth_l1_loss_backward.default, aten.huber_loss_backward.default
+)
+def _pointwise_loss_backward_layout(call: OpCall) -> Any:
+    """``mse_loss_backward`` / ``smooth_l1_loss_backward`` / ``huber_loss_backward``
+    (``Loss.cpp``) make the input gradient with ``at::zeros_like(input,
+    LEGACY_CONTIGUOUS_MEMORY_FORMAT)``: contiguous whatever the input's layout (the
+    meta kernel follows the input's strides), which decides later kernels' copies."""
+    out = call.func(*call.args, **call.kwargs)
+    if isinstance(out, torch.Tensor) and not out.is_contiguous():
+        return torch.empty_like(out, memory_format=torch.contiguous_format)
+    return out
+
+
 @CPU.scratch(aten.mse_loss.default, aten.smooth_l1_loss.default, aten.huber_loss.default)
 def _pointwise_loss(call: OpCall) -> Steps:
     """``mse_loss_out`` / ``smooth_l1_loss_out`` / ``huber_loss`` (``Loss.cpp``): reducing
@@ -344,3 +446,46 @@ def _bce_with_logits(call: OpCall) -> Steps:
         Free("unreduced loss"),
         Free("log_sigmoid(input)"),
     ]
+
+
+# -- softmax ---------------------------------------------------------------------------
+
+
+def _contiguous_copy(t: torch.Tensor) -> int:
+    """Bytes ``t.contiguous()`` allocates (0 when ``t`` already is)."""
+    return 0 if t.is_contiguous() else t.numel() * t.element_size()
+
+
+@CPU.scratch(aten._softmax.default, aten._log_softmax.default)
+def _softmax(call: OpCall) -> Steps:
+    """``softmax_cpu_out`` / ``log_softmax_cpu_out`` (``SoftMax.cpp``): the output
+    (structured), then ``input.contiguous()`` for the kernel."""
+    x = arg(call, 0, "self")
+    if x.numel() == 0:
+        return [OUTPUTS]
+    return [OUTPUTS, Alloc("input contiguous", _contiguous_copy(x))]
+
+
+@CPU.scratch(aten._softmax_backward_data.default, aten._log_softmax_backward_data.default)
+def _softmax_backward(call: OpCall) -> Steps:
+    """``softmax_backward_cpu_out`` / ``log_softmax_backward_cpu_out`` (``SoftMax.cpp``):
+    the input gradient (structured), then ``grad.contiguous()`` and
+    ``output.contiguous()``."""
+    grad, output = arg(call, 0, "grad_output"), arg(call, 1, "output")
+    return [
+        OUTPUTS,
+        Alloc("grad contiguous", _contiguous_copy(grad)),
+        Alloc("output contiguous", _contiguous_copy(output)),
+    ]
+
+
+@CPU.implementation(aten._log_softmax_backward_data.default)
+def _log_softmax_backward_layout(call: OpCall) -> Any:
+    """``log_softmax_backward_data``'s meta function (``SoftMax.cpp``) makes the input
+    gradient with ``LEGACY_CONTIGUOUS_MEMORY_FORMAT``: contiguous whatever ``grad``'s
+    layout (the fake kernel, a decomposition, follows it), which decides whether
+    ``AccumulateGrad`` can keep it as the leaf's gradient."""
+    out = call.func(*call.args, **call.kwargs)
+    if isinstance(out, torch.Tensor) and not out.is_contiguous():
+        return torch.empty_like(out, memory_format=torch.contiguous_format)
+    return out
