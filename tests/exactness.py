@@ -64,6 +64,18 @@ def assert_exact(model: nn.Module, inputs: Any, **options: Any) -> None:
     assert estimated.phase_peaks() == measured.phase_peaks()
 
 
+def assert_exact_with_breakdown(
+    fn: Callable[..., torch.Tensor], params: tuple[torch.Tensor, ...]
+) -> None:
+    """:func:`assert_exact` for ``fn(*params)``, and the same bytes in every category
+    (a gradient copied by ``AccumulateGrad`` shows there, if not always in the peaks)."""
+    model = Lambda(fn, params)
+    estimated, measured = tm.estimate(model, ()), tm.measure(model, ())
+    assert estimated.unsupported == ()
+    assert estimated.phase_peaks() == measured.phase_peaks()
+    assert estimated.breakdown == measured.breakdown
+
+
 def assert_fn_exact(
     fn: Callable[..., torch.Tensor],
     params: tuple[torch.Tensor, ...] = (),

@@ -13,7 +13,6 @@ at 1 and 2 intra-op threads, in ``float32`` and ``bfloat16``.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -24,8 +23,7 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils.checkpoint import checkpoint
 
-from exactness import Lambda, assert_exact as assert_model_exact, assert_fn_exact as assert_exact, rule_buffers
-import pytest_torchmem as tm
+from exactness import assert_exact as assert_model_exact, assert_fn_exact as assert_exact, rule_buffers, assert_exact_with_breakdown
 from pytest_torchmem.tracing.devices.cpu import CPU
 from pytest_torchmem.tracing.devices.cpu.misc import promotion_casts, view_strides
 from pytest_torchmem.tracing.rules import Alloc, Free, OpCall
@@ -320,16 +318,6 @@ def test_activation_backwards_exact(threads: int, dtype: torch.dtype) -> None:
         assert_exact(lambda x: F.gelu(x).transpose(-1, -2).square().sum(), (x.detach().contiguous(),))
 
 
-def _assert_exact_with_breakdown(fn: Callable[..., torch.Tensor], params: tuple[torch.Tensor, ...]) -> None:
-    """``assert_exact``, and the same bytes in every category (a gradient copied by
-    ``AccumulateGrad`` shows there, if not always in the peaks)."""
-    model = Lambda(fn, params)
-    estimated, measured = tm.estimate(model, ()), tm.measure(model, ())
-    assert estimated.unsupported == ()
-    assert estimated.phase_peaks() == measured.phase_peaks()
-    assert estimated.breakdown == measured.breakdown
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, BF16], ids=_ids)
 def test_gradients_arriving_transposed_keep_their_layout(threads: int, dtype: torch.dtype) -> None:
     """Regression: the fake kernels (decompositions) of ``hardtanh/hardswish/
@@ -351,5 +339,5 @@ def test_gradients_arriving_transposed_keep_their_layout(threads: int, dtype: to
         F.hardtanh, F.relu6, F.hardswish, F.hardsigmoid, F.softplus, F.elu, F.selu, F.celu,
         lambda x: torch.logit(x, eps=1e-3),
     ):  # fmt: skip
-        _assert_exact_with_breakdown(lambda x, act=act: act(x).transpose(1, 2).mul(0.5).sum(), (x,))
-    _assert_exact_with_breakdown(lambda x: F.dropout(x, 0.5).transpose(1, 2).mul(0.5).sum(), (x,))
+        assert_exact_with_breakdown(lambda x, act=act: act(x).transpose(1, 2).mul(0.5).sum(), (x,))
+    assert_exact_with_breakdown(lambda x: F.dropout(x, 0.5).transpose(1, 2).mul(0.5).sum(), (x,))

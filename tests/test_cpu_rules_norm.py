@@ -17,8 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from exactness import Lambda, assert_fn_exact as assert_exact, intra_op_threads, rule_buffers as scratch
-import pytest_torchmem as tm
+from exactness import assert_fn_exact as assert_exact, intra_op_threads, rule_buffers as scratch, assert_exact_with_breakdown
 from pytest_torchmem.tracing.devices.cpu import CPU
 from pytest_torchmem.tracing.rules import OpCall
 
@@ -357,16 +356,6 @@ def test_batch_norm_strided_input_exact(threads: int, dtype: torch.dtype) -> Non
         assert_exact(lambda x, normed=normed: normed(normed(x)), (), (x,), train=False)
 
 
-def _assert_exact_with_breakdown(fn: Callable[..., torch.Tensor], params: tuple[torch.Tensor, ...]) -> None:
-    """``assert_exact``, and the same bytes in every category (a gradient copied by
-    ``AccumulateGrad`` shows there, if not always in the peaks)."""
-    model = Lambda(fn, params)
-    estimated, measured = tm.estimate(model, ()), tm.measure(model, ())
-    assert estimated.unsupported == ()
-    assert estimated.phase_peaks() == measured.phase_peaks()
-    assert estimated.breakdown == measured.breakdown
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, BF16], ids=str)
 def test_norm_gradients_follow_the_input_layout(threads: int, dtype: torch.dtype) -> None:
     """Regression: the fake kernels of ``native_layer_norm_backward`` and
@@ -374,9 +363,9 @@ def test_norm_gradients_follow_the_input_layout(threads: int, dtype: torch.dtype
     it contiguous (layer norm) or like ``X`` (group norm), so a gradient arriving
     transposed was copied by the leaf's ``AccumulateGrad`` in the estimate only."""
     x = torch.randn(2, 4, 6, dtype=dtype, requires_grad=True)
-    _assert_exact_with_breakdown(lambda x: F.layer_norm(x, (6,)).transpose(1, 2).mul(0.5).sum(), (x,))
-    _assert_exact_with_breakdown(lambda x: F.group_norm(x, 2).transpose(1, 2).mul(0.5).sum(), (x,))
+    assert_exact_with_breakdown(lambda x: F.layer_norm(x, (6,)).transpose(1, 2).mul(0.5).sum(), (x,))
+    assert_exact_with_breakdown(lambda x: F.group_norm(x, 2).transpose(1, 2).mul(0.5).sum(), (x,))
     w = torch.randn(6, dtype=dtype, requires_grad=True)
-    _assert_exact_with_breakdown(lambda x, w: F.layer_norm(x, (6,), w, w).transpose(1, 2).mul(0.5).sum(), (x, w))
+    assert_exact_with_breakdown(lambda x, w: F.layer_norm(x, (6,), w, w).transpose(1, 2).mul(0.5).sum(), (x, w))
     x = torch.randn(2, 4, 3, 5, dtype=dtype).contiguous(memory_format=torch.channels_last)
-    _assert_exact_with_breakdown(lambda x: F.group_norm(x, 2).permute(0, 2, 3, 1).mul(0.5).sum(), (x.requires_grad_(),))
+    assert_exact_with_breakdown(lambda x: F.group_norm(x, 2).permute(0, 2, 3, 1).mul(0.5).sum(), (x.requires_grad_(),))

@@ -128,13 +128,8 @@ def fake_tensor_limit(exc: BaseException) -> bool:
 
 def user_location() -> str:
     """``file:line`` of the innermost frame outside torch and this package."""
-    frame = sys._getframe(1)
-    while frame is not None:
-        filename = frame.f_code.co_filename
-        if not filename.startswith(_OWN_DIRS) and not filename.startswith("<"):
-            return f"{filename}:{frame.f_lineno}"
-        frame = frame.f_back
-    return ""
+    frames = user_frames(limit=1)
+    return f"{frames[0].filename}:{frames[0].line}" if frames else ""
 
 
 def user_frames(limit: int = 16, stop: tuple[str, ...] = ()) -> tuple[Frame, ...]:

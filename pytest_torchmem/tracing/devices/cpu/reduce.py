@@ -27,6 +27,10 @@ import torch
 
 from pytest_torchmem.tracing.devices.cpu.base import CPU, num_threads
 from pytest_torchmem.tracing.devices.cpu.misc import arg, itemsize
+from pytest_torchmem.tracing.devices.tensor_iterator import (
+    coalesce_dimensions,
+    reorder_dimensions,
+)
 from pytest_torchmem.tracing.rules import OUTPUTS, Alloc, Free, OpCall, Steps
 
 __all__ = ["GRAIN_SIZE", "two_pass_buffer", "sum_steps", "mean_steps"]
@@ -100,39 +104,6 @@ def mean_steps(
     return steps
 
 
-def _reduced_dims_first(shape: list[int], strides: list[list[int]], reduced: list[bool]) -> list[int]:
-    """``TensorIteratorBase::reorder_dimensions`` of a reduction (``TensorIterator.cpp``):
-    the order of the dimensions, fastest first, as an insertion sort that moves the
-    output's reduced (stride-0) dimensions to the front and otherwise sorts by the
-    operands' strides (output first), the smaller size first on ties."""
-    ndim = len(shape)
-    perm = list(range(ndim - 1, -1, -1))
-
-    def should_swap(dim0: int, dim1: int) -> int:
-        for i, stride in enumerate(strides):
-            s0, s1 = stride[dim0], stride[dim1]
-            if i == 0 and (s0 == 0) != (s1 == 0):
-                return 1 if s1 == 0 else -1
-            if s0 == 0 or s1 == 0:
-                continue
-            if s0 != s1:
-                return -1 if s0 < s1 else 1
-            if shape[dim0] > shape[dim1]:
-                return 1
-        return 0
-
-    for i in range(1, ndim):
-        dim1 = i
-        for dim0 in range(i - 1, -1, -1):
-            comparison = should_swap(perm[dim0], perm[dim1])
-            if comparison > 0:
-                perm[dim0], perm[dim1] = perm[dim1], perm[dim0]
-                dim1 = dim0
-            elif comparison < 0:
-                break
-    return perm
-
-
 def uses_acc_buffer(self: torch.Tensor, dims: Any, out_dtype: torch.dtype) -> bool:
     """``should_use_acc_buffer`` of ``sum_out`` (``ReduceOps.cpp``): a ``bfloat16`` /
     ``half`` sum whose reduction iterator, once its dimensions are reordered and
@@ -153,24 +124,11 @@ def uses_acc_buffer(self: torch.Tensor, dims: Any, out_dtype: torch.dtype) -> bo
             out_strides[d] = step
             step *= shape[d]
     strides = [out_strides, list(self.stride())]
-    perm = _reduced_dims_first(shape, strides, reduced)
-    shape = [shape[d] for d in perm]
-    strides = [[s[d] for d in perm] for s in strides]
-    # coalesce_dimensions
-    prev = 0
-    for dim in range(1, ndim):
-        if shape[prev] == 1 or shape[dim] == 1 or all(shape[prev] * s[prev] == s[dim] for s in strides):
-            if shape[prev] == 1:
-                for s in strides:
-                    s[prev] = s[dim]
-            shape[prev] *= shape[dim]
-        else:
-            prev += 1
-            if prev != dim:
-                for s in strides:
-                    s[prev] = s[dim]
-                shape[prev] = shape[dim]
-    return prev + 1 >= 2 and strides[0][0] == 0 and strides[0][1] == 0
+    perm = reorder_dimensions(shape, strides, n_outputs=1)
+    shape, strides = coalesce_dimensions(
+        [shape[d] for d in perm], [[s[d] for d in perm] for s in strides]
+    )
+    return len(shape) >= 2 and strides[0][0] == 0 and strides[0][1] == 0
 
 
 def acc_buffer_steps(self: torch.Tensor, out_numel: int, tag: str = "sum") -> list[Alloc | Free]:

@@ -27,14 +27,14 @@ composites that call these ops (the RNNs' ``at::linear``) are not reached.
 
 from __future__ import annotations
 
-import types
 from collections.abc import Callable
 from typing import Any, Final
 
 import torch
 import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode, redispatch_function
+from torch.overrides import TorchFunctionMode
 
+from pytest_torchmem.tracing.devices.routing import BodyRouting
 from pytest_torchmem.tracing.rules import TraceContext
 
 __all__ = ["CpuRouter", "pooling_output_size"]
@@ -145,15 +145,14 @@ _ROUTES: Final[dict[Any, Handler]] = {
     F.max_pool1d: _max_pool1d,
     F.linear: _linear,
 }
-#: Modules whose Python functions run with the mode active (their calls are routed too).
-_COMPOSITE_MODULES: Final = frozenset({"torch.nn.functional", "torch.functional"})
-#: Other Python functions that run with the mode active: the backward, where a
-#: checkpoint recomputes its forward (whose calls must be routed as they were).
-_WITH_MODE: Final = frozenset({torch.Tensor.backward, torch.autograd.backward, torch.autograd.grad})
 
 
-class CpuRouter(TorchFunctionMode):
+class CpuRouter(BodyRouting, TorchFunctionMode):
     """Runs what the real CPU kernel allocates for the composites in ``_ROUTES``."""
+
+    #: The backward runs with the mode active too: a checkpoint recomputes its
+    #: forward there, whose calls must be routed as they were.
+    run_inside = frozenset({torch.Tensor.backward, torch.autograd.backward, torch.autograd.grad})
 
     def __init__(self, context: TraceContext) -> None:
         super().__init__()
@@ -165,18 +164,6 @@ class CpuRouter(TorchFunctionMode):
         handler = _ROUTES.get(func)
         if handler is not None:
             return handler(func, args, kwargs)
-        if (
-            type(func) is types.FunctionType
-            and (func.__module__ in _COMPOSITE_MODULES or func in _WITH_MODE)
-            and func not in self._running
-        ):
-            # A Python-level function: run its body with the mode active. Its own
-            # entry from the C binding of a Tensor method comes back under the same
-            # name and then runs plainly.
-            self._running.add(func)
-            try:
-                with self:
-                    return redispatch_function(func, types_, args, kwargs)
-            finally:
-                self._running.discard(func)
+        if self.runs_body(func):
+            return self.run_body(func, types_, args, kwargs)
         return func(*args, **kwargs)

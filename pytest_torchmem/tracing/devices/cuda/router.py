@@ -68,8 +68,9 @@ from typing import Any, Final
 
 import torch
 from torch.fx.experimental.proxy_tensor import PreDispatchTorchFunctionMode
-from torch.overrides import TorchFunctionMode, redispatch_function
+from torch.overrides import TorchFunctionMode
 
+from pytest_torchmem.tracing.devices.routing import BodyRouting
 from pytest_torchmem.tracing.rules import TraceContext
 
 __all__ = ["CUDNN_VERSION", "CudaRouter", "SDPBackend", "autocast_policy", "select_sdp_backend"]
@@ -89,11 +90,6 @@ CUDNN_VERSION: Final = 91500
 #: ``CUDNN_BN_MIN_EPSILON`` of cuDNN >= 7.5 (``cudnn.h``).
 _CUDNN_BN_MIN_EPSILON: Final = 0.0
 
-#: Modules whose Python-level torch functions are run with the mode active inside:
-#: their bodies call what the router routes (``F.multi_head_attention_forward``
-#: calls ``dropout`` and ``scaled_dot_product_attention``). Tensor's Python
-#: methods (``torch._tensor``) only forward to one op, which the router already saw.
-_COMPOSITE_MODULES: Final = frozenset({"torch.nn.functional", "torch.functional"})
 
 Handler = Callable[["CudaRouter", Any, Any, tuple[Any, ...], dict[str, Any]], Any]
 _ROUTES: dict[Any, Handler] = {}
@@ -155,7 +151,7 @@ def _autocast_nesting() -> int:
 # -- the mode -------------------------------------------------------------------
 
 
-class CudaRouter(PreDispatchTorchFunctionMode):
+class CudaRouter(BodyRouting, PreDispatchTorchFunctionMode):
     """Sends calls that CUDA dispatch resolves differently to the CUDA kernels' ops.
 
     **Autocast on cuda.** On a CPU-only torch, ``torch.autocast("cuda", ...)``
@@ -212,22 +208,8 @@ class CudaRouter(PreDispatchTorchFunctionMode):
             return handler(self, func, types_, args, kwargs)
         if "device" in kwargs and _names_cuda(kwargs["device"]):
             kwargs = {**kwargs, "device": _TRACE_DEVICE}
-        if (
-            type(func) is types.FunctionType
-            and func.__module__ in _COMPOSITE_MODULES
-            and func not in self._running
-        ):
-            # A Python-level torch function: run its body with the mode active, so
-            # that the ops it calls are routed too. A Python override of a Tensor
-            # method (``Tensor.unflatten`` calling ``super().unflatten``) comes back
-            # here under the same name from its C binding: that second entry runs
-            # plainly, as without the mode.
-            self._running.add(func)
-            try:
-                with self:
-                    return redispatch_function(func, types_, args, kwargs)
-            finally:
-                self._running.discard(func)
+        if self.runs_body(func):
+            return self.run_body(func, types_, args, kwargs)
         return func(*args, **kwargs)
 
     # -- autocast ---------------------------------------------------------------

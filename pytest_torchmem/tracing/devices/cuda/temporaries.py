@@ -66,6 +66,10 @@ import torch
 import torch._prims_common as prims
 
 from pytest_torchmem.tracing.devices.cuda import CUDA
+from pytest_torchmem.tracing.devices.tensor_iterator import (
+    coalesce_dimensions,
+    reorder_dimensions,
+)
 from pytest_torchmem.tracing.rules import (
     OUTPUTS,
     Alloc,
@@ -220,58 +224,10 @@ def _reduction_geometry(
     outs = [[0 if reduced[d] else int(s[d]) for d in keep] for s in out_strides]
     inp = [int(in_strides[d]) for d in keep]
     operands = [*outs, inp]
-    n_out = len(outs)
-    n = len(sizes)
-
-    def should_swap(d0: int, d1: int) -> int:
-        for index, strides in enumerate(operands):
-            s0, s1 = strides[d0], strides[d1]
-            if index < n_out and (s0 == 0) != (s1 == 0):
-                return 1 if s1 == 0 else -1
-            if s0 == 0 or s1 == 0:
-                continue
-            if s0 < s1:
-                return -1
-            if s0 > s1:
-                return 1
-            if sizes[d0] > sizes[d1]:
-                return 1
-        return 0
-
-    perm = list(range(n - 1, -1, -1))
-    for i in range(1, n):
-        dim1 = i
-        for dim0 in range(i - 1, -1, -1):
-            comparison = should_swap(perm[dim0], perm[dim1])
-            if comparison > 0:
-                perm[dim0], perm[dim1] = perm[dim1], perm[dim0]
-                dim1 = dim0
-            elif comparison < 0:
-                break
-    sizes = [sizes[p] for p in perm]
-    operands = [[strides[p] for p in perm] for strides in operands]
-
-    if n > 1:
-        prev = 0
-        for dim in range(1, n):
-            shape0, shape1 = sizes[prev], sizes[dim]
-            if (
-                shape0 == 1
-                or shape1 == 1
-                or all(shape0 * strides[prev] == strides[dim] for strides in operands)
-            ):
-                if sizes[prev] == 1:
-                    for strides in operands:
-                        strides[prev] = strides[dim]
-                sizes[prev] *= sizes[dim]
-            else:
-                prev += 1
-                if prev != dim:
-                    for strides in operands:
-                        strides[prev] = strides[dim]
-                    sizes[prev] = sizes[dim]
-        sizes = sizes[: prev + 1]
-        operands = [strides[: prev + 1] for strides in operands]
+    perm = reorder_dimensions(sizes, operands, n_outputs=len(outs))
+    sizes, operands = coalesce_dimensions(
+        [sizes[p] for p in perm], [[strides[p] for p in perm] for strides in operands]
+    )
     return _Geometry(
         tuple(sizes),
         tuple(operands[0]),

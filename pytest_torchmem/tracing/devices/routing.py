@@ -1,0 +1,52 @@
+"""What the device routers share: the calls inside torch's Python-level functions.
+
+A torch-function mode sees a Python-level torch function (``F.layer_norm``,
+``torch.functional.einsum``) as one call; the ops its body calls reach the
+mode only if the body runs with the mode active. :class:`BodyRouting` runs
+such bodies so, once per entry.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any, ClassVar, Final
+
+from torch.overrides import redispatch_function
+
+__all__ = ["COMPOSITE_MODULES", "BodyRouting"]
+
+#: Modules whose Python functions run with the router active: their bodies call
+#: what the routers route (``F.multi_head_attention_forward`` calls ``dropout``
+#: and ``scaled_dot_product_attention``). Tensor's Python methods
+#: (``torch._tensor``) only forward to one op, which the router already saw.
+COMPOSITE_MODULES: Final = frozenset({"torch.nn.functional", "torch.functional"})
+
+
+class BodyRouting:
+    """A mixin for a ``TorchFunctionMode`` that routes the calls inside torch's
+    Python-level functions too. The mode's ``__init__`` sets ``_running`` to an
+    empty set."""
+
+    #: Python functions outside :data:`COMPOSITE_MODULES` whose body runs with the mode active.
+    run_inside: ClassVar[frozenset[Any]] = frozenset()
+    _running: set[Any]
+
+    def runs_body(self, func: Any) -> bool:
+        """Whether ``func``'s body is to run with the mode active now."""
+        return (
+            type(func) is types.FunctionType
+            and (func.__module__ in COMPOSITE_MODULES or func in self.run_inside)
+            and func not in self._running
+        )
+
+    def run_body(self, func: Any, types_: Any, args: Any, kwargs: Any) -> Any:
+        """Run ``func``'s body with the mode active. A Python override of a Tensor
+        method (``Tensor.unflatten`` calling ``super().unflatten``) comes back to
+        the mode under the same name from its C binding: that second entry runs
+        plainly, as without the mode."""
+        self._running.add(func)
+        try:
+            with self:  # type: ignore[attr-defined]
+                return redispatch_function(func, types_, args, kwargs)
+        finally:
+            self._running.discard(func)

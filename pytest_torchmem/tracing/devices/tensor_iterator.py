@@ -1,0 +1,77 @@
+"""The dimension order of a TensorIterator, as ``TensorIteratorBase::build`` computes it.
+
+Rules that size a kernel's buffers by the iterator's geometry (reductions on
+cpu and cuda) share these two steps of ``aten/src/ATen/TensorIterator.cpp``
+(torch 2.13): ``reorder_dimensions`` and ``coalesce_dimensions``. Strides are
+per operand, in any unit (each operand is compared only with itself).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+__all__ = ["coalesce_dimensions", "reorder_dimensions"]
+
+
+def reorder_dimensions(
+    sizes: Sequence[int], operands: Sequence[Sequence[int]], n_outputs: int
+) -> list[int]:
+    """``reorder_dimensions``: the order of the dimensions, fastest first.
+
+    An insertion sort over the dimensions, last first: the outputs' stride-0
+    (reduced or broadcast) dimensions move to the front; otherwise the operands'
+    strides decide in order, the smaller size first on ties.
+    """
+    n = len(sizes)
+
+    def should_swap(dim0: int, dim1: int) -> int:
+        for index, strides in enumerate(operands):
+            s0, s1 = strides[dim0], strides[dim1]
+            if index < n_outputs and (s0 == 0) != (s1 == 0):
+                return 1 if s1 == 0 else -1
+            if s0 == 0 or s1 == 0:
+                continue
+            if s0 != s1:
+                return -1 if s0 < s1 else 1
+            if sizes[dim0] > sizes[dim1]:
+                return 1
+        return 0
+
+    perm = list(range(n - 1, -1, -1))
+    for i in range(1, n):
+        dim1 = i
+        for dim0 in range(i - 1, -1, -1):
+            comparison = should_swap(perm[dim0], perm[dim1])
+            if comparison > 0:
+                perm[dim0], perm[dim1] = perm[dim1], perm[dim0]
+                dim1 = dim0
+            elif comparison < 0:
+                break
+    return perm
+
+
+def coalesce_dimensions(
+    sizes: Sequence[int], operands: Sequence[Sequence[int]]
+) -> tuple[list[int], list[list[int]]]:
+    """``coalesce_dimensions``: adjacent dimensions that every operand walks as one
+    (or of size 1) merged; the new sizes and each operand's strides."""
+    sizes = list(sizes)
+    operands = [list(strides) for strides in operands]
+    prev = 0
+    for dim in range(1, len(sizes)):
+        if (
+            sizes[prev] == 1
+            or sizes[dim] == 1
+            or all(sizes[prev] * strides[prev] == strides[dim] for strides in operands)
+        ):
+            if sizes[prev] == 1:
+                for strides in operands:
+                    strides[prev] = strides[dim]
+            sizes[prev] *= sizes[dim]
+        else:
+            prev += 1
+            if prev != dim:
+                for strides in operands:
+                    strides[prev] = strides[dim]
+                sizes[prev] = sizes[dim]
+    return sizes[: prev + 1], [strides[: prev + 1] for strides in operands]
