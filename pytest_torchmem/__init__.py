@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Final
 if TYPE_CHECKING:
     from pytest_torchmem.api import estimate, measure
     from pytest_torchmem.report import Category, MemoryReport, ModulePeak, Unsupported
+    from pytest_torchmem.tracing.devices.cpu.profiles import CpuProfile
     from pytest_torchmem.units import format_bytes, parse_bytes
 
 __all__ = [
@@ -26,6 +27,7 @@ __all__ = [
     "Category",
     "ModulePeak",
     "Unsupported",
+    "CpuProfile",
     "parse_bytes",
     "format_bytes",
 ]
@@ -40,6 +42,7 @@ _LAZY: Final = {
     "Category": "pytest_torchmem.report",
     "ModulePeak": "pytest_torchmem.report",
     "Unsupported": "pytest_torchmem.report",
+    "CpuProfile": "pytest_torchmem.tracing.devices.cpu.profiles",
     "parse_bytes": "pytest_torchmem.units",
     "format_bytes": "pytest_torchmem.units",
 }

@@ -11,6 +11,7 @@ from torch import nn
 from pytest_torchmem.report import MemoryReport
 from pytest_torchmem.step import LossFn, OptimizerFactory
 from pytest_torchmem.tracing.devices import device_model
+from pytest_torchmem.tracing.devices.cpu.profiles import CpuProfile, cpu_profile
 from pytest_torchmem.tracing.devices.cuda.profiles import gpu_profile
 from pytest_torchmem.tracing.trace import trace
 
@@ -89,6 +90,7 @@ def estimate(
     optimizer: OptimizerFactory | None = None,
     train: bool = True,
     gpu: str | None = None,
+    cpu: str | CpuProfile | None = None,
 ) -> MemoryReport:
     """Estimate the memory of one step of ``model`` on ``inputs`` with fake tensors.
 
@@ -105,10 +107,18 @@ def estimate(
     architecture of ``gpu`` (a name from
     :data:`pytest_torchmem.tracing.devices.cuda.profiles.PROFILES`, default
     ``"H100"``).
+
+    ``device="cpu"`` models the CPU ``cpu`` names: ``None`` (or ``"host"``) this
+    host as the process runs now (what :func:`measure` sees), or a profile
+    ``"<isa level>:<intra-op threads>"`` such as ``"avx2:4"``, or a
+    :class:`~pytest_torchmem.CpuProfile`; under a named profile the figures are
+    the same on every host.
     """
     request = _request("estimate", model, inputs, device, loss_fn, optimizer, train)
     if gpu is not None and request.device != "cuda":
         raise ValueError(f"gpu={gpu!r} applies to device='cuda' only, not {device!r}")
+    if cpu is not None and request.device != "cpu":
+        raise ValueError(f"cpu={cpu!r} applies to device='cpu' only, not {device!r}")
     return trace(
         request.model,
         request.args,
@@ -118,6 +128,7 @@ def estimate(
         optimizer=request.optimizer,
         train=request.train,
         gpu=gpu_profile(gpu) if request.device == "cuda" else None,
+        cpu=cpu_profile(cpu) if request.device == "cpu" else None,
     ).report
 
 
@@ -135,7 +146,9 @@ def measure(
     The same step as :func:`estimate`. On ``"cpu"`` every allocation and free
     is read from the PyTorch profiler's allocator events; on ``"cuda"`` from
     ``torch.cuda``'s peak statistics. The model's parameters, buffers and
-    gradients are cloned first, so the model itself is left as it was.
+    gradients are cloned first, so the model itself is left as it was. The
+    report's ``profile`` names the machine measured: this host's CPU profile
+    (``"avx2:2"``; None where the host is no level the CPU rules model), or the GPU.
     """
     from pytest_torchmem.measuring import measure_step
 

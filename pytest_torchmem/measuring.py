@@ -25,6 +25,7 @@ from pytest_torchmem.model_state import Converted, StandIns, collect, convert, s
 from pytest_torchmem.report import Category, MemoryReport
 from pytest_torchmem.step import ModuleTracker, run_step
 from pytest_torchmem.timeline import Phase, StorageInfo, Timeline, analyze
+from pytest_torchmem.tracing.devices.cpu.profiles import host_profile
 
 if TYPE_CHECKING:
     from pytest_torchmem.api import StepRequest
@@ -104,7 +105,17 @@ def _baseline_groups(standins: Converted) -> tuple[tuple[Category, list[torch.Te
     )
 
 
+def _host_profile_name() -> str | None:
+    """This host's CPU profile (``"avx2:2"``), or None where it is no level the
+    rules model (a non-x86 CPU, ATen and oneDNN capped to different levels)."""
+    try:
+        return str(host_profile())
+    except ValueError:
+        return None
+
+
 def _measure_cpu(request: StepRequest) -> MemoryReport:
+    profile = _host_profile_name()
     _, timeline, baseline = profile_cpu_step(request)
     analysis = analyze(timeline, baseline)
     forward, backward, step = analysis.phase_peaks
@@ -115,6 +126,7 @@ def _measure_cpu(request: StepRequest) -> MemoryReport:
         step_peak=step,
         breakdown=analysis.breakdown,
         modules=analysis.modules,
+        profile=profile,
     )
 
 
@@ -342,6 +354,7 @@ def _measure_cuda(request: StepRequest) -> MemoryReport:
         backward_peak=own(probe.peaks[Phase.BACKWARD]),
         step_peak=own(probe.peaks[Phase.STEP]),
         reserved_peak=max(probe.reserved - held_reserved, 0),
+        profile=torch.cuda.get_device_name(device),
     )
 
 

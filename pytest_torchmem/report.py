@@ -87,6 +87,9 @@ class MemoryReport:
     reserved_peak: int | None = None
     modules: Mapping[str, ModulePeak] = field(default_factory=dict)
     unsupported: tuple[Unsupported, ...] = ()
+    #: The machine the figures are for: the CPU profile (``"avx2:4"``) on cpu, the
+    #: GPU (``"H100"``) on cuda; for :func:`~pytest_torchmem.measure`, the host's.
+    profile: str | None = None
 
     def __post_init__(self) -> None:
         breakdown = {Category(key): int(value) for key, value in self.breakdown.items()}
@@ -133,6 +136,7 @@ class MemoryReport:
                 {"op": entry.op, "reason": entry.reason, "location": entry.location}
                 for entry in self.unsupported
             ],
+            "profile": self.profile,
         }
 
     @classmethod
@@ -155,6 +159,7 @@ class MemoryReport:
                 for name, peak in data.get("modules", {}).items()
             },
             unsupported=tuple(Unsupported(**entry) for entry in data.get("unsupported", ())),
+            profile=data.get("profile"),
         )
 
     def to_json(self, **kwargs: Any) -> str:

@@ -20,13 +20,13 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import pytest_torchmem as tm
 from pytest_torchmem.tracing.devices.cpu import CPU
-from pytest_torchmem.tracing.devices.cpu.base import cpu_capability
+from pytest_torchmem.tracing.devices.cpu.profiles import host_profile
 from pytest_torchmem.tracing.rules import Alloc, OpCall
 
 aten = torch.ops.aten
 
 avx512 = pytest.mark.skipif(
-    not (torch.backends.mkldnn.is_available() and cpu_capability().startswith("AVX512")),
+    not (torch.backends.mkldnn.is_available() and host_profile().avx512),
     reason="the figures are oneDNN's avx512_core ones (16-channel blocks)",
 )
 

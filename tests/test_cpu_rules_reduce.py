@@ -36,10 +36,10 @@ def test_two_pass_buffer_condition(threads: int) -> None:
     ``threads`` output elements; else nothing."""
     assert GRAIN_SIZE == 32768
     expected = 0 if threads == 1 else threads * 4
-    assert two_pass_buffer(32768, 1, torch.float32) == expected
-    assert two_pass_buffer(32767, 1, torch.float32) == 0
-    assert two_pass_buffer(65536, 256, torch.float32) == 0
-    assert two_pass_buffer(65536, 1, torch.float64) == (0 if threads == 1 else threads * 8)
+    assert two_pass_buffer(threads, 32768, 1, torch.float32) == expected
+    assert two_pass_buffer(threads, 32767, 1, torch.float32) == 0
+    assert two_pass_buffer(threads, 65536, 256, torch.float32) == 0
+    assert two_pass_buffer(threads, 65536, 1, torch.float64) == (0 if threads == 1 else threads * 8)
 
 
 def test_sum_buffers(threads: int) -> None:

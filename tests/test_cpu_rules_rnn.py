@@ -23,15 +23,17 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from exactness import intra_op_threads
 import pytest_torchmem as tm
 from pytest_torchmem.tracing.devices.cpu import CPU
+from pytest_torchmem.tracing.devices.cpu.profiles import host_profile
 from pytest_torchmem.tracing.rules import OUTPUTS, Alloc, Free, OpCall
 
 aten = torch.ops.aten
 PAGE = 4096
 LSTM_MODE = 2  # ideep::rnn_kind::LSTM
 
-AVX2 = torch.cpu._is_avx2_supported()
-AVX512 = torch.cpu._is_avx512_supported()
-AVX512_BF16 = torch.cpu._is_avx512_bf16_supported()
+HOST = host_profile()  # the level oneDNN runs at here, after ONEDNN_MAX_CPU_ISA
+AVX2 = HOST.avx2
+AVX512 = HOST.avx512
+AVX512_BF16 = AVX512 and torch.cpu._is_avx512_bf16_supported()
 
 needs_avx2 = pytest.mark.skipif(not AVX2, reason="oneDNN's brgemm RNN needs AVX2")
 #: Where the CPU has AVX512-BF16, oneDNN runs bfloat16 LSTMs with its brgemm

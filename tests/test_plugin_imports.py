@@ -40,6 +40,7 @@ def test_importing_the_plugin_does_not_import_torch() -> None:
 def test_public_names_are_the_defining_modules() -> None:
     import pytest_torchmem as tm
     from pytest_torchmem import api, report, units
+    from pytest_torchmem.tracing.devices.cpu import profiles
 
     assert tm.__all__ == [
         "estimate",
@@ -48,11 +49,12 @@ def test_public_names_are_the_defining_modules() -> None:
         "Category",
         "ModulePeak",
         "Unsupported",
+        "CpuProfile",
         "parse_bytes",
         "format_bytes",
     ]
     for name in tm.__all__:
-        defining = next(m for m in (api, report, units) if hasattr(m, name))
+        defining = next(m for m in (api, report, units, profiles) if hasattr(m, name))
         assert getattr(tm, name) is getattr(defining, name)
     from pytest_torchmem import MemoryReport, estimate
 

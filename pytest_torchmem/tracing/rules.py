@@ -100,6 +100,8 @@ class TraceContext:
     device: str
     #: The GPU profile (:class:`~pytest_torchmem.tracing.devices.cuda.profiles.GpuProfile`) on cuda.
     gpu: Any = None
+    #: The CPU profile (:class:`~pytest_torchmem.tracing.devices.cpu.profiles.CpuProfile`) on cpu.
+    cpu: Any = None
     #: Per-trace state of rules (e.g. which library workspaces exist already).
     memo: dict[str, Any] = field(default_factory=dict)
 

@@ -15,6 +15,7 @@ from pytest_torchmem.report import Category, MemoryReport
 from pytest_torchmem.step import LossFn, ModuleTracker, OptimizerFactory, run_step
 from pytest_torchmem.timeline import Analysis, Timeline, analyze
 from pytest_torchmem.tracing.devices import DeviceModel
+from pytest_torchmem.tracing.devices.cpu.profiles import CpuProfile
 from pytest_torchmem.tracing.devices.cuda.profiles import GpuProfile
 from pytest_torchmem.tracing.rules import TraceContext
 from pytest_torchmem.tracing.tracker import Tracker
@@ -45,14 +46,17 @@ def trace(
     optimizer: OptimizerFactory | None,
     train: bool,
     gpu: GpuProfile | None = None,
+    cpu: CpuProfile | None = None,
     record_frames: bool = False,
 ) -> Trace:
     """Trace one step of ``model`` on fake tensors of ``device``: its report and timeline.
 
-    ``gpu`` is the GPU profile the CUDA rules follow (ignored on cpu);
-    ``record_frames`` keeps the user's frames of every allocation.
+    ``gpu`` is the GPU profile the CUDA rules follow (ignored on cpu), ``cpu``
+    the CPU profile the CPU rules follow (ignored on cuda; ``None`` there: the
+    CPU rules ask the host); ``record_frames`` keeps the user's frames of every
+    allocation.
     """
-    context = TraceContext(device.name, gpu=gpu)
+    context = TraceContext(device.name, gpu=gpu, cpu=cpu)
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True, allow_fallback_kernels=False)
     where = device.trace_device
     model_tensors = collect(model)
@@ -104,8 +108,14 @@ def trace(
         reserved_peak=analysis.reserved_peak,
         modules=analysis.modules,
         unsupported=tuple(tracker.unsupported),
+        profile=_profile_name(device.name, gpu, cpu),
     )
     return Trace(report, tracker.timeline, baseline, analysis, device, context)
+
+
+def _profile_name(device: str, gpu: GpuProfile | None, cpu: CpuProfile | None) -> str | None:
+    profile = gpu if device == "cuda" else cpu
+    return str(profile) if profile is not None else None
 
 
 def fake_standins(where: torch.device) -> StandIns:

@@ -23,7 +23,7 @@ from typing import Any, Final
 
 import torch
 
-from pytest_torchmem.tracing.devices.cpu.base import CPU, num_threads
+from pytest_torchmem.tracing.devices.cpu.base import CPU, profile_of
 from pytest_torchmem.tracing.devices.cpu.blas import onednn_gemm_bytes
 from pytest_torchmem.tracing.rules import OUTPUTS, Alloc, Free, OpCall, Steps
 
@@ -86,7 +86,7 @@ def _flash_attention(call: OpCall) -> Steps:
     kv_len = value.shape[2]
     q_split = min(_q_split(q_len), q_len)
     kv_split = min(_KV_SPLIT, kv_len)
-    threads = num_threads()
+    threads = profile_of(call).threads
     per_thread = q_split * kv_split + 2 * q_split + q_split * head
     reduced = q_split * kv_split if _is_reduced(query.dtype) else 0
     return [
@@ -133,7 +133,7 @@ def _flash_attention_backward(call: OpCall) -> Steps:
     dtype = query.dtype
     q_split = min(_q_split(q_len), q_len)
     kv_split = min(_KV_SPLIT, kv_len)
-    threads = num_threads()
+    threads = profile_of(call).threads
     accumulate = _accumulate_size(dtype)
     transposed = _transposed_is_contiguous(tuple(grad_out.shape), tuple(grad_out.stride()))
     grad_out_copy = 0 if transposed else grad_out.numel() * grad_out.element_size()
@@ -143,7 +143,7 @@ def _flash_attention_backward(call: OpCall) -> Steps:
     gemm = 0
     if _is_reduced(dtype) and q_len and kv_len:
         shapes = set(_backward_gemms(q_len, kv_len, head, q_split, kv_split, is_causal, alpha))
-        gemm = max(onednn_gemm_bytes(dtype, False, False, m, n, k, a) for m, n, k, a in shapes)
+        gemm = max(onednn_gemm_bytes(profile_of(call), dtype, False, False, m, n, k, a) for m, n, k, a in shapes)
     return [
         OUTPUTS,
         Alloc("grad_out (contiguous copy)", grad_out_copy),

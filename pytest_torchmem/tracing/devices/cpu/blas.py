@@ -25,7 +25,6 @@ scratchpad is not modelled; nor are float32 matmuls routed to oneDNN by
 
 from __future__ import annotations
 
-import functools
 import struct
 from dataclasses import dataclass
 from typing import Any, Final
@@ -33,7 +32,8 @@ from typing import Any, Final
 import torch
 from torch._subclasses.fake_tensor import DataDependentOutputException
 
-from pytest_torchmem.tracing.devices.cpu.base import CPU, num_threads
+from pytest_torchmem.tracing.devices.cpu.base import CPU, profile_of
+from pytest_torchmem.tracing.devices.cpu.profiles import CpuProfile
 from pytest_torchmem.tracing.rules import OUTPUTS, Alloc, OpCall, Steps
 
 __all__ = ["onednn_gemm_accumulator_bytes", "onednn_gemm_bytes"]
@@ -69,22 +69,18 @@ def _mkldnn_enabled() -> bool:
     return torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled
 
 
-def _onednn_usable(dtype: torch.dtype) -> bool:
+def _onednn_usable(cpu: CpuProfile, dtype: torch.dtype) -> bool:
     """``use_mkldnn_bf16_matmul()`` / ``use_mkldnn_fp16_matmul()`` (no tensors): oneDNN
-    computes this reduced-precision matmul on this CPU."""
-    return _mkldnn_enabled() and _onednn_supports(dtype)
+    computes this reduced-precision matmul on the modelled CPU."""
+    return _mkldnn_enabled() and onednn_supports(cpu, dtype)
 
 
-@functools.cache
-def _onednn_supports(dtype: torch.dtype) -> bool:
-    """``mkldnn_bf16_device_check()`` / ``mkldnn_fp16_device_check()``: this CPU's ISA,
-    fixed for the process, so asked once (the op goes through the trace's dispatch
-    modes, ~1 ms a call, and the attention backward rule asks per gemm)."""
-    if dtype == torch.bfloat16:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    if dtype == torch.float16:
-        return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
-    return False
+def onednn_supports(cpu: CpuProfile, dtype: torch.dtype) -> bool:
+    """``mkldnn_bf16_device_check()`` / ``mkldnn_fp16_device_check()``: ideep's
+    ``has_bf16_type_support`` (oneDNN may use avx512_core, or avx2_vnni_2) and
+    ``has_fp16_type_support`` (avx512_core_fp16 or avx2_vnni_2, levels no profile
+    models)."""
+    return dtype == torch.bfloat16 and cpu.avx512
 
 
 def onednn_gemm_accumulator_bytes(batch: int, rows: int, cols: int, threads: int) -> int:
@@ -114,16 +110,17 @@ def _float32(value: Any) -> float:
     return struct.unpack("f", struct.pack("f", float(value)))[0]
 
 
-def _onednn_matmul_bytes(batch: int, rows: int, cols: int, alpha: Any) -> int:
+def _onednn_matmul_bytes(cpu: CpuProfile, batch: int, rows: int, cols: int, alpha: Any) -> int:
     """What one ``ideep::matmul_forward::compute`` into a bfloat16/float16 output
     takes from the allocator: a one-float tensor of source scales when ``alpha``
     is not 1 (``do_prepare``: oneDNN applies ``dst_coeff`` as a source scale),
     and the scratchpad (:func:`onednn_gemm_accumulator_bytes`)."""
     scales = 4 if _float32(alpha) != 1.0 else 0
-    return scales + onednn_gemm_accumulator_bytes(batch, rows, cols, num_threads())
+    return scales + onednn_gemm_accumulator_bytes(batch, rows, cols, cpu.threads)
 
 
 def onednn_gemm_bytes(
+    cpu: CpuProfile,
     dtype: torch.dtype, trans_a: bool, trans_b: bool, m: int, n: int, k: int, alpha: Any
 ) -> int:
     """Bytes ``at::native::cpublas::gemm`` (aten/src/ATen/native/CPUBlas.cpp) takes
@@ -137,12 +134,12 @@ def onednn_gemm_bytes(
     most 16 * 16 * 16 multiply-adds or with ``alpha == 0`` (``mkldnn_gemm``).
     oneDNN computes C^T = B^T A^T, so its output rows are ``n``.
     """
-    if not _onednn_usable(dtype) or _float32(alpha) == 0.0 or m * n * k <= _MKLDNN_GEMM_MIN_SIZE:
+    if not _onednn_usable(cpu, dtype) or _float32(alpha) == 0.0 or m * n * k <= _MKLDNN_GEMM_MIN_SIZE:
         return 0
     gemv_trans = trans_a and not trans_b and n == 1 and _float32(alpha) == 1.0
-    if gemv_trans and (dtype == torch.float16 or not torch.cpu._is_avx512_bf16_supported()):
+    if gemv_trans:  # use_bf16_gemv_trans: no profile has avx512_bf16
         return 0
-    return _onednn_matmul_bytes(1, n, m, alpha)
+    return _onednn_matmul_bytes(cpu, 1, n, m, alpha)
 
 
 # -- addmm_impl_cpu_ -------------------------------------------------------------
@@ -174,6 +171,7 @@ _NOTHING: Final = _Gemm(0, 0, 0, 0)
 
 
 def _addmm_impl(
+    cpu: CpuProfile,
     result_shape: tuple[int, ...],
     result_stride: tuple[int, ...],
     m1: tuple[tuple[int, ...], tuple[int, ...]],
@@ -215,7 +213,7 @@ def _addmm_impl(
 
     trans_a, a_copy = cast(m1_strides, m1_sizes, m, k)
     trans_b, b_copy = cast(m2_strides, m2_sizes, k, n)
-    scratch = onednn_gemm_bytes(dtype, trans_a, trans_b, m, n, k, alpha)
+    scratch = onednn_gemm_bytes(cpu, dtype, trans_a, trans_b, m, n, k, alpha)
     if transpose_c:  # BLAS's first operand is mat2
         a_copy, b_copy = b_copy, a_copy
     return _Gemm(result_copy, a_copy, b_copy, scratch)
@@ -225,8 +223,11 @@ def _layout(t: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
     return tuple(t.shape), tuple(t.stride())
 
 
-def _gemm_of(result: torch.Tensor, mat1: torch.Tensor, mat2: torch.Tensor, alpha: Any) -> _Gemm:
+def _gemm_of(
+    cpu: CpuProfile, result: torch.Tensor, mat1: torch.Tensor, mat2: torch.Tensor, alpha: Any
+) -> _Gemm:
     return _addmm_impl(
+        cpu,
         tuple(result.shape), tuple(result.stride()), _layout(mat1), _layout(mat2),
         result.dtype, result.element_size(), alpha,
     )
@@ -241,7 +242,7 @@ def _result(call: OpCall) -> torch.Tensor:
 def _mm(call: OpCall) -> Steps:
     """``mm_out_cpu`` → ``addmm_impl_cpu_``: the output first (structured kernel),
     then the copies of unusable operands and oneDNN's scratchpad."""
-    gemm = _gemm_of(_result(call), call.args[0], call.args[1], 1)
+    gemm = _gemm_of(profile_of(call), _result(call), call.args[0], call.args[1], 1)
     return [OUTPUTS, *gemm.steps()]
 
 
@@ -253,7 +254,7 @@ def _addmm(call: OpCall) -> Steps:
     """``addmm_out_cpu`` / ``addmm_activation_out_cpu`` → ``addmm_impl_cpu_`` (the
     bias is copied into the output, which costs nothing more)."""
     alpha = _arg(call, 4, "alpha", 1)
-    gemm = _gemm_of(_result(call), call.args[1], call.args[2], alpha)
+    gemm = _gemm_of(profile_of(call), _result(call), call.args[1], call.args[2], alpha)
     return [OUTPUTS, *gemm.steps()]
 
 
@@ -282,6 +283,7 @@ def _mkldnn_optimized_format(sizes: tuple[int, ...], strides: tuple[int, ...]) -
 
 
 def _mkldnn_matmul_steps(
+    cpu: CpuProfile,
     mat1: torch.Tensor, mat2: torch.Tensor, batch: int, rows: int, cols: int, alpha: Any
 ) -> list[Alloc]:
     """``mkldnn_matmul`` (aten/src/ATen/native/mkldnn/Matmul.cpp) for a ``batch`` x
@@ -298,7 +300,7 @@ def _mkldnn_matmul_steps(
                 (sizes[0], 1), (strides[0], 1))
         copy = 0 if _mkldnn_optimized_format(sizes, strides) else _nbytes(mat)
         steps.append(Alloc(f"{name} (contiguous copy)", copy))
-    steps.append(Alloc("oneDNN scratchpad", _onednn_matmul_bytes(batch, rows, cols, alpha)))
+    steps.append(Alloc("oneDNN scratchpad", _onednn_matmul_bytes(cpu, batch, rows, cols, alpha)))
     return steps
 
 
@@ -309,7 +311,9 @@ def _items_contiguous_or_transposed(t: torch.Tensor) -> bool:
     )
 
 
-def _bmm_steps(result: torch.Tensor, batch1: torch.Tensor, batch2: torch.Tensor, alpha: Any) -> list[Alloc]:
+def _bmm_steps(
+    cpu: CpuProfile, result: torch.Tensor, batch1: torch.Tensor, batch2: torch.Tensor, alpha: Any
+) -> list[Alloc]:
     """``bmm_out_or_baddbmm_`` (aten/src/ATen/native/LinearAlgebra.cpp)."""
     bs, rows, inner = batch1.shape
     cols = batch2.shape[2]
@@ -318,11 +322,11 @@ def _bmm_steps(result: torch.Tensor, batch1: torch.Tensor, batch2: torch.Tensor,
     dtype = result.dtype
     # apply_mkldnn_matmul_heur (x86 defaults: no minimum) and use_mkldnn_matmul.
     if (
-        _onednn_usable(dtype)
+        _onednn_usable(cpu, dtype)
         and batch1.dtype == batch2.dtype == dtype
         and bs * rows * inner * cols > _MKLDNN_GEMM_MIN_SIZE
     ):
-        return _mkldnn_matmul_steps(batch1, batch2, bs, rows, cols, alpha)
+        return _mkldnn_matmul_steps(cpu, batch1, batch2, bs, rows, cols, alpha)
     if inner * rows * cols < _BMM_SMALL:
         return []  # baddbmm_cpu_kernel: no scratch
     if (
@@ -336,6 +340,7 @@ def _bmm_steps(result: torch.Tensor, batch1: torch.Tensor, batch2: torch.Tensor,
     # One addmm_impl_cpu_ per batch; the copies of one batch are freed before the next.
     rs, s1, s2 = result.stride(), batch1.stride(), batch2.stride()
     gemm = _addmm_impl(
+        cpu,
         (rows, cols), (rs[1], rs[2]),
         ((rows, inner), (s1[1], s1[2])), ((inner, cols), (s2[1], s2[2])),
         dtype, result.element_size(), alpha,
@@ -346,30 +351,32 @@ def _bmm_steps(result: torch.Tensor, batch1: torch.Tensor, batch2: torch.Tensor,
 @CPU.scratch(aten.bmm.default, aten.bmm.out)
 def _bmm(call: OpCall) -> Steps:
     """``bmm_out_cpu`` → ``bmm_out_or_baddbmm_``."""
-    return [OUTPUTS, *_bmm_steps(_result(call), call.args[0], call.args[1], 1)]
+    return [OUTPUTS, *_bmm_steps(profile_of(call), _result(call), call.args[0], call.args[1], 1)]
 
 
 @CPU.scratch(aten.baddbmm.default, aten.baddbmm.out, aten.baddbmm_.default)
 def _baddbmm(call: OpCall) -> Steps:
     """``baddbmm_out_cpu`` → ``bmm_out_or_baddbmm_`` (the output holds ``self``)."""
     alpha = _arg(call, 4, "alpha", 1)
-    return [OUTPUTS, *_bmm_steps(_result(call), call.args[1], call.args[2], alpha)]
+    return [OUTPUTS, *_bmm_steps(profile_of(call), _result(call), call.args[1], call.args[2], alpha)]
 
 
 # -- addmv, dot -------------------------------------------------------------------
 
 
-def _use_mkldnn_matmul(dtype: torch.dtype, *tensors: torch.Tensor, size: int) -> bool:
+def _use_mkldnn_matmul(cpu: CpuProfile, dtype: torch.dtype, *tensors: torch.Tensor, size: int) -> bool:
     """``use_mkldnn_matmul`` for inputs of one reduced type (bfloat16, float16) whose
     ``checksize`` product is ``size``."""
     return (
-        _onednn_usable(dtype)
+        _onednn_usable(cpu, dtype)
         and all(t.dtype == dtype and t.numel() for t in tensors)
         and size > _MKLDNN_GEMM_MIN_SIZE
     )
 
 
-def _addmv_steps(result: torch.Tensor, mat: torch.Tensor, vec: torch.Tensor, alpha: Any) -> list[Alloc]:
+def _addmv_steps(
+    cpu: CpuProfile, result: torch.Tensor, mat: torch.Tensor, vec: torch.Tensor, alpha: Any
+) -> list[Alloc]:
     """``addmv_out_cpu`` (aten/src/ATen/native/Blas.cpp): oneDNN when
     ``use_mkldnn_matmul`` (matrix of more than 16 * 16 * 16 elements); else
     ``gemv`` on the matrix or its transpose, or on a contiguous copy when
@@ -377,8 +384,8 @@ def _addmv_steps(result: torch.Tensor, mat: torch.Tensor, vec: torch.Tensor, alp
     if mat.numel() == 0 or result.numel() == 0:
         return []
     rows, cols = mat.shape
-    if _use_mkldnn_matmul(mat.dtype, mat, vec, size=rows * cols):
-        return _mkldnn_matmul_steps(mat, vec, 1, rows, 1, alpha)
+    if _use_mkldnn_matmul(cpu, mat.dtype, mat, vec, size=rows * cols):
+        return _mkldnn_matmul_steps(cpu, mat, vec, 1, rows, 1, alpha)
     s0, s1 = mat.stride()
 
     def lda_cond(m: int, n: int, lda: int) -> bool:
@@ -392,14 +399,14 @@ def _addmv_steps(result: torch.Tensor, mat: torch.Tensor, vec: torch.Tensor, alp
 @CPU.scratch(aten.mv.default, aten.mv.out)
 def _mv(call: OpCall) -> Steps:
     """``mv`` → ``addmv_`` into a fresh result (``mv_out`` → ``addmv_out``)."""
-    return [OUTPUTS, *_addmv_steps(_result(call), call.args[0], call.args[1], 1)]
+    return [OUTPUTS, *_addmv_steps(profile_of(call), _result(call), call.args[0], call.args[1], 1)]
 
 
 @CPU.scratch(aten.addmv.default, aten.addmv.out, aten.addmv_.default)
 def _addmv(call: OpCall) -> Steps:
     """``addmv_out_cpu``."""
     alpha = _arg(call, 4, "alpha", 1)
-    return [OUTPUTS, *_addmv_steps(_result(call), call.args[1], call.args[2], alpha)]
+    return [OUTPUTS, *_addmv_steps(profile_of(call), _result(call), call.args[1], call.args[2], alpha)]
 
 
 @CPU.scratch(aten.dot.default, aten.vdot.default)
@@ -407,9 +414,10 @@ def _dot(call: OpCall) -> Steps:
     """``dot`` (and ``vdot`` of real vectors, which calls it): with oneDNN
     (``use_mkldnn_matmul``: more than 16 * 16 * 16 elements) a 1 x 1 result."""
     self, other = call.args[0], call.args[1]
-    if self.is_complex() or not _use_mkldnn_matmul(self.dtype, self, other, size=self.shape[0]):
+    cpu = profile_of(call)
+    if self.is_complex() or not _use_mkldnn_matmul(cpu, self.dtype, self, other, size=self.shape[0]):
         return [OUTPUTS]
-    return [OUTPUTS, *_mkldnn_matmul_steps(self, other, 1, 1, 1, 1)]
+    return [OUTPUTS, *_mkldnn_matmul_steps(cpu, self, other, 1, 1, 1, 1)]
 
 
 # -- _grouped_mm -----------------------------------------------------------------
@@ -496,7 +504,7 @@ def _grouped_mm(call: OpCall) -> Any:
     reports it."""
     out = _grouped_mm_output(call)
     offs = _arg(call, 2, "offs", None)
-    if offs is not None and _offsets(offs) is None and _onednn_usable(out.dtype):
+    if offs is not None and _offsets(offs) is None and _onednn_usable(profile_of(call), out.dtype):
         raise DataDependentOutputException(call.func)
     return out
 
@@ -535,8 +543,9 @@ def _grouped_mm_scratch(call: OpCall) -> Steps:
     mat_a, mat_b, out = call.args[0], call.args[1], call.out
     offs = _arg(call, 2, "offs", None)
     a_2d, b_2d = mat_a.dim() == 2, mat_b.dim() == 2
+    cpu = profile_of(call)
     if not a_2d and not b_2d:
-        return [OUTPUTS, *_bmm_steps(out, mat_a, mat_b, 1)]
+        return [OUTPUTS, *_bmm_steps(cpu, out, mat_a, mat_b, 1)]
     # The dimension the groups split, and how many rows it has.
     total = mat_a.shape[1] if (a_2d and b_2d) else (mat_a.shape[0] if a_2d else mat_b.shape[1])
     ends = _offsets(offs)
@@ -556,6 +565,7 @@ def _grouped_mm_scratch(call: OpCall) -> Steps:
             s1, s2 = mat_a.stride()[1:], mat_b.stride()
         shape = (m1[0], m2[1])
         gemm = _addmm_impl(
+            cpu,
             shape, tuple(out.stride()[-2:]), (m1, tuple(s1)), (m2, tuple(s2)),
             out.dtype, out.element_size(), 1,
         )

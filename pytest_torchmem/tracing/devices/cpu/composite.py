@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from pytest_torchmem.tracing.devices.cpu.base import CPU
+from pytest_torchmem.tracing.devices.cpu.base import CPU, profile_of
 from pytest_torchmem.tracing.devices.cpu.misc import arg, itemsize
 from pytest_torchmem.tracing.devices.cpu.reduce import acc_buffer_steps, sum_steps, uses_acc_buffer
 from pytest_torchmem.tracing.rules import OUTPUTS, Alloc, Free, OpCall, Steps
@@ -54,12 +54,13 @@ def _logsumexp(call: OpCall) -> Steps:
     if self.is_complex():
         return [OUTPUTS]  # not followed: amax of the real part, complex casts
     reduced = out.numel()
+    threads = profile_of(call).threads
     # The difference has self's layout (an elementwise result): sum_out reads it
     # as it would read self.
     if uses_acc_buffer(self, arg(call, 1, "dim"), out.dtype):
-        summed = acc_buffer_steps(self, reduced, "sum_out")
+        summed = acc_buffer_steps(threads, self, reduced, "sum_out")
     else:
-        summed = sum_steps(self, reduced, out.dtype, "sum_out")
+        summed = sum_steps(threads, self, reduced, out.dtype, "sum_out")
     return [
         Alloc("maxes", reduced * size),
         Alloc("maxes.abs()", reduced * size),

@@ -52,13 +52,14 @@ import functools
 import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Any, Final
 
 import torch
 import torch._prims_common
 
-from pytest_torchmem.tracing.devices.cpu.base import CPU, cpu_capability, num_threads
+from pytest_torchmem.tracing.devices.cpu.base import CPU, profile_of
+from pytest_torchmem.tracing.devices.cpu.blas import onednn_supports
+from pytest_torchmem.tracing.devices.cpu.profiles import CpuProfile
 from pytest_torchmem.tracing.rules import OUTPUTS, Alloc, Free, Inexact, OpCall, Output, Step
 
 aten = torch.ops.aten
@@ -114,10 +115,6 @@ class _Pad:
     def book(self, nbytes: int, align: int = 128) -> None:
         if nbytes > 0:
             self.size += nbytes + max(align, 128)
-
-
-def _avx512() -> bool:
-    return cpu_capability().startswith(("AVX512", "AMX"))
 
 
 # -- the problem as oneDNN sees it ----------------------------------------------------
@@ -204,14 +201,14 @@ def _nxc_is_plain(p: _Geo, channels: int, sp: int) -> bool:
 # -- oneDNN: jit direct convolutions (jit_avx512_common_conv_kernel, jit_avx2_conv_kernel)
 
 
-def _jit_fwd(p: _Geo, nthr: int, nxc: bool) -> _Prim | None:
+def _jit_fwd(p: _Geo, cpu: CpuProfile, nxc: bool) -> _Prim | None:
     """``jit_avx512_common_conv_fwd_kernel_t::init_conf``: nCx16c data and
     OIx16i16o weights, the channels padded to 16 when there is one group; a
     first convolution (ic < 16, one group) reads the nchw source with Oxi16o
     weights; grouped channels that are not multiples of 16 use 8- or 4-channel
     blocks. Channels-last data is used in place (only the weights are
     reordered, padded to their blocks). Scratchpad: the padded bias."""
-    if not _avx512():
+    if not cpu.avx512:
         return None
     e, pr = p.ext_k, p.pr
     if any(ek <= pl or ek <= r for ek, pl, r in zip(e, p.p, pr)):
@@ -240,7 +237,7 @@ def _jit_fwd(p: _Geo, nthr: int, nxc: bool) -> _Prim | None:
     return _Prim("jit:avx512_core", src, wei, p.data(oc, p.osp, simd), scratch.size)
 
 
-def _avx2_fwd(p: _Geo, nthr: int, nxc: bool) -> _Prim | None:
+def _avx2_fwd(p: _Geo, cpu: CpuProfile, nxc: bool) -> _Prim | None:
     """``jit_avx2_conv_fwd_kernel_f32_t::init_conf``: nCx8c data and OIx8i8o
     weights, channels padded to 8 with one group; a flat (ic < 8) source stays
     nchw with Oxi8o weights. Scratchpad: the padded bias."""
@@ -263,12 +260,12 @@ def _avx2_fwd(p: _Geo, nthr: int, nxc: bool) -> _Prim | None:
     return _Prim("jit:avx2", src, p.g * oc * ic * p.ks * p.dsz, p.data(oc, p.osp, 8), scratch.size)
 
 
-def _jit_bwd_d(p: _Geo, nthr: int, nxc: bool) -> _Prim | None:
+def _jit_bwd_d(p: _Geo, cpu: CpuProfile, nxc: bool) -> _Prim | None:
     """``jit_avx512_common_conv_bwd_data_kernel_f32_t::init_conf``: nCx16c
     gradients and OIx16o16i weights, channels padded to 16 when there is one
     group (8- or 4-channel blocks for grouped channels); channels-last data in
     place; no dilation with strides; no scratchpad."""
-    if not _avx512():
+    if not cpu.avx512:
         return None
     if any(d and s != 1 for d, s in zip(p.d, p.s)):
         return None
@@ -290,7 +287,7 @@ def _jit_bwd_d(p: _Geo, nthr: int, nxc: bool) -> _Prim | None:
     return _Prim("jit:avx512_core", src, wei, p.data(oc, p.osp, simd), 0, src_fmt=src)
 
 
-def _avx2_bwd_d(p: _Geo, nthr: int, nxc: bool) -> _Prim | None:
+def _avx2_bwd_d(p: _Geo, cpu: CpuProfile, nxc: bool) -> _Prim | None:
     """``jit_avx2_conv_bwd_data_kernel_f32_t::init_conf``: nCx8c, channels
     padded to 8 with one group, equal height and width strides; no scratchpad."""
     if nxc or p.s[1] != p.s[2] or p.s[0] != 1:
@@ -312,13 +309,13 @@ def _avx2_bwd_d(p: _Geo, nthr: int, nxc: bool) -> _Prim | None:
 _MIN_OH_REDUCE: Final = 9
 
 
-def _jit_bwd_w(p: _Geo, nthr: int, nxc: bool) -> _Prim | None:
+def _jit_bwd_w(p: _Geo, cpu: CpuProfile, nxc: bool) -> _Prim | None:
     """``jit_avx512_common_conv_bwd_weights_kernel_f32_t::init_conf``: when
     ``balance()`` splits the minibatch (or the output rows) between ``nthr_mb``
     threads, every thread but one accumulates into its own copy of the weights
     and bias, synchronised by a barrier; the bias gradient of the other
     threads goes through ``cpu_reducer_t``; a padded bias when oc is padded."""
-    if not _avx512():
+    if not cpu.avx512:
         return None
     e = p.ext_k
     pr = tuple(max(0, x) for x in p.pr)
@@ -357,7 +354,7 @@ def _jit_bwd_w(p: _Geo, nthr: int, nxc: bool) -> _Prim | None:
     if p.d[1] == 0 and p.ndims == 4 and p.o[1] > _MIN_OH_REDUCE and not hw_transp and not nxc:
         harness = "2d"
     nb_ic, nb_oc = _div_up(ic, ic_block), _div_up(oc, 16)
-    threads, nthr_mb = _jit_bwd_w_balance(p, nthr, harness, hw_transp, ic_block, nb_ic, nb_oc)
+    threads, nthr_mb = _jit_bwd_w_balance(p, cpu.threads, harness, hw_transp, ic_block, nb_ic, nb_oc)
     scratch = _Pad()
     if nthr_mb > 1:
         wei = p.g * _rnd_up(oc, 16) * _rnd_up(ic, ic_block) * p.ks
@@ -454,7 +451,7 @@ def _reducer(pad: _Pad, nthr: int, job_size: int, njobs: int, reduction_size: in
         pad.book(ngroups * _BARRIER, _BARRIER)
 
 
-def _avx2_bwd_w(p: _Geo, nthr: int, nxc: bool) -> _Prim | None:
+def _avx2_bwd_w(p: _Geo, cpu: CpuProfile, nxc: bool) -> _Prim | None:
     """``jit_avx2_conv_bwd_weights_kernel_f32_t::init_conf`` (also taken on
     AVX512 when the avx512 kernel refuses, e.g. 4..15 input channels): 8-channel
     blocks (a flat nchw source when ic == 3); weights and bias gradients of
@@ -480,8 +477,8 @@ def _avx2_bwd_w(p: _Geo, nthr: int, nxc: bool) -> _Prim | None:
     if p.bias and p.oc % 8:
         scratch.book(p.g * oc * 4)
     if p.bias:
-        _reducer(scratch, nthr, 8, p.g * nb_oc, p.mb, 1 << 21)
-    _reducer(scratch, nthr, p.ks * ic_block * 8, p.g * nb_ic * nb_oc, p.mb * p.o[0], 1 << 21)
+        _reducer(scratch, cpu.threads, 8, p.g * nb_oc, p.mb, 1 << 21)
+    _reducer(scratch, cpu.threads, p.ks * ic_block * 8, p.g * nb_ic * nb_oc, p.mb * p.o[0], 1 << 21)
     src = 0 if flat else p.data(ic, p.isp, 8)
     wei = p.g * oc * ic * p.ks * p.dsz
     return _Prim("jit:avx2", src, wei, p.data(oc, p.osp, 8), scratch.size)
@@ -521,7 +518,7 @@ def _1x1_applicable(p: _Geo) -> tuple[bool, bool]:
     return True, rtus
 
 
-def _1x1_conf(p: _Geo, nthr: int, prop: str, nxc: bool = False) -> _OneByOne:
+def _1x1_conf(p: _Geo, cpu: CpuProfile, prop: str, nxc: bool = False) -> _OneByOne:
     """The thread count, reduction split and blockings of the 1x1 kernel."""
     rtus = _1x1_applicable(p)[1]
     ic, oc = (p.ic, p.oc) if nxc else (_rnd_up(p.ic, 16), _rnd_up(p.oc, 16))
@@ -531,7 +528,7 @@ def _1x1_conf(p: _Geo, nthr: int, prop: str, nxc: bool = False) -> _OneByOne:
         reduce_dim, load_dim = (ic, oc) if prop == "fwd" else (oc, ic)
         bcast_dim = is_ if prop == "fwd" else os_
         spatial = p.o[0] * p.o[1] if prop == "fwd" else p.i[0] * p.i[1]
-        if 8 * p.mb // nthr >= 1 or (nxc and p.mb == 1):
+        if 8 * p.mb // cpu.threads >= 1 or (nxc and p.mb == 1):
             max_regs, min_regs = 9, 6
             if 128 < load_dim < 256 and 10 < spatial < 28:
                 max_regs, min_regs = 6, 5
@@ -553,11 +550,11 @@ def _1x1_conf(p: _Geo, nthr: int, prop: str, nxc: bool = False) -> _OneByOne:
                     if t == 0:
                         break
         nb_bcast, nb_load, nb_reduce = _div_up(bcast_dim, ur), _div_up(load_dim, 16), _div_up(reduce_dim, 16)
-        threads = nthr
+        threads = cpu.threads
         load_size = load_dim * reduce_dim
         bcast_size = p.mb * bcast_dim * reduce_dim
         lgc, load_blocking = _1x1_load_groups(p, threads, nb_load, nb_bcast, ur, load_dim, reduce_dim, load_size, bcast_size)
-        if expl and bcast_dim <= 64 and load_size >= _l2_per_core() // 4:
+        if expl and bcast_dim <= 64 and load_size >= cpu.l2 // 4:
             lgc = max(lgc, 4)
         elif bcast_dim <= 49 and p.mb <= threads and load_dim > 512 and load_dim // reduce_dim >= 4:
             lgc, load_blocking = max(lgc, 2), 16
@@ -573,7 +570,7 @@ def _1x1_conf(p: _Geo, nthr: int, prop: str, nxc: bool = False) -> _OneByOne:
     if reduce_block > 256:
         reduce_block = 1
     nb_bcast, nb_load, nb_reduce = _div_up(ic, 16), _div_up(oc, 16), _div_up(reduce_dim, reduce_block)
-    threads, nthr_mb = _1x1_bwd_w_balance(p, nthr, nb_bcast, nb_load, nb_reduce, reduce_block)
+    threads, nthr_mb = _1x1_bwd_w_balance(p, cpu.threads, nb_bcast, nb_load, nb_reduce, reduce_block)
     bcast_blocking = _best_divider(nb_bcast, 5, nb_bcast, False)
     return _OneByOne(threads, nthr_mb, rtus, nb_reduce, 0, bcast_blocking, is_)
 
@@ -676,19 +673,19 @@ def _1x1_bwd_w_balance(
 
 
 def _jit_1x1(prop: str) -> Any:
-    def impl(p: _Geo, nthr: int, nxc: bool) -> _Prim | None:
+    def impl(p: _Geo, cpu: CpuProfile, nxc: bool) -> _Prim | None:
         """``jit_avx512_common_1x1_convolution_*_t``: nCx16c data with the
         channels padded to 16 (channels-last data in place); a strided source
         is first copied to unit stride per thread (``rtus_prepare_space_info``);
         backward-weights splits the reduction like the direct kernel
         (``balance``: one weights copy per extra thread, a barrier, the bias
         reducer)."""
-        if not _avx512():
+        if not cpu.avx512:
             return None
         ok, rtus = _1x1_applicable(p)
         if not ok:
             return None
-        conf = _1x1_conf(p, nthr, prop, nxc)
+        conf = _1x1_conf(p, cpu, prop, nxc)
         ic, oc = (p.ic, p.oc) if nxc else (_rnd_up(p.ic, 16), _rnd_up(p.oc, 16))
         scratch = _Pad()
         if prop == "bwd_w":
@@ -723,11 +720,11 @@ def _dw_geometry_ok(p: _Geo, any_ndims: bool = False) -> bool:
     return (any_ndims or p.ndims == 4) and p.g > 1 and p.ic == 1 and p.oc == 1
 
 
-def _brdgmm_dw(p: _Geo, nthr: int, nxc: bool) -> _Prim | None:
+def _brdgmm_dw(p: _Geo, cpu: CpuProfile, nxc: bool) -> _Prim | None:
     """``brdgmm_dw_convolution_fwd_t``: depthwise forward in nhwc (taken for
     channels-last data, and for 3-d ones whatever the layout), groups padded to
     16 in the weights; no dilation; no scratchpad for f32."""
-    if not _avx512() or not _dw_geometry_ok(p, any_ndims=True) or p.d != (0, 0, 0):
+    if not cpu.avx512 or not _dw_geometry_ok(p, any_ndims=True) or p.d != (0, 0, 0):
         return None
     if not (nxc or p.ndims == 5):
         return None
@@ -740,12 +737,12 @@ def _brdgmm_dw(p: _Geo, nthr: int, nxc: bool) -> _Prim | None:
     )
 
 
-def _jit_dw_fwd(p: _Geo, nthr: int, nxc: bool) -> _Prim | None:
+def _jit_dw_fwd(p: _Geo, cpu: CpuProfile, nxc: bool) -> _Prim | None:
     """``jit_uni_dw_conv_fwd_kernel_t::init_conf``: nChw16c data and Goihw16g
     weights, groups padded to 16; a padded bias when groups are padded."""
     if nxc or not _dw_geometry_ok(p):
         return None
-    simd = 16 if _avx512() else 8
+    simd = 16 if cpu.avx512 else 8
     e, pr = p.ext_k, p.pr
     if e[2] <= p.p[2] or e[2] <= pr[2] or e[1] <= p.p[1] or e[1] <= pr[1]:
         return None
@@ -762,12 +759,12 @@ def _jit_dw_fwd(p: _Geo, nthr: int, nxc: bool) -> _Prim | None:
     return _Prim(name, data.data(1, p.isp), g * p.ks * p.dsz, data.data(1, p.osp), scratch.size)
 
 
-def _jit_dw_bwd_d(p: _Geo, nthr: int, nxc: bool) -> _Prim | None:
+def _jit_dw_bwd_d(p: _Geo, cpu: CpuProfile, nxc: bool) -> _Prim | None:
     """``jit_uni_dw_conv_bwd_data_kernel_t::init_conf``: as forward, no
     dilation, no scratchpad."""
     if not _dw_geometry_ok(p) or p.d != (0, 0, 0):
         return None
-    simd = 16 if _avx512() else 8
+    simd = 16 if cpu.avx512 else 8
     g = _rnd_up(p.g, simd)
     name = "jit_dw:avx512_core" if simd == 16 else "jit_dw:avx2"
     if nxc:
@@ -776,7 +773,7 @@ def _jit_dw_bwd_d(p: _Geo, nthr: int, nxc: bool) -> _Prim | None:
     return _Prim(name, data.data(1, p.isp), g * p.ks * p.dsz, data.data(1, p.osp), 0)
 
 
-def _jit_dw_bwd_w(p: _Geo, nthr: int, nxc: bool) -> _Prim | None:
+def _jit_dw_bwd_w(p: _Geo, cpu: CpuProfile, nxc: bool) -> _Prim | None:
     """``jit_uni_dw_conv_bwd_weights_kernel_t::init_conf``: blocked layouts use
     the mb-reduction harness (``nthr_g = min(nb_ch, nthr)`` threads on groups,
     the rest on the minibatch, each extra one with its own weights and bias
@@ -784,7 +781,7 @@ def _jit_dw_bwd_w(p: _Geo, nthr: int, nxc: bool) -> _Prim | None:
     images and rows, one reduction buffer per extra thread)."""
     if not _dw_geometry_ok(p) or p.d != (0, 0, 0):
         return None
-    simd = 16 if _avx512() else 8
+    simd = 16 if cpu.avx512 else 8
     pr = tuple(max(0, x) for x in p.pr)
     max_h, max_w = p.k[1] // 2, p.k[2] // 2
     if not (p.k[2] <= 3 and p.s[2] <= p.k[2]):
@@ -802,15 +799,15 @@ def _jit_dw_bwd_w(p: _Geo, nthr: int, nxc: bool) -> _Prim | None:
         # and output rows; every thread but one reduces into its own buffer
         nb_ch = _div_up(p.g, simd)
         ch_outer = _div_up(nb_ch, min(nb_ch, min(4, 31 // (2 * p.k[2]))))
-        threads = min(nthr, ch_outer * p.mb * p.o[1])
+        threads = min(cpu.threads, ch_outer * p.mb * p.o[1])
         scratch = _Pad()
         if threads > 1:
             scratch.book(g * p.ks * (threads - 1) * 4, 4)
             if p.bias:
                 scratch.book(p.g * (threads - 1) * 4, 4)
         return _Prim(name, 0, g * p.ks * p.dsz, 0, scratch.size)
-    nthr_g = min(g // simd, nthr)
-    nthr_mb = min(max(1, nthr // nthr_g), p.mb)
+    nthr_g = min(g // simd, cpu.threads)
+    nthr_mb = min(max(1, cpu.threads // nthr_g), p.mb)
     scratch = _Pad()
     if nthr_mb > 1:
         scratch.book(g * p.ks * (nthr_mb - 1) * 4, 4)
@@ -823,13 +820,13 @@ def _jit_dw_bwd_w(p: _Geo, nthr: int, nxc: bool) -> _Prim | None:
 # -- oneDNN: brgemm convolutions --------------------------------------------------------------
 
 
-def _brg_bwd_strided(p: _Geo, nthr: int, nxc: bool, simd: int = 16) -> _Prim | None:
+def _brg_bwd_strided(p: _Geo, cpu: CpuProfile, nxc: bool, simd: int = 16) -> _Prim | None:
     """``brgemm_convolution_bwd_strided_t`` (``brgemm_convolution_bwd_utils``):
     strided backward-data (and, through ``brg_deconv``, strided transposed
     convolutions) in nhwc, with per-thread brgemm batches (40-byte elements
     rounded to a page), per-thread copies of the output gradient padded by
     the kernel overflow (``inp_buffer``) and their masks, page aligned."""
-    if p.s == (1, 1, 1) or p.d != (0, 0, 0) or (simd == 16 and not _avx512()):
+    if p.s == (1, 1, 1) or p.d != (0, 0, 0) or (simd == 16 and not cpu.avx512):
         return None
     if p.g > 1 and p.oc <= simd:
         return None  # grouped convolutions with small oc
@@ -842,14 +839,14 @@ def _brg_bwd_strided(p: _Geo, nthr: int, nxc: bool, simd: int = 16) -> _Prim | N
     padded = [p.o[j] + ovf_l[j] + ovf_r[j] for j in range(3)]
     scratch = _Pad()
     batch = _div_up(_rnd_up(p.ks * _BATCH_ELEMENT, _P4K), _BATCH_ELEMENT) * _BATCH_ELEMENT
-    scratch.book(nthr * batch, _P4K)
+    scratch.book(cpu.threads * batch, _P4K)
     inp = _rnd_up(padded[0] * padded[1] * padded[2] * p.g * p.oc, _P4K)
-    scratch.book(nthr * inp * p.dsz, _P4K)
-    scratch.book(nthr * _P4K, _P4K)  # masks: one byte per block, rounded to a page
+    scratch.book(cpu.threads * inp * p.dsz, _P4K)
+    scratch.book(cpu.threads * _P4K, _P4K)  # masks: one byte per block, rounded to a page
     if uneven:
         # out_buffer: one row block (iw_block <= iw rounded up to the stride)
         iw_block = _rnd_up(p.i[2], p.s[2])
-        scratch.book(nthr * _rnd_up(iw_block * p.s[2] * p.ic * p.g, _P4K) * p.dsz, _P4K)
+        scratch.book(cpu.threads * _rnd_up(iw_block * p.s[2] * p.ic * p.g, _P4K) * p.dsz, _P4K)
     ic_block = _brg_ic_block(p, simd)
     wei = p.g * p.oc * _rnd_up(p.ic, ic_block) * p.ks * p.dsz
     src = p.data(p.ic, p.isp)
@@ -874,38 +871,38 @@ def _brg_ic_block(p: _Geo, simd: int) -> int:
     return min(32, simd * min(_div_up(p.ic, simd), 4))
 
 
-def _brg_bwd_strided_avx2(p: _Geo, nthr: int, nxc: bool) -> _Prim | None:
+def _brg_bwd_strided_avx2(p: _Geo, cpu: CpuProfile, nxc: bool) -> _Prim | None:
     """``brgemm_convolution_bwd_strided_t<avx2>`` (8-channel vectors), also
     reached on AVX512 by grouped convolutions with 9..16 output channels per
     group, which the avx512_core variant refuses."""
-    prim = _brg_bwd_strided(p, nthr, nxc, simd=8)
+    prim = _brg_bwd_strided(p, cpu, nxc, simd=8)
     return replace(prim, name="brgconv_strided:avx2") if prim is not None else None
 
 
-def _brg_fwd_nxc(p: _Geo, nthr: int, nxc: bool) -> _Prim | None:
+def _brg_fwd_nxc(p: _Geo, cpu: CpuProfile, nxc: bool) -> _Prim | None:
     """``brgemm_convolution_fwd_t`` / ``brgemm_1x1_convolution_fwd_t`` for
     channels-last f32 (oneDNN gives them only nhwc data for training): a page
     of brgemm batch elements per thread; weights in OIhw16i16o-like blocks
     padded to the output-channel block."""
-    if not nxc or not _avx512() or min(p.p) < 0:
+    if not nxc or not cpu.avx512 or min(p.p) < 0:
         return None
     if p.g > 1 and p.ic <= 16:
         return None  # grouped convolutions with small ic, depthwise: perf heuristics
     scratch = _Pad()
     batch = _div_up(_rnd_up(p.ks * _BATCH_ELEMENT, _P4K), _BATCH_ELEMENT) * _BATCH_ELEMENT
-    scratch.book(nthr * batch, _P4K)
+    scratch.book(cpu.threads * batch, _P4K)
     oc_block = 64 if p.oc % 64 == 0 else 48 if p.oc % 48 == 0 else 32 if p.oc % 32 == 0 else 16
     wei = p.g * _rnd_up(p.oc, oc_block) * p.ic * p.ks * p.dsz
     return _Prim("brg_conv_fwd:avx512_core", 0, wei, 0, scratch.size)
 
 
-def _brg_bwd_nxc(p: _Geo, nthr: int, nxc: bool) -> _Prim | None:
+def _brg_bwd_nxc(p: _Geo, cpu: CpuProfile, nxc: bool) -> _Prim | None:
     """``brgemm_convolution_bwd_t``: unit-stride channels-last backward-data,
     run as a forward brgemm convolution over the swapped problem (its
     scratchpad nested)."""
     if not nxc or p.s != (1, 1, 1):
         return None
-    fwd = _brg_fwd_nxc(_swap(p), nthr, True)
+    fwd = _brg_fwd_nxc(_swap(p), cpu, True)
     if fwd is None:
         return None
     scratch = _Pad()
@@ -922,7 +919,7 @@ def _swap(p: _Geo) -> _Geo:
 # -- oneDNN: gemm-based convolution (gemm_convolution_utils) --------------------------------
 
 
-def _gemm_bwd_w(p: _Geo, nthr: int, nxc: bool) -> _Prim | None:
+def _gemm_bwd_w(p: _Geo, cpu: CpuProfile, nxc: bool) -> _Prim | None:
     """``gemm_convolution_bwd_weights_t`` on plain (ncsp) layouts: with outer
     threading (small spatial, several images or groups) every thread gets
     im2col columns (``ic * ks * os`` floats, none for a 1x1 unit-stride
@@ -934,21 +931,12 @@ def _gemm_bwd_w(p: _Geo, nthr: int, nxc: bool) -> _Prim | None:
     trivial = p.o == p.i and p.s == (1, 1, 1) and p.ks == 1
     im2col = 0 if trivial else p.ic * p.ks * os_
     wei_bytes = p.g * p.oc * p.ic * p.ks * 4
-    outer = os_ // nthr < 256 and (p.mb != 1 or p.g > 2)
-    threads = nthr if outer else 1
+    outer = os_ // cpu.threads < 256 and (p.mb != 1 or p.g > 2)
+    threads = cpu.threads if outer else 1
     scratch = _Pad()
     scratch.book(threads * wei_bytes * 4)
     scratch.book(threads * im2col * 4)
     return _Prim("gemm:jit", 0, wei_bytes, 0, scratch.size)
-
-
-def _gemm_simd() -> int:
-    return 16 if _avx512() else 8
-
-
-def _gemm_l2() -> int:
-    """``platform::get_per_core_cache_size(2) / sizeof(float)``."""
-    return _l2_per_core() // 4
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -957,7 +945,7 @@ def _cdiv(a: int, b: int) -> int:
     return q if (a >= 0) == (b >= 0) else -q
 
 
-def _gemm_fwd_blocks(p: _Geo, nthr: int) -> tuple[int, int]:
+def _gemm_fwd_blocks(p: _Geo, cpu: CpuProfile) -> tuple[int, int]:
     """The ``(ic_block, os_block)`` search of ``gemm_convolution_utils::init_conf``
     for plain-layout forward convolutions (blocking applicable, outer threading)."""
     ic, oc, ks = p.ic, p.oc, p.ks
@@ -965,8 +953,8 @@ def _gemm_fwd_blocks(p: _Geo, nthr: int) -> tuple[int, int]:
     sh, sw = p.s[1], p.s[2]
     spatial = p.mb * p.g * p.o[0] * os_
     k_dim = ic * ks
-    simd = _gemm_simd()
-    l2 = _gemm_l2()
+    simd = cpu.simd
+    l2 = cpu.l2 // 4
     im2col = not (p.o == p.i and p.s == (1, 1, 1) and ks == 1)
     best = {"eff": 0.0, "nthr_oc": 1, "ocb": 1, "osb": 1, "icb": ic}
     k_sum = _f32(8 + 1 + 1 + 1 + 1 + 1 + 0.5 + 1)
@@ -991,19 +979,19 @@ def _gemm_fwd_blocks(p: _Geo, nthr: int) -> tuple[int, int]:
     def try_cfg(nthr_oc: int, ocb: int, osb: int) -> None:
         max_oc = _div_up(oc, nthr_oc)
         min_oc = max(1, oc // nthr_oc)
-        max_os = _div_up(spatial, nthr // nthr_oc)
+        max_os = _div_up(spatial, cpu.threads // nthr_oc)
         ocb = max(8, min(max_oc, ocb))
         osb = max(simd, min(max_os, osb))
-        min_os = _div_up(spatial, _div_up(nthr, nthr_oc))
-        if oc % nthr_oc > nthr % nthr_oc:
+        min_os = _div_up(spatial, _div_up(cpu.threads, nthr_oc))
+        if oc % nthr_oc > cpu.threads % nthr_oc:
             max_thr = max_oc * max_os
         else:
             max_thr = max(max_oc * min_os, min_oc * max_os)
-        min_os2 = max(1, spatial // _div_up(nthr, nthr_oc))
-        if nthr % nthr_oc > oc % nthr_oc:
+        min_os2 = max(1, spatial // _div_up(cpu.threads, nthr_oc))
+        if cpu.threads % nthr_oc > oc % nthr_oc:
             min_thr = min_oc * min_os2
         else:
-            min_thr = min(max_oc * min_os2, min_oc * (spatial // (nthr // nthr_oc)))
+            min_thr = min(max_oc * min_os2, min_oc * (spatial // (cpu.threads // nthr_oc)))
         thr_disb = _f32(min_thr / max_thr)
         oc_per_thr, os_per_thr = max_oc, max_os
         ocb = min(oc_per_thr, ocb)
@@ -1048,9 +1036,9 @@ def _gemm_fwd_blocks(p: _Geo, nthr: int) -> tuple[int, int]:
         try_cfg(nthr_oc, _rnd_up(ocb, 8), _rnd_up(osb, simd))
         try_cfg(nthr_oc, _rnd_up(ocb, 8), _rnd_up(osb, 48))
 
-    for nthr_oc in range(1, nthr + 1):
+    for nthr_oc in range(1, cpu.threads + 1):
         max_oc_thr = _div_up(oc, nthr_oc)
-        max_os_thr = _div_up(spatial, nthr // nthr_oc)
+        max_os_thr = _div_up(spatial, cpu.threads // nthr_oc)
         if im2col:
             try_cfg(nthr_oc, max_oc_thr, max_os_thr)
             if best["ocb"] == max_oc_thr and best["osb"] == max_os_thr and best["icb"] == ic:
@@ -1081,7 +1069,7 @@ def _gemm_fwd_blocks(p: _Geo, nthr: int) -> tuple[int, int]:
     return best["icb"], best["osb"]
 
 
-def _gemm_fwd(p: _Geo, nthr: int, nxc: bool) -> _Prim | None:
+def _gemm_fwd(p: _Geo, cpu: CpuProfile, nxc: bool) -> _Prim | None:
     """``gemm_convolution_fwd_t`` on plain layouts (the fallback when the jit
     kernels refuse: padding as large as the kernel, group widths that are not
     multiples of 4 or 8...): plain source and weights, a plain result, and
@@ -1092,34 +1080,34 @@ def _gemm_fwd(p: _Geo, nthr: int, nxc: bool) -> _Prim | None:
     os_ = p.o[1] * p.o[2]
     ks = p.ks
     im2col = 0 if (p.o == p.i and p.s == (1, 1, 1) and ks == 1) else p.ic * ks * os_
-    simd = _gemm_simd()
+    simd = cpu.simd
     spatial = p.mb * p.g * p.o[0] * os_
     applicable = (
         p.ndims != 5
-        and (not im2col or spatial >= nthr * simd or os_ < p.mb * p.g * p.o[0]
+        and (not im2col or spatial >= cpu.threads * simd or os_ < p.mb * p.g * p.o[0]
              or (p.s[2] == 1 and p.ic * ks <= 0.05 * p.oc))
         and (im2col or (p.ic // p.oc < 42 and p.ic * p.oc * p.i[1] * p.i[2] < 1024))
     )
     if applicable:
-        icb, osb = _gemm_fwd_blocks(p, nthr)
+        icb, osb = _gemm_fwd_blocks(p, cpu)
         outer = True
         if im2col:
             im2col = icb * ks * osb
     else:
         outer_work = p.g * p.mb * p.o[0]
-        outer_eff = _f32(outer_work / _rnd_up(outer_work, nthr))
+        outer_eff = _f32(outer_work / _rnd_up(outer_work, cpu.threads))
         inner_work = _div_up(os_, simd) * _div_up(p.oc, simd)
-        inner_eff = _f32(inner_work / _rnd_up(inner_work, nthr))
+        inner_eff = _f32(inner_work / _rnd_up(inner_work, cpu.threads))
         outer = (
-            os_ // nthr < 512 and (p.o[0] != 1 or p.mb != 1 or p.g > 2)
-            and (_f32(outer_eff / inner_eff) >= 1.0 or os_ * p.ic * p.oc // nthr < 64 * 1024)
+            os_ // cpu.threads < 512 and (p.o[0] != 1 or p.mb != 1 or p.g > 2)
+            and (_f32(outer_eff / inner_eff) >= 1.0 or os_ * p.ic * p.oc // cpu.threads < 64 * 1024)
         )
     scratch = _Pad()
-    scratch.book((nthr if outer else 1) * im2col * 4)
+    scratch.book((cpu.threads if outer else 1) * im2col * 4)
     return _Prim("gemm:jit", 0, 0, p.data(p.oc, p.osp), scratch.size)
 
 
-def _gemm_bwd_d(p: _Geo, nthr: int, nxc: bool) -> _Prim | None:
+def _gemm_bwd_d(p: _Geo, cpu: CpuProfile, nxc: bool) -> _Prim | None:
     """``gemm_convolution_bwd_data_t`` on plain layouts: per-thread im2col
     columns (``ic * ks * os`` floats) with outer threading."""
     if nxc:
@@ -1128,22 +1116,22 @@ def _gemm_bwd_d(p: _Geo, nthr: int, nxc: bool) -> _Prim | None:
     is_ = p.i[1] * p.i[2]
     ks = p.ks
     im2col = 0 if (p.o == p.i and p.s == (1, 1, 1) and ks == 1) else p.ic * ks * os_
-    simd = _gemm_simd()
+    simd = cpu.simd
     outer_work = p.g * p.mb
-    outer_eff = _f32(outer_work / _rnd_up(outer_work, nthr))
+    outer_eff = _f32(outer_work / _rnd_up(outer_work, cpu.threads))
     inner_work = _div_up(is_, simd) * _div_up(p.ic, simd)
-    inner_eff = _f32(inner_work / _rnd_up(inner_work, nthr))
+    inner_eff = _f32(inner_work / _rnd_up(inner_work, cpu.threads))
     outer = (
-        (os_ // nthr < 512 or ks < 64) and (p.mb != 1 or p.g > 2)
-        and (_f32(outer_eff / inner_eff) >= 1.0 or is_ * p.ic * p.oc // nthr < 64 * 1024)
+        (os_ // cpu.threads < 512 or ks < 64) and (p.mb != 1 or p.g > 2)
+        and (_f32(outer_eff / inner_eff) >= 1.0 or is_ * p.ic * p.oc // cpu.threads < 64 * 1024)
     )
     scratch = _Pad()
-    scratch.book((nthr if outer else 1) * im2col * 4)
+    scratch.book((cpu.threads if outer else 1) * im2col * 4)
     src = p.data(p.ic, p.isp)
     return _Prim("gemm:jit", src, 0, 0, scratch.size, src_fmt=src)
 
 
-def _gemm_nspc_fwd(p: _Geo, nthr: int, nxc: bool) -> _Prim | None:
+def _gemm_nspc_fwd(p: _Geo, cpu: CpuProfile, nxc: bool) -> _Prim | None:
     """``gemm_convolution_fwd_t`` on channels-last data: hwio weights, per-thread
     im2col columns (blocked over output rows/columns when they fit the cache)
     and a per-thread transposed copy of the source (``key_conv_gemm_imtr``)."""
@@ -1152,11 +1140,11 @@ def _gemm_nspc_fwd(p: _Geo, nthr: int, nxc: bool) -> _Prim | None:
     ic, oc, ks = p.ic, p.oc, p.ks
     oh, ow = p.o[1], p.o[2]
     os_, is_ = oh * ow, p.i[1] * p.i[2]
-    simd = _gemm_simd()
+    simd = cpu.simd
     trivial = p.o == p.i and p.s == (1, 1, 1) and ks == 1
     im2col = 0 if trivial else ic * ks * os_
     depthwise = ic == 1 and oc == 1 and p.g != 1
-    l2 = _gemm_l2()
+    l2 = cpu.l2 // 4
     outer = False
     if im2col and p.ndims != 5 and p.d[1] == p.d[2] == 0 and not depthwise and oc * ic * p.k[1] * p.k[2] < l2 // 2:
         row = (ic * ow * ks * 4 + 2 * (ic * p.i[2] + oc * ow) * 4) * 5 + oc * ow * 4 + ic * p.i[2] * 4
@@ -1174,7 +1162,7 @@ def _gemm_nspc_fwd(p: _Geo, nthr: int, nxc: bool) -> _Prim | None:
             while True:
                 work = p.g * p.mb * p.o[0] * _div_up(oh, h_block)
                 disb = _f32(oh / _rnd_up(oh, h_block))
-                thr_eff = _f32(_f32(_f32(work / _rnd_up(work, nthr)) + disb) / 2)
+                thr_eff = _f32(_f32(_f32(work / _rnd_up(work, cpu.threads)) + disb) / 2)
                 if thr_eff >= _f32(0.9):
                     break
                 h_block = 0 if h_block < 4 else (h_block - 4) // 4 * 4
@@ -1185,7 +1173,7 @@ def _gemm_nspc_fwd(p: _Geo, nthr: int, nxc: bool) -> _Prim | None:
             while True:
                 work = p.g * p.mb * oh * _div_up(ow, w_block)
                 disb = _f32(ow / _rnd_up(ow, w_block))
-                thr_eff = _f32(_f32(_f32(work / _rnd_up(work, nthr)) + disb) / 2)
+                thr_eff = _f32(_f32(_f32(work / _rnd_up(work, cpu.threads)) + disb) / 2)
                 if thr_eff > _f32(0.9):
                     break
                 w_block = 0 if w_block < simd else (w_block - simd) // simd * simd
@@ -1194,7 +1182,7 @@ def _gemm_nspc_fwd(p: _Geo, nthr: int, nxc: bool) -> _Prim | None:
         h_block, w_block = max(1, h_block), max(1, w_block)
         inner = _div_up(os_, simd) * _div_up(oc, simd)
         oh_block, ow_block = oh, ow
-        if thr_eff >= _f32(_f32(inner / _rnd_up(inner, nthr)) / 2):
+        if thr_eff >= _f32(_f32(inner / _rnd_up(inner, cpu.threads)) / 2):
             oh_block, ow_block, outer = h_block, w_block, True
         if oh_block != 1:
             ow_block = ow
@@ -1202,35 +1190,35 @@ def _gemm_nspc_fwd(p: _Geo, nthr: int, nxc: bool) -> _Prim | None:
     if not outer and p.ndims != 5:
         outer_work = p.g * p.mb
         inner = _div_up(is_, simd) * _div_up(ic, simd)
-        ratio = _f32(_f32(outer_work / _rnd_up(outer_work, nthr)) / _f32(inner / _rnd_up(inner, nthr)))
-        outer = (depthwise or (is_ // nthr < 64 and p.mb != 1)) and (
-            ratio >= 1.0 or os_ * ic * oc // nthr < 64 * 1024
+        ratio = _f32(_f32(outer_work / _rnd_up(outer_work, cpu.threads)) / _f32(inner / _rnd_up(inner, cpu.threads)))
+        outer = (depthwise or (is_ // cpu.threads < 64 and p.mb != 1)) and (
+            ratio >= 1.0 or os_ * ic * oc // cpu.threads < 64 * 1024
         )
-    threads = nthr if outer else 1
+    threads = cpu.threads if outer else 1
     scratch = _Pad()
     scratch.book(threads * im2col * 4)
     scratch.book(threads * p.i[0] * is_ * ic * 4)
     return _Prim("gemm:jit", 0, _hwio_reorder(p), 0, scratch.size)
 
 
-def _gemm_nspc_bwd_d(p: _Geo, nthr: int, nxc: bool) -> _Prim | None:
+def _gemm_nspc_bwd_d(p: _Geo, cpu: CpuProfile, nxc: bool) -> _Prim | None:
     """``gemm_convolution_bwd_data_t`` on channels-last data: per-thread im2col
     columns and, for groups, per-thread accumulators of the input gradient."""
     if not nxc:
         return None
     ic, oc, ks = p.ic, p.oc, p.ks
     os_, is_ = p.o[1] * p.o[2], p.i[1] * p.i[2]
-    simd = _gemm_simd()
+    simd = cpu.simd
     trivial = p.o == p.i and p.s == (1, 1, 1) and ks == 1
     im2col = 0 if trivial else ic * ks * os_ * p.o[0]
     depthwise = ic == 1 and oc == 1 and p.g != 1
     outer_work = p.g * p.mb
     inner = _div_up(is_, simd) * _div_up(ic, simd)
-    ratio = _f32(_f32(outer_work / _rnd_up(outer_work, nthr)) / _f32(inner / _rnd_up(inner, nthr)))
-    outer = p.ndims != 5 and (depthwise or (is_ // nthr < 64 and p.mb != 1)) and (
-        ratio >= 1.0 or is_ * ic * oc // nthr < 64 * 1024
+    ratio = _f32(_f32(outer_work / _rnd_up(outer_work, cpu.threads)) / _f32(inner / _rnd_up(inner, cpu.threads)))
+    outer = p.ndims != 5 and (depthwise or (is_ // cpu.threads < 64 and p.mb != 1)) and (
+        ratio >= 1.0 or is_ * ic * oc // cpu.threads < 64 * 1024
     )
-    threads = nthr if outer else 1
+    threads = cpu.threads if outer else 1
     scratch = _Pad()
     scratch.book(threads * im2col * 4)
     if p.g > 1:
@@ -1238,7 +1226,7 @@ def _gemm_nspc_bwd_d(p: _Geo, nthr: int, nxc: bool) -> _Prim | None:
     return _Prim("gemm:jit", 0, _hwio_reorder(p), 0, scratch.size, src_fmt=p.data(ic, p.isp))
 
 
-def _gemm_nspc_bwd_w(p: _Geo, nthr: int, nxc: bool) -> _Prim | None:
+def _gemm_nspc_bwd_w(p: _Geo, cpu: CpuProfile, nxc: bool) -> _Prim | None:
     """``gemm_convolution_bwd_weights_t`` on channels-last data: per-thread
     im2col columns, weight accumulators (``book<float>(nthr *
     weights_d.size())``) and transposed source copies, under outer threading."""
@@ -1248,8 +1236,8 @@ def _gemm_nspc_bwd_w(p: _Geo, nthr: int, nxc: bool) -> _Prim | None:
     os_, is_ = p.o[1] * p.o[2], p.i[1] * p.i[2]
     trivial = p.o == p.i and p.s == (1, 1, 1) and ks == 1
     im2col = 0 if trivial else ic * ks * os_
-    outer = os_ // nthr < 256 and (p.mb != 1 or p.g > 2)
-    threads = nthr if outer else 1
+    outer = os_ // cpu.threads < 256 and (p.mb != 1 or p.g > 2)
+    threads = cpu.threads if outer else 1
     wei_bytes = p.g * p.oc * ic * ks * 4
     scratch = _Pad()
     scratch.book(threads * im2col * 4)
@@ -1266,34 +1254,6 @@ def _hwio_reorder(p: _Geo) -> int:
     return 0 if same else p.g * p.oc * p.ic * p.ks * p.dsz
 
 
-@functools.lru_cache(maxsize=1)
-def _l2_per_core() -> int:
-    """``platform::get_per_core_cache_size(2)``: the L2 size over the logical
-    CPUs sharing it (read from sysfs here; 1 MiB, this machine's, otherwise)."""
-    base = Path("/sys/devices/system/cpu/cpu0/cache")
-    try:
-        for index in sorted(base.glob("index*")):
-            if (index / "level").read_text().strip() != "2":
-                continue
-            if (index / "type").read_text().strip() not in ("Unified", "Data"):
-                continue
-            size = (index / "size").read_text().strip()
-            nbytes = int(size[:-1]) * 1024 if size.endswith("K") else int(size)
-            shared = _count_cpus((index / "shared_cpu_list").read_text().strip())
-            return nbytes // max(1, shared)
-    except (OSError, ValueError):
-        pass
-    return 1024 * 1024
-
-
-def _count_cpus(cpu_list: str) -> int:
-    count = 0
-    for part in cpu_list.split(","):
-        lo, _, hi = part.partition("-")
-        count += int(hi) - int(lo) + 1 if hi else 1
-    return count
-
-
 # -- oneDNN: implementation lists (cpu_convolution_list.cpp, f32) ------------------------------
 
 _FWD: Final = (_brdgmm_dw, _brg_fwd_nxc, _jit_dw_fwd, _jit_1x1("fwd"), _jit_fwd, _avx2_fwd, _gemm_fwd, _gemm_nspc_fwd)
@@ -1304,22 +1264,18 @@ _BWD_D: Final = (
 _BWD_W: Final = (_jit_dw_bwd_w, _jit_1x1("bwd_w"), _jit_bwd_w, _avx2_bwd_w, _gemm_bwd_w, _gemm_nspc_bwd_w)
 
 
-def _pick(impls: Sequence[Any], p: _Geo, nxc: bool) -> _Prim | None:
-    """The first implementation of the list that accepts the problem (oneDNN's
-    primitive descriptor iterator), at this process's thread count and ISA."""
-    return _first(tuple(impls), p, nxc, num_threads(), cpu_capability())
-
-
 @functools.lru_cache(maxsize=4096)
-def _first(impls: tuple[Any, ...], p: _Geo, nxc: bool, nthr: int, isa: str) -> _Prim | None:
+def _pick(impls: tuple[Any, ...], p: _Geo, cpu: CpuProfile, nxc: bool) -> _Prim | None:
+    """The first implementation of the list that accepts the problem on ``cpu``
+    (oneDNN's primitive descriptor iterator)."""
     for impl in impls:
-        prim = impl(p, nthr, nxc)
+        prim = impl(p, cpu, nxc)
         if prim is not None:
             return prim
     return None
 
 
-def _deconv_fwd(p: _Geo, nxc: bool) -> _Prim | None:
+def _deconv_fwd(p: _Geo, cpu: CpuProfile, nxc: bool) -> _Prim | None:
     """oneDNN deconvolution forward (``p`` is the deconvolution: src its input,
     dst its output). ``brg_deconv`` (avx512_core, else avx2) runs a strided one
     whose output divides by the strides as the backward-data of the swapped
@@ -1329,20 +1285,19 @@ def _deconv_fwd(p: _Geo, nxc: bool) -> _Prim | None:
     (``conv:any+``, scratchpad nested, plus an f32 copy of the convolution's
     result in its format to add a bias the convolution cannot add)."""
     conv = replace(p, ic=p.oc, oc=p.ic, i=p.o, o=p.i)
-    nthr = num_threads()
     even = all(i % s == 0 for i, s in zip(conv.i, conv.s))
     prim = None
     if p.s != (1, 1, 1) and even:
-        prim = _brg_bwd_strided(conv, nthr, nxc) or _brg_bwd_strided(conv, nthr, nxc, simd=8)
+        prim = _brg_bwd_strided(conv, cpu, nxc) or _brg_bwd_strided(conv, cpu, nxc, simd=8)
         if prim is not None:
             prim = replace(prim, src=prim.dst, dst=prim.src)
     elif p.s == (1, 1, 1) and nxc:
-        prim = _brg_fwd_nxc(_swap(conv), nthr, nxc)
+        prim = _brg_fwd_nxc(_swap(conv), cpu, nxc)
     if prim is not None:
         scratch = _Pad()
         scratch.book(prim.scratch)
         return replace(prim, name="brg_deconv", scratch=scratch.size)
-    prim = _pick(_BWD_D, conv, nxc)
+    prim = _pick(_BWD_D, conv, cpu, nxc)
     if prim is None:
         return None
     scratch = _Pad()
@@ -1352,11 +1307,11 @@ def _deconv_fwd(p: _Geo, nxc: bool) -> _Prim | None:
     return replace(prim, name="conv:any+" + prim.name, src=prim.dst, dst=prim.src, scratch=scratch.size)
 
 
-def _deconv_bwd_d(p: _Geo, nxc: bool) -> _Prim | None:
+def _deconv_bwd_d(p: _Geo, cpu: CpuProfile, nxc: bool) -> _Prim | None:
     """``ref_deconvolution_bwd_data_t``: the forward of the swapped convolution
     (src: the output gradient, dst: the input gradient), scratchpad nested."""
     conv = replace(p, ic=p.oc, oc=p.ic, i=p.o, o=p.i, bias=False)
-    prim = _pick(_FWD, conv, nxc)
+    prim = _pick(_FWD, conv, cpu, nxc)
     if prim is None:
         return None
     scratch = _Pad()
@@ -1364,12 +1319,12 @@ def _deconv_bwd_d(p: _Geo, nxc: bool) -> _Prim | None:
     return replace(prim, name="conv:any+" + prim.name, scratch=scratch.size)
 
 
-def _deconv_bwd_w(p: _Geo, nxc: bool) -> _Prim | None:
+def _deconv_bwd_w(p: _Geo, cpu: CpuProfile, nxc: bool) -> _Prim | None:
     """``ref_deconvolution_bwd_weights_t``: backward-weights of the swapped
     convolution (src: the output gradient, diff_dst: the input), without
     bias (the deconvolution sums it itself), scratchpad nested."""
     conv = replace(p, ic=p.oc, oc=p.ic, i=p.o, o=p.i, bias=False)
-    prim = _pick(_BWD_W, conv, nxc)
+    prim = _pick(_BWD_W, conv, cpu, nxc)
     if prim is None:
         return None
     scratch = _Pad()
@@ -1436,12 +1391,7 @@ def _mkldnn_enabled() -> bool:
     return torch.backends.mkldnn.is_available() and torch._C._get_mkldnn_enabled()
 
 
-def _bf16_device() -> bool:
-    """``mkldnn_bf16_device_check``: avx512bw/vl/dq (every AVX512 capability ATen reports)."""
-    return _avx512()
-
-
-def _backend(c: _Conv) -> str:
+def _backend(c: _Conv, cpu: CpuProfile) -> str:
     """``_select_conv_backend`` for CPU tensors."""
     x, w = c.input_shape(), c.weight_shape()
     if x[0] == 0 or x[1] == 0:
@@ -1452,11 +1402,11 @@ def _backend(c: _Conv) -> str:
     big_output_padding = any(op >= s for op, s in zip(c.output_padding, c.stride))
     mkldnn = False
     if _mkldnn_enabled() and not (c.transposed and big_output_padding):
-        if dtype == torch.bfloat16 and _bf16_device():
+        if dtype == torch.bfloat16 and onednn_supports(cpu, dtype):
             mkldnn = True
         elif dtype == torch.float32:
             mkldnn = (
-                strided or dilated or x[0] >= 16 or w[-1] != 1 or w[-2] != 1 or num_threads() > 1
+                strided or dilated or x[0] >= 16 or w[-1] != 1 or w[-2] != 1 or cpu.threads > 1
             ) and (
                 c.groups > 1 or (w[-1] > 3 and w[-2] > 3) or x[0] > 1
                 or x[0] * x[1] * x[2] * x[3] > 20480
@@ -1585,7 +1535,7 @@ class _Steps:
             self.steps.append(Output(index))
 
 
-def _mkldnn_forward(s: _Steps, c: _Conv, out: torch.Tensor) -> bool:
+def _mkldnn_forward(s: _Steps, c: _Conv, cpu: CpuProfile, out: torch.Tensor) -> bool:
     """``mkldnn_convolution`` / ``mkldnn_convolution_transpose`` on float32;
     returns False when no implementation is modelled."""
     cl = _channels_last(c, "mkldnn")
@@ -1593,7 +1543,7 @@ def _mkldnn_forward(s: _Steps, c: _Conv, out: torch.Tensor) -> bool:
     p = _geo(c, out_sp, deconv=c.transposed)
     if p.dsz != 4:
         return False
-    prim = _deconv_fwd(p, cl) if c.transposed else _pick(_FWD, p, cl)
+    prim = _deconv_fwd(p, cpu, cl) if c.transposed else _pick(_FWD, p, cpu, cl)
     if prim is None:
         return False
     if cl:  # the output is allocated first and handed to oneDNN
@@ -1612,7 +1562,9 @@ def _mkldnn_forward(s: _Steps, c: _Conv, out: torch.Tensor) -> bool:
     return True
 
 
-def _mkldnn_backward(s: _Steps, c: _Conv, grad_output: torch.Tensor, mask: Sequence[bool], outs: Any) -> bool:
+def _mkldnn_backward(
+    s: _Steps, c: _Conv, cpu: CpuProfile, grad_output: torch.Tensor, mask: Sequence[bool], outs: Any
+) -> bool:
     """``mkldnn_convolution_backward`` / ``..._transpose_backward`` on float32."""
     cl = _channels_last(c, "mkldnn")
     out_sp = tuple(grad_output.shape[2:]) if not c.conv1d else (1, grad_output.shape[2])
@@ -1621,11 +1573,11 @@ def _mkldnn_backward(s: _Steps, c: _Conv, grad_output: torch.Tensor, mask: Seque
         return False
     data = weights = None
     if mask[0]:
-        data = _deconv_bwd_d(p, cl) if c.transposed else _pick(_BWD_D, p, cl)
+        data = _deconv_bwd_d(p, cpu, cl) if c.transposed else _pick(_BWD_D, p, cpu, cl)
         if data is None:
             return False
     if mask[1] or mask[2]:
-        weights = _deconv_bwd_w(p, cl) if c.transposed else _pick(_BWD_W, p, cl)
+        weights = _deconv_bwd_w(p, cpu, cl) if c.transposed else _pick(_BWD_W, p, cpu, cl)
         if weights is None:
             return False
     go_copy = s.alloc(_contiguous_copy(grad_output, cl), "grad_output contiguous")
@@ -1860,14 +1812,15 @@ def _slow_backward(s: _Steps, c: _Conv, backend: str, grad_output: torch.Tensor,
 def _convolution_steps(call: OpCall) -> list[Step] | None:
     input, weight, bias = call.args[0], call.args[1], call.args[2]
     c = _conv(input, weight, bias is not None, call.args[3:9])
-    backend = _backend(c)
+    cpu = profile_of(call)
+    backend = _backend(c, cpu)
     s = _Steps()
     one_d = s.alloc(_contiguous_copy(input, False) if c.conv1d else 0, "input contiguous")
     if backend.startswith("mkldnn"):
         cl = _channels_last(c, backend)
         x_copy = s.alloc(0 if c.conv1d else _contiguous_copy(input, cl), "input contiguous")
         w_copy = s.alloc(_contiguous_copy(weight, cl), "weight contiguous")
-        if input.dtype != torch.float32 or not _mkldnn_forward(s, c, call.out):
+        if input.dtype != torch.float32 or not _mkldnn_forward(s, c, cpu, call.out):
             return None
         s.free(w_copy, x_copy)
     elif backend in _SLOW:
@@ -1882,14 +1835,15 @@ def _convolution_backward_steps(call: OpCall) -> list[Step] | None:
     grad_output, input, weight = call.args[0], call.args[1], call.args[2]
     mask = call.args[10]
     c = _conv(input, weight, bool(mask[2]), call.args[4:10])
-    backend = _backend(c)
+    cpu = profile_of(call)
+    backend = _backend(c, cpu)
     s = _Steps()
     one_d = s.alloc(_contiguous_copy(input, False) if c.conv1d else 0, "input contiguous")
     if backend.startswith("mkldnn"):
         cl = _channels_last(c, backend)
         x_copy = s.alloc(0 if c.conv1d else _contiguous_copy(input, cl), "input contiguous")
         w_copy = s.alloc(_contiguous_copy(weight, cl), "weight contiguous")
-        if input.dtype != torch.float32 or not _mkldnn_backward(s, c, grad_output, mask, call.out):
+        if input.dtype != torch.float32 or not _mkldnn_backward(s, c, cpu, grad_output, mask, call.out):
             return None
         s.free(w_copy, x_copy)
     elif backend in _SLOW:

@@ -18,7 +18,7 @@ from typing import Any, Final
 import torch
 from torch._prims_common import suggest_memory_format
 
-from pytest_torchmem.tracing.devices.cpu.base import CPU, num_threads
+from pytest_torchmem.tracing.devices.cpu.base import CPU, profile_of
 from pytest_torchmem.tracing.devices.cpu.misc import arg, itemsize
 from pytest_torchmem.tracing.devices.cpu.reduce import acc_buffer_steps, mean_steps, sum_steps, uses_acc_buffer
 from pytest_torchmem.tracing.rules import OUTPUTS, Alloc, Free, OpCall, Output, Steps
@@ -153,15 +153,16 @@ def _batch_norm(call: OpCall) -> Steps:
             # double only when N*H*W > threads (as measured with torch 2.13; the
             # reduced-precision kernel takes the buffer whatever the row count)
             rows = x.numel() // channels
-            many_rows = rows > num_threads() or x.dtype in _REDUCED
+            threads = profile_of(call).threads
+            many_rows = rows > threads or x.dtype in _REDUCED
             if (not x.is_contiguous() or image_size == 1) and many_rows:
-                sums = num_threads() * channels * opmath
+                sums = threads * channels * opmath
                 steps += [Alloc("per-thread sums", sums), Free("per-thread sums")]
             steps += [Free("_mean"), Free("_var_sum")]
         else:
             # the output, then save_mean = at::mean(input, reduce_dims[, dtype]) with
             # its scratch, then save_var = at::empty({C}) (and the rest)
-            steps = [Output(0), Output(1), *mean_steps(x, channels, _param_dtype(x, mixed)), OUTPUTS]
+            steps = [Output(0), Output(1), *mean_steps(profile_of(call).threads, x, channels, _param_dtype(x, mixed)), OUTPUTS]
     all_contiguous = (
         _contiguous_any(x)
         and all(_contiguous_or_none(t) for t in (weight, bias, running_mean, running_var))
@@ -233,7 +234,7 @@ def _batch_norm_backward(call: OpCall) -> Steps:
         and _suggest_memory_format(x) == _suggest_memory_format(grad_out)
     )
     if not all_contiguous:
-        return [OUTPUTS, *_sum_over_channels(grad_out, channels)]
+        return [OUTPUTS, *_sum_over_channels(profile_of(call).threads, grad_out, channels)]
     steps: list[Any] = []
     if mask[0]:
         first = Alloc("grad_input (first)", x.numel() * x.element_size())
@@ -242,7 +243,7 @@ def _batch_norm_backward(call: OpCall) -> Steps:
         steps.append(OUTPUTS)
     if x.is_contiguous() and _image_size(x) != 1:
         return steps  # batch_norm_cpu_backward_contiguous_impl: no scratch
-    threads = num_threads()
+    threads = profile_of(call).threads
     if x.dtype in _REDUCED:
         # batch_norm_cpu_backward_channels_last_internal: float weight, mean and invstd.
         steps += [Alloc(name, channels * 4) for name in ("weight_f", "mean_f", "invstd_f")]
@@ -257,15 +258,15 @@ def _batch_norm_backward(call: OpCall) -> Steps:
     return steps
 
 
-def _sum_over_channels(grad_out: torch.Tensor, channels: int) -> list[Any]:
+def _sum_over_channels(threads: int, grad_out: torch.Tensor, channels: int) -> list[Any]:
     """``at::sum(grad_out, reduce_dims)`` of the non-contiguous backward path (in
     ``float`` for a reduced-precision gradient whose layout starts with two reduced
     dimensions, ``should_use_acc_buffer``)."""
     dims = [0, *range(2, grad_out.dim())]
     if uses_acc_buffer(grad_out, dims, grad_out.dtype):
-        inner = acc_buffer_steps(grad_out, channels)
+        inner = acc_buffer_steps(threads, grad_out, channels)
     else:
-        inner = sum_steps(grad_out, channels, grad_out.dtype)
+        inner = sum_steps(threads, grad_out, channels, grad_out.dtype)
     return [Alloc("sum over N and spatial dims", channels * grad_out.element_size()), *inner]
 
 
@@ -331,7 +332,7 @@ def _layer_norm_backward(call: OpCall) -> Steps:
     if not grad_out.is_contiguous():
         steps.append(Alloc("dY contiguous", grad_out.numel() * grad_out.element_size()))
     if mask[1] or mask[2]:
-        steps.append(Alloc("dgamma/dbeta buffer", 2 * num_threads() * inner * x.element_size()))
+        steps.append(Alloc("dgamma/dbeta buffer", 2 * profile_of(call).threads * inner * x.element_size()))
     return steps
 
 
@@ -386,7 +387,7 @@ def _group_norm(call: OpCall) -> Steps:
         return [OUTPUTS, Alloc("scale/bias", n * 2 * c * opmath)]
     return [
         OUTPUTS,
-        Alloc("per-thread moments", num_threads() * n * 2 * c * opmath),
+        Alloc("per-thread moments", profile_of(call).threads * n * 2 * c * opmath),
         Alloc("mean/rstd", n * 2 * group * opmath),
     ]
 
@@ -405,7 +406,7 @@ def _group_norm_backward(call: OpCall) -> Steps:
     steps: list[Any] = [OUTPUTS, Alloc("ds", n * c * opmath), Alloc("db", n * c * opmath)]
     if _suggest_memory_format(x) != torch.contiguous_format and hxw >= 2048:
         steps += [
-            Alloc("per-thread gradients", num_threads() * n * 2 * c * opmath),
+            Alloc("per-thread gradients", profile_of(call).threads * n * 2 * c * opmath),
             Alloc("ds/db times gamma", n * 2 * group * opmath),
         ]
     return steps

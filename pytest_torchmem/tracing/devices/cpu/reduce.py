@@ -25,7 +25,7 @@ from typing import Any, Final
 
 import torch
 
-from pytest_torchmem.tracing.devices.cpu.base import CPU, num_threads
+from pytest_torchmem.tracing.devices.cpu.base import CPU, profile_of
 from pytest_torchmem.tracing.devices.cpu.misc import arg, itemsize
 from pytest_torchmem.tracing.devices.tensor_iterator import (
     coalesce_dimensions,
@@ -41,11 +41,10 @@ aten = torch.ops.aten
 GRAIN_SIZE: Final = 32768
 
 
-def two_pass_buffer(input_numel: int, output_numel: int, dtype: torch.dtype) -> int:
+def two_pass_buffer(threads: int, input_numel: int, output_numel: int, dtype: torch.dtype) -> int:
     """Bytes of ``two_pass_reduction``'s per-thread buffer (``TensorIteratorReduce.cpp``):
     used when the output is one element, the input has ``GRAIN_SIZE`` elements
-    or more and more than one thread runs."""
-    threads = num_threads()
+    or more and more than one (``threads``) thread runs."""
     if output_numel != 1 or input_numel < GRAIN_SIZE or threads == 1:
         return 0
     return threads * itemsize(dtype)
@@ -56,7 +55,11 @@ def _first(out: Any) -> torch.Tensor:
 
 
 def sum_steps(
-    self: torch.Tensor | tuple[int, torch.dtype], out_numel: int, out_dtype: torch.dtype, tag: str = "sum"
+    threads: int,
+    self: torch.Tensor | tuple[int, torch.dtype],
+    out_numel: int,
+    out_dtype: torch.dtype,
+    tag: str = "sum",
 ) -> list[Alloc | Free]:
     """Scratch of ``sum_out`` into an existing output (``ReduceOps.cpp``,
     ``SumKernel.cpp``): the input cast to the output dtype, then the two-pass
@@ -68,7 +71,7 @@ def sum_steps(
         return steps
     if dtype != out_dtype:
         steps.append(Alloc(f"{tag}: input as {out_dtype}", numel * itemsize(out_dtype)))
-    buffer = two_pass_buffer(numel, out_numel, out_dtype)
+    buffer = two_pass_buffer(threads, numel, out_numel, out_dtype)
     if buffer:
         steps += [Alloc(f"{tag}: per-thread partials", buffer), Free(f"{tag}: per-thread partials")]
     if dtype != out_dtype:
@@ -77,7 +80,7 @@ def sum_steps(
 
 
 def mean_steps(
-    self: torch.Tensor | tuple[int, torch.dtype], out_numel: int, out_dtype: torch.dtype
+    threads: int, self: torch.Tensor | tuple[int, torch.dtype], out_numel: int, out_dtype: torch.dtype
 ) -> list[Alloc | Free]:
     """Scratch of ``mean_out`` on the CPU after its output is allocated (``ReduceOps.cpp``).
 
@@ -92,7 +95,7 @@ def mean_steps(
     steps: list[Alloc | Free] = []
     if half:
         steps.append(Alloc("mean: float result", out_numel * itemsize(torch.float32)))
-    steps += sum_steps(self, out_numel, sum_dtype, "mean")
+    steps += sum_steps(threads, self, out_numel, sum_dtype, "mean")
     steps += [
         Alloc("mean: wrapped count", 8),
         Alloc("mean: count as result dtype", itemsize(sum_dtype)),
@@ -131,12 +134,14 @@ def uses_acc_buffer(self: torch.Tensor, dims: Any, out_dtype: torch.dtype) -> bo
     return len(shape) >= 2 and strides[0][0] == 0 and strides[0][1] == 0
 
 
-def acc_buffer_steps(self: torch.Tensor, out_numel: int, tag: str = "sum") -> list[Alloc | Free]:
+def acc_buffer_steps(
+    threads: int, self: torch.Tensor, out_numel: int, tag: str = "sum"
+) -> list[Alloc | Free]:
     """The ``float`` path of ``sum_out``: a ``float`` result, ``self.to(float)``, their
     sum (the two-pass buffer if any), then the copy into the result."""
     return [
         Alloc(f"{tag}: float result", out_numel * 4),
-        *sum_steps(self, out_numel, torch.float32, f"{tag} (float)"),
+        *sum_steps(threads, self, out_numel, torch.float32, f"{tag} (float)"),
         Free(f"{tag}: float result"),
     ]
 
@@ -154,9 +159,10 @@ def _sum(call: OpCall) -> Steps:
     casts the input to the result dtype; ``cascade_sum`` / ``binary_kernel_reduce_vec``
     reduce through ``parallel_reduce``)."""
     self, out = arg(call, 0, "self"), _first(call.out)
+    threads = profile_of(call).threads
     if call.func in _SUMS and uses_acc_buffer(self, arg(call, 1, "dim"), out.dtype):
-        return [OUTPUTS, *acc_buffer_steps(self, out.numel())]
-    return [OUTPUTS, *sum_steps(self, out.numel(), out.dtype)]
+        return [OUTPUTS, *acc_buffer_steps(threads, self, out.numel())]
+    return [OUTPUTS, *sum_steps(threads, self, out.numel(), out.dtype)]
 
 
 _SUMS: Final = frozenset({aten.sum.default, aten.sum.dim_IntList, aten.sum.IntList_out})
@@ -167,7 +173,7 @@ def _amax(call: OpCall) -> Steps:
     """``amax``/``amin`` (``ReduceOps.cpp``): ``make_reduction`` in the input dtype,
     ``max_values_stub`` through ``binary_kernel_reduce_vec``."""
     self, out = arg(call, 0, "self"), _first(call.out)
-    return [OUTPUTS, *sum_steps(self, out.numel(), out.dtype, "amax")]
+    return [OUTPUTS, *sum_steps(profile_of(call).threads, self, out.numel(), out.dtype, "amax")]
 
 
 @CPU.scratch(
@@ -183,7 +189,7 @@ def _all_any(call: OpCall) -> Steps:
         return [OUTPUTS]
     if self.numel() == 1:
         return [OUTPUTS, *([Alloc("self as bool", 1)] if self.dtype != torch.bool else [])]
-    return [OUTPUTS, *sum_steps(self, out.numel(), torch.bool, "all/any")]
+    return [OUTPUTS, *sum_steps(profile_of(call).threads, self, out.numel(), torch.bool, "all/any")]
 
 
 # -- mean, var, std --------------------------------------------------------------
@@ -193,7 +199,7 @@ def _all_any(call: OpCall) -> Steps:
 def _mean(call: OpCall) -> Steps:
     """``mean_out`` on the CPU (``ReduceOps.cpp``): ``sum_out(...).div_(dim_prod)``."""
     self, out = arg(call, 0, "self"), _first(call.out)
-    return [OUTPUTS, *mean_steps(self, out.numel(), out.dtype)]
+    return [OUTPUTS, *mean_steps(profile_of(call).threads, self, out.numel(), out.dtype)]
 
 
 def _full_reduction(self: torch.Tensor, out: torch.Tensor) -> bool:
@@ -210,7 +216,7 @@ def _var(call: OpCall) -> Steps:
     return [
         OUTPUTS,
         Alloc("std_var_all_cpu: mean", itemsize(self.dtype)),
-        *mean_steps(self, 1, self.dtype),
+        *mean_steps(profile_of(call).threads, self, 1, self.dtype),
         Free("std_var_all_cpu: mean"),
     ]
 
@@ -262,11 +268,12 @@ def _reduction(call: OpCall, index: int) -> int:
     return int(arg(call, index, "reduction", 1))
 
 
-def _reduce_loss(numel: int, dtype: torch.dtype, reduction: int) -> list[Alloc | Free]:
+def _reduce_loss(call: OpCall, numel: int, dtype: torch.dtype, reduction: int) -> list[Alloc | Free]:
     """``apply_loss_reduction`` (``Loss.cpp``): ``loss.mean()`` or ``loss.sum()``."""
+    threads = profile_of(call).threads
     if reduction == 1:
-        return mean_steps((numel, dtype), 1, dtype)
-    return sum_steps((numel, dtype), 1, dtype)
+        return mean_steps(threads, (numel, dtype), 1, dtype)
+    return sum_steps(threads, (numel, dtype), 1, dtype)
 
 
 def _scalar_in_input_sized_storage(out: torch.Tensor, numel: int) -> torch.Tensor:
@@ -326,7 +333,7 @@ def _pointwise_loss(call: OpCall) -> Steps:
         steps: list[Any] = [loss, OUTPUTS]
     else:
         steps = [OUTPUTS, loss]
-    return [*steps, *_reduce_loss(numel, out.dtype, reduction), Free(loss.tag)]
+    return [*steps, *_reduce_loss(call, numel, out.dtype, reduction), Free(loss.tag)]
 
 
 @CPU.implementation(aten.binary_cross_entropy.default)
@@ -352,7 +359,7 @@ def _bce(call: OpCall) -> Steps:
     return [
         OUTPUTS,
         Alloc("reduced loss", size),
-        *_reduce_loss(self.numel(), out.dtype, reduction),
+        *_reduce_loss(call, self.numel(), out.dtype, reduction),
         Free("reduced loss"),
     ]
 
@@ -400,7 +407,7 @@ def _bce_with_logits(call: OpCall) -> Steps:
         *steps,
         Alloc("unreduced loss", numel * size),
         OUTPUTS,
-        *_reduce_loss(numel, self.dtype, reduction),
+        *_reduce_loss(call, numel, self.dtype, reduction),
         Free("unreduced loss"),
         Free("log_sigmoid(input)"),
     ]

@@ -45,15 +45,14 @@ the reference implementation's buffers.
 
 from __future__ import annotations
 
-import os
 import struct
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import Any, Final
 
 import torch
 
-from pytest_torchmem.tracing.devices.cpu.base import CPU, num_threads
+from pytest_torchmem.tracing.devices.cpu.base import CPU, profile_of
+from pytest_torchmem.tracing.devices.cpu.profiles import CpuProfile
 from pytest_torchmem.tracing.rules import OUTPUTS, Alloc, Free, OpCall, Steps
 
 aten = torch.ops.aten
@@ -86,38 +85,14 @@ def _booking(nbytes: int, alignment: int = _BOOKING_ALIGN) -> int:
     return nbytes + max(alignment, _BOOKING_ALIGN) if nbytes > 0 else 0
 
 
-#: oneDNN's ISA levels that change an LSTM's buffers, lowest first.
+#: oneDNN's ISA levels that change an LSTM's buffers, lowest first; a profile
+#: reaches avx2 or avx512_core (the bfloat16 and AMX levels are not modelled).
 _ISA_LEVELS: Final = ("avx2", "avx512_core", "avx512_core_bf16", "avx512_core_amx")
-#: ``ONEDNN_MAX_CPU_ISA`` values (cpu_isa_traits.cpp) by the highest of those levels they allow.
-_ISA_CAPS: Final = {
-    "SSE41": -1, "AVX": -1, "AVX2": 0, "AVX2_VNNI": 0, "AVX2_VNNI_2": 0,
-    "AVX512_CORE": 1, "AVX512_CORE_VNNI": 1, "AVX512_CORE_BF16": 2,
-    "AVX10_1_512": 2, "AVX512_CORE_FP16": 2,
-}
 
 
-@lru_cache(maxsize=1)
-def _isa() -> int:
-    """Index in :data:`_ISA_LEVELS` of the highest level oneDNN uses here (-1: below AVX2):
-    what the CPU has (as torch reports it), capped by ``ONEDNN_MAX_CPU_ISA``."""
-    cpu = torch.cpu
-    has = (
-        getattr(cpu, "_is_avx2_supported", lambda: False)(),
-        getattr(cpu, "_is_avx512_supported", lambda: False)(),
-        getattr(cpu, "_is_avx512_bf16_supported", lambda: False)(),
-        getattr(cpu, "_is_amx_tile_supported", lambda: False)(),
-    )
-    level = -1
-    while level + 1 < len(has) and has[level + 1]:
-        level += 1
-    cap = os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA")
-    if cap:
-        level = min(level, _ISA_CAPS.get(cap.upper(), len(_ISA_LEVELS)))
-    return level
-
-
-def _mayiuse(isa: str) -> bool:
-    return _isa() >= _ISA_LEVELS.index(isa)
+def _mayiuse(cpu: CpuProfile, isa: str) -> bool:
+    level = {"default": -1, "avx2": 0, "avx512": 1}[cpu.isa]
+    return level >= _ISA_LEVELS.index(isa)
 
 
 @dataclass(frozen=True)
@@ -150,7 +125,7 @@ class _Primitive:
     reorder_scratch: tuple[int, int] = (0, 0)
 
 
-def _uses_brgemm(dt: int, prop: str) -> bool:
+def _uses_brgemm(cpu: CpuProfile, dt: int, prop: str) -> bool:
     """``_ref_rnn_common_t::pd_t::init``: the brgemm implementation first, else the reference one.
 
     ``init_brgemm`` turns down float32 training and backward, bfloat16 without
@@ -161,18 +136,18 @@ def _uses_brgemm(dt: int, prop: str) -> bool:
     if prop == "backward":
         return False
     if dt == _F32:
-        return prop == "forward_inference" and _mayiuse("avx2")
-    return _mayiuse("avx512_core_bf16")
+        return prop == "forward_inference" and _mayiuse(cpu, "avx2")
+    return _mayiuse(cpu, "avx512_core_bf16")
 
 
-def _lstm_primitive(layer: _Layer, prop: str) -> _Primitive:
+def _lstm_primitive(cpu: CpuProfile, layer: _Layer, prop: str) -> _Primitive:
     """Workspace, scratchpad and weight layouts of the LSTM primitive for ``prop``
     (``"forward_training"``, ``"forward_inference"`` or ``"backward"``)."""
     T, N, I, H, dt = layer.seq, layer.batch, layer.input_size, layer.hidden, layer.dt
     G = _LSTM_GATES
     is_fwd = prop != "backward"
     training = prop != "forward_inference"
-    brgemm = _uses_brgemm(dt, prop)
+    brgemm = _uses_brgemm(cpu, dt, prop)
     # ref_rnn.hpp: scratch_t is the accumulator type forward, the data type backward.
     scratch_dt = _F32 if is_fwd else dt
 
@@ -226,14 +201,14 @@ def _lstm_primitive(layer: _Layer, prop: str) -> _Primitive:
         # twice when the layer and iteration gemms are fused (slc == sic).
         fused = I == H and not merged
         max_k_blocks = 2 * (2 if fused else 1)
-        scratchpad += _booking(max_k_blocks * num_threads() * _BRGEMM_BATCH_ELEMENT)
+        scratchpad += _booking(max_k_blocks * cpu.threads * _BRGEMM_BATCH_ELEMENT)
 
     # set_expected_desc: the weight layouts.
     reorder_scratch = (0, 0)
     if brgemm:
         # ldgOi32o / ldgOi16o (f32), ldgOI32o2i (bf16): output channels in blocks of
         # brgemm_calc_n_block: 2 x the simd width, 4 x for a single sequence on AVX2.
-        n_block = 32 if _mayiuse("avx512_core") or N == 1 else 16
+        n_block = 32 if _mayiuse(cpu, "avx512_core") or N == 1 else 16
         pad_k = 1 if dt == _F32 else 2
         weights = (
             _rnd_up(I, pad_k) * G * _rnd_up(H, n_block) * dt,
@@ -245,8 +220,8 @@ def _lstm_primitive(layer: _Layer, prop: str) -> _Primitive:
         # (use_{layer,iter}_packed_gemm, set_pack_sizes); the layer gemm runs once
         # over every time step when merged.
         weights = (
-            _bf16_pack_size(G * H, N * T if merged else N, I),
-            _bf16_pack_size(G * H, N, H),
+            _bf16_pack_size(cpu.threads, G * H, N * T if merged else N, I),
+            _bf16_pack_size(cpu.threads, G * H, N, H),
         )
         reorder = (True, True)
         # rnn_weights_reorder_t::pd_t::init_scratchpad: PyTorch's ldgoi is transposed
@@ -450,9 +425,9 @@ def _choose_blocking(size: int, nthr: int, block_init: int, align: int) -> tuple
     return thread, block, nthr
 
 
-def _bf16_pack_size(m: int, n: int, k: int) -> int:
+def _bf16_pack_size(threads: int, m: int, n: int, k: int) -> int:
     """``gemm_bf16bf16f32_pack_get_size("A", "N", "N", m, n, k)``: the bytes of matrix A
-    packed for ``dnnl_get_max_threads()`` threads (gemm_driver's measuring run:
+    packed for ``dnnl_get_max_threads()`` (``threads``) threads (gemm_driver's measuring run:
     adjust_thread_count, set_thread_opts_pack, get_m_padd / get_k_padd, then
     gemm_pack_storage_t::finalize)."""
     if n == 1 or m == 1:
@@ -461,7 +436,7 @@ def _bf16_pack_size(m: int, n: int, k: int) -> int:
         ld = _rnd_up(k, 1024) + 32 if k != 1 else 1
         data = _rnd_up(ld * m * 2, _PACK_ALIGN)
         return _rnd_up(_pack_headers(1), _PACK_ALIGN) + data + _PACK_ALIGN
-    nthrs = _adjust_thread_count(m, n, k, num_threads())
+    nthrs = _adjust_thread_count(m, n, k, threads)
     # set_thread_opts_pack: k split only when m and n leave threads idle.
     nthr_k = 1
     if m // 64 + n // 64 < nthrs:
@@ -561,7 +536,7 @@ def _mkldnn_rnn_layer_outputs(call: OpCall) -> Any:
     if torch.is_grad_enabled() and _is_lstm(call, 9):
         input, weight_ih, bias_ih = call.args[0], call.args[1], call.args[3]
         layer = _layer(input, weight_ih, bias_ih, call.args[12])
-        nbytes = _lstm_primitive(layer, "forward_training").workspace
+        nbytes = _lstm_primitive(profile_of(call), layer, "forward_training").workspace
         workspace = input.new_empty((nbytes,), dtype=torch.uint8)
     return output, hy, cy, workspace
 
@@ -576,7 +551,7 @@ def _mkldnn_rnn_layer_scratch(call: OpCall) -> Steps | None:
     input, weight_ih, weight_hh, bias_ih = call.args[:4]
     layer = _layer(input, weight_ih, bias_ih, call.args[12])
     prop = "forward_training" if torch.is_grad_enabled() else "forward_inference"
-    primitive = _lstm_primitive(layer, prop)
+    primitive = _lstm_primitive(profile_of(call), layer, prop)
     steps: list[Any] = [OUTPUTS]
     # _shuffle_weight: weight.contiguous().
     for name, weight in (("weight_ih", weight_ih), ("weight_hh", weight_hh)):
@@ -658,7 +633,7 @@ def _mkldnn_rnn_layer_backward(call: OpCall) -> Steps | None:
         steps.append(Alloc("grad_y f32", output.numel() * _F32))
         steps.append(Alloc("grad_hy f32", hx.numel() * _F32))
         steps.append(Alloc("grad_cy f32", cx.numel() * _F32))
-    primitive = _lstm_primitive(layer, "backward")
+    primitive = _lstm_primitive(profile_of(call), layer, "backward")
     steps += _weight_reorders(primitive)
     # The weight gradients' layout: ldigo with a good leading dimension, float32
     # (cpu_rnn_pd.hpp, set_default_params for format any).

@@ -34,7 +34,7 @@ from typing import Final
 
 import torch
 
-from pytest_torchmem.tracing.devices.cpu.base import CPU, num_threads
+from pytest_torchmem.tracing.devices.cpu.base import CPU, profile_of
 from pytest_torchmem.tracing.devices.cpu.misc import itemsize
 from pytest_torchmem.tracing.rules import OUTPUTS, Alloc, Inexact, OpCall, Steps
 
@@ -76,7 +76,7 @@ def _channels_last(t: torch.Tensor) -> torch.memory_format:
     return torch.channels_last if t.dim() == 4 else torch.channels_last_3d
 
 
-def _vectorized(kind: str | None, output: torch.Tensor, x: torch.Tensor) -> bool:
+def _vectorized(threads: int, kind: str | None, output: torch.Tensor, x: torch.Tensor) -> bool:
     """``_use_vectorized_kernel_cond_2d`` / ``_3d``, and bilinear's extra one-thread case."""
     if kind is None:
         return False
@@ -85,7 +85,7 @@ def _vectorized(kind: str | None, output: torch.Tensor, x: torch.Tensor) -> bool
         return channels_last
     if channels_last or output.size(-2) + output.size(-1) <= 128:
         return True
-    return kind == "bilinear" and num_threads() == 1 and x.size(1) == 3
+    return kind == "bilinear" and threads == 1 and x.size(1) == 3
 
 
 def _copies(fmt: torch.memory_format, tensors: Sequence[tuple[str, torch.Tensor]]) -> list[Alloc]:
@@ -105,7 +105,7 @@ def _upsample(call: OpCall) -> Steps:
     x, output = call.args[0], call.out
     if x.dtype == torch.uint8 and taps > 1:
         return [OUTPUTS, Inexact("the uint8 separable interpolation kernels are not modelled")]
-    if _vectorized(kind, output, x):
+    if _vectorized(profile_of(call).threads, kind, output, x):
         fmt = _channels_last(x)
         return [OUTPUTS, *_copies(fmt, [("input", x), ("output", output)])]
     weight = itemsize(torch.float32 if x.dtype == torch.uint8 else x.dtype)
