@@ -21,7 +21,9 @@ __all__ = [
     "Pad",
     "Prim",
     "best_divider",
+    "balance",
     "book_reducer",
+    "book_reducer_2d",
     "cdiv",
     "div_up",
     "end_pad",
@@ -181,10 +183,9 @@ def least_memory(
     return best, best_mem
 
 
-def book_reducer(pad: Pad, nthr: int, job_size: int, njobs: int, reduction_size: int, max_buffer: int) -> None:
-    """Book the scratchpad of a lock-free ``cpu_reducer_t<f32>``
-    (``reduce_balancer_t::balance``): a buffer for every thread of a group but
-    the first, page aligned, and a barrier per group."""
+def balance(nthr: int, job_size: int, njobs: int, reduction_size: int, max_buffer: int) -> tuple[int, int, int]:
+    """``reduce_balancer_t::balance`` (``cpu_reducer.cpp``, lock free): the thread
+    groups, the threads per group and the most jobs a group takes."""
     min_per_group = max(1, njobs // nthr)
     max_per_group = max(1, max_buffer // (nthr * job_size))
     ngroups = min(njobs // min_per_group, nthr)
@@ -200,8 +201,24 @@ def book_reducer(pad: Pad, nthr: int, job_size: int, njobs: int, reduction_size:
         c_cost = job_size * c_ub * (div_up(reduction_size, c_per_group) + (c_per_group != 1))
         if c_cost < cost:
             ngroups, per_group, ub, cost = c_ngroups, c_per_group, c_ub, c_cost
+    return ngroups, per_group, ub
+
+
+def book_reducer(pad: Pad, nthr: int, job_size: int, njobs: int, reduction_size: int, max_buffer: int) -> None:
+    """Book the scratchpad of a lock-free ``cpu_reducer_t<f32>``: a buffer for
+    every thread of a group but the first, page aligned, and a barrier per group."""
+    ngroups, per_group, ub = balance(nthr, job_size, njobs, reduction_size, max_buffer)
     if per_group > 1:
         pad.book(ngroups * (per_group - 1) * ub * job_size * 4, PAGE)
+        pad.book(ngroups * BARRIER, BARRIER)
+
+
+def book_reducer_2d(pad: Pad, nthr: int, job_size: int, njobs: int, reduction_size: int, max_buffer: int) -> None:
+    """Book the scratchpad of a lock-free ``cpu_reducer_2d_t<f32>``: a buffer for
+    every thread of a group, the first included, and a barrier per group."""
+    ngroups, per_group, ub = balance(nthr, job_size, njobs, reduction_size, max_buffer)
+    if per_group > 1:
+        pad.book(ngroups * per_group * ub * job_size * 4)
         pad.book(ngroups * BARRIER, BARRIER)
 
 

@@ -4,6 +4,7 @@ their reduce-to-unit-stride copies (``rtus``)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,6 +15,7 @@ from pytest_torchmem.tracing.devices.cpu.onednn.common import (
     Prim,
     best_divider,
     book_reducer,
+    book_reducer_2d,
     div_up,
     f32,
     least_memory,
@@ -40,8 +42,6 @@ class _OneByOne:
 
 def _1x1_applicable(p: Geo) -> tuple[bool, bool]:
     """``rtus_prepare`` then the 1x1 checks: ``(applicable, reduce_src)``."""
-    if p.ks != 1 or p.g != 1 or p.ic % 16 and True:
-        pass
     if p.ks != 1 or p.g != 1:
         return False, False
     strided = p.s != (1, 1, 1)
@@ -248,3 +248,87 @@ def avx512_1x1(prop: str) -> Any:
         return Prim("jit_1x1:avx512_core", src, wei, p.data(oc, p.osp, 16), scratch.size, src_fmt=src)
 
     return impl
+
+
+def _halve_blocks(blocks: int, limit: int) -> int:
+    """The blocking loop of the avx2/sse41 1x1 backward-weights conf: halve, or
+    divide by three, while above ``limit`` blocks."""
+    while blocks > limit:
+        if blocks % 2 == 0:
+            blocks //= 2
+        elif blocks % 3 == 0:
+            blocks //= 3
+        else:
+            break
+    return blocks
+
+
+def avx2_1x1(prop: str) -> Callable[[Geo, CpuProfile, bool], Prim | None]:
+    def impl(p: Geo, cpu: CpuProfile, nxc: bool) -> Prim | None:
+        """``jit_avx2_1x1_convolution_*_t`` (``jit_avx2_1x1_conv_kernel_f32_t::init_conf``):
+        nCx8c data with the channels padded to 8 (channels-last data in place),
+        OIx8i8o weights; a strided source is first copied to unit stride per
+        thread (``rtus_prepare_space_info``: ``nb_reduce``, 18 or
+        ``nb_bcast_blocking`` blocks of 8 channels, by direction); a padded bias;
+        backward-weights reduces the images and rows the threads split through a
+        ``cpu_reducer_2d_t`` (every thread of a group, the first included, has
+        its own jobs' weights) and the bias through a ``cpu_reducer_t``."""
+        if not cpu.avx2:
+            return None
+        ok, rtus = _1x1_applicable(p)
+        if not ok:
+            return None
+        nthr = cpu.threads
+        ic, oc = (p.ic, p.oc) if nxc else (rnd_up(p.ic, 8), rnd_up(p.oc, 8))
+        os_ = p.osp
+        is_ = os_ if rtus else p.isp
+        scratch = Pad()
+        if p.bias and prop != "bwd_d" and (oc != p.oc or (prop == "bwd_w" and nxc and p.oc % 8)):
+            scratch.book(rnd_up(oc, 8) * 4)
+        if prop == "bwd_w":
+            nb_load, nb_bcast = div_up(oc, 8), div_up(ic, 8)
+            nb_load_blocking = nb_load if nxc and oc % 8 else _halve_blocks(nb_load, 32)
+            small = is_ <= 1024
+            nb_bcast_blocking = (
+                nb_bcast if nxc and not (ic % 8 == 0 and small) else _halve_blocks(nb_bcast, 17 if nxc else 9)
+            )
+            job_size = nb_load_blocking * nb_bcast_blocking * 8 * 8
+            njobs = div_up(nb_load, nb_load_blocking) * div_up(nb_bcast, nb_bcast_blocking)
+            max_buffer = nthr * job_size * 8
+            if rtus:
+                _book_rtus(scratch, nthr, is_, p.ic if nxc else nb_bcast_blocking * 8, nxc)
+            if p.bias:
+                book_reducer(scratch, nthr, 8, nb_load, p.mb, max_buffer)
+            book_reducer_2d(scratch, nthr, job_size, njobs, p.mb * os_, max_buffer)
+        elif rtus:
+            factor = div_up(ic, 8) if prop == "fwd" else 18
+            _book_rtus(scratch, nthr, is_, p.ic if nxc else factor * 8, nxc)
+        wei = rnd_up(oc, 8) * rnd_up(ic, 8) * p.dsz
+        if nxc:
+            return Prim("jit_1x1:avx2", 0, wei, 0, scratch.size, src_fmt=p.data(p.ic, p.isp))
+        src = p.data(ic, p.isp, 8)
+        return Prim("jit_1x1:avx2", src, wei, p.data(oc, p.osp, 8), scratch.size, src_fmt=src)
+
+    return impl
+
+
+def _book_rtus(pad: Pad, nthr: int, is_: int, channels: int, nxc: bool) -> None:
+    """``rtus_prepare_space_info``: per thread, the unit-stride copy of ``channels``
+    channels of the source (all of them in nhwc; ``factor`` blocks of
+    ``ic_block`` in blocked layouts)."""
+    pad.book(nthr * is_ * channels * 4)
+
+
+def sse41_1x1_fwd(p: Geo, cpu: CpuProfile, nxc: bool) -> Prim | None:
+    """``jit_sse41_1x1_convolution_fwd_t``: unit stride, no padding, channels a
+    multiple of 8 (nothing padded), nCx8c data (nhwc in place) and OIhw8i8o
+    weights; no scratchpad."""
+    if p.ks != 1 or p.g != 1 or p.ndims != 4 or p.s != (1, 1, 1) or any(p.p) or p.o != p.i:
+        return None
+    if p.ic % 8 or p.oc % 8:
+        return None
+    wei = p.oc * p.ic * p.dsz
+    if nxc:
+        return Prim("jit_1x1:sse41", 0, wei, 0, 0, src_fmt=p.data(p.ic, p.isp))
+    src = p.data(p.ic, p.isp, 8)
+    return Prim("jit_1x1:sse41", src, wei, p.data(p.oc, p.osp, 8), 0, src_fmt=src)

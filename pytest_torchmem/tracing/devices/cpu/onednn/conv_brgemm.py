@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 
 from pytest_torchmem.tracing.devices.cpu.onednn.common import (
@@ -79,32 +80,55 @@ def brg_bwd_strided_avx2(p: Geo, cpu: CpuProfile, nxc: bool) -> Prim | None:
     return replace(prim, name="brgconv_strided:avx2") if prim is not None else None
 
 
-def brg_fwd_nxc(p: Geo, cpu: CpuProfile, nxc: bool) -> Prim | None:
-    """``brgemm_convolution_fwd_t`` / ``brgemm_1x1_convolution_fwd_t`` for
-    channels-last f32 (oneDNN gives them only nhwc data for training): a page
-    of brgemm batch elements per thread; weights in OIhw16i16o-like blocks
-    padded to the output-channel block."""
-    if not nxc or not cpu.avx512 or min(p.p) < 0:
-        return None
-    if p.g > 1 and p.ic <= 16:
-        return None  # grouped convolutions with small ic, depthwise: perf heuristics
-    scratch = Pad()
-    batch = div_up(rnd_up(p.ks * BATCH_ELEMENT, PAGE), BATCH_ELEMENT) * BATCH_ELEMENT
-    scratch.book(cpu.threads * batch, PAGE)
-    oc_block = 64 if p.oc % 64 == 0 else 48 if p.oc % 48 == 0 else 32 if p.oc % 32 == 0 else 16
-    wei = p.g * rnd_up(p.oc, oc_block) * p.ic * p.ks * p.dsz
-    return Prim("brg_conv_fwd:avx512_core", 0, wei, 0, scratch.size)
+def _usable(cpu: CpuProfile, isa: str) -> bool:
+    return cpu.avx512 if isa == "avx512_core" else cpu.avx2
 
 
-def brg_bwd_nxc(p: Geo, cpu: CpuProfile, nxc: bool) -> Prim | None:
-    """``brgemm_convolution_bwd_t``: unit-stride channels-last backward-data,
-    run as a forward brgemm convolution over the swapped problem (its
-    scratchpad nested)."""
-    if not nxc or p.s != (1, 1, 1):
-        return None
-    fwd = brg_fwd_nxc(swap(p), cpu, True)
-    if fwd is None:
-        return None
-    scratch = Pad()
-    scratch.book(fwd.scratch)
-    return Prim("brg_conv_bwd:avx512_core", 0, fwd.wei, 0, scratch.size)
+def _oc_block(p: Geo, isa: str) -> int:
+    """The output-channel block of the brgemm blocking search (its weights are
+    padded to it): the largest of 4, 3, 2, 1 vectors that divides the channels."""
+    if isa == "avx512_core":
+        return 64 if p.oc % 64 == 0 else 48 if p.oc % 48 == 0 else 32 if p.oc % 32 == 0 else 16
+    return 32 if p.oc % 32 == 0 else 24 if p.oc % 24 == 0 else 16 if p.oc % 16 == 0 else 8
+
+
+def brg_fwd_nxc(isa: str) -> Callable[[Geo, CpuProfile, bool], Prim | None]:
+    def impl(p: Geo, cpu: CpuProfile, nxc: bool) -> Prim | None:
+        """``brgemm_convolution_fwd_t<isa>`` / ``brgemm_1x1_convolution_fwd_t<isa>``
+        for channels-last f32 (oneDNN gives them only nhwc data for training):
+        a page of brgemm batch elements per thread; weights in Ohwi16o-like
+        blocks padded to the output-channel block. Depthwise convolutions are
+        refused, and on avx512_core grouped ones with at most 16 input channels
+        per group (``allow_perf_heuristics``)."""
+        if not nxc or not _usable(cpu, isa) or min(p.p) < 0:
+            return None
+        if p.g > 1 and p.ic == 1 and p.oc == 1:
+            return None
+        if isa == "avx512_core" and p.g > 1 and p.ic <= 16:
+            return None
+        scratch = Pad()
+        batch = div_up(rnd_up(p.ks * BATCH_ELEMENT, PAGE), BATCH_ELEMENT) * BATCH_ELEMENT
+        scratch.book(cpu.threads * batch, PAGE)
+        wei = p.g * rnd_up(p.oc, _oc_block(p, isa)) * p.ic * p.ks * p.dsz
+        return Prim(f"brg_conv_fwd:{isa}", 0, wei, 0, scratch.size)
+
+    return impl
+
+
+def brg_bwd_nxc(isa: str) -> Callable[[Geo, CpuProfile, bool], Prim | None]:
+    fwd_impl = brg_fwd_nxc(isa)
+
+    def impl(p: Geo, cpu: CpuProfile, nxc: bool) -> Prim | None:
+        """``brgemm_convolution_bwd_t<isa>``: unit-stride channels-last
+        backward-data, run as a forward brgemm convolution over the swapped
+        problem (its scratchpad nested)."""
+        if not nxc or p.s != (1, 1, 1):
+            return None
+        fwd = fwd_impl(swap(p), cpu, True)
+        if fwd is None:
+            return None
+        scratch = Pad()
+        scratch.book(fwd.scratch)
+        return Prim(f"brg_conv_bwd:{isa}", 0, fwd.wei, 0, scratch.size)
+
+    return impl

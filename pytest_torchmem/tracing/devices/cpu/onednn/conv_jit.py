@@ -55,27 +55,78 @@ def avx512_fwd(p: Geo, cpu: CpuProfile, nxc: bool) -> Prim | None:
     return Prim("jit:avx512_core", src, wei, p.data(oc, p.osp, simd), scratch.size)
 
 
+def _ur_w_fits(p: Geo, ur_w: int, regs: int) -> bool:
+    """The width unroll of the avx2/sse41 forward kernels (``init_conf``): the left
+    padding within one unroll, and a right padding beyond one unroll handled by a
+    larger one (``r_pad_no_tail``), if the registers allow it."""
+    e = p.ext_k
+    ur_w = min(ur_w, p.o[2])
+    if p.p[2] > ur_w:
+        return False
+    if p.k[2] > 7 and not ((p.p[1] == 0 and p.p[2] == 0) or (p.s[1] == 1 and p.s[2] == 1)):
+        return False
+    tail = p.o[2] % ur_w
+    r_pad = max(0, end_pad(p.p[2], p.o[2] - tail, p.i[2], p.s[2], e[2]))
+    if r_pad > ur_w * p.s[2] and p.o[2] // ur_w > 1:
+        ur_w = min(r_pad // p.s[2] + tail, min(p.o[2], regs // 2))
+        tail = p.o[2] % ur_w
+        r_pad = max(0, end_pad(p.p[2], p.o[2] - tail, p.i[2], p.s[2], e[2]))
+        if ur_w < max(p.p[2], r_pad):
+            return False
+    return True
+
+
+def _outside(p: Geo) -> bool:
+    """``kernel_outside_src``: a padding as large as the (dilated) kernel."""
+    return any(ek <= pl or ek <= r for ek, pl, r in zip(p.ext_k, p.p, p.pr))
+
+
 def avx2_fwd(p: Geo, cpu: CpuProfile, nxc: bool) -> Prim | None:
-    """``jit_avx2_conv_fwd_kernel_f32_t::init_conf``: nCx8c data and OIx8i8o
-    weights, channels padded to 8 with one group; a flat (ic < 8) source stays
-    nchw with Oxi8o weights. Scratchpad: the padded bias."""
-    if nxc:
-        return None
-    e, pr = p.ext_k, p.pr
-    if any(ek <= pl or ek <= r for ek, pl, r in zip(e, p.p, pr)):
+    """``jit_avx2_conv_fwd_kernel_f32_t::init_conf`` (AVX or better): nCx8c data
+    and OIx8i8o weights, channels padded to 8 with one group; a flat source
+    (fewer than 8 channels in all) stays nchw with Oxi8o weights; channels-last
+    data in place (weights padded to their blocks). Scratchpad: the padded bias."""
+    if not cpu.avx2 or _outside(p):
         return None
     flat = p.ic < 8
     if flat and p.g * p.ic >= 8:
         return None  # the pd picks blocked formats from the total channels, the kernel wants flat
-    ic = p.ic if flat or p.g > 1 else rnd_up(p.ic, 8)
-    oc = rnd_up(p.oc, 8) if p.g == 1 else p.oc
-    if oc % 8 or (not flat and ic % 8):
+    pad = p.g == 1 and not nxc
+    ic = rnd_up(p.ic, 8) if pad and not flat else p.ic
+    oc = rnd_up(p.oc, 8) if pad else p.oc
+    if not nxc and (oc % 8 or (not flat and ic % 8)):
+        return None
+    if not _ur_w_fits(p, 3, 15):
         return None
     scratch = Pad()
     if p.bias and oc != p.oc:
-        scratch.book(p.g * oc * p.dsz)
+        scratch.book(oc * p.dsz)
+    wei = p.g * rnd_up(oc, 8) * (ic if flat else rnd_up(ic, 8)) * p.ks * p.dsz
+    if nxc:
+        return Prim("jit:avx2", 0, wei, 0, scratch.size, src_fmt=p.data(p.ic, p.isp))
     src = 0 if flat else p.data(ic, p.isp, 8)
-    return Prim("jit:avx2", src, p.g * oc * ic * p.ks * p.dsz, p.data(oc, p.osp, 8), scratch.size)
+    return Prim("jit:avx2", src, wei, p.data(oc, p.osp, 8), scratch.size)
+
+
+def sse41_fwd(p: Geo, cpu: CpuProfile, nxc: bool) -> Prim | None:
+    """``jit_sse41_conv_fwd_kernel_f32_t::init_conf`` (1-d and 2-d): nCx8c data and
+    OIx8i8o weights, nothing padded (channels a multiple of 8); a flat source
+    (3 channels in all) stays nchw with Oxi8o weights; channels-last data in
+    place. No scratchpad."""
+    if p.ndims != 4 or _outside(p):
+        return None
+    flat = p.ic == 3
+    if flat and p.g * p.ic != 3:
+        return None
+    if p.oc % 8 or (not flat and p.ic % 8):
+        return None
+    if not _ur_w_fits(p, 3, 15):
+        return None
+    wei = p.g * p.oc * p.ic * p.ks * p.dsz
+    if nxc:
+        return Prim("jit:sse41", 0, wei, 0, 0, src_fmt=p.data(p.ic, p.isp))
+    src = 0 if flat else p.data(p.ic, p.isp, 8)
+    return Prim("jit:sse41", src, wei, p.data(p.oc, p.osp, 8), 0)
 
 
 def avx512_bwd_d(p: Geo, cpu: CpuProfile, nxc: bool) -> Prim | None:
@@ -106,22 +157,61 @@ def avx512_bwd_d(p: Geo, cpu: CpuProfile, nxc: bool) -> Prim | None:
 
 
 def avx2_bwd_d(p: Geo, cpu: CpuProfile, nxc: bool) -> Prim | None:
-    """``jit_avx2_conv_bwd_data_kernel_f32_t::init_conf``: nCx8c, channels
-    padded to 8 with one group, equal height and width strides; no scratchpad."""
-    if nxc or p.s[1] != p.s[2] or p.s[0] != 1:
+    """``jit_avx2_conv_bwd_data_kernel_f32_t::init_conf``: nCx8c data with the
+    channels padded to 8 with one group (channels-last data in place), OIx8o8i
+    weights padded to their blocks, equal height and width strides, a width
+    unroll and input-channel blocking that fit 15 registers; no scratchpad."""
+    if not cpu.avx2 or p.s[1] != p.s[2] or p.s[0] != 1:
         return None
     if (p.d[2] and p.s[2] != 1) or (p.d[1] and p.s[1] != 1):
         return None
     if p.ic < 8 and p.k[2] > 3 and p.s[2] > 1:
+        return None  # "gemm-based convolution performs better"
+    if _outside(p):
         return None
-    e, pr = p.ext_k, p.pr
-    if any(ek <= pl or ek <= r for ek, pl, r in zip(e, p.p, pr)):
+    pad = p.g == 1 and not nxc
+    ic = rnd_up(p.ic, 8) if pad else p.ic
+    oc = rnd_up(p.oc, 8) if pad else p.oc
+    if not nxc and (ic % 8 or oc % 8):
         return None
-    ic = rnd_up(p.ic, 8) if p.g == 1 else p.ic
-    oc = rnd_up(p.oc, 8) if p.g == 1 else p.oc
-    if ic % 8 or oc % 8:
+    if not _avx2_bwd_d_blocking(p, div_up(ic, 8)):
         return None
-    return Prim("jit:avx2", p.data(ic, p.isp, 8), p.g * oc * ic * p.ks * p.dsz, p.data(oc, p.osp, 8), 0)
+    wei = p.g * rnd_up(oc, 8) * rnd_up(ic, 8) * p.ks * p.dsz
+    if nxc:
+        return Prim("jit:avx2", 0, wei, 0, 0, src_fmt=p.data(p.ic, p.isp))
+    return Prim("jit:avx2", p.data(ic, p.isp, 8), wei, p.data(oc, p.osp, 8), 0)
+
+
+def _avx2_bwd_d_blocking(p: Geo, nb_ic: int) -> bool:
+    """The search for the width unroll and input-channel blocking with the most
+    FMAs (``ur_w * nb_ic_blocking + ur_w / stride_w <= 15`` registers), then the
+    overflow and tail checks of the backward-data kernel."""
+    sw, iw = p.s[2], p.i[2]
+    e = p.ext_k[2]
+    if sw + 1 > 15:
+        return False
+    l_overflow = max(0, (e - 1 - p.p[2]) // sw)
+    best, ur_w = 0, 1
+    for b in range(1, 5):
+        if nb_ic % b:
+            continue
+        u = sw
+        while u * b + u // sw <= 15 and u < iw + sw:
+            ur = min(u, iw)
+            if not (l_overflow * sw > ur and ur != iw):
+                nfmas = div_up(ur, sw) * b
+                if nfmas > best or (nfmas == best and ur_w < ur):
+                    best, ur_w = nfmas, ur
+            u += sw
+    if best == 0:
+        return False
+    tail = iw % ur_w
+    r_pad = p.pr[2]
+    numerator = e - 1 - r_pad - tail
+    r_overflow = max(0, int(numerator / sw))  # C division
+    if r_overflow * sw > ur_w:
+        return False
+    return not (iw > ur_w and (ur_w % sw or r_pad + tail < 0))
 
 
 _MIN_OH_REDUCE: Final = 9
@@ -234,9 +324,11 @@ def _jit_bwd_w_balance(
 def avx2_bwd_w(p: Geo, cpu: CpuProfile, nxc: bool) -> Prim | None:
     """``jit_avx2_conv_bwd_weights_kernel_f32_t::init_conf`` (also taken on
     AVX512 when the avx512 kernel refuses, e.g. 4..15 input channels): 8-channel
-    blocks (a flat nchw source when ic == 3); weights and bias gradients of
-    the threads sharing a group of jobs go through ``cpu_reducer_t``."""
-    if p.d != (0, 0, 0) or nxc:
+    blocks (a flat nchw source when ic == 3), channels padded to 8 with one
+    group, channels-last data in place (weights padded to their blocks); a
+    padded bias; weights and bias gradients of the threads sharing a group of
+    jobs go through ``cpu_reducer_t``."""
+    if not cpu.avx2 or p.d != (0, 0, 0):
         return None
     e = p.ext_k
     pr = tuple(max(0, x) for x in p.pr)
@@ -245,9 +337,10 @@ def avx2_bwd_w(p: Geo, cpu: CpuProfile, nxc: bool) -> Prim | None:
     flat = p.ic == 3
     if flat and p.g > 1:
         return None  # the pd picks blocked formats from the total channels, the kernel wants flat
-    oc = rnd_up(p.oc, 8) if p.g == 1 else p.oc
-    ic = p.ic if flat or p.g > 1 else rnd_up(p.ic, 8)
-    if oc % 8 or (not flat and ic % 8):
+    pad = p.g == 1 and not nxc
+    oc = rnd_up(p.oc, 8) if pad else p.oc
+    ic = rnd_up(p.ic, 8) if pad and not flat else p.ic
+    if not nxc and (oc % 8 or (not flat and ic % 8)):
         return None
     if not (p.k[2] < 14 and p.k[1] <= p.i[1] and p.p[1] < p.k[1] and p.k[0] <= p.i[0]):
         return None
@@ -255,10 +348,12 @@ def avx2_bwd_w(p: Geo, cpu: CpuProfile, nxc: bool) -> Prim | None:
     nb_ic, nb_oc = div_up(ic, ic_block), div_up(oc, 8)
     scratch = Pad()
     if p.bias and p.oc % 8:
-        scratch.book(p.g * oc * 4)
+        scratch.book(p.g * rnd_up(oc, 8) * 4)
     if p.bias:
         book_reducer(scratch, cpu.threads, 8, p.g * nb_oc, p.mb, 1 << 21)
     book_reducer(scratch, cpu.threads, p.ks * ic_block * 8, p.g * nb_ic * nb_oc, p.mb * p.o[0], 1 << 21)
+    wei = p.g * rnd_up(oc, 8) * (ic if flat else rnd_up(ic, 8)) * p.ks * p.dsz
+    if nxc:
+        return Prim("jit:avx2", 0, wei, 0, scratch.size)
     src = 0 if flat else p.data(ic, p.isp, 8)
-    wei = p.g * oc * ic * p.ks * p.dsz
     return Prim("jit:avx2", src, wei, p.data(oc, p.osp, 8), scratch.size)

@@ -17,17 +17,52 @@ __all__ = ["FWD", "BWD_D", "BWD_W", "pick", "deconv_fwd", "deconv_bwd_d", "decon
 # -- oneDNN: implementation lists (cpu_convolution_list.cpp, f32) ------------------------------
 
 
+#: Forward, in oneDNN's order for x64 f32; each implementation refuses what its
+#: ISA (``mayiuse``) or its conditions exclude. Left out: ``ip_convolution``
+#: and ``jit_uni_ncsp_convolution`` (avx512_core, plain layouts only, which
+#: PyTorch never asks for) and ``ref_convolution`` (never reached).
 FWD: Final = (
-    conv_dw.brdgmm_dw, conv_brgemm.brg_fwd_nxc, conv_dw.dw_fwd, conv_1x1.avx512_1x1("fwd"), conv_jit.avx512_fwd, conv_jit.avx2_fwd, conv_gemm.gemm_fwd, conv_gemm.gemm_nspc_fwd)
-
-
-BWD_D: Final = (
-    conv_brgemm.brg_bwd_nxc, conv_brgemm.brg_bwd_strided, conv_dw.dw_bwd_d, conv_1x1.avx512_1x1("bwd_d"), conv_jit.avx512_bwd_d,
-    conv_brgemm.brg_bwd_strided_avx2, conv_jit.avx2_bwd_d, conv_gemm.gemm_bwd_d, conv_gemm.gemm_nspc_bwd_d,
+    conv_dw.brdgmm_dw,
+    conv_brgemm.brg_fwd_nxc("avx512_core"),
+    conv_dw.dw_fwd("avx512_core"),
+    conv_1x1.avx512_1x1("fwd"),
+    conv_jit.avx512_fwd,
+    conv_dw.dw_fwd("avx2"),
+    conv_brgemm.brg_fwd_nxc("avx2"),
+    conv_1x1.avx2_1x1("fwd"),
+    conv_dw.dw_fwd("sse41"),
+    conv_1x1.sse41_1x1_fwd,
+    conv_jit.avx2_fwd,
+    conv_jit.sse41_fwd,
+    conv_gemm.gemm_fwd,
+    conv_gemm.gemm_nspc_fwd,
 )
-
-
-BWD_W: Final = (conv_dw.dw_bwd_w, conv_1x1.avx512_1x1("bwd_w"), conv_jit.avx512_bwd_w, conv_jit.avx2_bwd_w, conv_gemm.gemm_bwd_w, conv_gemm.gemm_nspc_bwd_w)
+BWD_D: Final = (
+    conv_brgemm.brg_bwd_nxc("avx512_core"),
+    conv_brgemm.brg_bwd_strided,
+    conv_dw.dw_bwd_d("avx512_core"),
+    conv_1x1.avx512_1x1("bwd_d"),
+    conv_jit.avx512_bwd_d,
+    conv_brgemm.brg_bwd_nxc("avx2"),
+    conv_brgemm.brg_bwd_strided_avx2,
+    conv_dw.dw_bwd_d("avx2"),
+    conv_1x1.avx2_1x1("bwd_d"),
+    conv_dw.dw_bwd_d("sse41"),
+    conv_jit.avx2_bwd_d,
+    conv_gemm.gemm_bwd_d,
+    conv_gemm.gemm_nspc_bwd_d,
+)
+BWD_W: Final = (
+    conv_dw.dw_bwd_w("avx512_core"),
+    conv_1x1.avx512_1x1("bwd_w"),
+    conv_jit.avx512_bwd_w,
+    conv_dw.dw_bwd_w("avx2"),
+    conv_1x1.avx2_1x1("bwd_w"),
+    conv_dw.dw_bwd_w("sse41"),
+    conv_jit.avx2_bwd_w,
+    conv_gemm.gemm_bwd_w,
+    conv_gemm.gemm_nspc_bwd_w,
+)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -58,7 +93,9 @@ def deconv_fwd(p: Geo, cpu: CpuProfile, nxc: bool) -> Prim | None:
         if prim is not None:
             prim = replace(prim, src=prim.dst, dst=prim.src)
     elif p.s == (1, 1, 1) and nxc:
-        prim = conv_brgemm.brg_fwd_nxc(swap(conv), cpu, nxc)
+        prim = conv_brgemm.brg_fwd_nxc("avx512_core")(swap(conv), cpu, nxc) or conv_brgemm.brg_fwd_nxc("avx2")(
+            swap(conv), cpu, nxc
+        )
     if prim is not None:
         scratch = Pad()
         scratch.book(prim.scratch)
