@@ -176,7 +176,9 @@ def _device_label(view: Mapping[str, Any]) -> str:
     env = view.get("environment", {})
     if view["device"].startswith("cuda") and env.get("gpu"):
         return f"{view['device']} ({env['gpu']})"
-    if env.get("cpu_threads"):
+    if env.get("cpu"):
+        return f"{view['device']} ({env['cpu']})"
+    if env.get("cpu_threads"):  # recorded before CPU profiles
         return f"{view['device']} ({env['cpu_threads']} threads, {env.get('cpu_isa', '?')})"
     return str(view["device"])
 

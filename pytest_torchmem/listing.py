@@ -32,7 +32,7 @@ OUTPUT_SCHEMA: Final = 1
 #: What ``show --sort`` takes: the test, or a figure (largest first).
 SORT_KEYS: Final = ("test", *FIGURES)
 #: Environment facts, in the order ``show`` summarises them.
-_ENV_ORDER: Final = ("torch", "gpu", "cpu_threads", "cpu_isa", "cuda_alloc_conf")
+_ENV_ORDER: Final = ("torch", "gpu", "cpu", "cpu_threads", "cpu_isa", "cuda_alloc_conf")
 #: ``diff`` exits with this when an entry fails (the command line's ``EXIT_FAILED``).
 _EXIT_FAILED: Final = 1
 
@@ -84,7 +84,8 @@ class Style:
 
 
 def environment_summary(environment: Mapping[str, Any]) -> str:
-    """``torch 2.13.0+cpu, 2 threads, AVX512`` or ``torch 2.13.0+cpu, H100``."""
+    """``torch 2.13.0+cpu, cpu avx2:4`` or ``torch 2.13.0+cpu, H100`` (files of version 0.1:
+    ``torch 2.13.0+cpu, 2 threads, AVX512``)."""
     names = sorted(environment, key=lambda n: (_ENV_ORDER.index(n) if n in _ENV_ORDER else 99, n))
     parts = []
     for name in names:

@@ -14,6 +14,7 @@ import pytest
 
 from pytest_torchmem import hookspecs
 from pytest_torchmem.session import (
+    DEFAULT_CPU,
     DEFAULT_DEVICES,
     DEFAULT_GPU,
     MARKER,
@@ -28,9 +29,10 @@ SESSION_KEY: Final = pytest.StashKey[TorchmemSession]()
 
 _MARKER_HELP: Final = (
     f"{MARKER}(forward=None, backward=None, step=None, peak=None, devices=None, rtol=None, "
-    "atol=None, gpu=None): memory caps of the step checked by the torchmem fixture (bytes, or "
-    "strings such as '512 MiB'), the devices to trace, the drift allowed from the snapshot, "
-    "and the GPU profile the cuda estimate follows (e.g. 'A100')."
+    "atol=None, gpu=None, cpu=None): memory caps of the step checked by the torchmem fixture "
+    "(bytes, or strings such as '512 MiB'), the devices to trace, the drift allowed from the "
+    "snapshot, the GPU profile the cuda estimate follows (e.g. 'A100') and the CPU profile the "
+    "cpu estimate follows (e.g. 'avx512:8', or 'host')."
 )
 
 
@@ -126,6 +128,14 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
     _option(
         parser,
+        "cpu",
+        "The CPU profile the fake cpu device models: ISA level (default, avx2, avx512) and "
+        f"intra-op threads, e.g. avx512:8, or host for this machine (default: {DEFAULT_CPU}, "
+        "the same bytes on every machine).",
+        metavar="PROFILE",
+    )
+    _option(
+        parser,
         "fail-on-improvement",
         "Fail checks whose memory shrank beyond the tolerance, so that snapshots get tightened.",
         "bool",
@@ -133,8 +143,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     _option(
         parser,
         "stale",
-        "What a snapshot entry recorded in another environment (torch version, CPU threads or "
-        "ISA, GPU profile) does: warn (default: reported, not compared) or fail.",
+        "What a snapshot entry recorded in another environment (torch version, CPU or GPU "
+        "profile) does: warn (default: reported, not compared) or fail.",
         choices=STALE_MODES,
     )
 

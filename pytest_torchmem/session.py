@@ -52,6 +52,7 @@ from pytest_torchmem.verdict import (
     failure_message,
     judge,
     parse_devices,
+    parse_cpu,
     parse_gpu,
     parse_marker,
     parse_rtol,
@@ -84,6 +85,10 @@ DEFAULT_DEVICES: Final[tuple[str, ...]] = ("cpu", "cuda")
 #: ``tracing.devices.cuda.profiles.DEFAULT_GPU``, spelled out so that the report
 #: header needs no torch (a test checks that the two agree).
 DEFAULT_GPU: Final = "H100"
+#: The CPU profile modelled when neither the marker nor ``--torchmem-cpu`` names one: a
+#: fixed profile, so that cpu entries recorded on any machine compare on any other.
+#: ``tracing.devices.cpu.profiles.DEFAULT_CPU``, spelled out like ``DEFAULT_GPU``.
+DEFAULT_CPU: Final = "avx2:4"
 #: The name of a check made without ``name=``.
 DEFAULT_NAME: Final = "default"
 #: The marker's name.
@@ -140,6 +145,8 @@ class Settings:
     measure: str = "auto"
     measure_rtol: float = 0.05
     gpu: str = DEFAULT_GPU
+    #: ``"avx2:4"``-style profile, or ``"host"``.
+    cpu: str = DEFAULT_CPU
     fail_on_improvement: bool = False
     stale: str = "warn"
 
@@ -157,6 +164,9 @@ class Settings:
             gpu, source = _option(config, "torchmem_gpu")
             if gpu is not None:
                 values["gpu"] = parse_gpu(gpu, known_gpus(), source)
+            cpu, source = _option(config, "torchmem_cpu")
+            if cpu is not None:
+                values["cpu"] = parse_cpu(cpu, source)
             rtol, rtol_source = _option(config, "torchmem_rtol")
             atol, atol_source = _option(config, "torchmem_atol")
             values["tolerance"] = Tolerance(
@@ -210,6 +220,7 @@ class Settings:
             "measure": self.measure,
             "measure_rtol": self.measure_rtol,
             "gpu_profile": self.gpu,
+            "cpu_profile": self.cpu,
             "fail_on_improvement": self.fail_on_improvement,
             "stale": self.stale,
         }
@@ -227,6 +238,17 @@ def known_gpus() -> tuple[str, ...]:
     from pytest_torchmem.tracing.devices.cuda.profiles import PROFILES
 
     return tuple(PROFILES)
+
+
+def _cpu_profile(name: str) -> Any:
+    """The :class:`~pytest_torchmem.CpuProfile` ``name`` says (``"host"``: this machine now)."""
+    __tracebackhide__ = True
+    from pytest_torchmem.tracing.devices.cpu.profiles import cpu_profile
+
+    try:
+        return cpu_profile(name)
+    except ValueError as exc:  # "host" on a machine no profile describes
+        pytest.fail(f"torchmem: cpu profile {name!r}: {exc}", pytrace=False)
 
 
 def _gpu_present() -> bool:
@@ -250,12 +272,12 @@ def _quote(target: str) -> str:
     return f'"{target}"'
 
 
-def device_environment(device: str, gpu: str) -> dict[str, Any]:
+def device_environment(device: str, gpu: str, cpu: str) -> dict[str, Any]:
     """What the figures of ``device`` depend on besides the model: recorded in each entry.
 
-    CPU kernels pick their paths and size their scratch by the intra-op thread
-    count and the vector ISA; the CUDA rules follow the GPU profile and the
-    caching allocator's configuration. Both follow the torch version. An entry
+    The CPU rules follow the CPU profile (``cpu``: its full name, with cache sizes
+    where they are not the level's), the CUDA rules the GPU profile and the
+    caching allocator's configuration; both follow the torch version. An entry
     recorded where any of these differ is stale: its bytes are not compared.
     """
     import torch
@@ -267,8 +289,7 @@ def device_environment(device: str, gpu: str) -> dict[str, Any]:
         if alloc_conf:  # recorded only when set, so that the default leaves no trace
             environment["cuda_alloc_conf"] = alloc_conf
     else:
-        environment["cpu_threads"] = torch.get_num_threads()
-        environment["cpu_isa"] = torch.backends.cpu.get_cpu_capability()
+        environment["cpu"] = cpu
     return environment
 
 
@@ -439,7 +460,7 @@ class TorchmemSession:
         return f"pytest --torchmem-update {_quote(target)}"
 
     def _estimate(
-        self, item: pytest.Item, request: StepRequest, device: str, name: str, gpu: str
+        self, item: pytest.Item, request: StepRequest, device: str, name: str, gpu: str, cpu: Any
     ) -> tuple[MemoryReport, Trace]:
         """The estimate on ``device`` with this session's rules, as the hooks adjust it,
         and the trace it was read from."""
@@ -458,6 +479,7 @@ class TorchmemSession:
                 optimizer=request.optimizer,
                 train=request.train,
                 gpu=gpu_profile(gpu) if device.startswith("cuda") else None,
+                cpu=cpu if device == "cpu" else None,
                 record_frames=self.settings.record_frames,
             )
         except RuntimeError as exc:
@@ -495,6 +517,7 @@ class TorchmemSession:
         spec = self.spec(item)
         devices = spec.devices or self.settings.devices
         gpu = spec.gpu or self.settings.gpu
+        cpu = _cpu_profile(spec.cpu or self.settings.cpu)
         path = snapshot_path(item.path)
         snapshot = self._snapshot_to_check(path)
         if isinstance(snapshot, str):  # failed outside the except: no chained traceback
@@ -502,7 +525,7 @@ class TorchmemSession:
         reports: dict[str, MemoryReport] = {}
         results: list[Result] = []
         for device in devices:
-            report, traced = self._estimate(item, request, device, name, gpu)
+            report, traced = self._estimate(item, request, device, name, gpu, cpu)
             measured = None
             if device.startswith("cuda") and self.measuring():
                 # What measure(device="cuda") does: the step on the real GPU, from
@@ -510,7 +533,7 @@ class TorchmemSession:
                 from pytest_torchmem.measuring import measure_step
 
                 measured = measure_step(dataclasses.replace(request, device="cuda"))
-            entry = Entry.from_report(report, device_environment(device, gpu), measured)
+            entry = Entry.from_report(report, device_environment(device, gpu, str(cpu)), measured)
             key = Key(module_test_id(item), name, device)
             result = judge(
                 nodeid=item.nodeid,
@@ -716,6 +739,7 @@ class TorchmemSession:
             "python": platform.python_version(),
             "platform": platform.platform(),
             "gpu_profile": self.settings.gpu,
+            "cpu_profile": self.settings.cpu,
             "cpu_threads": torch.get_num_threads(),
             "cpu_isa": torch.backends.cpu.get_cpu_capability(),
             # The GPU the cuda checks were measured on (--torchmem-measure), if any.
@@ -762,7 +786,7 @@ class TorchmemSession:
         mode = "update" if settings.update else "compare"
         return (
             f"torchmem: {mode}, devices {','.join(settings.devices)}, {settings.tolerance}, "
-            f"gpu profile {settings.gpu}"
+            f"gpu profile {settings.gpu}, cpu profile {settings.cpu}"
         )
 
     def summary_lines(self) -> list[str]:

@@ -3,7 +3,7 @@
 Each test module ``tests/test_x.py`` has one file ``tests/__torchmem__/test_x.json``::
 
     {
-      "schema": 1,
+      "schema": 2,
       "tests": {
         "<test id in the module>": {
           "<check name>": {
@@ -23,10 +23,17 @@ hand-edited entry with a wrong type, an unknown device) raises
 :class:`SnapshotFormatError`, which names the file and, where JSON gives one,
 the line; a file of a newer schema raises :class:`SnapshotError` and is never
 overwritten by this version.
+
+Schema 2 records the CPU profile of a ``cpu`` entry (``"environment": {"cpu":
+"avx2:4", ...}``). Schema-1 files, written before CPU profiles, still load:
+their ``cpu`` entries were estimated for the host they were recorded on, which
+:func:`legacy_cpu` names, so they are stale until re-recorded; the next write
+of the file upgrades it to schema 2.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import hashlib
 import json
@@ -55,12 +62,17 @@ __all__ = [
     "module_of",
     "write_merged",
     "unused_keys",
+    "legacy_cpu",
 ]
 
 #: Name of the directory beside a test module that holds its snapshot file.
 SNAPSHOT_DIR: Final = "__torchmem__"
-#: Version of the snapshot file format; files of another version are refused.
-FILE_SCHEMA: Final = 1
+#: Version of the snapshot file format written; older ones are read, newer ones refused.
+FILE_SCHEMA: Final = 2
+#: The oldest version read.
+_OLDEST_SCHEMA: Final = 1
+#: How a schema-1 ``cpu`` entry's environment names the CPU: the host it was recorded on.
+_LEGACY_CPU: Final = "host {isa}, {threads} threads (before CPU profiles)"
 #: The phases whose peaks are recorded and compared.
 PHASES: Final = ("forward", "backward", "step")
 #: The devices an entry can be recorded for: ``tracing.devices.DEVICES``, spelled
@@ -367,7 +379,7 @@ class SnapshotFile:
                 "pytest-torchmem to use it (--torchmem-update does not overwrite it with an "
                 "older schema)"
             )
-        if schema != FILE_SCHEMA:  # pragma: no cover - no older schema exists yet
+        if schema < _OLDEST_SCHEMA:  # pragma: no cover - no older schema exists
             raise refuse(f"it has schema {schema}, which this version cannot read")
         entries: dict[Key, Entry] = {}
         tests = data.get("tests", {})
@@ -393,6 +405,8 @@ class SnapshotFile:
                         entries[key] = Entry.from_json(entry)
                     except (TypeError, ValueError) as exc:
                         raise refuse(f"it has a malformed entry {key}: {exc}") from None
+                    if schema == 1 and device == "cpu":
+                        entries[key] = _upgraded_cpu_entry(entries[key])
         return cls(path, entries)
 
     def get(self, key: Key) -> Entry | None:
@@ -410,6 +424,21 @@ class SnapshotFile:
             ].to_json()
         document = {"schema": FILE_SCHEMA, "tests": tests}
         return json.dumps(document, indent=2, sort_keys=True, ensure_ascii=False) + "\n"
+
+
+def _upgraded_cpu_entry(entry: Entry) -> Entry:
+    """A schema-1 ``cpu`` entry: its environment names the host it was recorded on
+    (``cpu_threads``, ``cpu_isa``) in place of a CPU profile."""
+    environment = dict(entry.environment)
+    threads = environment.pop("cpu_threads", "?")
+    isa = environment.pop("cpu_isa", "?")
+    environment["cpu"] = _LEGACY_CPU.format(isa=isa, threads=threads)
+    return dataclasses.replace(entry, environment=environment)
+
+
+def legacy_cpu(value: Any) -> bool:
+    """Whether ``value``, an entry's ``cpu`` environment, names the host of a schema-1 file."""
+    return isinstance(value, str) and value.endswith("(before CPU profiles)")
 
 
 def write_merged(

@@ -13,7 +13,7 @@ from typing import Any, Final
 
 from tabulate import tabulate
 
-from pytest_torchmem.snapshots import Key
+from pytest_torchmem.snapshots import Key, legacy_cpu
 from pytest_torchmem.units import format_bytes, format_delta
 from pytest_torchmem.verdict import Result, Status, stale_reason
 
@@ -165,6 +165,17 @@ def stale_lines(results: Sequence[Result], *, mode: str) -> list[str]:
             "(--torchmem-stale=warn; budgets still apply)"
         )
     lines.append(f"{count} {verdict}")
+    legacy = sum(
+        any(change.name == "cpu" and legacy_cpu(change.snapshot) for change in result.stale)
+        for result in stale
+    )
+    if legacy:
+        lines.append(
+            f"{legacy} cpu snapshot entr{'y was' if legacy == 1 else 'ies were'} recorded by "
+            "pytest-torchmem 0.1 for the CPU of the machine that recorded them; cpu entries are "
+            "now estimated for a CPU profile (--torchmem-cpu, default avx2:4) and then compare on "
+            "any machine: re-record them once with pytest --torchmem-update"
+        )
     return lines
 
 

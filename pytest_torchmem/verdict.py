@@ -22,6 +22,8 @@ __all__ = [
     "MarkerSpec",
     "parse_marker",
     "parse_gpu",
+    "parse_cpu",
+    "CPU_ISA_LEVELS",
     "Tolerance",
     "Status",
     "Change",
@@ -44,7 +46,10 @@ __all__ = [
 
 #: The figures a ``memory_budget`` marker can cap.
 BUDGETS: Final = ("forward", "backward", "step", "peak")
-_MARKER_KEYS: Final = (*BUDGETS, "devices", "rtol", "atol", "gpu")
+_MARKER_KEYS: Final = (*BUDGETS, "devices", "rtol", "atol", "gpu", "cpu")
+#: The ISA levels of CPU profiles: ``tracing.devices.cpu.profiles.ISA_LEVELS``, spelled
+#: out so that reading options and markers needs no torch (a test checks that the two agree).
+CPU_ISA_LEVELS: Final = ("default", "avx2", "avx512")
 _MARKER: Final = "memory_budget"
 #: The name ``step.ModuleTracker`` gives the model itself (not imported: it needs torch).
 _ROOT_NAME: Final = "(model)"
@@ -79,6 +84,8 @@ class MarkerSpec:
     atol: int | None = None
     #: The GPU profile the ``cuda`` estimate follows (a name from ``PROFILES``).
     gpu: str | None = None
+    #: The CPU profile the ``cpu`` estimate follows (``"avx2:4"``, or ``"host"``).
+    cpu: str | None = None
 
     def tolerance(self, default: Tolerance) -> Tolerance:
         return Tolerance(
@@ -148,6 +155,25 @@ def parse_gpu(value: Any, known: Iterable[str], where: str) -> str:
     raise MarkerError(f"{where}: unknown GPU profile {value!r}; known profiles: {', '.join(known)}")
 
 
+def parse_cpu(value: Any, where: str) -> str:
+    """A CPU profile: ``"<ISA level>:<intra-op threads>"`` (``"avx2:4"``) or ``"host"``,
+    normalised (lower case, no spaces)."""
+    fix = (
+        f"write '<level>:<threads>' such as 'avx2:4' (levels: {', '.join(CPU_ISA_LEVELS)}), "
+        "or 'host' for this machine"
+    )
+    if not isinstance(value, str):
+        raise MarkerError(f"{where}: a CPU profile is a string; {fix}, got {value!r}")
+    text = value.strip().lower()
+    if text == "host":
+        return text
+    level, sep, threads = text.partition(":")
+    level, threads = level.strip(), threads.strip()
+    if not sep or level not in CPU_ISA_LEVELS or not threads.isdigit() or int(threads) < 1:
+        raise MarkerError(f"{where}: cannot read {value!r} as a CPU profile; {fix}")
+    return f"{level}:{int(threads)}"
+
+
 def parse_marker(
     marks: Sequence[Any], valid_devices: Iterable[str], gpus: Iterable[str] = ()
 ) -> MarkerSpec:
@@ -190,7 +216,10 @@ def parse_marker(
     gpu = None
     if merged.get("gpu") is not None:
         gpu = parse_gpu(merged["gpu"], gpus, f"{_MARKER}(gpu={merged['gpu']!r})")
-    return MarkerSpec(budgets=budgets, devices=devices, rtol=rtol, atol=atol, gpu=gpu)
+    cpu = None
+    if merged.get("cpu") is not None:
+        cpu = parse_cpu(merged["cpu"], f"{_MARKER}(cpu={merged['cpu']!r})")
+    return MarkerSpec(budgets=budgets, devices=devices, rtol=rtol, atol=atol, gpu=gpu, cpu=cpu)
 
 
 class Status(str, Enum):
@@ -676,7 +705,7 @@ def _table(result: Result) -> list[str]:
 
 
 def stale_reason(result: Result) -> str:
-    """``cpu_threads 4 -> 2, torch 2.12.0 -> 2.13.0``: what differs, snapshot -> this run."""
+    """``cpu avx512:8 -> avx2:4, torch 2.12.0 -> 2.13.0``: what differs, snapshot -> this run."""
     return ", ".join(map(str, result.stale))
 
 

@@ -284,12 +284,11 @@ def test_show_a_snapshot_file_in_exact_bytes(saved: Path) -> None:
         for test, name in (("test_eval", "eval"), ("test_gone", "default"), ("test_mlp", "default"))
         for device in ("cpu", "cuda")
     }
-    threads, isa = torch.get_num_threads(), torch.backends.cpu.get_cpu_capability()
     # Linear(8, 4) without grad on a (2, 8) input: 144 B of parameters, 64 B of input,
     # 32 B of output.
     assert rows["test_m.py::test_eval", "eval", "cpu"] == [
         *("test_m.py::test_eval", "eval", "cpu", "240", "0", "0", "240", "-"),
-        *("torch", f"{torch.__version__},", f"{threads}", f"thread{'s' * (threads != 1)},", isa),
+        *("torch", f"{torch.__version__},", "cpu", "avx2:4"),
     ]
     # On the fake H100: weight, bias, input and output in 512 B blocks, and cuBLAS's
     # 32 MiB workspace.
@@ -510,14 +509,14 @@ def test_diff_stale_entries_are_marked_and_not_compared(saved: Path) -> None:
     path = saved / "base" / "test_m.json"
     data = read(path)
     cpu = data["tests"]["test_mlp"]["default"]["cpu"]
-    threads = cpu["environment"]["cpu_threads"]
-    cpu["environment"]["cpu_threads"] = threads + 1
+    assert cpu["environment"]["cpu"] == "avx2:4"
+    cpu["environment"]["cpu"] = "avx2:8"
     path.write_text(json.dumps(data))
     done = cli("diff", "base", "tests", "--fail-on", "any:0", "--device", "cpu", cwd=saved)
     assert done.returncode == 0, done.stdout  # not compared: the growth does not fail
     assert "stale (recorded in another environment: figures not compared):" in done.stdout
     assert (
-        f"test_m.py::test_mlp [default] on cpu: cpu_threads {threads + 1} -> {threads}"
+        "test_m.py::test_mlp [default] on cpu: cpu avx2:8 -> avx2:4"
         in done.stdout
     )
     assert "stale: not compared" in done.stdout
@@ -598,7 +597,7 @@ def test_diff_json_and_markdown(saved: Path) -> None:
             "cannot read bad.json:2:1: it holds git conflict markers",
         ),
         ("[1, 2]\n", "bad.json is neither a pytest-torchmem snapshot file"),
-        ('{"schema": 2, "tests": {}}', "bad.json has schema 2"),
+        ('{"schema": 3, "tests": {}}', "bad.json has schema 3"),
         ('{"schema": 1, "tests": {"t": {"default": {"cpu": {"step_peak": 1}}}}}', "forward_peak"),
         ('{"schema": 9, "results": []}', "bad.json is a JSON report of schema 9"),
         (

@@ -118,7 +118,7 @@ class TestModels:
     text = path.read_text()
     data = json.loads(text)
     assert text == json.dumps(data, indent=2, sort_keys=True, ensure_ascii=False) + "\n"
-    assert data["schema"] == 1
+    assert data["schema"] == 2
     assert sorted(data["tests"]) == [
         "TestModels::test_a",
         "TestModels::test_b[4]",
@@ -130,7 +130,7 @@ class TestModels:
     assert cpu["breakdown"]["inputs"] == 64
     assert cpu["peak"] == max(cpu["forward_peak"], cpu["backward_peak"], cpu["step_peak"])
     assert cpu["environment"]["torch"] == torch.__version__
-    assert cpu["environment"]["cpu_threads"] == torch.get_num_threads()
+    assert cpu["environment"] == {"torch": torch.__version__, "cpu": "avx2:4"}
     assert data["tests"]["TestModels::test_b[8]"]["eval"]["cpu"]["backward_peak"] == 0
 
     # Change one test: only its entry's lines change.
@@ -338,7 +338,7 @@ class TestX:
         ('rtol="two percent"', "memory_budget(rtol='two percent'): cannot read 'two percent' *"),
         (
             "budget=5",
-            "*does not know 'budget'; it takes forward, backward, step, peak, devices, rtol, atol, gpu",
+            "*does not know 'budget'; it takes forward, backward, step, peak, devices, rtol, atol, gpu, cpu",
         ),
         (
             'gpu="H1000"',
@@ -488,6 +488,7 @@ torchmem_json = reports/torchmem.json
 torchmem_measure = off
 torchmem_measure_rtol = 0.1
 torchmem_gpu = A100
+torchmem_cpu = AVX512:8
 torchmem_fail_on_improvement = true
 torchmem_stale = fail
 """
@@ -495,7 +496,7 @@ torchmem_stale = fail
     result = pytester.runpytest()
     assert result.ret == 0
     result.stdout.fnmatch_lines(
-        ["torchmem: update, devices cpu, rtol 0.25, atol 2.00 KiB, gpu profile A100"]
+        ["torchmem: update, devices cpu, rtol 0.25, atol 2.00 KiB, gpu profile A100, cpu profile avx512:8"]
     )
     settings = json.loads((pytester.path / "reports" / "torchmem.json").read_text())["settings"]
     assert settings == {
@@ -507,6 +508,7 @@ torchmem_stale = fail
         "measure": "off",
         "measure_rtol": 0.1,
         "gpu_profile": "A100",
+        "cpu_profile": "avx512:8",
         "fail_on_improvement": True,
         "stale": "fail",
         "measured_on_gpu": False,
@@ -514,11 +516,13 @@ torchmem_stale = fail
     assert (pytester.path / "__torchmem__" / "test_m.json").is_file()
     # The command line wins over the ini file.
     result = pytester.runpytest(
-        "--torchmem-gpu", "H200", "--torchmem-rtol", "0", "--torchmem-json", "cli.json"
+        "--torchmem-gpu", "H200", "--torchmem-rtol", "0", "--torchmem-json", "cli.json",
+        "--torchmem-cpu", "default:1",
     )
     assert result.ret == 0
     settings = json.loads((pytester.path / "cli.json").read_text())["settings"]
     assert settings["gpu_profile"] == "H200" and settings["rtol"] == 0.0
+    assert settings["cpu_profile"] == "default:1"
 
 
 @pytest.mark.parametrize(
@@ -665,7 +669,7 @@ def test_gpu_profile_from_marker_option_and_ini(pytester: pytest.Pytester) -> No
     assert result.ret == 0
     result.stdout.fnmatch_lines(
         [
-            "torchmem: compare, devices cpu,cuda, rtol 0, atol 0 B, gpu profile A100",
+            "torchmem: compare, devices cpu,cuda, rtol 0, atol 0 B, gpu profile A100, cpu profile avx2:4",
             "test_m.py::test_h100  cuda * gpu H100 -> A100  stale",
             "torchmem: 4 checks: 3 passed, 0 regressed, 0 improved, 0 missing, 0 unused, 1 stale",
         ]
@@ -683,9 +687,9 @@ def test_entry_from_another_environment_is_stale(pytester: pytest.Pytester) -> N
     path = pytester.path / "__torchmem__" / "test_m.json"
     data = json.loads(path.read_text())
     cpu = data["tests"]["test_linear"]["default"]["cpu"]
-    threads = torch.get_num_threads()
-    # Recorded on a bigger machine, whose kernels needed other scratch: the bytes differ too.
-    cpu["environment"]["cpu_threads"] = threads + 6
+    assert cpu["environment"]["cpu"] == "avx2:4"  # the plugin's default CPU profile
+    # Recorded for a bigger CPU, whose kernels needed other scratch: the bytes differ too.
+    cpu["environment"]["cpu"] = "avx512:8"
     cpu["forward_peak"] = 8
     path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
 
@@ -693,11 +697,11 @@ def test_entry_from_another_environment_is_stale(pytester: pytest.Pytester) -> N
     assert result.ret == 0  # by default a stale entry is reported, and does not fail
     result.stdout.fnmatch_lines(
         [
-            f"test_m.py::test_linear  cpu * cpu_threads {threads + 6} -> {threads}  stale",
+            "test_m.py::test_linear  cpu * cpu avx512:8 -> avx2:4  stale",
             "test_m.py::test_linear  cuda * 0 B * passed",
             (
-                "stale: test_m.py::test_linear on cpu: snapshot environment differs (cpu_threads "
-                f"{threads + 6} -> {threads}); re-record on this machine with: "
+                "stale: test_m.py::test_linear on cpu: snapshot environment differs (cpu "
+                "avx512:8 -> avx2:4); re-record on this machine with: "
                 'pytest --torchmem-update "test_m.py::test_linear"'
             ),
             (
@@ -716,7 +720,7 @@ def test_entry_from_another_environment_is_stale(pytester: pytest.Pytester) -> N
                 "torchmem: stale on cpu: test_m.py::test_linear [[]default[]]",
                 (
                     "cpu: the snapshot entry was recorded in another environment "
-                    f"(cpu_threads {threads + 6} -> {threads}): its figures are not compared "
+                    "(cpu avx512:8 -> avx2:4): its figures are not compared "
                     "with this run's (estimate: peak *, snapshot: peak *)"
                 ),
                 're-record the entry on this machine with: pytest --torchmem-update "test_m.py::test_linear"',
@@ -742,10 +746,8 @@ def test_entry_from_another_environment_is_stale(pytester: pytest.Pytester) -> N
     result.stdout.fnmatch_lines(["test_m.py::test_linear  cpu * updated"])
     assert pytester.runpytest().ret == 0
     assert (
-        json.loads(path.read_text())["tests"]["test_linear"]["default"]["cpu"]["environment"][
-            "cpu_threads"
-        ]
-        == threads
+        json.loads(path.read_text())["tests"]["test_linear"]["default"]["cpu"]["environment"]["cpu"]
+        == "avx2:4"
     )
 
 
@@ -771,6 +773,7 @@ def test_json_report(pytester: pytest.Pytester) -> None:
         "python",
         "platform",
         "gpu_profile",
+        "cpu_profile",
         "cpu_threads",
     }
     assert report["environment"]["torch"] == torch.__version__

@@ -439,7 +439,7 @@ def test_a_newer_schema_is_never_overwritten(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(test_m=HEADER + LINEAR.format(out=4))
     path = snapshot_dir(pytester) / "test_m.json"
     path.parent.mkdir()
-    path.write_bytes(edited(lambda d: d.update(schema=2))(good_text()))
+    path.write_bytes(edited(lambda d: d.update(schema=3))(good_text()))
     before = path.read_bytes()
     for args in ([], ["--torchmem-update"]):
         result = pytester.runpytest(*args)
@@ -448,8 +448,8 @@ def test_a_newer_schema_is_never_overwritten(pytester: pytest.Pytester) -> None:
         result.stdout.fnmatch_lines(
             [
                 (
-                    "snapshot file */__torchmem__/test_m.json has schema 2: it was written by a newer "
-                    "pytest-torchmem (this version reads and writes schema 1); upgrade pytest-torchmem "
+                    "snapshot file */__torchmem__/test_m.json has schema 3: it was written by a newer "
+                    "pytest-torchmem (this version reads and writes schema 2); upgrade pytest-torchmem "
                     "to use it (--torchmem-update does not overwrite it with an older schema)"
                 )
             ]

@@ -88,7 +88,9 @@ def test_a_suite_that_checks_no_memory_never_imports_torch(pytester: pytest.Pyte
     result = pytester.runpytest_subprocess(*args)
     result.assert_outcomes(passed=1)
     assert result.ret == 0
-    result.stdout.fnmatch_lines(["torchmem: compare, devices cpu,cuda, *, gpu profile H100"])
+    result.stdout.fnmatch_lines(
+        ["torchmem: compare, devices cpu,cuda, *, gpu profile H100, cpu profile avx2:4"]
+    )
 
 
 def test_the_plugins_default_gpu_is_the_device_models() -> None:

@@ -27,7 +27,7 @@ def brg_bwd_strided(p: Geo, cpu: CpuProfile, nxc: bool, simd: int = 16) -> Prim 
     convolutions) in nhwc, with per-thread brgemm batches (40-byte elements
     rounded to a page), per-thread copies of the output gradient padded by
     the kernel overflow (``inp_buffer``) and their masks, page aligned."""
-    if p.s == (1, 1, 1) or p.d != (0, 0, 0) or (simd == 16 and not cpu.avx512):
+    if p.s == (1, 1, 1) or p.d != (0, 0, 0) or not (cpu.avx512 if simd == 16 else cpu.avx2):
         return None
     if p.g > 1 and p.oc <= simd:
         return None  # grouped convolutions with small oc
