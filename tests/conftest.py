@@ -11,8 +11,8 @@ from collections.abc import Iterator  # noqa: E402
 from exactness import intra_op_threads  # noqa: E402
 
 
-@pytest.fixture(params=[1, 2], ids=lambda n: f"{n}thread")
+@pytest.fixture(params=[1, 2, 4], ids=lambda n: f"{n}thread")
 def threads(request: pytest.FixtureRequest) -> Iterator[int]:
-    """Run the test at 1 and at 2 intra-op threads (CPU kernels' buffers depend on it)."""
+    """Run the test at 1, 2 and 4 intra-op threads (CPU kernels' buffers depend on it)."""
     with intra_op_threads(request.param) as n:
         yield n

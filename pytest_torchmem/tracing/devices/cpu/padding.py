@@ -10,12 +10,18 @@ The format is the channels-last one when the 2-d (3-d) op's input, or output
 gradient, suggests it (``suggest_memory_format``; a 4-d input of a 3-d op is
 an unbatched CDHW, always contiguous); 1-d ops always use the contiguous
 kernel. The outputs come first (structured kernels).
+
+The outputs' layouts: the 3-d forward and every 2-d and 3-d backward lay their
+result out in the input's suggested memory format (``padding_memory_format_3d``;
+``grad_input`` resized to ``input.suggest_memory_format()``), where the fake
+kernels make contiguous tensors: a channels-last input gets a channels-last
+result (which changes the copies above, and the next kernels' paths).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Final
+from typing import Any, Final
 
 import torch
 from torch._prims_common import suggest_memory_format
@@ -58,6 +64,28 @@ def _copies(fmt: torch.memory_format, tensors: Sequence[tuple[str, torch.Tensor]
         for name, t in tensors
         if t.numel() and not t.is_contiguous(memory_format=fmt)
     ]
+
+
+def _laid_out(out: torch.Tensor, fmt: torch.memory_format) -> torch.Tensor:
+    if out.is_contiguous(memory_format=fmt):
+        return out
+    return torch.empty_like(out, memory_format=fmt)
+
+
+@CPU.implementation(aten.reflection_pad3d.default, aten.replication_pad3d.default)
+def _pad3d_layout(call: OpCall) -> Any:
+    """``padding_memory_format_3d(input)``: a channels-last-3d input, a channels-last-3d result."""
+    return _laid_out(call.func(*call.args, **call.kwargs), _format(call.args[0], 3))
+
+
+@CPU.implementation(
+    aten.reflection_pad2d_backward.default, aten.replication_pad2d_backward.default,
+    aten.reflection_pad3d_backward.default, aten.replication_pad3d_backward.default,
+)  # fmt: skip
+def _pad_backward_layout(call: OpCall) -> Any:
+    """``grad_input`` in the input's suggested memory format (``padding_memory_format_3d``)."""
+    dims = _BACKWARD[call.func.overloadpacket]
+    return _laid_out(call.func(*call.args, **call.kwargs), _format(call.args[1], dims))
 
 
 @CPU.scratch(*_FORWARD)
