@@ -2,10 +2,15 @@
 
     python benchmarks/accuracy.py [case ...]                 # CPU: profiler allocator events
     python benchmarks/accuracy.py --device cuda [case ...]   # GPU: torch.cuda peak statistics
+    python benchmarks/accuracy.py --profiles                 # every CPU level here x 1, 2, 4 threads
 
 Prints, per model family and phase, the estimate, the measurement and the
 error; ``--device cuda`` needs a GPU and names its profile with ``--gpu``
 (default: the profile whose name appears in the device's name, else H100).
+``--profiles`` prints one line per CPU profile this host can run (each level up
+to the host's, capped with ``ATEN_CPU_CAPABILITY``/``ONEDNN_MAX_CPU_ISA``, at 1,
+2 and 4 intra-op threads): the families exact in every phase and the worst
+error, the ground truth measured in a capped process (``tests/profiled.py``).
 Exits 1 unless every case is exact (cpu) or within ``--rtol`` (cuda).
 """
 
@@ -37,14 +42,49 @@ def _gpu_name(requested: str | None) -> str | None:
     return None
 
 
+def _profiles(cases: list) -> int:
+    from profiled import as_measured_here, measure_zoo, reachable
+
+    from pytest_torchmem.tracing.devices.cpu.profiles import ISA_LEVELS, CpuProfile
+
+    rows = []
+    failed = 0
+    for level in ISA_LEVELS:
+        for threads in (1, 2, 4):
+            profile = CpuProfile(level, threads)
+            if not reachable(profile):
+                rows.append([str(profile), "-", "-", "not reachable on this host"])
+                continue
+            here = as_measured_here(profile)
+            measured = measure_zoo(here, [case.name for case in cases])
+            exact, worst, worst_case = 0, 0.0, ""
+            for case in cases:
+                model, inputs = case.make()
+                est = tm.estimate(model, inputs, cpu=here, **case.options).phase_peaks()
+                real = measured[case.name]
+                errors = [abs(est[p] - real[p]) / real[p] for p in real if real[p] and est[p] != real[p]]
+                exact += not errors
+                if errors and max(errors) > worst:
+                    worst, worst_case = max(errors), case.name
+            failed += exact != len(cases)
+            rows.append([str(profile), f"{exact}/{len(cases)}", f"{worst:.3%}", worst_case])
+    print(tabulate(rows, headers=["profile", "exact families", "worst error", "worst family"]))
+    return 1 if failed else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("cases", nargs="*", help="zoo case names (default: all)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--gpu", default=None, help="GPU profile for --device cuda")
     parser.add_argument("--rtol", type=float, default=0.01, help="allowed error on cuda (default 1%%)")
+    parser.add_argument(
+        "--profiles", action="store_true", help="one line per CPU level and thread count (capped processes)"
+    )
     options = parser.parse_args(argv)
     warnings.filterwarnings("ignore")
+    if options.profiles:
+        return _profiles([case for case in CASES if not options.cases or case.name in options.cases])
     gpu = _gpu_name(options.gpu) if options.device == "cuda" else None
     rows = []
     good = 0

@@ -722,7 +722,7 @@ def programs(draw: Any) -> Program:
         loss=draw(st.sampled_from(["default", "default", "square_mean", "mse", "cross_entropy"])),
         grads=draw(st.sampled_from(["none", "none", "some", "all"])) if train else "none",
         frozen=train and draw(st.booleans()) and draw(st.booleans()),
-        threads=draw(st.sampled_from([1, 2])),
+        threads=draw(st.sampled_from([1, 2, 4])),
     )
 
 

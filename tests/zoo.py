@@ -262,6 +262,46 @@ def inplace() -> tuple[nn.Module, Any]:
     return InPlace(), torch.randn(32, 64)
 
 
+class LayerNorm2d(nn.LayerNorm):
+    """ConvNeXt's channels-first LayerNorm: normalise over C of an N x C x H x W map."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
+
+
+class ConvNeXtBlock(nn.Module):
+    """Depthwise 7x7, then LayerNorm and the MLP on channels-last permutes, layer
+    scale and the residual (ConvNeXt's block, as torchvision writes it)."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.dwconv = nn.Conv2d(dim, dim, 7, padding=3, groups=dim)
+        self.norm = nn.LayerNorm(dim, eps=1e-6)
+        self.pwconv1 = nn.Linear(dim, 4 * dim)
+        self.act = nn.GELU()
+        self.pwconv2 = nn.Linear(4 * dim, dim)
+        self.gamma = nn.Parameter(torch.full((dim,), 1e-6))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.dwconv(x).permute(0, 2, 3, 1)
+        h = self.pwconv2(self.act(self.pwconv1(self.norm(h))))
+        return x + (self.gamma * h).permute(0, 3, 1, 2)
+
+
+def convnext(channels_last: bool = False) -> tuple[nn.Module, Any]:
+    model = nn.Sequential(
+        nn.Conv2d(3, 32, 4, stride=4), LayerNorm2d(32, eps=1e-6),
+        ConvNeXtBlock(32), ConvNeXtBlock(32),
+        LayerNorm2d(32, eps=1e-6), nn.Conv2d(32, 64, 2, stride=2),
+        ConvNeXtBlock(64),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.LayerNorm(64), nn.Linear(64, 10),
+    )
+    x = torch.randn(4, 3, 64, 64)
+    if channels_last:
+        model, x = model.to(memory_format=torch.channels_last), x.contiguous(memory_format=torch.channels_last)
+    return model, x
+
+
 CASES: list[Case] = [
     Case("mlp", mlp),
     Case("mlp_eval", mlp, {"train": False}),
@@ -283,4 +323,6 @@ CASES: list[Case] = [
     Case("inplace", inplace),
     Case("sgd_momentum", mlp, {"optimizer": sgd}),
     Case("adamw", transformer_encoder, {"optimizer": adamw}),
+    Case("convnext", convnext, {"optimizer": adamw}),
+    Case("convnext_channels_last", lambda: convnext(channels_last=True)),
 ]

@@ -1,0 +1,83 @@
+"""Ground truth for a CPU profile: the model zoo measured in a process capped to its level.
+
+``measure`` reads the CPU the process runs on. For a profile below this host's
+level, the zoo is measured in a subprocess whose ATen and oneDNN are capped to
+that level (``ATEN_CPU_CAPABILITY``, ``ONEDNN_MAX_CPU_ISA``) and that runs at the
+profile's intra-op thread count; the estimate under the named profile, made in
+any process, must give the same bytes. Used by ``tests/test_accuracy_profiles.py``
+and ``benchmarks/accuracy.py --profiles``.
+
+    python tests/profiled.py THREADS [case ...]   # in the capped process: JSON on stdout
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from pytest_torchmem.tracing.devices.cpu.profiles import (
+    ISA_LEVELS,
+    CpuProfile,
+    capped_environment,
+    host_profile,
+)
+
+_HERE = Path(__file__).resolve()
+
+
+def reachable(profile: CpuProfile) -> bool:
+    """Whether this host can run ``profile``'s level (capping only lowers it) with the
+    host's cache sizes (the levels' cache sizes are the typical ones, not this host's)."""
+    host = host_profile()
+    return ISA_LEVELS.index(profile.isa) <= ISA_LEVELS.index(host.isa)
+
+
+def as_measured_here(profile: CpuProfile) -> CpuProfile:
+    """``profile`` with this host's cache sizes: what a capped process here really is."""
+    host = host_profile()
+    return CpuProfile(profile.isa, profile.threads, l1d=host.l1d, l2=host.l2, l3=host.l3)
+
+
+def measure_zoo(profile: CpuProfile, names: Sequence[str]) -> dict[str, dict[str, int]]:
+    """``measure`` of the zoo ``names`` in a process capped to ``profile``: name -> phase peaks."""
+    env = {**os.environ, **capped_environment(profile)}
+    done = subprocess.run(
+        [sys.executable, str(_HERE), str(profile.threads), *names],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"measuring under {profile} failed:\n{done.stderr[-4000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _main(argv: list[str]) -> int:
+    import warnings
+
+    import torch
+
+    import pytest_torchmem as tm
+    from zoo import CASES
+
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(int(argv[0]))
+    wanted = set(argv[1:])
+    out = {}
+    for case in CASES:
+        if wanted and case.name not in wanted:
+            continue
+        model, inputs = case.make()
+        out[case.name] = tm.measure(model, inputs, **case.options).phase_peaks()
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(_HERE.parent))
+    raise SystemExit(_main(sys.argv[1:]))

@@ -1,0 +1,44 @@
+"""The accuracy suite on every CPU level this host can run, at 1, 2 and 4 threads.
+
+The estimate under a named profile (``cpu="default:4"``) is made in this process;
+its ground truth is ``measure`` in a process capped to that level and thread count
+(``tests/profiled.py``). On an AVX2 host this covers the ``default`` level (a CPU
+without AVX: ATen's DEFAULT kernels, oneDNN's SSE4.1 ones) and AVX2; on an AVX512
+host, AVX512 too. The host's own level at its own thread counts is covered in
+process (at the process's thread count) by ``test_accuracy_cpu.py``.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import pytest_torchmem as tm
+from profiled import as_measured_here, measure_zoo, reachable
+from pytest_torchmem.tracing.devices.cpu.profiles import ISA_LEVELS, CpuProfile
+from test_accuracy_cpu import TOLERANCES
+from zoo import CASES
+
+#: Every level this host can run, at 1 and 4 threads (``test_accuracy_cpu`` runs the
+#: host's level at the process's own thread count).
+PROFILES = [
+    CpuProfile(level, threads)
+    for level in ISA_LEVELS
+    for threads in (1, 4)
+    if reachable(CpuProfile(level, 1))
+]
+
+
+@pytest.mark.parametrize("profile", PROFILES, ids=str)
+def test_every_family_is_exact_on_the_level(profile: CpuProfile) -> None:
+    here = as_measured_here(profile)
+    measured = measure_zoo(here, [case.name for case in CASES])
+    wrong = {}
+    for case in CASES:
+        model, inputs = case.make()
+        estimated = tm.estimate(model, inputs, cpu=here, **case.options)
+        tolerance = TOLERANCES.get(case.name, (0, ""))[0]
+        real = measured[case.name]
+        errors = {phase: estimated.phase_peaks()[phase] - real[phase] for phase in real}
+        if estimated.unsupported or any(abs(error) > tolerance for error in errors.values()):
+            wrong[case.name] = (errors, estimated.unsupported)
+    assert wrong == {}
