@@ -112,7 +112,7 @@ def test_backward_weights_reduction_buffer_per_extra_thread(threads: int) -> Non
     threads: the second accumulates into its own weights+bias copy, plus a
     page-sized barrier. One thread: no scratchpad."""
     if threads > 2:
-        pytest.skip("worked out by hand for 1 and 2 threads (balance() at 4 is checked on hardware)")
+        pytest.skip("the figures were worked out by hand for 1 and 2 threads")
     got = conv_backward((8, 16, 16, 16), (32, 16, 3, 3), (8, 32, 16, 16), mask=(True, True, True), padding=1)
     reduction = (32 * 16 * 9 + 32) * 4 + 128 + 4096 + 4096
     assert got.get("scratchpad", 0) == (reduction if threads == 2 else 0)
