@@ -72,15 +72,7 @@ def _mkldnn_enabled() -> bool:
 def _onednn_usable(cpu: CpuProfile, dtype: torch.dtype) -> bool:
     """``use_mkldnn_bf16_matmul()`` / ``use_mkldnn_fp16_matmul()`` (no tensors): oneDNN
     computes this reduced-precision matmul on the modelled CPU."""
-    return _mkldnn_enabled() and onednn_supports(cpu, dtype)
-
-
-def onednn_supports(cpu: CpuProfile, dtype: torch.dtype) -> bool:
-    """``mkldnn_bf16_device_check()`` / ``mkldnn_fp16_device_check()``: ideep's
-    ``has_bf16_type_support`` (oneDNN may use avx512_core, or avx2_vnni_2) and
-    ``has_fp16_type_support`` (avx512_core_fp16 or avx2_vnni_2, levels no profile
-    models)."""
-    return dtype == torch.bfloat16 and cpu.avx512
+    return _mkldnn_enabled() and dtype == torch.bfloat16 and cpu.onednn_bf16
 
 
 def onednn_gemm_accumulator_bytes(batch: int, rows: int, cols: int, threads: int) -> int:

@@ -34,7 +34,6 @@ import torch
 import torch._prims_common
 
 from pytest_torchmem.tracing.devices.cpu.base import CPU, profile_of
-from pytest_torchmem.tracing.devices.cpu.blas import onednn_supports
 from pytest_torchmem.tracing.devices.cpu.onednn import conv_list
 from pytest_torchmem.tracing.devices.cpu.onednn.common import Geo
 from pytest_torchmem.tracing.devices.cpu.profiles import CpuProfile
@@ -112,7 +111,7 @@ def _backend(c: _Conv, cpu: CpuProfile) -> str:
     big_output_padding = any(op >= s for op, s in zip(c.output_padding, c.stride))
     mkldnn = False
     if _mkldnn_enabled() and not (c.transposed and big_output_padding):
-        if dtype == torch.bfloat16 and onednn_supports(cpu, dtype):
+        if dtype == torch.bfloat16 and cpu.onednn_bf16:
             mkldnn = True
         elif dtype == torch.float32:
             mkldnn = (

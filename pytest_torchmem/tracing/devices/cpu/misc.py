@@ -33,7 +33,8 @@ from typing import Any, Final
 import torch
 from torch._prims_common import compute_elementwise_output_strides
 
-from pytest_torchmem.tracing.devices.cpu.base import CPU
+from pytest_torchmem.tracing.devices.cpu.base import CPU, profile_of
+from pytest_torchmem.tracing.devices.cpu.profiles import CpuProfile
 from pytest_torchmem.tracing.rules import OUTPUTS, Alloc, Free, OpCall, Steps
 
 __all__ = ["arg", "itemsize", "wrapped_nbytes", "promotion_casts"]
@@ -394,15 +395,15 @@ def _view(call: OpCall) -> Any:
 # -- activations run by oneDNN ---------------------------------------------------------
 
 
-def _onednn_eltwise(x: torch.Tensor) -> bool:
+def _onednn_eltwise(cpu: CpuProfile, x: torch.Tensor) -> bool:
     """``use_mkldnn`` of ``Activation.cpp``: oneDNN enabled, a contiguous input of more
-    than one element, ``float32`` (or ``bfloat16`` where oneDNN runs it)."""
+    than one element, ``float32`` (or ``bfloat16`` where oneDNN runs it on ``cpu``)."""
     if not (torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled):
         return False
     if not x.is_contiguous() or x.numel() <= 1:
         return False
     if x.dtype == torch.bfloat16:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+        return cpu.onednn_bf16
     return x.dtype == torch.float32
 
 
@@ -413,7 +414,7 @@ def _gelu_backward(call: OpCall) -> Steps:
     output gradient, and the input gradient (laid out as the iterator lays out
     ``grad, self``), that are not dense like the input into dense buffers."""
     grad, x = arg(call, 0, "grad_output"), arg(call, 1, "self")
-    if arg(call, 2, "approximate", "none") != "none" or not _onednn_eltwise(x):
+    if arg(call, 2, "approximate", "none") != "none" or not _onednn_eltwise(profile_of(call), x):
         return [OUTPUTS]
     steps: list[Any] = [OUTPUTS]
     for name, t in (("grad_output", grad), ("grad_input", call.out)):

@@ -113,6 +113,13 @@ class CpuProfile:
         return self.isa in ("avx2", "avx512")
 
     @property
+    def onednn_bf16(self) -> bool:
+        """oneDNN computes bfloat16 here (``mkldnn_bf16_device_check``: ideep's
+        ``has_bf16_type_support``, avx512_core or avx2_vnni_2; float16 needs
+        avx512_core_fp16 or avx2_vnni_2, which no profile has)."""
+        return self.isa == "avx512"
+
+    @property
     def simd(self) -> int:
         """floats in one vector register of the widest oneDNN f32 kernels."""
         return {"default": 4, "avx2": 8, "avx512": 16}[self.isa]
