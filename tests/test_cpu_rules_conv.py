@@ -38,11 +38,11 @@ def avx512_profile(threads: int) -> Any:
     _PROFILE[0] = None
 
 
-def buffers(op: Any, args: tuple[Any, ...]) -> dict[str, int]:
-    """Bytes of the buffers the scratch rule of ``op`` gives, by kind, on the
-    ``avx512`` profile in ``@avx512`` tests, else on this host."""
+def buffers(op: Any, args: tuple[Any, ...], cpu: CpuProfile | None = None) -> dict[str, int]:
+    """Bytes of the buffers the scratch rule of ``op`` gives, by kind, on ``cpu``,
+    else on the ``avx512`` profile in ``@avx512`` tests, else on this host."""
     out = op(*args)
-    context = TraceContext("cpu", cpu=_PROFILE[0])
+    context = TraceContext("cpu", cpu=cpu or _PROFILE[0])
     steps = CPU.scratch_rule(op)(OpCall(op, args, {}, out, context))
     kinds: dict[str, int] = {}
     for step in steps:
@@ -54,16 +54,19 @@ def buffers(op: Any, args: tuple[Any, ...]) -> dict[str, int]:
 
 def conv(
     x: tuple[int, ...], w: tuple[int, ...], *, bias: bool = True, stride: int = 1, padding: int = 0,
-    groups: int = 1, transposed: bool = False, output_padding: int = 0,
+    groups: int = 1, transposed: bool = False, output_padding: int = 0, cpu: CpuProfile | None = None,
+    channels_last: bool = False,
 ) -> dict[str, int]:
     """The rule's buffers for ``aten.convolution`` on fake float32 tensors."""
     dim = len(x) - 2
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
     with FakeTensorMode():
         args = (
-            torch.empty(x), torch.empty(w), torch.empty(w[1] * groups if transposed else w[0]) if bias else None,
+            torch.empty(x).contiguous(memory_format=fmt), torch.empty(w).contiguous(memory_format=fmt),
+            torch.empty(w[1] * groups if transposed else w[0]) if bias else None,
             [stride] * dim, [padding] * dim, [1] * dim, transposed, [output_padding] * dim, groups,
         )
-        return buffers(aten.convolution.default, args)
+        return buffers(aten.convolution.default, args, cpu)
 
 
 def conv_backward(
@@ -300,3 +303,45 @@ def test_grouped_slow_path_copies_each_strided_gradient_slice(threads: int) -> N
             x = torch.randn(*shape, dtype=dtype)
             for loss in (None, lambda out: out.square().sum()):
                 assert tm.estimate(conv, x, loss_fn=loss).phase_peaks() == tm.measure(conv, x, loss_fn=loss).phase_peaks()
+
+
+# -- levels below AVX512, worked out by hand --------------------------------------------------
+
+
+def test_gemm_refuses_columns_over_its_scratchpad_limit_and_the_reference_runs() -> None:
+    """``gemm_convolution_utils::init_conf``: the scratchpad may not exceed 15 times the
+    source, weights and destination bytes per thread. A 7x7 kernel over 24 channels
+    of one 8x8 image to one channel: 6144 + 4704 + 256 B, limit 166,560 B at one
+    thread; with a 512 KiB L2 the blocking search keeps every channel and output
+    position, and the columns take 24 * 49 * 64 floats (301,056 B). oneDNN then runs
+    ``ref_convolution_fwd_t``: the source reordered to nhwc, ideep's nhwc result
+    (with one channel the same as nchw, so no second copy), no scratchpad."""
+    cpu = CpuProfile("default", 1, l2=512 * 1024)
+    got = conv((1, 24, 8, 8), (1, 24, 7, 7), padding=3, cpu=cpu)
+    assert got == {"src reorder": 24 * 64 * 4, "dst": 64 * 4}
+    # Sixteen images raise the limit sixteen times: gemm runs, with its columns.
+    assert set(conv((16, 24, 8, 8), (1, 24, 7, 7), padding=3, cpu=cpu)) == {"scratchpad", "dst"}
+
+
+def test_channels_last_weights_with_one_output_channel_are_already_hwio() -> None:
+    """A channels-last (ohwi) weight with one output channel has hwio's strides in
+    every dimension of more than one element, so the gemm convolution on nhwc data
+    reorders nothing, whatever the kernel size (five input channels, 3x3)."""
+    got = conv((2, 5, 9, 9), (1, 5, 3, 3), stride=2, padding=1, cpu=CpuProfile("default", 1), channels_last=True)
+    assert "weights reorder" not in got
+
+
+def test_grouped_slow_path_recopies_a_gradient_laid_out_unlike_the_kernel() -> None:
+    """One thread and a 1x1 kernel on fewer than 16 images: ``thnn_conv2d`` per group.
+    A channels-last input makes the kernel channels-last, but the group's slice of
+    ``sum()``'s broadcast gradient is made contiguous as the broadcast suggests (NCHW),
+    so ``slow_conv2d_backward`` copies it ``.contiguous(channels_last)`` for the input's
+    gradient and again for the weight's (3 * 12 * 6 * 6 floats each)."""
+    from exactness import intra_op_threads
+
+    model = nn.Conv2d(6, 24, 1, groups=2, bias=False).to(memory_format=CL)
+    x = torch.randn(3, 6, 6, 6).contiguous(memory_format=CL).requires_grad_()
+    with intra_op_threads(1):
+        estimated, measured = tm.estimate(model, x), tm.measure(model, x)
+    assert estimated.phase_peaks() == measured.phase_peaks()
+    assert dict(estimated.breakdown) == dict(measured.breakdown)

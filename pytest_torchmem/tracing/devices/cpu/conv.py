@@ -455,6 +455,22 @@ def _subtensor_copy(t: torch.Tensor, groups: int) -> int:
     return 0 if part.is_contiguous(memory_format=fmt) else _nbytes(t) // groups
 
 
+def _format_strides(shape: Sequence[int], channels_last: bool) -> tuple[int, ...]:
+    if channels_last and len(shape) in (4, 5):
+        return tuple(torch._prims_common.make_channels_last_strides_for(shape))
+    return tuple(torch._prims_common.make_contiguous_strides_for(shape))
+
+
+def _relaid(t: torch.Tensor, groups: int, channels_last: bool) -> bool:
+    """Whether one group of ``t``, contiguous in ``t.suggest_memory_format()`` (what
+    ``subtensor`` gives), is not contiguous in the kernel's format: strides compared
+    in the dimensions of more than one element."""
+    shape = (t.shape[0], t.shape[1] // groups, *t.shape[2:])
+    given = _format_strides(shape, _suggests_cl(t))
+    wanted = _format_strides(shape, channels_last)
+    return any(size > 1 and a != b for size, a, b in zip(shape, given, wanted))
+
+
 def _slow_forward(s: _Steps, c: _Conv, backend: str, out: torch.Tensor) -> None:
     """``_convolution`` on a slow path: ``input.contiguous(fmt)``, then per
     group (``subtensor``: a contiguous copy of the group's input channels) the
@@ -497,6 +513,10 @@ def _slow_backward(s: _Steps, c: _Conv, backend: str, grad_output: torch.Tensor,
     else:
         g = c.groups
         go_g = _subtensor_copy(grad_output, g)
+        # The group's gradient is laid out as the whole one suggests; the kernel
+        # copies it .contiguous(its own format) where that differs (once for the
+        # input's gradient, once for the weight's).
+        go_kernel_copy = _nbytes(grad_output) // g if _relaid(grad_output, g, k.channels_last) else 0
         x_g_bytes = 0 if k.n == 1 else _nbytes(c.input) // g
         per: list[list[Any]] = [[], [], []]
         for _ in range(g):
@@ -508,7 +528,7 @@ def _slow_backward(s: _Steps, c: _Conv, backend: str, grad_output: torch.Tensor,
                 per[i].append(tag)
                 return tag
 
-            _slow_backward_group(s, k, mask, 0, output)
+            _slow_backward_group(s, k, mask, go_kernel_copy, output)
             s.free(x_g, gog)
         s.outputs()
         s.free(*per[2], *per[1], *per[0])

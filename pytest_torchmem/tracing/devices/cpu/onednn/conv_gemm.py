@@ -1,10 +1,38 @@
 """oneDNN's gemm-based convolutions (``gemm_convolution_utils``): im2col columns
-and per-thread buffers around an sgemm, on plain and channels-last layouts."""
+and per-thread buffers around an sgemm, on plain and channels-last layouts.
+
+Every direction refuses a scratchpad above ``scratchpad_limit`` (:func:`_limit`),
+and oneDNN then runs its reference convolution (``conv_ref``); backward-data and
+backward-weights first shrink the columns to a block of output rows that fits.
+"""
 
 from __future__ import annotations
 
 from pytest_torchmem.tracing.devices.cpu.onednn.common import Geo, Pad, Prim, cdiv, div_up, f32, rnd_up
 from pytest_torchmem.tracing.devices.cpu.profiles import CpuProfile
+
+
+def _limit(p: Geo, cpu: CpuProfile) -> int:
+    """``scratchpad_limit``: 1 GiB, or 15 times the source, weights and destination
+    bytes per thread if less."""
+    src = p.mb * p.g * p.ic * p.isp * 4
+    dst = p.mb * p.g * p.oc * p.osp * 4
+    wei = p.g * p.oc * p.ic * p.ks * 4
+    return min(1 << 30, 15 * cpu.threads * (src + wei + dst))
+
+
+def _fitted_columns(p: Geo, cpu: CpuProfile, pad: Pad, threads: int, im2col: int, coef: float) -> int:
+    """The columns of a backward pass once they fit what the limit leaves: when
+    ``threads * im2col`` floats do not, ``os_block`` becomes ``max(simd_w, coef *
+    max_os_block)`` rows of ``ic * ks`` (``coef``: 0.1 backward-data, 0.05
+    backward-weights, C floats)."""
+    available = _limit(p, cpu) - pad.size
+    if im2col == 0 or available >= threads * im2col * 4:
+        return im2col
+    per_row = p.ic * p.ks
+    max_os_block = available // (4 * threads * per_row)
+    os_block = max(cpu.simd, int(f32(f32(max_os_block) * f32(coef))))
+    return per_row * os_block
 
 
 def gemm_bwd_w(p: Geo, cpu: CpuProfile, nxc: bool) -> Prim | None:
@@ -19,11 +47,17 @@ def gemm_bwd_w(p: Geo, cpu: CpuProfile, nxc: bool) -> Prim | None:
     trivial = p.o == p.i and p.s == (1, 1, 1) and p.ks == 1
     im2col = 0 if trivial else p.ic * p.ks * os_
     wei_bytes = p.g * p.oc * p.ic * p.ks * 4
-    outer = os_ // cpu.threads < 256 and (p.mb != 1 or p.g > 2)
+    limit = _limit(p, cpu)
+    thr_mem = 4 * cpu.threads * wei_bytes + 4 * cpu.threads * p.ic * p.ks * cpu.simd
+    outer = thr_mem < limit and os_ // cpu.threads < 256 and (p.mb != 1 or p.g > 2)
     threads = cpu.threads if outer else 1
     scratch = Pad()
     scratch.book(threads * wei_bytes * 4)
-    scratch.book(threads * im2col * 4)
+    if scratch.size > limit:
+        return None
+    scratch.book(threads * _fitted_columns(p, cpu, scratch, threads, im2col, 0.05) * 4)
+    if scratch.size > limit:
+        return None
     return Prim("gemm:jit", 0, wei_bytes, 0, scratch.size)
 
 
@@ -186,6 +220,8 @@ def gemm_fwd(p: Geo, cpu: CpuProfile, nxc: bool) -> Prim | None:
         )
     scratch = Pad()
     scratch.book((cpu.threads if outer else 1) * im2col * 4)
+    if scratch.size > _limit(p, cpu):
+        return None
     return Prim("gemm:jit", 0, 0, p.data(p.oc, p.osp), scratch.size)
 
 
@@ -207,8 +243,11 @@ def gemm_bwd_d(p: Geo, cpu: CpuProfile, nxc: bool) -> Prim | None:
         (os_ // cpu.threads < 512 or ks < 64) and (p.mb != 1 or p.g > 2)
         and (f32(outer_eff / inner_eff) >= 1.0 or is_ * p.ic * p.oc // cpu.threads < 64 * 1024)
     )
+    threads = cpu.threads if outer else 1
     scratch = Pad()
-    scratch.book((cpu.threads if outer else 1) * im2col * 4)
+    scratch.book(threads * _fitted_columns(p, cpu, scratch, threads, im2col, 0.1) * 4)
+    if scratch.size > _limit(p, cpu):
+        return None
     src = p.data(p.ic, p.isp)
     return Prim("gemm:jit", src, 0, 0, scratch.size, src_fmt=src)
 
@@ -280,6 +319,8 @@ def gemm_nspc_fwd(p: Geo, cpu: CpuProfile, nxc: bool) -> Prim | None:
     scratch = Pad()
     scratch.book(threads * im2col * 4)
     scratch.book(threads * p.i[0] * is_ * ic * 4)
+    if scratch.size > _limit(p, cpu):
+        return None
     return Prim("gemm:jit", 0, hwio_reorder(p), 0, scratch.size)
 
 
@@ -305,6 +346,8 @@ def gemm_nspc_bwd_d(p: Geo, cpu: CpuProfile, nxc: bool) -> Prim | None:
     scratch.book(threads * im2col * 4)
     if p.g > 1:
         scratch.book(threads * is_ * p.i[0] * ic * 4)
+    if scratch.size > _limit(p, cpu):
+        return None
     return Prim("gemm:jit", 0, hwio_reorder(p), 0, scratch.size, src_fmt=p.data(ic, p.isp))
 
 
@@ -318,19 +361,24 @@ def gemm_nspc_bwd_w(p: Geo, cpu: CpuProfile, nxc: bool) -> Prim | None:
     os_, is_ = p.o[1] * p.o[2], p.i[1] * p.i[2]
     trivial = p.o == p.i and p.s == (1, 1, 1) and ks == 1
     im2col = 0 if trivial else ic * ks * os_
-    outer = os_ // cpu.threads < 256 and (p.mb != 1 or p.g > 2)
-    threads = cpu.threads if outer else 1
     wei_bytes = p.g * p.oc * ic * ks * 4
+    limit = _limit(p, cpu)
+    thr_mem = cpu.threads * (4 * im2col + 4 * p.i[0] * is_ * ic + 4 * wei_bytes)
+    outer = thr_mem < limit and os_ // cpu.threads < 256 and (p.mb != 1 or p.g > 2)
+    threads = cpu.threads if outer else 1
     scratch = Pad()
     scratch.book(threads * im2col * 4)
     scratch.book(threads * wei_bytes * 4)
     scratch.book(threads * p.i[0] * is_ * ic * 4)
+    if scratch.size > limit:
+        return None
     return Prim("gemm:jit", 0, wei_bytes, 0, scratch.size, nxc_result=True)
 
 
 def hwio_reorder(p: Geo) -> int:
     """Bytes of the weights reorder into hwio (hwigo): none when the caller's
-    channels-last weights (ohwi) already have those strides, which happens
-    only when one of the channel dimensions is 1."""
-    same = p.g == 1 and (p.oc == 1 or p.ic == 1) and p.ks == 1
+    channels-last weights (ohwi) already have those strides, oneDNN comparing
+    the strides of non-unit dimensions only: one input channel per group of a 1x1
+    kernel, or, without groups, one output channel."""
+    same = (p.ic == 1 and p.ks == 1) or (p.g == 1 and p.oc == 1)
     return 0 if same else p.g * p.oc * p.ic * p.ks * p.dsz

@@ -8,7 +8,7 @@ import functools
 from dataclasses import replace
 from typing import Any, Final
 
-from pytest_torchmem.tracing.devices.cpu.onednn import conv_1x1, conv_brgemm, conv_dw, conv_gemm, conv_jit
+from pytest_torchmem.tracing.devices.cpu.onednn import conv_1x1, conv_brgemm, conv_dw, conv_gemm, conv_jit, conv_ref
 from pytest_torchmem.tracing.devices.cpu.onednn.common import Geo, Pad, Prim, swap
 from pytest_torchmem.tracing.devices.cpu.profiles import CpuProfile
 
@@ -20,7 +20,7 @@ __all__ = ["FWD", "BWD_D", "BWD_W", "pick", "deconv_fwd", "deconv_bwd_d", "decon
 #: Forward, in oneDNN's order for x64 f32; each implementation refuses what its
 #: ISA (``mayiuse``) or its conditions exclude. Left out: ``ip_convolution``
 #: and ``jit_uni_ncsp_convolution`` (avx512_core, plain layouts only, which
-#: PyTorch never asks for) and ``ref_convolution`` (never reached).
+#: PyTorch never asks for); ``ref_convolution`` accepts anything.
 FWD: Final = (
     conv_dw.brdgmm_dw,
     conv_brgemm.brg_fwd_nxc("avx512_core"),
@@ -36,6 +36,7 @@ FWD: Final = (
     conv_jit.sse41_fwd,
     conv_gemm.gemm_fwd,
     conv_gemm.gemm_nspc_fwd,
+    conv_ref.ref_fwd,
 )
 BWD_D: Final = (
     conv_brgemm.brg_bwd_nxc("avx512_core"),
@@ -51,6 +52,7 @@ BWD_D: Final = (
     conv_jit.avx2_bwd_d,
     conv_gemm.gemm_bwd_d,
     conv_gemm.gemm_nspc_bwd_d,
+    conv_ref.ref_bwd_d,
 )
 BWD_W: Final = (
     conv_dw.dw_bwd_w("avx512_core"),
@@ -62,6 +64,7 @@ BWD_W: Final = (
     conv_jit.avx2_bwd_w,
     conv_gemm.gemm_bwd_w,
     conv_gemm.gemm_nspc_bwd_w,
+    conv_ref.ref_bwd_w,
 )
 
 
