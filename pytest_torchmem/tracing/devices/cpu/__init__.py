@@ -13,6 +13,7 @@ from pytest_torchmem.tracing.devices.cpu import (  # noqa: F401  (they register 
     composite,
     conv,
     indexing,
+    linalg,
     misc,
     norm,
     padding,
