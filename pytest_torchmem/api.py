@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, is_dataclass
 from typing import Any
 
 import torch
@@ -49,16 +50,20 @@ def _request(
         args, kwargs = (inputs,), {}
     elif isinstance(inputs, tuple):
         args, kwargs = inputs, {}
-    elif isinstance(inputs, dict):
+    elif isinstance(inputs, Mapping):  # a dict, a tokenizer's BatchEncoding, any Mapping
         bad = [key for key in inputs if not isinstance(key, str)]
         if bad:
             raise TypeError(f"keyword inputs need string keys, got {bad[0]!r}")
         args, kwargs = (), dict(inputs)
     else:
-        hint = "; pass a tuple for positional arguments" if isinstance(inputs, list) else ""
+        hint = ""
+        if isinstance(inputs, list):
+            hint = "; pass a tuple for positional arguments"
+        elif is_dataclass(inputs) and not isinstance(inputs, type):
+            hint = "; pass (inputs,) to give it to the model as its one positional argument"
         raise TypeError(
-            "inputs must be a tensor, a tuple of positional arguments or a dict of "
-            f"keyword arguments, got {type(inputs).__name__}{hint}"
+            "inputs must be a tensor, a tuple of positional arguments or a mapping (a dict, "
+            f"a BatchEncoding) of keyword arguments, got {type(inputs).__name__}{hint}"
         )
     if isinstance(device, torch.device):
         device = str(device)
@@ -102,6 +107,13 @@ def estimate(
     was, and no real memory in proportion to the model or its activations is
     allocated.
 
+    ``inputs``: a tensor, a tuple (positional arguments) or a mapping (keyword
+    arguments: a dict, a tokenizer's ``BatchEncoding``, any ``Mapping``); the
+    tensors may sit in nested lists, tuples, mappings, dataclasses and named
+    tuples. The default loss is ``output.loss`` (attribute or key)
+    when it is a scalar tensor, else the sum of every floating-point tensor in
+    the output, wherever it sits.
+
     ``device="cuda"`` needs no GPU: the step is traced on fake tensors and
     charged through a model of CUDA's caching allocator, following the
     architecture of ``gpu`` (a name from
@@ -143,7 +155,8 @@ def measure(
 ) -> MemoryReport:
     """Run one step of ``model`` for real and report the memory it took.
 
-    The same step as :func:`estimate`. On ``"cpu"`` every allocation and free
+    The same step as :func:`estimate`, with the same ``inputs``. On ``"cpu"``
+    every allocation and free
     is read from the PyTorch profiler's allocator events; on ``"cuda"`` from
     ``torch.cuda``'s peak statistics. The model's parameters, buffers and
     gradients are cloned first, so the model itself is left as it was. The
