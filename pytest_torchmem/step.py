@@ -156,11 +156,15 @@ def run_step(
     optimizer: OptimizerFactory | None,
     train: bool,
     probe: Probe,
+    keep_output: bool = False,
 ) -> None:
     """Run one step of ``model`` and report its progress to ``probe``.
 
     ``parameters`` are the leaves the optimizer gets; ``inputs`` the input
-    tensors (their ``.grad`` counts as gradients).
+    tensors (their ``.grad`` counts as gradients). ``keep_output``: the model's
+    output is held to the end of the step, as ``out = model(**batch);
+    out.loss.backward(); opt.step()`` holds ``out``; else it is dropped once
+    the loss is taken from it, before backward.
     """
     if not train:
         probe.set_phase(Phase.FORWARD)
@@ -186,6 +190,7 @@ def run_step(
     probe.set_phase(Phase.FORWARD)
     output = _call(model, args, kwargs)
     loss = (loss_fn or default_loss)(output)
+    held = output if keep_output else None
     del output
     _check_loss(loss)
 
@@ -205,4 +210,4 @@ def run_step(
         )
         opt.zero_grad(set_to_none=True)
     probe.set_phase(None)
-    del loss, opt
+    del loss, opt, held
