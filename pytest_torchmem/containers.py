@@ -126,8 +126,17 @@ class _BelowRoot:
         return not root
 
 
+#: Containers met at every module call, walked without pytree (the same children).
+_PLAIN: Final = (tuple, list)
+
+
 def _children(value: Any) -> list[Any] | None:
     """The direct children of a container, or None for a leaf."""
+    kind = type(value)
+    if kind in _PLAIN:
+        return list(value)
+    if kind is dict:
+        return list(value.values())
     leaves, spec = tree_flatten(value, is_leaf=_BelowRoot())
     if not spec.is_leaf():
         return leaves
@@ -141,6 +150,11 @@ def _children(value: Any) -> list[Any] | None:
 
 def _rebuild(value: Any, children: list[Any]) -> Any:
     """A copy of the container ``value`` holding ``children`` (in :func:`_children` order)."""
+    kind = type(value)
+    if kind in _PLAIN:
+        return kind(children)
+    if kind is dict:
+        return dict(zip(value.keys(), children))
     _, spec = tree_flatten(value, is_leaf=_BelowRoot())
     if not spec.is_leaf():
         return tree_unflatten(children, spec)
