@@ -116,14 +116,14 @@ def estimate(
     ``inputs``: a tensor, a tuple (positional arguments) or a mapping (keyword
     arguments: a dict, a tokenizer's ``BatchEncoding``, any ``Mapping``); the
     tensors may sit in nested lists, tuples, mappings, dataclasses and named
-    tuples. The default loss is ``output.loss`` (attribute or key)
-    when it is a scalar tensor, else the sum of every floating-point tensor in
-    the output, wherever it sits.
+    tuples. The default loss is ``output.loss`` (attribute or key) when it is
+    a scalar tensor, else the sum of every floating-point tensor in the
+    output, wherever it sits.
 
     ``keep_output``: ``False`` releases the model's output before
     ``backward()``, as a loop that keeps only the loss does; ``True`` holds it
     to the end of the step (through backward and the optimizer step), as
-    ``out = model(**batch); out.loss.backward()`` does.
+    ``out = model(**batch); out.loss.backward(); opt.step()`` does.
 
     ``device="cuda"`` needs no GPU: the step is traced on fake tensors and
     charged through a model of CUDA's caching allocator, following the

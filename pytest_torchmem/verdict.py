@@ -325,7 +325,8 @@ class EnvChange:
 
 #: Settings of the step itself that an entry's ``environment`` records, with the value
 #: an entry that does not record one was made with. They come from the test, not the
-#: machine: an entry made with another value is never compared, and always fails.
+#: machine: a check whose entry was made with another value is never compared with
+#: it, and fails (``judge``); ``diff`` of two snapshot files reports it as stale.
 STEP_SETTINGS: Final[Mapping[str, Any]] = {"keep_output": False}
 
 
@@ -382,13 +383,12 @@ def compared(
 ) -> tuple[Status, bool]:
     """The status of an entry compared with its reference, and whether that fails.
 
-    Entries made in different environments (``stale``) are not compared; they fail
-    when asked to, or when a setting of the step (:data:`STEP_SETTINGS`) differs. Else
+    Entries made in different environments (``stale``) are not compared. Else
     a figure grown beyond its allowance is a regression, which fails; one shrunk
     beyond it (and none grown) an improvement, which fails when asked to.
     """
     if stale:
-        return Status.STALE, fail_on_stale or any(c.name in STEP_SETTINGS for c in stale)
+        return Status.STALE, fail_on_stale
     if any(change.moved == "grew" for change in changes):
         return Status.REGRESSED, True
     if any(change.moved == "shrank" for change in changes):
@@ -610,7 +610,8 @@ def judge(
                 changes,
                 stale,
                 fail_on_improvement=fail_on_improvement,
-                fail_on_stale=fail_on_stale,
+                # Other step settings: the test changed what it measures; re-record.
+                fail_on_stale=fail_on_stale or any(c.name in STEP_SETTINGS for c in stale),
             )
         failed = failed or bool(breaches or mismatches)
     if breaches:
