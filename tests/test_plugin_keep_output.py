@@ -119,7 +119,8 @@ def test_flipping_keep_output_fails_until_the_entry_is_re_recorded(
 ) -> None:
     """The entry made with keep_output=False is not compared with a keep_output=True
     check (whose backward peak is 64 KiB higher here: the (32, 512) output), even
-    under the default --torchmem-stale=warn: the test changed what it measures."""
+    under the default --torchmem-stale=warn: the test changed what it measures.
+    Under -n 2 the verdict travels from the worker to the controller's summary."""
     pytester.makeini("[pytest]\ntorchmem_devices = cpu\n")
     pytester.makepyfile(test_m=HEADER + "def test_lm(torchmem):\n    torchmem.check(MODEL, X)\n")
     assert pytester.runpytest_inprocess("--torchmem-update").ret == 0
@@ -151,13 +152,13 @@ def test_flipping_keep_output_fails_until_the_entry_is_re_recorded(
     )
     assert path.read_text() == recorded  # nothing written without --torchmem-update
 
-    assert run("--torchmem-update").ret == 0
+    assert pytester.runpytest_inprocess("--torchmem-update").ret == 0
     entry = stored(pytester)["test_lm"]["default"]["cpu"]
     assert entry["environment"]["keep_output"] is True
     assert entry["backward_peak"] - json.loads(recorded)["tests"]["test_lm"]["default"]["cpu"][
         "backward_peak"
     ] == 32 * 512 * 4
-    assert run().ret == 0
+    assert pytester.runpytest_inprocess().ret == 0
 
 
 def test_a_marker_keep_output_that_is_not_a_bool_is_a_collection_error(
@@ -195,10 +196,10 @@ def test_user_shaped_inputs(torchmem):
 """
 
 
-def test_check_takes_mappings_and_nested_dataclasses(pytester: pytest.Pytester, run: Run) -> None:
+def test_check_takes_mappings_and_nested_dataclasses(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(test_m=HEADER + INPUTS)
     assert pytester.runpytest_inprocess("--torchmem-update").ret == 0
     assert sorted(stored(pytester)["test_user_shaped_inputs"]["default"]) == ["cpu", "cuda"]
-    result = run()
+    result = pytester.runpytest_inprocess()
     assert result.ret == 0
     result.assert_outcomes(passed=1)
