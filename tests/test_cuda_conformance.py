@@ -22,7 +22,7 @@ reused within the capture), which is how those tests are replayed.
 | --- | --- | --- | --- |
 | A1 | test_cuda.py :: TestCuda.test_memory_allocation | a 1-byte raw allocation raises memory_allocated; freeing it restores the previous figure exactly | pass |
 | A2 | test_cuda.py :: TestCuda.test_memory_stats | a 256-float tensor adds exactly 1024 active bytes; freed and emptied, active is back; reset_peak_memory_stats leaves peaks at the current figures | pass |
-| A3 | test_cuda.py :: TestCudaMallocAsync.test_memory_stats_of_multiple_generators_and_graphs | each 8-byte RNG seed/offset holder is one 512-byte block | pass |
+| A3 | test_cuda.py :: TestCuda.test_memory_stats_of_multiple_generators_and_graphs | each 8-byte RNG seed/offset holder is one 512-byte block | pass |
 | A4 | test_cuda.py :: TestCudaMallocAsync.test_cachingAllocator_raw_alloc | a 1 MiB raw allocation adds exactly 1 MiB to requested_bytes | pass |
 | B1 | test_cuda.py :: TestCudaMallocAsync.test_allocator_settings | 21M floats (84 MiB) allocate 84 MiB; after roundup_power2_divisions:4, 96 MiB (requested still 84 MiB); a later settings string without it resets the divisions (84 MiB); [64:8,128:2,256:2,512:2,1024:1,>:1] gives 88 MiB for 84 MiB and 512 MiB for 100M floats (400 MiB); release_lock_on_cudamalloc:True resets them again | pass (simulator gained set_allocator_settings) |
 | B2 | test_cuda.py :: TestCudaMallocAsync.test_allocator_settings | "foo:1,bar:2", "garbage_collection_threshold:1.2", "max_split_size_mb:2", "release_lock_on_cudamalloc:none", "pinned_use_cuda_host_register:none", "pinned_num_register_threads:none" and ":1024" are refused (ValueError) | pass |
