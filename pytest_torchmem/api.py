@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, is_dataclass
 from typing import Any
 
 import torch
@@ -29,6 +30,8 @@ class StepRequest:
     loss_fn: LossFn | None
     optimizer: OptimizerFactory | None
     train: bool
+    #: Whether the model's output is held through backward (``keep_output=True``).
+    keep_output: bool = False
 
 
 def _request(
@@ -39,6 +42,7 @@ def _request(
     loss_fn: Any,
     optimizer: Any,
     train: Any,
+    keep_output: Any = False,
 ) -> StepRequest:
     if not isinstance(model, nn.Module):
         raise TypeError(
@@ -49,16 +53,20 @@ def _request(
         args, kwargs = (inputs,), {}
     elif isinstance(inputs, tuple):
         args, kwargs = inputs, {}
-    elif isinstance(inputs, dict):
+    elif isinstance(inputs, Mapping):  # a dict, a tokenizer's BatchEncoding, any Mapping
         bad = [key for key in inputs if not isinstance(key, str)]
         if bad:
             raise TypeError(f"keyword inputs need string keys, got {bad[0]!r}")
         args, kwargs = (), dict(inputs)
     else:
-        hint = "; pass a tuple for positional arguments" if isinstance(inputs, list) else ""
+        hint = ""
+        if isinstance(inputs, list):
+            hint = "; pass a tuple for positional arguments"
+        elif is_dataclass(inputs) and not isinstance(inputs, type):
+            hint = "; pass (inputs,) to give it to the model as its one positional argument"
         raise TypeError(
-            "inputs must be a tensor, a tuple of positional arguments or a dict of "
-            f"keyword arguments, got {type(inputs).__name__}{hint}"
+            "inputs must be a tensor, a tuple of positional arguments or a mapping (a dict, "
+            f"a BatchEncoding) of keyword arguments, got {type(inputs).__name__}{hint}"
         )
     if isinstance(device, torch.device):
         device = str(device)
@@ -78,7 +86,9 @@ def _request(
             raise TypeError(f"{name} must be callable or None, got {type(value).__name__}")
     if not isinstance(train, bool):
         raise TypeError(f"train must be True or False, got {train!r}")
-    return StepRequest(model, args, kwargs, kind, loss_fn, optimizer, train)
+    if not isinstance(keep_output, bool):
+        raise TypeError(f"keep_output must be True or False, got {keep_output!r}")
+    return StepRequest(model, args, kwargs, kind, loss_fn, optimizer, train, keep_output)
 
 
 def estimate(
@@ -89,6 +99,7 @@ def estimate(
     loss_fn: LossFn | None = None,
     optimizer: OptimizerFactory | None = None,
     train: bool = True,
+    keep_output: bool = False,
     gpu: str | None = None,
     cpu: str | CpuProfile | None = None,
 ) -> MemoryReport:
@@ -102,6 +113,18 @@ def estimate(
     was, and no real memory in proportion to the model or its activations is
     allocated.
 
+    ``inputs``: a tensor, a tuple (positional arguments) or a mapping (keyword
+    arguments: a dict, a tokenizer's ``BatchEncoding``, any ``Mapping``); the
+    tensors may sit in nested lists, tuples, mappings, dataclasses and named
+    tuples. The default loss is ``output.loss`` (attribute or key) when it is
+    a scalar tensor, else the sum of every floating-point tensor in the
+    output, wherever it sits.
+
+    ``keep_output``: ``False`` releases the model's output before
+    ``backward()``, as a loop that keeps only the loss does; ``True`` holds it
+    to the end of the step (through backward and the optimizer step), as
+    ``out = model(**batch); out.loss.backward(); opt.step()`` does.
+
     ``device="cuda"`` needs no GPU: the step is traced on fake tensors and
     charged through a model of CUDA's caching allocator, following the
     architecture of ``gpu`` (a name from
@@ -114,7 +137,7 @@ def estimate(
     :class:`~pytest_torchmem.CpuProfile`; under a named profile the figures are
     the same on every host.
     """
-    request = _request("estimate", model, inputs, device, loss_fn, optimizer, train)
+    request = _request("estimate", model, inputs, device, loss_fn, optimizer, train, keep_output)
     if gpu is not None and request.device != "cuda":
         raise ValueError(f"gpu={gpu!r} applies to device='cuda' only, not {device!r}")
     if cpu is not None and request.device != "cpu":
@@ -127,6 +150,7 @@ def estimate(
         loss_fn=request.loss_fn,
         optimizer=request.optimizer,
         train=request.train,
+        keep_output=request.keep_output,
         gpu=gpu_profile(gpu) if request.device == "cuda" else None,
         cpu=cpu_profile(cpu) if request.device == "cpu" else None,
     ).report
@@ -140,10 +164,12 @@ def measure(
     loss_fn: LossFn | None = None,
     optimizer: OptimizerFactory | None = None,
     train: bool = True,
+    keep_output: bool = False,
 ) -> MemoryReport:
     """Run one step of ``model`` for real and report the memory it took.
 
-    The same step as :func:`estimate`. On ``"cpu"`` every allocation and free
+    The same step as :func:`estimate`, with the same ``inputs`` and
+    ``keep_output``. On ``"cpu"`` every allocation and free
     is read from the PyTorch profiler's allocator events; on ``"cuda"`` from
     ``torch.cuda``'s peak statistics. The model's parameters, buffers and
     gradients are cloned first, so the model itself is left as it was. The
@@ -152,7 +178,7 @@ def measure(
     """
     from pytest_torchmem.measuring import measure_step
 
-    request = _request("measure", model, inputs, device, loss_fn, optimizer, train)
+    request = _request("measure", model, inputs, device, loss_fn, optimizer, train, keep_output)
     return measure_step(request)
 
 

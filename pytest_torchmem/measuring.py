@@ -163,6 +163,7 @@ def profile_cpu_step(request: StepRequest) -> tuple[Any, Timeline, list[int]]:
                 optimizer=request.optimizer,
                 train=request.train,
                 probe=probe,
+                keep_output=request.keep_output,
             )
         del standins
     _read_events(prof, timeline, by_ptr, probe)
@@ -342,6 +343,7 @@ def _measure_cuda(request: StepRequest) -> MemoryReport:
             optimizer=request.optimizer,
             train=request.train,
             probe=probe,
+            keep_output=request.keep_output,
         )
     del standins
 

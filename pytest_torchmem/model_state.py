@@ -18,7 +18,8 @@ from typing import Any, Literal
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from pytest_torchmem.containers import map_tensors
 
 __all__ = ["Slot", "ModelTensors", "StandIns", "collect", "convert", "substituted"]
 
@@ -162,17 +163,18 @@ def convert(
     parameters = [convert_one(t) for t in model_tensors.unique("parameter")]
     buffers = [convert_one(t) for t in model_tensors.unique("buffer")]
     attributes = [convert_one(t) for t in model_tensors.unique("attribute")]
-    leaves, spec = tree_flatten((args, kwargs))
     inputs: list[torch.Tensor] = []
-    new_leaves = []
-    for leaf in leaves:
-        if isinstance(leaf, torch.Tensor):
-            if not leaf.is_leaf:  # an intermediate result: its stand-in is a leaf
-                leaf = leaf.detach().requires_grad_(leaf.requires_grad)
-            leaf = convert_one(leaf)
-            inputs.append(leaf)
-        new_leaves.append(leaf)
-    new_args, new_kwargs = tree_unflatten(new_leaves, spec)
+
+    def convert_input(t: torch.Tensor) -> torch.Tensor:
+        if not t.is_leaf:  # an intermediate result: its stand-in is a leaf
+            t = t.detach().requires_grad_(t.requires_grad)
+        new = convert_one(t)
+        inputs.append(new)
+        return new
+
+    # Every tensor in the inputs' containers (dicts, BatchEncodings, dataclasses,
+    # named tuples, ...), in copies of those containers: the user's stay as they are.
+    new_args, new_kwargs = map_tensors(convert_input, (args, kwargs))
     convert_one.gradients()
     return Converted(
         model=dict(convert_one.tensors),

@@ -29,10 +29,11 @@ SESSION_KEY: Final = pytest.StashKey[TorchmemSession]()
 
 _MARKER_HELP: Final = (
     f"{MARKER}(forward=None, backward=None, step=None, peak=None, devices=None, rtol=None, "
-    "atol=None, gpu=None, cpu=None): memory caps of the step checked by the torchmem fixture "
-    "(bytes, or strings such as '512 MiB'), the devices to trace, the drift allowed from the "
-    "snapshot, the GPU profile the cuda estimate follows (e.g. 'A100') and the CPU profile the "
-    "cpu estimate follows (e.g. 'avx512:8', or 'host')."
+    "atol=None, gpu=None, cpu=None, keep_output=None): memory caps of the step checked by the "
+    "torchmem fixture (bytes, or strings such as '512 MiB'), the devices to trace, the drift "
+    "allowed from the snapshot, the GPU profile the cuda estimate follows (e.g. 'A100'), the CPU "
+    "profile the cpu estimate follows (e.g. 'avx512:8', or 'host') and whether the model's "
+    "output is held through backward (True) or released before it (False)."
 )
 
 
@@ -133,6 +134,14 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         f"intra-op threads, e.g. avx512:8, or host for this machine (default: {DEFAULT_CPU}, "
         "the same bytes on every machine).",
         metavar="PROFILE",
+    )
+    _option(
+        parser,
+        "keep-output",
+        "Hold the model's output through backward (as `out = model(**batch); "
+        "out.loss.backward()` does) in checks that do not say keep_output; by default it is "
+        "released before backward, as a loop that keeps only the loss does.",
+        "bool",
     )
     _option(
         parser,

@@ -149,6 +149,8 @@ class Settings:
     cpu: str = DEFAULT_CPU
     fail_on_improvement: bool = False
     stale: str = "warn"
+    #: ``--torchmem-keep-output``: hold the model's output through backward by default.
+    keep_output: bool = False
 
     @classmethod
     def from_config(cls, config: pytest.Config) -> Settings:
@@ -157,6 +159,7 @@ class Settings:
         try:
             values["update"] = bool(_option(config, "torchmem_update")[0])
             values["fail_on_improvement"] = bool(_option(config, "torchmem_fail_on_improvement")[0])
+            values["keep_output"] = bool(_option(config, "torchmem_keep_output")[0])
             devices, source = _option(config, "torchmem_devices")
             if devices is not None:
                 values["devices"] = parse_devices(devices, known_devices(), source)
@@ -223,6 +226,7 @@ class Settings:
             "cpu_profile": self.cpu,
             "fail_on_improvement": self.fail_on_improvement,
             "stale": self.stale,
+            "keep_output": self.keep_output,
         }
 
 
@@ -272,17 +276,24 @@ def _quote(target: str) -> str:
     return f'"{target}"'
 
 
-def device_environment(device: str, gpu: str, cpu: str) -> dict[str, Any]:
+def device_environment(
+    device: str, gpu: str, cpu: str, keep_output: bool = False
+) -> dict[str, Any]:
     """What the figures of ``device`` depend on besides the model: recorded in each entry.
 
     The CPU rules follow the CPU profile (``cpu``: its full name, with cache sizes
     where they are not the level's), the CUDA rules the GPU profile and the
     caching allocator's configuration; both follow the torch version. An entry
     recorded where any of these differ is stale: its bytes are not compared.
+    ``keep_output=True`` is recorded too (only then, so that entries made with the
+    default stay as they were): an entry made with the other setting measured
+    another step, and is never compared with this one.
     """
     import torch
 
     environment: dict[str, Any] = {"torch": torch.__version__}
+    if keep_output:
+        environment["keep_output"] = True
     if device.startswith("cuda"):
         environment["gpu"] = gpu
         alloc_conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "").strip()
@@ -478,6 +489,7 @@ class TorchmemSession:
                 loss_fn=request.loss_fn,
                 optimizer=request.optimizer,
                 train=request.train,
+                keep_output=request.keep_output,
                 gpu=gpu_profile(gpu) if device.startswith("cuda") else None,
                 cpu=cpu if device == "cpu" else None,
                 record_frames=self.settings.record_frames,
@@ -508,13 +520,18 @@ class TorchmemSession:
         optimizer: OptimizerFactory | None,
         train: bool,
         name: str | None,
+        keep_output: bool | None = None,
     ) -> dict[str, MemoryReport]:
         __tracebackhide__ = True
         from pytest_torchmem.api import _request
 
-        request = _request("torchmem.check", model, inputs, "cpu", loss_fn, optimizer, train)
-        name = self._claim(item, name)
         spec = self.spec(item)
+        if keep_output is None:
+            keep_output = self.settings.keep_output if spec.keep_output is None else spec.keep_output
+        request = _request(
+            "torchmem.check", model, inputs, "cpu", loss_fn, optimizer, train, keep_output
+        )
+        name = self._claim(item, name)
         devices = spec.devices or self.settings.devices
         gpu = spec.gpu or self.settings.gpu
         cpu = _cpu_profile(spec.cpu or self.settings.cpu)
@@ -533,7 +550,8 @@ class TorchmemSession:
                 from pytest_torchmem.measuring import measure_step
 
                 measured = measure_step(dataclasses.replace(request, device="cuda"))
-            entry = Entry.from_report(report, device_environment(device, gpu, str(cpu)), measured)
+            environment = device_environment(device, gpu, str(cpu), request.keep_output)
+            entry = Entry.from_report(report, environment, measured)
             key = Key(module_test_id(item), name, device)
             result = judge(
                 nodeid=item.nodeid,
@@ -787,6 +805,7 @@ class TorchmemSession:
         return (
             f"torchmem: {mode}, devices {','.join(settings.devices)}, {settings.tolerance}, "
             f"gpu profile {settings.gpu}, cpu profile {settings.cpu}"
+            + (", keep_output" if settings.keep_output else "")
         )
 
     def summary_lines(self) -> list[str]:
@@ -847,6 +866,7 @@ class TorchmemFixture:
         optimizer: OptimizerFactory | None = None,
         train: bool = True,
         name: str | None = None,
+        keep_output: bool | None = None,
     ) -> dict[str, MemoryReport]:
         """Trace one step of ``model`` on each device and check it; return the reports by device.
 
@@ -856,6 +876,10 @@ class TorchmemFixture:
         test fails with a message that says what moved and how to accept it.
         ``name`` tells several checks in one test apart. Under
         ``--torchmem-update`` the entries are written at the end of the run.
+        ``keep_output`` (``estimate``'s): ``None`` takes the marker's
+        ``keep_output``, else ``--torchmem-keep-output`` (ini
+        ``torchmem_keep_output``), else ``False``; an entry recorded with the
+        other setting fails until it is re-recorded.
         """
         __tracebackhide__ = True
         return self._session.check(
@@ -866,4 +890,5 @@ class TorchmemFixture:
             optimizer=optimizer,
             train=train,
             name=name,
+            keep_output=keep_output,
         )

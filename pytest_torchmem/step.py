@@ -16,6 +16,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
+from pytest_torchmem.containers import tensors_in
 from pytest_torchmem.report import Category
 from pytest_torchmem.timeline import Phase
 
@@ -44,13 +45,12 @@ class Probe(Protocol):
 
 def default_loss(output: Any) -> torch.Tensor:
     """``output.loss`` (attribute or key) when it is a scalar tensor, else the sum of
-    every floating-point tensor in ``output``."""
+    every floating-point tensor in ``output`` (in tuples, lists, mappings, dataclasses,
+    named tuples, ``ModelOutput`` objects, nested)."""
     loss = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)
     if isinstance(loss, torch.Tensor) and loss.numel() == 1:
         return loss
-    floats = [
-        t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.is_floating_point()
-    ]
+    floats = [t for t in tensors_in(output) if t.is_floating_point()]
     if not floats:
         raise ValueError(
             f"the model's output ({type(output).__name__}) holds no floating-point tensor "
@@ -127,9 +127,7 @@ class ModuleTracker:
 
 def _hook_once(value: Any, fn: Callable[[], None]) -> None:
     """Call ``fn`` once, when the first gradient of a tensor in ``value`` is complete."""
-    tensors = [
-        t for t in tree_leaves(value) if isinstance(t, torch.Tensor) and t.requires_grad
-    ]
+    tensors = [t for t in tensors_in(value) if t.requires_grad]
     if not tensors:
         return
     fired = [False]
@@ -158,11 +156,15 @@ def run_step(
     optimizer: OptimizerFactory | None,
     train: bool,
     probe: Probe,
+    keep_output: bool = False,
 ) -> None:
     """Run one step of ``model`` and report its progress to ``probe``.
 
     ``parameters`` are the leaves the optimizer gets; ``inputs`` the input
-    tensors (their ``.grad`` counts as gradients).
+    tensors (their ``.grad`` counts as gradients). ``keep_output``: the model's
+    output is held to the end of the step, as ``out = model(**batch);
+    out.loss.backward(); opt.step()`` holds ``out``; else it is dropped once
+    the loss is taken from it, before backward.
     """
     if not train:
         probe.set_phase(Phase.FORWARD)
@@ -188,6 +190,7 @@ def run_step(
     probe.set_phase(Phase.FORWARD)
     output = _call(model, args, kwargs)
     loss = (loss_fn or default_loss)(output)
+    held = output if keep_output else None
     del output
     _check_loss(loss)
 
@@ -207,4 +210,4 @@ def run_step(
         )
         opt.zero_grad(set_to_none=True)
     probe.set_phase(None)
-    del loss, opt
+    del loss, opt, held

@@ -145,11 +145,24 @@ def unused_lines(unused: Sequence[Unused], *, mode: str, update: bool) -> list[s
 
 
 def stale_lines(results: Sequence[Result], *, mode: str) -> list[str]:
-    """The checks whose snapshot entry was recorded in another environment, and how to fix it."""
-    stale = [result for result in results if result.stale]
-    if not stale:
-        return []
+    """The checks whose snapshot entry was recorded in another environment or with other
+    step settings (``keep_output``), and how to fix it."""
     lines = [
+        f"stale: {_test_label(result)} on {result.key.device}: snapshot step settings differ "
+        f"({stale_reason(result)}); re-record with: {result.accept}"
+        for result in results
+        if result.step_changed
+    ]
+    if lines:
+        one = len(lines) == 1
+        lines.append(
+            f"{len(lines)} check{'' if one else 's'} failed: {'its' if one else 'their'} "
+            f"snapshot entr{'y was' if one else 'ies were'} recorded with other step settings"
+        )
+    stale = [result for result in results if result.stale and not result.step_changed]
+    if not stale:
+        return lines
+    lines += [
         f"stale: {_test_label(result)} on {result.key.device}: snapshot environment differs "
         f"({stale_reason(result)}); re-record on this machine with: {result.accept}"
         for result in stale

@@ -30,6 +30,7 @@ __all__ = [
     "Breach",
     "Mismatch",
     "EnvChange",
+    "STEP_SETTINGS",
     "environment_changes",
     "stale_reason",
     "FIGURES",
@@ -46,7 +47,7 @@ __all__ = [
 
 #: The figures a ``memory_budget`` marker can cap.
 BUDGETS: Final = ("forward", "backward", "step", "peak")
-_MARKER_KEYS: Final = (*BUDGETS, "devices", "rtol", "atol", "gpu", "cpu")
+_MARKER_KEYS: Final = (*BUDGETS, "devices", "rtol", "atol", "gpu", "cpu", "keep_output")
 #: The ISA levels of CPU profiles: ``tracing.devices.cpu.profiles.ISA_LEVELS``, spelled
 #: out so that reading options and markers needs no torch (a test checks that the two agree).
 CPU_ISA_LEVELS: Final = ("default", "avx2", "avx512")
@@ -86,6 +87,8 @@ class MarkerSpec:
     gpu: str | None = None
     #: The CPU profile the ``cpu`` estimate follows (``"avx2:4"``, or ``"host"``).
     cpu: str | None = None
+    #: Whether the model's output is held through backward (``keep_output``).
+    keep_output: bool | None = None
 
     def tolerance(self, default: Tolerance) -> Tolerance:
         return Tolerance(
@@ -219,7 +222,20 @@ def parse_marker(
     cpu = None
     if merged.get("cpu") is not None:
         cpu = parse_cpu(merged["cpu"], f"{_MARKER}(cpu={merged['cpu']!r})")
-    return MarkerSpec(budgets=budgets, devices=devices, rtol=rtol, atol=atol, gpu=gpu, cpu=cpu)
+    keep_output = merged.get("keep_output")
+    if keep_output is not None and not isinstance(keep_output, bool):
+        raise MarkerError(
+            f"{_MARKER}(keep_output={keep_output!r}): keep_output must be True or False"
+        )
+    return MarkerSpec(
+        budgets=budgets,
+        devices=devices,
+        rtol=rtol,
+        atol=atol,
+        gpu=gpu,
+        cpu=cpu,
+        keep_output=keep_output,
+    )
 
 
 class Status(str, Enum):
@@ -307,13 +323,24 @@ class EnvChange:
         return f"{self.name} {shown(self.snapshot)} -> {shown(self.current)}"
 
 
+#: Settings of the step itself that an entry's ``environment`` records, with the value
+#: an entry that does not record one was made with. They come from the test, not the
+#: machine: a check whose entry was made with another value is never compared with
+#: it, and fails (``judge``); ``diff`` of two snapshot files reports it as stale.
+STEP_SETTINGS: Final[Mapping[str, Any]] = {"keep_output": False}
+
+
 def environment_changes(snapshot: Entry, current: Entry) -> tuple[EnvChange, ...]:
     """What differs between the environments the two entries were made in."""
     then, now = snapshot.environment, current.environment
+
+    def value(environment: Mapping[str, Any], name: str) -> Any:
+        return environment.get(name, STEP_SETTINGS.get(name))
+
     return tuple(
-        EnvChange(name, then.get(name), now.get(name))
+        EnvChange(name, value(then, name), value(now, name))
         for name in sorted(set(then) | set(now))
-        if then.get(name) != now.get(name)
+        if value(then, name) != value(now, name)
     )
 
 
@@ -407,6 +434,11 @@ class Result:
             or bool(self.moved("grew"))
             or (self.strict and bool(self.moved("shrank")))
         )
+
+    @property
+    def step_changed(self) -> bool:
+        """True when the snapshot entry was made with other step settings (``keep_output``)."""
+        return any(change.name in STEP_SETTINGS for change in self.stale)
 
     def moved(self, how: str) -> list[Change]:
         """The changes that moved ``how`` beyond the tolerance (none when stale: not compared)."""
@@ -520,7 +552,9 @@ def judge(
     when ``fail_on_improvement``. An entry recorded in another environment
     (torch version, CPU threads or ISA, GPU profile: the entries'
     ``environment``) is stale: its bytes are not compared, and it fails only
-    when ``fail_on_stale``; budgets still apply. Where the entry holds a real
+    when ``fail_on_stale``; budgets still apply. An entry made with other step
+    settings (``keep_output``) is stale too, and always fails: the test changed
+    what it measures. Where the entry holds a real
     measurement, each phase must agree with the estimate within ``measure_rtol``.
     """
     stale: tuple[EnvChange, ...] = ()
@@ -576,7 +610,8 @@ def judge(
                 changes,
                 stale,
                 fail_on_improvement=fail_on_improvement,
-                fail_on_stale=fail_on_stale,
+                # Other step settings: the test changed what it measures; re-record.
+                fail_on_stale=fail_on_stale or any(c.name in STEP_SETTINGS for c in stale),
             )
         failed = failed or bool(breaches or mismatches)
     if breaches:
@@ -711,8 +746,9 @@ def stale_reason(result: Result) -> str:
 
 def _stale_line(result: Result) -> str:
     assert result.snapshot is not None
+    where = "with other step settings" if result.step_changed else "in another environment"
     return (
-        f"{result.key.device}: the snapshot entry was recorded in another environment "
+        f"{result.key.device}: the snapshot entry was recorded {where} "
         f"({stale_reason(result)}): its figures are not compared with this run's "
         f"(estimate: peak {format_bytes(result.estimate.peak)}, snapshot: peak "
         f"{format_bytes(result.snapshot.peak)})"
@@ -798,6 +834,8 @@ def failure_message(results: Sequence[Result], verbosity: int = 0) -> str:
     if acceptable:
         if all(r.snapshot is None for r in acceptable):
             verb = "create the entry"
+        elif all(r.step_changed for r in acceptable):
+            verb = "re-record the entry with its new settings"
         elif all(r.stale for r in acceptable):
             verb = "re-record the entry on this machine"
         else:

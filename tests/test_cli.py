@@ -524,6 +524,20 @@ def test_diff_stale_entries_are_marked_and_not_compared(saved: Path) -> None:
     assert cli("diff", "base", "tests", "--fail-on-stale", cwd=saved).returncode == 1
 
 
+def test_diff_of_entries_with_other_keep_output_is_stale_not_failed(saved: Path) -> None:
+    """Two snapshot files whose entry differs in keep_output (the base kept the output):
+    the figures measured other steps, so they are not compared; a deliberate change
+    of the test does not fail the gate unless --fail-on-stale asks."""
+    path = saved / "base" / "test_m.json"
+    data = read(path)
+    data["tests"]["test_mlp"]["default"]["cpu"]["environment"]["keep_output"] = True
+    path.write_text(json.dumps(data))
+    done = cli("diff", "base", "tests", "--fail-on", "any:0", "--device", "cpu", cwd=saved)
+    assert done.returncode == 0, done.stdout
+    assert "test_m.py::test_mlp [default] on cpu: keep_output True -> False" in done.stdout
+    assert cli("diff", "base", "tests", "--fail-on-stale", cwd=saved).returncode == 1
+
+
 def test_diff_json_and_markdown(saved: Path) -> None:
     done = cli(
         "diff", "base.json", "new.json", "--fail-on", "bwd:5%", "--format", "json", cwd=saved

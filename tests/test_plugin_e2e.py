@@ -338,7 +338,8 @@ class TestX:
         ('rtol="two percent"', "memory_budget(rtol='two percent'): cannot read 'two percent' *"),
         (
             "budget=5",
-            "*does not know 'budget'; it takes forward, backward, step, peak, devices, rtol, atol, gpu, cpu",
+            "*does not know 'budget'; it takes forward, backward, step, peak, devices, rtol, atol, gpu, cpu, "
+            "keep_output",
         ),
         (
             'gpu="H1000"',
@@ -491,12 +492,16 @@ torchmem_gpu = A100
 torchmem_cpu = AVX512:8
 torchmem_fail_on_improvement = true
 torchmem_stale = fail
+torchmem_keep_output = true
 """
     )
     result = pytester.runpytest()
     assert result.ret == 0
     result.stdout.fnmatch_lines(
-        ["torchmem: update, devices cpu, rtol 0.25, atol 2.00 KiB, gpu profile A100, cpu profile avx512:8"]
+        [
+            "torchmem: update, devices cpu, rtol 0.25, atol 2.00 KiB, gpu profile A100, cpu profile "
+            "avx512:8, keep_output"
+        ]
     )
     settings = json.loads((pytester.path / "reports" / "torchmem.json").read_text())["settings"]
     assert settings == {
@@ -511,6 +516,7 @@ torchmem_stale = fail
         "cpu_profile": "avx512:8",
         "fail_on_improvement": True,
         "stale": "fail",
+        "keep_output": True,
         "measured_on_gpu": False,
     }
     assert (pytester.path / "__torchmem__" / "test_m.json").is_file()

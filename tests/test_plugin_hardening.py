@@ -826,12 +826,12 @@ def test_bad_arguments_to_check_fail_that_test_with_the_fix(pytester: pytest.Pyt
             "is given, not a SGD; e.g. optimizer=lambda params: torch.optim.SGD(params, lr=0.1)"
         ),
         (
-            "TypeError: inputs must be a tensor, a tuple of positional arguments or a dict of keyword "
-            "arguments, got list; pass a tuple for positional arguments"
+            "TypeError: inputs must be a tensor, a tuple of positional arguments or a mapping (a "
+            "dict, a BatchEncoding) of keyword arguments, got list; pass a tuple for positional arguments"
         ),
         (
-            "TypeError: inputs must be a tensor, a tuple of positional arguments or a dict of keyword "
-            "arguments, got ndarray"
+            "TypeError: inputs must be a tensor, a tuple of positional arguments or a mapping (a "
+            "dict, a BatchEncoding) of keyword arguments, got ndarray"
         ),
         "TypeError: keyword inputs need string keys, got 0",
         (

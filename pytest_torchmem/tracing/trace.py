@@ -45,6 +45,7 @@ def trace(
     loss_fn: LossFn | None,
     optimizer: OptimizerFactory | None,
     train: bool,
+    keep_output: bool = False,
     gpu: GpuProfile | None = None,
     cpu: CpuProfile | None = None,
     record_frames: bool = False,
@@ -54,7 +55,7 @@ def trace(
     ``gpu`` is the GPU profile the CUDA rules follow (ignored on cpu), ``cpu``
     the CPU profile the CPU rules follow (ignored on cuda; ``None`` there: the
     CPU rules ask the host); ``record_frames`` keeps the user's frames of every
-    allocation.
+    allocation; ``keep_output`` holds the model's output to the end of the step.
     """
     context = TraceContext(device.name, gpu=gpu, cpu=cpu)
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True, allow_fallback_kernels=False)
@@ -89,6 +90,7 @@ def trace(
                 optimizer=optimizer,
                 train=train,
                 probe=tracker,
+                keep_output=keep_output,
             )
     except Exception as exc:
         if not tracker.stopped_by(exc):

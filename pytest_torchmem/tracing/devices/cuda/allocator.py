@@ -26,7 +26,12 @@ What is modelled, each after the C++ function named in its docstring:
 * expandable segments (``find_expandable_block``, ``map_block``,
   ``try_allocate_expandable_block``, ``unmap_block``, ``release_blocks``);
 * the statistics ``allocated_bytes``, ``reserved_bytes``, ``active_bytes``,
-  ``requested_bytes`` (aggregate) with their peaks and ``resetPeakStats``.
+  ``requested_bytes`` (aggregate) with their peaks and ``resetPeakStats``;
+* settings changed mid-run (``torch.cuda.memory._set_allocator_settings``,
+  ``torch.cuda.set_per_process_memory_fraction``).
+
+``tests/test_cuda_conformance.py`` replays the facts PyTorch's own GPU tests
+assert about this allocator, with their sources.
 
 The device is a number of bytes (``capacity``, unlimited by default): a new
 segment or page fails once the reserved bytes would pass it, or pass
@@ -705,28 +710,16 @@ class CachingAllocator:
     """
 
     def __init__(self, config: AllocatorConfig | None = None, capacity: int | None = None) -> None:
-        self._config = config if config is not None else AllocatorConfig()
         if capacity is not None and capacity <= 0:
             raise ValueError("capacity must be positive")
         self._capacity = capacity
-        cfg = self._config
-        # ``setMemoryFraction``: a cap only when the fraction is below 1.
         self._allowed: int | None = None
-        if cfg.per_process_memory_fraction < 1.0:
-            if capacity is None:
-                raise ValueError("per_process_memory_fraction < 1 needs the device capacity")
-            self._allowed = int(cfg.per_process_memory_fraction * capacity)
-        self._gc = self._allowed is not None and cfg.garbage_collection_threshold > 0.0
         self._small = _BlockPool(small=True)
         self._large = _BlockPool(small=False)
         self._active: set[Block] = set()
         self._segments: dict[int, Segment] = {}
         self._next_address = 1 << 40
-        # Hot-path copies of the configuration.
-        self._max_split = cfg.max_split_size
-        self._max_non_split_rounding = cfg.max_non_split_rounding_size
-        self._expandable = cfg.expandable_segments
-        self._uniform_rounding = not any(d > 1 for d in cfg.roundup_power2_divisions)
+        self._apply(config if config is not None else AllocatorConfig(), fraction=True)
         # Statistics (aggregate over both pools).
         self._allocated = self._peak_allocated = 0
         self._reserved = self._peak_reserved = 0
@@ -743,7 +736,74 @@ class CachingAllocator:
         #: segments; ``address`` and ``size`` are the pages').
         self.observer: Callable[[str, Segment, int, int], None] | None = None
 
+    def _apply(self, cfg: AllocatorConfig, *, fraction: bool) -> None:
+        """Take ``cfg`` as the configuration (and its memory fraction, if ``fraction``)."""
+        self._config = cfg
+        if fraction:
+            # The configuration's per_process_memory_fraction: a cap only below 1.
+            self._allowed = None
+            if cfg.per_process_memory_fraction < 1.0:
+                if self._capacity is None:
+                    raise ValueError("per_process_memory_fraction < 1 needs the device capacity")
+                self._allowed = int(cfg.per_process_memory_fraction * self._capacity)
+        self._gc = self._allowed is not None and cfg.garbage_collection_threshold > 0.0
+        # Hot-path copies of the configuration.
+        self._max_split = cfg.max_split_size
+        self._max_non_split_rounding = cfg.max_non_split_rounding_size
+        self._expandable = cfg.expandable_segments
+        self._uniform_rounding = not any(d > 1 for d in cfg.roundup_power2_divisions)
+
     # ------------------------------------------------------------ public API
+
+    def set_allocator_settings(self, text: str) -> None:
+        """``torch.cuda.memory._set_allocator_settings(text)``: change the settings mid-run.
+
+        As ``AcceleratorAllocatorConfig::parseArgs`` does on each call,
+        ``max_split_size_mb``, ``roundup_power2_divisions`` and
+        ``garbage_collection_threshold`` go back to their defaults unless
+        ``text`` sets them; the other settings (``expandable_segments``,
+        ``max_non_split_rounding_mb``, ...) keep their values unless it does.
+        Blocks and segments already made stay as they are; while
+        ``expandable_segments`` is off, cached blocks of expandable segments
+        made before are not handed out (``get_free_block``).
+        """
+        parsed = AllocatorConfig.parse(text)
+        given = set(_tokenize(text))
+        old = self._config
+
+        def kept(key: str, name: str) -> object:
+            return getattr(parsed if key in given else old, name)
+
+        self._apply(
+            AllocatorConfig(
+                max_split_size=parsed.max_split_size,
+                roundup_power2_divisions=parsed.roundup_power2_divisions,
+                garbage_collection_threshold=parsed.garbage_collection_threshold,
+                max_non_split_rounding_size=kept(  # type: ignore[arg-type]
+                    "max_non_split_rounding_mb", "max_non_split_rounding_size"
+                ),
+                large_segment_size=kept("large_segment_size_mb", "large_segment_size"),  # type: ignore[arg-type]
+                expandable_segments=kept("expandable_segments", "expandable_segments"),  # type: ignore[arg-type]
+                per_process_memory_fraction=kept(  # type: ignore[arg-type]
+                    "per_process_memory_fraction", "per_process_memory_fraction"
+                ),
+            ),
+            fraction="per_process_memory_fraction" in given,
+        )
+
+    def set_memory_fraction(self, fraction: float) -> None:
+        """``torch.cuda.set_per_process_memory_fraction(fraction)``: cap the reserved
+        bytes at ``int(fraction * capacity)`` (``setMemoryFraction``; the cap holds
+        even at 1.0, and garbage collection runs under it)."""
+        if isinstance(fraction, bool) or not isinstance(fraction, float):
+            raise TypeError("Invalid type for fraction argument, must be `float`")
+        if not 0.0 <= fraction <= 1.0:
+            raise ValueError(f"Invalid fraction value: {fraction}. Allowed range: 0~1")
+        if self._capacity is None:
+            raise ValueError("a memory fraction needs the device capacity")
+        self._allowed = int(fraction * self._capacity)
+        self._gc = self._config.garbage_collection_threshold > 0.0
+
 
     @property
     def config(self) -> AllocatorConfig:
