@@ -158,14 +158,32 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
 
 
+class _RunHooks:
+    """The hooks whose arguments do not lead to the run's config, bound to one run."""
+
+    def __init__(self, config: pytest.Config) -> None:
+        self.config = config
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        _session(self.config).logged(report)
+
+    @pytest.hookimpl(optionalhook=True)
+    def pytest_handlecrashitem(self, crashitem: str, report: Any, sched: Any) -> None:
+        _session(self.config).crashed(crashitem)
+
+
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", _MARKER_HELP)
     config.stash[SESSION_KEY] = TorchmemSession(config)
+    config.pluginmanager.register(_RunHooks(config), "torchmem-run")
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
     if SESSION_KEY in config.stash:
         del config.stash[SESSION_KEY]
+    run_hooks = config.pluginmanager.get_plugin("torchmem-run")
+    if run_hooks is not None:
+        config.pluginmanager.unregister(run_hooks)
 
 
 def pytest_report_header(config: pytest.Config) -> str:
@@ -174,6 +192,16 @@ def pytest_report_header(config: pytest.Config) -> str:
 
 def pytest_itemcollected(item: pytest.Item) -> None:
     _session(item.config).collected(item)
+
+
+@pytest.hookimpl(wrapper=True, trylast=True)
+def pytest_make_collect_report(
+    collector: pytest.Collector,
+) -> Generator[None, pytest.CollectReport, pytest.CollectReport]:
+    # innermost: sees what the collector made before --lf filters it
+    report = yield
+    _session(collector.config).made(collector, report)
+    return report
 
 
 @pytest.hookimpl(wrapper=True)

@@ -3,7 +3,9 @@
 The plugin's hooks hand everything to :class:`TorchmemSession`. Checks run in
 the process that runs the test (a pytest-xdist worker or the only process);
 snapshot files are written once, at the end, by the process that is not a
-worker, which merges what the workers sent through ``config.workeroutput``.
+worker. A worker sends the checks of each test with the test's reports (so a
+worker that crashes loses only the test it was running, which the controller
+names), and what it collected through ``config.workeroutput`` at its end.
 
 This module does not import torch: pytest loads the plugin in every run, and a
 run that checks no memory (``pytest --help``, another project's tests, the
@@ -48,6 +50,7 @@ from pytest_torchmem.verdict import (
     MarkerError,
     MarkerSpec,
     Result,
+    Status,
     Tolerance,
     failure_message,
     judge,
@@ -95,6 +98,8 @@ DEFAULT_NAME: Final = "default"
 MARKER: Final = "memory_budget"
 #: The key of this plugin's data in ``config.workeroutput`` (pytest-xdist).
 WORKER_KEY: Final = "torchmem"
+#: The attribute of a worker's test report that carries the test's checks to the controller.
+REPORT_ATTRIBUTE: Final = "torchmem_checks"
 
 UNUSED_MODES: Final = ("fail", "warn", "ignore")
 MEASURE_MODES: Final = ("auto", "on", "off")
@@ -322,6 +327,10 @@ class TorchmemSession:
         self.known: dict[str, set[str]] = {}
         #: Modules of which only some tests were collected (``file.py::test_x`` arguments).
         self.narrowed: set[str] = set()
+        #: Tests whose checks began again (a rerun): what they checked before is void.
+        self.restarted: set[str] = set()
+        #: Tests that a crashed pytest-xdist worker was running: their checks are lost.
+        self.lost: list[str] = []
         self.unused: list[Unused] = []
         self.written: list[str] = []
         self.errors: list[str] = []
@@ -354,6 +363,19 @@ class TorchmemSession:
         self.known.setdefault(module, set()).add(module_test_id(item))
         if self._targets is None or str(item.path.resolve()) in self._targets:
             self.narrowed.add(module)
+
+    def made(self, collector: pytest.Collector, report: pytest.CollectReport) -> None:
+        """Remember the tests a module or class made, before any plugin filters them.
+
+        ``--lf`` drops the tests that passed last time from the collector's
+        report (they never reach ``pytest_itemcollected``): they are not deleted
+        tests, and their snapshot entries are not unused.
+        """
+        if not report.passed or not isinstance(collector, (pytest.Module, pytest.Class)):
+            return
+        items = [node for node in report.result if isinstance(node, pytest.Item)]
+        if items:
+            self.known.setdefault(str(collector.path), set()).update(map(module_test_id, items))
 
     def validate(self, collector: pytest.Collector, made: Any) -> None:
         """Read the ``memory_budget`` markers of the tests just made from a test function.
@@ -395,16 +417,57 @@ class TorchmemSession:
     # -- running --------------------------------------------------------------------
 
     def finished(self, item: pytest.Item, report: pytest.TestReport) -> None:
-        """Note the tests whose call passed: only their entries can be judged unused."""
+        """Note the tests whose call passed: only their entries can be judged unused.
+
+        A pytest-xdist worker sends what the test checked with its reports, so
+        that the controller has every check made before a worker crash.
+        """
         if report.when == "call" and report.passed:
             self.completed.add((str(item.path), module_test_id(item)))
+        if self.is_worker and (self.results or self.completed or self.restarted):
+            setattr(report, REPORT_ATTRIBUTE, self._take())
+
+    def logged(self, report: pytest.TestReport) -> None:
+        """Take in the checks a pytest-xdist worker sent with a test's report."""
+        sent = getattr(report, REPORT_ATTRIBUTE, None)
+        if not self.is_worker and isinstance(sent, str):
+            self.merge(sent)
+
+    def crashed(self, nodeid: str) -> None:
+        """A pytest-xdist worker died while it ran ``nodeid``: the checks it made there are lost."""
+        self.lost.append(nodeid)
+
+    def begin(self, item: pytest.Item) -> None:
+        """A new run of ``item`` begins (its ``torchmem`` fixture is made).
+
+        A rerun (pytest-rerunfailures) checks again from the start: what the
+        earlier run checked is forgotten, here and, for a worker, in the controller.
+        """
+        if item.nodeid in self._names:
+            self._forget({item.nodeid})
+            if self.is_worker:
+                self.restarted.add(item.nodeid)
+
+    def _forget(self, nodeids: set[str]) -> None:
+        dropped = {
+            (str(snapshot_path(self.config.rootpath / result.nodeid.split("::", 1)[0])), result.key)
+            for result in self.results
+            if result.nodeid in nodeids
+        }
+        self.results = [result for result in self.results if result.nodeid not in nodeids]
+        for path, key in dropped:
+            self.writes.get(path, {}).pop(key, None)
+        self.used -= dropped
+        self.views = [view for view in self.views if view.get("nodeid") not in nodeids]
+        for nodeid in nodeids:
+            self._names.pop(nodeid, None)
 
     def _claim(self, item: pytest.Item, name: str | None) -> str:
         if name is None:
             name = DEFAULT_NAME
         elif not isinstance(name, str) or not name.strip():
             raise TypeError(f"torchmem.check(name=...) must be a non-empty string, got {name!r}")
-        names = self._names.setdefault(item.nodeid, set())
+        names = self._names.setdefault(item.nodeid, set())  # (begin() empties it for a rerun)
         if name in names:
             hint = "" if name != DEFAULT_NAME else " without a name"
             raise ValueError(
@@ -609,12 +672,22 @@ class TorchmemSession:
                 "known": {module: sorted(ids) for module, ids in self.known.items()},
                 "narrowed": sorted(self.narrowed),
                 "views": self.views,
+                "restarted": sorted(self.restarted),
             }
         )
+
+    def _take(self) -> str:
+        """The worker's checks not sent yet, as a payload; they are then forgotten here."""
+        payload = self.payload()
+        self.results, self.writes, self.used, self.views = [], {}, set(), []
+        self.completed, self.restarted = set(), set()
+        return payload
 
     def merge(self, payload: str) -> None:
         """Take in what one worker sent."""
         data = json.loads(payload)
+        if data.get("restarted"):
+            self._forget(set(data["restarted"]))
         self.results.extend(Result.from_json(result) for result in data["results"])
         for path, entries in data["writes"].items():
             target = self.writes.setdefault(path, {})
@@ -641,6 +714,16 @@ class TorchmemSession:
             return
         self.results.sort(key=lambda r: (r.nodeid, r.key.name, r.key.device))
         removals = self._find_unused()
+        for nodeid in self.lost:
+            self.errors.append(
+                f"torchmem: a pytest-xdist worker crashed while running {nodeid}: the checks it "
+                "made there are lost"
+                + (
+                    "; its snapshot entries are left as they were: rerun it with --torchmem-update"
+                    if self.settings.update
+                    else ""
+                )
+            )
         if self.settings.update:
             if session.exitstatus == pytest.ExitCode.INTERRUPTED:
                 # A run stopped half way (Ctrl-C, pytest.exit) writes nothing: the files
@@ -681,7 +764,8 @@ class TorchmemSession:
             if not path.is_file():
                 continue
             try:
-                snapshot = SnapshotFile.load(path)
+                # An update keeps a malformed entry it does not rewrite, and says so.
+                snapshot = SnapshotFile.load(path, keep_malformed=self.settings.update)
             except SnapshotFormatError as exc:
                 if not (self.settings.update and str(path) in self.writes):  # else replaced
                     self.errors.append(str(exc))
@@ -713,12 +797,14 @@ class TorchmemSession:
         stopped the writing (the files not yet written are left as they were).
         """
         paths = sorted(set(map(Path, self.writes)) | set(removals))
+        failed: set[str] = set()
         for index, path in enumerate(paths):
             writes = self.writes.get(str(path), {})
             shown = self.display(path)
+            kept: list[str] = []
             try:
                 try:
-                    changed = write_merged(path, writes, removals.get(path, ()))
+                    changed = write_merged(path, writes, removals.get(path, ()), kept=kept)
                 except SnapshotFormatError as exc:
                     if not writes:
                         raise
@@ -733,6 +819,7 @@ class TorchmemSession:
                 return True
             except SnapshotError as exc:
                 self.errors.append(f"torchmem: could not write {shown}: {exc}")
+                failed.add(self.display(path))
                 continue
             except OSError as exc:
                 where = f": {exc.filename}" if exc.filename else ""
@@ -741,9 +828,21 @@ class TorchmemSession:
                     f"on disk is unchanged (make {self.display(path.parent)} writable, then "
                     "rerun with --torchmem-update)"
                 )
+                failed.add(self.display(path))
                 continue
             if changed:
                 self.written.append(shown)
+            self.errors.extend(
+                f"torchmem: {shown}: kept the entry {entry}; fix it, or rerun its test with "
+                "--torchmem-update"
+                for entry in kept
+            )
+        self.results = [
+            dataclasses.replace(result, status=Status.NOT_WRITTEN)
+            if result.file in failed and result.status in (Status.NEW, Status.UPDATED)
+            else result
+            for result in self.results
+        ]
         return False
 
     def environment(self) -> dict[str, Any]:
@@ -853,6 +952,7 @@ class TorchmemFixture:
     def __init__(self, session: TorchmemSession, item: pytest.Item) -> None:
         self._session = session
         self._item = item
+        session.begin(item)
 
     def __repr__(self) -> str:
         return f"<torchmem fixture of {self._item.nodeid}>"

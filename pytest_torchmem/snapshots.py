@@ -316,13 +316,18 @@ class SnapshotFile:
     def __init__(self, path: Path, entries: dict[Key, Entry] | None = None) -> None:
         self.path: Final = path
         self.entries: dict[Key, Entry] = dict(entries or {})
+        #: Entries that could not be read (``keep_malformed``): key -> (their JSON, why).
+        self.malformed: dict[Key, tuple[Any, str]] = {}
 
     @classmethod
-    def load(cls, path: Path) -> SnapshotFile:
+    def load(cls, path: Path, *, keep_malformed: bool = False) -> SnapshotFile:
         """Read ``path``; a file that does not exist reads as empty.
 
         Raises :class:`SnapshotFormatError` for a file that is not a snapshot,
         :class:`SnapshotError` for one of a newer schema or that cannot be read.
+        With ``keep_malformed``, an entry that cannot be read (a hand-edited
+        figure, an unknown device) does not fail the file: it is kept, as it
+        is, in :attr:`malformed`, and written back unchanged by :meth:`dumps`.
         """
         try:
             raw = path.read_bytes()
@@ -340,10 +345,10 @@ class SnapshotFile:
                 f"cannot read snapshot file {path}:{line}:{column}: {reason}; {_FIX}",
                 reason,
             ) from None
-        return cls.parse(path, text)
+        return cls.parse(path, text, keep_malformed=keep_malformed)
 
     @classmethod
-    def parse(cls, path: Path, text: str) -> SnapshotFile:
+    def parse(cls, path: Path, text: str, *, keep_malformed: bool = False) -> SnapshotFile:
         """The snapshot held by ``text``, the content of the file at ``path``."""
 
         def refuse(reason: str, where: str = "") -> SnapshotFormatError:
@@ -382,6 +387,7 @@ class SnapshotFile:
         if schema < _OLDEST_SCHEMA:  # pragma: no cover - no older schema exists
             raise refuse(f"it has schema {schema}, which this version cannot read")
         entries: dict[Key, Entry] = {}
+        malformed: dict[Key, tuple[Any, str]] = {}
         tests = data.get("tests", {})
         if not isinstance(tests, dict):
             raise refuse(f'"tests" must be a JSON object, got {_shown(tests)}')
@@ -397,17 +403,26 @@ class SnapshotFile:
                 for device, entry in devices.items():
                     key = Key(test, name, device)
                     if device not in DEVICE_KEYS:
-                        raise refuse(
+                        reason = (
                             f"it has an entry {key} for the unknown device {device!r} "
                             f"(known: {', '.join(DEVICE_KEYS)})"
                         )
+                        if not keep_malformed:
+                            raise refuse(reason)
+                        malformed[key] = (entry, reason)
+                        continue
                     try:
                         entries[key] = Entry.from_json(entry)
                     except (TypeError, ValueError) as exc:
-                        raise refuse(f"it has a malformed entry {key}: {exc}") from None
+                        if not keep_malformed:
+                            raise refuse(f"it has a malformed entry {key}: {exc}") from None
+                        malformed[key] = (entry, f"it is malformed: {exc}")
+                        continue
                     if schema == 1 and device == "cpu":
                         entries[key] = _upgraded_cpu_entry(entries[key])
-        return cls(path, entries)
+        snapshot = cls(path, entries)
+        snapshot.malformed = malformed
+        return snapshot
 
     def get(self, key: Key) -> Entry | None:
         return self.entries.get(key)
@@ -422,6 +437,9 @@ class SnapshotFile:
             tests.setdefault(key.test, {}).setdefault(key.name, {})[key.device] = self.entries[
                 key
             ].to_json()
+        for key, (raw, _) in self.malformed.items():
+            if key not in self.entries:
+                tests.setdefault(key.test, {}).setdefault(key.name, {})[key.device] = raw
         document = {"schema": FILE_SCHEMA, "tests": tests}
         return json.dumps(document, indent=2, sort_keys=True, ensure_ascii=False) + "\n"
 
@@ -447,6 +465,7 @@ def write_merged(
     removals: Iterable[Key] = (),
     *,
     replace_unreadable: bool = False,
+    kept: list[str] | None = None,
 ) -> bool:
     """Apply ``writes`` and ``removals`` to the file at ``path``; True when it changed.
 
@@ -458,11 +477,17 @@ def write_merged(
     :class:`SnapshotError` and is left as it is, unless ``replace_unreadable``
     and it is not a snapshot at all (:class:`SnapshotFormatError`): then it is
     replaced by ``writes``. A file of a newer schema, or one without write
-    permission, is never touched.
+    permission, is never touched. A file that is a symbolic link is written
+    through it: the link stays, its target gets the new entries. A malformed
+    entry (a hand-edited figure) that ``writes`` does not replace is kept as it
+    is, and named, with why, in ``kept``: an update of some tests never loses
+    the entries of the others.
     """
+    path = Path(os.path.realpath(path))
+    removals = set(removals)
     with _locked(path):
         try:
-            current = SnapshotFile.load(path)
+            current = SnapshotFile.load(path, keep_malformed=True)
         except SnapshotFormatError:
             if not replace_unreadable:
                 raise
@@ -470,14 +495,21 @@ def write_merged(
         if path.exists() and not os.access(path, os.W_OK):
             raise SnapshotError(f"snapshot file {path} is read-only; make it writable to update it")
         _remove_leftovers(path)
-        before = dict(current.entries)
+        before: dict[Key, Entry] | None = dict(current.entries)
         for key in removals:
             if key not in writes:
                 current.entries.pop(key, None)
         current.entries.update(writes)
-        if current.entries == before and path.exists():
+        replaced = [key for key in current.malformed if key in writes or key in removals]
+        for key in replaced:
+            del current.malformed[key]
+        if kept is not None:
+            kept.extend(f"{key}: {why}" for key, (_, why) in sorted(current.malformed.items()))
+        if replaced:
+            before = None  # the file changes, though the readable entries may not
+        if before is not None and current.entries == before and path.exists():
             return False  # nothing to change: spare formatting a big file to find out
-        if not current.entries:
+        if not current.entries and not current.malformed:
             if path.exists():
                 path.unlink()
                 return True
@@ -542,36 +574,38 @@ def _umask() -> int:
 def _locked(path: Path) -> Iterator[None]:
     """An exclusive lock between processes on the snapshot file ``path``.
 
-    The lock file lives in the system's temporary directory, keyed by the
-    snapshot's absolute path, so that no lock file appears beside the
-    snapshots in the repository.
+    On POSIX systems the lock is held on the snapshot's directory itself (made
+    if need be), so that no lock file is left anywhere. Windows cannot lock a
+    directory: there a lock file in the system's temporary directory, keyed by
+    the snapshot's absolute path, is locked (and left, empty, for the next run).
     """
+    if os.name != "nt":
+        import fcntl
+
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handle = os.open(path.parent, os.O_RDONLY)
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(handle)  # releases the lock
+        return
     digest = hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:24]
-    owner = os.getuid() if hasattr(os, "getuid") else 0
-    lock = Path(tempfile.gettempdir()) / f"pytest-torchmem-{owner}-{digest}.lock"
-    with open(lock, "a+b") as handle:
-        if os.name == "nt":  # pragma: no cover - exercised on Windows only
-            import msvcrt
+    lock = Path(tempfile.gettempdir()) / f"pytest-torchmem-{digest}.lock"
+    with open(lock, "a+b") as stream:  # pragma: no cover - exercised on Windows only
+        import msvcrt
 
-            while True:
-                try:
-                    msvcrt.locking(handle.fileno(), msvcrt.LK_LOCK, 1)
-                    break
-                except OSError:
-                    continue
+        while True:
             try:
-                yield
-            finally:
-                handle.seek(0)
-                msvcrt.locking(handle.fileno(), msvcrt.LK_UNLCK, 1)
-        else:
-            import fcntl
-
-            fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
-            try:
-                yield
-            finally:
-                fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
+                msvcrt.locking(stream.fileno(), msvcrt.LK_LOCK, 1)
+                break
+            except OSError:
+                continue
+        try:
+            yield
+        finally:
+            stream.seek(0)
+            msvcrt.locking(stream.fileno(), msvcrt.LK_UNLCK, 1)
 
 
 def unused_keys(
@@ -590,13 +624,21 @@ def unused_keys(
     ``known``, every test id of the module that was collected (selected or
     deselected). ``known`` is None when only part of the module was collected
     (``file.py::test_x`` on the command line): then missing test ids prove
-    nothing.
+    nothing. Nor does a missing parametrization of a test function that was
+    collected (``test_x[slow]`` beside ``test_x[fast]``): it may exist only
+    under an option of the run (``pytest_generate_tests``).
     """
+    functions = None if known is None else {_function(test) for test in known}
     unused: list[Key] = []
-    for key in snapshot.keys():
+    for key in sorted({*snapshot.keys(), *snapshot.malformed}):
         if key.test in completed:
             if key not in used and (devices is None or key.device in devices):
                 unused.append(key)
-        elif known is not None and key.test not in known:
+        elif functions is not None and _function(key.test) not in functions:
             unused.append(key)
     return unused
+
+
+def _function(test: str) -> str:
+    """The test function of a test id: ``TestA::test_b`` of ``TestA::test_b[1-x]``."""
+    return test.split("[", 1)[0]

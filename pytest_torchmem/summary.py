@@ -34,7 +34,7 @@ REPORT_SCHEMA: Final = 1
 #: The counts always shown in the totals line, in this order.
 _ALWAYS: Final = ("passed", "regressed", "improved", "missing", "unused")
 #: The counts shown only when not zero.
-_SOMETIMES: Final = ("over budget", "mismatch", "stale", "new", "updated")
+_SOMETIMES: Final = ("over budget", "mismatch", "stale", "new", "updated", "not written")
 
 
 @dataclass(frozen=True, order=True)

@@ -254,6 +254,8 @@ class Status(str, Enum):
     NEW = "new"
     #: ``--torchmem-update``: the entry changed and is rewritten.
     UPDATED = "updated"
+    #: ``--torchmem-update``: the entry was to be written, but its file could not be.
+    NOT_WRITTEN = "not written"
 
     def __str__(self) -> str:
         return self.value

@@ -796,6 +796,7 @@ def test_json_report(pytester: pytest.Pytester) -> None:
         "stale": 0,
         "new": 0,
         "updated": 0,
+        "not written": 0,
         "checks": 4,
         "failed": 1,
     }

@@ -421,10 +421,14 @@ def test_a_file_that_is_not_a_snapshot_fails_naming_it_and_only_update_replaces_
     result = pytester.runpytest("--torchmem-update")
     assert result.ret == 0
     result.assert_outcomes(passed=len(CORRUPTIONS))
-    for kind, (path, _, _) in files.items():
-        result.stdout.fnmatch_lines(
-            [f"wrote __torchmem__/{path.name} (replacing a file that was not a snapshot: *)"]
-        )
+    for kind, (path, _, reason) in files.items():
+        if "malformed entry" in reason or "unknown device" in reason:
+            # The file is a snapshot with one bad entry, of the test that ran: rewritten as any.
+            result.stdout.fnmatch_lines([f"wrote __torchmem__/{path.name}"])
+        else:
+            result.stdout.fnmatch_lines(
+                [f"wrote __torchmem__/{path.name} (replacing a file that was not a snapshot: *)"]
+            )
         assert SnapshotFile.load(path).keys() == [Key("test_linear", "default", "cpu")], kind
     assert sorted(p.name for p in snapshot_dir(pytester).iterdir()) == sorted(
         path.name for path, _, _ in files.values()

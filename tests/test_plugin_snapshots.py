@@ -150,6 +150,14 @@ def test_unreadable_files_are_refused_with_the_fix(tmp_path: Path, text: str, me
     with pytest.raises(SnapshotError, match=message) as info:
         SnapshotFile.load(path)
     assert str(path) in str(info.value)
+    if message == "malformed entry":
+        # A snapshot with one bad entry: an update of another test keeps it, as it is, and says so.
+        kept: list[str] = []
+        assert write_merged(path, {Key("u", "default", "cpu"): entry()}, kept=kept)
+        assert kept == ['"t" > "default" > "cpu": it is malformed: the field \'forward_peak\' is missing']
+        assert json.loads(path.read_text())["tests"]["t"] == json.loads(text)["tests"]["t"]
+        assert SnapshotFile.load(path, keep_malformed=True).keys() == [Key("u", "default", "cpu")]
+        return
     # Never overwritten: the entries of other tests would be lost.
     with pytest.raises(SnapshotError):
         write_merged(path, {Key("t", "default", "cpu"): entry()})

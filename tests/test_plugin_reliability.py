@@ -1,0 +1,318 @@
+"""pytest's own features never lose a snapshot entry (issue 15), through real pytest runs.
+
+``--lf``, option-gated parametrizations, crashed pytest-xdist workers, reruns,
+symlinked and partly malformed snapshot files, failed writes: in each, the
+plugin drops only entries whose test it saw run without them, and says what it
+could not do.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import pytest_torchmem as tm
+
+pytest_plugins = ("pytester",)
+
+HEADER = "import os\nimport pytest\nimport torch\nfrom torch import nn\n"
+CHECK = "    torchmem.check(nn.Linear(8, {out}), torch.randn(2, 8){name})\n"
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _warm() -> None:
+    tm.estimate(nn.Linear(2, 2), torch.randn(1, 2))  # see test_plugin_e2e
+
+
+@pytest.fixture(autouse=True)
+def _cpu_only(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
+    # (after pytester, which clears PYTEST_ADDOPTS) see test_plugin_e2e.
+    monkeypatch.setenv("PYTEST_ADDOPTS", "-p no:hypothesispytest -p no:randomly")
+    pytester.makeini("[pytest]\ntorchmem_devices = cpu\n")
+
+
+def output(result: pytest.RunResult) -> str:
+    return result.stdout.str() + "\n" + result.stderr.str()
+
+
+def no_internal_error(result: pytest.RunResult) -> None:
+    assert "INTERNALERROR" not in output(result)
+    assert "Traceback (most recent call last)" not in output(result)
+
+
+def entries(path: Path) -> dict[str, list[str]]:
+    """test id -> check names recorded in the snapshot file at ``path``."""
+    return {test: sorted(checks) for test, checks in json.loads(path.read_text())["tests"].items()}
+
+
+def module(pytester: pytest.Pytester, name: str, body: str) -> Path:
+    return pytester.makepyfile(**{name: HEADER + body})
+
+
+def linear_tests(*names: str, failing: str = "") -> str:
+    """One check per test; ``failing`` names a test that fails after its check when FAIL is set."""
+    body = ""
+    for name in names:
+        body += f"\ndef {name}(torchmem):\n" + CHECK.format(out=4, name="")
+        if name == failing:
+            body += "    assert not os.environ.get('FAIL')\n"
+    return body
+
+
+# -- 1. --lf --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("xdist", [(), ("-n", "2")], ids=["serial", "xdist"])
+def test_last_failed_update_keeps_the_entries_of_the_tests_it_did_not_run(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, xdist: tuple[str, ...]
+) -> None:
+    module(pytester, "test_lf", linear_tests("test_a", "test_b", "test_c", failing="test_b"))
+    pytester.runpytest("--torchmem-update").assert_outcomes(passed=3)
+    snapshot = pytester.path / "__torchmem__" / "test_lf.json"
+    assert sorted(entries(snapshot)) == ["test_a", "test_b", "test_c"]
+    monkeypatch.setenv("FAIL", "1")
+    pytester.runpytest().assert_outcomes(passed=2, failed=1)
+    monkeypatch.delenv("FAIL")
+
+    compare = pytester.runpytest("--lf", *xdist)
+    compare.assert_outcomes(passed=1)
+    assert compare.ret == 0, output(compare)
+    assert "unused" not in output(compare).split("torchmem:")[-1].split("0 unused")[0]
+
+    monkeypatch.setenv("FAIL", "1")
+    pytester.runpytest().assert_outcomes(passed=2, failed=1)  # test_b fails again
+    monkeypatch.delenv("FAIL")
+    update = pytester.runpytest("--lf", "--torchmem-update", *xdist)
+    update.assert_outcomes(passed=1)
+    no_internal_error(update)
+    assert sorted(entries(snapshot)) == ["test_a", "test_b", "test_c"]
+    assert pytester.runpytest().ret == 0
+
+
+def test_an_entry_of_a_deleted_test_is_still_found_unused(pytester: pytest.Pytester) -> None:
+    """The guard of --lf does not hide entries whose test is gone from the module."""
+    module(pytester, "test_gone", linear_tests("test_a", "test_b"))
+    pytester.runpytest("--torchmem-update").assert_outcomes(passed=2)
+    module(pytester, "test_gone", linear_tests("test_a"))
+    compare = pytester.runpytest()
+    assert compare.ret == 1
+    compare.stdout.fnmatch_lines(["*unused*test_b*"])
+    pytester.runpytest("--torchmem-update").assert_outcomes(passed=1)
+    assert sorted(entries(pytester.path / "__torchmem__" / "test_gone.json")) == ["test_a"]
+
+
+# -- 5. parametrizations that exist only under an option -------------------------------
+
+GATED = """
+def pytest_addoption(parser):
+    parser.addoption("--slow", action="store_true")
+
+def pytest_generate_tests(metafunc):
+    if "width" in metafunc.fixturenames:
+        widths = [4, 64] if metafunc.config.getoption("slow") else [4]
+        metafunc.parametrize("width", widths)
+"""
+
+
+def test_option_gated_parametrizations_keep_their_entries(pytester: pytest.Pytester) -> None:
+    pytester.makeconftest(GATED)
+    module(
+        pytester,
+        "test_gated",
+        "\ndef test_wide(torchmem, width):\n" + CHECK.format(out="width", name=""),
+    )
+    pytester.runpytest("--slow", "--torchmem-update").assert_outcomes(passed=2)
+    snapshot = pytester.path / "__torchmem__" / "test_gated.json"
+    assert sorted(entries(snapshot)) == ["test_wide[4]", "test_wide[64]"]
+
+    compare = pytester.runpytest()
+    compare.assert_outcomes(passed=1)
+    assert compare.ret == 0, output(compare)
+    update = pytester.runpytest("--torchmem-update")
+    assert update.ret == 0, output(update)
+    assert sorted(entries(snapshot)) == ["test_wide[4]", "test_wide[64]"]
+    assert pytester.runpytest("--slow").ret == 0
+
+
+# -- 2. a crashed pytest-xdist worker ---------------------------------------------------
+
+
+def test_a_crashed_worker_loses_no_check_it_made_and_the_update_says_so(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    body = ""
+    for index in range(6):
+        body += f"\ndef test_{index}(torchmem):\n" + CHECK.format(out=4 + index, name="")
+    body += (
+        "\ndef test_crash(torchmem):\n"
+        + CHECK.format(out=2, name="")
+        + "    if os.environ.get('CRASH'):\n        os._exit(1)\n"
+    )
+    module(pytester, "test_crashy", body)
+    monkeypatch.setenv("CRASH", "1")
+    update = pytester.runpytest("-n", "2", "--torchmem-update", "-p", "no:randomly")
+    no_internal_error(update)
+    update.assert_outcomes(passed=6, failed=1)
+    assert update.ret == 1
+    text = output(update)
+    assert "test_crash" in text and "lost" in text, text
+    snapshot = pytester.path / "__torchmem__" / "test_crashy.json"
+    assert sorted(entries(snapshot)) == [f"test_{index}" for index in range(6)]
+    totals = [line for line in text.splitlines() if line.startswith("torchmem: ")][-1]
+    assert totals.startswith("torchmem: 6 checks"), totals
+
+    monkeypatch.delenv("CRASH")
+    compare = pytester.runpytest("-n", "2")
+    compare.assert_outcomes(passed=6, failed=1)  # only the test never recorded is missing
+    compare.stdout.fnmatch_lines(["*test_crash*missing*"])
+
+
+# -- 7. pytest-rerunfailures --------------------------------------------------------------
+
+
+def test_a_rerun_test_checks_again_as_its_first_run_did(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pytest.importorskip("pytest_rerunfailures")
+    module(
+        pytester,
+        "test_flaky",
+        "\nRUNS = []\n\ndef test_flaky(torchmem):\n"
+        + CHECK.format(out=4, name="")
+        + CHECK.format(out=8, name=", name='second'")
+        + "    RUNS.append(1)\n    assert len(RUNS) > 1\n",
+    )
+    update = pytester.runpytest("--reruns", "1", "--torchmem-update")
+    no_internal_error(update)
+    assert update.parseoutcomes() == {"passed": 1, "rerun": 1}, output(update)
+    assert entries(pytester.path / "__torchmem__" / "test_flaky.json") == {
+        "test_flaky": ["default", "second"]
+    }
+    compare = pytester.runpytest("--reruns", "1")
+    assert compare.parseoutcomes() == {"passed": 1, "rerun": 1}, output(compare)
+    assert compare.ret == 0, output(compare)
+    totals = [line for line in output(compare).splitlines() if line.startswith("torchmem: ")]
+    assert totals[-1].startswith("torchmem: 2 checks: 2 passed"), totals
+
+
+# -- 3. a snapshot file that is a symlink -----------------------------------------------
+
+
+def test_an_update_writes_through_a_symlinked_snapshot_file(pytester: pytest.Pytester) -> None:
+    module(pytester, "test_link", linear_tests("test_a"))
+    pytester.runpytest("--torchmem-update").assert_outcomes(passed=1)
+    snapshot = pytester.path / "__torchmem__" / "test_link.json"
+    shared = pytester.path / "shared.json"
+    snapshot.rename(shared)
+    snapshot.symlink_to(shared)
+    before = json.loads(shared.read_text())["tests"]["test_a"]["default"]["cpu"]["breakdown"]
+    module(pytester, "test_link", linear_tests("test_a").replace("8, 4", "8, 16"))
+    update = pytester.runpytest("--torchmem-update")
+    assert update.ret == 0, output(update)
+    assert snapshot.is_symlink()
+    after = json.loads(shared.read_text())["tests"]["test_a"]["default"]["cpu"]["breakdown"]
+    assert after["parameters"] == (8 * 16 + 16) * 4 != before["parameters"]
+    assert pytester.runpytest().ret == 0  # compares with the target's new figures
+
+
+# -- 4. a malformed entry and an update of one test --------------------------------------
+
+
+def test_updating_one_test_keeps_the_valid_entries_beside_a_malformed_one(
+    pytester: pytest.Pytester,
+) -> None:
+    module(pytester, "test_mixed", linear_tests("test_a", "test_b", "test_c"))
+    pytester.runpytest("--torchmem-update").assert_outcomes(passed=3)
+    snapshot = pytester.path / "__torchmem__" / "test_mixed.json"
+    data = json.loads(snapshot.read_text())
+    data["tests"]["test_b"]["default"]["cpu"]["forward_peak"] = "a lot"
+    snapshot.write_text(json.dumps(data, indent=2))
+
+    update = pytester.runpytest("--torchmem-update", "test_mixed.py::test_b")
+    no_internal_error(update)
+    assert update.ret == 0, output(update)
+    assert sorted(entries(snapshot)) == ["test_a", "test_b", "test_c"]
+    assert pytester.runpytest().ret == 0
+
+    data = json.loads(snapshot.read_text())
+    data["tests"]["test_c"]["default"]["cpu"]["forward_peak"] = -1
+    snapshot.write_text(json.dumps(data, indent=2))
+    other = pytester.runpytest("--torchmem-update", "test_mixed.py::test_a")
+    no_internal_error(other)
+    assert other.ret == 1  # test_c's entry is broken and was not rewritten: said, kept as it is
+    assert "test_c" in output(other)
+    assert sorted(entries_text(snapshot)) == ["test_a", "test_b", "test_c"]
+
+
+def entries_text(path: Path) -> list[str]:
+    return list(json.loads(path.read_text())["tests"])
+
+
+# -- 6. a failed write is not "updated" ----------------------------------------------------
+
+
+@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() == 0, reason="root ignores modes")
+def test_a_failed_write_is_not_shown_as_updated(pytester: pytest.Pytester) -> None:
+    module(pytester, "test_ro", linear_tests("test_a"))
+    folder = pytester.path / "__torchmem__"
+    folder.mkdir()
+    folder.chmod(0o555)
+    try:
+        update = pytester.runpytest("--torchmem-update")
+    finally:
+        folder.chmod(0o755)
+    assert update.ret == 1
+    assert "new" not in update.stdout.str().split("status")[-1].split("could not")[0]
+    update.stdout.fnmatch_lines(["*not written*", "*could not write*"])
+
+
+def test_a_failed_write_is_not_shown_as_updated_as_root(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same through fault injection, which works as root too."""
+    module(pytester, "test_ro", linear_tests("test_a"))
+    pytester.makeconftest(
+        "import pytest\n"
+        "from pytest_torchmem import snapshots\n"
+        "def _refuse(path, text):\n"
+        "    raise PermissionError(13, 'Permission denied', str(path))\n"
+        "@pytest.hookimpl(wrapper=True, tryfirst=True)\n"
+        "def pytest_sessionfinish(session):\n"
+        "    real, snapshots._atomic_write = snapshots._atomic_write, _refuse\n"
+        "    try:\n"
+        "        return (yield)\n"
+        "    finally:\n"
+        "        snapshots._atomic_write = real\n"
+    )
+    update = pytester.runpytest("--torchmem-update")
+    no_internal_error(update)
+    assert update.ret == 1
+    table = [line for line in update.stdout.lines if "test_ro.py::test_a" in line]
+    assert table and all(" new" not in line for line in table), table
+    assert any("not written" in line for line in table), table
+    update.stdout.fnmatch_lines(["*could not write*"])
+    totals = [line for line in update.stdout.lines if line.startswith("torchmem: ")][-1]
+    assert "not written" in totals, totals
+
+
+# -- 13. lock files ---------------------------------------------------------------------------
+
+
+def test_updates_leave_no_lock_file(pytester: pytest.Pytester, tmp_path: Path) -> None:
+    module(pytester, "test_lock", linear_tests("test_a"))
+    temporary = tmp_path / "tmp"
+    temporary.mkdir()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TMPDIR", str(temporary))
+        import tempfile
+
+        patch.setattr(tempfile, "tempdir", None)
+        for _ in range(2):
+            assert pytester.runpytest_subprocess("--torchmem-update").ret == 0
+    assert list(temporary.glob("pytest-torchmem-*")) == []
+    assert sorted(p.name for p in (pytester.path / "__torchmem__").iterdir()) == ["test_lock.json"]
