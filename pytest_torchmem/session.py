@@ -105,7 +105,8 @@ UNUSED_MODES: Final = ("fail", "warn", "ignore")
 MEASURE_MODES: Final = ("auto", "on", "off")
 STALE_MODES: Final = ("warn", "fail")
 
-_SPEC_KEY: Final = pytest.StashKey[MarkerSpec]()
+#: The test's marker spec, and the marks it was read from.
+_SPEC_KEY: Final = pytest.StashKey[tuple[tuple[Any, ...], MarkerSpec]]()
 
 _DEVICE_HINT: Final = (
     "torchmem: on the fake cuda device the step runs on fake tensors of that device, as it "
@@ -340,6 +341,10 @@ class TorchmemSession:
         self._snapshots: dict[Path, SnapshotFile] = {}
         self._rules: dict[tuple[str, tuple[int, ...]], RuleSet] = {}
         self._names: dict[str, set[str]] = {}
+        #: Tests that made a ``torchmem`` fixture.
+        self._began: set[str] = set()
+        #: Test -> the messages of its failed checks, raised when its body returns.
+        self._failures: dict[str, list[str]] = {}
         self._measuring: bool | None = None
 
     # -- collection -----------------------------------------------------------------
@@ -392,26 +397,52 @@ class TorchmemSession:
             if not marks:
                 continue
             try:
-                item.stash[_SPEC_KEY] = parse_marker(marks, known_devices(), known_gpus())
+                item.stash[_SPEC_KEY] = (
+                    tuple(marks),
+                    parse_marker(marks, known_devices(), known_gpus()),
+                )
             except MarkerError as exc:
                 raise collector.CollectError(f"{item.nodeid}: {exc}") from None
-            if "torchmem" not in getattr(item, "fixturenames", ()):
-                item.warn(
-                    TorchmemWarning(
-                        f"@pytest.mark.{MARKER} has no effect on {item.nodeid}: "
-                        "the test does not use the torchmem fixture"
-                    )
+
+    def called(self, item: pytest.Item) -> None:
+        """The test's body returned: fail it if a check failed; warn about a useless marker.
+
+        A failed check does not stop the test: its later checks run, and are
+        reported, and the test fails here with every failed check's message.
+        The marker's warning is judged after the call, not at collection, so
+        that a test that gets the fixture through
+        ``request.getfixturevalue("torchmem")`` (or a fixture of its own that
+        does) is not warned.
+        """
+        __tracebackhide__ = True
+        failures = self._failures.pop(item.nodeid, [])
+        if failures:
+            pytest.fail("\n\n".join(failures), pytrace=False)
+        if item.nodeid not in self._began and any(True for _ in item.iter_markers(MARKER)):
+            item.warn(
+                TorchmemWarning(
+                    f"@pytest.mark.{MARKER} has no effect on {item.nodeid}: "
+                    "the test does not use the torchmem fixture"
                 )
+            )
 
     def spec(self, item: pytest.Item) -> MarkerSpec:
+        """The test's marker spec, read again when marks were added since collection.
+
+        A mark added later (``item.add_marker`` in ``pytest_collection_modifyitems``)
+        overrides, key by key, the marks the test had when it was collected.
+        """
         __tracebackhide__ = True
-        spec = item.stash.get(_SPEC_KEY, None)
-        if spec is None:  # an item that pytest's Python collector did not make
+        marks = list(item.iter_markers(MARKER))
+        read, spec = item.stash.get(_SPEC_KEY, ((), None))
+        if spec is None or list(read) != marks:
+            added = [mark for mark in marks if not any(mark is old for old in read)]
+            ordered = [*reversed(added), *(mark for mark in marks if mark not in added)]
             try:
-                spec = parse_marker(list(item.iter_markers(MARKER)), known_devices(), known_gpus())
+                spec = parse_marker(ordered, known_devices(), known_gpus())
             except MarkerError as exc:
                 pytest.fail(f"{item.nodeid}: {exc}", pytrace=False)
-            item.stash[_SPEC_KEY] = spec
+            item.stash[_SPEC_KEY] = (tuple(marks), spec)
         return spec
 
     # -- running --------------------------------------------------------------------
@@ -443,6 +474,8 @@ class TorchmemSession:
         A rerun (pytest-rerunfailures) checks again from the start: what the
         earlier run checked is forgotten, here and, for a worker, in the controller.
         """
+        self._began.add(item.nodeid)
+        self._failures.pop(item.nodeid, None)
         if item.nodeid in self._names:
             self._forget({item.nodeid})
             if self.is_worker:
@@ -639,7 +672,10 @@ class TorchmemSession:
             reports[device] = report
             results.append(result)
         if any(result.failed for result in results):
-            pytest.fail(failure_message(results, self.config.get_verbosity()), pytrace=False)
+            # The test goes on (its later checks run too) and fails when its body returns.
+            self._failures.setdefault(item.nodeid, []).append(
+                failure_message(results, self.config.get_verbosity())
+            )
         return reports
 
     def _export(self, result: Result, traced: Trace) -> None:

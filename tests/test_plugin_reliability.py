@@ -316,3 +316,81 @@ def test_updates_leave_no_lock_file(pytester: pytest.Pytester, tmp_path: Path) -
             assert pytester.runpytest_subprocess("--torchmem-update").ret == 0
     assert list(temporary.glob("pytest-torchmem-*")) == []
     assert sorted(p.name for p in (pytester.path / "__torchmem__").iterdir()) == ["test_lock.json"]
+
+
+# -- 8. a marker added at collection ------------------------------------------------------------
+
+ADD_MARKER = """
+import pytest
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        item.add_marker(pytest.mark.memory_budget(peak=100))
+"""
+
+
+@pytest.mark.parametrize("level", ["function", "class", "module"])
+def test_a_marker_added_at_collection_overrides_the_tests_own(
+    pytester: pytest.Pytester, level: str
+) -> None:
+    pytester.makeconftest(ADD_MARKER)
+    check = "(torchmem):\n" + CHECK.format(out=4, name="")
+    body = {
+        "function": "\n@pytest.mark.memory_budget(peak='1 GiB')\ndef test_a" + check,
+        "class": "\n@pytest.mark.memory_budget(peak='1 GiB')\nclass TestA:\n    def test_a(self"
+        + check.replace("(torchmem)", ", torchmem)").replace("\n    ", "\n        "),
+        "module": "\npytestmark = pytest.mark.memory_budget(peak='1 GiB')\ndef test_a" + check,
+    }[level]
+    module(pytester, "test_added", body)
+    result = pytester.runpytest("--torchmem-update")
+    no_internal_error(result)
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*over budget*"])
+
+
+# -- 9. a failed check does not stop the test's later checks -------------------------------------
+
+
+def test_the_checks_after_a_failed_one_still_run_and_are_reported(
+    pytester: pytest.Pytester,
+) -> None:
+    body = (
+        "\n@pytest.mark.memory_budget(peak=100)\ndef test_three(torchmem):\n"
+        + CHECK.format(out=4, name=", name='first'")
+        + CHECK.format(out=4, name=", name='second'")
+        + CHECK.format(out=4, name=", name='third'")
+    )
+    module(pytester, "test_three", body)
+    report = pytester.path / "report.json"
+    result = pytester.runpytest("--torchmem-update", f"--torchmem-json={report}")
+    result.assert_outcomes(failed=1)
+    assert output(result).count("over budget") >= 3
+    checks = json.loads(report.read_text())["results"]
+    assert sorted(check["name"] for check in checks) == ["first", "second", "third"]
+    assert entries(pytester.path / "__torchmem__" / "test_three.json") == {
+        "test_three": ["first", "second", "third"]
+    }
+
+
+# -- 12. the fixture through request.getfixturevalue -------------------------------------------
+
+
+def test_a_marker_on_a_test_that_gets_the_fixture_by_name_does_not_warn(
+    pytester: pytest.Pytester,
+) -> None:
+    body = (
+        "\n@pytest.fixture\ndef memory(request):\n    return request.getfixturevalue('torchmem')\n"
+        "\n@pytest.mark.memory_budget(peak=100)\ndef test_by_name(request):\n"
+        "    request.getfixturevalue('torchmem').check(nn.Linear(8, 4), torch.randn(2, 8))\n"
+        "\n@pytest.mark.memory_budget(peak=100)\ndef test_by_fixture(memory):\n"
+        "    memory.check(nn.Linear(8, 4), torch.randn(2, 8))\n"
+        "\n@pytest.mark.memory_budget(peak=100)\ndef test_plain():\n    pass\n"
+    )
+    module(pytester, "test_named", body)
+    result = pytester.runpytest("--torchmem-update", "-W", "error::pytest.PytestWarning")
+    no_internal_error(result)
+    outcomes = result.parseoutcomes()
+    assert outcomes.get("failed") == 3, output(result)  # both budgets apply; test_plain warns
+    result.stdout.fnmatch_lines(["*test_by_name*over budget*", "*test_by_fixture*over budget*"])
+    result.stdout.fnmatch_lines(["FAILED test_named.py::test_plain - *TorchmemWarning*"])
+    assert "has no effect on test_named.py::test_by" not in output(result)
