@@ -19,7 +19,14 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any, Final
 
-from pytest_torchmem.snapshots import SNAPSHOT_DIR, Entry, Key, SnapshotError, SnapshotFile
+from pytest_torchmem.snapshots import (
+    SNAPSHOT_DIR,
+    Entry,
+    Key,
+    SnapshotError,
+    SnapshotFile,
+    module_of,
+)
 from pytest_torchmem.summary import REPORT_SCHEMA
 
 __all__ = ["InputError", "Loaded", "Saved", "load", "match"]
@@ -45,6 +52,10 @@ class Saved:
     file: str = field(compare=False)
     #: The status the run gave it (a report only; None for a snapshot file).
     status: str | None = field(default=None, compare=False)
+    #: Where the test module is on disk (a snapshot file in a ``__torchmem__``
+    #: directory), as an absolute POSIX path: it tells apart modules of the
+    #: same name in other directories when entries are paired.
+    origin: str | None = field(default=None, compare=False)
 
     @property
     def label(self) -> str:
@@ -154,8 +165,12 @@ def _load_file(path: Path, shown: str, module: str | None) -> tuple[str, list[Sa
         except SnapshotError as exc:
             raise InputError(str(exc)) from None
         name = module or f"{path.stem}.py"
+        origin = None
+        if path.parent.name == SNAPSHOT_DIR:
+            origin = PurePosixPath(*module_of(path.absolute()).parts).as_posix()
         return "snapshot file", [
-            Saved(name, key, entry, shown) for key, entry in snapshot.entries.items()
+            Saved(name, key, entry, shown, origin=origin)
+            for key, entry in snapshot.entries.items()
         ]
     raise InputError(
         f"{shown} is neither a pytest-torchmem snapshot file (a JSON object with "
@@ -248,26 +263,37 @@ def match(old: Sequence[Saved], new: Sequence[Saved]) -> list[tuple[Saved | None
     (``tests/test_m.py`` and ``test_m.py``: a report beside a snapshot
     directory) and no other module could pair with either; else, when each
     side holds a single module, those two (a snapshot file saved under
-    another name). Unpaired entries come with None on the other side.
+    another name). Where a path could pair with several (``test_same.py`` of
+    a snapshot directory against ``tests/a/test_same.py`` and
+    ``tests/b/test_same.py`` of a report), the snapshot file's place on disk
+    picks the one. Unpaired entries come with None on the other side.
     """
-    modules = _pair_modules({s.module for s in old}, {s.module for s in new})
+    origins = {s.module: s.origin for s in (*old, *new) if s.origin is not None}
+    modules = _pair_modules({s.module for s in old}, {s.module for s in new}, origins)
     olds = {(modules.get(s.module, s.module), s.key): s for s in old}
     news = {(s.module, s.key): s for s in new}
     return [(olds.get(where), news.get(where)) for where in sorted(set(olds) | set(news))]
 
 
-def _pair_modules(old: set[str], new: set[str]) -> dict[str, str]:
-    """Old module -> the new module it is."""
+def _pair_modules(old: set[str], new: set[str], origins: Mapping[str, str]) -> dict[str, str]:
+    """Old module -> the new module it is; ``origins``: module -> its path on disk, if known."""
     if len(old) == 1 and len(new) == 1:
         return {next(iter(old)): next(iter(new))}
     pairs = {module: module for module in old & new}
     left, right = old - new, new - old
+
+    def alike(module: str, others: list[str]) -> list[str]:
+        found = [other for other in others if _ends_alike(module, other)]
+        if len(found) > 1:  # a tie: where the files are on disk decides, if it can
+            found = [
+                o for o in found if _ends_alike(origins.get(module, module), origins.get(o, o))
+            ]
+        return found
+
     for module in left:
-        candidates = [other for other in right if _ends_alike(module, other)]
-        if len(candidates) == 1:
-            rivals = [o for o in left if _ends_alike(o, candidates[0])]
-            if rivals == [module]:
-                pairs[module] = candidates[0]
+        candidates = alike(module, sorted(right))
+        if len(candidates) == 1 and alike(candidates[0], sorted(left)) == [module]:
+            pairs[module] = candidates[0]
     return pairs
 
 

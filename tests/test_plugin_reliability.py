@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -394,3 +395,42 @@ def test_a_marker_on_a_test_that_gets_the_fixture_by_name_does_not_warn(
     result.stdout.fnmatch_lines(["*test_by_name*over budget*", "*test_by_fixture*over budget*"])
     result.stdout.fnmatch_lines(["FAILED test_named.py::test_plain - *TorchmemWarning*"])
     assert "has no effect on test_named.py::test_by" not in output(result)
+
+
+# -- 10. the CLI pairs modules of the same name in other directories ----------------------------
+
+
+def test_diff_pairs_a_snapshot_directory_with_its_own_module_in_a_report(
+    pytester: pytest.Pytester,
+) -> None:
+    for folder in ("a", "b"):
+        (pytester.path / "tests" / folder).mkdir(parents=True)
+        (pytester.path / "tests" / folder / "__init__.py").write_text("")
+        (pytester.path / "tests" / folder / "test_same.py").write_text(
+            HEADER + linear_tests("test_x")
+        )
+    pytester.runpytest("--torchmem-update", "tests").assert_outcomes(passed=2)
+    b = pytester.path / "tests" / "b" / "test_same.py"
+    b.write_text(b.read_text().replace("nn.Linear(8, 4)", "nn.Linear(8, 64)"))
+    report = pytester.path / "report.json"
+    pytester.runpytest("tests", f"--torchmem-json={report}").assert_outcomes(passed=1, failed=1)
+
+    def diff(old: str, new: str) -> str:
+        done = pytester.run(
+            sys.executable, "-m", "pytest_torchmem", "diff", old, new, "--fail-on", "any:0"
+        )
+        assert done.ret == (1 if old.startswith("tests") else 0), output(done)
+        return [line for line in done.stdout.lines if line.startswith("torchmem diff:")][0]
+
+    # b's snapshot pairs with b's result in the report (a is only in the report)
+    assert diff("tests/b/__torchmem__", "report.json").endswith(
+        "1 regressed, 0 improved, 0 stale, 0 removed, 1 added"
+    )
+    assert diff("report.json", "tests/b/__torchmem__").endswith(
+        "0 regressed, 1 improved, 0 stale, 1 removed, 0 added"
+    )
+    same = pytester.run(
+        sys.executable, "-m", "pytest_torchmem", "diff", "tests/a/__torchmem__", "report.json",
+        "--fail-on", "any:0",
+    )
+    assert same.ret == 0, output(same)
