@@ -126,11 +126,40 @@ def _option(config: pytest.Config, name: str) -> tuple[Any, str]:
         return value, "--" + name.replace("_", "-")
     try:
         value = config.getini(name)
-    except (ValueError, pytest.UsageError) as exc:  # a bool ini option that is not one
-        raise pytest.UsageError(f"ini option {name}: {exc}; write true or false") from None
+    except (ValueError, pytest.UsageError) as exc:
+        value = _native_ini_value(config, name)
+        if value is None:
+            hint = "write true or false" if name in _FLAGS else "write it as a string"
+            raise pytest.UsageError(f"ini option {name}: {exc}; {hint}") from None
     if value in ("", None):
         return None, ""
     return value, f"ini option {name}"
+
+
+#: The options that are flags (``--torchmem-update``): their ini twins are booleans.
+_FLAGS: Final = frozenset(
+    {"torchmem_update", "torchmem_fail_on_improvement", "torchmem_keep_output"}
+)
+
+
+def _native_ini_value(config: pytest.Config, name: str) -> Any:
+    """A value that a native TOML table (``[tool.pytest]``, pytest 9) gives as a number,
+    a boolean or a list, in the form the option is read in; None if it has no such form.
+
+    ``torchmem_rtol = 0.05`` reads as ``"0.05"``, ``torchmem_devices = ["cpu",
+    "cuda"]`` as ``"cpu,cuda"``, ``torchmem_update = true`` as True.
+    """
+    raw = getattr(config, "_inicfg", {}).get(name)
+    value = getattr(raw, "value", None)
+    if isinstance(value, bool):
+        return value if name in _FLAGS else None
+    if name in _FLAGS:
+        return None
+    if isinstance(value, (int, float)):
+        return str(value)
+    if isinstance(value, list) and all(isinstance(item, str) for item in value):
+        return ",".join(value)
+    return None
 
 
 @dataclass(frozen=True)
@@ -600,11 +629,15 @@ class TorchmemSession:
         if adjusted is None:
             return traced.report, traced
         if not isinstance(adjusted, MemoryReport):
-            raise TypeError(
-                "pytest_torchmem_adjust_report must return a MemoryReport or None, "
-                f"got {type(adjusted).__name__}"
+            pytest.fail(
+                "torchmem: pytest_torchmem_adjust_report must return a MemoryReport or None, "
+                f"got {type(adjusted).__name__}",
+                pytrace=False,
             )
-        return adjusted, traced
+        try:
+            return _whole_bytes(adjusted), traced
+        except ValueError as exc:
+            pytest.fail(f"torchmem: pytest_torchmem_adjust_report returned {exc}", pytrace=False)
 
     def check(
         self,
@@ -962,6 +995,52 @@ class TorchmemSession:
             terminal.write_sep("-", "torchmem")
             for line in lines:
                 terminal.write_line(line)
+
+
+def _whole_bytes(report: MemoryReport) -> MemoryReport:
+    """``report`` with every figure a plain ``int``; ValueError naming one that is no byte count.
+
+    A hook may compute figures with numpy (``numpy.int64`` is taken as the
+    integer it is); a float, a bool or a negative figure is refused before it
+    reaches a snapshot file.
+    """
+    import operator
+
+    def whole(value: Any, where: str) -> int:
+        try:
+            if isinstance(value, bool):
+                raise TypeError
+            number = operator.index(value)
+        except TypeError:
+            raise ValueError(
+                f"a report whose {where} is {value!r} ({type(value).__name__}): figures are "
+                "whole numbers of bytes; round them with int(...)"
+            ) from None
+        if number < 0:
+            raise ValueError(f"a report whose {where} is negative ({number} B)")
+        return number
+
+    return dataclasses.replace(
+        report,
+        forward_peak=whole(report.forward_peak, "forward_peak"),
+        backward_peak=whole(report.backward_peak, "backward_peak"),
+        step_peak=whole(report.step_peak, "step_peak"),
+        reserved_peak=None
+        if report.reserved_peak is None
+        else whole(report.reserved_peak, "reserved_peak"),
+        breakdown={
+            category: whole(value, f"breakdown[{str(category.value)!r}]")
+            for category, value in report.breakdown.items()
+        },
+        modules={
+            name: dataclasses.replace(
+                peak,
+                forward=whole(peak.forward, f"modules[{name!r}].forward"),
+                backward=whole(peak.backward, f"modules[{name!r}].backward"),
+            )
+            for name, peak in report.modules.items()
+        },
+    )
 
 
 def _record_properties(item: pytest.Item, result: Result) -> None:

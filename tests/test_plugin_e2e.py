@@ -957,7 +957,7 @@ def test_adjust_report_must_return_a_report(pytester: pytest.Pytester) -> None:
     make(pytester, LINEAR.format(out=4))
     result = pytester.runpytest("--torchmem-update")
     result.stdout.fnmatch_lines(
-        ["*TypeError: pytest_torchmem_adjust_report must return a MemoryReport or None, got int"]
+        ["*torchmem: pytest_torchmem_adjust_report must return a MemoryReport or None, got int"]
     )
 
 

@@ -434,3 +434,80 @@ def test_diff_pairs_a_snapshot_directory_with_its_own_module_in_a_report(
         "--fail-on", "any:0",
     )
     assert same.ret == 0, output(same)
+
+
+# -- 11. what pytest_torchmem_adjust_report returns is checked where it comes back --------------
+
+ADJUST = """
+import dataclasses
+import numpy
+
+def pytest_torchmem_adjust_report(item, device, name, report):
+    return dataclasses.replace(report, forward_peak={value})
+"""
+
+
+@pytest.mark.parametrize("xdist", [(), ("-n", "1")], ids=["serial", "xdist"])
+def test_a_numpy_figure_from_the_adjust_hook_is_taken_as_its_integer(
+    pytester: pytest.Pytester, xdist: tuple[str, ...]
+) -> None:
+    pytest.importorskip("numpy")
+    pytester.makeconftest(ADJUST.format(value="numpy.int64(report.forward_peak + 1000)"))
+    module(pytester, "test_numpy", linear_tests("test_a"))
+    update = pytester.runpytest("--torchmem-update", "--torchmem-json=report.json", *xdist)
+    no_internal_error(update)
+    assert update.ret == 0, output(update)
+    estimate = json.loads((pytester.path / "report.json").read_text())["results"][0]["estimate"]
+    figures = json.loads((pytester.path / "__torchmem__" / "test_numpy.json").read_text())
+    recorded = figures["tests"]["test_a"]["default"]["cpu"]["forward_peak"]
+    assert recorded == 244 + 1000 and type(recorded) is int
+    assert estimate["forward"] == recorded
+    assert pytester.runpytest(*xdist).ret == 0
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ("-5", "forward_peak is negative (-5 B)"),
+        ("1.5", "forward_peak is 1.5 (float)"),
+        ("True", "forward_peak is True (bool)"),
+    ],
+)
+def test_a_bad_figure_from_the_adjust_hook_fails_the_check_and_is_not_written(
+    pytester: pytest.Pytester, value: str, message: str
+) -> None:
+    pytester.makeconftest(ADJUST.format(value=value))
+    module(pytester, "test_bad", linear_tests("test_a"))
+    update = pytester.runpytest("--torchmem-update")
+    no_internal_error(update)
+    update.assert_outcomes(failed=1)
+    update.stdout.fnmatch_lines([f"*pytest_torchmem_adjust_report returned a report whose {message}*"])
+    assert not (pytester.path / "__torchmem__").exists()
+
+
+# -- 14. native TOML values -------------------------------------------------------------------
+
+
+@pytest.mark.skipif(int(pytest.__version__.split(".")[0]) < 9, reason="[tool.pytest] is pytest 9's")
+def test_native_toml_values_are_read_as_their_strings_would_be(pytester: pytest.Pytester) -> None:
+    (pytester.path / "tox.ini").unlink(missing_ok=True)
+    pytester.makefile(
+        ".toml",
+        pyproject=(
+            "[tool.pytest]\n"
+            'torchmem_devices = ["cpu"]\n'
+            "torchmem_rtol = 0.05\n"
+            "torchmem_atol = 0\n"
+            "torchmem_update = true\n"
+        ),
+    )
+    module(pytester, "test_toml", linear_tests("test_a"))
+    update = pytester.runpytest()
+    assert update.ret == 0, output(update)
+    update.stdout.fnmatch_lines(["torchmem: update, devices cpu, rtol 0.05, atol 0 B*"])
+    assert entries(pytester.path / "__torchmem__" / "test_toml.json") == {"test_a": ["default"]}
+
+    pytester.makefile(".toml", pyproject='[tool.pytest]\ntorchmem_update = "yes please"\n')
+    bad = pytester.runpytest()
+    assert bad.ret == pytest.ExitCode.USAGE_ERROR
+    bad.stderr.fnmatch_lines(["*ini option torchmem_update:*write true or false"])
