@@ -158,3 +158,56 @@ def test_zero_tensor_gradient_costs_nothing() -> None:
     estimated, measured = tm.estimate(model, x), tm.measure(model, x)
     assert estimated.phase_peaks() == measured.phase_peaks()
     assert estimated.complete
+
+
+# -- the real kernel's refusals, word for word ----------------------------------------------------
+
+_REFUSED: dict[str, Callable[[], tuple[nn.Module, Any]]] = {
+    "int64 input to a Linear": lambda: (nn.Linear(4, 2), torch.ones(2, 4, dtype=torch.long)),
+    "float32 input to a half Linear": lambda: (nn.Linear(4, 2).half(), torch.randn(2, 4)),
+    "float64 input, no bias": lambda: (
+        nn.Linear(4, 2, bias=False),
+        torch.ones(2, 4, dtype=torch.float64),
+    ),
+    "float32 batch to a bf16 Linear": lambda: (nn.Linear(4, 2).bfloat16(), torch.randn(3, 2, 4)),
+    "wrong in_features": lambda: (nn.Linear(4, 2), torch.randn(2, 5)),
+    "wrong in_features, batched": lambda: (nn.Linear(4, 2), torch.randn(3, 2, 5)),
+    "bmm of two dtypes": lambda: (
+        Lambda(lambda x: torch.bmm(x, x.transpose(1, 2).double())),
+        torch.randn(3, 2, 4),
+    ),
+    "bmm of mismatched batches": lambda: (
+        Lambda(lambda x: torch.bmm(x, x[:2].transpose(1, 2))),
+        torch.randn(3, 2, 4),
+    ),
+    "baddbmm of two dtypes": lambda: (
+        Lambda(lambda x: torch.baddbmm(x[:, :, :2], x, x.transpose(1, 2)[:, :, :2].double())),
+        torch.randn(3, 2, 4),
+    ),
+    "mv of two dtypes": lambda: (Lambda(lambda x: torch.mv(x, x[0].double())), torch.randn(4, 4)),
+    "dot of two dtypes": lambda: (
+        Lambda(lambda x: torch.dot(x[0], x[1].double())),
+        torch.randn(2, 4),
+    ),
+}
+
+
+def _raised(run: Callable[[], Any]) -> str:
+    with pytest.raises(RuntimeError) as info:
+        run()
+    return str(info.value)
+
+
+@pytest.mark.parametrize("case", list(_REFUSED))
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_the_estimate_refuses_what_the_real_kernel_refuses_with_its_message(
+    case: str, device: str
+) -> None:
+    model, x = _REFUSED[case]()
+    eager = _raised(lambda: model(x))
+    assert _raised(lambda: tm.measure(model, x)) == eager
+    if device == "cuda" and any(word in case for word in ("bmm", "mv", "dot")):
+        # CUDA's kernels word these otherwise: the estimate raises, as a GPU would.
+        _raised(lambda: tm.estimate(model, x, device=device))
+        return
+    assert _raised(lambda: tm.estimate(model, x, device=device)) == eager

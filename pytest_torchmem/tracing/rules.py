@@ -12,7 +12,11 @@ A device model describes, per aten op, what the fake trace cannot see:
 * **fallbacks** stand in for an op whose output depends on tensor values
   (``nonzero``, ``.item()``), which fake tensors cannot know: they return the
   largest possible outputs and a reason, and the op is listed in the report's
-  ``unsupported``.
+  ``unsupported``;
+* **checks** refuse, before the fake kernel runs, the arguments the device's
+  real kernel refuses (operands of two dtypes for a matrix product), raising
+  what the real kernel raises, with its message: the estimate fails where the
+  step would.
 
 Adding an op is one decorated function::
 
@@ -46,6 +50,7 @@ __all__ = [
     "ScratchRule",
     "ImplementationRule",
     "FallbackRule",
+    "CheckRule",
     "Steps",
 ]
 
@@ -137,6 +142,8 @@ ScratchRule: TypeAlias = Callable[[OpCall], "Steps | None"]
 ImplementationRule: TypeAlias = Callable[[OpCall], Any]
 #: Returns ``(outputs, reason)``.
 FallbackRule: TypeAlias = Callable[[OpCall], "tuple[Any, str]"]
+#: Raises what the device's real kernel raises for arguments it refuses; returns None otherwise.
+CheckRule: TypeAlias = Callable[[OpCall], None]
 
 OpLike: TypeAlias = "OpOverload | OpOverloadPacket"
 
@@ -161,6 +168,7 @@ class RuleSet:
         self._scratch: dict[OpOverload, ScratchRule] = {}
         self._implementations: dict[OpOverload, ImplementationRule] = {}
         self._fallbacks: dict[OpOverload, FallbackRule] = {}
+        self._checks: dict[OpOverload, CheckRule] = {}
 
     def __repr__(self) -> str:
         return (
@@ -180,6 +188,13 @@ class RuleSet:
         """Register a stand-in for value-dependent ``ops`` that fake tensors cannot run."""
         return self._register(self._fallbacks, "fallback", ops)
 
+    def check(self, *ops: OpLike) -> Callable[[CheckRule], CheckRule]:
+        """Register a check of the arguments of ``ops`` that raises as the real kernel does."""
+        return self._register(self._checks, "check", ops)
+
+    def check_rule(self, func: OpOverload) -> CheckRule | None:
+        return self._checks.get(func)
+
     def scratch_rule(self, func: OpOverload) -> ScratchRule | None:
         return self._scratch.get(func)
 
@@ -195,6 +210,7 @@ class RuleSet:
             "scratch": sorted(str(op) for op in self._scratch),
             "implementation": sorted(str(op) for op in self._implementations),
             "fallback": sorted(str(op) for op in self._fallbacks),
+            "check": sorted(str(op) for op in self._checks),
         }
 
     def copy(self, device: str | None = None) -> RuleSet:
@@ -203,6 +219,7 @@ class RuleSet:
         other._scratch.update(self._scratch)
         other._implementations.update(self._implementations)
         other._fallbacks.update(self._fallbacks)
+        other._checks.update(self._checks)
         return other
 
     def _register(

@@ -35,6 +35,7 @@ from pytest_torchmem.report import Category, Unsupported
 from pytest_torchmem.tracing.rules import (
     OUTPUTS,
     Alloc,
+    CheckRule,
     Free,
     ImplementationRule,
     Inexact,
@@ -181,6 +182,8 @@ class _OpPlan:
     tensor_slots: tuple[tuple[int, str], ...]
     #: ``(position, name)`` of the arguments the op writes into.
     written_slots: tuple[tuple[int, str], ...] = ()
+    #: Refuses what the real kernel refuses (raises its error), if the op has such a rule.
+    check: CheckRule | None = None
 
 
 class Tracker(TorchDispatchMode):
@@ -354,6 +357,7 @@ class Tracker(TorchDispatchMode):
                 localize=func not in _LIFTS,
                 implementation=self.rules.implementation_rule(func),
                 scratch=self.rules.scratch_rule(func),
+                check=self.rules.check_rule(func),
                 mutable=func._schema.is_mutable,
                 tensor_slots=tuple(
                     (i, arg.name)
@@ -387,6 +391,8 @@ class Tracker(TorchDispatchMode):
             # Autograd's input buffer adds a second gradient in place on plain
             # tensors; on fake ones it cannot tell, so it is done here.
             return args[0].add_(args[1])
+        if plan.check is not None:  # the real kernel's refusal, raised as the program's error
+            plan.check(OpCall(func, args, kwargs, context=self.context))
         try:
             if plan.implementation is not None:
                 out = plan.implementation(OpCall(func, args, kwargs, context=self.context))

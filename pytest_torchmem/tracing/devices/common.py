@@ -13,6 +13,7 @@ from typing import Any, Final
 
 import torch
 
+from pytest_torchmem.tracing.devices.eager_checks import register_checks
 from pytest_torchmem.tracing.rules import OpCall, RuleSet
 
 __all__ = ["COMMON"]
@@ -21,6 +22,7 @@ aten = torch.ops.aten
 
 #: Rules shared by every device model; device models copy it and add their own.
 COMMON: Final = RuleSet("common")
+register_checks(COMMON)
 
 _UPPER: Final = "output size depends on tensor values; the largest possible output was assumed"
 
