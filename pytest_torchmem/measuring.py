@@ -13,6 +13,8 @@ each phase boundary.
 
 from __future__ import annotations
 
+import dataclasses
+
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final
@@ -22,9 +24,10 @@ from torch.autograd.profiler import record_function
 from torch.profiler import ProfilerActivity, profile
 
 from pytest_torchmem.model_state import Converted, StandIns, collect, convert, substituted
-from pytest_torchmem.report import Category, MemoryReport
+from pytest_torchmem.report import Category, MemoryReport, Unsupported
 from pytest_torchmem.step import ModuleTracker, run_step
 from pytest_torchmem.timeline import Phase, StorageInfo, Timeline, analyze
+from pytest_torchmem.tracing.compiled import MEASURED_EAGER_REASON, watch_compiled
 from pytest_torchmem.tracing.devices.cpu.profiles import host_profile
 
 if TYPE_CHECKING:
@@ -90,10 +93,24 @@ def _copies(device: torch.device) -> StandIns:
 
 
 def measure_step(request: StepRequest) -> MemoryReport:
-    """Run ``request``'s step for real on its device and report its memory."""
-    if request.device == "cuda":
-        return _measure_cuda(request)
-    return _measure_cpu(request)
+    """Run ``request``'s step for real on its device and report its memory.
+
+    A compiled region the step enters is listed in ``unsupported``: the
+    measurement does not yet run the compiled program's warm-up and steady
+    state, so its figures may be the eager program's.
+    """
+    regions: list[Unsupported] = []
+
+    def noted(name: str, location: str) -> None:
+        entry = Unsupported(f"torch.compile: {name}", MEASURED_EAGER_REASON, location)
+        if entry not in regions:
+            regions.append(entry)
+
+    with watch_compiled(noted):
+        report = _measure_cuda(request) if request.device == "cuda" else _measure_cpu(request)
+    if regions:
+        report = dataclasses.replace(report, unsupported=(*report.unsupported, *regions))
+    return report
 
 
 def _baseline_groups(standins: Converted) -> tuple[tuple[Category, list[torch.Tensor]], ...]:

@@ -14,6 +14,7 @@ from pytest_torchmem.model_state import Converted, StandIns, collect, convert, s
 from pytest_torchmem.report import Category, MemoryReport
 from pytest_torchmem.step import LossFn, ModuleTracker, OptimizerFactory, run_step
 from pytest_torchmem.timeline import Analysis, Timeline, analyze
+from pytest_torchmem.tracing.compiled import watch_compiled
 from pytest_torchmem.tracing.devices import DeviceModel
 from pytest_torchmem.tracing.devices.cpu.profiles import CpuProfile
 from pytest_torchmem.tracing.devices.cuda.profiles import GpuProfile
@@ -79,7 +80,14 @@ def trace(
     tracker.timeline.module_names = modules.names
     router = device.router(context) if device.router is not None else nullcontext()
     try:
-        with substituted(model_tensors, standins.model), modules, fake_mode, tracker, router:
+        with (
+            watch_compiled(tracker.compiled_region),
+            substituted(model_tensors, standins.model),
+            modules,
+            fake_mode,
+            tracker,
+            router,
+        ):
             run_step(
                 model,
                 standins.args,

@@ -732,6 +732,15 @@ class Tracker(TorchDispatchMode):
 
     # -- what fake tensors cannot do ------------------------------------------
 
+    def compiled_region(self, name: str, location: str) -> None:
+        """The step entered ``name``, compiled with torch.compile, which ran eagerly here."""
+        from pytest_torchmem.tracing.compiled import EAGER_REASON
+
+        entry = Unsupported(f"torch.compile: {name}", EAGER_REASON, location)
+        if entry not in self._inexact:
+            self._inexact.add(entry)
+            self.unsupported.append(entry)
+
     def _report_inexact(self, op: str, reason: str) -> None:
         """List ``op`` in ``unsupported`` once per reason and source line."""
         entry = Unsupported(op, reason, user_location())

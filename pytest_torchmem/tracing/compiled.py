@@ -1,0 +1,83 @@
+"""Compiled regions met during a trace: never a silent eager figure.
+
+A model compiled with ``torch.compile`` (``torch.compile(model)``,
+``model.compile()``, a compiled submodule or function called in ``forward``)
+runs eagerly under the tracer: dynamo does not compile frames while the
+tracer's dispatch mode is active. The estimate is then the eager program's,
+which can be far from the compiled one (inductor fuses pointwise ops, its
+partitioner recomputes instead of saving, its memory planner reuses
+buffers). Until the estimate follows the compiled pipeline, every compiled
+region the step enters is listed in ``unsupported``, with where it is
+defined, so that the report says plainly that its figures are eager ones.
+
+Compiled code is entered through dynamo's ``compile_wrapper``, which installs
+dynamo's frame callback; :func:`watch_compiled` notices that call.
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any, Final
+
+from torch import nn
+
+__all__ = ["EAGER_REASON", "MEASURED_EAGER_REASON", "watch_compiled"]
+
+#: What the report says of a compiled region.
+EAGER_REASON: Final = (
+    "compiled with torch.compile: the estimate followed the eager program here, so "
+    "these figures are the eager ones (inductor's fusions, recomputation and buffer "
+    "reuse are not modelled)"
+)
+
+#: What a measurement's report says of a compiled region.
+MEASURED_EAGER_REASON: Final = (
+    "compiled with torch.compile: measure() does not yet run the compiled program's "
+    "warm-up and steady state, so these figures may be the eager program's"
+)
+
+
+def _region(wrapper_frame: Any) -> tuple[str, str]:
+    """The compiled callable's name and ``file:line``, from dynamo's wrapper frame."""
+    fn = wrapper_frame.f_locals.get("fn")
+    try:
+        fn = inspect.unwrap(fn)
+    except ValueError:  # pragma: no cover - a cycle of __wrapped__
+        pass
+    owner = fn if isinstance(fn, nn.Module) else getattr(fn, "__self__", None)
+    if isinstance(owner, nn.Module):
+        target: Any = type(owner).forward
+        name = f"{type(owner).__qualname__}.forward"
+    else:
+        target = fn
+        name = getattr(fn, "__qualname__", repr(fn))
+    code = getattr(inspect.unwrap(target), "__code__", None) if target is not None else None
+    where = f"{code.co_filename}:{code.co_firstlineno}" if code is not None else ""
+    return name, where
+
+
+@contextmanager
+def watch_compiled(on_region: Callable[[str, str], None]) -> Iterator[None]:
+    """Call ``on_region(name, location)`` whenever the code run enters a compiled region."""
+    try:
+        import torch._dynamo.eval_frame as eval_frame
+    except ImportError:  # pragma: no cover - a torch without dynamo
+        yield
+        return
+    real = eval_frame._maybe_set_eval_frame
+
+    def noticing(callback: Any) -> Any:
+        if callback is not None and callback is not False:
+            caller = sys._getframe(1)
+            if caller.f_code.co_name == "compile_wrapper":
+                on_region(*_region(caller))
+        return real(callback)
+
+    eval_frame._maybe_set_eval_frame = noticing
+    try:
+        yield
+    finally:
+        eval_frame._maybe_set_eval_frame = real
