@@ -17,6 +17,8 @@ from pytest_torchmem.timeline import Analysis, Timeline, analyze
 from pytest_torchmem.tracing.compiled import watch_compiled
 from pytest_torchmem.tracing.devices import DeviceModel
 from pytest_torchmem.tracing.devices.cpu.profiles import CpuProfile
+from pytest_torchmem.tracing.devices.routing import routed_recomputation
+from pytest_torchmem.tracing.rng_states import charged_rng_states
 from pytest_torchmem.tracing.devices.cuda.profiles import GpuProfile
 from pytest_torchmem.tracing.rules import TraceContext
 from pytest_torchmem.tracing.tracker import Tracker
@@ -79,6 +81,8 @@ def trace(
     modules = ModuleTracker(model, tracker)
     tracker.timeline.module_names = modules.names
     router = device.router(context) if device.router is not None else nullcontext()
+    recomputation = routed_recomputation(router) if device.router is not None else nullcontext()
+    rng_states = charged_rng_states() if device.name == "cpu" else nullcontext()
     try:
         with (
             watch_compiled(tracker.compiled_region),
@@ -87,6 +91,8 @@ def trace(
             fake_mode,
             tracker,
             router,
+            recomputation,
+            rng_states,
         ):
             run_step(
                 model,

@@ -9,11 +9,13 @@ such bodies so, once per entry.
 from __future__ import annotations
 
 import types
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any, ClassVar, Final
 
 from torch.overrides import redispatch_function
 
-__all__ = ["COMPOSITE_MODULES", "BodyRouting"]
+__all__ = ["COMPOSITE_MODULES", "BodyRouting", "routed_recomputation"]
 
 #: Modules whose Python functions run with the router active: their bodies call
 #: what the routers route (``F.multi_head_attention_forward`` calls ``dropout``
@@ -50,3 +52,32 @@ class BodyRouting:
                 return redispatch_function(func, types_, args, kwargs)
         finally:
             self._running.discard(func)
+
+
+@contextmanager
+def routed_recomputation(mode: Any) -> Iterator[None]:
+    """Keep the torch-function ``mode`` routing in non-reentrant checkpointing's recomputation.
+
+    Autograd runs the recomputation (in backward, from a saved tensor's unpack
+    hook) without the torch-function modes of the forward, so a router would
+    route the forward and not its recomputation: a fake cuda forward saves the
+    efficient-attention and ``native_dropout`` outputs while the recomputation
+    takes the math and ``bernoulli_`` paths, and checkpointing refuses the
+    mismatch (``CheckpointError``), where a GPU recomputes the same kernels.
+    The recomputation opens ``torch.utils.checkpoint._recomputation_hook``;
+    while this context is active, that also re-enters ``mode``.
+    """
+    import torch.utils.checkpoint as checkpoint
+
+    real = checkpoint._recomputation_hook
+
+    @contextmanager
+    def recomputing(*args: Any, **kwargs: Any) -> Iterator[Any]:
+        with real(*args, **kwargs) as hook, mode:
+            yield hook
+
+    checkpoint._recomputation_hook = recomputing  # type: ignore[assignment,misc]
+    try:
+        yield
+    finally:
+        checkpoint._recomputation_hook = real  # type: ignore[misc]

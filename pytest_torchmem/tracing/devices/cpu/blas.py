@@ -436,7 +436,7 @@ def _grouped_mm_check_strides(name: str, mat: torch.Tensor) -> None:
         raise RuntimeError(f"strides should be multiple of 16 bytes ({name})")
 
 
-def _grouped_mm_output(call: OpCall) -> torch.Tensor:
+def grouped_mm_output(call: OpCall) -> torch.Tensor:
     """``_grouped_mm_cpu`` (aten/src/ATen/native/Blas.cpp): the meta kernel follows
     the CUDA kernel, which takes bfloat16 alone and checks CUDA's alignment; the
     CPU kernel takes float32, bfloat16 and float16. This follows
@@ -490,11 +490,11 @@ def _grouped_mm_output(call: OpCall) -> torch.Tensor:
 
 @CPU.implementation(aten._grouped_mm.default)
 def _grouped_mm(call: OpCall) -> Any:
-    """``_grouped_mm`` on CPU (see :func:`_grouped_mm_output`). When the kernel's
+    """``_grouped_mm`` on CPU (see :func:`grouped_mm_output`). When the kernel's
     scratch grows with the group sizes held in ``offs`` and fake tensors do not
     know them, the op is handed to :func:`_grouped_mm_unknown_groups`, which
     reports it."""
-    out = _grouped_mm_output(call)
+    out = grouped_mm_output(call)
     offs = _arg(call, 2, "offs", None)
     if offs is not None and _offsets(offs) is None and _onednn_usable(profile_of(call), out.dtype):
         raise DataDependentOutputException(call.func)
@@ -506,7 +506,7 @@ def _grouped_mm_unknown_groups(call: OpCall) -> tuple[Any, str]:
     """bfloat16/float16 ``_grouped_mm`` with offsets computed in the step: the
     oneDNN scratch of each group's gemm grows with the group, whose size fake
     tensors do not know; the scratch rule takes the largest possible group."""
-    return _grouped_mm_output(call), (
+    return grouped_mm_output(call), (
         "the group sizes in offs depend on tensor values; the oneDNN scratch of "
         "the largest possible group (every row) was assumed"
     )

@@ -29,6 +29,7 @@ from typing import Any, Final
 
 import torch
 
+from pytest_torchmem.tracing.devices.cpu.blas import grouped_mm_output
 from pytest_torchmem.tracing.devices.cuda import CUDA
 from pytest_torchmem.tracing.rules import OUTPUTS, Alloc, Free, Inexact, OpCall, Steps
 
@@ -458,3 +459,21 @@ def _fused_gru_cell_backward(call: OpCall) -> Any:
         return grad_input, grad_hidden, grad_hx, grad_input.sum(0), grad_hidden.sum(0)
     empty = workspace.new_empty((0,))
     return grad_input, grad_hidden, grad_hx, empty, empty
+
+
+# -- _grouped_mm -----------------------------------------------------------------
+
+
+@CUDA.implementation(aten._grouped_mm.default)
+def _grouped_mm(call: OpCall) -> Any:
+    """``_grouped_mm_cuda`` (aten/src/ATen/native/cuda/GroupedBlas.cpp): bfloat16
+    operands take CUTLASS's grouped GEMM, which the meta kernel models; any other
+    dtype (float32, float16) takes ``_grouped_mm_fallback``, a loop of ``mm_out``
+    into the same output (``create_grouped_gemm_output_tensor``), which the meta
+    kernel refuses ("Expected inputs of BF16 type"): a mixture-of-experts model
+    in float32 runs on a GPU, and is traced here as it runs there."""
+    mat_a, mat_b = call.args[0], call.args[1]
+    out_dtype = call.args[4] if len(call.args) > 4 else call.kwargs.get("out_dtype")
+    if mat_a.dtype == mat_b.dtype == torch.bfloat16 and out_dtype in (None, torch.bfloat16):
+        return call.func(*call.args, **call.kwargs)
+    return grouped_mm_output(call)
