@@ -1,0 +1,233 @@
+"""Public models as users bring them (Hugging Face transformers), both fake devices, AdamW.
+
+Small configurations of GPT-2 (plain and with gradient checkpointing, both
+kinds), Llama (float32 and bfloat16), BERT, ViT, ResNet, ConvNeXt, T5,
+Mixtral (float32: its experts' grouped matmul) and Whisper, and an LSTM
+tagger, each with a tokenizer-style ``Mapping`` batch and an AdamW step: the
+cpu estimate equals ``measure`` byte for byte (see ``NEAR`` for the one
+exception), and the fake cuda device traces each without an exception,
+listing nothing in ``unsupported`` but the attention-backward and cuDNN RNN
+workspaces whose CUTLASS/cuDNN sizes the models state as estimates.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import pytest_torchmem as tm
+
+transformers = pytest.importorskip("transformers")
+T = transformers
+
+_IDS = (2, 16)
+_VOCAB = 128
+
+#: case -> bytes the cpu estimate may be off, and why. Every other case is exact.
+NEAR: dict[str, tuple[int, str]] = {
+    **{
+        name: (
+            512,
+            "512 B more than measured from the first checkpointed layer on; not yet "
+            "explained (GPT-2 without checkpointing, and plain torch checkpointing, are exact)",
+        )
+        for name in ("gpt2 checkpointed", "gpt2 checkpointed (reentrant)")
+    },
+}
+#: What the fake cuda device may list: kernels whose workspace the model estimates
+#: (CUTLASS's and cuDNN's attention backward, cuDNN's RNN reserve and workspace).
+CUDA_ESTIMATED = {
+    "aten._scaled_dot_product_efficient_attention_backward.default",
+    "aten._scaled_dot_product_cudnn_attention_backward.default",
+    "aten._cudnn_rnn.default",
+    "aten._cudnn_rnn_backward.default",
+}
+
+
+def _lm_batch() -> dict[str, torch.Tensor]:
+    ids = torch.randint(0, _VOCAB, _IDS)
+    return {"input_ids": ids, "labels": ids}
+
+
+def _image_batch() -> dict[str, torch.Tensor]:
+    return {"pixel_values": torch.randn(2, 3, 32, 32), "labels": torch.tensor([0, 1])}
+
+
+def _gpt2(reentrant: bool | None = None) -> tuple[nn.Module, Any]:
+    model = T.GPT2LMHeadModel(
+        T.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=_VOCAB, n_positions=64)
+    )
+    if reentrant is not None:
+        model.gradient_checkpointing_enable(
+            gradient_checkpointing_kwargs={"use_reentrant": reentrant}
+        )
+    return model, _lm_batch()
+
+
+def _llama(dtype: torch.dtype = torch.float32) -> tuple[nn.Module, Any]:
+    config = T.LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=_VOCAB,
+        max_position_embeddings=64,
+    )
+    return T.LlamaForCausalLM(config).to(dtype), _lm_batch()
+
+
+class _LstmTagger(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(_VOCAB, 32)
+        self.lstm = nn.LSTM(32, 64, batch_first=True, bidirectional=True)
+        self.tags = nn.Linear(128, 9)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        scores = self.tags(self.lstm(self.embed(input_ids))[0])
+        return nn.functional.cross_entropy(scores.flatten(0, 1), labels.flatten() % 9)
+
+
+CASES: dict[str, Callable[[], tuple[nn.Module, Any]]] = {
+    "gpt2": _gpt2,
+    "gpt2 checkpointed": lambda: _gpt2(reentrant=False),
+    "gpt2 checkpointed (reentrant)": lambda: _gpt2(reentrant=True),
+    "llama": _llama,
+    "llama bf16": lambda: _llama(torch.bfloat16),
+    "bert": lambda: (
+        T.BertForMaskedLM(
+            T.BertConfig(
+                hidden_size=64,
+                intermediate_size=128,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                vocab_size=_VOCAB,
+                max_position_embeddings=64,
+            )
+        ),
+        _lm_batch(),
+    ),
+    "vit": lambda: (
+        T.ViTForImageClassification(
+            T.ViTConfig(
+                hidden_size=64,
+                intermediate_size=128,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                image_size=32,
+                patch_size=8,
+                num_labels=2,
+            )
+        ),
+        _image_batch(),
+    ),
+    "resnet": lambda: (
+        T.ResNetForImageClassification(
+            T.ResNetConfig(embedding_size=16, hidden_sizes=[16, 32], depths=[1, 1], num_labels=2)
+        ),
+        _image_batch(),
+    ),
+    "convnext": lambda: (
+        T.ConvNextForImageClassification(
+            T.ConvNextConfig(
+                num_stages=2, hidden_sizes=[16, 32], depths=[1, 1], num_labels=2, image_size=32
+            )
+        ),
+        _image_batch(),
+    ),
+    "t5": lambda: (
+        T.T5ForConditionalGeneration(
+            T.T5Config(
+                d_model=64,
+                d_ff=128,
+                num_layers=2,
+                num_heads=4,
+                d_kv=16,
+                vocab_size=_VOCAB,
+                decoder_start_token_id=0,
+            )
+        ),
+        _lm_batch(),
+    ),
+    "mixtral": lambda: (
+        T.MixtralForCausalLM(
+            T.MixtralConfig(
+                hidden_size=64,
+                intermediate_size=128,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                vocab_size=_VOCAB,
+                num_local_experts=4,
+                num_experts_per_tok=2,
+                max_position_embeddings=64,
+            )
+        ),
+        _lm_batch(),
+    ),
+    "whisper": lambda: (
+        T.WhisperForConditionalGeneration(
+            T.WhisperConfig(
+                d_model=64,
+                encoder_layers=1,
+                decoder_layers=1,
+                encoder_attention_heads=4,
+                decoder_attention_heads=4,
+                encoder_ffn_dim=128,
+                decoder_ffn_dim=128,
+                vocab_size=_VOCAB,
+                num_mel_bins=16,
+                max_source_positions=32,
+                max_target_positions=32,
+                pad_token_id=0,
+                bos_token_id=1,
+                eos_token_id=2,
+                decoder_start_token_id=1,
+            )
+        ),
+        {"input_features": torch.randn(2, 16, 64), "labels": torch.randint(0, _VOCAB, _IDS)},
+    ),
+    "lstm tagger": lambda: (_LstmTagger(), _lm_batch()),
+}
+
+
+def _adamw(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params)
+
+
+def _made(case: str) -> tuple[nn.Module, Any]:
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        T.logging.set_verbosity_error()
+        model, batch = CASES[case]()
+    return model.train(), T.BatchEncoding(batch)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_cpu_estimate_equals_measure(case: str) -> None:
+    model, batch = _made(case)
+    estimated = tm.estimate(model, batch, optimizer=_adamw, cpu="host")
+    measured = tm.measure(model, batch, optimizer=_adamw)
+    assert estimated.unsupported == ()
+    allowed, _why = NEAR.get(case, (0, ""))
+    if not allowed:
+        assert estimated.phase_peaks() == measured.phase_peaks()
+    else:
+        for phase, nbytes in estimated.phase_peaks().items():
+            assert abs(nbytes - measured.phase_peaks()[phase]) <= allowed, phase
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_fake_cuda_device_traces_it(case: str) -> None:
+    model, batch = _made(case)
+    report = tm.estimate(model, batch, optimizer=_adamw, device="cuda")
+    assert {entry.op for entry in report.unsupported} <= CUDA_ESTIMATED
+    parameters = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert report.peak > 4 * parameters  # parameters, gradients and AdamW's two moments
