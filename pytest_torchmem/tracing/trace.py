@@ -17,6 +17,7 @@ from pytest_torchmem.timeline import Analysis, Timeline, analyze
 from pytest_torchmem.tracing.compiled import watch_compiled
 from pytest_torchmem.tracing.devices import DeviceModel
 from pytest_torchmem.tracing.devices.cpu.profiles import CpuProfile
+from pytest_torchmem.tracing.devices.cuda.gpu_view import gpu_view
 from pytest_torchmem.tracing.devices.routing import routed_recomputation
 from pytest_torchmem.tracing.rng_states import charged_rng_states
 from pytest_torchmem.tracing.devices.cuda.profiles import GpuProfile
@@ -83,6 +84,7 @@ def trace(
     router = device.router(context) if device.router is not None else nullcontext()
     recomputation = routed_recomputation(router) if device.router is not None else nullcontext()
     rng_states = charged_rng_states() if device.name == "cpu" else nullcontext()
+    seen_as_gpu = gpu_view(gpu) if device.name == "cuda" and gpu is not None else nullcontext()
     try:
         with (
             watch_compiled(tracker.compiled_region),
@@ -93,6 +95,7 @@ def trace(
             router,
             recomputation,
             rng_states,
+            seen_as_gpu,
         ):
             run_step(
                 model,

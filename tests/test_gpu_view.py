@@ -1,0 +1,101 @@
+"""The model's code sees a GPU on the fake cuda device, and nothing of it leaks out."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
+
+import pytest_torchmem as tm
+from pytest_torchmem.tracing.devices.cuda.profiles import PROFILES
+
+
+class _Branches(nn.Module):
+    """Takes a "GPU path" (an extra 1 MiB buffer on the device) only where it sees a GPU."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+        self.seen: list[dict[str, Any]] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.linear(x)
+        seen = {
+            "is_cuda": h.is_cuda,
+            "device": str(h.device),
+            "available": torch.cuda.is_available(),
+        }
+        if h.device.type == "cuda":
+            seen.update(
+                capability=torch.cuda.get_device_capability(),
+                bf16=torch.cuda.is_bf16_supported(),
+                name=torch.cuda.get_device_properties(h.device).name,
+                memory=torch.cuda.get_device_properties(0).total_memory,
+                count=torch.cuda.device_count(),
+            )
+            scratch = torch.empty(2**18, device=h.device)  # 1 MiB on the GPU
+            h = h + scratch[:8] + torch.zeros(8).cuda() + torch.zeros(8).to(h.device)
+        self.seen.append(seen)
+        return h
+
+
+@pytest.mark.parametrize("gpu", ["H100", "T4"])
+def test_the_program_sees_the_profiles_gpu(gpu: str) -> None:
+    model = _Branches()
+    report = tm.estimate(model, torch.randn(4, 8), device="cuda", gpu=gpu, train=False)
+    profile = PROFILES[gpu]
+    assert model.seen == [
+        {
+            "is_cuda": True,
+            "device": "cuda:0",
+            "available": True,
+            "capability": profile.compute_capability,
+            "bf16": profile.sm >= 80,
+            "name": f"NVIDIA {gpu}",
+            "memory": profile.memory,
+            "count": 1,
+        }
+    ]
+    plain = tm.estimate(nn.Linear(8, 8), torch.randn(4, 8), device="cuda", gpu=gpu, train=False)
+    assert report.forward_peak - plain.forward_peak >= 2**20  # the GPU path ran, and was charged
+    assert report.unsupported == ()
+
+
+def test_on_cpu_the_program_sees_the_cpu() -> None:
+    model = _Branches()
+    tm.estimate(model, torch.randn(4, 8), train=False)
+    assert model.seen == [{"is_cuda": False, "device": "cpu", "available": False}]
+
+
+def test_nothing_leaks_out_of_the_trace_even_on_an_error() -> None:
+    class Fails(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            assert x.is_cuda and torch.cuda.is_available()
+            raise KeyError("the user's")
+
+    queries = {name: getattr(torch.cuda, name) for name in ("is_available", "get_device_properties")}
+    available = torch.cuda.is_available()
+    with pytest.raises(KeyError, match="the user's"):
+        tm.estimate(Fails(), torch.randn(2), device="cuda", train=False)
+    assert {name: getattr(torch.cuda, name) for name in queries} == queries
+    assert torch.cuda.is_available() == available
+    assert "is_cuda" not in FakeTensor.__dict__
+    assert isinstance(FakeTensor.__dict__["device"], property)
+    with tm_fake_meta() as fake:
+        assert fake.device.type == "meta" and not fake.is_cuda
+
+
+def tm_fake_meta() -> Any:
+    from contextlib import contextmanager
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    @contextmanager
+    def made() -> Any:
+        with FakeTensorMode() as mode:
+            yield mode.from_tensor(torch.empty(2, device="meta"))
+
+    return made()
