@@ -1,9 +1,12 @@
 """How fast ``estimate`` is, beside what it has to beat.
 
     python benchmarks/speed.py [--layers N] [--repeats R] [--real-params] [--check] [--profile]
+                               [--transformers]
 
 On a GPT-2-small-shaped model (``benchmarks/gpt2.py``; 12 layers, width 768,
-vocab 50257, context 1024) and a batch of 8 x 1024 tokens it times, in one
+vocab 50257, context 1024; ``--transformers``: Hugging Face transformers'
+``GPT2LMHeadModel`` of the same shape, its logits summed) and a batch of
+8 x 1024 tokens it times, in one
 run and interleaved round by round (so that a machine's changing load hits
 every contender alike):
 
@@ -110,6 +113,34 @@ def mem_tracker(model: nn.Module, tokens: torch.Tensor) -> int:
     return sum(snap["Total"] for snap in tracker.get_tracker_snapshot("peak").values())
 
 
+class _TransformersGPT2(nn.Module):
+    """transformers' GPT-2 of ``cfg``'s shape, called with token ids, returning its logits."""
+
+    def __init__(self, cfg: GPT2Config) -> None:
+        super().__init__()
+        import transformers
+
+        transformers.logging.set_verbosity_error()
+        config = transformers.GPT2Config(
+            n_layer=cfg.layers,
+            n_embd=cfg.width,
+            n_head=cfg.width // 64,
+            vocab_size=cfg.vocab,
+            n_positions=cfg.context,
+        )
+        self.model = transformers.GPT2LMHeadModel(config)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=tokens).logits
+
+
+def _build(cfg: GPT2Config, device: str, hugging_face: bool) -> nn.Module:
+    if not hugging_face:
+        return build(cfg, device)
+    with torch.device(device):
+        return _TransformersGPT2(cfg)
+
+
 def _tokens(batch: int, cfg: GPT2Config) -> torch.Tensor:
     return torch.randint(0, cfg.vocab, (batch, cfg.context))
 
@@ -183,12 +214,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--check", action="store_true", help="exit 1 when a target is missed")
     parser.add_argument("--profile", action="store_true", help="also cProfile one estimate")
+    parser.add_argument(
+        "--transformers", action="store_true", help="transformers' GPT2LMHeadModel of that shape"
+    )
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore")
 
     cfg = GPT2Config(layers=args.layers)
-    model = build(cfg, "cpu" if args.real_params else "meta")
-    meta_model = build(cfg, "meta")  # the fake contenders' own copies start from it
+    model = _build(cfg, "cpu" if args.real_params else "meta", args.transformers)
+    meta_model = _build(cfg, "meta", args.transformers)  # the fake contenders' copies start from it
     tokens = {b: _tokens(b, cfg) for b in (args.batch, 1, 64)}
     n_params = sum(p.numel() for p in model.parameters())
 
@@ -202,7 +236,8 @@ def main(argv: list[str] | None = None) -> int:
     contenders = [est, plain, tracker, est1, est64]
 
     print(
-        f"GPT-2-shaped model: {cfg.layers} layers, width {cfg.width}, {n_params / 1e6:.1f} M parameters "
+        f"{'transformers GPT2LMHeadModel' if args.transformers else 'GPT-2-shaped model'}: "
+        f"{cfg.layers} layers, width {cfg.width}, {n_params / 1e6:.1f} M parameters "
         f"({'real' if args.real_params else 'meta'}), batch {args.batch} x {cfg.context} tokens; "
         f"torch {torch.__version__}"
     )
