@@ -28,7 +28,7 @@ from tabulate import tabulate
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 import pytest_torchmem as tm  # noqa: E402
-from pytest_torchmem.tracing.devices.cuda.profiles import PROFILES  # noqa: E402
+from pytest_torchmem.engine.tracing.devices.cuda.profiles import PROFILES  # noqa: E402
 from zoo import CASES  # noqa: E402
 
 
@@ -45,7 +45,7 @@ def _gpu_name(requested: str | None) -> str | None:
 def _profiles(cases: list) -> int:
     from profiled import as_measured_here, measure_zoo, reachable
 
-    from pytest_torchmem.tracing.devices.cpu.profiles import ISA_LEVELS, CpuProfile
+    from pytest_torchmem.engine.tracing.devices.cpu.profiles import ISA_LEVELS, CpuProfile
 
     rows = []
     failed = 0

@@ -235,8 +235,8 @@ def _tensors(value: Any) -> Iterator[torch.Tensor]:
 def _logging_tracker_class() -> type:
     """A :class:`Tracker` that also logs each op it dispatches (made lazily: the
     import is the project's)."""
-    from pytest_torchmem.report import Category
-    from pytest_torchmem.tracing import tracker as tracker_module
+    from pytest_torchmem.engine.report import Category
+    from pytest_torchmem.engine.tracing import tracker as tracker_module
 
     prim_device = torch.ops.prim.device.default
 
@@ -321,7 +321,7 @@ def _describe(exc: BaseException) -> str:
 @contextmanager
 def _logging_trace() -> Iterator[list[Any]]:
     """While active, every ``trace`` uses a logging tracker; yields the trackers made."""
-    from pytest_torchmem.tracing import trace
+    from pytest_torchmem.engine.tracing import trace
 
     made: list[Any] = []
     cls = _logging_tracker_class()
@@ -343,8 +343,8 @@ def _metrics(tracker: Any, allocator: Any) -> dict[str, dict[str, int]]:
     """Per phase: bytes allocated by ops (``allocated``; ``workspace`` of them by the
     CUDA rules' workspaces), live bytes at its start, its peak (storage bytes) and
     its peak through the caching-allocator model (block bytes)."""
-    from pytest_torchmem.report import Category
-    from pytest_torchmem.timeline import ALLOC, FREE, PHASE, RESIZE, analyze
+    from pytest_torchmem.engine.report import Category
+    from pytest_torchmem.engine.timeline import ALLOC, FREE, PHASE, RESIZE, analyze
 
     timeline = tracker.timeline
     size = {sid: timeline.storages[sid].nbytes for sid in tracker.baseline}
@@ -403,15 +403,15 @@ def _phase_status(options: dict[str, Any], failure: dict[str, Any] | None, abort
 
 def trace_case(case: Any, device: Any, *, gpu: str | None = None) -> dict[str, Any]:
     """One step of ``case`` through the project's tracer on ``device`` (a DeviceModel), logged."""
-    from pytest_torchmem import api
-    from pytest_torchmem.tracing.devices.cuda import caching_allocator
-    from pytest_torchmem.tracing.devices.cuda.profiles import gpu_profile
-    from pytest_torchmem.tracing.rules import TraceContext
-    from pytest_torchmem.tracing.trace import trace
+    from pytest_torchmem.engine.request import step_request
+    from pytest_torchmem.engine.tracing.devices.cuda import caching_allocator
+    from pytest_torchmem.engine.tracing.devices.cuda.profiles import gpu_profile
+    from pytest_torchmem.engine.tracing.rules import TraceContext
+    from pytest_torchmem.engine.tracing.trace import trace
 
     model, inputs = case.make()
     options = dict(case.options)
-    request = api._request(
+    request = step_request(
         "estimate", model, inputs, "cuda", options.get("loss_fn"), options.get("optimizer"),
         options.get("train", True),
     )
@@ -493,7 +493,7 @@ def _unsupported(entry: Any) -> str:
 
 def _last_phase(tracker: Any) -> Any:
     """The phase the step was in when it stopped: the last phase event before the end."""
-    from pytest_torchmem.timeline import PHASE, Phase
+    from pytest_torchmem.engine.timeline import PHASE, Phase
 
     phases = [a for kind, a, _ in tracker.timeline.events if kind == PHASE and a >= 0]
     return Phase(phases[-1]) if phases else None
@@ -521,13 +521,13 @@ def step_probe(case: Any, device: Any, prepare: Callable[[Any, Any], None] | Non
     ``optimizer.step()`` and ``zero_grad(set_to_none=True)``, logged."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from pytest_torchmem.model_state import collect, convert, substituted
-    from pytest_torchmem.report import Category
-    from pytest_torchmem.timeline import Phase
-    from pytest_torchmem.tracing.devices.cuda import caching_allocator
-    from pytest_torchmem.tracing.devices.cuda.profiles import gpu_profile
-    from pytest_torchmem.tracing.rules import TraceContext
-    from pytest_torchmem.tracing.trace import adopt, fake_standins
+    from pytest_torchmem.engine.model_state import collect, convert, substituted
+    from pytest_torchmem.engine.report import Category
+    from pytest_torchmem.engine.timeline import Phase
+    from pytest_torchmem.engine.tracing.devices.cuda import caching_allocator
+    from pytest_torchmem.engine.tracing.devices.cuda.profiles import gpu_profile
+    from pytest_torchmem.engine.tracing.rules import TraceContext
+    from pytest_torchmem.engine.tracing.trace import adopt, fake_standins
 
     model, _ = case.make()
     where = device.trace_device
@@ -749,9 +749,9 @@ def reference_device(by_hand: list[bool] | None = None) -> Any:
     ones. With ``by_hand`` (a list, appended to when used), ``Tensor.backward``
     runs without autograd's engine (:func:`backward_by_hand`).
     """
-    from pytest_torchmem.tracing.devices import DEVICES, DeviceModel
-    from pytest_torchmem.tracing.devices.cuda import prepare_optimizer
-    from pytest_torchmem.tracing.rules import RuleSet
+    from pytest_torchmem.engine.tracing.devices import DEVICES, DeviceModel
+    from pytest_torchmem.engine.tracing.devices.cuda import prepare_optimizer
+    from pytest_torchmem.engine.tracing.rules import RuleSet
 
     emulation = DEVICES["cuda"]
 
@@ -832,8 +832,8 @@ def build_facts() -> dict[str, Any]:
 
 def record_case(case: Any, by_hand: bool = True) -> dict[str, Any]:
     """Reference trace, step probe and the emulation under this torch, for one case."""
-    from pytest_torchmem.tracing.devices import DEVICES
-    from pytest_torchmem.tracing.devices.cuda import prepare_optimizer
+    from pytest_torchmem.engine.tracing.devices import DEVICES
+    from pytest_torchmem.engine.tracing.devices.cuda import prepare_optimizer
 
     found: dict[str, Any] = {"options": sorted(case.options), "code": code_fingerprint()}
     used: list[bool] = []
@@ -1256,7 +1256,7 @@ def cmd_check_hand(args: argparse.Namespace) -> int:
 
     from tabulate import tabulate
 
-    from pytest_torchmem.tracing.devices import DEVICES, DeviceModel
+    from pytest_torchmem.engine.tracing.devices import DEVICES, DeviceModel
 
     emulation = DEVICES["cuda"]
     rows = []
@@ -1295,7 +1295,7 @@ def cmd_check_hand(args: argparse.Namespace) -> int:
 
 
 def emulation_trace(case: Any) -> dict[str, Any]:
-    from pytest_torchmem.tracing.devices import DEVICES
+    from pytest_torchmem.engine.tracing.devices import DEVICES
 
     try:
         return trace_case(case, DEVICES["cuda"])

@@ -21,8 +21,9 @@ from typing import Any
 import torch
 
 import pytest_torchmem as tm
-from pytest_torchmem import api, measuring
-from pytest_torchmem.tracing import tracker as tracker_module
+from pytest_torchmem.engine import measuring
+from pytest_torchmem.engine.request import step_request
+from pytest_torchmem.engine.tracing import tracker as tracker_module
 
 
 @dataclass
@@ -49,7 +50,7 @@ class Kernel:
 def real_kernels(model: torch.nn.Module, inputs: Any, **kwargs: Any) -> list[Kernel]:
     """Allocator events of a real step, grouped by the kernel that made them."""
     found: list[tuple[int, str, int, int]] = []
-    request = api._request("measure", model, inputs, kwargs.pop("device", "cpu"),
+    request = step_request("measure", model, inputs, kwargs.pop("device", "cpu"),
                            kwargs.pop("loss_fn", None), kwargs.pop("optimizer", None),
                            kwargs.pop("train", True))
     prof, _, _ = measuring.profile_cpu_step(request)
@@ -103,7 +104,7 @@ def fake_kernels(model: torch.nn.Module, inputs: Any, **kwargs: Any) -> list[Ker
         made.append(t)
         return t
 
-    from pytest_torchmem.tracing import trace
+    from pytest_torchmem.engine.tracing import trace
 
     trace.Tracker = factory  # type: ignore[assignment, misc]
     try:

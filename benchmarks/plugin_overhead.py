@@ -16,7 +16,7 @@ checks), and runs it in this process with ``pytest.main`` in four scenarios:
   session re-reads, merges and re-checks the big file under its lock.
 
 The benchmark wraps, for timing only, the tracing entry point
-(``pytest_torchmem.tracing.trace.trace``), ``TorchmemSession.check``, its per-test hooks and the end
+(``pytest_torchmem.engine.tracing.trace.trace``), ``TorchmemSession.check``, its per-test hooks and the end
 of the session (``finish`` and ``write_summary``); the product runs unpatched.
 Columns, per scenario:
 
@@ -62,8 +62,8 @@ from tabulate import tabulate
 from torch import nn
 
 import pytest_torchmem as tm
-import pytest_torchmem.tracing.trace as trace_module
-from pytest_torchmem.session import TorchmemSession
+import pytest_torchmem.engine.tracing.trace as trace_module
+from pytest_torchmem.plugin.session import TorchmemSession
 
 TARGET_MS = 5.0
 

@@ -77,7 +77,7 @@ def child(model_name: str, device: str, seq: int, batch: int) -> dict[str, Any]:
     import torch
 
     from benchmarks.llama import CONFIGS, build, parameter_count
-    from pytest_torchmem import api
+    from pytest_torchmem.engine import api
 
     rss_import = _rss_now()
     train, with_optimizer, _, _ = CASES[model_name]

@@ -15,10 +15,10 @@ from importlib import import_module
 from typing import TYPE_CHECKING, Any, Final
 
 if TYPE_CHECKING:
-    from pytest_torchmem.api import estimate, measure
-    from pytest_torchmem.report import Category, MemoryReport, ModulePeak, Unsupported
-    from pytest_torchmem.tracing.devices.cpu.profiles import CpuProfile
-    from pytest_torchmem.units import format_bytes, parse_bytes
+    from pytest_torchmem.engine.api import estimate, measure
+    from pytest_torchmem.engine.report import Category, MemoryReport, ModulePeak, Unsupported
+    from pytest_torchmem.engine.tracing.devices.cpu.profiles import CpuProfile
+    from pytest_torchmem.engine.units import format_bytes, parse_bytes
 
 __all__ = [
     "estimate",
@@ -36,15 +36,15 @@ __version__ = "0.1.0"
 
 #: Public name -> the module that defines it.
 _LAZY: Final = {
-    "estimate": "pytest_torchmem.api",
-    "measure": "pytest_torchmem.api",
-    "MemoryReport": "pytest_torchmem.report",
-    "Category": "pytest_torchmem.report",
-    "ModulePeak": "pytest_torchmem.report",
-    "Unsupported": "pytest_torchmem.report",
-    "CpuProfile": "pytest_torchmem.tracing.devices.cpu.profiles",
-    "parse_bytes": "pytest_torchmem.units",
-    "format_bytes": "pytest_torchmem.units",
+    "estimate": "pytest_torchmem.engine.api",
+    "measure": "pytest_torchmem.engine.api",
+    "MemoryReport": "pytest_torchmem.engine.report",
+    "Category": "pytest_torchmem.engine.report",
+    "ModulePeak": "pytest_torchmem.engine.report",
+    "Unsupported": "pytest_torchmem.engine.report",
+    "CpuProfile": "pytest_torchmem.engine.tracing.devices.cpu.profiles",
+    "parse_bytes": "pytest_torchmem.engine.units",
+    "format_bytes": "pytest_torchmem.engine.units",
 }
 
 

@@ -1,8 +1,8 @@
-"""``python -m pytest_torchmem``: the command line of :mod:`pytest_torchmem.cli`."""
+"""``python -m pytest_torchmem``: the command line of :mod:`pytest_torchmem.cli.main`."""
 
 import sys
 
-from pytest_torchmem.cli import main
+from pytest_torchmem.cli.main import main
 
 if __name__ == "__main__":
     sys.exit(main())

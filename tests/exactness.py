@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 import pytest_torchmem as tm
-from pytest_torchmem.tracing.devices.cpu import CPU
-from pytest_torchmem.tracing.rules import Alloc, OpCall, RuleSet
+from pytest_torchmem.engine.tracing.devices.cpu import CPU
+from pytest_torchmem.engine.tracing.rules import Alloc, OpCall, RuleSet
 
 
 @contextlib.contextmanager

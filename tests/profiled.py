@@ -19,7 +19,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from pytest_torchmem.tracing.devices.cpu.profiles import (
+from pytest_torchmem.engine.tracing.devices.cpu.profiles import (
     ISA_LEVELS,
     CpuProfile,
     capped_environment,

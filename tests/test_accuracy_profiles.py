@@ -14,7 +14,7 @@ import pytest
 
 import pytest_torchmem as tm
 from profiled import as_measured_here, measure_zoo, reachable
-from pytest_torchmem.tracing.devices.cpu.profiles import ISA_LEVELS, CpuProfile
+from pytest_torchmem.engine.tracing.devices.cpu.profiles import ISA_LEVELS, CpuProfile
 from test_accuracy_cpu import TOLERANCES
 from zoo import CASES
 

@@ -1,5 +1,5 @@
 """Backward formulas that scatter into a zero tensor in place eagerly, but not under
-a dispatch mode (``pytest_torchmem.tracing.devices.autograd_paths``)."""
+a dispatch mode (``pytest_torchmem.engine.tracing.devices.autograd_paths``)."""
 
 from __future__ import annotations
 

@@ -23,10 +23,10 @@ import torch
 from torch import nn
 
 import pytest_torchmem as tm
-from pytest_torchmem.diffing import FailOnError, Gate, parse_fail_on
-from pytest_torchmem.saved import Saved, match
-from pytest_torchmem.snapshots import Entry, Key
-from pytest_torchmem.verdict import Tolerance
+from pytest_torchmem.cli.diffing import FailOnError, Gate, parse_fail_on
+from pytest_torchmem.cli.saved import Saved, match
+from pytest_torchmem.plugin.snapshots import Entry, Key
+from pytest_torchmem.plugin.verdict import Tolerance
 
 pytest_plugins = ("pytester",)
 

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 import pytest_torchmem as tm
-from pytest_torchmem.tracing.compiled import EAGER_REASON, MEASURED_EAGER_REASON
+from pytest_torchmem.engine.tracing.compiled import EAGER_REASON, MEASURED_EAGER_REASON
 
 
 def _block() -> nn.Module:

@@ -1,4 +1,4 @@
-"""CPU profiles (``pytest_torchmem/tracing/devices/cpu/profiles.py``): the fake cpu
+"""CPU profiles (``pytest_torchmem/engine/tracing/devices/cpu/profiles.py``): the fake cpu
 device models a named CPU, and under a named profile the figures do not depend on
 the host (its ISA, the ATen/oneDNN caps of the process, its thread count)."""
 
@@ -16,9 +16,9 @@ import torch
 from torch import nn
 
 import pytest_torchmem as tm
-from pytest_torchmem.tracing.devices.cpu import profiles
-from pytest_torchmem.tracing.devices.cpu.profiles import CpuProfile, capped_environment, cpu_profile
-from pytest_torchmem.verdict import CPU_ISA_LEVELS, MarkerError, parse_cpu
+from pytest_torchmem.engine.tracing.devices.cpu import profiles
+from pytest_torchmem.engine.tracing.devices.cpu.profiles import CpuProfile, capped_environment, cpu_profile
+from pytest_torchmem.plugin.verdict import CPU_ISA_LEVELS, MarkerError, parse_cpu
 
 ROOT = Path(__file__).resolve().parents[1]
 HOST = profiles.host_profile()
@@ -69,7 +69,7 @@ def test_none_and_host_are_this_process_as_it_runs_now(threads: int) -> None:
 
 
 def test_the_plugin_spells_the_levels_and_default_as_the_profiles_do() -> None:
-    from pytest_torchmem.session import DEFAULT_CPU
+    from pytest_torchmem.plugin.session import DEFAULT_CPU
 
     assert CPU_ISA_LEVELS == profiles.ISA_LEVELS
     assert DEFAULT_CPU == profiles.DEFAULT_CPU
@@ -92,7 +92,7 @@ def test_estimate_names_its_profile_and_measure_the_host() -> None:
 def test_the_host_level_follows_the_caps_of_the_process() -> None:
     """ATEN_CPU_CAPABILITY and ONEDNN_MAX_CPU_ISA cap what the host profile says;
     capping them to different levels is refused with the fix."""
-    code = "from pytest_torchmem.tracing.devices.cpu.profiles import host_profile as h; print(h().isa)"
+    code = "from pytest_torchmem.engine.tracing.devices.cpu.profiles import host_profile as h; print(h().isa)"
     for profile in (CpuProfile("default", 1), CpuProfile("avx2", 1)):
         if profiles.ISA_LEVELS.index(profile.isa) > profiles.ISA_LEVELS.index(HOST.isa):
             continue

@@ -1,4 +1,4 @@
-"""CPU rules for attention (``pytest_torchmem/tracing/devices/cpu/attention.py``).
+"""CPU rules for attention (``pytest_torchmem/engine/tracing/devices/cpu/attention.py``).
 
 Two kinds of test: the bytes a rule gives for one call, worked out by hand from
 ``FlashAttentionKernel.cpp`` and ``attention.cpp``; and attention modules whose

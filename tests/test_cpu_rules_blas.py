@@ -1,4 +1,4 @@
-"""CPU rules for matrix products (``pytest_torchmem/tracing/devices/cpu/blas.py``).
+"""CPU rules for matrix products (``pytest_torchmem/engine/tracing/devices/cpu/blas.py``).
 
 Two kinds of test: the bytes a rule gives for one call, worked out by hand from
 the kernel's logic; and small modules whose estimate equals the CPU
@@ -19,9 +19,9 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from exactness import assert_exact, intra_op_threads, rule_buffers as scratch
 import pytest_torchmem as tm
-from pytest_torchmem.tracing.devices.cpu import CPU
-from pytest_torchmem.tracing.devices.cpu.blas import onednn_gemm_accumulator_bytes
-from pytest_torchmem.tracing.rules import OpCall
+from pytest_torchmem.engine.tracing.devices.cpu import CPU
+from pytest_torchmem.engine.tracing.devices.cpu.blas import onednn_gemm_accumulator_bytes
+from pytest_torchmem.engine.tracing.rules import OpCall
 from zoo import CASES
 
 aten = torch.ops.aten

@@ -1,4 +1,4 @@
-"""CPU kernels made of other ATen ops (``pytest_torchmem.tracing.devices.cpu.composite``)."""
+"""CPU kernels made of other ATen ops (``pytest_torchmem.engine.tracing.devices.cpu.composite``)."""
 
 from __future__ import annotations
 

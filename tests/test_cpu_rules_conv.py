@@ -1,4 +1,4 @@
-"""CPU rules for convolutions (``pytest_torchmem/tracing/devices/cpu/conv.py``).
+"""CPU rules for convolutions (``pytest_torchmem/engine/tracing/devices/cpu/conv.py``).
 
 Two kinds of test: the bytes the rules give for one call, worked out by hand
 from the kernels' logic (ATen's backend choice, ideep's reorders, oneDNN's
@@ -20,9 +20,9 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import pytest_torchmem as tm
-from pytest_torchmem.tracing.devices.cpu import CPU
-from pytest_torchmem.tracing.devices.cpu.profiles import CpuProfile
-from pytest_torchmem.tracing.rules import Alloc, OpCall, TraceContext
+from pytest_torchmem.engine.tracing.devices.cpu import CPU
+from pytest_torchmem.engine.tracing.devices.cpu.profiles import CpuProfile
+from pytest_torchmem.engine.tracing.rules import Alloc, OpCall, TraceContext
 
 aten = torch.ops.aten
 

@@ -1,4 +1,4 @@
-"""CPU rules for elementwise kernels and dropout (``pytest_torchmem/tracing/devices/cpu/misc.py``),
+"""CPU rules for elementwise kernels and dropout (``pytest_torchmem/engine/tracing/devices/cpu/misc.py``),
 and the tracker's following of wrapped numbers that autograd saves.
 
 By hand, from ``TensorIteratorBase::compute_types`` (``TensorIterator.cpp``): on the
@@ -24,9 +24,9 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils.checkpoint import checkpoint
 
 from exactness import assert_exact as assert_model_exact, assert_fn_exact as assert_exact, rule_buffers, assert_exact_with_breakdown
-from pytest_torchmem.tracing.devices.cpu import CPU
-from pytest_torchmem.tracing.devices.cpu.misc import promotion_casts, view_strides
-from pytest_torchmem.tracing.rules import Alloc, Free, OpCall
+from pytest_torchmem.engine.tracing.devices.cpu import CPU
+from pytest_torchmem.engine.tracing.devices.cpu.misc import promotion_casts, view_strides
+from pytest_torchmem.engine.tracing.rules import Alloc, Free, OpCall
 
 aten = torch.ops.aten
 BF16 = torch.bfloat16

@@ -1,4 +1,4 @@
-"""CPU rules for normalisation (``pytest_torchmem/tracing/devices/cpu/norm.py``).
+"""CPU rules for normalisation (``pytest_torchmem/engine/tracing/devices/cpu/norm.py``).
 
 Two kinds of test: the buffers a rule gives for one call, worked out by hand from
 ``Normalization.cpp`` / ``batch_norm_kernel.cpp``, ``layer_norm_kernel.cpp`` and
@@ -18,8 +18,8 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from exactness import assert_fn_exact as assert_exact, intra_op_threads, rule_buffers as scratch, assert_exact_with_breakdown
-from pytest_torchmem.tracing.devices.cpu import CPU
-from pytest_torchmem.tracing.rules import OpCall
+from pytest_torchmem.engine.tracing.devices.cpu import CPU
+from pytest_torchmem.engine.tracing.rules import OpCall
 
 aten = torch.ops.aten
 BF16 = torch.bfloat16

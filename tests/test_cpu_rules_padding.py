@@ -1,4 +1,4 @@
-"""CPU reflection and replication padding (``pytest_torchmem.tracing.devices.cpu.padding``)."""
+"""CPU reflection and replication padding (``pytest_torchmem.engine.tracing.devices.cpu.padding``)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""CPU rules for pooling (``pytest_torchmem/tracing/devices/cpu/pool.py``) and the CPU
-router's ``max_pool1d`` (``pytest_torchmem/tracing/devices/cpu/router.py``).
+"""CPU rules for pooling (``pytest_torchmem/engine/tracing/devices/cpu/pool.py``) and the CPU
+router's ``max_pool1d`` (``pytest_torchmem/engine/tracing/devices/cpu/router.py``).
 
 By hand, from ``MaxPoolKernel.cpp``, ``AvgPoolKernel.cpp``,
 ``AdaptiveAvgPoolKernel.cpp`` and ``AdaptiveMaxPoolKernel.cpp``: a kernel picks
@@ -22,7 +22,7 @@ from exactness import rule_buffers as scratch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import pytest_torchmem as tm
-from pytest_torchmem.tracing.devices.cpu.router import pooling_output_size
+from pytest_torchmem.engine.tracing.devices.cpu.router import pooling_output_size
 
 aten = torch.ops.aten
 BF16 = torch.bfloat16

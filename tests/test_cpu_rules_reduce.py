@@ -1,4 +1,4 @@
-"""CPU rules for reductions and losses (``pytest_torchmem/tracing/devices/cpu/reduce.py``).
+"""CPU rules for reductions and losses (``pytest_torchmem/engine/tracing/devices/cpu/reduce.py``).
 
 The bytes a rule gives for one call are worked out by hand from
 ``TensorIteratorReduce.cpp`` (the two-pass reduction's ``{threads} + output``
@@ -20,9 +20,9 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from exactness import assert_fn_exact as assert_exact, rule_buffers as scratch
-from pytest_torchmem.tracing.devices.cpu import CPU
-from pytest_torchmem.tracing.devices.cpu.reduce import GRAIN_SIZE, two_pass_buffer
-from pytest_torchmem.tracing.rules import OpCall
+from pytest_torchmem.engine.tracing.devices.cpu import CPU
+from pytest_torchmem.engine.tracing.devices.cpu.reduce import GRAIN_SIZE, two_pass_buffer
+from pytest_torchmem.engine.tracing.rules import OpCall
 
 aten = torch.ops.aten
 BF16 = torch.bfloat16
@@ -206,7 +206,7 @@ def test_reduced_precision_sum_of_two_adjacent_reduced_dims_runs_in_float() -> N
     coalescing) sums ``self.to(float)`` into a float result: (3, 3, 24) over dims 0 and
     2 takes a 3 x 4 B result and a 216 x 4 B copy; over dim 2 alone, or over a
     broadcast (stride-0) input, nothing."""
-    from pytest_torchmem.tracing.devices.cpu.reduce import uses_acc_buffer
+    from pytest_torchmem.engine.tracing.devices.cpu.reduce import uses_acc_buffer
 
     with FakeTensorMode():
         x = torch.empty(3, 3, 24, dtype=BF16)

@@ -1,4 +1,4 @@
-"""CPU rules for recurrent networks (pytest_torchmem/tracing/devices/cpu/rnn.py).
+"""CPU rules for recurrent networks (pytest_torchmem/engine/tracing/devices/cpu/rnn.py).
 
 The unit tests call the rules of ``mkldnn_rnn_layer`` and its backward on fake
 tensors and check the bytes against figures worked out by hand from oneDNN
@@ -22,9 +22,9 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from exactness import intra_op_threads
 import pytest_torchmem as tm
-from pytest_torchmem.tracing.devices.cpu import CPU
-from pytest_torchmem.tracing.devices.cpu.profiles import host_profile
-from pytest_torchmem.tracing.rules import OUTPUTS, Alloc, Free, OpCall
+from pytest_torchmem.engine.tracing.devices.cpu import CPU
+from pytest_torchmem.engine.tracing.devices.cpu.profiles import host_profile
+from pytest_torchmem.engine.tracing.rules import OUTPUTS, Alloc, Free, OpCall
 
 aten = torch.ops.aten
 PAGE = 4096

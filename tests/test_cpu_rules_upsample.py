@@ -1,4 +1,4 @@
-"""CPU interpolation kernels (``pytest_torchmem.tracing.devices.cpu.upsample``)."""
+"""CPU interpolation kernels (``pytest_torchmem.engine.tracing.devices.cpu.upsample``)."""
 
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ import random
 
 import pytest
 
-from pytest_torchmem.tracing.devices.cuda.allocator import (
+from pytest_torchmem.engine.tracing.devices.cuda.allocator import (
     SIZE_MAX,
     AllocatorConfig,
     Block,

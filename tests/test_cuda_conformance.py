@@ -67,14 +67,14 @@ import torch
 from torch import nn
 
 import pytest_torchmem as tm
-from pytest_torchmem.tracing.devices.cuda.allocator import (
+from pytest_torchmem.engine.tracing.devices.cuda.allocator import (
     AllocatorConfig,
     Block,
     CachingAllocator,
     OutOfMemoryError,
 )
-from pytest_torchmem.tracing.devices.cuda.profiles import PROFILES
-from pytest_torchmem.tracing.devices.cuda.workspaces import cublas_workspace_size
+from pytest_torchmem.engine.tracing.devices.cuda.profiles import PROFILES
+from pytest_torchmem.engine.tracing.devices.cuda.workspaces import cublas_workspace_size
 
 KiB = 1024
 MiB = 1024 * KiB

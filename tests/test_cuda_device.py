@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import pytest_torchmem as tm
-from pytest_torchmem.tracing.devices.cuda.profiles import PROFILES, gpu_profile
+from pytest_torchmem.engine.tracing.devices.cuda.profiles import PROFILES, gpu_profile
 
 MiB = 1 << 20
 

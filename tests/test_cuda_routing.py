@@ -23,18 +23,18 @@ from torch.nn.attention import SDPBackend as Backend
 from torch.nn.attention import sdpa_kernel
 
 import pytest_torchmem as tm
-import pytest_torchmem.tracing.trace as trace_module
-from pytest_torchmem.report import Category
-from pytest_torchmem.timeline import ALLOC, PHASE
-from pytest_torchmem.tracing.devices.cuda import prepare_optimizer
-from pytest_torchmem.tracing.devices.cuda.kernels import flash_num_splits
-from pytest_torchmem.tracing.devices.cuda.profiles import gpu_profile
-from pytest_torchmem.tracing.devices.cuda.router import (
+import pytest_torchmem.engine.tracing.trace as trace_module
+from pytest_torchmem.engine.report import Category
+from pytest_torchmem.engine.timeline import ALLOC, PHASE
+from pytest_torchmem.engine.tracing.devices.cuda import prepare_optimizer
+from pytest_torchmem.engine.tracing.devices.cuda.kernels import flash_num_splits
+from pytest_torchmem.engine.tracing.devices.cuda.profiles import gpu_profile
+from pytest_torchmem.engine.tracing.devices.cuda.router import (
     SDPBackend,
     autocast_policy,
     select_sdp_backend,
 )
-from pytest_torchmem.tracing.rules import TraceContext
+from pytest_torchmem.engine.tracing.rules import TraceContext
 
 FWD, BWD, STEP = 0, 1, 2
 OUT, SCRATCH = "out", "scratch"

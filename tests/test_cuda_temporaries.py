@@ -11,10 +11,10 @@ import torch
 from torch import nn
 
 import pytest_torchmem as tm
-from pytest_torchmem.tracing.devices.cuda import CUDA
-from pytest_torchmem.tracing.devices.cuda.profiles import gpu_profile
-from pytest_torchmem.tracing.devices.cuda.temporaries import cub_sort_pairs_temp_bytes
-from pytest_torchmem.tracing.rules import (
+from pytest_torchmem.engine.tracing.devices.cuda import CUDA
+from pytest_torchmem.engine.tracing.devices.cuda.profiles import gpu_profile
+from pytest_torchmem.engine.tracing.devices.cuda.temporaries import cub_sort_pairs_temp_bytes
+from pytest_torchmem.engine.tracing.rules import (
     OUTPUTS,
     Alloc,
     Free,

@@ -12,15 +12,15 @@ import torch
 from torch import nn
 
 import pytest_torchmem as tm
-from pytest_torchmem.tracing.devices.cuda import CUDA
-from pytest_torchmem.tracing.devices.cuda.profiles import gpu_profile
-from pytest_torchmem.tracing.devices.cuda.workspaces import (
+from pytest_torchmem.engine.tracing.devices.cuda import CUDA
+from pytest_torchmem.engine.tracing.devices.cuda.profiles import gpu_profile
+from pytest_torchmem.engine.tracing.devices.cuda.workspaces import (
     ConvWorkspacePolicy,
     conv_workspace_policy,
     cublas_workspace_size,
     cublaslt_workspace_size,
 )
-from pytest_torchmem.tracing.rules import (
+from pytest_torchmem.engine.tracing.rules import (
     OUTPUTS,
     Alloc,
     Free,

@@ -10,7 +10,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 
 import pytest_torchmem as tm
-from pytest_torchmem.tracing.devices.cuda.profiles import PROFILES
+from pytest_torchmem.engine.tracing.devices.cuda.profiles import PROFILES
 
 
 class _Branches(nn.Module):

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import pytest_torchmem as tm
-from pytest_torchmem.tracing.devices.cpu import CPU
+from pytest_torchmem.engine.tracing.devices.cpu import CPU
 
 pytest_plugins = ("pytester",)
 
@@ -872,7 +872,7 @@ def test_junitxml_properties(pytester: pytest.Pytester) -> None:
 
 RULE_CONFTEST = """
 import torch
-from pytest_torchmem.tracing.rules import OUTPUTS, Alloc
+from pytest_torchmem.engine.tracing.rules import OUTPUTS, Alloc
 
 def pytest_torchmem_add_rules(device, rules):
     if device == "cpu":
@@ -910,7 +910,7 @@ def test_conftest_rule_for_an_op_with_a_rule_is_refused(pytester: pytest.Pyteste
     pytester.makeconftest(
         """
 import torch
-from pytest_torchmem.tracing.rules import OUTPUTS
+from pytest_torchmem.engine.tracing.rules import OUTPUTS
 
 def pytest_torchmem_add_rules(device, rules):
     rules.scratch(torch.ops.aten.tanh.default)(lambda call: [OUTPUTS])

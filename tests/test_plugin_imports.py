@@ -23,11 +23,11 @@ def run_python(code: str) -> None:
 
 
 def test_importing_the_plugin_does_not_import_torch() -> None:
-    """Regression guard: `import pytest_torchmem.plugin` (pytest's entry point) stays free of torch."""
+    """Regression guard: `import pytest_torchmem.plugin.hooks` (pytest's entry point) stays free of torch."""
     run_python(
         """
         import sys
-        import pytest_torchmem.plugin
+        import pytest_torchmem.plugin.hooks
         assert "torch" not in sys.modules, "the plugin imported torch"
         import pytest_torchmem as tm
         assert tm.__version__ == "0.1.0"
@@ -39,8 +39,8 @@ def test_importing_the_plugin_does_not_import_torch() -> None:
 
 def test_public_names_are_the_defining_modules() -> None:
     import pytest_torchmem as tm
-    from pytest_torchmem import api, report, units
-    from pytest_torchmem.tracing.devices.cpu import profiles
+    from pytest_torchmem.engine import api, report, units
+    from pytest_torchmem.engine.tracing.devices.cpu import profiles
 
     assert tm.__all__ == [
         "estimate",
@@ -94,10 +94,10 @@ def test_a_suite_that_checks_no_memory_never_imports_torch(pytester: pytest.Pyte
 
 
 def test_the_plugins_default_gpu_is_the_device_models() -> None:
-    from pytest_torchmem.session import DEFAULT_GPU, known_devices
-    from pytest_torchmem.tracing.devices.cuda import profiles
+    from pytest_torchmem.plugin.session import DEFAULT_GPU, known_devices
+    from pytest_torchmem.engine.tracing.devices.cuda import profiles
 
     assert DEFAULT_GPU == profiles.DEFAULT_GPU
-    from pytest_torchmem.session import DEFAULT_DEVICES
+    from pytest_torchmem.plugin.session import DEFAULT_DEVICES
 
     assert set(DEFAULT_DEVICES) == set(known_devices()) == {"cpu", "cuda"}

@@ -279,7 +279,7 @@ def test_a_failed_write_is_not_shown_as_updated_as_root(
     module(pytester, "test_ro", linear_tests("test_a"))
     pytester.makeconftest(
         "import pytest\n"
-        "from pytest_torchmem import snapshots\n"
+        "from pytest_torchmem.plugin import snapshots\n"
         "def _refuse(path, text):\n"
         "    raise PermissionError(13, 'Permission denied', str(path))\n"
         "@pytest.hookimpl(wrapper=True, tryfirst=True)\n"
@@ -393,7 +393,7 @@ def test_a_marker_on_a_test_that_gets_the_fixture_by_name_does_not_warn(
     outcomes = result.parseoutcomes()
     assert outcomes.get("failed") == 3, output(result)  # both budgets apply; test_plain warns
     result.stdout.fnmatch_lines(["*test_by_name*over budget*", "*test_by_fixture*over budget*"])
-    result.stdout.fnmatch_lines(["FAILED test_named.py::test_plain - *TorchmemWarning*"])
+    result.stdout.fnmatch_lines(["E   *TorchmemWarning: *has no effect on test_named.py::test_plain*"])
     assert "has no effect on test_named.py::test_by" not in output(result)
 
 

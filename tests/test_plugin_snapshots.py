@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from pytest_torchmem.report import Category, MemoryReport, ModulePeak, Unsupported
-from pytest_torchmem.snapshots import (
+from pytest_torchmem.engine.report import Category, MemoryReport, ModulePeak, Unsupported
+from pytest_torchmem.plugin.snapshots import (
     FILE_SCHEMA,
     Entry,
     Key,

@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from pytest_torchmem.snapshots import Entry, Key
-from pytest_torchmem.verdict import (
+from pytest_torchmem.plugin.snapshots import Entry, Key
+from pytest_torchmem.plugin.verdict import (
     EnvChange,
     MarkerError,
     Result,

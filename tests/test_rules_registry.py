@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pytest_torchmem.tracing.rules import OUTPUTS, Alloc, OpCall, RuleSet
+from pytest_torchmem.engine.tracing.rules import OUTPUTS, Alloc, OpCall, RuleSet
 
 aten = torch.ops.aten
 

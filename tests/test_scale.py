@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 import pytest_torchmem as tm
-from pytest_torchmem.report import Category
+from pytest_torchmem.engine.report import Category
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 

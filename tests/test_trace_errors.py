@@ -18,9 +18,9 @@ import torch
 from torch import nn
 
 import pytest_torchmem as tm
-from pytest_torchmem.tracing.devices import DEVICES
-from pytest_torchmem.tracing.rules import OpCall
-from pytest_torchmem.tracing.trace import trace
+from pytest_torchmem.engine.tracing.devices import DEVICES
+from pytest_torchmem.engine.tracing.rules import OpCall
+from pytest_torchmem.engine.tracing.trace import trace
 from exactness import Lambda
 
 F32 = 4

@@ -1,0 +1,110 @@
+"""The public entry points: :func:`estimate` and :func:`measure`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from pytest_torchmem.engine.report import MemoryReport
+from pytest_torchmem.engine.request import step_request
+from pytest_torchmem.engine.step import LossFn, OptimizerFactory
+from pytest_torchmem.engine.tracing.devices import device_model
+from pytest_torchmem.engine.tracing.devices.cpu.profiles import CpuProfile, cpu_profile
+from pytest_torchmem.engine.tracing.devices.cuda.profiles import gpu_profile
+from pytest_torchmem.engine.tracing.trace import trace
+
+__all__ = ["estimate", "measure"]
+
+
+def estimate(
+    model: nn.Module,
+    inputs: Any,
+    *,
+    device: str = "cpu",
+    loss_fn: LossFn | None = None,
+    optimizer: OptimizerFactory | None = None,
+    train: bool = True,
+    keep_output: bool = False,
+    gpu: str | None = None,
+    cpu: str | CpuProfile | None = None,
+) -> MemoryReport:
+    """Estimate the memory of one step of ``model`` on ``inputs`` with fake tensors.
+
+    The step is forward, ``loss_fn`` and ``loss.backward()`` (``train=True``),
+    then ``optimizer.step()`` and ``zero_grad(set_to_none=True)`` when
+    ``optimizer`` (a callable ``params -> Optimizer``) is given; with
+    ``train=False`` it is the forward alone under ``torch.no_grad()``.
+    ``model`` may hold real or meta-device tensors; it is left exactly as it
+    was, and no real memory in proportion to the model or its activations is
+    allocated.
+
+    ``inputs``: a tensor, a tuple (positional arguments) or a mapping (keyword
+    arguments: a dict, a tokenizer's ``BatchEncoding``, any ``Mapping``); the
+    tensors may sit in nested lists, tuples, mappings, dataclasses and named
+    tuples. The default loss is ``output.loss`` (attribute or key) when it is
+    a scalar tensor, else the sum of every floating-point tensor in the
+    output, wherever it sits.
+
+    ``keep_output``: ``False`` releases the model's output before
+    ``backward()``, as a loop that keeps only the loss does; ``True`` holds it
+    to the end of the step (through backward and the optimizer step), as
+    ``out = model(**batch); out.loss.backward(); opt.step()`` does.
+
+    ``device="cuda"`` needs no GPU: the step is traced on fake tensors and
+    charged through a model of CUDA's caching allocator, following the
+    architecture of ``gpu`` (a name from
+    :data:`pytest_torchmem.engine.tracing.devices.cuda.profiles.PROFILES`, default
+    ``"H100"``).
+
+    ``device="cpu"`` models the CPU ``cpu`` names: ``None`` (or ``"host"``) this
+    host as the process runs now (what :func:`measure` sees), or a profile
+    ``"<isa level>:<intra-op threads>"`` such as ``"avx2:4"``, or a
+    :class:`~pytest_torchmem.CpuProfile`; under a named profile the figures are
+    the same on every host.
+    """
+    request = step_request("estimate", model, inputs, device, loss_fn, optimizer, train, keep_output)
+    if gpu is not None and request.device != "cuda":
+        raise ValueError(f"gpu={gpu!r} applies to device='cuda' only, not {device!r}")
+    if cpu is not None and request.device != "cpu":
+        raise ValueError(f"cpu={cpu!r} applies to device='cpu' only, not {device!r}")
+    return trace(
+        request.model,
+        request.args,
+        request.kwargs,
+        device=device_model(request.device),
+        loss_fn=request.loss_fn,
+        optimizer=request.optimizer,
+        train=request.train,
+        keep_output=request.keep_output,
+        gpu=gpu_profile(gpu) if request.device == "cuda" else None,
+        cpu=cpu_profile(cpu) if request.device == "cpu" else None,
+    ).report
+
+
+def measure(
+    model: nn.Module,
+    inputs: Any,
+    *,
+    device: str = "cpu",
+    loss_fn: LossFn | None = None,
+    optimizer: OptimizerFactory | None = None,
+    train: bool = True,
+    keep_output: bool = False,
+) -> MemoryReport:
+    """Run one step of ``model`` for real and report the memory it took.
+
+    The same step as :func:`estimate`, with the same ``inputs`` and
+    ``keep_output``. On ``"cpu"`` every allocation and free
+    is read from the PyTorch profiler's allocator events; on ``"cuda"`` from
+    ``torch.cuda``'s peak statistics. The model's parameters, buffers and
+    gradients are cloned first, so the model itself is left as it was. The
+    report's ``profile`` names the machine measured: this host's CPU profile
+    (``"avx2:2"``; None where the host is no level the CPU rules model), or the GPU.
+    """
+    from pytest_torchmem.engine.measuring import measure_step
+
+    request = step_request("measure", model, inputs, device, loss_fn, optimizer, train, keep_output)
+    return measure_step(request)
+
+

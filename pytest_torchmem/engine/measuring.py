@@ -1,0 +1,407 @@
+"""Real runs: the memory one step really takes.
+
+``measure(device="cpu")`` runs the step under ``torch.profiler`` with
+``profile_memory=True`` and reads every allocation and free of the CPU
+allocator from its event tree. The step marks its phases, module entries and
+exits and roles with zero-length ``record_function`` ranges, so the events are
+turned into the same :class:`~pytest_torchmem.engine.timeline.Timeline` the fake
+trace writes, and read by the same :func:`~pytest_torchmem.engine.timeline.analyze`.
+
+``measure(device="cuda")`` reads ``torch.cuda``'s peak statistics, reset at
+each phase boundary.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Final
+
+import torch
+from torch.autograd.profiler import record_function
+from torch.profiler import ProfilerActivity, profile
+
+from pytest_torchmem.engine.model_state import Converted, StandIns, collect, convert, substituted
+from pytest_torchmem.engine.report import Category, MemoryReport, Unsupported
+from pytest_torchmem.engine.step import ModuleTracker, run_step
+from pytest_torchmem.engine.timeline import Phase, StorageInfo, Timeline, analyze
+from pytest_torchmem.engine.tracing.compiled import MEASURED_EAGER_REASON, watch_compiled
+from pytest_torchmem.engine.tracing.devices.cpu.profiles import host_profile
+
+if TYPE_CHECKING:
+    from pytest_torchmem.engine.request import StepRequest
+
+__all__ = ["measure_step"]
+
+_MARK: Final = "torchmem::"
+_Allocation = torch._C._profiler._ExtraFields_Allocation
+
+
+@dataclass
+class _MarkingProbe:
+    """Marks the step's progress in the profiler's event tree."""
+
+    roles: list[tuple[Category, list[int]]] = field(default_factory=list)
+
+    @staticmethod
+    def _mark(text: str) -> None:
+        with record_function(_MARK + text):
+            pass
+
+    def set_phase(self, phase: Phase | None) -> None:
+        self._mark(f"phase:{-1 if phase is None else int(phase)}")
+
+    def enter_module(self, index: int) -> None:
+        self._mark(f"enter:{index}")
+
+    def exit_module(self, index: int) -> None:
+        self._mark(f"exit:{index}")
+
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        pass
+
+    def assign_role(self, category: Category, tensors: Iterable[torch.Tensor]) -> None:
+        # A zero tensor (the gradient of sgn, say) has no memory and no data pointer.
+        ptrs = [t.untyped_storage().data_ptr() for t in tensors if not t._is_zerotensor()]
+        self.roles.append((category, ptrs))
+        self._mark(f"role:{len(self.roles) - 1}")
+
+
+def _copies(device: torch.device) -> StandIns:
+    """Stand-ins that are real copies on ``device``, made before the profiler starts."""
+
+    def real(t: torch.Tensor) -> torch.Tensor:
+        if t.device.type == "meta":
+            raise ValueError(
+                "measure() runs the step for real, but the model or inputs hold meta "
+                "tensors; use estimate() for a model built on the meta device"
+            )
+        return t
+
+    def dense(t: torch.Tensor) -> torch.Tensor:
+        return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device).copy_(real(t))
+
+    def storage(t: torch.Tensor) -> torch.UntypedStorage:
+        source = real(t).untyped_storage()
+        copy = torch.empty(source.nbytes(), dtype=torch.uint8, device=device).untyped_storage()
+        copy.copy_(source)
+        return copy
+
+    return StandIns(device, dense, storage)
+
+
+def measure_step(request: StepRequest) -> MemoryReport:
+    """Run ``request``'s step for real on its device and report its memory.
+
+    A compiled region the step enters is listed in ``unsupported``: the
+    measurement does not yet run the compiled program's warm-up and steady
+    state, so its figures may be the eager program's.
+    """
+    regions: list[Unsupported] = []
+
+    def noted(name: str, location: str) -> None:
+        entry = Unsupported(f"torch.compile: {name}", MEASURED_EAGER_REASON, location)
+        if entry not in regions:
+            regions.append(entry)
+
+    with watch_compiled(noted):
+        report = _measure_cuda(request) if request.device == "cuda" else _measure_cpu(request)
+    if regions:
+        report = dataclasses.replace(report, unsupported=(*report.unsupported, *regions))
+    return report
+
+
+def _baseline_groups(standins: Converted) -> tuple[tuple[Category, list[torch.Tensor]], ...]:
+    return (
+        (Category.PARAMETERS, standins.parameters),
+        (Category.BUFFERS, standins.buffers + standins.attributes),
+        (Category.INPUTS, standins.inputs),
+        (Category.GRADIENTS, standins.gradients),
+    )
+
+
+def _host_profile_name() -> str | None:
+    """This host's CPU profile (``"avx2:2"``), or None where it is no level the
+    rules model (a non-x86 CPU, ATen and oneDNN capped to different levels)."""
+    try:
+        return str(host_profile())
+    except ValueError:
+        return None
+
+
+def _measure_cpu(request: StepRequest) -> MemoryReport:
+    profile = _host_profile_name()
+    _, timeline, baseline = profile_cpu_step(request)
+    analysis = analyze(timeline, baseline)
+    forward, backward, step = analysis.phase_peaks
+    return MemoryReport(
+        device="cpu",
+        forward_peak=forward,
+        backward_peak=backward,
+        step_peak=step,
+        breakdown=analysis.breakdown,
+        modules=analysis.modules,
+        profile=profile,
+    )
+
+
+def profile_cpu_step(request: StepRequest) -> tuple[Any, Timeline, list[int]]:
+    """Run the step on the CPU under the profiler: ``(profiler, timeline, baseline sids)``."""
+    device = torch.device("cpu")
+    model_tensors = collect(request.model)
+    with torch.no_grad():
+        standins = convert(model_tensors, request.args, request.kwargs, _copies(device))
+    timeline = Timeline()
+    by_ptr: dict[int, int] = {}
+    baseline: list[int] = []
+    for category, tensors in _baseline_groups(standins):
+        for t in tensors:
+            storage = t.untyped_storage()
+            if storage.data_ptr() in by_ptr or storage.nbytes() == 0:
+                continue
+            sid = timeline.new_storage(StorageInfo(storage.nbytes(), category))
+            by_ptr[storage.data_ptr()] = sid
+            baseline.append(sid)
+
+    probe = _MarkingProbe()
+    modules = ModuleTracker(request.model, probe)
+    timeline.module_names = modules.names
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        with substituted(model_tensors, standins.model), modules:
+            run_step(
+                request.model,
+                standins.args,
+                standins.kwargs,
+                parameters=standins.parameters,
+                inputs=standins.inputs,
+                loss_fn=request.loss_fn,
+                optimizer=request.optimizer,
+                train=request.train,
+                probe=probe,
+                keep_output=request.keep_output,
+            )
+        del standins
+    _read_events(prof, timeline, by_ptr, probe)
+    return prof, timeline, baseline
+
+
+def _read_events(prof: Any, timeline: Timeline, by_ptr: dict[int, int], probe: _MarkingProbe) -> None:
+    """Turn the profiler's allocator events and marks into timeline events."""
+    events: list[tuple[int, Any]] = []
+    stack = list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        node = stack.pop()
+        fields = node.extra_fields
+        if isinstance(fields, _Allocation):
+            if fields.device.type == "cpu":
+                events.append((node.start_time_ns, node))
+        elif node.name.startswith(_MARK):
+            events.append((node.start_time_ns, node))
+        stack.extend(node.children)
+    events.sort(key=lambda pair: pair[0])
+
+    phase: Phase | None = None
+    started = False
+    module = -1
+    for _, node in events:
+        fields = node.extra_fields
+        if not isinstance(fields, _Allocation):
+            kind, _, value = node.name[len(_MARK) :].partition(":")
+            number = int(value)
+            if kind == "phase":
+                started = True
+                phase = None if number < 0 else Phase(number)
+                timeline.phase(phase)
+            elif kind == "enter":
+                module = number
+                timeline.enter(number)
+            elif kind == "exit":
+                timeline.exit(number)
+            elif kind == "role":
+                category, ptrs = probe.roles[number]
+                for ptr in ptrs:
+                    sid = by_ptr.get(ptr)
+                    if sid is not None:
+                        timeline.assign_role(sid, category)
+            continue
+        if not started:
+            continue
+        size = fields.alloc_size
+        if size > 0:
+            info = StorageInfo(
+                size,
+                Category.WORKSPACE if _is_scratch(node) else None,
+                phase=phase,
+                module=module,
+                op=_kernel_name(node),
+            )
+            sid = timeline.new_storage(info)
+            by_ptr[fields.ptr] = sid
+            timeline.alloc(sid)
+        elif size < 0:
+            sid = by_ptr.pop(fields.ptr, None)
+            if sid is not None:
+                timeline.free(sid)
+
+
+_COMPOSITE: dict[str, bool] = {}
+
+
+def _is_composite(name: str) -> bool:
+    """Whether the profiled op ``name`` (no overload name) is CompositeImplicitAutograd.
+
+    The fake trace sees such an op's parts, not the op. The profiler does not
+    say which overload ran: the default one if the op has it, else the op is
+    composite when every overload but the ``out=`` ones is (``aten::lstm``'s
+    ``input`` and ``data``, ``aten::softmax.int``).
+    """
+    found = _COMPOSITE.get(name)
+    if found is None:
+        found = _has_composite_kernel(name)
+        if found is None:
+            namespace, _, op = name.partition("::")
+            try:
+                overloads = getattr(getattr(torch.ops, namespace), op).overloads()
+            except (AttributeError, RuntimeError):
+                overloads = []
+            kinds = [_has_composite_kernel(f"{name}.{o}") for o in overloads if not o.endswith("out")]
+            known = [kind for kind in kinds if kind is not None]
+            found = bool(known) and all(known)
+        _COMPOSITE[name] = found
+    return found
+
+
+def _has_composite_kernel(name: str) -> bool | None:
+    """None when there is no operator ``name``."""
+    try:
+        return torch._C._dispatch_has_kernel_for_dispatch_key(name, "CompositeImplicitAutograd")
+    except RuntimeError:
+        return None
+
+
+def _kernel_node(node: Any) -> Any:
+    """The outermost aten op above ``node`` that is a kernel, not a composite."""
+    found = None
+    parent = node.parent
+    while parent is not None:
+        if parent.name.startswith("aten::") and not _is_composite(parent.name):
+            found = parent
+        parent = parent.parent
+    return found
+
+
+def _kernel_name(node: Any) -> str:
+    kernel = _kernel_node(node)
+    return kernel.name if kernel is not None else ""
+
+
+def _is_scratch(node: Any) -> bool:
+    """True when the allocation is freed before its kernel returns."""
+    kernel = _kernel_node(node)
+    if kernel is None:
+        return False
+    ptr = node.extra_fields.ptr
+    end = kernel.end_time_ns
+    stack = list(kernel.children)
+    while stack:
+        child = stack.pop()
+        fields = child.extra_fields
+        if (
+            isinstance(fields, _Allocation)
+            and fields.ptr == ptr
+            and fields.alloc_size < 0
+            and child.start_time_ns > node.start_time_ns
+            and child.start_time_ns <= end
+        ):
+            return True
+        stack.extend(child.children)
+    return False
+
+
+def _measure_cuda(request: StepRequest) -> MemoryReport:
+    """One step on the GPU, from a defined state.
+
+    The state: the caching allocator holds no cached blocks
+    (``empty_cache()``), no cuBLAS workspaces exist
+    (``torch._C._cuda_clearCublasWorkspaces()``), then the model's tensors and
+    the inputs are copied to the GPU (parameters, buffers, tensor attributes,
+    inputs, then gradients, the order the estimate charges them), peaks are
+    reset, and the step runs. Memory the process held before (the user's own
+    tensors, anything else) is subtracted from every figure.
+    """
+    if not torch.cuda.is_available():
+        raise RuntimeError(
+            "measure(device='cuda') runs the step on a GPU, and torch.cuda.is_available() "
+            "is False here; use estimate(device='cuda') to predict it"
+        )
+    device = torch.device("cuda", torch.cuda.current_device())
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    torch._C._cuda_clearCublasWorkspaces()
+    held_allocated = torch.cuda.memory_allocated(device)
+    held_reserved = torch.cuda.memory_reserved(device)
+    model_tensors = collect(request.model)
+    with torch.no_grad():
+        standins = convert(model_tensors, request.args, request.kwargs, _copies(device))
+    probe = _CudaPeakProbe(device)
+    modules = ModuleTracker(request.model, probe)
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    with substituted(model_tensors, standins.model), modules:
+        run_step(
+            request.model,
+            standins.args,
+            standins.kwargs,
+            parameters=standins.parameters,
+            inputs=standins.inputs,
+            loss_fn=request.loss_fn,
+            optimizer=request.optimizer,
+            train=request.train,
+            probe=probe,
+            keep_output=request.keep_output,
+        )
+    del standins
+
+    def own(nbytes: int) -> int:
+        return max(nbytes - held_allocated, 0) if nbytes else 0
+
+    return MemoryReport(
+        device="cuda",
+        forward_peak=own(probe.peaks[Phase.FORWARD]),
+        backward_peak=own(probe.peaks[Phase.BACKWARD]),
+        step_peak=own(probe.peaks[Phase.STEP]),
+        reserved_peak=max(probe.reserved - held_reserved, 0),
+        profile=torch.cuda.get_device_name(device),
+    )
+
+
+class _CudaPeakProbe:
+    """Reads and resets the CUDA peak statistics at each phase boundary."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.phase: Phase | None = None
+        self.peaks = {phase: 0 for phase in Phase}
+        self.reserved = 0
+
+    def set_phase(self, phase: Phase | None) -> None:
+        torch.cuda.synchronize(self.device)
+        if self.phase is not None:
+            self.peaks[self.phase] = torch.cuda.max_memory_allocated(self.device)
+        self.reserved = max(self.reserved, torch.cuda.max_memory_reserved(self.device))
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self.phase = phase
+
+    def enter_module(self, index: int) -> None:
+        pass
+
+    def exit_module(self, index: int) -> None:
+        pass
+
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        pass
+
+    def assign_role(self, category: Category, tensors: Iterable[torch.Tensor]) -> None:
+        pass

@@ -1,0 +1,210 @@
+"""A model's tensors, swapped for stand-ins during a step and put back after.
+
+Both the fake trace (fake tensors) and the real measurement (clones) run the
+user's model on tensors of their own: :func:`collect` finds every tensor the
+model holds (parameters, buffers, tensor attributes, gradients),
+:func:`convert` makes a stand-in for each (tensors that share a storage get
+stand-ins that share one), and :func:`substituted` puts the stand-ins in the
+model for the duration of a ``with`` block and the originals back after it,
+whatever happens inside. The user's model ends as it began.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from pytest_torchmem.engine.containers import map_tensors
+
+__all__ = ["Slot", "ModelTensors", "StandIns", "collect", "convert", "substituted"]
+
+SlotKind = Literal["parameter", "buffer", "attribute"]
+
+
+@dataclass(frozen=True, slots=True)
+class Slot:
+    """Where a model holds a tensor: ``module.<kind>[name]``."""
+
+    module: nn.Module
+    kind: SlotKind
+    name: str
+    tensor: torch.Tensor
+
+
+@dataclass
+class ModelTensors:
+    """Every tensor slot of a model, in ``named_modules`` order (shared ones repeated)."""
+
+    slots: list[Slot] = field(default_factory=list)
+
+    def unique(self, kind: SlotKind) -> list[torch.Tensor]:
+        seen: set[int] = set()
+        found = []
+        for slot in self.slots:
+            if slot.kind == kind and id(slot.tensor) not in seen:
+                seen.add(id(slot.tensor))
+                found.append(slot.tensor)
+        return found
+
+
+def collect(model: nn.Module) -> ModelTensors:
+    """Find the tensors ``model`` holds, tied ones once per slot."""
+    found = ModelTensors()
+    for module in model.modules():
+        for name, param in module._parameters.items():
+            if param is not None:
+                found.slots.append(Slot(module, "parameter", name, param))
+        for name, buf in module._buffers.items():
+            if buf is not None:
+                found.slots.append(Slot(module, "buffer", name, buf))
+        for name, value in vars(module).items():
+            if isinstance(value, torch.Tensor) and not name.startswith("__"):
+                found.slots.append(Slot(module, "attribute", name, value))
+    return found
+
+
+@dataclass(frozen=True)
+class StandIns:
+    """How to make stand-ins on one device.
+
+    ``dense(t)`` makes a stand-in with ``t``'s shape and strides on a storage of
+    its own (used when ``t`` spans its whole storage, the common case);
+    ``storage(t)`` makes a stand-in for ``t``'s whole storage, which the
+    stand-ins of the tensors sharing it then view.
+    """
+
+    device: torch.device
+    dense: Callable[[torch.Tensor], torch.Tensor]
+    storage: Callable[[torch.Tensor], torch.UntypedStorage]
+    #: Turns a fresh stand-in into a parameter: ``(tensor, requires_grad) -> parameter``.
+    parameter: Callable[[torch.Tensor, bool], torch.Tensor] = nn.Parameter
+
+
+def _spans_its_storage(t: torch.Tensor) -> bool:
+    """Whether ``t`` covers its whole storage with no element stored twice (an
+    expanded tensor shares its elements: it is a view of a smaller storage)."""
+    if t.storage_offset() != 0 or any(stride == 0 and size > 1 for size, stride in zip(t.shape, t.stride())):
+        return False
+    span = 0
+    if t.numel():
+        span = (1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))) * t.element_size()
+    return span == t.untyped_storage().nbytes()
+
+
+class _Converter:
+    """Converts tensors one by one; tensors that share a storage share the new one."""
+
+    def __init__(self, make: StandIns) -> None:
+        self.make = make
+        self.storages: dict[int, torch.UntypedStorage] = {}
+        self.tensors: dict[int, torch.Tensor] = {}
+        self.with_grads: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def gradients(self) -> None:
+        """Give the stand-ins the stand-ins of their originals' ``.grad``, after
+        everything else: stand-ins are made in the order the trace charges them."""
+        for original, new in self.with_grads:
+            new.grad = self(original.grad)  # type: ignore[arg-type]
+
+    def __call__(self, t: torch.Tensor) -> torch.Tensor:
+        done = self.tensors.get(id(t))
+        if done is not None:
+            return done
+        key = t.untyped_storage()._cdata
+        storage = self.storages.get(key)
+        if storage is None and _spans_its_storage(t):
+            new = self.make.dense(t)
+            self.storages[key] = new.untyped_storage()
+        else:
+            if storage is None:
+                storage = self.storages[key] = self.make.storage(t)
+            new = torch.empty(0, dtype=t.dtype, device=self.make.device)
+            new.set_(storage, t.storage_offset(), t.shape, t.stride())
+        if isinstance(t, nn.Parameter):
+            new = self.make.parameter(new, t.requires_grad)
+        elif t.requires_grad:
+            new.requires_grad_(True)
+        self.tensors[id(t)] = new
+        if t.grad is not None and new.requires_grad:
+            self.with_grads.append((t, new))
+        return new
+
+
+@dataclass
+class Converted:
+    """Stand-ins for a model's tensors and for the step's inputs."""
+
+    model: dict[int, torch.Tensor]  # id(original) -> stand-in
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    parameters: list[torch.Tensor]
+    buffers: list[torch.Tensor]
+    attributes: list[torch.Tensor]
+    inputs: list[torch.Tensor]
+
+    @property
+    def gradients(self) -> list[torch.Tensor]:
+        return [t.grad for t in self.parameters + self.inputs if t.grad is not None]
+
+
+def convert(
+    model_tensors: ModelTensors,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    make: StandIns,
+) -> Converted:
+    """Make stand-ins for the model's tensors and the inputs' tensors."""
+    convert_one = _Converter(make)
+    parameters = [convert_one(t) for t in model_tensors.unique("parameter")]
+    buffers = [convert_one(t) for t in model_tensors.unique("buffer")]
+    attributes = [convert_one(t) for t in model_tensors.unique("attribute")]
+    inputs: list[torch.Tensor] = []
+
+    def convert_input(t: torch.Tensor) -> torch.Tensor:
+        if not t.is_leaf:  # an intermediate result: its stand-in is a leaf
+            t = t.detach().requires_grad_(t.requires_grad)
+        new = convert_one(t)
+        inputs.append(new)
+        return new
+
+    # Every tensor in the inputs' containers (dicts, BatchEncodings, dataclasses,
+    # named tuples, ...), in copies of those containers: the user's stay as they are.
+    new_args, new_kwargs = map_tensors(convert_input, (args, kwargs))
+    convert_one.gradients()
+    return Converted(
+        model=dict(convert_one.tensors),
+        args=new_args,
+        kwargs=new_kwargs,
+        parameters=parameters,
+        buffers=buffers,
+        attributes=attributes,
+        inputs=inputs,
+    )
+
+
+@contextmanager
+def substituted(model_tensors: ModelTensors, standins: dict[int, torch.Tensor]) -> Iterator[None]:
+    """Put the stand-ins in the model's slots; put the originals back on exit."""
+    done: list[Slot] = []
+    try:
+        for slot in model_tensors.slots:
+            _put(slot, standins[id(slot.tensor)])
+            done.append(slot)
+        yield
+    finally:
+        for slot in reversed(done):
+            _put(slot, slot.tensor)
+
+
+def _put(slot: Slot, tensor: torch.Tensor) -> None:
+    if slot.kind == "parameter":
+        slot.module._parameters[slot.name] = tensor  # type: ignore[assignment]
+    elif slot.kind == "buffer":
+        slot.module._buffers[slot.name] = tensor
+    else:
+        slot.module.__dict__[slot.name] = tensor

@@ -1,0 +1,87 @@
+"""The arguments of one step (:func:`~pytest_torchmem.estimate`, :func:`~pytest_torchmem.measure`,
+``torchmem.check``), validated once: :class:`StepRequest`."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, is_dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from pytest_torchmem.engine.step import LossFn, OptimizerFactory
+
+__all__ = ["StepRequest", "step_request"]
+
+
+@dataclass(frozen=True)
+class StepRequest:
+    """Validated arguments of :func:`estimate` and :func:`measure`."""
+
+    model: nn.Module
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    device: str
+    loss_fn: LossFn | None
+    optimizer: OptimizerFactory | None
+    train: bool
+    #: Whether the model's output is held through backward (``keep_output=True``).
+    keep_output: bool = False
+
+
+def step_request(
+    entry: str,
+    model: Any,
+    inputs: Any,
+    device: Any,
+    loss_fn: Any,
+    optimizer: Any,
+    train: Any,
+    keep_output: Any = False,
+) -> StepRequest:
+    if not isinstance(model, nn.Module):
+        raise TypeError(
+            f"{entry}() needs an nn.Module as model, got {type(model).__name__}; "
+            "wrap a function in an nn.Module whose forward calls it"
+        )
+    if isinstance(inputs, torch.Tensor):
+        args, kwargs = (inputs,), {}
+    elif isinstance(inputs, tuple):
+        args, kwargs = inputs, {}
+    elif isinstance(inputs, Mapping):  # a dict, a tokenizer's BatchEncoding, any Mapping
+        bad = [key for key in inputs if not isinstance(key, str)]
+        if bad:
+            raise TypeError(f"keyword inputs need string keys, got {bad[0]!r}")
+        args, kwargs = (), dict(inputs)
+    else:
+        hint = ""
+        if isinstance(inputs, list):
+            hint = "; pass a tuple for positional arguments"
+        elif is_dataclass(inputs) and not isinstance(inputs, type):
+            hint = "; pass (inputs,) to give it to the model as its one positional argument"
+        raise TypeError(
+            "inputs must be a tensor, a tuple of positional arguments or a mapping (a dict, "
+            f"a BatchEncoding) of keyword arguments, got {type(inputs).__name__}{hint}"
+        )
+    if isinstance(device, torch.device):
+        device = str(device)
+    if not isinstance(device, str):
+        raise TypeError(f"device must be 'cpu' or 'cuda', got {device!r}")
+    kind, _, index = device.partition(":")
+    if kind not in ("cpu", "cuda") or (index and (kind == "cpu" or not index.isdigit())):
+        raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}")
+    if isinstance(optimizer, torch.optim.Optimizer):  # it would hold the model's real parameters
+        raise TypeError(
+            "optimizer must be a factory that makes the optimizer from the parameters it is "
+            f"given, not a {type(optimizer).__name__}; "
+            "e.g. optimizer=lambda params: torch.optim.SGD(params, lr=0.1)"
+        )
+    for name, value in (("loss_fn", loss_fn), ("optimizer", optimizer)):
+        if value is not None and not callable(value):
+            raise TypeError(f"{name} must be callable or None, got {type(value).__name__}")
+    if not isinstance(train, bool):
+        raise TypeError(f"train must be True or False, got {train!r}")
+    if not isinstance(keep_output, bool):
+        raise TypeError(f"keep_output must be True or False, got {keep_output!r}")
+    return StepRequest(model, args, kwargs, kind, loss_fn, optimizer, train, keep_output)

@@ -1,0 +1,213 @@
+"""The training step, written once and run by both the fake trace and the real measurement.
+
+Estimate and measurement agree byte for byte only if they run the same Python
+program: same calls, same references held and dropped at the same points. So
+both run :func:`run_step`, and learn about its progress through a
+:class:`Probe` (phase changes, module entries and exits, which tensors ended
+up as gradients and optimizer state).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_leaves
+
+from pytest_torchmem.engine.containers import tensors_in
+from pytest_torchmem.engine.report import Category
+from pytest_torchmem.engine.timeline import Phase
+
+__all__ = ["Probe", "ModuleTracker", "run_step", "default_loss", "LossFn", "OptimizerFactory"]
+
+LossFn = Callable[[Any], torch.Tensor]
+OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+
+#: Name of the model itself in per-module figures.
+ROOT_NAME = "(model)"
+
+
+class Probe(Protocol):
+    """What the step reports as it runs."""
+
+    def set_phase(self, phase: Phase | None) -> None: ...
+
+    def enter_module(self, index: int) -> None: ...
+
+    def exit_module(self, index: int) -> None: ...
+
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> None: ...
+
+    def assign_role(self, category: Category, tensors: Iterable[torch.Tensor]) -> None: ...
+
+
+def default_loss(output: Any) -> torch.Tensor:
+    """``output.loss`` (attribute or key) when it is a scalar tensor, else the sum of
+    every floating-point tensor in ``output`` (in tuples, lists, mappings, dataclasses,
+    named tuples, ``ModelOutput`` objects, nested)."""
+    loss = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)
+    if isinstance(loss, torch.Tensor) and loss.numel() == 1:
+        return loss
+    floats = [t for t in tensors_in(output) if t.is_floating_point()]
+    if not floats:
+        raise ValueError(
+            f"the model's output ({type(output).__name__}) holds no floating-point tensor "
+            "to sum as a loss; pass loss_fn=... to say how to reduce it"
+        )
+    total = floats[0].sum()
+    for t in floats[1:]:
+        total = total + t.sum()
+    return total
+
+
+def _check_loss(loss: Any) -> None:
+    if not isinstance(loss, torch.Tensor):
+        raise TypeError(f"loss_fn must return a scalar tensor, got {type(loss).__name__}")
+    if loss.numel() != 1:
+        raise ValueError(
+            f"loss_fn must return a scalar tensor, got one of shape {tuple(loss.shape)}; "
+            "reduce it, e.g. with .sum() or .mean()"
+        )
+    if not loss.requires_grad:
+        raise ValueError(
+            "the loss does not require grad, so there is nothing to backpropagate: "
+            "no parameter or input that requires grad reached it (pass train=False "
+            "to trace the forward only)"
+        )
+
+
+class ModuleTracker:
+    """Tells the probe when each of the model's modules runs, forward and backward.
+
+    Forward: global module hooks (removed on exit). Backward: a module's backward
+    starts when the gradient of one of its outputs is complete and ends when the
+    gradient of one of its inputs is; the hooks hold no gradient.
+    """
+
+    def __init__(self, model: nn.Module, probe: Probe) -> None:
+        self.probe = probe
+        self.names: list[str] = []
+        self._index: dict[int, int] = {}
+        for name, module in model.named_modules():
+            if id(module) not in self._index:
+                self._index[id(module)] = len(self.names)
+                self.names.append(name or ROOT_NAME)
+        self._handles: list[Any] = []
+
+    def __enter__(self) -> ModuleTracker:
+        self._handles = [
+            nn.modules.module.register_module_forward_pre_hook(self._before),
+            nn.modules.module.register_module_forward_hook(self._after, always_call=True),
+        ]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def _before(self, module: nn.Module, args: Any) -> None:
+        index = self._index.get(id(module))
+        if index is None:
+            return
+        self.probe.enter_module(index)
+        if torch.is_grad_enabled():
+            _hook_once(args, lambda: self.probe.exit_module(index))
+
+    def _after(self, module: nn.Module, args: Any, output: Any) -> None:
+        index = self._index.get(id(module))
+        if index is None:
+            return
+        self.probe.exit_module(index)
+        if torch.is_grad_enabled():
+            _hook_once(output, lambda: self.probe.enter_module(index))
+
+
+def _hook_once(value: Any, fn: Callable[[], None]) -> None:
+    """Call ``fn`` once, when the first gradient of a tensor in ``value`` is complete."""
+    tensors = [t for t in tensors_in(value) if t.requires_grad]
+    if not tensors:
+        return
+    fired = [False]
+
+    def hook(_grad: torch.Tensor) -> None:
+        if not fired[0]:
+            fired[0] = True
+            fn()
+
+    for t in tensors:
+        t.register_hook(hook)
+
+
+def _call(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    return model(*args, **kwargs)
+
+
+def run_step(
+    model: nn.Module,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    *,
+    parameters: list[torch.Tensor],
+    inputs: list[torch.Tensor],
+    loss_fn: LossFn | None,
+    optimizer: OptimizerFactory | None,
+    train: bool,
+    probe: Probe,
+    keep_output: bool = False,
+) -> None:
+    """Run one step of ``model`` and report its progress to ``probe``.
+
+    ``parameters`` are the leaves the optimizer gets; ``inputs`` the input
+    tensors (their ``.grad`` counts as gradients). ``keep_output``: the model's
+    output is held to the end of the step, as ``out = model(**batch);
+    out.loss.backward(); opt.step()`` holds ``out``; else it is dropped once
+    the loss is taken from it, before backward.
+    """
+    if not train:
+        probe.set_phase(Phase.FORWARD)
+        with torch.no_grad():
+            output = _call(model, args, kwargs)
+            if loss_fn is not None:
+                loss_fn(output)
+        probe.set_phase(None)
+        return
+
+    trainable = [p for p in parameters if p.requires_grad]
+    opt = None
+    if optimizer is not None:
+        opt = optimizer(trainable)
+        if not isinstance(opt, torch.optim.Optimizer):
+            raise TypeError(
+                "optimizer must be a callable that takes the parameters and returns a "
+                f"torch.optim.Optimizer, got {type(opt).__name__} back; "
+                "e.g. optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3)"
+            )
+        probe.prepare_optimizer(opt)
+
+    probe.set_phase(Phase.FORWARD)
+    output = _call(model, args, kwargs)
+    loss = (loss_fn or default_loss)(output)
+    held = output if keep_output else None
+    del output
+    _check_loss(loss)
+
+    probe.set_phase(Phase.BACKWARD)
+    loss.backward()
+    probe.assign_role(
+        Category.GRADIENTS,
+        [t.grad for t in trainable + inputs if t.grad is not None],
+    )
+
+    if opt is not None:
+        probe.set_phase(Phase.STEP)
+        opt.step()
+        probe.assign_role(
+            Category.OPTIMIZER_STATE,
+            [v for state in opt.state.values() for v in tree_leaves(state) if isinstance(v, torch.Tensor)],
+        )
+        opt.zero_grad(set_to_none=True)
+    probe.set_phase(None)
+    del loss, opt, held

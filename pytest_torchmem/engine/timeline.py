@@ -1,0 +1,323 @@
+"""The storage timeline of one step, and the figures read from it.
+
+Both the fake-tensor tracer and the real-run measurement write a
+:class:`Timeline`: storages with their sizes and roles, and an ordered list of
+events (allocations, frees, resizes, phase changes, module entries and exits).
+:func:`analyze` replays it once and returns the phase peaks, the breakdown at
+the peak and the per-module peaks, so that estimate and measurement are read
+by the same code.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import IntEnum
+from collections.abc import Iterator
+from typing import Any, Final, NamedTuple, Protocol
+
+from pytest_torchmem.engine.report import Category, ModulePeak
+
+__all__ = [
+    "Allocator",
+    "Analysis",
+    "Charge",
+    "Frame",
+    "Phase",
+    "StorageInfo",
+    "Timeline",
+    "analyze",
+    "replay",
+]
+
+
+class Phase(IntEnum):
+    """Parts of the step; each has its own peak."""
+
+    FORWARD = 0
+    BACKWARD = 1
+    STEP = 2
+
+
+# Event kinds. An event is a tuple ``(kind, a, b)``.
+ALLOC: Final = 0  # (ALLOC, sid, nbytes)
+FREE: Final = 1  # (FREE, sid, 0)
+RESIZE: Final = 2  # (RESIZE, sid, new nbytes): a new block, a copy, the old block freed
+PHASE: Final = 3  # (PHASE, phase, 0); phase -1 ends the step
+ENTER: Final = 4  # (ENTER, module index, 0)
+EXIT: Final = 5  # (EXIT, module index, 0)
+
+_CATEGORY_ORDER: Final = tuple(Category)
+
+
+class Frame(NamedTuple):
+    """One Python frame of the user's code that led to an allocation."""
+
+    filename: str
+    line: int
+    name: str
+
+
+@dataclass(slots=True)
+class StorageInfo:
+    """One storage: its size when made, its role, and where it was made."""
+
+    nbytes: int
+    #: Fixed role (baseline storages, kernel workspace), or None until resolved.
+    category: Category | None = None
+    #: Phase in which it was allocated; None for storages live before the step.
+    phase: Phase | None = None
+    #: Index into :attr:`Timeline.module_names` of the innermost module running, or -1.
+    module: int = -1
+    #: The op that made it (empty for storages live before the step).
+    op: str = ""
+    #: The user's frames that made it, innermost first (recorded on request only).
+    frames: tuple[Frame, ...] = ()
+    #: The autograd node that was running when it was made, in backward (``MmBackward0``;
+    #: recorded with the frames).
+    node: str = ""
+
+
+@dataclass
+class Timeline:
+    """Storages and the ordered events of one step on one device."""
+
+    storages: list[StorageInfo] = field(default_factory=list)
+    events: list[tuple[int, int, int]] = field(default_factory=list)
+    module_names: list[str] = field(default_factory=list)
+    #: Storages that end up as ``.grad`` of a leaf, or in ``optimizer.state``.
+    roles: dict[int, Category] = field(default_factory=dict)
+
+    def new_storage(self, info: StorageInfo) -> int:
+        self.storages.append(info)
+        return len(self.storages) - 1
+
+    def alloc(self, sid: int) -> None:
+        self.events.append((ALLOC, sid, self.storages[sid].nbytes))
+
+    def free(self, sid: int) -> None:
+        self.events.append((FREE, sid, 0))
+
+    def resize(self, sid: int, nbytes: int) -> None:
+        self.events.append((RESIZE, sid, nbytes))
+
+    def phase(self, phase: Phase | None) -> None:
+        self.events.append((PHASE, -1 if phase is None else int(phase), 0))
+
+    def enter(self, module: int) -> None:
+        self.events.append((ENTER, module, 0))
+
+    def exit(self, module: int) -> None:
+        self.events.append((EXIT, module, 0))
+
+    def assign_role(self, sid: int, category: Category) -> None:
+        """Record the role a storage ends up in (gradient, optimizer state)."""
+        current = self.roles.get(sid)
+        if current is None or _CATEGORY_ORDER.index(category) < _CATEGORY_ORDER.index(current):
+            self.roles[sid] = category
+
+    def category_of(self, sid: int) -> Category:
+        info = self.storages[sid]
+        if info.category is not None:
+            return info.category
+        role = self.roles.get(sid)
+        if role is not None:
+            return role
+        if info.phase is None or info.phase == Phase.FORWARD:
+            return Category.ACTIVATIONS
+        return Category.TEMPORARIES
+
+
+@dataclass(frozen=True)
+class Analysis:
+    """Figures read from a timeline."""
+
+    phase_peaks: tuple[int, int, int]
+    breakdown: dict[Category, int]
+    modules: dict[str, ModulePeak]
+    #: Live bytes before the first event (the baseline).
+    baseline: int
+    #: Index of the event at which the overall peak was first reached (-1: the baseline).
+    peak_event: int
+    #: The allocator's reserved-bytes peak, when one was simulated.
+    reserved_peak: int | None = None
+
+
+class Allocator(Protocol):
+    """What :func:`analyze` needs of an allocator model (the CUDA caching allocator)."""
+
+    def malloc(self, nbytes: int) -> Any: ...
+
+    def free(self, block: Any) -> None: ...
+
+    @property
+    def peak_reserved(self) -> int: ...
+
+
+def _charge(allocator: Allocator | None, blocks: dict[int, Any], sid: int, nbytes: int) -> int:
+    """Bytes a new storage of ``nbytes`` is charged: itself, or its allocator block."""
+    if allocator is None:
+        return nbytes
+    block = allocator.malloc(nbytes)
+    if block is None:
+        return 0
+    blocks[sid] = block
+    return block.size
+
+
+def analyze(timeline: Timeline, baseline: list[int], allocator: Allocator | None = None) -> Analysis:
+    """Replay ``timeline`` from the live ``baseline`` storages and read every figure.
+
+    Without ``allocator`` a storage costs its bytes; with one, each storage is
+    handed to it in order and costs the block it gets (``allocator`` is then
+    also asked for its reserved peak).
+    """
+    categories = [timeline.category_of(sid) for sid in range(len(timeline.storages))]
+    cat_index = {category: i for i, category in enumerate(_CATEGORY_ORDER)}
+    cat_of = [cat_index[category] for category in categories]
+    size: dict[int, int] = {}
+    blocks: dict[int, Any] = {}
+    by_cat = [0] * len(_CATEGORY_ORDER)
+    live = 0
+    for sid in baseline:
+        charged = _charge(allocator, blocks, sid, timeline.storages[sid].nbytes)
+        size[sid] = charged
+        by_cat[cat_of[sid]] += charged
+        live += charged
+    base = live
+
+    peaks = [0, 0, 0]
+    phase = -1
+    best = -1
+    best_cat = list(by_cat)
+    peak_event = -1
+    n_modules = len(timeline.module_names)
+    fwd_peak = [0] * n_modules
+    bwd_peak = [0] * n_modules
+    depth = [0] * n_modules
+    active: list[int] = []  # modules with depth > 0, in the current phase
+
+    for index, (kind, a, b) in enumerate(timeline.events):
+        if kind == ALLOC or kind == RESIZE:
+            if kind == ALLOC and a in size:
+                continue  # already live: counted once
+            old = size.get(a, 0)
+            old_block = blocks.pop(a, None)
+            charged = _charge(allocator, blocks, a, b)
+            # a resize holds the old block until the data is copied into the new one
+            live += charged
+            by_cat[cat_of[a]] += charged
+            if charged > 0:
+                if phase >= 0 and live > peaks[phase]:
+                    peaks[phase] = live
+                if live > best:
+                    best = live
+                    best_cat = list(by_cat)
+                    peak_event = index
+                if active:
+                    table = bwd_peak if phase == Phase.BACKWARD else fwd_peak
+                    for module in active:
+                        if live > table[module]:
+                            table[module] = live
+            size[a] = charged
+            if old:
+                live -= old
+                by_cat[cat_of[a]] -= old
+            if old_block is not None and allocator is not None:
+                allocator.free(old_block)
+        elif kind == FREE:
+            nbytes = size.pop(a, None)
+            if nbytes is not None:
+                live -= nbytes
+                by_cat[cat_of[a]] -= nbytes
+            block = blocks.pop(a, None)
+            if block is not None and allocator is not None:
+                allocator.free(block)
+        elif kind == PHASE:
+            for module in active:
+                depth[module] = 0
+            active.clear()
+            phase = a
+            if phase >= 0 and live > peaks[phase]:
+                peaks[phase] = live
+            if phase >= 0 and live > best:
+                best = live
+                best_cat = list(by_cat)
+                peak_event = index
+        elif kind == ENTER:
+            if depth[a] == 0:
+                active.append(a)
+                table = bwd_peak if phase == Phase.BACKWARD else fwd_peak
+                if live > table[a]:
+                    table[a] = live
+            depth[a] += 1
+        elif kind == EXIT:
+            if depth[a] > 0:
+                depth[a] -= 1
+                if depth[a] == 0:
+                    active.remove(a)
+
+    if best < 0:  # no phase ever started
+        best_cat = list(by_cat)
+    modules = {
+        name: ModulePeak(fwd_peak[i], bwd_peak[i])
+        for i, name in enumerate(timeline.module_names)
+        if fwd_peak[i] or bwd_peak[i]
+    }
+    breakdown = {category: best_cat[i] for i, category in enumerate(_CATEGORY_ORDER)}
+    return Analysis(
+        phase_peaks=(peaks[0], peaks[1], peaks[2]),
+        breakdown=breakdown,
+        modules=modules,
+        baseline=base,
+        peak_event=peak_event,
+        reserved_peak=None if allocator is None else allocator.peak_reserved,
+    )
+
+
+class Charge(NamedTuple):
+    """One change of the live bytes, as :func:`replay` reads it off a timeline."""
+
+    #: Index of the event in :attr:`Timeline.events` (-1: a storage of the baseline).
+    index: int
+    sid: int
+    #: Bytes charged (positive) or given back (negative).
+    nbytes: int
+    #: The allocator's block, when an allocator is replayed (None otherwise).
+    block: Any
+
+
+def replay(
+    timeline: Timeline, baseline: list[int], allocator: Allocator | None = None
+) -> Iterator[Charge]:
+    """Every change of the live bytes of ``timeline``, in order, as :func:`analyze` counts them.
+
+    The baseline storages come first (``index`` -1). A storage allocated while
+    live is not counted again; a resize charges the new block before giving
+    back the old one. With ``allocator`` each storage costs its block, and the
+    allocator is driven as it would be on the device.
+    """
+    size: dict[int, int] = {}
+    blocks: dict[int, Any] = {}
+    for sid in baseline:
+        size[sid] = _charge(allocator, blocks, sid, timeline.storages[sid].nbytes)
+        yield Charge(-1, sid, size[sid], blocks.get(sid))
+    for index, (kind, a, b) in enumerate(timeline.events):
+        if kind == ALLOC or kind == RESIZE:
+            if kind == ALLOC and a in size:
+                continue
+            old = size.get(a, 0)
+            old_block = blocks.pop(a, None)
+            charged = _charge(allocator, blocks, a, b)
+            size[a] = charged
+            yield Charge(index, a, charged, blocks.get(a))
+            if old:
+                yield Charge(index, a, -old, old_block)
+            if old_block is not None and allocator is not None:
+                allocator.free(old_block)
+        elif kind == FREE:
+            nbytes = size.pop(a, None)
+            block = blocks.pop(a, None)
+            if nbytes is not None:
+                yield Charge(index, a, -nbytes, block)
+            if block is not None and allocator is not None:
+                allocator.free(block)

@@ -1,0 +1,86 @@
+"""Backward formulas that write in place in eager mode but not under a dispatch mode.
+
+Several backward formulas make a zero tensor and scatter the gradient into it
+in place, except when a tensor is a subclass or a dispatch mode is active
+(``at::areAnyTensorSubclassLike``), where they call the out-of-place op "for
+composite compliance". The fake trace always runs under a dispatch mode, so
+it would allocate a second buffer of the input's size that the eager step
+never makes (``x.max(dim)``'s backward: ``zeros.scatter(...)`` instead of
+``zeros.scatter_(...)``). Under the autograd nodes of those formulas the
+out-of-place op runs in place on its first argument, as eagerly, on every
+device. Formulas (torch 2.13):
+
+* ``value_selecting_reduction_backward_symint`` (``ReduceOps.cpp``): max, min,
+  sort, topk, kthvalue, mode, median, nanmedian with a dim: ``scatter_``;
+* ``gather_backward`` (``TensorAdvancedIndexing.cpp``) and
+  ``cummaxmin_backward`` (``FunctionsManual.cpp``): ``scatter_add_``;
+* ``index_select_backward_symint`` (``TensorAdvancedIndexing.cpp``): ``index_add_``;
+* ``index_backward`` (``FunctionsManual.cpp``, ``x[idx]``):
+  ``at::_index_put_impl_(zeros, indices, grad, accumulate=true, unsafe=true)``;
+* ``clamp_backward`` and ``clamp_backward_min_max`` with tensor bounds
+  (``FunctionsManual.cpp``): ``logical_and_`` / ``logical_or_`` on a comparison's result.
+
+(``evenly_distribute_backward``, ``masked_fill_backward`` and ``prod_backward``
+take other algorithms eagerly, some value-dependent; they are not followed.)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Final
+
+import torch
+
+from pytest_torchmem.engine.tracing.rules import OpCall, RuleSet
+
+__all__ = ["EAGER_IN_PLACE", "register_eager_in_place"]
+
+aten = torch.ops.aten
+
+_SELECTING: Final = frozenset(
+    {
+        "MaxBackward0",
+        "MinBackward0",
+        "SortBackward0",
+        "SortBackward1",
+        "TopkBackward0",
+        "KthvalueBackward0",
+        "ModeBackward0",
+        "MedianBackward1",
+        "NanmedianBackward1",
+    }
+)
+
+
+def _index_put(
+    t: torch.Tensor, indices: Any, values: torch.Tensor, accumulate: bool = False
+) -> Any:
+    return aten._index_put_impl_.default(t, indices, values, accumulate, True)
+
+
+#: out-of-place op -> (what the eager formula calls instead, the autograd nodes that do).
+EAGER_IN_PLACE: Final[dict[Any, tuple[Callable[..., Any], frozenset[str]]]] = {
+    aten.scatter.src: (aten.scatter_.src, _SELECTING),
+    aten.scatter_add.default: (
+        aten.scatter_add_.default,
+        frozenset({"GatherBackward0", "CummaxBackward0", "CumminBackward0"}),
+    ),
+    aten.index_add.default: (aten.index_add_.default, frozenset({"IndexSelectBackward0"})),
+    aten.index_put.default: (_index_put, frozenset({"IndexBackward0"})),
+    aten.logical_and.default: (aten.logical_and_.default, frozenset({"ClampBackward0"})),
+    aten.logical_or.default: (aten.logical_or_.default, frozenset({"ClampBackward0"})),
+}
+
+
+def _eager_in_place(call: OpCall) -> Any:
+    """The out-of-place op, or its in-place twin inside the formulas above."""
+    in_place, nodes = EAGER_IN_PLACE[call.func]
+    node = torch._C._current_autograd_node()
+    if node is not None and node.name() in nodes:
+        return in_place(*call.args, **call.kwargs)
+    return call.func(*call.args, **call.kwargs)
+
+
+def register_eager_in_place(rules: RuleSet) -> None:
+    """Register :func:`_eager_in_place` for the ops of :data:`EAGER_IN_PLACE` on ``rules``."""
+    rules.implementation(*EAGER_IN_PLACE)(_eager_in_place)

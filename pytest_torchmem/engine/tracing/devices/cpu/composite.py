@@ -1,0 +1,97 @@
+"""CPU rules: kernels that are small programs of other ATen ops, run below the
+dispatcher, so that the fake trace (which has a meta kernel for the whole op)
+sees only their result. Each rule lists their intermediates in the program's
+order (torch 2.13).
+
+A comparison of a tensor with a Python number (``x == INFINITY``) wraps the
+number in a 0-dim ``double`` tensor, which ``TensorIterator`` casts to the
+tensor's dtype before it makes the boolean result (see :mod:`.misc`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pytest_torchmem.engine.tracing.devices.cpu.base import CPU, profile_of
+from pytest_torchmem.engine.tracing.devices.cpu.misc import arg, itemsize
+from pytest_torchmem.engine.tracing.devices.cpu.reduce import acc_buffer_steps, sum_steps, uses_acc_buffer
+from pytest_torchmem.engine.tracing.rules import OUTPUTS, Alloc, Free, OpCall, Steps
+
+aten = torch.ops.aten
+
+_DOUBLE = 8
+
+
+def _compare_with_number(dtype: torch.dtype, numel: int, tag: str) -> list[Alloc | Free]:
+    """``t == number`` on a ``dtype`` tensor of ``numel`` elements: the wrapped double,
+    its cast to ``dtype`` (none for double), then the boolean result, named ``tag``."""
+    cast = 0 if dtype == torch.float64 else itemsize(dtype)
+    return [
+        Alloc(f"{tag}: wrapped number", _DOUBLE),
+        Alloc(f"{tag}: number as {dtype}", cast),
+        Alloc(tag, numel),
+        Free(f"{tag}: wrapped number"),
+        Free(f"{tag}: number as {dtype}"),
+    ]
+
+
+@CPU.scratch(aten.logsumexp.default, aten.logsumexp.out)
+def _logsumexp(call: OpCall) -> Steps:
+    """``logsumexp_out_impl`` (``ReduceOps.cpp``) into an empty result::
+
+        maxes = at::amax(at::real(self), dims, true);
+        maxes_squeezed.masked_fill_(maxes_squeezed.abs() == INFINITY, 0);
+        at::sum_out(result, (self - maxes).exp_(), dims, keepdim);  // result sized here
+        result.log_().add_(maxes_squeezed);
+
+    ``sum_out`` adds its own scratch (:mod:`.reduce`). An empty ``self``:
+    ``at::sum_out(result, at::exp(self), ...)``.
+    """
+    self, out = arg(call, 0, "self"), call.out
+    size = itemsize(self.dtype)
+    if self.numel() == 0:
+        return [Alloc("exp(self)", 0), OUTPUTS]
+    if self.is_complex():
+        return [OUTPUTS]  # not followed: amax of the real part, complex casts
+    reduced = out.numel()
+    threads = profile_of(call).threads
+    # The difference has self's layout (an elementwise result): sum_out reads it
+    # as it would read self.
+    if uses_acc_buffer(self, arg(call, 1, "dim"), out.dtype):
+        summed = acc_buffer_steps(threads, self, reduced, "sum_out")
+    else:
+        summed = sum_steps(threads, self, reduced, out.dtype, "sum_out")
+    return [
+        Alloc("maxes", reduced * size),
+        Alloc("maxes.abs()", reduced * size),
+        *_compare_with_number(self.dtype, reduced, "abs == INFINITY"),
+        Free("abs == INFINITY"),
+        Free("maxes.abs()"),
+        Alloc("self - maxes", self.numel() * size),
+        OUTPUTS,
+        *summed,
+        Free("self - maxes"),
+    ]
+
+
+@CPU.scratch(aten.isinf.default)
+def _isinf(call: OpCall) -> Steps:
+    """``isinf`` (``TensorCompare.cpp``) of a floating tensor:
+    ``self.abs() == std::numeric_limits<scalar_t>::infinity()`` (integers:
+    ``zeros_like``; complex: not followed)."""
+    self = arg(call, 0, "self")
+    if not self.is_floating_point():
+        return [OUTPUTS]
+    numel = self.numel()
+    steps = _compare_with_number(self.dtype, numel, "result")
+    steps[2] = OUTPUTS  # the comparison's result is the op's output
+    return [Alloc("self.abs()", numel * itemsize(self.dtype)), *steps]
+
+
+@CPU.scratch(aten.dist.default)
+def _dist(call: OpCall) -> Steps:
+    """``dist`` (``ReduceOps.cpp``): ``at::norm(self - other, p)``."""
+    self, other = arg(call, 0, "self"), arg(call, 1, "other")
+    numel = torch.broadcast_shapes(self.shape, other.shape).numel()
+    dtype = torch.promote_types(self.dtype, other.dtype)
+    return [Alloc("self - other", numel * itemsize(dtype)), OUTPUTS]

@@ -1,0 +1,60 @@
+"""CPU rules: indexing and data-movement kernels (``Embedding.cpp``, ``PixelShuffle.cpp``,
+``ChanelShuffle.cpp`` in ``aten/src/ATen/native``), torch 2.13."""
+
+from __future__ import annotations
+
+import torch
+from torch._prims_common import suggest_memory_format
+
+from pytest_torchmem.engine.tracing.devices.cpu.base import CPU
+from pytest_torchmem.engine.tracing.devices.cpu.misc import arg
+from pytest_torchmem.engine.tracing.rules import OUTPUTS, Alloc, OpCall, Steps
+
+aten = torch.ops.aten
+
+
+def _copy(t: torch.Tensor) -> int:
+    """Bytes ``t.contiguous()`` allocates (0 when ``t`` already is)."""
+    return 0 if t.is_contiguous() else t.numel() * t.element_size()
+
+
+@CPU.scratch(aten.embedding_dense_backward.default)
+def _embedding_backward(call: OpCall) -> Steps:
+    """``embedding_dense_backward_cpu``: ``grad_weight = at::zeros(...)`` (the output),
+    then ``indices.contiguous()`` and ``grad_.contiguous()`` (a broadcast or
+    transposed gradient is copied)."""
+    grad, indices = arg(call, 0, "grad_output"), arg(call, 1, "indices")
+    return [
+        OUTPUTS,
+        Alloc("indices.contiguous()", _copy(indices)),
+        Alloc("grad.contiguous()", _copy(grad)),
+    ]
+
+
+@CPU.scratch(aten.pixel_shuffle.default, aten.pixel_unshuffle.default, aten.channel_shuffle.default)
+def _shuffle(call: OpCall) -> Steps:
+    """``pixel_shuffle_cpu`` / ``pixel_unshuffle_cpu`` / ``channel_shuffle_cpu``: the
+    output, made in ``self.suggest_memory_format()``, then ``self.contiguous()`` in that
+    format for the kernel (nothing for an empty tensor)."""
+    self = arg(call, 0, "self")
+    if self.numel() == 0 or call.out.numel() == 0:
+        return [OUTPUTS]
+    fmt = suggest_memory_format(self)
+    copy = 0 if self.is_contiguous(memory_format=fmt) else self.numel() * self.element_size()
+    return [OUTPUTS, Alloc("self.contiguous(suggested format)", copy)]
+
+
+@CPU.scratch(aten.roll.default)
+def _roll(call: OpCall) -> Steps:
+    """``roll`` on the CPU (``TensorTransformations.cpp``, ``roll_common`` in
+    ``TensorTransformations.h``): one dim is ``at::cat`` of two narrowed views (the
+    output alone); ``k`` dims roll the first dim, then the rest of the result,
+    recursively, each intermediate (``first_dim_rolled``) held until the end; no
+    dims flattens ``self.contiguous()`` first."""
+    self, dims = arg(call, 0, "self"), arg(call, 2, "dims", ())
+    nbytes = self.numel() * self.element_size()
+    if self.numel() == 0:
+        return [OUTPUTS]
+    if len(dims) == 0:
+        return [Alloc("self.contiguous()", _copy(self)), OUTPUTS]
+    return [*(Alloc(f"rolled over dims[:{i + 1}]", nbytes) for i in range(len(dims) - 1)), OUTPUTS]

@@ -1,0 +1,59 @@
+"""CPU rules: LAPACK-backed linear algebra and MKL's FFTs, listed as partly modelled.
+
+These kernels take workspaces from the allocator whose sizes LAPACK or MKL
+decide at run time (``lwork`` queries: ``?getri``, ``?syevd``, ``?gesdd``...),
+and pivot, info and permuted input copies that follow each function's own code
+(``aten/src/ATen/native/BatchLinearAlgebra.cpp``, ``mkl/SpectralOps.cpp``). The
+rules count the outputs, and list the call in ``unsupported``: the estimate
+there is a lower bound by those buffers (tens to thousands of bytes in
+PyTorch's OpInfo samples), never a silent miss.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+import torch
+
+from pytest_torchmem.engine.tracing.devices.cpu.base import CPU
+from pytest_torchmem.engine.tracing.rules import OUTPUTS, Alloc, Free, Inexact, OpCall, Steps
+
+aten = torch.ops.aten
+
+_LAPACK: Final = Inexact(
+    "LAPACK's workspaces and the kernel's pivot and info tensors are not modelled; "
+    "only the outputs are counted"
+)
+_FFT: Final = Inexact(
+    "MKL's FFT: the input copies (permuted or padded) it makes are not modelled; "
+    "only the outputs are counted"
+)
+
+
+@CPU.scratch(
+    aten._linalg_det, aten._linalg_slogdet, aten._linalg_solve_ex, aten._linalg_eigh,
+    aten._linalg_eigvals, aten._linalg_svd, aten.linalg_inv_ex, aten.linalg_lu,
+    aten.linalg_lu_factor_ex, aten.linalg_lu_solve, aten.linalg_cholesky_ex, aten.linalg_eig,
+    aten.linalg_ldl_factor_ex, aten.linalg_ldl_solve, aten.linalg_householder_product,
+    aten.linalg_matrix_exp, aten.cholesky, aten.cholesky_inverse, aten._cholesky_solve_helper,
+    aten.geqrf, aten.ormqr, aten.lu_unpack, aten.linalg_qr,
+)  # fmt: skip
+def _lapack(call: OpCall) -> Steps:
+    return [_LAPACK, OUTPUTS]
+
+
+@CPU.scratch(aten._fft_r2c, aten._fft_c2r, aten._fft_c2c)
+def _fft(call: OpCall) -> Steps:
+    return [_FFT, OUTPUTS]
+
+
+@CPU.scratch(aten._linalg_check_errors.default)
+def _check_errors(call: OpCall) -> Steps:
+    """``_linalg_check_errors``: for one matrix's ``info``, two one-byte bool tensors
+    while it is checked; more infos are listed in ``unsupported``."""
+    infos = call.args[0]
+    if infos.numel() == 0:
+        return [OUTPUTS]
+    if infos.numel() > 1:
+        return [Inexact("the check of a batch's info tensors is not modelled"), OUTPUTS]
+    return [OUTPUTS, Alloc("info != 0", 1), Alloc("any", 1), Free("any"), Free("info != 0")]

@@ -1,0 +1,14 @@
+"""The CUDA rule set: the rule modules of this package (kernels, temporaries,
+workspaces) register into it on import; the package's ``__init__`` imports them."""
+
+from __future__ import annotations
+
+from typing import Final
+
+from pytest_torchmem.engine.tracing.devices.common import COMMON
+from pytest_torchmem.engine.tracing.rules import RuleSet
+
+__all__ = ["CUDA"]
+
+#: The CUDA rules.
+CUDA: Final[RuleSet] = COMMON.copy("cuda")

@@ -1,0 +1,248 @@
+"""The per-op rule registry.
+
+A device model describes, per aten op, what the fake trace cannot see:
+
+* **scratch rules** say which buffers a kernel takes from the allocator and
+  gives back before it returns (the CPU mm's operand copies, cuDNN
+  workspaces): a list of :class:`Alloc` and :class:`Free` steps around the
+  :data:`OUTPUTS` marker;
+* **implementations** replace the fake kernel of an op whose meta kernel is
+  missing or wrong for the device: they return the op's outputs, made with
+  other (fake) ops;
+* **fallbacks** stand in for an op whose output depends on tensor values
+  (``nonzero``, ``.item()``), which fake tensors cannot know: they return the
+  largest possible outputs and a reason, and the op is listed in the report's
+  ``unsupported``;
+* **checks** refuse, before the fake kernel runs, the arguments the device's
+  real kernel refuses (operands of two dtypes for a matrix product), raising
+  what the real kernel raises, with its message: the estimate fails where the
+  step would.
+
+Adding an op is one decorated function::
+
+    @CPU.scratch(aten.mm.default)
+    def _mm(call: OpCall) -> Steps:
+        return [OUTPUTS, Alloc("a", 4096)]
+
+A rule for an op that already has one is refused (:class:`ValueError`), so
+that no rule silently shadows another.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Final, TypeAlias
+
+import torch
+from torch._ops import OpOverload, OpOverloadPacket
+
+__all__ = [
+    "Alloc",
+    "Free",
+    "Keep",
+    "Inexact",
+    "Output",
+    "OUTPUTS",
+    "TraceContext",
+    "OpCall",
+    "RuleSet",
+    "ScratchRule",
+    "ImplementationRule",
+    "FallbackRule",
+    "CheckRule",
+    "Steps",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class Alloc:
+    """The kernel takes ``nbytes`` from the allocator, named ``tag`` until freed."""
+
+    tag: str
+    nbytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class Free:
+    """The kernel gives back the buffer named ``tag``."""
+
+    tag: str
+
+
+@dataclass(frozen=True, slots=True)
+class Keep:
+    """The kernel takes ``nbytes`` that outlive the call (a library's cached
+    workspace): live from here to the end of the step."""
+
+    tag: str
+    nbytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class Inexact:
+    """The rule knows it does not model this call fully: the estimate lists the op
+    (with ``reason`` and the user's source line) in ``unsupported``."""
+
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Output:
+    """The kernel makes the op's output ``index`` here; the others are made at
+    :data:`OUTPUTS` (or after the last step). For kernels that make their outputs
+    one by one with scratch in between (a convolution's input gradient, then its
+    weight gradient)."""
+
+    index: int
+
+
+@dataclass
+class TraceContext:
+    """What rules may read about the trace they run in, and keep state in."""
+
+    #: The modelled device: ``"cpu"`` or ``"cuda"``.
+    device: str
+    #: The GPU profile (:class:`~pytest_torchmem.engine.tracing.devices.cuda.profiles.GpuProfile`) on cuda.
+    gpu: Any = None
+    #: The CPU profile (:class:`~pytest_torchmem.engine.tracing.devices.cpu.profiles.CpuProfile`) on cpu.
+    cpu: Any = None
+    #: Per-trace state of rules (e.g. which library workspaces exist already).
+    memo: dict[str, Any] = field(default_factory=dict)
+
+
+class _Outputs:
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "OUTPUTS"
+
+
+#: Where, among a scratch rule's steps, the op's outputs are allocated.
+OUTPUTS: Final = _Outputs()
+
+Step: TypeAlias = "Alloc | Free | Keep | Inexact | Output | _Outputs"
+Steps: TypeAlias = Sequence[Step]
+
+
+@dataclass(frozen=True, slots=True)
+class OpCall:
+    """One call of an op in the trace, as a rule sees it (fake tensors)."""
+
+    func: OpOverload
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    #: The op's outputs (``None`` for implementation rules, which make them).
+    out: Any = None
+    #: The trace this call belongs to.
+    context: TraceContext | None = None
+
+
+ScratchRule: TypeAlias = Callable[[OpCall], "Steps | None"]
+ImplementationRule: TypeAlias = Callable[[OpCall], Any]
+#: Returns ``(outputs, reason)``.
+FallbackRule: TypeAlias = Callable[[OpCall], "tuple[Any, str]"]
+#: Raises what the device's real kernel raises for arguments it refuses; returns None otherwise.
+CheckRule: TypeAlias = Callable[[OpCall], None]
+
+OpLike: TypeAlias = "OpOverload | OpOverloadPacket"
+
+
+def _overloads(ops: Iterable[OpLike]) -> list[OpOverload]:
+    found: list[OpOverload] = []
+    for op in ops:
+        if isinstance(op, OpOverloadPacket):
+            found.extend(getattr(op, name) for name in op.overloads())
+        elif isinstance(op, OpOverload):
+            found.append(op)
+        else:
+            raise TypeError(f"a rule is registered for aten ops, got {op!r}")
+    return found
+
+
+class RuleSet:
+    """The rules of one device model, keyed by op overload."""
+
+    def __init__(self, device: str) -> None:
+        self.device: Final = device
+        self._scratch: dict[OpOverload, ScratchRule] = {}
+        self._implementations: dict[OpOverload, ImplementationRule] = {}
+        self._fallbacks: dict[OpOverload, FallbackRule] = {}
+        self._checks: dict[OpOverload, CheckRule] = {}
+
+    def __repr__(self) -> str:
+        return (
+            f"RuleSet({self.device!r}, {len(self._scratch)} scratch rules, "
+            f"{len(self._implementations)} implementations, {len(self._fallbacks)} fallbacks)"
+        )
+
+    def scratch(self, *ops: OpLike) -> Callable[[ScratchRule], ScratchRule]:
+        """Register a scratch rule for ``ops`` (overloads or whole packets)."""
+        return self._register(self._scratch, "scratch", ops)
+
+    def implementation(self, *ops: OpLike) -> Callable[[ImplementationRule], ImplementationRule]:
+        """Register an implementation that replaces the fake kernel of ``ops``."""
+        return self._register(self._implementations, "implementation", ops)
+
+    def fallback(self, *ops: OpLike) -> Callable[[FallbackRule], FallbackRule]:
+        """Register a stand-in for value-dependent ``ops`` that fake tensors cannot run."""
+        return self._register(self._fallbacks, "fallback", ops)
+
+    def check(self, *ops: OpLike) -> Callable[[CheckRule], CheckRule]:
+        """Register a check of the arguments of ``ops`` that raises as the real kernel does."""
+        return self._register(self._checks, "check", ops)
+
+    def check_rule(self, func: OpOverload) -> CheckRule | None:
+        return self._checks.get(func)
+
+    def scratch_rule(self, func: OpOverload) -> ScratchRule | None:
+        return self._scratch.get(func)
+
+    def implementation_rule(self, func: OpOverload) -> ImplementationRule | None:
+        return self._implementations.get(func)
+
+    def fallback_rule(self, func: OpOverload) -> FallbackRule | None:
+        return self._fallbacks.get(func)
+
+    def ops(self) -> dict[str, list[str]]:
+        """The registered ops by kind, for documentation and tests."""
+        return {
+            "scratch": sorted(str(op) for op in self._scratch),
+            "implementation": sorted(str(op) for op in self._implementations),
+            "fallback": sorted(str(op) for op in self._fallbacks),
+            "check": sorted(str(op) for op in self._checks),
+        }
+
+    def copy(self, device: str | None = None) -> RuleSet:
+        """A copy (for ``device``) that can take more rules without changing this one."""
+        other = RuleSet(device or self.device)
+        other._scratch.update(self._scratch)
+        other._implementations.update(self._implementations)
+        other._fallbacks.update(self._fallbacks)
+        other._checks.update(self._checks)
+        return other
+
+    def _register(
+        self, table: dict[OpOverload, Any], kind: str, ops: Sequence[OpLike]
+    ) -> Callable[[Any], Any]:
+        if not ops:
+            raise ValueError(f"a {kind} rule needs at least one op")
+        overloads = _overloads(ops)
+
+        def decorate(rule: Any) -> Any:
+            for op in overloads:
+                if op in table:
+                    raise ValueError(
+                        f"{self.device}: {op} already has a {kind} rule "
+                        f"({table[op].__qualname__}); remove it before adding another"
+                    )
+            for op in overloads:
+                table[op] = rule
+            return rule
+
+        return decorate
+
+
+def nbytes_of(t: torch.Tensor) -> int:
+    """Bytes of a dense, contiguous tensor with ``t``'s shape and dtype."""
+    return t.numel() * t.element_size()

@@ -1,0 +1,176 @@
+"""One step of a model on fake tensors, read into a :class:`MemoryReport`."""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from pytest_torchmem.engine.model_state import Converted, StandIns, collect, convert, substituted
+from pytest_torchmem.engine.report import Category, MemoryReport
+from pytest_torchmem.engine.step import LossFn, ModuleTracker, OptimizerFactory, run_step
+from pytest_torchmem.engine.timeline import Analysis, Timeline, analyze
+from pytest_torchmem.engine.tracing.compiled import watch_compiled
+from pytest_torchmem.engine.tracing.devices import DeviceModel
+from pytest_torchmem.engine.tracing.devices.cpu.profiles import CpuProfile
+from pytest_torchmem.engine.tracing.devices.cuda.gpu_view import gpu_view
+from pytest_torchmem.engine.tracing.devices.routing import routed_recomputation
+from pytest_torchmem.engine.tracing.rng_states import charged_rng_states
+from pytest_torchmem.engine.tracing.devices.cuda.profiles import GpuProfile
+from pytest_torchmem.engine.tracing.rules import TraceContext
+from pytest_torchmem.engine.tracing.tracker import Tracker
+
+__all__ = ["Trace", "adopt", "fake_standins", "trace"]
+
+
+@dataclass(frozen=True)
+class Trace:
+    """One traced step: its report, and the timeline the report was read from."""
+
+    report: MemoryReport
+    timeline: Timeline
+    #: Storages live before the step (their sids), each once.
+    baseline: list[int]
+    analysis: Analysis
+    device: DeviceModel
+    context: TraceContext
+
+
+def trace(
+    model: nn.Module,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    *,
+    device: DeviceModel,
+    loss_fn: LossFn | None,
+    optimizer: OptimizerFactory | None,
+    train: bool,
+    keep_output: bool = False,
+    gpu: GpuProfile | None = None,
+    cpu: CpuProfile | None = None,
+    record_frames: bool = False,
+) -> Trace:
+    """Trace one step of ``model`` on fake tensors of ``device``: its report and timeline.
+
+    ``gpu`` is the GPU profile the CUDA rules follow (ignored on cpu), ``cpu``
+    the CPU profile the CPU rules follow (ignored on cuda; ``None`` there: the
+    CPU rules ask the host); ``record_frames`` keeps the user's frames of every
+    allocation; ``keep_output`` holds the model's output to the end of the step.
+    """
+    context = TraceContext(device.name, gpu=gpu, cpu=cpu)
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True, allow_fallback_kernels=False)
+    where = device.trace_device
+    model_tensors = collect(model)
+
+    with fake_mode:
+        standins = convert(model_tensors, args, kwargs, fake_standins(where))
+    tracker = Tracker(
+        fake_mode,
+        where,
+        device.rules,
+        context=context,
+        aliases=device.aliases,
+        wraps_numbers=device.wraps_numbers,
+        optimizer_hook=device.prepare_optimizer,
+        record_frames=record_frames,
+    )
+    baseline = adopt(tracker, standins)
+    modules = ModuleTracker(model, tracker)
+    tracker.timeline.module_names = modules.names
+    router = device.router(context) if device.router is not None else nullcontext()
+    recomputation = routed_recomputation(router) if device.router is not None else nullcontext()
+    rng_states = charged_rng_states() if device.name == "cpu" else nullcontext()
+    seen_as_gpu = gpu_view(gpu) if device.name == "cuda" and gpu is not None else nullcontext()
+    try:
+        with (
+            watch_compiled(tracker.compiled_region),
+            substituted(model_tensors, standins.model),
+            modules,
+            fake_mode,
+            tracker,
+            router,
+            recomputation,
+            rng_states,
+            seen_as_gpu,
+        ):
+            run_step(
+                model,
+                standins.args,
+                standins.kwargs,
+                parameters=standins.parameters,
+                inputs=standins.inputs,
+                loss_fn=loss_fn,
+                optimizer=optimizer,
+                train=train,
+                probe=tracker,
+                keep_output=keep_output,
+            )
+    except Exception as exc:
+        if not tracker.stopped_by(exc):
+            raise  # the program's own error
+        tracker.set_phase(None)
+    del standins
+
+    allocator = device.allocator(context) if device.allocator is not None else None
+    analysis = analyze(tracker.timeline, baseline, allocator)
+    forward, backward, step = analysis.phase_peaks
+    report = MemoryReport(
+        device=device.name,
+        forward_peak=forward,
+        backward_peak=backward,
+        step_peak=step,
+        breakdown=analysis.breakdown,
+        reserved_peak=analysis.reserved_peak,
+        modules=analysis.modules,
+        unsupported=tuple(tracker.unsupported),
+        profile=_profile_name(device.name, gpu, cpu),
+    )
+    return Trace(report, tracker.timeline, baseline, analysis, device, context)
+
+
+def _profile_name(device: str, gpu: GpuProfile | None, cpu: CpuProfile | None) -> str | None:
+    profile = gpu if device == "cuda" else cpu
+    return str(profile) if profile is not None else None
+
+
+def fake_standins(where: torch.device) -> StandIns:
+    """Fake stand-ins on ``where`` (use them with a FakeTensorMode active)."""
+    return StandIns(
+        where,
+        dense=lambda t: torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=where),
+        storage=lambda t: torch.empty(
+            t.untyped_storage().nbytes(), dtype=torch.uint8, device=where
+        ).untyped_storage(),
+        parameter=_fake_parameter,
+    )
+
+
+def _fake_parameter(t: torch.Tensor, requires_grad: bool) -> torch.Tensor:
+    """Mark a fresh fake tensor as a parameter, as ``nn.Parameter`` does for tensor
+    subclasses (``isinstance(t, nn.Parameter)`` holds), without its ``detach()``."""
+    t.requires_grad_(requires_grad)
+    t._is_param = True  # type: ignore[attr-defined]
+    return t
+
+
+def adopt(tracker: Tracker, standins: Converted) -> list[int]:
+    """Register the storages live before the step; return them, each once."""
+    baseline: list[int] = []
+    seen: set[int] = set()
+    groups = (
+        (Category.PARAMETERS, standins.parameters),
+        (Category.BUFFERS, standins.buffers + standins.attributes),
+        (Category.INPUTS, standins.inputs),
+        (Category.GRADIENTS, standins.gradients),
+    )
+    for category, tensors in groups:
+        for t in tensors:
+            sid = tracker.adopt(t, category)
+            if sid is not None and sid not in seen:
+                seen.add(sid)
+                baseline.append(sid)
+    return baseline

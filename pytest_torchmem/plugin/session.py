@@ -1,0 +1,1109 @@
+"""The state of one pytest run, kept in ``config.stash``: settings, results, pending writes.
+
+The plugin's hooks hand everything to :class:`TorchmemSession`. Checks run in
+the process that runs the test (a pytest-xdist worker or the only process);
+snapshot files are written once, at the end, by the process that is not a
+worker. A worker sends the checks of each test with the test's reports (so a
+worker that crashes loses only the test it was running, which the controller
+names), and what it collected through ``config.workeroutput`` at its end.
+
+This module does not import torch: pytest loads the plugin in every run, and a
+run that checks no memory (``pytest --help``, another project's tests, the
+xdist controller) should not pay for it. The tracer is imported by the first
+check.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import platform
+import shlex
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Final
+
+import pytest
+
+from pytest_torchmem.plugin.snapshots import (
+    Entry,
+    Key,
+    SnapshotError,
+    SnapshotFile,
+    SnapshotFormatError,
+    module_of,
+    snapshot_path,
+    unused_keys,
+    write_merged,
+)
+from pytest_torchmem.plugin.summary import (
+    Unused,
+    json_report,
+    stale_lines,
+    table_lines,
+    totals,
+    totals_line,
+    unused_lines,
+)
+from pytest_torchmem.plugin.verdict import (
+    MarkerError,
+    MarkerSpec,
+    Result,
+    Status,
+    Tolerance,
+    failure_message,
+    judge,
+    parse_devices,
+    parse_cpu,
+    parse_gpu,
+    parse_marker,
+    parse_rtol,
+    parse_size,
+)
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from pytest_torchmem.engine.request import StepRequest
+    from pytest_torchmem.engine.report import MemoryReport
+    from pytest_torchmem.engine.step import LossFn, OptimizerFactory
+    from pytest_torchmem.engine.tracing.rules import RuleSet
+    from pytest_torchmem.engine.tracing.trace import Trace
+
+__all__ = [
+    "DEFAULT_DEVICES",
+    "DEFAULT_NAME",
+    "MARKER",
+    "Settings",
+    "TorchmemSession",
+    "TorchmemFixture",
+    "TorchmemWarning",
+]
+
+#: The devices traced when neither the marker nor ``--torchmem-devices`` names any:
+#: both fake devices (DESIGN.md).
+DEFAULT_DEVICES: Final[tuple[str, ...]] = ("cpu", "cuda")
+#: The GPU profile modelled when neither the marker nor ``--torchmem-gpu`` names one.
+#: ``tracing.devices.cuda.profiles.DEFAULT_GPU``, spelled out so that the report
+#: header needs no torch (a test checks that the two agree).
+DEFAULT_GPU: Final = "H100"
+#: The CPU profile modelled when neither the marker nor ``--torchmem-cpu`` names one: a
+#: fixed profile, so that cpu entries recorded on any machine compare on any other.
+#: ``tracing.devices.cpu.profiles.DEFAULT_CPU``, spelled out like ``DEFAULT_GPU``.
+DEFAULT_CPU: Final = "avx2:4"
+#: The name of a check made without ``name=``.
+DEFAULT_NAME: Final = "default"
+#: The marker's name.
+MARKER: Final = "memory_budget"
+#: The key of this plugin's data in ``config.workeroutput`` (pytest-xdist).
+WORKER_KEY: Final = "torchmem"
+#: The attribute of a worker's test report that carries the test's checks to the controller.
+REPORT_ATTRIBUTE: Final = "torchmem_checks"
+
+UNUSED_MODES: Final = ("fail", "warn", "ignore")
+MEASURE_MODES: Final = ("auto", "on", "off")
+STALE_MODES: Final = ("warn", "fail")
+
+#: The test's marker spec, and the marks it was read from.
+_SPEC_KEY: Final = pytest.StashKey[tuple[tuple[Any, ...], MarkerSpec]]()
+
+_DEVICE_HINT: Final = (
+    "torchmem: on the fake cuda device the step runs on fake tensors of that device, as it "
+    "would on a GPU: a tensor that loss_fn or the model takes from outside the inputs (labels "
+    "in a closure, a mask made once) must follow the output, e.g. labels.to(logits.device)"
+)
+
+
+class TorchmemWarning(pytest.PytestWarning):
+    """A suspicious use of pytest-torchmem that does not stop the run."""
+
+
+def _option(config: pytest.Config, name: str) -> tuple[Any, str]:
+    """The value of option ``name`` (command line first, then ini) and where it came from."""
+    value = config.getoption(name)
+    if value is not None:
+        return value, "--" + name.replace("_", "-")
+    try:
+        value = config.getini(name)
+    except (ValueError, pytest.UsageError) as exc:
+        value = _native_ini_value(config, name)
+        if value is None:
+            hint = "write true or false" if name in _FLAGS else "write it as a string"
+            raise pytest.UsageError(f"ini option {name}: {exc}; {hint}") from None
+    if value in ("", None):
+        return None, ""
+    return value, f"ini option {name}"
+
+
+#: The options that are flags (``--torchmem-update``): their ini twins are booleans.
+_FLAGS: Final = frozenset(
+    {"torchmem_update", "torchmem_fail_on_improvement", "torchmem_keep_output"}
+)
+
+
+def _native_ini_value(config: pytest.Config, name: str) -> Any:
+    """A value that a native TOML table (``[tool.pytest]``, pytest 9) gives as a number,
+    a boolean or a list, in the form the option is read in; None if it has no such form.
+
+    ``torchmem_rtol = 0.05`` reads as ``"0.05"``, ``torchmem_devices = ["cpu",
+    "cuda"]`` as ``"cpu,cuda"``, ``torchmem_update = true`` as True.
+    """
+    raw = getattr(config, "_inicfg", {}).get(name)
+    value = getattr(raw, "value", None)
+    if isinstance(value, bool):
+        return value if name in _FLAGS else None
+    if name in _FLAGS:
+        return None
+    if isinstance(value, (int, float)):
+        return str(value)
+    if isinstance(value, list) and all(isinstance(item, str) for item in value):
+        return ",".join(value)
+    return None
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The options of the run, resolved and validated."""
+
+    update: bool = False
+    devices: tuple[str, ...] = DEFAULT_DEVICES
+    #: True when ``--torchmem-devices`` narrowed the devices on the command line.
+    devices_given: bool = False
+    tolerance: Tolerance = Tolerance()
+    unused: str = "fail"
+    json_path: Path | None = None
+    #: ``--torchmem-timeline``: where each check's timeline goes, for torch's memory viewer.
+    timeline_dir: Path | None = None
+    #: ``--torchmem-html``: the HTML report.
+    html_path: Path | None = None
+    measure: str = "auto"
+    measure_rtol: float = 0.05
+    gpu: str = DEFAULT_GPU
+    #: ``"avx2:4"``-style profile, or ``"host"``.
+    cpu: str = DEFAULT_CPU
+    fail_on_improvement: bool = False
+    stale: str = "warn"
+    #: ``--torchmem-keep-output``: hold the model's output through backward by default.
+    keep_output: bool = False
+
+    @classmethod
+    def from_config(cls, config: pytest.Config) -> Settings:
+        """Read every option (command line, else its ini twin); bad values are usage errors."""
+        values: dict[str, Any] = {}
+        try:
+            values["update"] = bool(_option(config, "torchmem_update")[0])
+            values["fail_on_improvement"] = bool(_option(config, "torchmem_fail_on_improvement")[0])
+            values["keep_output"] = bool(_option(config, "torchmem_keep_output")[0])
+            devices, source = _option(config, "torchmem_devices")
+            if devices is not None:
+                values["devices"] = parse_devices(devices, known_devices(), source)
+                values["devices_given"] = source.startswith("--")
+            gpu, source = _option(config, "torchmem_gpu")
+            if gpu is not None:
+                values["gpu"] = parse_gpu(gpu, known_gpus(), source)
+            cpu, source = _option(config, "torchmem_cpu")
+            if cpu is not None:
+                values["cpu"] = parse_cpu(cpu, source)
+            rtol, rtol_source = _option(config, "torchmem_rtol")
+            atol, atol_source = _option(config, "torchmem_atol")
+            values["tolerance"] = Tolerance(
+                0.0 if rtol is None else parse_rtol(rtol, rtol_source),
+                0 if atol is None else parse_size(atol, atol_source),
+            )
+            measure_rtol, source = _option(config, "torchmem_measure_rtol")
+            if measure_rtol is not None:
+                values["measure_rtol"] = parse_rtol(measure_rtol, source)
+        except MarkerError as exc:
+            raise pytest.UsageError(str(exc)) from None
+        modes = (("unused", UNUSED_MODES), ("measure", MEASURE_MODES), ("stale", STALE_MODES))
+        for name, choices in modes:
+            value, source = _option(config, f"torchmem_{name}")
+            if value is None:
+                continue
+            if value not in choices:
+                raise pytest.UsageError(
+                    f"{source}: expected one of {', '.join(choices)}, got {value!r}"
+                )
+            values[name] = value
+        for option, field_name in (
+            ("torchmem_json", "json_path"),
+            ("torchmem_timeline", "timeline_dir"),
+            ("torchmem_html", "html_path"),
+        ):
+            path, source = _option(config, option)
+            if path is not None:
+                base = config.invocation_params.dir if source.startswith("--") else _ini_dir(config)
+                values[field_name] = base / path
+        settings = cls(**values)
+        if settings.measure == "on" and not _gpu_present():
+            raise pytest.UsageError(
+                "--torchmem-measure=on compares the estimate with a real GPU run, and "
+                "torch.cuda.is_available() is False here; use auto or off"
+            )
+        return settings
+
+    @property
+    def record_frames(self) -> bool:
+        """Whether the trace keeps the user's frames of each allocation (for the exports)."""
+        return self.timeline_dir is not None or self.html_path is not None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "update": self.update,
+            "devices": list(self.devices),
+            "rtol": self.tolerance.rtol,
+            "atol": self.tolerance.atol,
+            "unused": self.unused,
+            "measure": self.measure,
+            "measure_rtol": self.measure_rtol,
+            "gpu_profile": self.gpu,
+            "cpu_profile": self.cpu,
+            "fail_on_improvement": self.fail_on_improvement,
+            "stale": self.stale,
+            "keep_output": self.keep_output,
+        }
+
+
+def known_devices() -> tuple[str, ...]:
+    """The modelled devices (importing the device models imports torch)."""
+    from pytest_torchmem.engine.tracing.devices import DEVICES
+
+    return tuple(DEVICES)
+
+
+def known_gpus() -> tuple[str, ...]:
+    """The names of the GPU profiles the fake ``cuda`` device can follow."""
+    from pytest_torchmem.engine.tracing.devices.cuda.profiles import PROFILES
+
+    return tuple(PROFILES)
+
+
+def _cpu_profile(name: str) -> Any:
+    """The :class:`~pytest_torchmem.CpuProfile` ``name`` says (``"host"``: this machine now)."""
+    __tracebackhide__ = True
+    from pytest_torchmem.engine.tracing.devices.cpu.profiles import cpu_profile
+
+    try:
+        return cpu_profile(name)
+    except ValueError as exc:  # "host" on a machine no profile describes
+        pytest.fail(f"torchmem: cpu profile {name!r}: {exc}", pytrace=False)
+
+
+def _gpu_present() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _ini_dir(config: pytest.Config) -> Path:
+    return config.inipath.parent if config.inipath is not None else config.rootpath
+
+
+def module_test_id(item: pytest.Item) -> str:
+    """The test's id inside its module: the node id after the file (``TestA::test_b[1]``)."""
+    return item.nodeid.split("::", 1)[1] if "::" in item.nodeid else item.name
+
+
+def _quote(target: str) -> str:
+    if any(char in target for char in '"$`\\!'):
+        return shlex.quote(target)
+    return f'"{target}"'
+
+
+def device_environment(
+    device: str, gpu: str, cpu: str, keep_output: bool = False
+) -> dict[str, Any]:
+    """What the figures of ``device`` depend on besides the model: recorded in each entry.
+
+    The CPU rules follow the CPU profile (``cpu``: its full name, with cache sizes
+    where they are not the level's), the CUDA rules the GPU profile and the
+    caching allocator's configuration; both follow the torch version. An entry
+    recorded where any of these differ is stale: its bytes are not compared.
+    ``keep_output=True`` is recorded too (only then, so that entries made with the
+    default stay as they were): an entry made with the other setting measured
+    another step, and is never compared with this one.
+    """
+    import torch
+
+    environment: dict[str, Any] = {"torch": torch.__version__}
+    if keep_output:
+        environment["keep_output"] = True
+    if device.startswith("cuda"):
+        environment["gpu"] = gpu
+        alloc_conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "").strip()
+        if alloc_conf:  # recorded only when set, so that the default leaves no trace
+            environment["cuda_alloc_conf"] = alloc_conf
+    else:
+        environment["cpu"] = cpu
+    return environment
+
+
+class TorchmemSession:
+    """Everything one pytest run knows about its memory checks."""
+
+    def __init__(self, config: pytest.Config) -> None:
+        self.config: Final = config
+        self.settings: Final = Settings.from_config(config)
+        self.is_worker: Final = hasattr(config, "workerinput")
+        self.results: list[Result] = []
+        #: Snapshot file -> entries to write (``--torchmem-update``).
+        self.writes: dict[str, dict[Key, Entry]] = {}
+        #: (snapshot file, key) of every check made.
+        self.used: set[tuple[str, Key]] = set()
+        #: (module, test id) of every test whose call passed.
+        self.completed: set[tuple[str, str]] = set()
+        #: Module -> the test ids collected in it, selected or not.
+        self.known: dict[str, set[str]] = {}
+        #: Modules of which only some tests were collected (``file.py::test_x`` arguments).
+        self.narrowed: set[str] = set()
+        #: Tests whose checks began again (a rerun): what they checked before is void.
+        self.restarted: set[str] = set()
+        #: Tests that a crashed pytest-xdist worker was running: their checks are lost.
+        self.lost: list[str] = []
+        self.unused: list[Unused] = []
+        self.written: list[str] = []
+        self.errors: list[str] = []
+        #: What the HTML report shows of each check (JSON-ready; workers send theirs).
+        self.views: list[dict[str, Any]] = []
+        self._targets = self._node_targets(config)
+        self._snapshots: dict[Path, SnapshotFile] = {}
+        self._rules: dict[tuple[str, tuple[int, ...]], RuleSet] = {}
+        self._names: dict[str, set[str]] = {}
+        #: Tests that made a ``torchmem`` fixture.
+        self._began: set[str] = set()
+        #: Test -> the messages of its failed checks, raised when its body returns.
+        self._failures: dict[str, list[str]] = {}
+        self._measuring: bool | None = None
+
+    # -- collection -----------------------------------------------------------------
+
+    @staticmethod
+    def _node_targets(config: pytest.Config) -> set[str] | None:
+        """Files named with ``::`` on the command line (None: some could not be resolved)."""
+        targets: set[str] = set()
+        for arg in config.args:
+            if "::" not in arg:
+                continue
+            path = Path(config.invocation_params.dir, arg.split("::", 1)[0])
+            if not path.is_file():
+                return None
+            targets.add(str(path.resolve()))
+        return targets
+
+    def collected(self, item: pytest.Item) -> None:
+        """Remember every collected test id: a deselected test is not a deleted one."""
+        module = str(item.path)
+        self.known.setdefault(module, set()).add(module_test_id(item))
+        if self._targets is None or str(item.path.resolve()) in self._targets:
+            self.narrowed.add(module)
+
+    def made(self, collector: pytest.Collector, report: pytest.CollectReport) -> None:
+        """Remember the tests a module or class made, before any plugin filters them.
+
+        ``--lf`` drops the tests that passed last time from the collector's
+        report (they never reach ``pytest_itemcollected``): they are not deleted
+        tests, and their snapshot entries are not unused.
+        """
+        if not report.passed or not isinstance(collector, (pytest.Module, pytest.Class)):
+            return
+        items = [node for node in report.result if isinstance(node, pytest.Item)]
+        if items:
+            self.known.setdefault(str(collector.path), set()).update(map(module_test_id, items))
+
+    def validate(self, collector: pytest.Collector, made: Any) -> None:
+        """Read the ``memory_budget`` markers of the tests just made from a test function.
+
+        A malformed marker fails the collection of the module (as a malformed
+        ``parametrize`` does), with a message that names the bad value; this
+        works alike under pytest-xdist, whose workers collect.
+        """
+        items = made if isinstance(made, list) else [made]
+        for item in items:
+            if not isinstance(item, pytest.Item):
+                continue
+            marks = list(item.iter_markers(MARKER))
+            if not marks:
+                continue
+            try:
+                item.stash[_SPEC_KEY] = (
+                    tuple(marks),
+                    parse_marker(marks, known_devices(), known_gpus()),
+                )
+            except MarkerError as exc:
+                raise collector.CollectError(f"{item.nodeid}: {exc}") from None
+
+    def called(self, item: pytest.Item) -> None:
+        """The test's body returned: fail it if a check failed; warn about a useless marker.
+
+        A failed check does not stop the test: its later checks run, and are
+        reported, and the test fails here with every failed check's message.
+        The marker's warning is judged after the call, not at collection, so
+        that a test that gets the fixture through
+        ``request.getfixturevalue("torchmem")`` (or a fixture of its own that
+        does) is not warned.
+        """
+        __tracebackhide__ = True
+        failures = self._failures.pop(item.nodeid, [])
+        if failures:
+            pytest.fail("\n\n".join(failures), pytrace=False)
+        if item.nodeid not in self._began and any(True for _ in item.iter_markers(MARKER)):
+            item.warn(
+                TorchmemWarning(
+                    f"@pytest.mark.{MARKER} has no effect on {item.nodeid}: "
+                    "the test does not use the torchmem fixture"
+                )
+            )
+
+    def spec(self, item: pytest.Item) -> MarkerSpec:
+        """The test's marker spec, read again when marks were added since collection.
+
+        A mark added later (``item.add_marker`` in ``pytest_collection_modifyitems``)
+        overrides, key by key, the marks the test had when it was collected.
+        """
+        __tracebackhide__ = True
+        marks = list(item.iter_markers(MARKER))
+        read, spec = item.stash.get(_SPEC_KEY, ((), None))
+        if spec is None or list(read) != marks:
+            added = [mark for mark in marks if not any(mark is old for old in read)]
+            ordered = [*reversed(added), *(mark for mark in marks if mark not in added)]
+            try:
+                spec = parse_marker(ordered, known_devices(), known_gpus())
+            except MarkerError as exc:
+                pytest.fail(f"{item.nodeid}: {exc}", pytrace=False)
+            item.stash[_SPEC_KEY] = (tuple(marks), spec)
+        return spec
+
+    # -- running --------------------------------------------------------------------
+
+    def finished(self, item: pytest.Item, report: pytest.TestReport) -> None:
+        """Note the tests whose call passed: only their entries can be judged unused.
+
+        A pytest-xdist worker sends what the test checked with its reports, so
+        that the controller has every check made before a worker crash.
+        """
+        if report.when == "call" and report.passed:
+            self.completed.add((str(item.path), module_test_id(item)))
+        if self.is_worker and (self.results or self.completed or self.restarted):
+            setattr(report, REPORT_ATTRIBUTE, self._take())
+
+    def logged(self, report: pytest.TestReport) -> None:
+        """Take in the checks a pytest-xdist worker sent with a test's report."""
+        sent = getattr(report, REPORT_ATTRIBUTE, None)
+        if not self.is_worker and isinstance(sent, str):
+            self.merge(sent)
+
+    def crashed(self, nodeid: str) -> None:
+        """A pytest-xdist worker died while it ran ``nodeid``: the checks it made there are lost."""
+        self.lost.append(nodeid)
+
+    def begin(self, item: pytest.Item) -> None:
+        """A new run of ``item`` begins (its ``torchmem`` fixture is made).
+
+        A rerun (pytest-rerunfailures) checks again from the start: what the
+        earlier run checked is forgotten, here and, for a worker, in the controller.
+        """
+        self._began.add(item.nodeid)
+        self._failures.pop(item.nodeid, None)
+        if item.nodeid in self._names:
+            self._forget({item.nodeid})
+            if self.is_worker:
+                self.restarted.add(item.nodeid)
+
+    def _forget(self, nodeids: set[str]) -> None:
+        dropped = {
+            (str(snapshot_path(self.config.rootpath / result.nodeid.split("::", 1)[0])), result.key)
+            for result in self.results
+            if result.nodeid in nodeids
+        }
+        self.results = [result for result in self.results if result.nodeid not in nodeids]
+        for path, key in dropped:
+            self.writes.get(path, {}).pop(key, None)
+        self.used -= dropped
+        self.views = [view for view in self.views if view.get("nodeid") not in nodeids]
+        for nodeid in nodeids:
+            self._names.pop(nodeid, None)
+
+    def _claim(self, item: pytest.Item, name: str | None) -> str:
+        if name is None:
+            name = DEFAULT_NAME
+        elif not isinstance(name, str) or not name.strip():
+            raise TypeError(f"torchmem.check(name=...) must be a non-empty string, got {name!r}")
+        names = self._names.setdefault(item.nodeid, set())  # (begin() empties it for a rerun)
+        if name in names:
+            hint = "" if name != DEFAULT_NAME else " without a name"
+            raise ValueError(
+                f"torchmem.check was called twice{hint} as {name!r} in {item.nodeid}; "
+                "pass name=... to tell several checks in one test apart"
+            )
+        names.add(name)
+        return name
+
+    def rules(self, item: pytest.Item, device: str) -> RuleSet:
+        """This session's rules for ``device`` under the ``conftest.py`` files of ``item``.
+
+        Each distinct set of ``pytest_torchmem_add_rules`` implementations gets
+        its own copy of the device's built-in rules, filled once.
+        """
+        hook = item.ihook.pytest_torchmem_add_rules
+        cache_key = (device, tuple(id(impl.plugin) for impl in hook.get_hookimpls()))
+        rules = self._rules.get(cache_key)
+        if rules is None:
+            from pytest_torchmem.engine.tracing.devices import device_model
+
+            rules = device_model(device).rules.copy()
+            hook(device=device, rules=rules)
+            self._rules[cache_key] = rules
+        return rules
+
+    def measuring(self) -> bool:
+        """Whether ``cuda`` checks also run the step on the real GPU."""
+        if self._measuring is None:
+            mode = self.settings.measure
+            self._measuring = mode == "on" or (mode == "auto" and _gpu_present())
+        return self._measuring
+
+    def _snapshot(self, path: Path) -> SnapshotFile:
+        snapshot = self._snapshots.get(path)
+        if snapshot is None:
+            snapshot = self._snapshots[path] = SnapshotFile.load(path)
+        return snapshot
+
+    def _snapshot_to_check(self, path: Path) -> SnapshotFile | str:
+        """The snapshot file checks compare with, or why it cannot be read."""
+        try:
+            return self._snapshot(path)
+        except SnapshotFormatError as exc:
+            if not self.settings.update:
+                return str(exc)
+            # --torchmem-update replaces a file that is not a snapshot: nothing to compare.
+            snapshot = self._snapshots[path] = SnapshotFile(path)
+            return snapshot
+        except SnapshotError as exc:
+            return str(exc)
+
+    def display(self, path: Path) -> str:
+        """``path`` as the user sees it: relative to where pytest was started."""
+        try:
+            return Path(os.path.relpath(path, self.config.invocation_params.dir)).as_posix()
+        except ValueError:  # another drive on Windows
+            return str(path)
+
+    def accept_command(self, item: pytest.Item) -> str:
+        target = self.display(item.path)
+        if "::" in item.nodeid:
+            target += "::" + module_test_id(item)
+        return f"pytest --torchmem-update {_quote(target)}"
+
+    def _estimate(
+        self, item: pytest.Item, request: StepRequest, device: str, name: str, gpu: str, cpu: Any
+    ) -> tuple[MemoryReport, Trace]:
+        """The estimate on ``device`` with this session's rules, as the hooks adjust it,
+        and the trace it was read from."""
+        from pytest_torchmem.engine.report import MemoryReport
+        from pytest_torchmem.engine.tracing.devices import device_model
+        from pytest_torchmem.engine.tracing.devices.cuda.profiles import gpu_profile
+        from pytest_torchmem.engine.tracing.trace import trace
+
+        try:
+            traced = trace(
+                request.model,
+                request.args,
+                request.kwargs,
+                device=dataclasses.replace(device_model(device), rules=self.rules(item, device)),
+                loss_fn=request.loss_fn,
+                optimizer=request.optimizer,
+                train=request.train,
+                keep_output=request.keep_output,
+                gpu=gpu_profile(gpu) if device.startswith("cuda") else None,
+                cpu=cpu if device == "cpu" else None,
+                record_frames=self.settings.record_frames,
+            )
+        except RuntimeError as exc:
+            if device.startswith("cuda") and "devices" in str(exc) and hasattr(exc, "add_note"):
+                exc.add_note(_DEVICE_HINT)
+            raise
+        adjusted = item.ihook.pytest_torchmem_adjust_report(
+            item=item, device=device, name=name, report=traced.report
+        )
+        if adjusted is None:
+            return traced.report, traced
+        if not isinstance(adjusted, MemoryReport):
+            pytest.fail(
+                "torchmem: pytest_torchmem_adjust_report must return a MemoryReport or None, "
+                f"got {type(adjusted).__name__}",
+                pytrace=False,
+            )
+        try:
+            return _whole_bytes(adjusted), traced
+        except ValueError as exc:
+            pytest.fail(f"torchmem: pytest_torchmem_adjust_report returned {exc}", pytrace=False)
+
+    def check(
+        self,
+        item: pytest.Item,
+        model: nn.Module,
+        inputs: Any,
+        *,
+        loss_fn: LossFn | None,
+        optimizer: OptimizerFactory | None,
+        train: bool,
+        name: str | None,
+        keep_output: bool | None = None,
+    ) -> dict[str, MemoryReport]:
+        __tracebackhide__ = True
+        from pytest_torchmem.engine.request import step_request
+
+        spec = self.spec(item)
+        if keep_output is None:
+            keep_output = self.settings.keep_output if spec.keep_output is None else spec.keep_output
+        request = step_request(
+            "torchmem.check", model, inputs, "cpu", loss_fn, optimizer, train, keep_output
+        )
+        name = self._claim(item, name)
+        devices = spec.devices or self.settings.devices
+        gpu = spec.gpu or self.settings.gpu
+        cpu = _cpu_profile(spec.cpu or self.settings.cpu)
+        path = snapshot_path(item.path)
+        snapshot = self._snapshot_to_check(path)
+        if isinstance(snapshot, str):  # failed outside the except: no chained traceback
+            pytest.fail(snapshot, pytrace=False)
+        reports: dict[str, MemoryReport] = {}
+        results: list[Result] = []
+        for device in devices:
+            report, traced = self._estimate(item, request, device, name, gpu, cpu)
+            measured = None
+            if device.startswith("cuda") and self.measuring():
+                # What measure(device="cuda") does: the step on the real GPU, from
+                # the state measuring.py defines (empty caches, no cuBLAS workspace).
+                from pytest_torchmem.engine.measuring import measure_step
+
+                measured = measure_step(dataclasses.replace(request, device="cuda"))
+            environment = device_environment(device, gpu, str(cpu), request.keep_output)
+            entry = Entry.from_report(report, environment, measured)
+            key = Key(module_test_id(item), name, device)
+            result = judge(
+                nodeid=item.nodeid,
+                key=key,
+                file=self.display(path),
+                accept=self.accept_command(item),
+                estimate=entry,
+                snapshot=snapshot.get(key),
+                tolerance=spec.tolerance(self.settings.tolerance),
+                budgets=spec.budgets,
+                update=self.settings.update,
+                fail_on_improvement=self.settings.fail_on_improvement,
+                measure_rtol=self.settings.measure_rtol,
+                fail_on_stale=self.settings.stale == "fail",
+            )
+            self.results.append(result)
+            self.used.add((str(path), key))
+            if self.settings.update:
+                self.writes.setdefault(str(path), {})[key] = entry
+            _record_properties(item, result)
+            self._export(result, traced)
+            reports[device] = report
+            results.append(result)
+        if any(result.failed for result in results):
+            # The test goes on (its later checks run too) and fails when its body returns.
+            self._failures.setdefault(item.nodeid, []).append(
+                failure_message(results, self.config.get_verbosity())
+            )
+        return reports
+
+    def _export(self, result: Result, traced: Trace) -> None:
+        """Keep what ``--torchmem-timeline`` and ``--torchmem-html`` ask for of one check."""
+        if self.settings.timeline_dir is not None:
+            from pytest_torchmem.exports.memory_viz import write_timeline
+
+            try:
+                write_timeline(self.settings.timeline_dir, result, traced)
+            except OSError as exc:
+                self.errors.append(f"torchmem: could not write a timeline: {exc}")
+        if self.settings.html_path is not None:
+            from pytest_torchmem.exports.html_report import check_view
+
+            self.views.append(check_view(result, traced, root=self.config.invocation_params.dir))
+
+    # -- pytest-xdist ---------------------------------------------------------------
+
+    def payload(self) -> str:
+        """What a worker sends to the controller (JSON text: execnet carries it as is)."""
+        return json.dumps(
+            {
+                "results": [result.to_json() for result in self.results],
+                "writes": {
+                    path: [[list(key), entry.to_json()] for key, entry in entries.items()]
+                    for path, entries in self.writes.items()
+                },
+                "used": [[path, list(key)] for path, key in self.used],
+                "completed": [list(test) for test in self.completed],
+                "known": {module: sorted(ids) for module, ids in self.known.items()},
+                "narrowed": sorted(self.narrowed),
+                "views": self.views,
+                "restarted": sorted(self.restarted),
+            }
+        )
+
+    def _take(self) -> str:
+        """The worker's checks not sent yet, as a payload; they are then forgotten here."""
+        payload = self.payload()
+        self.results, self.writes, self.used, self.views = [], {}, set(), []
+        self.completed, self.restarted = set(), set()
+        return payload
+
+    def merge(self, payload: str) -> None:
+        """Take in what one worker sent."""
+        data = json.loads(payload)
+        if data.get("restarted"):
+            self._forget(set(data["restarted"]))
+        self.results.extend(Result.from_json(result) for result in data["results"])
+        for path, entries in data["writes"].items():
+            target = self.writes.setdefault(path, {})
+            for key, entry in entries:
+                target[Key(*key)] = Entry.from_json(entry)
+        self.used.update((path, Key(*key)) for path, key in data["used"])
+        self.completed.update((module, test) for module, test in data["completed"])
+        for module, ids in data["known"].items():
+            self.known.setdefault(module, set()).update(ids)
+        self.narrowed.update(data["narrowed"])
+        self.views.extend(data["views"])
+
+    def worker_down(self, node: Any) -> None:
+        output = getattr(node, "workeroutput", {})
+        if WORKER_KEY in output:
+            self.merge(output[WORKER_KEY])
+
+    # -- the end --------------------------------------------------------------------
+
+    def finish(self, session: pytest.Session) -> None:
+        """Send the results (worker); or judge unused entries, write files, set the exit status."""
+        if self.is_worker:
+            self.config.workeroutput[WORKER_KEY] = self.payload()  # type: ignore[attr-defined]
+            return
+        self.results.sort(key=lambda r: (r.nodeid, r.key.name, r.key.device))
+        removals = self._find_unused()
+        for nodeid in self.lost:
+            self.errors.append(
+                f"torchmem: a pytest-xdist worker crashed while running {nodeid}: the checks it "
+                "made there are lost"
+                + (
+                    "; its snapshot entries are left as they were: rerun it with --torchmem-update"
+                    if self.settings.update
+                    else ""
+                )
+            )
+        if self.settings.update:
+            if session.exitstatus == pytest.ExitCode.INTERRUPTED:
+                # A run stopped half way (Ctrl-C, pytest.exit) writes nothing: the files
+                # stay as they were rather than hold half of an update.
+                if self.writes or removals:
+                    self.errors.append(
+                        "torchmem: the run was interrupted: no snapshot file was written; "
+                        "rerun with --torchmem-update"
+                    )
+            elif self._flush(removals):
+                session.exitstatus = pytest.ExitCode.INTERRUPTED
+        self._write_json()
+        self._write_html()
+        failing = self.errors or (
+            self.unused and self.settings.unused == "fail" and not self.settings.update
+        )
+        if failing and session.exitstatus == pytest.ExitCode.OK:
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+    def _snapshot_files(self) -> set[Path]:
+        """The files to judge: those of collected modules, and orphans beside them."""
+        modules = set(self.known) | {module for module, _ in self.completed}
+        files = {snapshot_path(Path(module)) for module in modules}
+        for folder in {path.parent for path in files}:
+            if folder.is_dir():
+                files.update(path for path in folder.glob("*.json") if not module_of(path).exists())
+        return files
+
+    def _find_unused(self) -> dict[Path, list[Key]]:
+        if self.settings.unused == "ignore" or self.config.option.collectonly:
+            return {}
+        completed: dict[str, set[str]] = {}
+        for module, test in self.completed:
+            completed.setdefault(module, set()).add(test)
+        devices = set(self.settings.devices) if self.settings.devices_given else None
+        found: dict[Path, list[Key]] = {}
+        for path in sorted(self._snapshot_files()):
+            if not path.is_file():
+                continue
+            try:
+                # An update keeps a malformed entry it does not rewrite, and says so.
+                snapshot = SnapshotFile.load(path, keep_malformed=self.settings.update)
+            except SnapshotFormatError as exc:
+                if not (self.settings.update and str(path) in self.writes):  # else replaced
+                    self.errors.append(str(exc))
+                continue
+            except SnapshotError as exc:
+                self.errors.append(str(exc))
+                continue
+            module = str(module_of(path))
+            if not module_of(path).exists():
+                keys = snapshot.keys()
+            else:
+                keys = unused_keys(
+                    snapshot,
+                    completed=completed.get(module, set()),
+                    used={key for file, key in self.used if file == str(path)},
+                    known=None if module in self.narrowed else self.known.get(module, set()),
+                    devices=devices,
+                )
+            if keys:
+                found[path] = keys
+                self.unused.extend(Unused(self.display(path), key) for key in keys)
+        return found
+
+    def _flush(self, removals: dict[Path, list[Key]]) -> bool:
+        """Write every pending entry and drop the unused ones, one locked merge per file.
+
+        Each file is replaced whole or left as it was. A file that is not a
+        snapshot is replaced by this run's entries. Returns True when Ctrl-C
+        stopped the writing (the files not yet written are left as they were).
+        """
+        paths = sorted(set(map(Path, self.writes)) | set(removals))
+        failed: set[str] = set()
+        for index, path in enumerate(paths):
+            writes = self.writes.get(str(path), {})
+            shown = self.display(path)
+            kept: list[str] = []
+            try:
+                try:
+                    changed = write_merged(path, writes, removals.get(path, ()), kept=kept)
+                except SnapshotFormatError as exc:
+                    if not writes:
+                        raise
+                    changed = write_merged(path, writes, replace_unreadable=True)
+                    shown += f" (replacing a file that was not a snapshot: {exc.reason})"
+            except KeyboardInterrupt:
+                left = ", ".join(self.display(later) for later in paths[index:])
+                self.errors.append(
+                    f"torchmem: interrupted while writing snapshot files; left as they were: "
+                    f"{left}; rerun with --torchmem-update"
+                )
+                return True
+            except SnapshotError as exc:
+                self.errors.append(f"torchmem: could not write {shown}: {exc}")
+                failed.add(self.display(path))
+                continue
+            except OSError as exc:
+                where = f": {exc.filename}" if exc.filename else ""
+                self.errors.append(
+                    f"torchmem: could not write {shown}: {exc.strerror or exc}{where}; the file "
+                    f"on disk is unchanged (make {self.display(path.parent)} writable, then "
+                    "rerun with --torchmem-update)"
+                )
+                failed.add(self.display(path))
+                continue
+            if changed:
+                self.written.append(shown)
+            self.errors.extend(
+                f"torchmem: {shown}: kept the entry {entry}; fix it, or rerun its test with "
+                "--torchmem-update"
+                for entry in kept
+            )
+        self.results = [
+            dataclasses.replace(result, status=Status.NOT_WRITTEN)
+            if result.file in failed and result.status in (Status.NEW, Status.UPDATED)
+            else result
+            for result in self.results
+        ]
+        return False
+
+    def environment(self) -> dict[str, Any]:
+        import torch
+
+        from pytest_torchmem import __version__
+
+        return {
+            "pytest_torchmem": __version__,
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+            "platform": platform.platform(),
+            "gpu_profile": self.settings.gpu,
+            "cpu_profile": self.settings.cpu,
+            "cpu_threads": torch.get_num_threads(),
+            "cpu_isa": torch.backends.cpu.get_cpu_capability(),
+            # The GPU the cuda checks were measured on (--torchmem-measure), if any.
+            "measured_on": torch.cuda.get_device_name() if self._measured() else None,
+        }
+
+    def _measured(self) -> bool:
+        """Whether any check of the run (in this process or a worker) was measured on a GPU."""
+        return any(result.estimate.measured is not None for result in self.results)
+
+    def _write_json(self) -> None:
+        path = self.settings.json_path
+        if path is None:
+            return
+        report = json_report(
+            self.results,
+            self.unused,
+            environment=self.environment(),
+            settings={**self.settings.to_json(), "measured_on_gpu": self._measured()},
+        )
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(report, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+        except OSError as exc:
+            self.errors.append(f"torchmem: could not write the JSON report {path}: {exc}")
+
+    def _write_html(self) -> None:
+        path = self.settings.html_path
+        if path is None:
+            return
+        from pytest_torchmem.exports.html_report import write_report
+
+        try:
+            write_report(path, self.views, environment=self.environment())
+        except OSError as exc:
+            self.errors.append(f"torchmem: could not write the HTML report {path}: {exc}")
+        else:
+            self.written.append(self.display(path))
+
+    # -- reporting ------------------------------------------------------------------
+
+    def header(self) -> str:
+        settings = self.settings
+        mode = "update" if settings.update else "compare"
+        return (
+            f"torchmem: {mode}, devices {','.join(settings.devices)}, {settings.tolerance}, "
+            f"gpu profile {settings.gpu}, cpu profile {settings.cpu}"
+            + (", keep_output" if settings.keep_output else "")
+        )
+
+    def summary_lines(self) -> list[str]:
+        """The terminal summary: the table, unused entries, files written, the totals."""
+        if self.is_worker or not (self.results or self.unused or self.errors):
+            return []
+        verbosity = self.config.get_verbosity()
+        lines = table_lines(self.results, verbosity=verbosity)
+        lines += stale_lines(self.results, mode=self.settings.stale)
+        lines += unused_lines(self.unused, mode=self.settings.unused, update=self.settings.update)
+        lines += [f"wrote {path}" for path in self.written]
+        lines += self.errors
+        lines.append(totals_line(totals(self.results, self.unused)))
+        return lines
+
+    def write_summary(self, terminal: pytest.TerminalReporter) -> None:
+        lines = self.summary_lines()
+        if lines:
+            terminal.write_sep("-", "torchmem")
+            for line in lines:
+                terminal.write_line(line)
+
+
+def _whole_bytes(report: MemoryReport) -> MemoryReport:
+    """``report`` with every figure a plain ``int``; ValueError naming one that is no byte count.
+
+    A hook may compute figures with numpy (``numpy.int64`` is taken as the
+    integer it is); a float, a bool or a negative figure is refused before it
+    reaches a snapshot file.
+    """
+    import operator
+
+    def whole(value: Any, where: str) -> int:
+        try:
+            if isinstance(value, bool):
+                raise TypeError
+            number = operator.index(value)
+        except TypeError:
+            raise ValueError(
+                f"a report whose {where} is {value!r} ({type(value).__name__}): figures are "
+                "whole numbers of bytes; round them with int(...)"
+            ) from None
+        if number < 0:
+            raise ValueError(f"a report whose {where} is negative ({number} B)")
+        return number
+
+    return dataclasses.replace(
+        report,
+        forward_peak=whole(report.forward_peak, "forward_peak"),
+        backward_peak=whole(report.backward_peak, "backward_peak"),
+        step_peak=whole(report.step_peak, "step_peak"),
+        reserved_peak=None
+        if report.reserved_peak is None
+        else whole(report.reserved_peak, "reserved_peak"),
+        breakdown={
+            category: whole(value, f"breakdown[{str(category.value)!r}]")
+            for category, value in report.breakdown.items()
+        },
+        modules={
+            name: dataclasses.replace(
+                peak,
+                forward=whole(peak.forward, f"modules[{name!r}].forward"),
+                backward=whole(peak.backward, f"modules[{name!r}].backward"),
+            )
+            for name, peak in report.modules.items()
+        },
+    )
+
+
+def _record_properties(item: pytest.Item, result: Result) -> None:
+    """The figures as junitxml properties (what the ``record_property`` fixture does)."""
+    prefix = f"torchmem.{result.key.name}.{result.key.device}"
+    entry = result.estimate
+    figures: list[tuple[str, object]] = [
+        ("forward_peak", entry.forward_peak),
+        ("backward_peak", entry.backward_peak),
+        ("step_peak", entry.step_peak),
+        ("peak", entry.peak),
+    ]
+    if entry.reserved_peak is not None:
+        figures.append(("reserved_peak", entry.reserved_peak))
+    if result.snapshot is not None:
+        figures.append(("snapshot_peak", result.snapshot.peak))
+    figures.append(("status", result.status.value))
+    item.user_properties.extend((f"{prefix}.{name}", value) for name, value in figures)
+
+
+class TorchmemFixture:
+    """The ``torchmem`` fixture: memory checks of the current test."""
+
+    def __init__(self, session: TorchmemSession, item: pytest.Item) -> None:
+        self._session = session
+        self._item = item
+        session.begin(item)
+
+    def __repr__(self) -> str:
+        return f"<torchmem fixture of {self._item.nodeid}>"
+
+    def check(
+        self,
+        model: nn.Module,
+        inputs: Any,
+        *,
+        loss_fn: LossFn | None = None,
+        optimizer: OptimizerFactory | None = None,
+        train: bool = True,
+        name: str | None = None,
+        keep_output: bool | None = None,
+    ) -> dict[str, MemoryReport]:
+        """Trace one step of ``model`` on each device and check it; return the reports by device.
+
+        The estimate on each device (the marker's ``devices``, else
+        ``--torchmem-devices``) is compared with the snapshot entry of this
+        test, check ``name`` and device, and with the marker's budgets; the
+        test fails with a message that says what moved and how to accept it.
+        ``name`` tells several checks in one test apart. Under
+        ``--torchmem-update`` the entries are written at the end of the run.
+        ``keep_output`` (``estimate``'s): ``None`` takes the marker's
+        ``keep_output``, else ``--torchmem-keep-output`` (ini
+        ``torchmem_keep_output``), else ``False``; an entry recorded with the
+        other setting fails until it is re-recorded.
+        """
+        __tracebackhide__ = True
+        return self._session.check(
+            self._item,
+            model,
+            inputs,
+            loss_fn=loss_fn,
+            optimizer=optimizer,
+            train=train,
+            name=name,
+            keep_output=keep_output,
+        )

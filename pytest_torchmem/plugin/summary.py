@@ -1,0 +1,257 @@
+"""What a run reports: the terminal table, its totals line and the JSON report.
+
+Results become lines and dicts here; the plugin only hands the lines to the
+terminal reporter and the dict to a file.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Final
+
+from tabulate import tabulate
+
+from pytest_torchmem.plugin.snapshots import Key, legacy_cpu
+from pytest_torchmem.engine.units import format_bytes, format_delta
+from pytest_torchmem.plugin.verdict import Result, Status, stale_reason
+
+__all__ = [
+    "Unused",
+    "REPORT_SCHEMA",
+    "totals",
+    "totals_line",
+    "table_lines",
+    "unused_lines",
+    "stale_lines",
+    "json_report",
+]
+
+#: Version of the JSON report's layout.
+REPORT_SCHEMA: Final = 1
+
+#: The counts always shown in the totals line, in this order.
+_ALWAYS: Final = ("passed", "regressed", "improved", "missing", "unused")
+#: The counts shown only when not zero.
+_SOMETIMES: Final = ("over budget", "mismatch", "stale", "new", "updated", "not written")
+
+
+@dataclass(frozen=True, order=True)
+class Unused:
+    """A snapshot entry that no test of the run used."""
+
+    file: str
+    key: Key
+
+    def to_json(self) -> dict[str, str]:
+        return {
+            "file": self.file,
+            "test": self.key.test,
+            "name": self.key.name,
+            "device": self.key.device,
+        }
+
+
+def totals(results: Sequence[Result], unused: Sequence[Unused]) -> dict[str, int]:
+    """Checks by status (each test, check and device once), and the unused entries."""
+    counts = Counter(result.status.value for result in results)
+    found = {name: counts.get(name, 0) for name in (*_ALWAYS, *_SOMETIMES)}
+    found["unused"] = len(unused)
+    found["checks"] = len(results)
+    found["failed"] = sum(result.failed for result in results)
+    return found
+
+
+def totals_line(counts: Mapping[str, int]) -> str:
+    """``torchmem: 4 checks: 2 passed, 1 regressed, 0 improved, 1 missing, 0 unused``."""
+    parts = [f"{counts[name]} {name}" for name in _ALWAYS]
+    parts += [f"{counts[name]} {name}" for name in _SOMETIMES if counts.get(name)]
+    checks = counts["checks"]
+    return f"torchmem: {checks} check{'' if checks == 1 else 's'}: {', '.join(parts)}"
+
+
+def _test_label(result: Result) -> str:
+    name = result.key.name
+    return result.nodeid if name == "default" else f"{result.nodeid} [{name}]"
+
+
+def _change(result: Result) -> str:
+    if result.snapshot is None:
+        return "-"
+    if result.stale:  # the figures are not comparable: say why instead
+        return stale_reason(result)
+    change = result.largest_change()
+    if change is None:
+        return "0 B"
+    return f"{change.figure} {format_delta(change.estimate, change.reference)}"
+
+
+def _status(result: Result) -> str:
+    if result.failed and result.status in (Status.IMPROVED, Status.STALE):  # asked to fail
+        return f"{result.status} (failed)"
+    return str(result.status)
+
+
+def table_lines(results: Sequence[Result], *, verbosity: int = 0) -> list[str]:
+    """A row per test, check and device: the peaks, the largest change, the status.
+
+    A ``reserved`` column (the caching allocator's segments) appears when a
+    ``cuda`` check is among the rows. Under ``-q`` (``verbosity < 0``) only the
+    rows that are not plain passes.
+    """
+    shown = [result for result in results if not (verbosity < 0 and result.status is Status.PASSED)]
+    if not shown:
+        return []
+    reserved = any(result.estimate.reserved_peak is not None for result in shown)
+    rows = []
+    for result in shown:
+        estimate = result.estimate
+        row = [
+            _test_label(result),
+            result.key.device,
+            format_bytes(estimate.forward_peak),
+            format_bytes(estimate.backward_peak),
+            format_bytes(estimate.step_peak),
+            format_bytes(estimate.peak),
+        ]
+        if reserved:
+            row.append(
+                "-" if estimate.reserved_peak is None else format_bytes(estimate.reserved_peak)
+            )
+        rows.append((*row, _change(result), _status(result)))
+    headers = ["test", "device", "forward", "backward", "step", "peak"]
+    headers += ["reserved"] if reserved else []
+    headers += ["change", "status"]
+    return tabulate(rows, headers=headers, tablefmt="simple", disable_numparse=True).splitlines()
+
+
+def unused_lines(unused: Sequence[Unused], *, mode: str, update: bool) -> list[str]:
+    """The unused entries, and what happens to them."""
+    if not unused:
+        return []
+    lines = [f"unused: {entry.file}: {entry.key}" for entry in unused]
+    if update:
+        lines.append(
+            f"removed {len(unused)} unused snapshot entr{'y' if len(unused) == 1 else 'ies'}"
+        )
+    else:
+        verdict = "fail this run" if mode == "fail" else "are reported (--torchmem-unused=warn)"
+        lines.append(
+            f"{len(unused)} unused snapshot entr{'y' if len(unused) == 1 else 'ies'} {verdict}: "
+            "remove them by rerunning these tests with --torchmem-update"
+        )
+    return lines
+
+
+def stale_lines(results: Sequence[Result], *, mode: str) -> list[str]:
+    """The checks whose snapshot entry was recorded in another environment or with other
+    step settings (``keep_output``), and how to fix it."""
+    lines = [
+        f"stale: {_test_label(result)} on {result.key.device}: snapshot step settings differ "
+        f"({stale_reason(result)}); re-record with: {result.accept}"
+        for result in results
+        if result.step_changed
+    ]
+    if lines:
+        one = len(lines) == 1
+        lines.append(
+            f"{len(lines)} check{'' if one else 's'} failed: {'its' if one else 'their'} "
+            f"snapshot entr{'y was' if one else 'ies were'} recorded with other step settings"
+        )
+    stale = [result for result in results if result.stale and not result.step_changed]
+    if not stale:
+        return lines
+    lines += [
+        f"stale: {_test_label(result)} on {result.key.device}: snapshot environment differs "
+        f"({stale_reason(result)}); re-record on this machine with: {result.accept}"
+        for result in stale
+    ]
+    one = len(stale) == 1
+    count = f"{len(stale)} stale check{'' if one else 's'}"
+    whose = "its snapshot entry was" if one else "their snapshot entries were"
+    if mode == "fail":
+        verdict = f"failed: {whose} recorded in another environment (--torchmem-stale=fail)"
+    else:
+        verdict = (
+            f"{'was' if one else 'were'} not compared: {whose} recorded in another environment "
+            "(--torchmem-stale=warn; budgets still apply)"
+        )
+    lines.append(f"{count} {verdict}")
+    legacy = sum(
+        any(change.name == "cpu" and legacy_cpu(change.snapshot) for change in result.stale)
+        for result in stale
+    )
+    if legacy:
+        lines.append(
+            f"{legacy} cpu snapshot entr{'y was' if legacy == 1 else 'ies were'} recorded by "
+            "pytest-torchmem 0.1 for the CPU of the machine that recorded them; cpu entries are "
+            "now estimated for a CPU profile (--torchmem-cpu, default avx2:4) and then compare on "
+            "any machine: re-record them once with pytest --torchmem-update"
+        )
+    return lines
+
+
+def _figures(entry: Any) -> dict[str, int | None]:
+    return {
+        "forward": entry.forward_peak,
+        "backward": entry.backward_peak,
+        "step": entry.step_peak,
+        "peak": entry.peak,
+        "reserved": entry.reserved_peak,
+    }
+
+
+def _result_json(result: Result) -> dict[str, Any]:
+    estimate = _figures(result.estimate)
+    snapshot = None if result.snapshot is None else _figures(result.snapshot)
+    delta = None
+    if snapshot is not None:
+        delta = {
+            name: value - snapshot[name]
+            for name, value in estimate.items()
+            if value is not None and snapshot.get(name) is not None
+        }
+    return {
+        "nodeid": result.nodeid,
+        "test": result.key.test,
+        "name": result.key.name,
+        "device": result.key.device,
+        "status": result.status.value,
+        "failed": result.failed,
+        "snapshot_file": result.file,
+        "estimate": estimate,
+        "snapshot": snapshot,
+        "delta": delta,
+        "stale": {change.name: [change.snapshot, change.current] for change in result.stale},
+        "tolerance": {"rtol": result.tolerance.rtol, "atol": result.tolerance.atol},
+        "allowed": {change.figure: change.allowed for change in result.changes},
+        "budgets": dict(result.budgets),
+        "breakdown": dict(result.estimate.breakdown),
+        "modules": {
+            name: {"forward": fwd, "backward": bwd}
+            for name, (fwd, bwd) in result.estimate.modules.items()
+        },
+        "measured": None if result.estimate.measured is None else dict(result.estimate.measured),
+        "unsupported": list(result.estimate.unsupported),
+        "environment": dict(result.estimate.environment),
+        "accept": result.accept,
+    }
+
+
+def json_report(
+    results: Sequence[Result],
+    unused: Sequence[Unused],
+    *,
+    environment: Mapping[str, Any],
+    settings: Mapping[str, Any],
+) -> dict[str, Any]:
+    """The run as one JSON-ready dict: environment, settings, results, unused, totals."""
+    return {
+        "schema": REPORT_SCHEMA,
+        "environment": dict(environment),
+        "settings": dict(settings),
+        "results": [_result_json(result) for result in results],
+        "unused": [entry.to_json() for entry in unused],
+        "totals": totals(results, unused),
+    }
