@@ -36,6 +36,8 @@ if TYPE_CHECKING:
 __all__ = ["measure_step"]
 
 _MARK: Final = "torchmem::"
+#: The profiler's name for a region of code compiled by dynamo.
+_COMPILED_REGION: Final = "Torch-Compiled Region"
 _Allocation = torch._C._profiler._ExtraFields_Allocation
 
 
@@ -95,9 +97,14 @@ def _copies(device: torch.device) -> StandIns:
 def measure_step(request: StepRequest) -> MemoryReport:
     """Run ``request``'s step for real on its device and report its memory.
 
-    A compiled region the step enters is listed in ``unsupported``: the
-    measurement does not yet run the compiled program's warm-up and steady
-    state, so its figures may be the eager program's.
+    A model with compiled modules (``torch.compile(model)``, ``model.compile()``,
+    compiled submodules) is measured on cpu in its steady state: one warm-up
+    step, which compiles, outside the measurement, then the measured step
+    (from fresh copies of the model's tensors: the optimizer's first step),
+    without per-module hooks, which would make dynamo fall back to eager
+    code (``modules`` is then empty). A compiled region that did not run as
+    compiled code in the measured step (a compiled function called in
+    ``forward``, any compiled region on cuda) is listed in ``unsupported``.
     """
     regions: list[Unsupported] = []
 
@@ -106,11 +113,25 @@ def measure_step(request: StepRequest) -> MemoryReport:
         if entry not in regions:
             regions.append(entry)
 
+    compiled_ran = False
     with watch_compiled(noted):
-        report = _measure_cuda(request) if request.device == "cuda" else _measure_cpu(request)
-    if regions:
+        if request.device == "cuda":
+            report = _measure_cuda(request)
+        else:
+            report, compiled_ran = _measure_cpu(request)
+    if regions and not compiled_ran:
         report = dataclasses.replace(report, unsupported=(*report.unsupported, *regions))
     return report
+
+
+def has_compiled_modules(model: torch.nn.Module) -> bool:
+    """Whether ``model`` or one of its submodules is compiled as a module."""
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    return any(
+        isinstance(module, OptimizedModule) or getattr(module, "_compiled_call_impl", None)
+        for module in model.modules()
+    )
 
 
 def _baseline_groups(standins: Converted) -> tuple[tuple[Category, list[torch.Tensor]], ...]:
@@ -131,9 +152,10 @@ def _host_profile_name() -> str | None:
         return None
 
 
-def _measure_cpu(request: StepRequest) -> MemoryReport:
+def _measure_cpu(request: StepRequest) -> tuple[MemoryReport, bool]:
+    """The report, and whether compiled code ran in the measured step."""
     profile = _host_profile_name()
-    _, timeline, baseline = profile_cpu_step(request)
+    prof, timeline, baseline = profile_cpu_step(request)
     analysis = analyze(timeline, baseline)
     forward, backward, step = analysis.phase_peaks
     return MemoryReport(
@@ -144,13 +166,30 @@ def _measure_cpu(request: StepRequest) -> MemoryReport:
         breakdown=analysis.breakdown,
         modules=analysis.modules,
         profile=profile,
-    )
+    ), _ran_compiled_code(prof)
+
+
+def _ran_compiled_code(prof: Any) -> bool:
+    """Whether the profiled step ran code that dynamo compiled."""
+    stack = list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        node = stack.pop()
+        if node.name.startswith(_COMPILED_REGION):
+            return True
+        stack.extend(node.children)
+    return False
 
 
 def profile_cpu_step(request: StepRequest) -> tuple[Any, Timeline, list[int]]:
-    """Run the step on the CPU under the profiler: ``(profiler, timeline, baseline sids)``."""
+    """Run the step on the CPU under the profiler: ``(profiler, timeline, baseline sids)``.
+
+    A model with compiled modules first runs one warm-up step (see :func:`measure_step`).
+    """
     device = torch.device("cpu")
     model_tensors = collect(request.model)
+    compiled = has_compiled_modules(request.model)
+    if compiled:
+        _warm_up(request, model_tensors, device)
     with torch.no_grad():
         standins = convert(model_tensors, request.args, request.kwargs, _copies(device))
     timeline = Timeline()
@@ -166,7 +205,7 @@ def profile_cpu_step(request: StepRequest) -> tuple[Any, Timeline, list[int]]:
             baseline.append(sid)
 
     probe = _MarkingProbe()
-    modules = ModuleTracker(request.model, probe)
+    modules: Any = _NoModules() if compiled else ModuleTracker(request.model, probe)
     timeline.module_names = modules.names
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         with substituted(model_tensors, standins.model), modules:
@@ -185,6 +224,37 @@ def profile_cpu_step(request: StepRequest) -> tuple[Any, Timeline, list[int]]:
         del standins
     _read_events(prof, timeline, by_ptr, probe)
     return prof, timeline, baseline
+
+
+class _NoModules:
+    """Stands for the per-module hooks where they would break compiled regions."""
+
+    names: dict[int, str] = {}
+
+    def __enter__(self) -> _NoModules:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def _warm_up(request: StepRequest, model_tensors: Any, device: torch.device) -> None:
+    """One step of a compiled model on copies of its tensors, unmeasured: it compiles."""
+    with torch.no_grad():
+        copies = convert(model_tensors, request.args, request.kwargs, _copies(device))
+    with substituted(model_tensors, copies.model):
+        run_step(
+            request.model,
+            copies.args,
+            copies.kwargs,
+            parameters=copies.parameters,
+            inputs=copies.inputs,
+            loss_fn=request.loss_fn,
+            optimizer=request.optimizer,
+            train=request.train,
+            probe=_MarkingProbe(),
+            keep_output=request.keep_output,
+        )
 
 
 def _read_events(prof: Any, timeline: Timeline, by_ptr: dict[int, int], probe: _MarkingProbe) -> None:
