@@ -1,7 +1,8 @@
 """Public models as users bring them (Hugging Face transformers), both fake devices, AdamW.
 
 Small configurations of GPT-2 (plain and with gradient checkpointing, both
-kinds), Llama (float32 and bfloat16), BERT, ViT, ResNet, ConvNeXt, T5,
+kinds), Llama (float32 and bfloat16), BERT, ViT, ResNet, ConvNeXt,
+MobileNetV2, EfficientNet, T5,
 Mixtral (float32: its experts' grouped matmul) and Whisper, and an LSTM
 tagger, each with a tokenizer-style ``Mapping`` batch and an AdamW step: the
 cpu estimate equals ``measure`` byte for byte (see ``NEAR`` for the one
@@ -137,6 +138,24 @@ CASES: dict[str, Callable[[], tuple[nn.Module, Any]]] = {
         T.ConvNextForImageClassification(
             T.ConvNextConfig(
                 num_stages=2, hidden_sizes=[16, 32], depths=[1, 1], num_labels=2, image_size=32
+            )
+        ),
+        _image_batch(),
+    ),
+    "mobilenet v2": lambda: (
+        T.MobileNetV2ForImageClassification(
+            T.MobileNetV2Config(image_size=32, depth_multiplier=0.35, num_labels=2)
+        ),
+        _image_batch(),
+    ),
+    "efficientnet": lambda: (
+        T.EfficientNetForImageClassification(
+            T.EfficientNetConfig(
+                image_size=32,
+                width_coefficient=0.25,
+                depth_coefficient=0.25,
+                hidden_dim=320,
+                num_labels=2,
             )
         ),
         _image_batch(),
