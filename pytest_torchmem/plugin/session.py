@@ -727,27 +727,28 @@ class TorchmemSession:
 
     # -- pytest-xdist ---------------------------------------------------------------
 
-    def payload(self) -> str:
-        """What a worker sends to the controller (JSON text: execnet carries it as is)."""
-        return json.dumps(
-            {
-                "results": [result.to_json() for result in self.results],
-                "writes": {
-                    path: [[list(key), entry.to_json()] for key, entry in entries.items()]
-                    for path, entries in self.writes.items()
-                },
-                "used": [[path, list(key)] for path, key in self.used],
-                "completed": [list(test) for test in self.completed],
-                "known": {module: sorted(ids) for module, ids in self.known.items()},
-                "narrowed": sorted(self.narrowed),
-                "views": self.views,
-                "restarted": sorted(self.restarted),
-            }
-        )
+    def payload(self, collection: bool = True) -> str:
+        """What a worker sends to the controller (JSON text: execnet carries it as is);
+        ``collection``: with what it collected (sent once, at its end)."""
+        data: dict[str, Any] = {
+            "results": [result.to_json() for result in self.results],
+            "writes": {
+                path: [[list(key), entry.to_json()] for key, entry in entries.items()]
+                for path, entries in self.writes.items()
+            },
+            "used": [[path, list(key)] for path, key in self.used],
+            "completed": [list(test) for test in self.completed],
+            "views": self.views,
+            "restarted": sorted(self.restarted),
+        }
+        if collection:
+            data["known"] = {module: sorted(ids) for module, ids in self.known.items()}
+            data["narrowed"] = sorted(self.narrowed)
+        return json.dumps(data)
 
     def _take(self) -> str:
         """The worker's checks not sent yet, as a payload; they are then forgotten here."""
-        payload = self.payload()
+        payload = self.payload(collection=False)
         self.results, self.writes, self.used, self.views = [], {}, set(), []
         self.completed, self.restarted = set(), set()
         return payload
@@ -764,9 +765,9 @@ class TorchmemSession:
                 target[Key(*key)] = Entry.from_json(entry)
         self.used.update((path, Key(*key)) for path, key in data["used"])
         self.completed.update((module, test) for module, test in data["completed"])
-        for module, ids in data["known"].items():
+        for module, ids in data.get("known", {}).items():
             self.known.setdefault(module, set()).update(ids)
-        self.narrowed.update(data["narrowed"])
+        self.narrowed.update(data.get("narrowed", ()))
         self.views.extend(data["views"])
 
     def worker_down(self, node: Any) -> None:
