@@ -27,9 +27,10 @@ from tabulate import tabulate
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
+from zoo import CASES  # noqa: E402
+
 import pytest_torchmem as tm  # noqa: E402
 from pytest_torchmem.engine.tracing.devices.cuda.profiles import PROFILES  # noqa: E402
-from zoo import CASES  # noqa: E402
 
 
 def _gpu_name(requested: str | None) -> str | None:

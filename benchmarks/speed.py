@@ -59,8 +59,9 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import pytest_torchmem as tm  # noqa: E402
 from gpt2 import GPT2Config, build  # noqa: E402
+
+import pytest_torchmem as tm  # noqa: E402
 
 TARGETS = {
     "estimate / plain fake": 1.2,

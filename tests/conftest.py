@@ -5,9 +5,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 
 
-import pytest  # noqa: E402
 from collections.abc import Iterator  # noqa: E402
 
+import pytest  # noqa: E402
 from exactness import intra_op_threads  # noqa: E402
 
 

@@ -61,9 +61,9 @@ def _main(argv: list[str]) -> int:
     import warnings
 
     import torch
+    from zoo import CASES
 
     import pytest_torchmem as tm
-    from zoo import CASES
 
     warnings.filterwarnings("ignore")
     torch.set_num_threads(int(argv[0]))

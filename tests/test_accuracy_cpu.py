@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from zoo import CASES, Case
 
 import pytest_torchmem as tm
-from zoo import CASES, Case
 
 _RNG_STATE = 5056  # bytes of torch.get_rng_state() on CPU (the MT19937 state)
 

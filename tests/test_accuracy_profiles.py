@@ -11,12 +11,12 @@ process (at the process's thread count) by ``test_accuracy_cpu.py``.
 from __future__ import annotations
 
 import pytest
-
-import pytest_torchmem as tm
 from profiled import as_measured_here, measure_zoo, reachable
-from pytest_torchmem.engine.tracing.devices.cpu.profiles import ISA_LEVELS, CpuProfile
 from test_accuracy_cpu import TOLERANCES
 from zoo import CASES
+
+import pytest_torchmem as tm
+from pytest_torchmem.engine.tracing.devices.cpu.profiles import ISA_LEVELS, CpuProfile
 
 #: Every level this host can run, at 1 and 4 threads (``test_accuracy_cpu`` runs the
 #: host's level at the process's own thread count).

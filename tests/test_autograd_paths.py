@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 import torch
+from exactness import Lambda
 
 import pytest_torchmem as tm
-from exactness import Lambda
 
 F32, I64 = 4, 8
 

@@ -17,7 +17,11 @@ from torch import nn
 
 import pytest_torchmem as tm
 from pytest_torchmem.engine.tracing.devices.cpu import profiles
-from pytest_torchmem.engine.tracing.devices.cpu.profiles import CpuProfile, capped_environment, cpu_profile
+from pytest_torchmem.engine.tracing.devices.cpu.profiles import (
+    CpuProfile,
+    capped_environment,
+    cpu_profile,
+)
 from pytest_torchmem.plugin.verdict import CPU_ISA_LEVELS, MarkerError, parse_cpu
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -14,12 +14,13 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from exactness import intra_op_threads
+from exactness import rule_buffers as scratch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
-
-from exactness import intra_op_threads, rule_buffers as scratch
-import pytest_torchmem as tm
 from zoo import CASES
+
+import pytest_torchmem as tm
 
 aten = torch.ops.aten
 BF16 = torch.bfloat16

@@ -14,15 +14,16 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from exactness import assert_exact, intra_op_threads
+from exactness import rule_buffers as scratch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
+from zoo import CASES
 
-from exactness import assert_exact, intra_op_threads, rule_buffers as scratch
 import pytest_torchmem as tm
 from pytest_torchmem.engine.tracing.devices.cpu import CPU
 from pytest_torchmem.engine.tracing.devices.cpu.blas import onednn_gemm_accumulator_bytes
 from pytest_torchmem.engine.tracing.rules import OpCall
-from zoo import CASES
 
 aten = torch.ops.aten
 BF16 = torch.bfloat16

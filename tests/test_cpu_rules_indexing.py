@@ -7,10 +7,10 @@ from typing import Any
 
 import pytest
 import torch
+from exactness import Lambda
 from torch import nn
 
 import pytest_torchmem as tm
-from exactness import Lambda
 
 F32, I64 = 4, 8
 

@@ -17,13 +17,15 @@ from typing import Any
 
 import pytest
 import torch
+import torch.nn.functional as F
+from exactness import assert_exact as assert_model_exact
+from exactness import assert_exact_with_breakdown, rule_buffers
+from exactness import assert_fn_exact as assert_exact
 from hypothesis import given, settings
 from hypothesis import strategies as st
-import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils.checkpoint import checkpoint
 
-from exactness import assert_exact as assert_model_exact, assert_fn_exact as assert_exact, rule_buffers, assert_exact_with_breakdown
 from pytest_torchmem.engine.tracing.devices.cpu import CPU
 from pytest_torchmem.engine.tracing.devices.cpu.misc import promotion_casts, view_strides
 from pytest_torchmem.engine.tracing.rules import Alloc, Free, OpCall

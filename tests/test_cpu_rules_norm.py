@@ -15,9 +15,11 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from exactness import assert_exact_with_breakdown, intra_op_threads
+from exactness import assert_fn_exact as assert_exact
+from exactness import rule_buffers as scratch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from exactness import assert_fn_exact as assert_exact, intra_op_threads, rule_buffers as scratch, assert_exact_with_breakdown
 from pytest_torchmem.engine.tracing.devices.cpu import CPU
 from pytest_torchmem.engine.tracing.rules import OpCall
 

@@ -17,9 +17,10 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from exactness import assert_fn_exact as assert_exact
+from exactness import rule_buffers as scratch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from exactness import assert_fn_exact as assert_exact, rule_buffers as scratch
 from pytest_torchmem.engine.tracing.devices.cpu import CPU
 from pytest_torchmem.engine.tracing.devices.cpu.reduce import GRAIN_SIZE, two_pass_buffer
 from pytest_torchmem.engine.tracing.rules import OpCall

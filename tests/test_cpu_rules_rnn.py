@@ -17,10 +17,10 @@ from typing import Any
 
 import pytest
 import torch
+from exactness import intra_op_threads
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from exactness import intra_op_threads
 import pytest_torchmem as tm
 from pytest_torchmem.engine.tracing.devices.cpu import CPU
 from pytest_torchmem.engine.tracing.devices.cpu.profiles import host_profile

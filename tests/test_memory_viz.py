@@ -24,6 +24,9 @@ from typing import Any
 import pytest
 from torch.cuda import _memory_viz
 
+from pytest_torchmem.engine.report import Category
+from pytest_torchmem.engine.timeline import Frame, Phase, StorageInfo, Timeline
+from pytest_torchmem.engine.tracing.devices.cuda.allocator import AllocatorConfig, CachingAllocator
 from pytest_torchmem.exports.memory_viz import (
     CPU_BASE_ADDRESS,
     EXPANDABLE_BASE_ADDRESS,
@@ -32,9 +35,6 @@ from pytest_torchmem.exports.memory_viz import (
     timeline_filename,
     write_timeline,
 )
-from pytest_torchmem.engine.report import Category
-from pytest_torchmem.engine.timeline import Frame, Phase, StorageInfo, Timeline
-from pytest_torchmem.engine.tracing.devices.cuda.allocator import AllocatorConfig, CachingAllocator
 
 MiB = 1 << 20
 
@@ -565,9 +565,9 @@ def test_write_replaces_the_file_whole_and_refuses_a_file_as_directory(tmp_path:
     import torch
     from torch import nn
 
-    from pytest_torchmem.plugin.snapshots import Key
     from pytest_torchmem.engine.tracing.devices import device_model
     from pytest_torchmem.engine.tracing.trace import trace
+    from pytest_torchmem.plugin.snapshots import Key
 
     traced = trace(
         nn.Linear(4, 2), (torch.randn(3, 4),), {}, device=device_model("cpu"),

@@ -28,9 +28,9 @@ import torch
 from torch import nn
 
 import pytest_torchmem as tm
-from pytest_torchmem.plugin.snapshots import DEVICE_KEYS, Key, SnapshotFile
 from pytest_torchmem.engine.tracing.devices import DEVICES
 from pytest_torchmem.engine.tracing.devices.cuda.profiles import PROFILES
+from pytest_torchmem.plugin.snapshots import DEVICE_KEYS, Key, SnapshotFile
 
 pytest_plugins = ("pytester",)
 

@@ -94,8 +94,8 @@ def test_a_suite_that_checks_no_memory_never_imports_torch(pytester: pytest.Pyte
 
 
 def test_the_plugins_default_gpu_is_the_device_models() -> None:
-    from pytest_torchmem.plugin.session import DEFAULT_GPU, known_devices
     from pytest_torchmem.engine.tracing.devices.cuda import profiles
+    from pytest_torchmem.plugin.session import DEFAULT_GPU, known_devices
 
     assert DEFAULT_GPU == profiles.DEFAULT_GPU
     from pytest_torchmem.plugin.session import DEFAULT_DEVICES

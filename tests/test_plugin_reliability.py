@@ -284,11 +284,11 @@ def test_a_failed_write_is_not_shown_as_updated_as_root(
         "    raise PermissionError(13, 'Permission denied', str(path))\n"
         "@pytest.hookimpl(wrapper=True, tryfirst=True)\n"
         "def pytest_sessionfinish(session):\n"
-        "    real, snapshots._atomic_write = snapshots._atomic_write, _refuse\n"
+        "    real, snapshots.atomic_write = snapshots.atomic_write, _refuse\n"
         "    try:\n"
         "        return (yield)\n"
         "    finally:\n"
-        "        snapshots._atomic_write = real\n"
+        "        snapshots.atomic_write = real\n"
     )
     update = pytester.runpytest("--torchmem-update")
     no_internal_error(update)

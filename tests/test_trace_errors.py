@@ -15,13 +15,13 @@ from typing import Any
 
 import pytest
 import torch
+from exactness import Lambda
 from torch import nn
 
 import pytest_torchmem as tm
 from pytest_torchmem.engine.tracing.devices import DEVICES
 from pytest_torchmem.engine.tracing.rules import OpCall
 from pytest_torchmem.engine.tracing.trace import trace
-from exactness import Lambda
 
 F32 = 4
 

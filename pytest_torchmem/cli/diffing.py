@@ -15,8 +15,8 @@ from decimal import Decimal
 from typing import Final
 
 from pytest_torchmem.cli.saved import Saved
-from pytest_torchmem.plugin.snapshots import Key
 from pytest_torchmem.engine.units import parse_bytes
+from pytest_torchmem.plugin.snapshots import Key
 from pytest_torchmem.plugin.verdict import (
     FIGURES,
     Change,

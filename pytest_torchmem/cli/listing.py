@@ -11,8 +11,8 @@ from tabulate import tabulate
 
 from pytest_torchmem.cli.diffing import ADDED, REMOVED, FailOn, Gate, Row, diff_totals
 from pytest_torchmem.cli.saved import Loaded, Saved
-from pytest_torchmem.plugin.snapshots import Entry
 from pytest_torchmem.engine.units import format_bytes, format_delta
+from pytest_torchmem.plugin.snapshots import Entry
 from pytest_torchmem.plugin.verdict import FIGURES, Status, change_line, figures_of, moved_lines
 
 __all__ = [

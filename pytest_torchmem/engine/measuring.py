@@ -14,7 +14,6 @@ each phase boundary.
 from __future__ import annotations
 
 import dataclasses
-
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final

@@ -15,6 +15,10 @@ __all__ = ["Category", "ModulePeak", "Unsupported", "MemoryReport", "SCHEMA_VERS
 SCHEMA_VERSION: Final = 1
 
 
+#: The name of the whole model in a report's ``modules``.
+ROOT_NAME: Final = "(model)"
+
+
 class Category(str, Enum):
     """What a storage is for; each live byte at the peak belongs to exactly one.
 

@@ -17,7 +17,7 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 
 from pytest_torchmem.engine.containers import tensors_in
-from pytest_torchmem.engine.report import Category
+from pytest_torchmem.engine.report import ROOT_NAME, Category
 from pytest_torchmem.engine.timeline import Phase
 
 __all__ = ["Probe", "ModuleTracker", "run_step", "default_loss", "LossFn", "OptimizerFactory"]
@@ -26,7 +26,6 @@ LossFn = Callable[[Any], torch.Tensor]
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 
 #: Name of the model itself in per-module figures.
-ROOT_NAME = "(model)"
 
 
 class Probe(Protocol):

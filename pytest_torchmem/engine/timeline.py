@@ -10,9 +10,9 @@ by the same code.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from enum import IntEnum
-from collections.abc import Iterator
 from typing import Any, Final, NamedTuple, Protocol
 
 from pytest_torchmem.engine.report import Category, ModulePeak

@@ -17,10 +17,10 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
-from pytest_torchmem.engine.report import Category
-from pytest_torchmem.plugin.snapshots import _atomic_write
+from pytest_torchmem.engine.report import ROOT_NAME, Category
 from pytest_torchmem.engine.timeline import PHASE, StorageInfo, Timeline, replay
 from pytest_torchmem.engine.units import format_bytes, format_delta
+from pytest_torchmem.plugin.snapshots import atomic_write
 from pytest_torchmem.plugin.verdict import Result, failure_message, figures_of, stale_reason
 
 if TYPE_CHECKING:
@@ -39,7 +39,6 @@ TOP_MODULES: Final = 8
 #: Frames of each listed tensor shown on hover (innermost first).
 STACK_DEPTH: Final = 4
 #: The name ``step.ModuleTracker`` gives the model itself (not imported: it needs torch).
-_ROOT_NAME: Final = "(model)"
 _CATEGORIES: Final = tuple(Category)
 _PHASE_NAMES: Final = {-1: "after", 0: "forward", 1: "backward", 2: "step"}
 
@@ -400,8 +399,8 @@ def check_view(
     if snapshot is not None:
         for index, phase in enumerate(("forward", "backward")):
             modules[phase] = _moved(
-                {n: p[index] for n, p in snapshot.modules.items() if n != _ROOT_NAME},
-                {n: p[index] for n, p in estimate.modules.items() if n != _ROOT_NAME},
+                {n: p[index] for n, p in snapshot.modules.items() if n != ROOT_NAME},
+                {n: p[index] for n, p in estimate.modules.items() if n != ROOT_NAME},
                 TOP_MODULES,
             )
     unsupported = [
@@ -461,4 +460,4 @@ def write_report(
 
     text = render(order(views), environment)
     # The snapshot files' writer: temporary file in the same folder, fsync, rename.
-    _atomic_write(Path(path), text)
+    atomic_write(Path(path), text)

@@ -32,6 +32,7 @@ from pytest_torchmem.plugin.snapshots import (
     SnapshotError,
     SnapshotFile,
     SnapshotFormatError,
+    atomic_write,
     module_of,
     snapshot_path,
     unused_keys,
@@ -47,6 +48,7 @@ from pytest_torchmem.plugin.summary import (
     unused_lines,
 )
 from pytest_torchmem.plugin.verdict import (
+    MARKER,
     MarkerError,
     MarkerSpec,
     Result,
@@ -54,8 +56,8 @@ from pytest_torchmem.plugin.verdict import (
     Tolerance,
     failure_message,
     judge,
-    parse_devices,
     parse_cpu,
+    parse_devices,
     parse_gpu,
     parse_marker,
     parse_rtol,
@@ -65,8 +67,8 @@ from pytest_torchmem.plugin.verdict import (
 if TYPE_CHECKING:
     from torch import nn
 
-    from pytest_torchmem.engine.request import StepRequest
     from pytest_torchmem.engine.report import MemoryReport
+    from pytest_torchmem.engine.request import StepRequest
     from pytest_torchmem.engine.step import LossFn, OptimizerFactory
     from pytest_torchmem.engine.tracing.rules import RuleSet
     from pytest_torchmem.engine.tracing.trace import Trace
@@ -95,7 +97,6 @@ DEFAULT_CPU: Final = "avx2:4"
 #: The name of a check made without ``name=``.
 DEFAULT_NAME: Final = "default"
 #: The marker's name.
-MARKER: Final = "memory_budget"
 #: The key of this plugin's data in ``config.workeroutput`` (pytest-xdist).
 WORKER_KEY: Final = "torchmem"
 #: The attribute of a worker's test report that carries the test's checks to the controller.
@@ -948,8 +949,7 @@ class TorchmemSession:
             settings={**self.settings.to_json(), "measured_on_gpu": self._measured()},
         )
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps(report, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+            atomic_write(path, json.dumps(report, indent=2, sort_keys=True) + "\n")
         except OSError as exc:
             self.errors.append(f"torchmem: could not write the JSON report {path}: {exc}")
 

@@ -61,6 +61,7 @@ __all__ = [
     "snapshot_path",
     "module_of",
     "write_merged",
+    "atomic_write",
     "unused_keys",
     "legacy_cpu",
 ]
@@ -520,7 +521,7 @@ def write_merged(
                 return False
         except FileNotFoundError:
             pass
-        _atomic_write(path, text)
+        atomic_write(path, text)
         return True
 
 
@@ -543,7 +544,9 @@ def _remove_leftovers(path: Path) -> None:
             pass
 
 
-def _atomic_write(path: Path, text: str) -> None:
+def atomic_write(path: Path, text: str) -> None:
+    """Replace the file at ``path`` by ``text`` whole, or leave it as it was: written to a
+    temporary file in the same directory, flushed to disk, then renamed over it."""
     path.parent.mkdir(parents=True, exist_ok=True)
     handle, temporary = tempfile.mkstemp(
         dir=path.parent, prefix=_temporary_prefix(path), suffix=".tmp"

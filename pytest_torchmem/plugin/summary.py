@@ -13,8 +13,8 @@ from typing import Any, Final
 
 from tabulate import tabulate
 
-from pytest_torchmem.plugin.snapshots import Key, legacy_cpu
 from pytest_torchmem.engine.units import format_bytes, format_delta
+from pytest_torchmem.plugin.snapshots import Key, legacy_cpu
 from pytest_torchmem.plugin.verdict import Result, Status, stale_reason
 
 __all__ = [

@@ -13,8 +13,9 @@ from decimal import Decimal
 from enum import Enum
 from typing import Any, Final
 
-from pytest_torchmem.plugin.snapshots import Entry, Key
+from pytest_torchmem.engine.report import ROOT_NAME
 from pytest_torchmem.engine.units import format_bytes, format_delta, parse_bytes
+from pytest_torchmem.plugin.snapshots import Entry, Key
 
 __all__ = [
     "BUDGETS",
@@ -51,9 +52,9 @@ _MARKER_KEYS: Final = (*BUDGETS, "devices", "rtol", "atol", "gpu", "cpu", "keep_
 #: The ISA levels of CPU profiles: ``tracing.devices.cpu.profiles.ISA_LEVELS``, spelled
 #: out so that reading options and markers needs no torch (a test checks that the two agree).
 CPU_ISA_LEVELS: Final = ("default", "avx2", "avx512")
-_MARKER: Final = "memory_budget"
+#: The marker of budgets and per-test settings.
+MARKER: Final = "memory_budget"
 #: The name ``step.ModuleTracker`` gives the model itself (not imported: it needs torch).
-_ROOT_NAME: Final = "(model)"
 
 
 class MarkerError(ValueError):
@@ -190,42 +191,42 @@ def parse_marker(
     for mark in reversed(list(marks)):
         if mark.args:
             raise MarkerError(
-                f"@pytest.mark.{_MARKER} takes keyword arguments only "
+                f"@pytest.mark.{MARKER} takes keyword arguments only "
                 f"({', '.join(_MARKER_KEYS)}), got positional {mark.args!r}"
             )
         unknown = sorted(set(mark.kwargs) - set(_MARKER_KEYS))
         if unknown:
             raise MarkerError(
-                f"@pytest.mark.{_MARKER} does not know {', '.join(map(repr, unknown))}; "
+                f"@pytest.mark.{MARKER} does not know {', '.join(map(repr, unknown))}; "
                 f"it takes {', '.join(_MARKER_KEYS)}"
             )
         merged.update(mark.kwargs)
     budgets = {
-        phase: parse_size(merged[phase], f"{_MARKER}({phase}={merged[phase]!r})")
+        phase: parse_size(merged[phase], f"{MARKER}({phase}={merged[phase]!r})")
         for phase in BUDGETS
         if merged.get(phase) is not None
     }
     devices = None
     if merged.get("devices") is not None:
         devices = parse_devices(
-            merged["devices"], valid_devices, f"{_MARKER}(devices={merged['devices']!r})"
+            merged["devices"], valid_devices, f"{MARKER}(devices={merged['devices']!r})"
         )
     rtol = None
     if merged.get("rtol") is not None:
-        rtol = parse_rtol(merged["rtol"], f"{_MARKER}(rtol={merged['rtol']!r})")
+        rtol = parse_rtol(merged["rtol"], f"{MARKER}(rtol={merged['rtol']!r})")
     atol = None
     if merged.get("atol") is not None:
-        atol = parse_size(merged["atol"], f"{_MARKER}(atol={merged['atol']!r})")
+        atol = parse_size(merged["atol"], f"{MARKER}(atol={merged['atol']!r})")
     gpu = None
     if merged.get("gpu") is not None:
-        gpu = parse_gpu(merged["gpu"], gpus, f"{_MARKER}(gpu={merged['gpu']!r})")
+        gpu = parse_gpu(merged["gpu"], gpus, f"{MARKER}(gpu={merged['gpu']!r})")
     cpu = None
     if merged.get("cpu") is not None:
-        cpu = parse_cpu(merged["cpu"], f"{_MARKER}(cpu={merged['cpu']!r})")
+        cpu = parse_cpu(merged["cpu"], f"{MARKER}(cpu={merged['cpu']!r})")
     keep_output = merged.get("keep_output")
     if keep_output is not None and not isinstance(keep_output, bool):
         raise MarkerError(
-            f"{_MARKER}(keep_output={keep_output!r}): keep_output must be True or False"
+            f"{MARKER}(keep_output={keep_output!r}): keep_output must be True or False"
         )
     return MarkerSpec(
         budgets=budgets,
@@ -705,8 +706,8 @@ def moved_lines(
     for phase in phases:
         index = _MODULE_PHASE[phase]
         # The model itself always moves with the device's peak: it says nothing.
-        old = {n: p[index] for n, p in before.modules.items() if n != _ROOT_NAME}
-        new = {n: p[index] for n, p in after.modules.items() if n != _ROOT_NAME}
+        old = {n: p[index] for n, p in before.modules.items() if n != ROOT_NAME}
+        new = {n: p[index] for n, p in after.modules.items() if n != ROOT_NAME}
         modules = _moves(old, new, limit if limit is None else max(limit, 3))
         if modules:
             lines.append(f"  modules that moved most ({phase} peak): {', '.join(modules)}")

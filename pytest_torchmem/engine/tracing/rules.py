@@ -137,6 +137,12 @@ class OpCall:
     #: The trace this call belongs to.
     context: TraceContext | None = None
 
+    def arg(self, index: int, name: str, default: Any = None) -> Any:
+        """The argument at position ``index``, or given by keyword as ``name``, else ``default``."""
+        if len(self.args) > index:
+            return self.args[index]
+        return self.kwargs.get(name, default)
+
 
 ScratchRule: TypeAlias = Callable[[OpCall], "Steps | None"]
 ImplementationRule: TypeAlias = Callable[[OpCall], Any]

@@ -18,9 +18,9 @@ from pytest_torchmem.engine.tracing.compiled import watch_compiled
 from pytest_torchmem.engine.tracing.devices import DeviceModel
 from pytest_torchmem.engine.tracing.devices.cpu.profiles import CpuProfile
 from pytest_torchmem.engine.tracing.devices.cuda.gpu_view import gpu_view
+from pytest_torchmem.engine.tracing.devices.cuda.profiles import GpuProfile
 from pytest_torchmem.engine.tracing.devices.routing import routed_recomputation
 from pytest_torchmem.engine.tracing.rng_states import charged_rng_states
-from pytest_torchmem.engine.tracing.devices.cuda.profiles import GpuProfile
 from pytest_torchmem.engine.tracing.rules import TraceContext
 from pytest_torchmem.engine.tracing.tracker import Tracker
 

@@ -32,6 +32,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakIdKeyDictionary
 
 from pytest_torchmem.engine.report import Category, Unsupported
+from pytest_torchmem.engine.timeline import Frame, Phase, StorageInfo, Timeline
 from pytest_torchmem.engine.tracing.rules import (
     OUTPUTS,
     Alloc,
@@ -46,7 +47,6 @@ from pytest_torchmem.engine.tracing.rules import (
     ScratchRule,
     TraceContext,
 )
-from pytest_torchmem.engine.timeline import Frame, Phase, StorageInfo, Timeline
 
 __all__ = [
     "Tracker",

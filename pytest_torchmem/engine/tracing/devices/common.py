@@ -29,11 +29,6 @@ register_eager_in_place(COMMON)  # backward formulas that write in place eagerly
 _UPPER: Final = "output size depends on tensor values; the largest possible output was assumed"
 
 
-def _arg(call: OpCall, index: int, name: str, default: Any) -> Any:
-    if len(call.args) > index:
-        return call.args[index]
-    return call.kwargs.get(name, default)
-
 
 @COMMON.fallback(aten._local_scalar_dense.default)
 def _item(call: OpCall) -> tuple[Any, str]:
@@ -80,8 +75,8 @@ def _index_with_masks(call: OpCall) -> tuple[Any, str]:
 @COMMON.fallback(aten._unique2.default)
 def _unique2(call: OpCall) -> tuple[Any, str]:
     t = call.args[0]
-    return_inverse = _arg(call, 2, "return_inverse", False)
-    return_counts = _arg(call, 3, "return_counts", False)
+    return_inverse = call.arg(2, "return_inverse", False)
+    return_counts = call.arg(3, "return_counts", False)
     out = t.new_empty((t.numel(),))
     inverse = t.new_empty(t.shape if return_inverse else (0,), dtype=torch.long)
     counts = t.new_empty((t.numel(),) if return_counts else (0,), dtype=torch.long)

@@ -35,11 +35,6 @@ aten = torch.ops.aten
 _KV_SPLIT: Final = 512
 
 
-def _arg(call: OpCall, index: int, name: str, default: Any) -> Any:
-    if len(call.args) > index:
-        return call.args[index]
-    return call.kwargs.get(name, default)
-
 
 def _q_split(q_len: int) -> int:
     """``q_split_size`` chosen by ``flash_attention_kernel_impl`` (and its backward)."""
@@ -126,8 +121,8 @@ def _flash_attention_backward(call: OpCall) -> Steps:
     largest counts.
     """
     grad_out, query, value = call.args[0], call.args[1], call.args[3]
-    is_causal = bool(_arg(call, 7, "is_causal", False))
-    scale = _arg(call, 9, "scale", None)
+    is_causal = bool(call.arg(7, "is_causal", False))
+    scale = call.arg(9, "scale", None)
     _batch, _heads, q_len, head = query.shape
     kv_len = value.shape[2]
     dtype = query.dtype
@@ -162,7 +157,7 @@ def _safe_softmax(call: OpCall) -> Steps:
     the ``-inf`` mask of the input, its rows' ``all``, and a 0-dim zero of the
     output's type for ``where``, which writes into the softmax output."""
     self, dim = call.args[0], call.args[1]
-    dtype = _arg(call, 2, "dtype", None)
+    dtype = call.arg(2, "dtype", None)
     out = call.out
     converted = 0
     if dtype is not None and dtype != self.dtype:

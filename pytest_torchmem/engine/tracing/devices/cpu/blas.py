@@ -34,7 +34,7 @@ from torch._subclasses.fake_tensor import DataDependentOutputException
 
 from pytest_torchmem.engine.tracing.devices.cpu.base import CPU, profile_of
 from pytest_torchmem.engine.tracing.devices.cpu.profiles import CpuProfile
-from pytest_torchmem.engine.tracing.rules import OUTPUTS, Alloc, OpCall, Steps
+from pytest_torchmem.engine.tracing.rules import OUTPUTS, Alloc, OpCall, Steps, nbytes_of
 
 __all__ = ["onednn_gemm_accumulator_bytes", "onednn_gemm_bytes"]
 
@@ -51,14 +51,6 @@ _BMM_SMALL: Final = 400
 _ONEDNN_SCRATCH_ALIGN: Final = 128
 
 
-def _arg(call: OpCall, index: int, name: str, default: Any) -> Any:
-    if len(call.args) > index:
-        return call.args[index]
-    return call.kwargs.get(name, default)
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
 
 
 # -- oneDNN ----------------------------------------------------------------------
@@ -245,7 +237,7 @@ def _mm(call: OpCall) -> Steps:
 def _addmm(call: OpCall) -> Steps:
     """``addmm_out_cpu`` / ``addmm_activation_out_cpu`` → ``addmm_impl_cpu_`` (the
     bias is copied into the output, which costs nothing more)."""
-    alpha = _arg(call, 4, "alpha", 1)
+    alpha = call.arg(4, "alpha", 1)
     gemm = _gemm_of(profile_of(call), _result(call), call.args[1], call.args[2], alpha)
     return [OUTPUTS, *gemm.steps()]
 
@@ -290,7 +282,7 @@ def _mkldnn_matmul_steps(
         if len(sizes) == 1:  # unsqueeze(0) for mat1, unsqueeze(1) for mat2
             sizes, strides = ((1, sizes[0]), (sizes[0] * strides[0], strides[0])) if dim == 0 else (
                 (sizes[0], 1), (strides[0], 1))
-        copy = 0 if _mkldnn_optimized_format(sizes, strides) else _nbytes(mat)
+        copy = 0 if _mkldnn_optimized_format(sizes, strides) else nbytes_of(mat)
         steps.append(Alloc(f"{name} (contiguous copy)", copy))
     steps.append(Alloc("oneDNN scratchpad", _onednn_matmul_bytes(cpu, batch, rows, cols, alpha)))
     return steps
@@ -349,7 +341,7 @@ def _bmm(call: OpCall) -> Steps:
 @CPU.scratch(aten.baddbmm.default, aten.baddbmm.out, aten.baddbmm_.default)
 def _baddbmm(call: OpCall) -> Steps:
     """``baddbmm_out_cpu`` → ``bmm_out_or_baddbmm_`` (the output holds ``self``)."""
-    alpha = _arg(call, 4, "alpha", 1)
+    alpha = call.arg(4, "alpha", 1)
     return [OUTPUTS, *_bmm_steps(profile_of(call), _result(call), call.args[1], call.args[2], alpha)]
 
 
@@ -385,7 +377,7 @@ def _addmv_steps(
 
     if (s0 == 1 and lda_cond(rows, cols, s1)) or (s1 == 1 and lda_cond(cols, rows, s0)):
         return []
-    return [Alloc("mat (contiguous copy)", _nbytes(mat))]
+    return [Alloc("mat (contiguous copy)", nbytes_of(mat))]
 
 
 @CPU.scratch(aten.mv.default, aten.mv.out)
@@ -397,7 +389,7 @@ def _mv(call: OpCall) -> Steps:
 @CPU.scratch(aten.addmv.default, aten.addmv.out, aten.addmv_.default)
 def _addmv(call: OpCall) -> Steps:
     """``addmv_out_cpu``."""
-    alpha = _arg(call, 4, "alpha", 1)
+    alpha = call.arg(4, "alpha", 1)
     return [OUTPUTS, *_addmv_steps(profile_of(call), _result(call), call.args[1], call.args[2], alpha)]
 
 
@@ -444,9 +436,9 @@ def grouped_mm_output(call: OpCall) -> torch.Tensor:
     the output's last dimension is padded to 16 bytes (for TMA on CUDA, kept on
     CPU), so its storage can be larger than its elements."""
     mat_a, mat_b = call.args[0], call.args[1]
-    offs = _arg(call, 2, "offs", None)
-    bias = _arg(call, 3, "bias", None)
-    out_dtype = _arg(call, 4, "out_dtype", None)
+    offs = call.arg(2, "offs", None)
+    bias = call.arg(3, "bias", None)
+    out_dtype = call.arg(4, "out_dtype", None)
     for name, mat in (("mat_a", mat_a), ("mat_b", mat_b)):
         if mat.dtype not in _GROUPED_MM_DTYPES:
             raise RuntimeError(f"Expected {name} to be Float32, BFloat16 or Float16 matrix, got {mat.dtype}")
@@ -495,7 +487,7 @@ def _grouped_mm(call: OpCall) -> Any:
     know them, the op is handed to :func:`_grouped_mm_unknown_groups`, which
     reports it."""
     out = grouped_mm_output(call)
-    offs = _arg(call, 2, "offs", None)
+    offs = call.arg(2, "offs", None)
     if offs is not None and _offsets(offs) is None and _onednn_usable(profile_of(call), out.dtype):
         raise DataDependentOutputException(call.func)
     return out
@@ -533,7 +525,7 @@ def _grouped_mm_scratch(call: OpCall) -> Steps:
     bfloat16/float16 oneDNN accumulator, and copies of a degenerate slice.
     """
     mat_a, mat_b, out = call.args[0], call.args[1], call.out
-    offs = _arg(call, 2, "offs", None)
+    offs = call.arg(2, "offs", None)
     a_2d, b_2d = mat_a.dim() == 2, mat_b.dim() == 2
     cpu = profile_of(call)
     if not a_2d and not b_2d:

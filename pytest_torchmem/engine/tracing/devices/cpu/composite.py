@@ -14,7 +14,11 @@ import torch
 
 from pytest_torchmem.engine.tracing.devices.cpu.base import CPU, profile_of
 from pytest_torchmem.engine.tracing.devices.cpu.misc import arg, itemsize
-from pytest_torchmem.engine.tracing.devices.cpu.reduce import acc_buffer_steps, sum_steps, uses_acc_buffer
+from pytest_torchmem.engine.tracing.devices.cpu.reduce import (
+    acc_buffer_steps,
+    sum_steps,
+    uses_acc_buffer,
+)
 from pytest_torchmem.engine.tracing.rules import OUTPUTS, Alloc, Free, OpCall, Steps
 
 aten = torch.ops.aten

@@ -37,7 +37,16 @@ from pytest_torchmem.engine.tracing.devices.cpu.base import CPU, profile_of
 from pytest_torchmem.engine.tracing.devices.cpu.onednn import conv_list
 from pytest_torchmem.engine.tracing.devices.cpu.onednn.common import Geo
 from pytest_torchmem.engine.tracing.devices.cpu.profiles import CpuProfile
-from pytest_torchmem.engine.tracing.rules import OUTPUTS, Alloc, Free, Inexact, OpCall, Output, Step
+from pytest_torchmem.engine.tracing.rules import (
+    OUTPUTS,
+    Alloc,
+    Free,
+    Inexact,
+    OpCall,
+    Output,
+    Step,
+    nbytes_of,
+)
 
 aten = torch.ops.aten
 
@@ -175,9 +184,6 @@ def _channels_last(c: _Conv, backend: str) -> bool:
     return False
 
 
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
 
 def _contiguous_copy(t: torch.Tensor, cl: bool) -> int:
     """Bytes ``t.contiguous(fmt)`` allocates (0 when ``t`` already is)."""
@@ -187,7 +193,7 @@ def _contiguous_copy(t: torch.Tensor, cl: bool) -> int:
         fmt = torch.channels_last_3d
     else:
         fmt = torch.contiguous_format
-    return 0 if t.is_contiguous(memory_format=fmt) else _nbytes(t)
+    return 0 if t.is_contiguous(memory_format=fmt) else nbytes_of(t)
 
 
 def _geo(c: _Conv, out_spatial: Sequence[int], *, deconv: bool = False) -> Geo:
@@ -262,7 +268,7 @@ def _mkldnn_forward(s: _Steps, c: _Conv, cpu: CpuProfile, out: torch.Tensor) -> 
     if not cl:
         # mkldnn_to_dense: a dense tensor in the public form of oneDNN's
         # format; an nhwc one is then copied .contiguous() into the output
-        first = s.alloc(_nbytes(out) if prim.nxc_result else 0, "dense nhwc")
+        first = s.alloc(nbytes_of(out) if prim.nxc_result else 0, "dense nhwc")
         s.outputs()
         s.free(first, dst)
     return True
@@ -287,7 +293,7 @@ def _mkldnn_backward(
         if weights is None:
             return False
     go_copy = s.alloc(_contiguous_copy(grad_output, cl), "grad_output contiguous")
-    grad_input = _nbytes(outs[0]) if mask[0] and outs[0] is not None else 0
+    grad_input = nbytes_of(outs[0]) if mask[0] and outs[0] is not None else 0
     if data is not None:
         if cl:
             s.output(0, grad_input)
@@ -319,7 +325,7 @@ def _mkldnn_backward(
         scratch = s.alloc(weights.scratch, "scratchpad")
         gb_t = s.alloc(p.g * p.oc * p.dsz if mask[2] else 0, "grad_bias")
         s.free(scratch, src_t, go_t)
-        gw_bytes = _nbytes(outs[1]) if mask[1] and outs[1] is not None else 0
+        gw_bytes = nbytes_of(outs[1]) if mask[1] and outs[1] is not None else 0
         if cl:
             # mkldnn_to_dense(grad_w).to(channels_last); hwio weights are
             # first copied .contiguous() by mkldnn_to_dense
@@ -452,7 +458,7 @@ def _subtensor_copy(t: torch.Tensor, groups: int) -> int:
     if t.dim() == 5 and fmt == torch.channels_last:
         fmt = torch.channels_last_3d
     part = t.narrow(1, 0, t.shape[1] // groups)
-    return 0 if part.is_contiguous(memory_format=fmt) else _nbytes(t) // groups
+    return 0 if part.is_contiguous(memory_format=fmt) else nbytes_of(t) // groups
 
 
 def _format_strides(shape: Sequence[int], channels_last: bool) -> tuple[int, ...]:
@@ -482,8 +488,8 @@ def _slow_forward(s: _Steps, c: _Conv, backend: str, out: torch.Tensor) -> None:
     if c.groups == 1 or backend == "slow3d":
         _slow_forward_group(s, k, s.outputs)
     else:
-        group_out = _nbytes(out) // c.groups
-        per_group_in = 0 if k.n == 1 else _nbytes(c.input) // c.groups
+        group_out = nbytes_of(out) // c.groups
+        per_group_in = 0 if k.n == 1 else nbytes_of(c.input) // c.groups
         results = []
         for _ in range(c.groups):
             x_g = s.alloc(per_group_in, "input group")
@@ -501,7 +507,7 @@ def _slow_backward(s: _Steps, c: _Conv, backend: str, grad_output: torch.Tensor,
     k = _slow(c, backend, out_sp)
     x_copy = s.alloc(0 if c.conv1d else _contiguous_copy(c.input, k.channels_last), "input contiguous")
     w_copy = s.alloc(_contiguous_copy(c.weight, k.channels_last), "weight contiguous")
-    sizes = [_nbytes(o) if o is not None else 0 for o in outs]
+    sizes = [nbytes_of(o) if o is not None else 0 for o in outs]
     if c.groups == 1 or backend == "slow3d":
 
         def output(i: int) -> Any:
@@ -516,8 +522,8 @@ def _slow_backward(s: _Steps, c: _Conv, backend: str, grad_output: torch.Tensor,
         # The group's gradient is laid out as the whole one suggests; the kernel
         # copies it .contiguous(its own format) where that differs (once for the
         # input's gradient, once for the weight's).
-        go_kernel_copy = _nbytes(grad_output) // g if _relaid(grad_output, g, k.channels_last) else 0
-        x_g_bytes = 0 if k.n == 1 else _nbytes(c.input) // g
+        go_kernel_copy = nbytes_of(grad_output) // g if _relaid(grad_output, g, k.channels_last) else 0
+        x_g_bytes = 0 if k.n == 1 else nbytes_of(c.input) // g
         per: list[list[Any]] = [[], [], []]
         for _ in range(g):
             gog = s.alloc(go_g, "grad_output group")

@@ -20,7 +20,12 @@ from torch._prims_common import suggest_memory_format
 
 from pytest_torchmem.engine.tracing.devices.cpu.base import CPU, profile_of
 from pytest_torchmem.engine.tracing.devices.cpu.misc import arg, itemsize
-from pytest_torchmem.engine.tracing.devices.cpu.reduce import acc_buffer_steps, mean_steps, sum_steps, uses_acc_buffer
+from pytest_torchmem.engine.tracing.devices.cpu.reduce import (
+    acc_buffer_steps,
+    mean_steps,
+    sum_steps,
+    uses_acc_buffer,
+)
 from pytest_torchmem.engine.tracing.rules import OUTPUTS, Alloc, Free, OpCall, Output, Steps
 
 aten = torch.ops.aten

@@ -53,7 +53,7 @@ import torch
 
 from pytest_torchmem.engine.tracing.devices.cpu.base import CPU, profile_of
 from pytest_torchmem.engine.tracing.devices.cpu.profiles import CpuProfile
-from pytest_torchmem.engine.tracing.rules import OUTPUTS, Alloc, Free, OpCall, Steps
+from pytest_torchmem.engine.tracing.rules import OUTPUTS, Alloc, Free, OpCall, Steps, nbytes_of
 
 aten = torch.ops.aten
 
@@ -480,9 +480,6 @@ def _bf16_pack_size(threads: int, m: int, n: int, k: int) -> int:
 # -- the ATen kernels ------------------------------------------------------------
 
 
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
 
 def _layer(
     input: torch.Tensor, weight_ih: torch.Tensor, bias_ih: torch.Tensor, has_biases: bool
@@ -556,7 +553,7 @@ def _mkldnn_rnn_layer_scratch(call: OpCall) -> Steps | None:
     # _shuffle_weight: weight.contiguous().
     for name, weight in (("weight_ih", weight_ih), ("weight_hh", weight_hh)):
         if not weight.is_contiguous():
-            steps.append(Alloc(f"{name} contiguous", _nbytes(weight)))
+            steps.append(Alloc(f"{name} contiguous", nbytes_of(weight)))
     steps.append(Alloc("bias", _bias_bytes(layer)))
     steps += _weight_reorders(primitive)
     steps.append(Alloc("scratchpad", primitive.scratchpad))
@@ -618,15 +615,15 @@ def _mkldnn_rnn_layer_backward(call: OpCall) -> Steps | None:
         ("grad_cy", grad_cy, cx),
     ):
         if grad is None:
-            steps.append(Alloc(f"{name} zeros", _nbytes(like)))
+            steps.append(Alloc(f"{name} zeros", nbytes_of(like)))
         elif not grad.is_contiguous():
-            steps.append(Alloc(f"{name} contiguous", _nbytes(grad)))
+            steps.append(Alloc(f"{name} contiguous", nbytes_of(grad)))
     for name, weight in (("weight_ih", weight_ih), ("weight_hh", weight_hh)):
         if not weight.is_contiguous():
-            steps.append(Alloc(f"{name} contiguous", _nbytes(weight)))
+            steps.append(Alloc(f"{name} contiguous", nbytes_of(weight)))
     steps.append(Alloc("bias", _bias_bytes(layer)))
     if _same_storage(hx, cx):
-        steps.append(Alloc("cx clone", _nbytes(cx)))
+        steps.append(Alloc("cx clone", nbytes_of(cx)))
     steps.append(OUTPUTS)
     if input.dtype != torch.float32:
         # grad_y_, grad_hy_, grad_cy_: float32 copies for the primitive.

@@ -36,7 +36,7 @@ import torch
 
 from pytest_torchmem.engine.tracing.devices.cpu.base import CPU, profile_of
 from pytest_torchmem.engine.tracing.devices.cpu.misc import itemsize
-from pytest_torchmem.engine.tracing.rules import OUTPUTS, Alloc, Inexact, OpCall, Steps
+from pytest_torchmem.engine.tracing.rules import OUTPUTS, Alloc, Inexact, OpCall, Steps, nbytes_of
 
 aten = torch.ops.aten
 
@@ -68,9 +68,6 @@ _BACKWARD: Final = (
 )
 
 
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
 
 def _channels_last(t: torch.Tensor) -> torch.memory_format:
     return torch.channels_last if t.dim() == 4 else torch.channels_last_3d
@@ -91,7 +88,7 @@ def _vectorized(threads: int, kind: str | None, output: torch.Tensor, x: torch.T
 def _copies(fmt: torch.memory_format, tensors: Sequence[tuple[str, torch.Tensor]]) -> list[Alloc]:
     """``t.contiguous(fmt)`` of each tensor that is not already."""
     return [
-        Alloc(f"{name}.contiguous()", _nbytes(t))
+        Alloc(f"{name}.contiguous()", nbytes_of(t))
         for name, t in tensors
         if t.numel() and not t.is_contiguous(memory_format=fmt)
     ]

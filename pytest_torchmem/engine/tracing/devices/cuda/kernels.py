@@ -44,11 +44,6 @@ _F32: Final = 4
 _HALVES: Final = (torch.float16, torch.bfloat16)
 
 
-def _arg(call: OpCall, index: int, name: str, default: Any = None) -> Any:
-    if len(call.args) > index:
-        return call.args[index]
-    return call.kwargs.get(name, default)
-
 
 def _round_up(x: int, m: int) -> int:
     return (x + m - 1) // m * m
@@ -105,7 +100,7 @@ def _flash_forward(call: OpCall) -> Steps:
     ``rng_state`` (2 x uint64) is replaced by a second one, the first freed at
     the end."""
     q, k = call.args[0], call.args[1]
-    dropout_p = _arg(call, 3, "dropout_p", 0.0)
+    dropout_p = call.arg(3, "dropout_p", 0.0)
     b, h, s_q, d = q.shape
     s_k, h_k = k.size(2), k.size(1)
     if s_q == 1 and h > h_k and dropout_p == 0.0 and d % 8 == 0:  # seqlenq_ngroups_swapped
@@ -249,7 +244,7 @@ def _cudnn_attention_outputs(call: OpCall) -> Any:
     (b, h, s_q, 1) fp32 are made only when ``compute_log_sumexp``; the seed and
     offset are 0-dim int64 tensors on the device (as the meta kernel has them)."""
     out = list(call.func(*call.args, **call.kwargs))
-    if not _arg(call, 4, "compute_log_sumexp", False):
+    if not call.arg(4, "compute_log_sumexp", False):
         out[1] = out[1].new_empty((0,))
     return tuple(out)
 

@@ -78,6 +78,7 @@ from pytest_torchmem.engine.tracing.rules import (
     OpCall,
     Step,
     TraceContext,
+    nbytes_of,
 )
 
 __all__ = [
@@ -122,11 +123,6 @@ def _sm_count(gpu: Any) -> int:
     return int(getattr(gpu, "sm_count", _DEFAULT_SM_COUNT))
 
 
-def _arg(call: OpCall, index: int, name: str, default: Any = None) -> Any:
-    if len(call.args) > index:
-        return call.args[index]
-    return call.kwargs.get(name, default)
-
 
 def _first(out: Any) -> torch.Tensor:
     return out[0] if isinstance(out, (tuple, list)) else out
@@ -152,9 +148,6 @@ def _acc_size(dtype: torch.dtype) -> int:
         return 1
     return 8
 
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
 
 
 # -- the TensorIterator of a reduction ----------------------------------------------
@@ -525,9 +518,9 @@ def _sum(call: OpCall) -> list[Step]:
     if call.func in (aten.sum.default, aten.nansum.default, aten.prod.default):
         dim, keepdim = None, False
     elif call.func == aten.prod.dim_int:
-        dim, keepdim = _arg(call, 1, "dim"), bool(_arg(call, 2, "keepdim", False))
+        dim, keepdim = call.arg(1, "dim"), bool(call.arg(2, "keepdim", False))
     else:
-        dim, keepdim = _arg(call, 1, "dim"), bool(_arg(call, 2, "keepdim", False))
+        dim, keepdim = call.arg(1, "dim"), bool(call.arg(2, "keepdim", False))
     in_dtype = _sum_in_dtype(self, out.dtype)
     return _with_outputs(
         reduction_steps(
@@ -544,7 +537,7 @@ def _mean(call: OpCall) -> list[Step]:
     if call.func == aten.mean.default:
         dim, keepdim = None, False
     else:
-        dim, keepdim = _arg(call, 1, "dim"), bool(_arg(call, 2, "keepdim", False))
+        dim, keepdim = call.arg(1, "dim"), bool(call.arg(2, "keepdim", False))
     in_dtype = _sum_in_dtype(self, out.dtype)
     return _with_outputs(
         reduction_steps(
@@ -562,7 +555,7 @@ def _amax(call: OpCall) -> list[Step]:
     if call.func in (aten.max.default, aten.min.default):
         dim, keepdim = None, False
     else:
-        dim, keepdim = _arg(call, 1, "dim", ()), bool(_arg(call, 2, "keepdim", False))
+        dim, keepdim = call.arg(1, "dim", ()), bool(call.arg(2, "keepdim", False))
     return _with_outputs(
         reduction_steps(self, [out], dim, keepdim, context=call.context)
     )
@@ -576,12 +569,12 @@ def _arg_reduction(call: OpCall) -> list[Step]:
     reduces ``self.reshape(-1)`` (a copy when ``self`` cannot be viewed so)."""
     self = call.args[0]
     outs = list(call.out) if isinstance(call.out, (tuple, list)) else [call.out]
-    dim = _arg(call, 1, "dim")
-    keepdim = bool(_arg(call, 2, "keepdim", False))
+    dim = call.arg(1, "dim")
+    keepdim = bool(call.arg(2, "keepdim", False))
     steps: list[Step] = []
     if dim is None:  # argmax/argmin over everything: self.reshape({-1})
         if not self.is_contiguous() and self.numel() > 1:
-            steps.append(Alloc("reshape", _nbytes(self)))
+            steps.append(Alloc("reshape", nbytes_of(self)))
             self = torch.empty(self.numel(), dtype=self.dtype, device="meta")
         else:
             self = self.reshape(-1)
@@ -600,8 +593,8 @@ def _vector_norm(call: OpCall) -> list[Step]:
     ``Norm*Ops<scalar_t, acc_t>``, vt0 = 4); the input is cast when ``dtype``
     asks for another type (half/bfloat16 into float is read directly)."""
     self, out = call.args[0], _first(call.out)
-    dim = _arg(call, 2, "dim")
-    keepdim = bool(_arg(call, 3, "keepdim", False))
+    dim = call.arg(2, "dim")
+    keepdim = bool(call.arg(3, "keepdim", False))
     in_dtype = _sum_in_dtype(self, out.dtype) if not self.is_complex() else self.dtype
     return _with_outputs(
         reduction_steps(
@@ -627,7 +620,7 @@ def _var(call: OpCall) -> list[Step]:
     with ``WelfordOps`` (arg_t ``WelfordData``: 16 bytes in float, 32 in double)."""
     self = call.args[0]
     outs = list(call.out) if isinstance(call.out, (tuple, list)) else [call.out]
-    dim = _arg(call, 1, "dim")
+    dim = call.arg(1, "dim")
     keepdim = bool(
         call.kwargs.get("keepdim", call.args[3] if len(call.args) > 3 else False)
     )
@@ -684,8 +677,8 @@ def _foreach_norm(call: OpCall) -> list[Step]:
     ``ceil(numel / 65536)``, allocated before the results; otherwise the slow
     route (one ``linalg_vector_norm`` per tensor, whose ops are traced)."""
     tensors = list(call.args[0])
-    ord_ = float(_arg(call, 1, "ord", 2))
-    dtype = _arg(call, 2, "dtype")
+    ord_ = float(call.arg(1, "ord", 2))
+    dtype = call.arg(2, "dtype")
     if (
         not _fast_route(tensors)
         or any(not (t.dtype.is_floating_point) for t in tensors)
@@ -763,12 +756,12 @@ def _embedding_dense_backward(call: OpCall) -> list[Step]:
     each of at most ``1 + (rows - 1) / 10`` partial segments)."""
     grad, indices = call.args[0], call.args[1]
     num_weights = int(call.args[2])
-    scale = bool(_arg(call, 4, "scale_grad_by_freq", False))
+    scale = bool(call.arg(4, "scale_grad_by_freq", False))
     steps: list[Step] = []
     if not indices.is_contiguous():
-        steps.append(Alloc("indices", _nbytes(indices)))
+        steps.append(Alloc("indices", nbytes_of(indices)))
     if not grad.is_contiguous():
-        steps.append(Alloc("grad", _nbytes(grad)))
+        steps.append(Alloc("grad", nbytes_of(grad)))
     n = indices.numel()
     if n <= _EMBEDDING_DIRECT_MAX and not scale:
         return [*steps, OUTPUTS]
@@ -854,7 +847,7 @@ def _contiguous_copy(t: Any) -> int:
     """Bytes ``t.contiguous()`` / ``expect_contiguous()`` allocates (0 when it already is)."""
     if not isinstance(t, torch.Tensor) or t.is_contiguous():
         return 0
-    return _nbytes(t)
+    return nbytes_of(t)
 
 
 @CUDA.scratch(aten._softmax.default, aten._log_softmax.default)
@@ -885,7 +878,7 @@ def _nll_loss_forward(call: OpCall) -> list[Step]:
     through ``expect_contiguous()`` and ``weight.contiguous()``; the kernels
     themselves reduce in one block (``total_weight`` is an output)."""
     self, target = call.args[0], call.args[1]
-    weight = _arg(call, 2, "weight")
+    weight = call.arg(2, "weight")
     return [
         OUTPUTS,
         Alloc("input", _contiguous_copy(self)),
@@ -899,7 +892,7 @@ def _nll_loss_backward(call: OpCall) -> list[Step]:
     """``nll_loss_backward_out_cuda_template`` (``Loss.cu``): ``target``, ``input``
     and ``grad_output`` through ``expect_contiguous()``, ``weight.contiguous()``."""
     grad_output, self, target = call.args[0], call.args[1], call.args[2]
-    weight = _arg(call, 3, "weight")
+    weight = call.arg(3, "weight")
     return [
         OUTPUTS,
         Alloc("target", _contiguous_copy(target)),

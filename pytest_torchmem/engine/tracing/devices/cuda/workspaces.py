@@ -83,6 +83,7 @@ from pytest_torchmem.engine.tracing.rules import (
     OpCall,
     Step,
     TraceContext,
+    nbytes_of,
 )
 from pytest_torchmem.engine.units import parse_bytes
 
@@ -209,9 +210,6 @@ def _prefers_cublaslt() -> bool:
 # -- operand copies ---------------------------------------------------------------------
 
 
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
 
 def _matrix_needs_copy(t: torch.Tensor) -> bool:
     """``prepare_matrix_for_cublas``: a 2-d operand is cloned contiguous unless it is
@@ -246,11 +244,11 @@ def _gemm_copies(
         n0 = result.shape[0]
         transpose_result = not (s0 == 1 and s1 >= max(1, n0))
         if _matrix_needs_copy(result):
-            copies.append(("result", _nbytes(result)))
+            copies.append(("result", nbytes_of(result)))
     first, second = (mat2, mat1) if transpose_result else (mat1, mat2)
     for name, t in (("mat_a", first), ("mat_b", second)):
         if _matrix_needs_copy(t):
-            copies.append((name, _nbytes(t)))
+            copies.append((name, nbytes_of(t)))
     return copies
 
 
@@ -345,16 +343,16 @@ def _bmm(call: OpCall) -> list[Step]:
         transpose_result = True
     else:
         transpose_result = False
-        copies.append(("result", _nbytes(result)))
+        copies.append(("result", nbytes_of(result)))
     leading = 1 if transpose_result else 2
     m = size[2 if transpose_result else 1]
     n = size[leading]
     k = (batch2 if transpose_result else batch1).shape[leading]
     first, second = (batch2, batch1) if transpose_result else (batch1, batch2)
     if _batch_needs_copy(first, transpose_result, m, k):
-        copies.append(("batch_a", _nbytes(first)))
+        copies.append(("batch_a", nbytes_of(first)))
     if _batch_needs_copy(second, transpose_result, k, n):
-        copies.append(("batch_b", _nbytes(second)))
+        copies.append(("batch_b", nbytes_of(second)))
     return _copy_steps(copies, blas_workspace_steps(call, lt=_prefers_cublaslt()))
 
 
@@ -371,11 +369,11 @@ def _mv(call: OpCall) -> list[Step]:
         return [OUTPUTS]
     copies: list[tuple[str, int]] = []
     if vec.stride(0) == 0 and not vec.is_contiguous():
-        copies.append(("vec", _nbytes(vec)))
+        copies.append(("vec", nbytes_of(vec)))
     s0, s1 = mat.stride()
     n0, n1 = mat.shape
     if not ((s0 == 1 and s1 >= max(1, n0)) or (s1 == 1 and s0 >= max(1, n1))):
-        copies.append(("mat", _nbytes(mat)))
+        copies.append(("mat", nbytes_of(mat)))
     return _copy_steps(copies, blas_workspace_steps(call, lt=False))
 
 
@@ -559,7 +557,7 @@ def _copy_bytes(
     """Bytes ``t.contiguous(fmt)`` allocates (0 when ``t`` already is)."""
     if t.dim() not in (4, 5) and fmt != torch.contiguous_format:
         fmt = torch.contiguous_format
-    return 0 if t.is_contiguous(memory_format=fmt) else _nbytes(t)
+    return 0 if t.is_contiguous(memory_format=fmt) else nbytes_of(t)
 
 
 def _needs_64bit_indexing(c: _Conv, out_spatial_numel: int) -> bool:
@@ -717,7 +715,7 @@ def _convolution(call: OpCall) -> list[Step]:
     )
     steps: list[Step] = []
     if c.conv1d and not input.is_contiguous():
-        steps.append(Alloc("input_1d", _nbytes(input)))
+        steps.append(Alloc("input_1d", nbytes_of(input)))
         input = torch.empty(input.shape, dtype=input.dtype, device="meta")
         c = _conv(input, weight, call.args[3:9])
     if backend in ("cudnn", "cudnn_transpose"):
@@ -805,7 +803,7 @@ def _convolution_backward(call: OpCall) -> list[Step]:
         if mask[1]:
             steps.append(Alloc("input", _copy_bytes(input, fmt)))
         if _suggest(grad_output) != _suggest(input):
-            steps.append(Alloc("grad_output_to", _nbytes(grad_output)))
+            steps.append(Alloc("grad_output_to", nbytes_of(grad_output)))
             go = torch.empty_like(grad_output, memory_format=_suggest(input))
         else:
             go = grad_output

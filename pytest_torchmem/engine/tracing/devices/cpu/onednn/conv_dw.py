@@ -6,9 +6,17 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import replace
 
-from pytest_torchmem.engine.tracing.devices.cpu.onednn.common import Geo, Pad, Prim, div_up, end_pad, f32, nxc_is_plain, rnd_up
+from pytest_torchmem.engine.tracing.devices.cpu.onednn.common import (
+    Geo,
+    Pad,
+    Prim,
+    div_up,
+    end_pad,
+    f32,
+    nxc_is_plain,
+    rnd_up,
+)
 from pytest_torchmem.engine.tracing.devices.cpu.profiles import CpuProfile
-
 
 #: The ISA levels of ``jit_uni_dw_convolution_*_t``, as the implementation lists name them.
 ISAS = ("avx512_core", "avx2", "sse41")

@@ -8,7 +8,15 @@ backward-weights first shrink the columns to a block of output rows that fits.
 
 from __future__ import annotations
 
-from pytest_torchmem.engine.tracing.devices.cpu.onednn.common import Geo, Pad, Prim, cdiv, div_up, f32, rnd_up
+from pytest_torchmem.engine.tracing.devices.cpu.onednn.common import (
+    Geo,
+    Pad,
+    Prim,
+    cdiv,
+    div_up,
+    f32,
+    rnd_up,
+)
 from pytest_torchmem.engine.tracing.devices.cpu.profiles import CpuProfile
 
 

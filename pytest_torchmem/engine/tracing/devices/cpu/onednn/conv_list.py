@@ -8,7 +8,14 @@ import functools
 from dataclasses import replace
 from typing import Any, Final
 
-from pytest_torchmem.engine.tracing.devices.cpu.onednn import conv_1x1, conv_brgemm, conv_dw, conv_gemm, conv_jit, conv_ref
+from pytest_torchmem.engine.tracing.devices.cpu.onednn import (
+    conv_1x1,
+    conv_brgemm,
+    conv_dw,
+    conv_gemm,
+    conv_jit,
+    conv_ref,
+)
 from pytest_torchmem.engine.tracing.devices.cpu.onednn.common import Geo, Pad, Prim, swap
 from pytest_torchmem.engine.tracing.devices.cpu.profiles import CpuProfile
 
