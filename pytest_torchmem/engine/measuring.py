@@ -22,7 +22,15 @@ import torch
 from torch.autograd.profiler import record_function
 from torch.profiler import ProfilerActivity, profile
 
-from pytest_torchmem.engine.model_state import Converted, StandIns, collect, convert, substituted
+from pytest_torchmem.engine.model_state import (
+    Converted,
+    HookError,
+    StandIns,
+    collect,
+    convert,
+    hook_failure,
+    substituted,
+)
 from pytest_torchmem.engine.report import Category, MemoryReport, Unsupported
 from pytest_torchmem.engine.step import ModuleTracker, run_step
 from pytest_torchmem.engine.timeline import Phase, StorageInfo, Timeline, analyze
@@ -112,14 +120,22 @@ def measure_step(request: StepRequest) -> MemoryReport:
         if entry not in regions:
             regions.append(entry)
 
+    hooks: list[Unsupported] = []
+
+    def hook_failed(hook: Any, exc: Exception) -> None:
+        entry = hook_failure(hook, exc)
+        if entry not in hooks:
+            hooks.append(entry)
+
     compiled_ran = False
     with watch_compiled(noted):
         if request.device == "cuda":
-            report = _measure_cuda(request)
+            report = _measure_cuda(request, hook_failed)
         else:
-            report, compiled_ran = _measure_cpu(request)
-    if regions and not compiled_ran:
-        report = dataclasses.replace(report, unsupported=(*report.unsupported, *regions))
+            report, compiled_ran = _measure_cpu(request, hook_failed)
+    flagged = [*hooks, *(() if compiled_ran else regions)]
+    if flagged:
+        report = dataclasses.replace(report, unsupported=(*report.unsupported, *flagged))
     return report
 
 
@@ -151,10 +167,12 @@ def _host_profile_name() -> str | None:
         return None
 
 
-def _measure_cpu(request: StepRequest) -> tuple[MemoryReport, bool]:
+def _measure_cpu(
+    request: StepRequest, on_hook_error: HookError | None = None
+) -> tuple[MemoryReport, bool]:
     """The report, and whether compiled code ran in the measured step."""
     profile = _host_profile_name()
-    prof, timeline, baseline = profile_cpu_step(request)
+    prof, timeline, baseline = profile_cpu_step(request, on_hook_error)
     analysis = analyze(timeline, baseline)
     forward, backward, step = analysis.phase_peaks
     return MemoryReport(
@@ -179,7 +197,9 @@ def _ran_compiled_code(prof: Any) -> bool:
     return False
 
 
-def profile_cpu_step(request: StepRequest) -> tuple[Any, Timeline, list[int]]:
+def profile_cpu_step(
+    request: StepRequest, on_hook_error: HookError | None = None
+) -> tuple[Any, Timeline, list[int]]:
     """Run the step on the CPU under the profiler: ``(profiler, timeline, baseline sids)``.
 
     A model with compiled modules first runs one warm-up step (see :func:`measure_step`).
@@ -188,9 +208,9 @@ def profile_cpu_step(request: StepRequest) -> tuple[Any, Timeline, list[int]]:
     model_tensors = collect(request.model)
     compiled = has_compiled_modules(request.model)
     if compiled:
-        _warm_up(request, model_tensors, device)
+        _warm_up(request, model_tensors, device, on_hook_error)
     with torch.no_grad():
-        standins = convert(model_tensors, request.args, request.kwargs, _copies(device))
+        standins = convert(model_tensors, request.args, request.kwargs, _copies(device), on_hook_error)
     timeline = Timeline()
     by_ptr: dict[int, int] = {}
     baseline: list[int] = []
@@ -237,10 +257,15 @@ class _NoModules:
         return None
 
 
-def _warm_up(request: StepRequest, model_tensors: Any, device: torch.device) -> None:
+def _warm_up(
+    request: StepRequest,
+    model_tensors: Any,
+    device: torch.device,
+    on_hook_error: HookError | None = None,
+) -> None:
     """One step of a compiled model on copies of its tensors, unmeasured: it compiles."""
     with torch.no_grad():
-        copies = convert(model_tensors, request.args, request.kwargs, _copies(device))
+        copies = convert(model_tensors, request.args, request.kwargs, _copies(device), on_hook_error)
     with substituted(model_tensors, copies.model):
         run_step(
             request.model,
@@ -389,7 +414,7 @@ def _is_scratch(node: Any) -> bool:
     return False
 
 
-def _measure_cuda(request: StepRequest) -> MemoryReport:
+def _measure_cuda(request: StepRequest, on_hook_error: HookError | None = None) -> MemoryReport:
     """One step on the GPU, from a defined state.
 
     The state: the caching allocator holds no cached blocks
@@ -413,7 +438,7 @@ def _measure_cuda(request: StepRequest) -> MemoryReport:
     held_reserved = torch.cuda.memory_reserved(device)
     model_tensors = collect(request.model)
     with torch.no_grad():
-        standins = convert(model_tensors, request.args, request.kwargs, _copies(device))
+        standins = convert(model_tensors, request.args, request.kwargs, _copies(device), on_hook_error)
     probe = _CudaPeakProbe(device)
     modules = ModuleTracker(request.model, probe)
     torch.cuda.synchronize(device)

@@ -20,8 +20,18 @@ import torch
 from torch import nn
 
 from pytest_torchmem.engine.containers import map_tensors
+from pytest_torchmem.engine.report import Unsupported
 
-__all__ = ["Slot", "ModelTensors", "StandIns", "collect", "convert", "substituted"]
+__all__ = [
+    "Slot",
+    "ModelTensors",
+    "StandIns",
+    "collect",
+    "convert",
+    "HookError",
+    "hook_failure",
+    "substituted",
+]
 
 SlotKind = Literal["parameter", "buffer", "attribute"]
 
@@ -99,8 +109,9 @@ def _spans_its_storage(t: torch.Tensor) -> bool:
 class _Converter:
     """Converts tensors one by one; tensors that share a storage share the new one."""
 
-    def __init__(self, make: StandIns) -> None:
+    def __init__(self, make: StandIns, on_hook_error: HookError | None = None) -> None:
         self.make = make
+        self.on_hook_error = on_hook_error
         self.storages: dict[int, torch.UntypedStorage] = {}
         self.tensors: dict[int, torch.Tensor] = {}
         self.with_grads: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -127,12 +138,61 @@ class _Converter:
             new.set_(storage, t.storage_offset(), t.shape, t.stride())
         if isinstance(t, nn.Parameter):
             new = self.make.parameter(new, t.requires_grad)
+            if new.requires_grad:
+                _carry_hooks(t, new, self.on_hook_error)
         elif t.requires_grad:
             new.requires_grad_(True)
         self.tensors[id(t)] = new
         if t.grad is not None and new.requires_grad:
             self.with_grads.append((t, new))
         return new
+
+
+#: Told a parameter hook that raised on a stand-in: ``(hook, exception)``.
+HookError = Callable[[Callable[..., Any], Exception], None]
+
+
+def _carry_hooks(original: torch.Tensor, standin: torch.Tensor, on_error: HookError | None) -> None:
+    """Register ``original``'s tensor hooks (``register_hook``) and post-accumulate-grad
+    hooks (``register_post_accumulate_grad_hook``: the optimizer step fused into
+    backward) on its stand-in, so that the step runs them as eager runs them.
+
+    A hook gets the stand-in, not the model's parameter: one that looks the
+    parameter up (a dict of per-parameter optimizers keyed by it) raises; with
+    ``on_error`` its exception is told there instead of ending the step.
+    """
+
+    def guarded(hook: Callable[..., Any]) -> Callable[..., Any]:
+        if on_error is None:
+            return hook
+
+        def run(argument: Any) -> Any:
+            try:
+                return hook(argument)
+            except Exception as exc:  # noqa: BLE001 - told, not raised (see above)
+                on_error(hook, exc)
+                return None
+
+        return run
+
+    for hook in list((original._backward_hooks or {}).values()):
+        standin.register_hook(guarded(hook))
+    for hook in list((getattr(original, "_post_accumulate_grad_hooks", None) or {}).values()):
+        standin.register_post_accumulate_grad_hook(guarded(hook))
+
+
+def hook_failure(hook: Callable[..., Any], exc: Exception) -> Unsupported:
+    """What a report says of a parameter hook that raised on the step's stand-in."""
+    code = getattr(hook, "__code__", None)
+    where = f"{code.co_filename}:{code.co_firstlineno}" if code is not None else ""
+    name = getattr(hook, "__qualname__", repr(hook))
+    return Unsupported(
+        f"parameter hook {name}",
+        f"it raised {type(exc).__name__} on the step's stand-in of the parameter "
+        "(a hook that looks the model's parameter up, such as a dict of per-parameter "
+        "optimizers, cannot run on the stand-in); its effect is not in these figures",
+        where,
+    )
 
 
 @dataclass
@@ -157,9 +217,11 @@ def convert(
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
     make: StandIns,
+    on_hook_error: HookError | None = None,
 ) -> Converted:
-    """Make stand-ins for the model's tensors and the inputs' tensors."""
-    convert_one = _Converter(make)
+    """Make stand-ins for the model's tensors and the inputs' tensors; the parameters'
+    hooks are carried to their stand-ins (see :func:`_carry_hooks`)."""
+    convert_one = _Converter(make, on_hook_error)
     parameters = [convert_one(t) for t in model_tensors.unique("parameter")]
     buffers = [convert_one(t) for t in model_tensors.unique("buffer")]
     attributes = [convert_one(t) for t in model_tensors.unique("attribute")]

@@ -10,7 +10,14 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from pytest_torchmem.engine.model_state import Converted, StandIns, collect, convert, substituted
+from pytest_torchmem.engine.model_state import (
+    Converted,
+    StandIns,
+    collect,
+    convert,
+    hook_failure,
+    substituted,
+)
 from pytest_torchmem.engine.report import Category, MemoryReport
 from pytest_torchmem.engine.step import LossFn, ModuleTracker, OptimizerFactory, run_step
 from pytest_torchmem.engine.timeline import Analysis, Timeline, analyze
@@ -66,8 +73,11 @@ def trace(
     where = device.trace_device
     model_tensors = collect(model)
 
+    def hook_failed(hook: Any, exc: Exception) -> None:
+        tracker.flag(hook_failure(hook, exc))
+
     with fake_mode:
-        standins = convert(model_tensors, args, kwargs, fake_standins(where))
+        standins = convert(model_tensors, args, kwargs, fake_standins(where), hook_failed)
     tracker = Tracker(
         fake_mode,
         where,

@@ -736,7 +736,10 @@ class Tracker(TorchDispatchMode):
         """The step entered ``name``, compiled with torch.compile, which ran eagerly here."""
         from pytest_torchmem.engine.tracing.compiled import EAGER_REASON
 
-        entry = Unsupported(f"torch.compile: {name}", EAGER_REASON, location)
+        self.flag(Unsupported(f"torch.compile: {name}", EAGER_REASON, location))
+
+    def flag(self, entry: Unsupported) -> None:
+        """List ``entry`` in ``unsupported``, once."""
         if entry not in self._inexact:
             self._inexact.add(entry)
             self.unsupported.append(entry)
