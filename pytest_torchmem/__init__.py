@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 if TYPE_CHECKING:
     from pytest_torchmem.engine.api import estimate, measure
+    from pytest_torchmem.engine.parallel import Parallel
     from pytest_torchmem.engine.report import Category, MemoryReport, ModulePeak, Unsupported
     from pytest_torchmem.engine.tracing.devices.cpu.profiles import CpuProfile
     from pytest_torchmem.engine.units import format_bytes, parse_bytes
@@ -24,6 +25,7 @@ __all__ = [
     "estimate",
     "measure",
     "MemoryReport",
+    "Parallel",
     "Category",
     "ModulePeak",
     "Unsupported",
@@ -39,6 +41,7 @@ _LAZY: Final = {
     "estimate": "pytest_torchmem.engine.api",
     "measure": "pytest_torchmem.engine.api",
     "MemoryReport": "pytest_torchmem.engine.report",
+    "Parallel": "pytest_torchmem.engine.parallel",
     "Category": "pytest_torchmem.engine.report",
     "ModulePeak": "pytest_torchmem.engine.report",
     "Unsupported": "pytest_torchmem.engine.report",

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from torch import nn
 
+from pytest_torchmem.engine.parallel import Parallel
 from pytest_torchmem.engine.report import MemoryReport
 from pytest_torchmem.engine.request import step_request
 from pytest_torchmem.engine.step import LossFn, OptimizerFactory
@@ -28,6 +30,7 @@ def estimate(
     keep_output: bool = False,
     gpu: str | None = None,
     cpu: str | CpuProfile | None = None,
+    parallel: Parallel | None = None,
 ) -> MemoryReport:
     """Estimate the memory of one step of ``model`` on ``inputs`` with fake tensors.
 
@@ -68,18 +71,40 @@ def estimate(
         raise ValueError(f"gpu={gpu!r} applies to device='cuda' only, not {device!r}")
     if cpu is not None and request.device != "cpu":
         raise ValueError(f"cpu={cpu!r} applies to device='cpu' only, not {device!r}")
-    return trace(
-        request.model,
-        request.args,
-        request.kwargs,
-        device=device_model(request.device),
-        loss_fn=request.loss_fn,
-        optimizer=request.optimizer,
-        train=request.train,
-        keep_output=request.keep_output,
-        gpu=gpu_profile(gpu) if request.device == "cuda" else None,
-        cpu=cpu_profile(cpu) if request.device == "cpu" else None,
-    ).report
+    _check_parallel(parallel)
+    reports = [
+        trace(
+            request.model,
+            request.args,
+            request.kwargs,
+            device=device_model(request.device),
+            loss_fn=request.loss_fn,
+            optimizer=request.optimizer,
+            train=request.train,
+            keep_output=request.keep_output,
+            gpu=gpu_profile(gpu) if request.device == "cuda" else None,
+            cpu=cpu_profile(cpu) if request.device == "cpu" else None,
+            parallel=parallel,
+            rank=rank,
+        ).report
+        for rank in (parallel.ranks() if parallel is not None else [0])
+    ]
+    return highest(reports)
+
+
+def highest(reports: list[MemoryReport]) -> MemoryReport:
+    """The report with the highest peak (the first of equal ones)."""
+    return max(reports, key=lambda report: report.peak)
+
+
+def _check_parallel(parallel: Any) -> None:
+    from pytest_torchmem.engine.parallel import Parallel
+
+    if parallel is not None and not isinstance(parallel, Parallel):
+        raise TypeError(
+            "parallel must be a pytest_torchmem.Parallel, e.g. "
+            f"parallel=tm.Parallel(mesh={{'dp': 8}}, apply=fn), got {type(parallel).__name__}"
+        )
 
 
 def measure(
@@ -91,6 +116,7 @@ def measure(
     optimizer: OptimizerFactory | None = None,
     train: bool = True,
     keep_output: bool = False,
+    parallel: Parallel | None = None,
 ) -> MemoryReport:
     """Run one step of ``model`` for real and report the memory it took.
 
@@ -101,10 +127,15 @@ def measure(
     gradients are cloned first, so the model itself is left as it was. The
     report's ``profile`` names the machine measured: this host's CPU profile
     (``"avx2:2"``; None where the host is no level the CPU rules model), or the GPU.
+
+    ``parallel`` (cpu only): the mesh's ranks run as real processes on this
+    machine over gloo (world size at most 4), each measured as above; the
+    report is the memory of ``parallel.rank``.
     """
     from pytest_torchmem.engine.measuring import measure_step
 
+    _check_parallel(parallel)
     request = step_request("measure", model, inputs, device, loss_fn, optimizer, train, keep_output)
-    return measure_step(request)
+    return measure_step(dataclasses.replace(request, parallel=parallel))
 
 

@@ -14,7 +14,9 @@ each phase boundary.
 from __future__ import annotations
 
 import dataclasses
+import gc
 from collections.abc import Iterable
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final
 
@@ -31,9 +33,10 @@ from pytest_torchmem.engine.model_state import (
     hook_failure,
     substituted,
 )
+from pytest_torchmem.engine.parallel import applied, local_tensors, model_copy
 from pytest_torchmem.engine.report import Category, MemoryReport, Unsupported
 from pytest_torchmem.engine.step import ModuleTracker, run_step
-from pytest_torchmem.engine.timeline import Phase, StorageInfo, Timeline, analyze
+from pytest_torchmem.engine.timeline import FREE, Phase, StorageInfo, Timeline, analyze
 from pytest_torchmem.engine.tracing.compiled import MEASURED_EAGER_REASON, watch_compiled
 from pytest_torchmem.engine.tracing.devices.cpu.profiles import host_profile
 
@@ -70,6 +73,11 @@ class _MarkingProbe:
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         pass
+
+    def settle(self) -> None:
+        """Mark the end of ``apply``: what it made and left alive is a gradient buffer
+        unless a later role says otherwise."""
+        self._mark("settle:0")
 
     def assign_role(self, category: Category, tensors: Iterable[torch.Tensor]) -> None:
         # A zero tensor (the gradient of sgn, say) has no memory and no data pointer.
@@ -129,7 +137,9 @@ def measure_step(request: StepRequest) -> MemoryReport:
 
     compiled_ran = False
     with watch_compiled(noted):
-        if request.device == "cuda":
+        if request.parallel is not None:
+            report = _measure_ranks(request, hook_failed)
+        elif request.device == "cuda":
             report = _measure_cuda(request, hook_failed)
         else:
             report, compiled_ran = _measure_cpu(request, hook_failed)
@@ -168,11 +178,11 @@ def _host_profile_name() -> str | None:
 
 
 def _measure_cpu(
-    request: StepRequest, on_hook_error: HookError | None = None
+    request: StepRequest, on_hook_error: HookError | None = None, mesh: Any = None
 ) -> tuple[MemoryReport, bool]:
     """The report, and whether compiled code ran in the measured step."""
     profile = _host_profile_name()
-    prof, timeline, baseline = profile_cpu_step(request, on_hook_error)
+    prof, timeline, baseline = profile_cpu_step(request, on_hook_error, mesh)
     analysis = analyze(timeline, baseline)
     forward, backward, step = analysis.phase_peaks
     return MemoryReport(
@@ -198,11 +208,14 @@ def _ran_compiled_code(prof: Any) -> bool:
 
 
 def profile_cpu_step(
-    request: StepRequest, on_hook_error: HookError | None = None
+    request: StepRequest, on_hook_error: HookError | None = None, mesh: Any = None
 ) -> tuple[Any, Timeline, list[int]]:
     """Run the step on the CPU under the profiler: ``(profiler, timeline, baseline sids)``.
 
     A model with compiled modules first runs one warm-up step (see :func:`measure_step`).
+    Under ``request.parallel``, ``mesh`` is the real device mesh of this rank:
+    ``apply`` runs under the profiler on a copy of the model that holds the
+    copies, and what it leaves alive counts from the start of the step.
     """
     device = torch.device("cpu")
     model_tensors = collect(request.model)
@@ -224,15 +237,29 @@ def profile_cpu_step(
             baseline.append(sid)
 
     probe = _MarkingProbe()
-    modules: Any = _NoModules() if compiled else ModuleTracker(request.model, probe)
+    parallel = request.parallel
+    step_model = request.model
+    if parallel is not None:
+        step_model = model_copy(request.model, model_tensors, standins.model)
+    modules: Any = _NoModules() if compiled else ModuleTracker(step_model, probe)
     timeline.module_names = modules.names
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        with substituted(model_tensors, standins.model), modules:
+        parameters = standins.parameters
+        if parallel is not None:
+            probe.set_phase(None)  # the events of apply are read from here
+            step_model = applied(parallel, step_model, mesh)
+            standins.model.clear()
+            standins.parameters = standins.buffers = standins.attributes = []
+            parameters = list(step_model.parameters())
+            probe.settle()
+            probe.assign_role(Category.PARAMETERS, local_tensors(parameters))
+            probe.assign_role(Category.BUFFERS, local_tensors(step_model.buffers()))
+        with substituted(model_tensors, standins.model) if parallel is None else nullcontext(), modules:
             run_step(
-                request.model,
+                step_model,
                 standins.args,
                 standins.kwargs,
-                parameters=standins.parameters,
+                parameters=parameters,
                 inputs=standins.inputs,
                 loss_fn=request.loss_fn,
                 optimizer=request.optimizer,
@@ -240,7 +267,10 @@ def profile_cpu_step(
                 probe=probe,
                 keep_output=request.keep_output,
             )
-        del standins
+        del standins, step_model, parameters
+        if parallel is not None:
+            # DDP's reducer sits in reference cycles: freed here, seen freed (see _free_released)
+            gc.collect()
     _read_events(prof, timeline, by_ptr, probe)
     return prof, timeline, baseline
 
@@ -298,6 +328,8 @@ def _read_events(prof: Any, timeline: Timeline, by_ptr: dict[int, int], probe: _
 
     phase: Phase | None = None
     started = False
+    first = len(timeline.storages)
+    settled: tuple[int, set[int]] | None = None
     module = -1
     for _, node in events:
         fields = node.extra_fields
@@ -313,6 +345,11 @@ def _read_events(prof: Any, timeline: Timeline, by_ptr: dict[int, int], probe: _
                 timeline.enter(number)
             elif kind == "exit":
                 timeline.exit(number)
+            elif kind == "settle":
+                settled = (len(timeline.events), set(by_ptr.values()))
+                for sid in by_ptr.values():
+                    if sid >= first:
+                        timeline.assign_role(sid, Category.GRADIENTS)
             elif kind == "role":
                 category, ptrs = probe.roles[number]
                 for ptr in ptrs:
@@ -338,6 +375,36 @@ def _read_events(prof: Any, timeline: Timeline, by_ptr: dict[int, int], probe: _
             sid = by_ptr.pop(fields.ptr, None)
             if sid is not None:
                 timeline.free(sid)
+    if settled is not None:
+        _free_released(timeline, settled, first, set(by_ptr.values()))
+
+
+#: Roles of the storages the step holds from the end of ``apply`` on.
+_HELD_ROLES: Final = frozenset({Category.PARAMETERS, Category.BUFFERS})
+
+
+def _free_released(timeline: Timeline, settled: tuple[int, set[int]], first: int, never_freed: set[int]) -> None:
+    """Free, at the end of ``apply``, what it released but a gloo thread still held.
+
+    ``apply`` replaces the model's tensors (``distribute_tensor`` scatters a
+    full parameter and keeps a shard) and runs collectives of its own (DDP's
+    check of parameter shapes across ranks). Gloo's worker threads hold a
+    collective's tensors until they finish with the work, and drop them at
+    times of their own: on the step's thread, seen by the profiler at some
+    later point of the step, or on theirs, never seen. The step's figures
+    should not depend on that timing, so what the step does not hold when
+    ``apply`` returns (the model's parameters and buffers, the inputs, and
+    what ``apply`` made that is freed in sight later: DDP's buckets) is freed
+    there, as the estimate, with no threads, frees it.
+    """
+    index, live = settled
+    kept = {sid for sid, role in timeline.roles.items() if role in _HELD_ROLES}
+    kept.update(sid for sid in live if timeline.storages[sid].category == Category.INPUTS)
+    released = {sid for sid in live if sid not in kept and (sid < first or sid in never_freed)}
+    if not released:
+        return
+    later = [event for event in timeline.events[index:] if not (event[0] == FREE and event[1] in released)]
+    timeline.events[index:] = [(FREE, sid, 0) for sid in sorted(released)] + later
 
 
 _COMPOSITE: dict[str, bool] = {}
@@ -499,3 +566,27 @@ class _CudaPeakProbe:
 
     def assign_role(self, category: Category, tensors: Iterable[torch.Tensor]) -> None:
         pass
+
+
+def _measure_ranks(request: StepRequest, on_hook_error: HookError | None = None) -> MemoryReport:
+    """Run every rank of ``request.parallel`` as a real gloo process on this machine.
+
+    The ranks are forked from this process (so the model, the inputs and
+    ``apply`` reach them as they are, closures included), meet through a
+    file store, and each measures its own step as ``measure`` does; the report
+    is the asked rank's (``"max"``: the one with the highest peak).
+    """
+    from pytest_torchmem.engine.distributed import run_ranks
+
+    parallel = request.parallel
+    assert parallel is not None
+    if request.device != "cpu":
+        raise ValueError(
+            "measure(parallel=...) runs the ranks as gloo processes on the CPU; "
+            f"device={request.device!r} is not supported, use device='cpu'"
+        )
+    reports = run_ranks(parallel, lambda mesh: _measure_cpu(request, on_hook_error, mesh)[0].to_json())
+    parsed = [MemoryReport.from_json(text) for text in reports]
+    if parallel.rank == "max":
+        return max(parsed, key=lambda report: report.peak)
+    return parsed[int(parallel.rank)]

@@ -28,6 +28,8 @@ class StepRequest:
     train: bool
     #: Whether the model's output is held through backward (``keep_output=True``).
     keep_output: bool = False
+    #: The rank of a parallel run to report (a :class:`~pytest_torchmem.Parallel`), or None.
+    parallel: Any = None
 
 
 def step_request(

@@ -17,6 +17,7 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 
 from pytest_torchmem.engine.containers import tensors_in
+from pytest_torchmem.engine.parallel import local_tensors
 from pytest_torchmem.engine.report import ROOT_NAME, Category
 from pytest_torchmem.engine.timeline import Phase
 
@@ -197,7 +198,7 @@ def run_step(
     loss.backward()
     probe.assign_role(
         Category.GRADIENTS,
-        [t.grad for t in trainable + inputs if t.grad is not None],
+        local_tensors(t.grad for t in trainable + inputs if t.grad is not None),
     )
 
     if opt is not None:
@@ -205,7 +206,9 @@ def run_step(
         opt.step()
         probe.assign_role(
             Category.OPTIMIZER_STATE,
-            [v for state in opt.state.values() for v in tree_leaves(state) if isinstance(v, torch.Tensor)],
+            local_tensors(
+                v for state in opt.state.values() for v in tree_leaves(state) if isinstance(v, torch.Tensor)
+            ),
         )
         opt.zero_grad(set_to_none=True)
     probe.set_phase(None)

@@ -209,7 +209,8 @@ def analyze(timeline: Timeline, baseline: list[int], allocator: Allocator | None
             if charged > 0:
                 if phase >= 0 and live > peaks[phase]:
                     peaks[phase] = live
-                if live > best:
+                # before the step (parallel=: while apply runs) is no phase's peak
+                if phase >= 0 and live > best:
                     best = live
                     best_cat = list(by_cat)
                     peak_event = index

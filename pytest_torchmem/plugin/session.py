@@ -67,6 +67,7 @@ from pytest_torchmem.plugin.verdict import (
 if TYPE_CHECKING:
     from torch import nn
 
+    from pytest_torchmem.engine.parallel import Parallel
     from pytest_torchmem.engine.report import MemoryReport
     from pytest_torchmem.engine.request import StepRequest
     from pytest_torchmem.engine.step import LossFn, OptimizerFactory
@@ -310,6 +311,29 @@ def _quote(target: str) -> str:
     if any(char in target for char in '"$`\\!'):
         return shlex.quote(target)
     return f'"{target}"'
+
+
+def _marked_parallel(item: pytest.Item, spec: MarkerSpec, parallel: Parallel | None) -> Parallel | None:
+    """``parallel`` with the marker's ``mesh=`` and ``rank=`` in place of its own."""
+    if spec.mesh is None and spec.rank is None:
+        return parallel
+    if parallel is None:
+        pytest.fail(
+            f"{item.nodeid}: @pytest.mark.{MARKER}(mesh=..., rank=...) applies to "
+            "torchmem.check(..., parallel=tm.Parallel(mesh=..., apply=fn)); this check "
+            "has no parallel=, so say how the model is parallelized there",
+            pytrace=False,
+        )
+    from pytest_torchmem.engine.parallel import Parallel
+
+    try:
+        return Parallel(
+            mesh=parallel.mesh if spec.mesh is None else spec.mesh,
+            apply=parallel.apply,
+            rank=parallel.rank if spec.rank is None else spec.rank,  # type: ignore[arg-type]
+        )
+    except (TypeError, ValueError) as exc:
+        pytest.fail(f"{item.nodeid}: @pytest.mark.{MARKER}: {exc}", pytrace=False)
 
 
 def device_environment(
@@ -597,29 +621,43 @@ class TorchmemSession:
         return f"pytest --torchmem-update {_quote(target)}"
 
     def _estimate(
-        self, item: pytest.Item, request: StepRequest, device: str, name: str, gpu: str, cpu: Any
+        self,
+        item: pytest.Item,
+        request: StepRequest,
+        device: str,
+        name: str,
+        gpu: str,
+        cpu: Any,
+        parallel: Parallel | None = None,
     ) -> tuple[MemoryReport, Trace]:
         """The estimate on ``device`` with this session's rules, as the hooks adjust it,
-        and the trace it was read from."""
+        and the trace it was read from (``parallel``: of its rank; ``"max"``: the
+        rank with the highest peak)."""
         from pytest_torchmem.engine.report import MemoryReport
         from pytest_torchmem.engine.tracing.devices import device_model
         from pytest_torchmem.engine.tracing.devices.cuda.profiles import gpu_profile
         from pytest_torchmem.engine.tracing.trace import trace
 
         try:
-            traced = trace(
-                request.model,
-                request.args,
-                request.kwargs,
-                device=dataclasses.replace(device_model(device), rules=self.rules(item, device)),
-                loss_fn=request.loss_fn,
-                optimizer=request.optimizer,
-                train=request.train,
-                keep_output=request.keep_output,
-                gpu=gpu_profile(gpu) if device.startswith("cuda") else None,
-                cpu=cpu if device == "cpu" else None,
-                record_frames=self.settings.record_frames,
-            )
+            traces = [
+                trace(
+                    request.model,
+                    request.args,
+                    request.kwargs,
+                    device=dataclasses.replace(device_model(device), rules=self.rules(item, device)),
+                    loss_fn=request.loss_fn,
+                    optimizer=request.optimizer,
+                    train=request.train,
+                    keep_output=request.keep_output,
+                    gpu=gpu_profile(gpu) if device.startswith("cuda") else None,
+                    cpu=cpu if device == "cpu" else None,
+                    record_frames=self.settings.record_frames,
+                    parallel=parallel,
+                    rank=rank,
+                )
+                for rank in (parallel.ranks() if parallel is not None else [0])
+            ]
+            traced = max(traces, key=lambda one: one.report.peak)
         except RuntimeError as exc:
             if device.startswith("cuda") and "devices" in str(exc) and hasattr(exc, "add_note"):
                 exc.add_note(_DEVICE_HINT)
@@ -651,17 +689,23 @@ class TorchmemSession:
         train: bool,
         name: str | None,
         keep_output: bool | None = None,
+        parallel: Parallel | None = None,
     ) -> dict[str, MemoryReport]:
         __tracebackhide__ = True
+        from pytest_torchmem.engine.api import _check_parallel
         from pytest_torchmem.engine.request import step_request
 
         spec = self.spec(item)
+        _check_parallel(parallel)
+        parallel = _marked_parallel(item, spec, parallel)
         if keep_output is None:
             keep_output = self.settings.keep_output if spec.keep_output is None else spec.keep_output
         request = step_request(
             "torchmem.check", model, inputs, "cpu", loss_fn, optimizer, train, keep_output
         )
         name = self._claim(item, name)
+        # one entry per mesh and rank: checks of other meshes never compare with it
+        entry_name = name if parallel is None else f"{name} @ {parallel.key} rank={parallel.rank}"
         devices = spec.devices or self.settings.devices
         gpu = spec.gpu or self.settings.gpu
         cpu = _cpu_profile(spec.cpu or self.settings.cpu)
@@ -672,7 +716,7 @@ class TorchmemSession:
         reports: dict[str, MemoryReport] = {}
         results: list[Result] = []
         for device in devices:
-            report, traced = self._estimate(item, request, device, name, gpu, cpu)
+            report, traced = self._estimate(item, request, device, name, gpu, cpu, parallel)
             measured = None
             if device.startswith("cuda") and self.measuring():
                 # What measure(device="cuda") does: the step on the real GPU, from
@@ -682,7 +726,7 @@ class TorchmemSession:
                 measured = measure_step(dataclasses.replace(request, device="cuda"))
             environment = device_environment(device, gpu, str(cpu), request.keep_output)
             entry = Entry.from_report(report, environment, measured)
-            key = Key(module_test_id(item), name, device)
+            key = Key(module_test_id(item), entry_name, device)
             result = judge(
                 nodeid=item.nodeid,
                 key=key,
@@ -1083,6 +1127,7 @@ class TorchmemFixture:
         train: bool = True,
         name: str | None = None,
         keep_output: bool | None = None,
+        parallel: Parallel | None = None,
     ) -> dict[str, MemoryReport]:
         """Trace one step of ``model`` on each device and check it; return the reports by device.
 
@@ -1096,6 +1141,9 @@ class TorchmemFixture:
         ``keep_output``, else ``--torchmem-keep-output`` (ini
         ``torchmem_keep_output``), else ``False``; an entry recorded with the
         other setting fails until it is re-recorded.
+        ``parallel`` (``estimate``'s): the memory of one rank; the marker's
+        ``mesh=`` and ``rank=`` take the place of its own, and each mesh and
+        rank has an entry of its own.
         """
         __tracebackhide__ = True
         return self._session.check(
@@ -1107,4 +1155,5 @@ class TorchmemFixture:
             train=train,
             name=name,
             keep_output=keep_output,
+            parallel=parallel,
         )

@@ -48,7 +48,9 @@ __all__ = [
 
 #: The figures a ``memory_budget`` marker can cap.
 BUDGETS: Final = ("forward", "backward", "step", "peak")
-_MARKER_KEYS: Final = (*BUDGETS, "devices", "rtol", "atol", "gpu", "cpu", "keep_output")
+_MARKER_KEYS: Final = (
+    *BUDGETS, "devices", "rtol", "atol", "gpu", "cpu", "keep_output", "mesh", "rank"
+)
 #: The ISA levels of CPU profiles: ``tracing.devices.cpu.profiles.ISA_LEVELS``, spelled
 #: out so that reading options and markers needs no torch (a test checks that the two agree).
 CPU_ISA_LEVELS: Final = ("default", "avx2", "avx512")
@@ -90,6 +92,10 @@ class MarkerSpec:
     cpu: str | None = None
     #: Whether the model's output is held through backward (``keep_output``).
     keep_output: bool | None = None
+    #: The mesh of ``torchmem.check(parallel=...)``, in place of the Parallel's own.
+    mesh: Mapping[str, int] | None = None
+    #: The rank of ``torchmem.check(parallel=...)`` (an int or ``"max"``), in place of its own.
+    rank: int | str | None = None
 
     def tolerance(self, default: Tolerance) -> Tolerance:
         return Tolerance(
@@ -228,6 +234,12 @@ def parse_marker(
         raise MarkerError(
             f"{MARKER}(keep_output={keep_output!r}): keep_output must be True or False"
         )
+    mesh = merged.get("mesh")
+    if mesh is not None:
+        mesh = parse_mesh(mesh, f"{MARKER}(mesh={mesh!r})")
+    rank = merged.get("rank")
+    if rank is not None and rank != "max" and (isinstance(rank, bool) or not isinstance(rank, int) or rank < 0):
+        raise MarkerError(f"{MARKER}(rank={rank!r}): rank must be a rank number (0, 1, ...) or 'max'")
     return MarkerSpec(
         budgets=budgets,
         devices=devices,
@@ -236,7 +248,21 @@ def parse_marker(
         gpu=gpu,
         cpu=cpu,
         keep_output=keep_output,
+        mesh=mesh,
+        rank=rank,
     )
+
+
+def parse_mesh(value: Any, where: str) -> dict[str, int]:
+    """A mesh as the marker takes it: dimension names to positive sizes, ``{"dp": 8}``."""
+    if not isinstance(value, Mapping) or not value:
+        raise MarkerError(f"{where}: mesh must be a dict of dimension names to sizes, e.g. mesh={{'dp': 8}}")
+    for name, size in value.items():
+        if not isinstance(name, str) or not name.isidentifier():
+            raise MarkerError(f"{where}: dimension names must be identifiers such as 'dp', got {name!r}")
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise MarkerError(f"{where}: the size of dimension {name!r} must be a positive int, got {size!r}")
+    return dict(value)
 
 
 class Status(str, Enum):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final
 
 import torch
 from torch import nn
@@ -18,7 +18,8 @@ from pytest_torchmem.engine.model_state import (
     hook_failure,
     substituted,
 )
-from pytest_torchmem.engine.report import Category, MemoryReport
+from pytest_torchmem.engine.parallel import Parallel, applied, fake_world, local_tensors, model_copy
+from pytest_torchmem.engine.report import Category, MemoryReport, Unsupported
 from pytest_torchmem.engine.step import LossFn, ModuleTracker, OptimizerFactory, run_step
 from pytest_torchmem.engine.timeline import Analysis, Timeline, analyze
 from pytest_torchmem.engine.tracing.compiled import watch_compiled
@@ -60,6 +61,8 @@ def trace(
     gpu: GpuProfile | None = None,
     cpu: CpuProfile | None = None,
     record_frames: bool = False,
+    parallel: Parallel | None = None,
+    rank: int = 0,
 ) -> Trace:
     """Trace one step of ``model`` on fake tensors of ``device``: its report and timeline.
 
@@ -67,6 +70,8 @@ def trace(
     the CPU profile the CPU rules follow (ignored on cuda; ``None`` there: the
     CPU rules ask the host); ``record_frames`` keeps the user's frames of every
     allocation; ``keep_output`` holds the model's output to the end of the step.
+    ``parallel``: the step of rank ``rank`` of that mesh, over a fake process
+    group; ``parallel.apply`` runs on a copy of the model holding the stand-ins.
     """
     context = TraceContext(device.name, gpu=gpu, cpu=cpu)
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True, allow_fallback_kernels=False)
@@ -89,7 +94,8 @@ def trace(
         record_frames=record_frames,
     )
     baseline = adopt(tracker, standins)
-    modules = ModuleTracker(model, tracker)
+    step_model = model if parallel is None else model_copy(model, model_tensors, standins.model)
+    modules = ModuleTracker(step_model, tracker)
     tracker.timeline.module_names = modules.names
     router = device.router(context) if device.router is not None else nullcontext()
     recomputation = routed_recomputation(router) if device.router is not None else nullcontext()
@@ -98,8 +104,10 @@ def trace(
     try:
         with (
             watch_compiled(tracker.compiled_region),
-            substituted(model_tensors, standins.model),
+            substituted(model_tensors, standins.model) if parallel is None else nullcontext(),
             modules,
+            # the mesh is made of real tensors, before fake tensors are on
+            fake_world(parallel, rank, where.type, tracker.storage_resized) if parallel is not None else nullcontext() as mesh,
             fake_mode,
             tracker,
             router,
@@ -107,11 +115,14 @@ def trace(
             rng_states,
             seen_as_gpu,
         ):
+            parameters = standins.parameters
+            if parallel is not None:
+                step_model, parameters = _apply(tracker, parallel, step_model, mesh, standins)
             run_step(
-                model,
+                step_model,
                 standins.args,
                 standins.kwargs,
-                parameters=standins.parameters,
+                parameters=parameters,
                 inputs=standins.inputs,
                 loss_fn=loss_fn,
                 optimizer=optimizer,
@@ -123,7 +134,7 @@ def trace(
         if not tracker.stopped_by(exc):
             raise  # the program's own error
         tracker.set_phase(None)
-    del standins
+    del standins, step_model
 
     allocator = device.allocator(context) if device.allocator is not None else None
     analysis = analyze(tracker.timeline, baseline, allocator)
@@ -136,10 +147,44 @@ def trace(
         breakdown=analysis.breakdown,
         reserved_peak=analysis.reserved_peak,
         modules=analysis.modules,
-        unsupported=tuple(tracker.unsupported),
+        unsupported=(*tracker.unsupported, *_parallel_gaps(device.name, parallel)),
         profile=_profile_name(device.name, gpu, cpu),
     )
     return Trace(report, tracker.timeline, baseline, analysis, device, context)
+
+
+def _apply(
+    tracker: Tracker, parallel: Parallel, model: nn.Module, mesh: Any, standins: Converted
+) -> tuple[nn.Module, list[torch.Tensor]]:
+    """Parallelize the model copy; what ``apply`` leaves alive joins the baseline's roles.
+
+    The stand-ins' own references to the model's tensors are dropped, so that
+    tensors ``apply`` replaces (sharded parameters) are freed as they are in a
+    real run.
+    """
+    first = len(tracker.timeline.storages)
+    parallel_model = applied(parallel, model, mesh)
+    standins.model.clear()
+    standins.parameters = standins.buffers = standins.attributes = []
+    parameters = list(parallel_model.parameters())
+    for sid in tracker.live_since(first):
+        tracker.timeline.assign_role(sid, Category.GRADIENTS)
+    tracker.assign_role(Category.PARAMETERS, local_tensors(parameters))
+    tracker.assign_role(Category.BUFFERS, local_tensors(parallel_model.buffers()))
+    return parallel_model, parameters
+
+
+#: What ``parallel=`` does not model on the fake cuda device.
+NCCL_GAP: Final = Unsupported(
+    "parallel= on cuda: NCCL",
+    "collectives are charged as gloo's in-place kernels through the caching allocator; "
+    "NCCL's own buffers and the communication stream (a block freed while a collective "
+    "on another stream still uses it is not reused until it completes) are not modelled",
+)
+
+
+def _parallel_gaps(device: str, parallel: Parallel | None) -> tuple[Unsupported, ...]:
+    return (NCCL_GAP,) if parallel is not None and device == "cuda" else ()
 
 
 def _profile_name(device: str, gpu: GpuProfile | None, cpu: CpuProfile | None) -> str | None:

@@ -97,6 +97,8 @@ _CANNOT_RUN: Final = tuple(
     if hasattr(_fake_tensor, name)
 )
 #: What fake tensors raise where the program asks a question only values answer.
+#: Tensor types the tracker handles itself; other subclasses (DTensor) dispatch first.
+_PLAIN_TYPES: Final = frozenset({torch.Tensor, FakeTensor, torch.nn.Parameter})
 _NEEDS_VALUES: Final = (DataDependentOutputException, DynamicOutputShapeException)
 # Messages of the errors a fake tensor raises where a real one has no reason to:
 # C++ code reading its values (c10's TensorImpl and StorageImpl), Tensor.numpy(),
@@ -257,6 +259,10 @@ class Tracker(TorchDispatchMode):
         except (RuntimeError, NotImplementedError):
             return None
 
+    def live_since(self, first: int) -> list[int]:
+        """The sids of the storages made since sid ``first`` that are still live."""
+        return sorted(sid for sid in self._live.values() if sid >= first)
+
     def adopt(self, t: torch.Tensor, category: Category) -> int | None:
         """Register ``t``'s storage as live before the step, with a fixed role."""
         return self._track(t, category, op="")
@@ -294,6 +300,21 @@ class Tracker(TorchDispatchMode):
             self.timeline.free(sid)
 
         return freed
+
+    def storage_resized(self, t: torch.Tensor) -> None:
+        """``t``'s storage was resized in place (``untyped_storage().resize_``): to 0
+        it is freed, from 0 it is a new block."""
+        try:
+            storage = t.untyped_storage()
+        except (RuntimeError, NotImplementedError):
+            return
+        sid = self._live.get(storage._cdata)
+        if sid is None:
+            return
+        nbytes = storage.nbytes()
+        if nbytes != self._resized.get(sid, self.timeline.storages[sid].nbytes):
+            self.timeline.resize(sid, nbytes)
+            self._resized[sid] = nbytes
 
     def _check_resize(self, t: torch.Tensor) -> None:
         try:
@@ -376,6 +397,10 @@ class Tracker(TorchDispatchMode):
         if func is _PRIM_DEVICE and type(args[0]) is FakeTensor:
             # Asked constantly by autograd and C++ code; it allocates nothing.
             return args[0].fake_device
+        if not _PLAIN_TYPES.issuperset(types):
+            # A tensor subclass (DTensor) runs its own dispatch first; its ops on
+            # its local tensors come back here.
+            return NotImplemented
         kwargs = kwargs or {}
         if not func.is_view:
             # Not on a view op: autograd may be regenerating a view's node, replaying

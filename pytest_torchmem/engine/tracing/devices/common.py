@@ -14,6 +14,7 @@ from typing import Any, Final
 import torch
 
 from pytest_torchmem.engine.tracing.devices.autograd_paths import register_eager_in_place
+from pytest_torchmem.engine.tracing.devices.collectives import register_collectives
 from pytest_torchmem.engine.tracing.devices.eager_checks import register_checks
 from pytest_torchmem.engine.tracing.rules import OpCall, RuleSet
 
@@ -24,6 +25,7 @@ aten = torch.ops.aten
 #: Rules shared by every device model; device models copy it and add their own.
 COMMON: Final = RuleSet("common")
 register_checks(COMMON)
+register_collectives(COMMON)
 register_eager_in_place(COMMON)  # backward formulas that write in place eagerly
 
 _UPPER: Final = "output size depends on tensor values; the largest possible output was assumed"

@@ -1,0 +1,249 @@
+"""The memory of one rank of a parallel run: :class:`Parallel`, and running ``apply``.
+
+``parallel=Parallel(mesh={"dp": 8}, apply=fn, rank=0)`` asks for one rank of
+a run over a device mesh of that shape. ``apply(model, mesh)`` parallelizes
+the model (DDP, ``fully_shard``, ``parallelize_module``, the user's own
+function) and returns the module the step runs. It runs on a copy of the
+model whose tensors are the step's stand-ins, never on the user's model.
+
+What ``apply`` leaves alive on the rank counts from the start of the step, as
+parameters do: the storages of the parameters and buffers of the module it
+returns (sharded parameters: DTensor local shards) as parameters and buffers,
+any other storage it made and left alive (DDP's gradient buckets) as
+gradients. The estimate runs ``apply`` over a fake process group of ``world``
+ranks (no processes); ``measure`` over real gloo processes.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+import sys
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from pytest_torchmem.engine.model_state import ModelTensors
+
+__all__ = ["Parallel", "fake_world", "model_copy", "applied", "local_tensors", "MAX_FAKE_RANKS"]
+
+#: ``rank="max"`` traces every rank up to this world size (uneven shards differ by rank).
+MAX_FAKE_RANKS = 16
+
+_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+@dataclass(frozen=True)
+class Parallel:
+    """One rank of a run over a device mesh.
+
+    ``mesh``: dimension names to sizes, outermost first (``{"dp": 2, "tp": 4}``);
+    the world size is their product. ``apply(model, mesh) -> model``
+    parallelizes the model over a ``DeviceMesh`` of that shape with those
+    dimension names. ``rank``: the rank reported, or ``"max"`` for the rank
+    with the highest peak.
+    """
+
+    mesh: Mapping[str, int]
+    apply: Callable[[nn.Module, Any], nn.Module]
+    rank: int | Literal["max"] = 0
+    _shape: tuple[tuple[str, int], ...] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.mesh, Mapping) or not self.mesh:
+            raise TypeError(
+                f"Parallel(mesh=...) takes a dict of dimension names to sizes, e.g. "
+                f"mesh={{'dp': 8}}, got {self.mesh!r}"
+            )
+        shape: list[tuple[str, int]] = []
+        for name, size in self.mesh.items():
+            if not isinstance(name, str) or not _NAME.match(name):
+                raise ValueError(
+                    f"Parallel(mesh=...): dimension names must be identifiers such as 'dp', got {name!r}"
+                )
+            if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+                raise ValueError(
+                    f"Parallel(mesh=...): the size of dimension {name!r} must be a positive int, got {size!r}"
+                )
+            shape.append((name, size))
+        object.__setattr__(self, "_shape", tuple(shape))
+        object.__setattr__(self, "mesh", MappingProxyType(dict(shape)))
+        if not callable(self.apply):
+            raise TypeError(
+                "Parallel(apply=...) must be a callable (model, mesh) -> model, e.g. "
+                "apply=lambda model, mesh: DistributedDataParallel(model, "
+                f"process_group=mesh.get_group()), got {type(self.apply).__name__}"
+            )
+        rank = self.rank
+        if rank != "max" and (isinstance(rank, bool) or not isinstance(rank, int)):
+            raise TypeError(f"Parallel(rank=...) must be an int or 'max', got {rank!r}")
+        if isinstance(rank, int) and not 0 <= rank < self.world:
+            raise ValueError(
+                f"Parallel(rank={rank}) is outside the mesh {self.key}: "
+                f"ranks run from 0 to {self.world - 1}"
+            )
+
+    @property
+    def world(self) -> int:
+        """The number of ranks."""
+        total = 1
+        for _, size in self._shape:
+            total *= size
+        return total
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(name for name, _ in self._shape)
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        return tuple(size for _, size in self._shape)
+
+    @property
+    def key(self) -> str:
+        """The mesh as text, ``"dp=2,tp=4"``: how snapshot entries tell meshes apart."""
+        return ",".join(f"{name}={size}" for name, size in self._shape)
+
+    def ranks(self) -> list[int]:
+        """The ranks to trace: the one asked for, or every rank for ``"max"``."""
+        if self.rank != "max":
+            return [int(self.rank)]
+        if self.world > MAX_FAKE_RANKS:
+            raise ValueError(
+                f"Parallel(rank='max') traces every rank, and the mesh {self.key} has "
+                f"{self.world} (at most {MAX_FAKE_RANKS}); name the rank to report, e.g. rank=0"
+            )
+        return list(range(self.world))
+
+
+@contextmanager
+def fake_world(
+    parallel: Parallel, rank: int, device_type: str, resized: Callable[[torch.Tensor], None]
+) -> Iterator[DeviceMesh]:
+    """A ``DeviceMesh`` of ``parallel``'s shape over a fake process group, as rank ``rank``.
+
+    The fake group is this process's default group for the duration of the
+    block (``torch.distributed`` keeps one per process), so the block refuses
+    to run where one exists already. ``resized(tensor)`` is told of every
+    storage FSDP2 frees or re-allocates in place (``storage.resize_``, which
+    no dispatch mode sees).
+    """
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if not dist.is_available():
+        raise RuntimeError("parallel= needs torch.distributed, which this build of torch lacks")
+    if dist.is_initialized():
+        raise RuntimeError(
+            "estimate(parallel=...) runs over a fake process group of its own, and this "
+            "process already has a default process group; call it from a process that "
+            "has not called torch.distributed.init_process_group()"
+        )
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=parallel.world)
+    try:
+        mesh = init_device_mesh(device_type, parallel.sizes, mesh_dim_names=parallel.names)
+        with _fake_tensor_checks_skipped(), _storage_resizes_seen(resized):
+            yield mesh
+    finally:
+        dist.destroy_process_group()
+
+
+@contextmanager
+def _fake_tensor_checks_skipped() -> Iterator[None]:
+    """What ``torch.distributed`` does for its own bookkeeping, kept out of the trace.
+
+    DDP compares parameter shapes across ranks by reading them as data, which
+    fake tensors have none of; every rank holds the same model here, so the
+    check is skipped. DTensor derives each op's global output shape by running
+    it on fake tensors of the global shapes, under the fake mode it finds
+    active: on a rank that costs no memory, so it runs under a fake mode of
+    its own, out of the tracker's sight.
+    """
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
+    from torch.nn.parallel import distributed
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    verify = distributed._verify_param_shape_across_processes
+    propagate = ShardingPropagator._propagate_tensor_meta_non_cached
+
+    def unseen(self: Any, op_schema: Any) -> Any:
+        with _disable_current_modes():
+            return propagate(self, op_schema)
+
+    distributed._verify_param_shape_across_processes = lambda *args, **kwargs: None
+    ShardingPropagator._propagate_tensor_meta_non_cached = unseen  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        distributed._verify_param_shape_across_processes = verify
+        ShardingPropagator._propagate_tensor_meta_non_cached = propagate  # type: ignore[method-assign]
+
+
+@contextmanager
+def _storage_resizes_seen(resized: Callable[[torch.Tensor], None]) -> Iterator[None]:
+    """FSDP2 frees an unsharded parameter with ``storage.resize_(0)`` and makes it
+    again with ``storage.resize_(nbytes)``: storage methods, not ops, so they are
+    reported to ``resized`` as they happen."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_param, _fsdp_param_group
+
+    free, alloc = _fsdp_param.free_storage, _fsdp_param.alloc_storage
+
+    def free_storage(tensor: torch.Tensor) -> None:
+        free(tensor)
+        resized(tensor)
+
+    def alloc_storage(tensor: torch.Tensor) -> None:
+        alloc(tensor)
+        resized(tensor)
+
+    _fsdp_param.free_storage = free_storage
+    _fsdp_param.alloc_storage = _fsdp_param_group.alloc_storage = alloc_storage
+    try:
+        yield
+    finally:
+        _fsdp_param.free_storage = free
+        _fsdp_param.alloc_storage = _fsdp_param_group.alloc_storage = alloc
+
+
+def model_copy(model: nn.Module, model_tensors: ModelTensors, standins: Mapping[int, torch.Tensor]) -> nn.Module:
+    """A copy of ``model`` that holds the stand-ins in its tensors' places (shared, not copied)."""
+    memo: dict[int, Any] = {}
+    for slot in model_tensors.slots:
+        memo[id(slot.tensor)] = standins[id(slot.tensor)]
+    try:
+        return copy.deepcopy(model, memo)
+    except Exception as exc:
+        raise TypeError(
+            f"parallel= runs apply on a copy of the model (copy.deepcopy), and copying "
+            f"{type(model).__name__} failed: {exc}; make the model deep-copyable "
+            "(hold no locks, open files or generators in its attributes)"
+        ) from exc
+
+
+def applied(parallel: Parallel, model: nn.Module, mesh: Any) -> nn.Module:
+    """Run ``parallel.apply`` on ``model`` and check what it returns."""
+    result = parallel.apply(model, mesh)
+    if not isinstance(result, nn.Module):
+        raise TypeError(
+            "Parallel(apply=...) must return the parallelized model (an nn.Module), "
+            f"got {type(result).__name__}; end it with 'return model'"
+        )
+    return result
+
+
+def local_tensors(tensors: Any) -> list[torch.Tensor]:
+    """The rank's own tensors: a DTensor's local shard, any other tensor itself."""
+    module = sys.modules.get("torch.distributed.tensor")  # no DTensor exists before its import
+    if module is None:
+        return list(tensors)
+    dtensor = module.DTensor
+    return [t._local_tensor if isinstance(t, dtensor) else t for t in tensors]

@@ -1,0 +1,132 @@
+"""parallel= through the plugin: real pytest runs, real snapshot files.
+
+``torchmem.check(parallel=tm.Parallel(...))`` records the memory of one rank;
+the marker's ``mesh=`` and ``rank=`` take the place of the Parallel's own, so
+one test checks the same parallelization at another scale; each mesh and rank
+has an entry of its own (the check's name, then ``@ <mesh> rank=<rank>``).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import pytest_torchmem as tm
+
+pytest_plugins = ("pytester",)
+
+HEADER = """
+import pytest
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+import pytest_torchmem as tm
+
+torch.manual_seed(0)
+MODEL, X = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 64)), torch.randn(8, 64)
+
+def ddp(model, mesh):
+    return DDP(model, process_group=mesh.get_group())
+
+def adamw(params):
+    return torch.optim.AdamW(params, lr=1e-3)
+"""
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _warm() -> None:
+    # pytester's in-process runs restore sys.modules after each run; what the parallel
+    # trace imports (DTensor, DDP, torch.library registrations) must be imported first.
+    _expected(2)
+
+
+@pytest.fixture(autouse=True)
+def _quiet_plugins(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PYTEST_ADDOPTS", "-p no:hypothesispytest -p no:cacheprovider")
+
+
+def _stored(pytester: pytest.Pytester) -> dict[str, Any]:
+    return json.loads((pytester.path / "__torchmem__" / "test_m.json").read_text())["tests"]
+
+
+def _expected(world: int) -> int:
+    torch.manual_seed(0)
+    model, x = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 64)), torch.randn(8, 64)
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    parallel = tm.Parallel({"dp": world}, lambda m, mesh: DDP(m, process_group=mesh.get_group()))
+    report = tm.estimate(
+        model, x, optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3), parallel=parallel, cpu="avx2:4"
+    )
+    return report.forward_peak
+
+
+def test_entries_key_by_mesh_and_the_marker_rescales(pytester: pytest.Pytester) -> None:
+    pytester.makeini("[pytest]\ntorchmem_devices = cpu\n")
+    pytester.makepyfile(
+        test_m=HEADER
+        + """
+def test_ddp(torchmem):
+    torchmem.check(MODEL, X, optimizer=adamw, parallel=tm.Parallel({"dp": 8}, ddp))
+
+@pytest.mark.memory_budget(mesh={"dp": 1024}, rank=1023)
+def test_ddp_at_scale(torchmem):
+    torchmem.check(MODEL, X, optimizer=adamw, parallel=tm.Parallel({"dp": 8}, ddp))
+"""
+    )
+    assert pytester.runpytest_inprocess("--torchmem-update").ret == 0
+    stored = _stored(pytester)
+    assert list(stored["test_ddp"]) == ["default @ dp=8 rank=0"]
+    assert list(stored["test_ddp_at_scale"]) == ["default @ dp=1024 rank=1023"]
+    entry = stored["test_ddp"]["default @ dp=8 rank=0"]["cpu"]
+    assert entry["forward_peak"] == _expected(8)
+    assert pytester.runpytest_inprocess().ret == 0
+
+    # Another mesh is another entry: missing, never compared with dp=8's.
+    pytester.makepyfile(
+        test_m=HEADER
+        + """
+def test_ddp(torchmem):
+    torchmem.check(MODEL, X, optimizer=adamw, parallel=tm.Parallel({"dp": 2}, ddp))
+
+@pytest.mark.memory_budget(mesh={"dp": 1024}, rank=1023)
+def test_ddp_at_scale(torchmem):
+    torchmem.check(MODEL, X, optimizer=adamw, parallel=tm.Parallel({"dp": 8}, ddp))
+"""
+    )
+    result = pytester.runpytest_inprocess()
+    assert result.ret == pytest.ExitCode.TESTS_FAILED
+    result.stdout.fnmatch_lines(["*test_ddp*default @ dp=2 rank=0*"])
+
+
+@pytest.mark.parametrize(
+    ("marker", "call", "message"),
+    [
+        ('mesh={"dp": 0}', 'parallel=tm.Parallel({"dp": 2}, ddp)', "'dp' must be a positive int"),
+        ("rank=-1", 'parallel=tm.Parallel({"dp": 2}, ddp)', "rank must be a rank number"),
+        ('mesh={"dp": 2}', "", "this check has no parallel="),
+        ("rank=4", 'parallel=tm.Parallel({"dp": 2}, ddp)', "ranks run from 0 to 1"),
+    ],
+    ids=["bad-mesh", "bad-rank", "no-parallel", "rank-outside"],
+)
+def test_bad_mesh_or_rank_in_the_marker(
+    pytester: pytest.Pytester, marker: str, call: str, message: str
+) -> None:
+    pytester.makeini("[pytest]\ntorchmem_devices = cpu\n")
+    args = f", {call}" if call else ""
+    pytester.makepyfile(
+        test_m=HEADER
+        + f"""
+@pytest.mark.memory_budget({marker})
+def test_it(torchmem):
+    torchmem.check(MODEL, X{args})
+"""
+    )
+    result = pytester.runpytest_inprocess("--torchmem-update")
+    assert result.ret != pytest.ExitCode.OK
+    assert message in result.stdout.str()
+    assert not (pytester.path / "__torchmem__" / "test_m.json").exists()
