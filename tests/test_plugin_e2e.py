@@ -339,7 +339,7 @@ class TestX:
         (
             "budget=5",
             "*does not know 'budget'; it takes forward, backward, step, peak, devices, rtol, atol, gpu, cpu, "
-            "keep_output",
+            "keep_output, mesh, rank",
         ),
         (
             'gpu="H1000"',
