@@ -66,7 +66,11 @@ def test_ddp_estimate_equals_gloo_ranks(world: int, options: dict[str, object]) 
 
 
 def _tensor_parallel(model: nn.Module, mesh: object) -> nn.Module:
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
 
     plan = {}
     for name, block in model.named_children():

@@ -10,6 +10,7 @@ parent's pytest session, atexit hooks and buffers are never run twice.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 import traceback
@@ -106,12 +107,10 @@ def _rank_main(parallel: Parallel, rank: int, store: str, body: Callable[[Any], 
             send.send(("ok", body(mesh)))
         finally:
             dist.destroy_process_group()
-    except BaseException:  # everything goes back to the parent, nothing escapes the fork
+    except BaseException:  # noqa: BLE001 (everything goes back to the parent; nothing escapes the fork)
         code = 1
-        try:
+        with contextlib.suppress(Exception):  # the parent reports the missing result
             send.send(("error", traceback.format_exc()))
-        except Exception:  # noqa: BLE001 (the parent reports the missing result)
-            pass
     finally:
         send.close()
         os._exit(code)

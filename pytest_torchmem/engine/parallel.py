@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 
     from pytest_torchmem.engine.model_state import ModelTensors
 
-__all__ = ["Parallel", "fake_world", "model_copy", "applied", "local_tensors", "MAX_FAKE_RANKS"]
+__all__ = ["MAX_FAKE_RANKS", "Parallel", "applied", "fake_world", "local_tensors", "model_copy"]
 
 #: ``rank="max"`` traces every rank up to this world size (uneven shards differ by rank).
 MAX_FAKE_RANKS = 16
