@@ -55,6 +55,9 @@ def _ddp(**options: object):
     ],
     ids=["w2-default", "w2-bucket-view", "w2-small-buckets", "w4-default", "w4-bucket-view"],
 )
+# The ground truth is real gloo processes: once in a few dozen runs a gloo thread's
+# timing moved a free across a peak (seen once, on w2-small-buckets); one rerun.
+@pytest.mark.flaky(reruns=1)
 def test_ddp_estimate_equals_gloo_ranks(world: int, options: dict[str, object]) -> None:
     model, x = _blocks(), torch.randn(8, 64)
     parallel = tm.Parallel(mesh={"dp": world}, apply=_ddp(**options), rank=world - 1)
