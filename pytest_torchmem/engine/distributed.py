@@ -87,9 +87,18 @@ def run_ranks(parallel: Parallel, body: Callable[[Any], str]) -> list[str]:
 
 
 def _rank_main(parallel: Parallel, rank: int, store: str, body: Callable[[Any], str], send: Any) -> None:
-    """One rank: join the group, run ``body``, send its result or error, and leave."""
+    """One rank: join the group, run ``body``, send its result or error, and leave.
+
+    The rank runs its kernels on one thread: a forked child cannot use the
+    OpenMP thread pool of a parent that ran parallel regions (GNU OpenMP then
+    waits forever for threads the child does not have), and every rank of a
+    real launch is its own fresh process anyway.
+    """
     code = 0
     try:
+        import torch
+
+        torch.set_num_threads(1)
         from datetime import timedelta
 
         import torch.distributed as dist
