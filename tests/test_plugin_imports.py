@@ -39,13 +39,14 @@ def test_importing_the_plugin_does_not_import_torch() -> None:
 
 def test_public_names_are_the_defining_modules() -> None:
     import pytest_torchmem as tm
-    from pytest_torchmem.engine import api, report, units
+    from pytest_torchmem.engine import api, parallel, report, units
     from pytest_torchmem.engine.tracing.devices.cpu import profiles
 
     assert tm.__all__ == [
         "estimate",
         "measure",
         "MemoryReport",
+        "Parallel",
         "Category",
         "ModulePeak",
         "Unsupported",
@@ -54,7 +55,7 @@ def test_public_names_are_the_defining_modules() -> None:
         "format_bytes",
     ]
     for name in tm.__all__:
-        defining = next(m for m in (api, report, units, profiles) if hasattr(m, name))
+        defining = next(m for m in (api, parallel, report, units, profiles) if hasattr(m, name))
         assert getattr(tm, name) is getattr(defining, name)
     from pytest_torchmem import MemoryReport, estimate
 
