@@ -287,6 +287,22 @@ class _NoModules:
         return None
 
 
+def _run(request: StepRequest, standins: Converted, probe: Any) -> None:
+    """``request``'s step on ``standins`` (which the model holds now), told to ``probe``."""
+    run_step(
+        request.model,
+        standins.args,
+        standins.kwargs,
+        parameters=standins.parameters,
+        inputs=standins.inputs,
+        loss_fn=request.loss_fn,
+        optimizer=request.optimizer,
+        train=request.train,
+        probe=probe,
+        keep_output=request.keep_output,
+    )
+
+
 def _warm_up(
     request: StepRequest,
     model_tensors: Any,
@@ -297,18 +313,7 @@ def _warm_up(
     with torch.no_grad():
         copies = convert(model_tensors, request.args, request.kwargs, _copies(device), on_hook_error)
     with substituted(model_tensors, copies.model):
-        run_step(
-            request.model,
-            copies.args,
-            copies.kwargs,
-            parameters=copies.parameters,
-            inputs=copies.inputs,
-            loss_fn=request.loss_fn,
-            optimizer=request.optimizer,
-            train=request.train,
-            probe=_MarkingProbe(),
-            keep_output=request.keep_output,
-        )
+        _run(request, copies, _MarkingProbe())
 
 
 def _read_events(prof: Any, timeline: Timeline, by_ptr: dict[int, int], probe: _MarkingProbe) -> None:
@@ -511,18 +516,7 @@ def _measure_cuda(request: StepRequest, on_hook_error: HookError | None = None) 
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
     with substituted(model_tensors, standins.model), modules:
-        run_step(
-            request.model,
-            standins.args,
-            standins.kwargs,
-            parameters=standins.parameters,
-            inputs=standins.inputs,
-            loss_fn=request.loss_fn,
-            optimizer=request.optimizer,
-            train=request.train,
-            probe=probe,
-            keep_output=request.keep_output,
-        )
+        _run(request, standins, probe)
     del standins
 
     def own(nbytes: int) -> int:

@@ -301,31 +301,34 @@ class Tracker(TorchDispatchMode):
 
         return freed
 
-    def storage_resized(self, t: torch.Tensor) -> None:
-        """``t``'s storage was resized in place (``untyped_storage().resize_``): to 0
-        it is freed, from 0 it is a new block."""
+    def _sized(self, t: torch.Tensor) -> tuple[int, int, int] | None:
+        """``(sid, bytes now, bytes last charged)`` of ``t``'s live storage, or None."""
         try:
             storage = t.untyped_storage()
         except (RuntimeError, NotImplementedError):
-            return
+            return None
         sid = self._live.get(storage._cdata)
         if sid is None:
+            return None
+        return sid, storage.nbytes(), self._resized.get(sid, self.timeline.storages[sid].nbytes)
+
+    def storage_resized(self, t: torch.Tensor) -> None:
+        """``t``'s storage was resized in place (``untyped_storage().resize_``): to 0
+        it is freed, from 0 it is a new block."""
+        found = self._sized(t)
+        if found is None:
             return
-        nbytes = storage.nbytes()
-        if nbytes != self._resized.get(sid, self.timeline.storages[sid].nbytes):
+        sid, nbytes, before = found
+        if nbytes != before:
             self.timeline.resize(sid, nbytes)
             self._resized[sid] = nbytes
 
     def _check_resize(self, t: torch.Tensor) -> None:
-        try:
-            storage = t.untyped_storage()
-        except (RuntimeError, NotImplementedError):
+        found = self._sized(t)
+        if found is None:
             return
-        sid = self._live.get(storage._cdata)
-        if sid is None:
-            return
-        nbytes = storage.nbytes()
-        if nbytes > self._resized.get(sid, self.timeline.storages[sid].nbytes):
+        sid, nbytes, before = found
+        if nbytes > before:
             # The allocator gives a new block and frees the old one after the copy.
             self.timeline.resize(sid, nbytes)
             self._resized[sid] = nbytes
