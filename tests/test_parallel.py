@@ -9,7 +9,6 @@ takes about 0.3 s, at world 4 about 0.8 s on two cores.
 
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
@@ -24,15 +23,6 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-
-#: The comparisons with real gloo ranks run where TORCHMEM_REAL_RANKS=1. In the full
-#: suite under pytest-xdist, ranks forked from a worker that already ran other tests
-#: measured a constant +132,608 B in every phase now and then (their allocator's
-#: start-up, not the step): left to be explained, so they are not part of the default run.
-real_ranks = pytest.mark.skipif(
-    os.environ.get("TORCHMEM_REAL_RANKS") != "1",
-    reason="compares with forked gloo ranks: run with TORCHMEM_REAL_RANKS=1",
-)
 
 def _blocks(n: int = 2, width: int = 64, hidden: int = 128) -> nn.Sequential:
     torch.manual_seed(0)
@@ -67,7 +57,6 @@ def _ddp(**options: object):
     ],
     ids=["w2-default", "w2-bucket-view", "w2-small-buckets", "w4-default", "w4-bucket-view"],
 )
-@real_ranks
 def test_ddp_estimate_equals_gloo_ranks(world: int, options: dict[str, object]) -> None:
     model, x = _blocks(), torch.randn(8, 64)
     parallel = tm.Parallel(mesh={"dp": world}, apply=_ddp(**options), rank=world - 1)
@@ -93,7 +82,6 @@ def _tensor_parallel(model: nn.Module, mesh: object) -> nn.Module:
 
 
 @pytest.mark.parametrize("world", [2, 4])
-@real_ranks
 def test_tensor_parallel_estimate_equals_gloo_ranks(world: int) -> None:
     model, x = _blocks(), torch.randn(8, 64)
     parallel = tm.Parallel(mesh={"tp": world}, apply=_tensor_parallel, rank=1)
@@ -214,7 +202,6 @@ def _fsdp(reshard_after_forward: bool = True, bf16: bool = False):
     [(2, True, False), (2, False, True), (4, True, True), (4, False, False)],
     ids=["w2-reshard", "w2-keep-bf16", "w4-reshard-bf16", "w4-keep"],
 )
-@real_ranks
 def test_fsdp2_forward_equals_gloo_ranks(world: int, reshard: bool, bf16: bool) -> None:
     # FSDP2's forward repeats exactly run to run: its all-gathers complete
     # before the block that needs them runs.
@@ -238,7 +225,6 @@ def test_fsdp2_shards_parameters_by_world() -> None:
         assert report.breakdown[tm.Category.PARAMETERS] == shard == expected[world]
 
 
-@real_ranks
 def test_fsdp2_backward_and_step_inside_five_real_runs() -> None:
     # FSDP2's backward and step peaks depend on when gloo's threads let go of a
     # collective's buffers; the estimate's schedule (every collective complete

@@ -11,15 +11,21 @@ parent's pytest session, atexit hooks and buffers are never run twice.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import tempfile
+import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, Final
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from pytest_torchmem.engine.parallel import Parallel
 
-__all__ = ["MAX_REAL_RANKS", "run_ranks"]
+__all__ = ["MAX_REAL_RANKS", "FreedOnThisThread", "collectives_completed_here", "run_ranks"]
 
 #: The most processes ``measure(parallel=...)`` starts on one machine.
 MAX_REAL_RANKS: Final = 4
@@ -27,6 +33,23 @@ MAX_REAL_RANKS: Final = 4
 TIMEOUT: Final = 600
 #: Seconds a rank waits in a collective for the others (one that failed never comes).
 COLLECTIVE_TIMEOUT: Final = 120
+#: Seconds :meth:`FreedOnThisThread.drain` and :func:`collectives_completed_here` wait
+#: for gloo's threads to let go of a tensor.
+DRAIN_TIMEOUT: Final = 1.0
+#: The collectives of ``torch.distributed`` that Python code (FSDP2, user code) calls.
+_COLLECTIVES: Final = (
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_gather_single",
+    "all_reduce",
+    "all_to_all_single",
+    "broadcast",
+    "reduce_scatter",
+    "reduce_scatter_single",
+    "reduce_scatter_tensor",
+    "_all_gather_base",
+    "_reduce_scatter_base",
+)
 
 
 def run_ranks(parallel: Parallel, body: Callable[[Any], str]) -> list[str]:
@@ -123,3 +146,108 @@ def _rank_main(parallel: Parallel, rank: int, store: str, body: Callable[[Any], 
     finally:
         send.close()
         os._exit(code)
+
+
+
+class FreedOnThisThread(TorchDispatchMode):
+    """Make every tensor a collective touched die on the measured thread.
+
+    A gloo collective runs on one of the process group's worker threads, and
+    the work item that holds its tensors is released there once it has run.
+    When that release is a tensor's last reference (the flat buffer of DDP's
+    first broadcast of the module states; a gradient bucket whose reducer was
+    dropped while its last all-reduce was being let go), the tensor is freed on
+    the worker thread, where the profiler, whose memory reporting is per
+    thread, does not see it: the measurement then counts, or not, a buffer
+    that is gone, as the threads' timing falls. Under this mode every tensor
+    of a ``c10d`` op is held until nothing but the hold refers to it from C++
+    (the program's Python references keep it alive as before), and dropped
+    at the next op on this thread: a free the worker thread would have made
+    unseen is made here, seen, before the next allocation of the step.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._held: list[torch.Tensor] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if self._held:
+            self._let_go()
+        result = func(*args, **(kwargs or {}))
+        if func.namespace == "c10d":
+            self._held.extend(t for t in tree_leaves((args, kwargs, result)) if isinstance(t, torch.Tensor))
+        return result
+
+    def _let_go(self) -> None:
+        # the hold's own reference is the Python object's: a second is C++'s (gloo's, a reducer's)
+        self._held = [t for t in self._held if t._use_count() > 1]
+
+    def drain(self) -> None:
+        """Let go of every held tensor here, waiting (briefly) for gloo's threads to."""
+        deadline = time.monotonic() + DRAIN_TIMEOUT
+        self._let_go()
+        while self._held and time.monotonic() < deadline:
+            time.sleep(0.0005)
+            self._let_go()
+        self._held = []
+
+
+def _let_go_by_gloo(tensors: list[torch.Tensor], counts: list[int]) -> None:
+    """Wait (briefly) until no tensor has more C++ references than ``counts`` says."""
+    deadline = time.monotonic() + DRAIN_TIMEOUT
+    while any(t._use_count() > n for t, n in zip(tensors, counts)) and time.monotonic() < deadline:
+        time.sleep(0.0002)
+
+
+def _completed_here(collective: Callable[..., Any]) -> Callable[..., Any]:
+    from torch._C._distributed_c10d import _create_work_from_future
+
+    @functools.wraps(collective)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        counts = [t._use_count() for t in tensors]
+        work = collective(*args, **kwargs)
+        if work is None:  # async_op=False: done, but a gloo thread may still hold its tensors
+            _let_go_by_gloo(tensors, counts)
+            return None
+        work.wait()
+        del work  # gloo's work item now dies on its thread, holding no last reference
+        _let_go_by_gloo(tensors, counts)
+        done: torch.futures.Future[Any] = torch.futures.Future()
+        done.set_result(None)
+        return _create_work_from_future(done)
+
+    return run
+
+
+@contextlib.contextmanager
+def collectives_completed_here() -> Iterator[None]:
+    """Run every collective Python code calls to completion where it is called.
+
+    The estimate's schedule on a rank: a collective completes when it is issued,
+    and its buffers die when the program drops them. On real gloo ranks a
+    collective runs on a worker thread that holds its tensors until it lets go
+    of the work item, at a time of its own; when that is after the program
+    dropped them (FSDP2's all-gather output, once copied out), they are freed
+    on that thread, unseen by the profiler (its memory reporting is per
+    thread), and counted to the end of the step. Under this block
+    ``torch.distributed``'s collectives wait for their work and for gloo's
+    thread to let go of their tensors before they return (a completed work
+    item, when one was asked for), so the program's own drop is the last and
+    is seen. Collectives issued from C++ (DDP's reducer) are not affected.
+    """
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d
+
+    saved = []
+    for module in (dist, distributed_c10d):
+        for name in _COLLECTIVES:
+            original = getattr(module, name, None)
+            if original is not None:
+                saved.append((module, name, original))
+                setattr(module, name, _completed_here(original))
+    try:
+        yield
+    finally:
+        for module, name, original in saved:
+            setattr(module, name, original)

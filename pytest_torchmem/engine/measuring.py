@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import gc
 from collections.abc import Iterable
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final
 
@@ -33,6 +32,7 @@ from pytest_torchmem.engine.model_state import (
     hook_failure,
     substituted,
 )
+from pytest_torchmem.engine.distributed import FreedOnThisThread, collectives_completed_here
 from pytest_torchmem.engine.parallel import applied, local_tensors, model_copy
 from pytest_torchmem.engine.report import Category, MemoryReport, Unsupported
 from pytest_torchmem.engine.step import ModuleTracker, run_step
@@ -247,14 +247,21 @@ def profile_cpu_step(
         parameters = standins.parameters
         if parallel is not None:
             probe.set_phase(None)  # the events of apply are read from here
-            step_model = applied(parallel, step_model, mesh)
-            standins.model.clear()
+            # what apply's collectives made dies on this thread, in sight (not in the step:
+            # a dispatch mode there changes what the step allocates)
+            with FreedOnThisThread() as frees:
+                step_model = applied(parallel, step_model, mesh)
+                standins.model.clear()
+                frees.drain()
             standins.parameters = standins.buffers = standins.attributes = []
             parameters = list(step_model.parameters())
             probe.settle()
             probe.assign_role(Category.PARAMETERS, local_tensors(parameters))
             probe.assign_role(Category.BUFFERS, local_tensors(step_model.buffers()))
-        with substituted(model_tensors, standins.model) if parallel is None else nullcontext(), modules:
+        with (
+            substituted(model_tensors, standins.model) if parallel is None else collectives_completed_here(),
+            modules,
+        ):
             run_step(
                 step_model,
                 standins.args,
@@ -336,9 +343,23 @@ def _read_events(prof: Any, timeline: Timeline, by_ptr: dict[int, int], probe: _
     first = len(timeline.storages)
     settled: tuple[int, set[int]] | None = None
     module = -1
-    for _, node in events:
+    step_thread: int | None = None  # the thread of the marks: the step's
+    # a collective's own storages (made inside its op, or by a gloo thread running it): the
+    # timeline index where the step's thread went on after the collective
+    elsewhere: dict[int, int] = {}
+    pending: list[tuple[int, int]] = []  # (sid, time the step's thread goes on after)
+    for at, node in events:
         fields = node.extra_fields
+        if pending and (node.start_tid == step_thread or not isinstance(fields, _Allocation)):
+            waiting = []
+            for sid, after in pending:
+                if after <= at:
+                    elsewhere[sid] = len(timeline.events)
+                else:
+                    waiting.append((sid, after))
+            pending = waiting
         if not isinstance(fields, _Allocation):
+            step_thread = node.start_tid
             kind, _, value = node.name[len(_MARK) :].partition(":")
             number = int(value)
             if kind == "phase":
@@ -376,36 +397,81 @@ def _read_events(prof: Any, timeline: Timeline, by_ptr: dict[int, int], probe: _
             sid = timeline.new_storage(info)
             by_ptr[fields.ptr] = sid
             timeline.alloc(sid)
+            if node.start_tid != step_thread:
+                pending.append((sid, 0))
+            else:
+                collective = _collective_of(node)
+                if collective is not None:
+                    pending.append((sid, collective.end_time_ns))
         elif size < 0:
             sid = by_ptr.pop(fields.ptr, None)
             if sid is not None:
                 timeline.free(sid)
+    elsewhere.update((sid, len(timeline.events)) for sid, _ in pending)
+    settled = _free_lost(timeline, by_ptr, elsewhere, settled)
     if settled is not None:
-        _free_released(timeline, settled, first, set(by_ptr.values()))
+        _free_released(timeline, settled, first)
+
+
+def _collective_of(node: Any) -> Any:
+    """The ``c10d`` op an allocation was made in, or None."""
+    parent = node.parent
+    while parent is not None:
+        if parent.name.startswith("c10d::"):
+            return parent
+        parent = parent.parent
+    return None
+
+
+def _free_lost(
+    timeline: Timeline, by_ptr: dict[int, int], elsewhere: dict[int, int], settled: tuple[int, set[int]] | None
+) -> tuple[int, set[int]] | None:
+    """Free, where the step's thread went on after it, what a collective made and
+    freed unseen.
+
+    A gloo collective's own buffers (the reduce-scatter's copy of its input,
+    made by its op; the all-gather's flat output, made by the worker thread
+    that runs it, with the profiler's state) belong to its work item, which
+    gloo's worker thread lets go of at a time of its own: when the step's
+    thread holds it no more, they are freed on the worker thread, where the
+    profiler, whose memory reporting is per thread, does not see it. As the
+    estimate, a collective's own buffers die when it completes: before the
+    step's thread does anything more.
+    Returns ``settled`` with its index moved past the frees put before it.
+    """
+    live = set(by_ptr.values())
+    lost = sorted(((index, sid) for sid, index in elsewhere.items() if sid in live), reverse=True)
+    for index, sid in lost:
+        timeline.events.insert(index, (FREE, sid, 0))
+    for ptr in [ptr for ptr, sid in by_ptr.items() if sid in elsewhere]:
+        del by_ptr[ptr]
+    if settled is None:
+        return None
+    index, at_settle = settled
+    return index + sum(1 for at, _ in lost if at <= index), at_settle
 
 
 #: Roles of the storages the step holds from the end of ``apply`` on.
 _HELD_ROLES: Final = frozenset({Category.PARAMETERS, Category.BUFFERS})
 
 
-def _free_released(timeline: Timeline, settled: tuple[int, set[int]], first: int, never_freed: set[int]) -> None:
-    """Free, at the end of ``apply``, what it released but a gloo thread still held.
+def _free_released(timeline: Timeline, settled: tuple[int, set[int]], first: int) -> None:
+    """Free, at the end of ``apply``, what the step does not hold from there on.
 
     ``apply`` replaces the model's tensors (``distribute_tensor`` scatters a
-    full parameter and keeps a shard) and runs collectives of its own (DDP's
-    check of parameter shapes across ranks). Gloo's worker threads hold a
-    collective's tensors until they finish with the work, and drop them at
-    times of their own: on the step's thread, seen by the profiler at some
-    later point of the step, or on theirs, never seen. The step's figures
-    should not depend on that timing, so what the step does not hold when
+    full parameter and keeps a shard): what the step does not hold when
     ``apply`` returns (the model's parameters and buffers, the inputs, and
-    what ``apply`` made that is freed in sight later: DDP's buckets) is freed
-    there, as the estimate, with no threads, frees it.
+    what ``apply`` made and left alive: DDP's buckets) is freed there, as the
+    estimate frees it. The collectives' own tensors die in sight
+    (:class:`FreedOnThisThread`, :func:`_free_lost`); what ``apply`` made on
+    the step's thread and whose free is never seen is held by the program to
+    the end (a bucket whose reducer was dropped while a gloo thread still held
+    its last all-reduce).
     """
     index, live = settled
     kept = {sid for sid, role in timeline.roles.items() if role in _HELD_ROLES}
     kept.update(sid for sid in live if timeline.storages[sid].category == Category.INPUTS)
-    released = {sid for sid in live if sid not in kept and (sid < first or sid in never_freed)}
+    released = {sid for sid in live if sid not in kept and sid < first}
     if not released:
         return
     later = [event for event in timeline.events[index:] if not (event[0] == FREE and event[1] in released)]
