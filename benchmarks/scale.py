@@ -12,7 +12,11 @@ the model). The cases:
   ``torch.optim.AdamW`` step (the first, which creates its state) and
   ``zero_grad``. Target: at most 60 s and 4 GiB peak RSS;
 * ``70b``: the forward alone, tokens to logits (``train=False``, no labels).
-  Target: it runs.
+  Target: it runs;
+* ``70b-fsdp64``: one rank of FSDP2 over 64 fake ranks (``fully_shard`` per
+  decoder layer and root; float32 shards, bfloat16 compute, float32
+  reduce-scatter), one training step with AdamW. Target: at most 60 s and
+  4 GiB peak RSS.
 
 Each estimate runs in a fresh Python process, so that its peak RSS
 (``ru_maxrss``) is its own; that process also reads its RSS after importing
@@ -51,7 +55,21 @@ GiB: Final = 2**30
 CASES: Final[dict[str, tuple[bool, bool, float | None, int | None]]] = {
     "7b": (True, True, 60.0, 4 * GiB),
     "70b": (False, False, None, None),
+    "70b-fsdp64": (True, True, 60.0, 4 * GiB),
 }
+#: cases that are one rank of FSDP2 over this many fake ranks
+FSDP_WORLD: Final = {"70b-fsdp64": 64}
+
+
+def fsdp2_mixed_precision(model: Any, mesh: Any) -> Any:
+    """FSDP2 per decoder layer and root: float32 shards, bfloat16 compute, float32 reduce."""
+    import torch
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
+    return fully_shard(model, mesh=mesh, mp_policy=policy)
 
 
 def _rss_now() -> int:
@@ -80,20 +98,25 @@ def child(model_name: str, device: str, seq: int, batch: int) -> dict[str, Any]:
     from pytest_torchmem.engine import api
 
     rss_import = _rss_now()
+    import pytest_torchmem as tm
+
     train, with_optimizer, _, _ = CASES[model_name]
-    cfg = CONFIGS[model_name]
-    model = build(cfg)
+    world = FSDP_WORLD.get(model_name)
+    cfg = CONFIGS[model_name.split("-")[0]]
+    model = build(cfg, dtype=torch.bfloat16 if world is None else torch.float32)
+    parallel = None if world is None else tm.Parallel(mesh={"dp": world}, apply=fsdp2_mixed_precision)
     tokens = torch.randint(0, cfg.vocab, (batch, seq))
     rss_model = _rss_now()
 
     optimizer = (lambda params: torch.optim.AdamW(params, lr=1e-4)) if with_optimizer else None
     wall, cpu = time.perf_counter(), time.process_time()
     inputs = (tokens, tokens) if train else tokens  # labels: the tokens, shifted in the model
-    report = api.estimate(model, inputs, device=device, optimizer=optimizer, train=train)
+    report = api.estimate(model, inputs, device=device, optimizer=optimizer, train=train, parallel=parallel)
     cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
     return {
         "report": report.to_dict(),
         "params": parameter_count(cfg),
+        "world": world,
         "wall": wall,
         "cpu": cpu,
         "rss_import": rss_import,
@@ -137,7 +160,10 @@ def _hand_count(model_name: str, params: int, report: dict[str, Any]) -> list[li
     counters stay on the host on cuda, 4-byte tensors on cpu).
     """
     train, with_optimizer, _, _ = CASES[model_name]
-    weights = 2 * params
+    world = FSDP_WORLD.get(model_name)
+    # one FSDP2 rank holds 1/world of float32 shards, gradients and state (bytes as
+    # requested: the caching allocator rounds each shard's block up, see the test)
+    weights = 2 * params if world is None else 4 * params // world
     expected = {"parameters": weights}
     if train and with_optimizer and report["step_peak"] == report["peak"]:
         expected.update(gradients=weights, optimizer_state=2 * weights)

@@ -11,6 +11,7 @@ import dataclasses
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 import pytest_torchmem as tm
@@ -128,3 +129,64 @@ def test_meta_model_of_7b_width() -> None:
     # at least the parameters and the bf16 logits (256 x 32000)
     assert forward.forward_peak >= weights + 256 * 32000 * BF16
     assert forward.backward_peak == forward.step_peak == 0
+
+
+FP32 = 4  # bytes
+MiB = 2**20
+
+
+def cuda_block_of_large(nbytes: int) -> int:
+    """The block a request gets from the caching allocator, counted by hand from
+    CUDACachingAllocator.cpp: a request rounds up to 512 B; one over 10 MiB gets a
+    segment rounded up to 2 MiB, and keeps it whole when what is left over is
+    1 MiB or less (a large block splits only above that)."""
+    size = cuda_block(nbytes)
+    if size <= 10 * MiB:
+        return size
+    segment = -(-size // (2 * MiB)) * (2 * MiB)
+    return segment if segment - size <= MiB else size
+
+
+def fsdp2_mixed_precision(model: torch.nn.Module, mesh: object) -> torch.nn.Module:
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for layer in model.layers:  # type: ignore[attr-defined]
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
+    return fully_shard(model, mesh=mesh, mp_policy=policy)
+
+
+@pytest.mark.parametrize("world", [8, 64])
+def test_llama_7b_fsdp2_per_rank_hand_count_on_cuda(world: int) -> None:
+    """Llama 2 7B, FSDP2 per decoder layer and root over ``world`` fake ranks,
+    float32 parameters sharded (AdamW state float32), bfloat16 compute: a rank
+    holds 1/world of every parameter (each shards along dim 0; every dim 0 here
+    divides by 8 and 64), of the float32 gradients and of exp_avg/exp_avg_sq
+    (the step counters stay on the host). At world 8 the peak is the step; at
+    world 64 it is the backward, where one decoder layer is unsharded: its
+    bfloat16 all-gather output and its float32 gradients, the reduce-scatter's
+    input, are live at the peak."""
+    cfg = CONFIGS["7b"]
+    model = build(cfg, dtype=torch.float32)
+    ids = tokens(cfg, 1, 64)
+    report = tm.estimate(
+        model, (ids, ids), device="cuda", optimizer=adamw,
+        parallel=tm.Parallel(mesh={"dp": world}, apply=fsdp2_mixed_precision),
+    )
+    shards = [numel(shape) // world * FP32 for shape in parameter_shapes(cfg)]
+    parameters = 4 * parameter_count(cfg) // world
+    assert sum(shards) == parameters
+    breakdown = report.breakdown
+    # every shard is a storage of its own: its caching-allocator block
+    assert breakdown[Category.PARAMETERS] == sum(cuda_block_of_large(n) for n in shards)
+    assert [entry.op for entry in report.unsupported if "NCCL" in entry.op] == ["parallel= on cuda: NCCL"]
+    layer = numel((cfg.dim,)) * 2 + numel((cfg.dim, cfg.dim)) * 4 + numel((cfg.ffn, cfg.dim)) * 3
+    if world == 8:
+        assert report.peak == report.step_peak
+        assert breakdown[Category.GRADIENTS] == parameters
+        assert breakdown[Category.OPTIMIZER_STATE] == 2 * parameters
+    else:
+        assert report.peak == report.backward_peak
+        assert breakdown[Category.OPTIMIZER_STATE] == 0  # made by the step, after this peak
+        all_gather, reduce_scatter_input = layer * BF16, layer * FP32
+        assert breakdown[Category.TEMPORARIES] >= all_gather + reduce_scatter_input

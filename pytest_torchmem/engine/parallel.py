@@ -19,6 +19,7 @@ from __future__ import annotations
 import copy
 import re
 import sys
+import types
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -151,10 +152,79 @@ def fake_world(
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=parallel.world)
     try:
         mesh = init_device_mesh(device_type, parallel.sizes, mesh_dim_names=parallel.names)
-        with _fake_tensor_checks_skipped(), _storage_resizes_seen(resized):
+        with _fake_tensor_checks_skipped(), _storage_resizes_seen(resized), _device_handle(device_type):
             yield mesh
     finally:
         dist.destroy_process_group()
+
+
+class _MetaDeviceHandle(types.ModuleType):
+    """``torch.meta`` for the block: the device module FSDP2 asks the mesh's device type for.
+
+    The fake cuda device traces on ``meta``, and ``torch.distributed`` finds a
+    device's streams, events and current index as ``getattr(torch, type)``,
+    which ``meta`` has none of. This one answers as the CPU's does: one
+    stream, events that are always complete, no index (``meta``, not ``meta:0``,
+    so what FSDP2 allocates is on the traced device). Every collective
+    completes when it is issued on the fake process group, so one stream is
+    the schedule the estimate defines; what a second stream changes in the
+    caching allocator is listed in ``unsupported`` (NCCL).
+    """
+
+    Stream = torch.cpu.Stream
+    Event = torch.cpu.Event
+    StreamContext = torch.cpu.StreamContext
+
+    def __init__(self) -> None:
+        super().__init__("torch.meta")
+
+    @staticmethod
+    def current_device() -> None:
+        return None
+
+    @staticmethod
+    def current_stream(device: Any = None) -> Any:
+        return torch.cpu.current_stream(device)
+
+    @staticmethod
+    def stream(stream: Any) -> Any:
+        return torch.cpu.stream(stream)
+
+    @staticmethod
+    def synchronize(device: Any = None) -> None:
+        return None
+
+    @staticmethod
+    def device_count() -> int:
+        return 1
+
+    @staticmethod
+    def is_available() -> bool:
+        return True
+
+    @staticmethod
+    def set_device(device: Any) -> None:
+        return None
+
+
+@contextmanager
+def _device_handle(device_type: str) -> Iterator[None]:
+    """``torch.meta`` for the block when the trace is on ``meta`` (the fake cuda device),
+    and FSDP2's refusal of parameters on ``meta`` lifted."""
+    if device_type != "meta" or hasattr(torch, "meta"):
+        yield
+        return
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+    # the traced tensors are on meta: FSDP2 takes them for parameters not yet materialized
+    validate = FSDPParamGroup._validate_no_meta_params
+    FSDPParamGroup._validate_no_meta_params = lambda self: None  # type: ignore[method-assign]
+    torch.meta = _MetaDeviceHandle()  # type: ignore[attr-defined]
+    try:
+        yield
+    finally:
+        del torch.meta  # type: ignore[attr-defined]
+        FSDPParamGroup._validate_no_meta_params = validate  # type: ignore[method-assign]
 
 
 @contextmanager
