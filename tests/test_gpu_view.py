@@ -26,6 +26,7 @@ class _Branches(nn.Module):
         seen = {
             "is_cuda": h.is_cuda,
             "device": str(h.device),
+            "index": h.get_device(),
             "available": torch.cuda.is_available(),
         }
         if h.device.type == "cuda":
@@ -35,6 +36,9 @@ class _Branches(nn.Module):
                 name=torch.cuda.get_device_properties(h.device).name,
                 memory=torch.cuda.get_device_properties(0).total_memory,
                 count=torch.cuda.device_count(),
+                built=torch.backends.cuda.is_built(),
+                flash=torch.backends.cuda.is_flash_attention_available(),
+                cudnn=torch.backends.cudnn.is_available(),
             )
             scratch = torch.empty(2**18, device=h.device)  # 1 MiB on the GPU
             h = h + scratch[:8] + torch.zeros(8).cuda() + torch.zeros(8).to(h.device)
@@ -51,12 +55,16 @@ def test_the_program_sees_the_profiles_gpu(gpu: str) -> None:
         {
             "is_cuda": True,
             "device": "cuda:0",
+            "index": 0,
             "available": True,
             "capability": profile.compute_capability,
             "bf16": profile.sm >= 80,
             "name": f"NVIDIA {gpu}",
             "memory": profile.memory,
             "count": 1,
+            "built": True,
+            "flash": True,
+            "cudnn": True,
         }
     ]
     plain = tm.estimate(nn.Linear(8, 8), torch.randn(4, 8), device="cuda", gpu=gpu, train=False)
@@ -67,7 +75,7 @@ def test_the_program_sees_the_profiles_gpu(gpu: str) -> None:
 def test_on_cpu_the_program_sees_the_cpu() -> None:
     model = _Branches()
     tm.estimate(model, torch.randn(4, 8), train=False)
-    assert model.seen == [{"is_cuda": False, "device": "cpu", "available": False}]
+    assert model.seen == [{"is_cuda": False, "device": "cpu", "index": -1, "available": False}]
 
 
 def test_nothing_leaks_out_of_the_trace_even_on_an_error() -> None:
@@ -76,16 +84,24 @@ def test_nothing_leaks_out_of_the_trace_even_on_an_error() -> None:
             assert x.is_cuda and torch.cuda.is_available()
             raise KeyError("the user's")
 
-    queries = {name: getattr(torch.cuda, name) for name in ("is_available", "get_device_properties")}
-    available = torch.cuda.is_available()
+    queries = {
+        (module, name): getattr(module, name)
+        for module, name in (
+            (torch.cuda, "is_available"),
+            (torch.cuda, "get_device_properties"),
+            (torch.backends.cuda, "is_built"),
+            (torch.backends.cudnn, "is_available"),
+        )
+    }
+    available = torch.cuda.is_available(), torch.backends.cuda.is_built()
     with pytest.raises(KeyError, match="the user's"):
         tm.estimate(Fails(), torch.randn(2), device="cuda", train=False)
-    assert {name: getattr(torch.cuda, name) for name in queries} == queries
-    assert torch.cuda.is_available() == available
-    assert "is_cuda" not in FakeTensor.__dict__
+    assert {key: getattr(*key) for key in queries} == queries
+    assert (torch.cuda.is_available(), torch.backends.cuda.is_built()) == available
+    assert "is_cuda" not in FakeTensor.__dict__ and "get_device" not in FakeTensor.__dict__
     assert isinstance(FakeTensor.__dict__["device"], property)
     with tm_fake_meta() as fake:
-        assert fake.device.type == "meta" and not fake.is_cuda
+        assert fake.device.type == "meta" and not fake.is_cuda and fake.get_device() == -1
 
 
 def tm_fake_meta() -> Any:

@@ -3,31 +3,38 @@
 The fake cuda device is traced on fake ``meta`` tensors (on a CPU-only torch,
 autograd on a fake ``cuda`` tensor kills the interpreter). Libraries branch on
 what they see: ``x.is_cuda``, ``x.device.type == "cuda"``,
-``torch.cuda.is_available()``, the device's capability. While :func:`gpu_view`
-is active, the code of the model and its libraries sees the GPU the profile
-names: a fake tensor of the device answers ``.device`` with ``cuda:0`` and
-``.is_cuda`` with True, and ``torch.cuda``'s queries answer as that GPU
-would. torch's own code and this package's still see ``meta`` (they route
-the step), so only callers outside them are answered so; the tensors the
-program then makes on "cuda" are placed by the device's router.
+``torch.cuda.is_available()``, the device's capability, whether torch was
+built with CUDA, cuDNN and flash attention. While :func:`gpu_view` is active,
+the code of the model and its libraries sees the GPU the profile names: a fake
+tensor of the device answers ``.device`` with ``cuda:0``, ``.is_cuda`` with
+True and ``.get_device()`` with 0, ``torch.cuda``'s queries answer as that GPU would, and
+``torch.backends.cuda.is_built()``,
+``torch.backends.cuda.is_flash_attention_available()`` and
+``torch.backends.cudnn.is_available()`` answer as a CUDA build does. torch's
+own code and this package's still see ``meta`` (they route the step), so only
+callers outside them are answered so; the tensors the program then makes on
+"cuda" are placed by the device's router.
 
-Not redirected (the answer stays the CPU-only build's): ``x.get_device()``
-and other C++ queries, ``torch.cuda`` functions beyond the queries below
-(streams, events, memory statistics), and code that reads a tensor's device
-from C++ (custom extensions).
+Not redirected (the answer stays the CPU-only build's): queries made from
+C++, ``torch.cuda`` functions beyond the queries below
+(streams, events, memory statistics), module attributes such as
+``torch.version.cuda`` (``None``: a value cannot tell who reads it), and code
+that reads a tensor's device from C++ (custom extensions).
 """
 
 from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from types import SimpleNamespace
+from types import ModuleType, SimpleNamespace
 from typing import Any, Final
 
 import torch
+import torch.backends.cuda
+import torch.backends.cudnn
 from torch._subclasses.fake_tensor import FakeTensor
 
 __all__ = ["gpu_view"]
@@ -51,6 +58,7 @@ def gpu_view(profile: Any) -> Iterator[None]:
     """Within a fake cuda trace: the program sees the GPU ``profile`` describes."""
     real_device = FakeTensor.device
     real_is_cuda = torch._C.TensorBase.is_cuda
+    real_get_device = torch._C.TensorBase.get_device
 
     def device(self: FakeTensor) -> torch.device:
         seen = real_device.fget(self)  # type: ignore[attr-defined]
@@ -63,6 +71,11 @@ def gpu_view(profile: Any) -> Iterator[None]:
             return True
         return real_is_cuda.__get__(self)  # type: ignore[no-any-return]
 
+    def get_device(self: FakeTensor) -> int:
+        if self.fake_device.type == "meta" and _from_the_program():
+            return 0
+        return real_get_device(self)  # type: ignore[no-any-return]
+
     properties = SimpleNamespace(
         name=f"NVIDIA {profile.name}",
         major=profile.compute_capability[0],
@@ -72,37 +85,43 @@ def gpu_view(profile: Any) -> Iterator[None]:
         is_integrated=False,
         is_multi_gpu_board=False,
     )
-    answers: dict[str, Any] = {
-        "is_available": lambda: True,
-        "device_count": lambda: 1,
-        "current_device": lambda: 0,
-        "get_device_capability": lambda device=None: profile.compute_capability,
-        "get_device_properties": lambda device=None: properties,
-        "get_device_name": lambda device=None: properties.name,
-        "is_bf16_supported": lambda including_emulation=True: profile.sm >= 80,
+    answers: dict[tuple[ModuleType, str], Callable[..., Any]] = {
+        (torch.cuda, "is_available"): lambda: True,
+        (torch.cuda, "device_count"): lambda: 1,
+        (torch.cuda, "current_device"): lambda: 0,
+        (torch.cuda, "get_device_capability"): lambda device=None: profile.compute_capability,
+        (torch.cuda, "get_device_properties"): lambda device=None: properties,
+        (torch.cuda, "get_device_name"): lambda device=None: properties.name,
+        (torch.cuda, "is_bf16_supported"): lambda including_emulation=True: profile.sm >= 80,
+        # A CUDA build: built with CUDA, cuDNN and the flash-attention kernels.
+        (torch.backends.cuda, "is_built"): lambda: True,
+        (torch.backends.cuda, "is_flash_attention_available"): lambda: True,
+        (torch.backends.cudnn, "is_available"): lambda: True,
     }
-    saved = {name: getattr(torch.cuda, name) for name in answers}
+    saved = {key: getattr(*key) for key in answers}
 
-    def answering(name: str) -> Any:
-        real = saved[name]
+    def answering(key: tuple[ModuleType, str]) -> Any:
+        real, answer = saved[key], answers[key]
 
         def query(*args: Any, **kwargs: Any) -> Any:
             if _from_the_program():
-                return answers[name](*args, **kwargs)
+                return answer(*args, **kwargs)
             return real(*args, **kwargs)
 
-        query.__name__ = name
+        query.__name__ = key[1]
         query.__doc__ = real.__doc__
         return query
 
     FakeTensor.device = property(device)  # type: ignore[assignment,method-assign]
     FakeTensor.is_cuda = property(is_cuda)  # type: ignore[assignment,method-assign]
-    for name in answers:
-        setattr(torch.cuda, name, answering(name))
+    FakeTensor.get_device = get_device  # type: ignore[method-assign]
+    for module, name in answers:
+        setattr(module, name, answering((module, name)))
     try:
         yield
     finally:
         FakeTensor.device = real_device  # type: ignore[method-assign]
         del FakeTensor.is_cuda
-        for name, real in saved.items():
-            setattr(torch.cuda, name, real)
+        del FakeTensor.get_device
+        for (module, name), real in saved.items():
+            setattr(module, name, real)
