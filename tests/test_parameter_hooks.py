@@ -4,9 +4,10 @@
 ``register_post_accumulate_grad_hook`` (the optimizer step fused into
 backward, which frees each gradient as soon as it is used) run once per
 parameter, on the step's stand-ins, and their memory effect is in the figures,
-byte for byte against ``measure``. A hook that looks the model's parameter up
-(the PyTorch tutorial's dict of per-parameter optimizers) cannot run on a
-stand-in: it is listed in ``unsupported`` and the step goes on.
+byte for byte against ``measure``. A hook that looks its parameter up in a dict
+(the PyTorch tutorial's per-parameter optimizers) finds the stand-in's twin
+there; one that finds it another way cannot run on a stand-in: it is listed in
+``unsupported`` and the step goes on.
 """
 
 from __future__ import annotations
@@ -67,13 +68,57 @@ def test_freeing_each_gradient_after_accumulation_lowers_the_backward_peak(devic
         assert estimated.phase_peaks() == tm.measure(hooked, X).phase_peaks()
 
 
-def test_a_hook_that_looks_the_parameter_up_is_listed_and_the_step_goes_on() -> None:
-    model = _model()
-    optimizers = {p: torch.optim.Adam([p]) for p in model.parameters()}
-
-    def fused_step(parameter: torch.Tensor) -> None:
+def _fused(model: nn.Module, optimizers: dict[Any, torch.optim.Optimizer]) -> Callable[..., None]:
+    def fused_step(parameter: torch.Tensor) -> None:  # the PyTorch tutorial's hook
         optimizers[parameter].step()
         optimizers[parameter].zero_grad()
+
+    for parameter in model.parameters():
+        parameter.register_post_accumulate_grad_hook(fused_step)
+    return fused_step
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_the_tutorials_optimizer_step_fused_into_backward(device: str) -> None:
+    """A dict of per-parameter optimizers keyed by the model's parameters: each
+    stand-in finds a twin of its parameter's optimizer, whose state is charged
+    in backward, and each gradient dies as soon as it is used."""
+    model = _model()
+    optimizers = {p: torch.optim.AdamW([p], foreach=False) for p in model.parameters()}
+    _fused(model, optimizers)
+    keys = list(optimizers)
+    separate = tm.estimate(_model(), X, device=device, optimizer=torch.optim.AdamW)
+    fused = tm.estimate(model, X, device=device)
+    assert fused.unsupported == ()
+    assert fused.step_peak == 0  # no separate step: it ran in backward
+    # The twins' AdamW state (exp_avg, exp_avg_sq and a step counter per parameter)
+    # was made in backward and is optimizer state; at the peak fewer gradients than
+    # the model's are alive ...
+    n_bytes = sum(p.numel() * 4 for p in model.parameters())
+    at_peak = fused.breakdown
+    assert 2 * n_bytes < at_peak["optimizer_state"] < 2 * n_bytes + 1024
+    assert at_peak["gradients"] < n_bytes
+    # ... so the step's peak is below the separate step's, which holds all of them.
+    assert separate.step_peak >= separate.breakdown["parameters"] + 3 * n_bytes
+    assert fused.peak < separate.peak
+    if device == "cpu":
+        measured = tm.measure(model, X)
+        assert measured.unsupported == ()
+        assert fused.phase_peaks() == measured.phase_peaks()
+        assert dict(fused.breakdown) == dict(measured.breakdown)
+    # The user's optimizers and their dict are as they were.
+    assert list(optimizers) == keys
+    assert all(not optimizer.state for optimizer in optimizers.values())
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_a_hook_that_finds_the_parameter_elsewhere_is_listed_and_the_step_goes_on() -> None:
+    model = _model()
+    by_position = {i: torch.optim.Adam([p]) for i, p in enumerate(model.parameters())}
+    positions = {id(p): i for i, p in enumerate(model.parameters())}
+
+    def fused_step(parameter: torch.Tensor) -> None:
+        by_position[positions[id(parameter)]].step()
 
     for parameter in model.parameters():
         parameter.register_post_accumulate_grad_hook(fused_step)
@@ -84,4 +129,4 @@ def test_a_hook_that_looks_the_parameter_up_is_listed_and_the_step_goes_on() -> 
             (f"parameter hook {fused_step.__qualname__}", where)
         ]
         assert report.unsupported[0].reason.startswith("it raised KeyError on the step's stand-in")
-    assert all(not optimizer.state for optimizer in optimizers.values())  # untouched
+    assert all(not optimizer.state for optimizer in by_position.values())  # untouched

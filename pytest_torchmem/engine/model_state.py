@@ -11,6 +11,7 @@ whatever happens inside. The user's model ends as it began.
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -115,6 +116,7 @@ class _Converter:
         self.storages: dict[int, torch.UntypedStorage] = {}
         self.tensors: dict[int, torch.Tensor] = {}
         self.with_grads: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.keyed = _KeyedByParameter()
 
     def gradients(self) -> None:
         """Give the stand-ins the stand-ins of their originals' ``.grad``, after
@@ -139,7 +141,7 @@ class _Converter:
         if isinstance(t, nn.Parameter):
             new = self.make.parameter(new, t.requires_grad)
             if new.requires_grad:
-                _carry_hooks(t, new, self.on_hook_error)
+                _carry_hooks(t, new, self.on_hook_error, self.keyed)
         elif t.requires_grad:
             new.requires_grad_(True)
         self.tensors[id(t)] = new
@@ -152,26 +154,131 @@ class _Converter:
 HookError = Callable[[Callable[..., Any], Exception], None]
 
 
-def _carry_hooks(original: torch.Tensor, standin: torch.Tensor, on_error: HookError | None) -> None:
+def _tables_of(hook: Callable[..., Any], original: torch.Tensor) -> list[dict[Any, Any]]:
+    """The dicts ``hook`` reaches by name (its closure, the globals it reads) that
+    hold ``original`` as a key: where a hook looks its parameter up."""
+    code = getattr(hook, "__code__", None)
+    if code is None:
+        return []
+    reached: list[Any] = []
+    for cell in getattr(hook, "__closure__", None) or ():
+        try:
+            reached.append(cell.cell_contents)
+        except ValueError:  # an empty cell
+            pass
+    names = getattr(hook, "__globals__", {})
+    reached += [names[name] for name in code.co_names if name in names]
+    tables: list[dict[Any, Any]] = []
+    for value in reached:
+        # By identity: ``in`` compares a tensor with a key of equal hash (an int id).
+        if isinstance(value, dict) and not any(value is t for t in tables):
+            if any(key is original for key in value):
+                tables.append(value)
+    return tables
+
+
+class _KeyedByParameter:
+    """Per-parameter dicts (the PyTorch tutorial's ``{p: optimizer}`` for an
+    optimizer step fused into backward) seen from the step's stand-ins.
+
+    A hook gets the stand-in, not the model's parameter, so a lookup by the
+    parameter would fail. For each dict a hook reads that holds its parameter,
+    :meth:`add` prepares the stand-in's twin of the parameter's value: a copy
+    of an optimizer that steps the stand-ins (its own state: the user's
+    optimizer is not touched), the stand-in of a tensor, or the value itself.
+    :meth:`bound` puts them in the dict under the stand-in for the hook's call
+    only, and takes them out after it, whatever happens.
+    """
+
+    def __init__(self) -> None:
+        self.twins: dict[int, list[tuple[dict[Any, Any], Any]]] = {}
+        self.pending: list[tuple[Callable[..., Any], torch.Tensor, torch.Tensor]] = []
+
+    def add(self, hook: Callable[..., Any], original: torch.Tensor, standin: torch.Tensor) -> None:
+        self.pending.append((hook, original, standin))
+
+    def prepare(self, convert: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Make the twins, once every tensor of the model has its stand-in."""
+        for hook, original, standin in self.pending:
+            twins = self.twins.setdefault(id(standin), [])
+            for table in _tables_of(hook, original):
+                if not any(table is seen for seen, _ in twins):
+                    twins.append((table, _twin(table[original], convert)))
+        self.pending.clear()
+
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        """The twins that are optimizers: their state is optimizer state."""
+        found: dict[int, torch.optim.Optimizer] = {}
+        for twins in self.twins.values():
+            for _, twin in twins:
+                if isinstance(twin, torch.optim.Optimizer):
+                    found.setdefault(id(twin), twin)
+        return list(found.values())
+
+    @contextmanager
+    def bound(self, standin: torch.Tensor) -> Iterator[None]:
+        added: list[dict[Any, Any]] = []
+        try:
+            for table, twin in self.twins.get(id(standin), ()):
+                if standin not in table:
+                    table[standin] = twin
+                    added.append(table)
+            yield
+        finally:
+            for table in added:
+                table.pop(standin, None)
+
+
+def _twin(value: Any, convert: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """``value`` as the step's stand-ins see it (see :class:`_KeyedByParameter`)."""
+    if isinstance(value, torch.Tensor):
+        return convert(value)
+    if not isinstance(value, torch.optim.Optimizer):
+        return value
+    twin = type(value).__new__(type(value))
+    twin.__dict__.update(value.__dict__)
+    twin.param_groups = [
+        {**group, "params": [convert(p) for p in group["params"]]} for group in value.param_groups
+    ]
+    state: defaultdict[torch.Tensor, dict[str, Any]] = defaultdict(dict)
+    for parameter, entries in value.state.items():
+        state[convert(parameter)] = {
+            key: convert(entry) if isinstance(entry, torch.Tensor) else entry
+            for key, entry in entries.items()
+        }
+    twin.state = state
+    return twin
+
+
+def _carry_hooks(
+    original: torch.Tensor,
+    standin: torch.Tensor,
+    on_error: HookError | None,
+    keyed: _KeyedByParameter,
+) -> None:
     """Register ``original``'s tensor hooks (``register_hook``) and post-accumulate-grad
     hooks (``register_post_accumulate_grad_hook``: the optimizer step fused into
     backward) on its stand-in, so that the step runs them as eager runs them.
 
     A hook gets the stand-in, not the model's parameter: one that looks the
-    parameter up (a dict of per-parameter optimizers keyed by it) raises; with
-    ``on_error`` its exception is told there instead of ending the step.
+    parameter up in a dict it reads (a dict of per-parameter optimizers keyed
+    by it) finds the stand-in's twin there (:class:`_KeyedByParameter`). One
+    that fails on the stand-in all the same raises; with ``on_error`` its
+    exception is told there instead of ending the step.
     """
 
     def guarded(hook: Callable[..., Any]) -> Callable[..., Any]:
-        if on_error is None:
-            return hook
+        keyed.add(hook, original, standin)
 
         def run(argument: Any) -> Any:
-            try:
-                return hook(argument)
-            except Exception as exc:  # noqa: BLE001 - told, not raised (see above)
-                on_error(hook, exc)
-                return None
+            with keyed.bound(standin):
+                if on_error is None:
+                    return hook(argument)
+                try:
+                    return hook(argument)
+                except Exception as exc:  # noqa: BLE001 - told, not raised (see above)
+                    on_error(hook, exc)
+                    return None
 
         return run
 
@@ -189,8 +296,8 @@ def hook_failure(hook: Callable[..., Any], exc: Exception) -> Unsupported:
     return Unsupported(
         f"parameter hook {name}",
         f"it raised {type(exc).__name__} on the step's stand-in of the parameter "
-        "(a hook that looks the model's parameter up, such as a dict of per-parameter "
-        "optimizers, cannot run on the stand-in); its effect is not in these figures",
+        "(a hook that finds the model's parameter other than in a dict it reads "
+        "cannot run on the stand-in); its effect is not in these figures",
         where,
     )
 
@@ -206,6 +313,8 @@ class Converted:
     buffers: list[torch.Tensor]
     attributes: list[torch.Tensor]
     inputs: list[torch.Tensor]
+    #: Optimizers that parameter hooks step (twins of the user's: see _KeyedByParameter).
+    hook_optimizers: list[torch.optim.Optimizer] = field(default_factory=list)
 
     @property
     def gradients(self) -> list[torch.Tensor]:
@@ -238,6 +347,7 @@ def convert(
     # named tuples, ...), in copies of those containers: the user's stay as they are.
     new_args, new_kwargs = map_tensors(convert_input, (args, kwargs))
     convert_one.gradients()
+    convert_one.keyed.prepare(convert_one)
     return Converted(
         model=dict(convert_one.tensors),
         args=new_args,
@@ -246,6 +356,7 @@ def convert(
         buffers=buffers,
         attributes=attributes,
         inputs=inputs,
+        hook_optimizers=convert_one.keyed.optimizers(),
     )
 
 

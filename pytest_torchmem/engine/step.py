@@ -9,7 +9,7 @@ up as gradients and optimizer state).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -157,6 +157,7 @@ def run_step(
     train: bool,
     probe: Probe,
     keep_output: bool = False,
+    hook_optimizers: Sequence[torch.optim.Optimizer] = (),
 ) -> None:
     """Run one step of ``model`` and report its progress to ``probe``.
 
@@ -164,7 +165,9 @@ def run_step(
     tensors (their ``.grad`` counts as gradients). ``keep_output``: the model's
     output is held to the end of the step, as ``out = model(**batch);
     out.loss.backward(); opt.step()`` holds ``out``; else it is dropped once
-    the loss is taken from it, before backward.
+    the loss is taken from it, before backward. ``hook_optimizers`` are stepped
+    by parameter hooks during backward (an optimizer step fused into it): their
+    state is optimizer state.
     """
     if not train:
         probe.set_phase(Phase.FORWARD)
@@ -200,16 +203,25 @@ def run_step(
         Category.GRADIENTS,
         local_tensors(t.grad for t in trainable + inputs if t.grad is not None),
     )
+    _assign_optimizer_state(probe, hook_optimizers)
 
     if opt is not None:
         probe.set_phase(Phase.STEP)
         opt.step()
-        probe.assign_role(
-            Category.OPTIMIZER_STATE,
-            local_tensors(
-                v for state in opt.state.values() for v in tree_leaves(state) if isinstance(v, torch.Tensor)
-            ),
-        )
+        _assign_optimizer_state(probe, [opt])
         opt.zero_grad(set_to_none=True)
     probe.set_phase(None)
     del loss, opt, held
+
+
+def _assign_optimizer_state(probe: Probe, optimizers: Sequence[torch.optim.Optimizer]) -> None:
+    probe.assign_role(
+        Category.OPTIMIZER_STATE,
+        local_tensors(
+            v
+            for opt in optimizers
+            for state in opt.state.values()
+            for v in tree_leaves(state)
+            if isinstance(v, torch.Tensor)
+        ),
+    )

@@ -124,6 +124,7 @@ def trace(
                 standins.kwargs,
                 parameters=parameters,
                 inputs=standins.inputs,
+                hook_optimizers=standins.hook_optimizers,
                 loss_fn=loss_fn,
                 optimizer=optimizer,
                 train=train,
