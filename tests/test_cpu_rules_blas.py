@@ -353,7 +353,7 @@ class _MovedLinear(nn.Module):
 
 
 @pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
-def test_checkpoint_recomputes_a_strided_linear_in_place(threads: int, reentrant: bool) -> None:
+def test_checkpoint_recomputes_moved_linears_in_place(threads: int, reentrant: bool) -> None:
     """Regression: the backward ran without the CPU router, so a checkpoint's
     recomputation added a strided linear's bias out of place: one more output-sized
     tensor, alive at the backward peak here (a case tests/test_properties.py found)."""
