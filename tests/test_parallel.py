@@ -4,11 +4,14 @@ The estimate runs ``apply`` over a fake process group (no processes); the
 ground truth is ``measure(parallel=...)``, which forks the mesh's ranks as
 real gloo processes on this machine and profiles each. Figures are compared
 byte for byte in every phase. Models are small: a measurement at world 2
-takes about 0.3 s, at world 4 about 0.8 s on two cores.
+takes about 0.3 s, at world 4 about 0.8 s on two cores. A real run can hold a
+collective's buffer a little longer than the estimate's schedule (gloo's
+threads free it when they will): see :func:`_a_real_run_equal_to`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -39,6 +42,27 @@ def _peaks(report: tm.MemoryReport) -> tuple[int, int, int]:
     return report.forward_peak, report.backward_peak, report.step_peak
 
 
+def _a_real_run_equal_to(estimated: tm.MemoryReport, measure: Callable[[], tm.MemoryReport]) -> tm.MemoryReport:
+    """The first of up to three real runs whose peaks equal ``estimated``'s.
+
+    A gloo worker thread lets go of a collective's tensors at a time of its own,
+    so on a busy machine a real run now and then holds one a little longer than
+    the collective (seen: +2,048 B in backward and step, a tensor-parallel
+    activation all-reduced at world 4, about once in 20 runs under load). The
+    estimate is the schedule where a collective's buffers die when it
+    completes: a real run equals it exactly, and one that differs holds more,
+    never less.
+    """
+    runs = []
+    for _ in range(3):
+        measured = measure()
+        runs.append(_peaks(measured))
+        assert all(real >= est for real, est in zip(runs[-1], _peaks(estimated))), (_peaks(estimated), runs)
+        if runs[-1] == _peaks(estimated):
+            return measured
+    pytest.fail(f"no real run equals the estimate {_peaks(estimated)}: {runs}")
+
+
 def _ddp(**options: object):
     def apply(model: nn.Module, mesh: object) -> nn.Module:
         return DDP(model, process_group=mesh.get_group(), **options)  # type: ignore[attr-defined]
@@ -61,9 +85,10 @@ def test_ddp_estimate_equals_gloo_ranks(world: int, options: dict[str, object]) 
     model, x = _blocks(), torch.randn(8, 64)
     parallel = tm.Parallel(mesh={"dp": world}, apply=_ddp(**options), rank=world - 1)
     estimated = tm.estimate(model, x, optimizer=_adamw, parallel=parallel)
-    measured = tm.measure(model, x, optimizer=_adamw, parallel=parallel)
     assert estimated.unsupported == ()
-    assert _peaks(estimated) == _peaks(measured)
+    measured = _a_real_run_equal_to(
+        estimated, lambda: tm.measure(model, x, optimizer=_adamw, parallel=parallel)
+    )
     assert estimated.breakdown == measured.breakdown
 
 
@@ -86,9 +111,8 @@ def test_tensor_parallel_estimate_equals_gloo_ranks(world: int) -> None:
     model, x = _blocks(), torch.randn(8, 64)
     parallel = tm.Parallel(mesh={"tp": world}, apply=_tensor_parallel, rank=1)
     estimated = tm.estimate(model, x, optimizer=_adamw, parallel=parallel)
-    measured = tm.measure(model, x, optimizer=_adamw, parallel=parallel)
     assert estimated.unsupported == ()
-    assert _peaks(estimated) == _peaks(measured)
+    _a_real_run_equal_to(estimated, lambda: tm.measure(model, x, optimizer=_adamw, parallel=parallel))
 
 
 def test_tensor_parallel_shards_parameters_by_world() -> None:
