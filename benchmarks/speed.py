@@ -19,7 +19,9 @@ every contender alike):
 * ``MemTracker`` -- ``torch.distributed._tools.mem_tracker.MemTracker`` under
   ``FakeTensorMode`` on the same step, PyTorch's own fake-tensor memory tracker;
 * ``estimate`` at batch 1 and at batch 64: tracing cost must not grow with
-  the tensors' sizes.
+  the tensors' sizes;
+* ``both devices`` -- what one ``torchmem.check`` traces: ``estimate`` on the
+  fake ``cpu`` and on the fake ``cuda`` device, one after the other.
 
 Each contender runs once to warm up (FakeTensorMode's dispatch cache is shared
 by all of them), then ``--repeats`` times; the table shows medians. The ratios
@@ -32,7 +34,7 @@ it with real, initialised parameters (~500 MB) instead.
 
 ``--check`` exits 1 when a target is missed:
 estimate / plain fake <= 1.2, estimate / MemTracker <= 0.25,
-estimate@64 / estimate@1 <= 1.2. ``--profile`` adds a cProfile of one
+estimate@64 / estimate@1 <= 1.2, both devices / plain fake <= 2.2. ``--profile`` adds a cProfile of one
 ``estimate`` call, summarised by where the time goes.
 """
 
@@ -67,6 +69,7 @@ TARGETS = {
     "estimate / plain fake": 1.2,
     "estimate / MemTracker": 0.25,
     "estimate@64 / estimate@1": 1.2,
+    "both devices / plain fake": 2.2,
 }
 MiB = 2**20
 
@@ -234,7 +237,12 @@ def main(argv: list[str] | None = None) -> int:
     plain = Contender("plain fake", lambda: copy.deepcopy(meta_model), lambda m: plain_fake(m, tokens[args.batch]))
     tracker = Contender("MemTracker", lambda: copy.deepcopy(meta_model), lambda m: mem_tracker(m, tokens[args.batch]))
     est1, est64 = estimate_at(1, "estimate (batch 1)"), estimate_at(64, "estimate (batch 64)")
-    contenders = [est, plain, tracker, est1, est64]
+    both = Contender(
+        "both devices",
+        lambda: None,
+        lambda _: [tm.estimate(model, tokens[args.batch], device=d) for d in ("cpu", "cuda")][-1],
+    )
+    contenders = [est, plain, tracker, est1, est64, both]
 
     print(
         f"{'transformers GPT2LMHeadModel' if args.transformers else 'GPT-2-shaped model'}: "
@@ -263,6 +271,7 @@ def main(argv: list[str] | None = None) -> int:
         "estimate / plain fake": (est.name, plain.name),
         "estimate / MemTracker": (est.name, tracker.name),
         "estimate@64 / estimate@1": (est64.name, est1.name),
+        "both devices / plain fake": (both.name, plain.name),
     }
     rows, missed = [], []
     for label, (a, b) in pairs.items():
