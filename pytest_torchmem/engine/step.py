@@ -108,21 +108,26 @@ class ModuleTracker:
             handle.remove()
         self._handles = []
 
+    # The hooks are this package's code: they run without torch-function modes
+    # (a device's router would see every tensor query they make).
+
     def _before(self, module: nn.Module, args: Any) -> None:
         index = self._index.get(id(module))
         if index is None:
             return
-        self.probe.enter_module(index)
-        if torch.is_grad_enabled():
-            _hook_once(args, lambda: self.probe.exit_module(index))
+        with torch._C.DisableTorchFunction():
+            self.probe.enter_module(index)
+            if torch.is_grad_enabled():
+                _hook_once(args, lambda: self.probe.exit_module(index))
 
     def _after(self, module: nn.Module, args: Any, output: Any) -> None:
         index = self._index.get(id(module))
         if index is None:
             return
-        self.probe.exit_module(index)
-        if torch.is_grad_enabled():
-            _hook_once(output, lambda: self.probe.enter_module(index))
+        with torch._C.DisableTorchFunction():
+            self.probe.exit_module(index)
+            if torch.is_grad_enabled():
+                _hook_once(output, lambda: self.probe.enter_module(index))
 
 
 def _hook_once(value: Any, fn: Callable[[], None]) -> None:
@@ -135,7 +140,8 @@ def _hook_once(value: Any, fn: Callable[[], None]) -> None:
     def hook(_grad: torch.Tensor) -> None:
         if not fired[0]:
             fired[0] = True
-            fn()
+            with torch._C.DisableTorchFunction():
+                fn()
 
     for t in tensors:
         t.register_hook(hook)

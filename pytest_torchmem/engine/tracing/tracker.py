@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 import torch
+from torch._C import DisableTorchFunction as _DisableTorchFunction
 from torch._C._dynamo.eval_frame import set_eval_frame as _set_eval_frame
 from torch._subclasses import fake_tensor as _fake_tensor
 from torch._subclasses.fake_tensor import (
@@ -376,11 +377,12 @@ class Tracker(TorchDispatchMode):
             self._optimizer_hook(optimizer, self.context)
 
     def assign_role(self, category: Category, tensors: Iterable[torch.Tensor]) -> None:
-        self._settle_numbers()
-        for t in tensors:
-            sid = self.storage_id(t)
-            if sid is not None:
-                self.timeline.assign_role(sid, category)
+        with _DisableTorchFunction():  # see __torch_dispatch__
+            self._settle_numbers()
+            for t in tensors:
+                sid = self.storage_id(t)
+                if sid is not None:
+                    self.timeline.assign_role(sid, category)
 
     # -- dispatch ------------------------------------------------------------
 
@@ -421,7 +423,10 @@ class Tracker(TorchDispatchMode):
             return args[0].fake_device
         prior = _set_eval_frame(None)  # dynamo never traces the tracker's own code
         try:
-            return self._dispatch(func, types, args, kwargs)
+            # Nor does a torch-function mode (a device's router) see its tensor
+            # queries: thousands of calls a step, each a trip through Python.
+            with _DisableTorchFunction():
+                return self._dispatch(func, types, args, kwargs)
         finally:
             _set_eval_frame(prior)
 
