@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, Final
 
+import pytest
 import torch
 from torch import nn
 
@@ -56,9 +57,35 @@ class Lambda(nn.Module):
         return self.fn(*self.params, *inputs, *(getattr(self, n) for n in self.names))
 
 
+#: What the estimate says of a bfloat16/float16 kernel that the modelled CPU runs
+#: on native instructions (the avx512_bf16 and amx levels; ``cpu.base.native_kernel_gap``).
+NATIVE_GAP: Final = "(native instructions)"
+
+
+def flagged_native(estimated: tm.MemoryReport) -> bool:
+    """The estimate flags a reduced-precision kernel that this host runs natively
+    (and nothing else): there the rules do not claim exactness, and the estimate
+    must say so; a kernel not flagged still fails an exactness test. The same
+    tests are exact on the ``avx512`` level, which ``.ci/run`` reaches on such a
+    host with ``ONEDNN_MAX_CPU_ISA=AVX512_CORE``."""
+    flagged = [u for u in estimated.unsupported if NATIVE_GAP in u.reason]
+    if flagged:
+        others = [u for u in estimated.unsupported if NATIVE_GAP not in u.reason]
+        assert others == [], others
+    return bool(flagged)
+
+
+def skip_where_native(estimated: tm.MemoryReport) -> None:
+    """Skip an exactness test where :func:`flagged_native`."""
+    if flagged_native(estimated):
+        reason = next(u for u in estimated.unsupported if NATIVE_GAP in u.reason)
+        pytest.skip(f"not modelled on this host's level: {reason}")
+
+
 def assert_exact(model: nn.Module, inputs: Any, **options: Any) -> None:
     """``estimate`` and ``measure`` agree in every phase, and the estimate is complete."""
     estimated = tm.estimate(model, inputs, **options)
+    skip_where_native(estimated)
     measured = tm.measure(model, inputs, **options)
     assert estimated.unsupported == ()
     assert estimated.phase_peaks() == measured.phase_peaks()
@@ -70,7 +97,9 @@ def assert_exact_with_breakdown(
     """:func:`assert_exact` for ``fn(*params)``, and the same bytes in every category
     (a gradient copied by ``AccumulateGrad`` shows there, if not always in the peaks)."""
     model = Lambda(fn, params)
-    estimated, measured = tm.estimate(model, ()), tm.measure(model, ())
+    estimated = tm.estimate(model, ())
+    skip_where_native(estimated)
+    measured = tm.measure(model, ())
     assert estimated.unsupported == ()
     assert estimated.phase_peaks() == measured.phase_peaks()
     assert estimated.breakdown == measured.breakdown

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from exactness import intra_op_threads
+from exactness import intra_op_threads, skip_where_native
 from exactness import rule_buffers as scratch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -141,7 +141,9 @@ def test_flash_attention(threads: int, dtype: torch.dtype, batch: int, length: i
     torch.manual_seed(0)
     model = SelfAttention(width, heads, dtype, is_causal=True)
     x = torch.randn(batch, length, width, dtype=dtype)
-    assert tm.estimate(model, x).phase_peaks() == tm.measure(model, x).phase_peaks()
+    estimated = tm.estimate(model, x)
+    skip_where_native(estimated)
+    assert estimated.phase_peaks() == tm.measure(model, x).phase_peaks()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, BF16], ids=str)
@@ -166,7 +168,9 @@ def test_flash_attention_masks_and_layouts(threads: int, dtype: torch.dtype, mas
             return F.scaled_dot_product_attention(q * self.scale, k, v, attn_mask=self.mask, scale=0.2)
 
     model = Cross()
-    assert tm.estimate(model, (q, k, v)).phase_peaks() == tm.measure(model, (q, k, v)).phase_peaks()
+    estimated = tm.estimate(model, (q, k, v))
+    skip_where_native(estimated)
+    assert estimated.phase_peaks() == tm.measure(model, (q, k, v)).phase_peaks()
 
 
 @pytest.mark.parametrize("causal", [False, True])

@@ -53,7 +53,7 @@ _MARKER_KEYS: Final = (
 )
 #: The ISA levels of CPU profiles: ``tracing.devices.cpu.profiles.ISA_LEVELS``, spelled
 #: out so that reading options and markers needs no torch (a test checks that the two agree).
-CPU_ISA_LEVELS: Final = ("default", "avx2", "avx512")
+CPU_ISA_LEVELS: Final = ("default", "avx2", "avx512", "avx512_bf16", "amx")
 #: The marker of budgets and per-test settings.
 MARKER: Final = "memory_budget"
 #: The name ``step.ModuleTracker`` gives the model itself (not imported: it needs torch).

@@ -23,7 +23,7 @@ from typing import Any, Final
 
 import torch
 
-from pytest_torchmem.engine.tracing.devices.cpu.base import CPU, profile_of
+from pytest_torchmem.engine.tracing.devices.cpu.base import CPU, native_kernel_gap, profile_of
 from pytest_torchmem.engine.tracing.devices.cpu.blas import onednn_gemm_bytes
 from pytest_torchmem.engine.tracing.rules import OUTPUTS, Alloc, Free, OpCall, Steps
 
@@ -33,6 +33,7 @@ aten = torch.ops.aten
 
 #: ``kv_split_size`` of every ``cpu_flash_attention`` instantiation.
 _KV_SPLIT: Final = 512
+_FLASH_KERNELS: Final = "ATen's flash-attention blocks"
 
 
 
@@ -71,9 +72,9 @@ def _flash_attention(call: OpCall) -> Steps:
     scores against a key block, its running max and sum, and its output rows;
     for bfloat16/float16 also the scores rounded to the input type.
 
-    Not modelled: the oneDNN-packed variant (``need_pack``, float16 on CPUs with
-    AMX-FP16), which pads the blocks to 64 (its packed keys and values use
-    ``new[]``, not the allocator).
+    Not modelled, and listed in ``unsupported``: the brgemm variants of CPUs
+    that compute bfloat16/float16 natively (the ``avx512_bf16`` and ``amx``
+    levels), which block and pack otherwise.
     """
     query = call.args[0]
     value = call.args[2]
@@ -85,6 +86,7 @@ def _flash_attention(call: OpCall) -> Steps:
     per_thread = q_split * kv_split + 2 * q_split + q_split * head
     reduced = q_split * kv_split if _is_reduced(query.dtype) else 0
     return [
+        *native_kernel_gap(call, query.dtype, _FLASH_KERNELS),
         OUTPUTS,
         Alloc("per-thread blocks (accumulate type)", threads * per_thread * _accumulate_size(query.dtype)),
         Alloc("per-thread scores (input type)", threads * reduced * query.element_size()),
@@ -140,6 +142,7 @@ def _flash_attention_backward(call: OpCall) -> Steps:
         shapes = set(_backward_gemms(q_len, kv_len, head, q_split, kv_split, is_causal, alpha))
         gemm = max(onednn_gemm_bytes(profile_of(call), dtype, False, False, m, n, k, a) for m, n, k, a in shapes)
     return [
+        *native_kernel_gap(call, dtype, _FLASH_KERNELS),
         OUTPUTS,
         Alloc("grad_out (contiguous copy)", grad_out_copy),
         Alloc("per-thread blocks (accumulate type)", threads * blocks * accumulate),

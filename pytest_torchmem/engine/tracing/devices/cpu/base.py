@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from typing import Final
 
+import torch
+
 from pytest_torchmem.engine.tracing.devices.common import COMMON
 from pytest_torchmem.engine.tracing.devices.cpu.profiles import CpuProfile, host_profile
-from pytest_torchmem.engine.tracing.rules import OpCall, RuleSet
+from pytest_torchmem.engine.tracing.rules import Inexact, OpCall, RuleSet
 
-__all__ = ["CPU", "profile_of"]
+__all__ = ["CPU", "profile_of", "native_kernel_gap"]
 
 #: The CPU rules; the modules of this package register into it.
 CPU: Final[RuleSet] = COMMON.copy("cpu")
@@ -22,3 +24,19 @@ def profile_of(call: OpCall) -> CpuProfile:
     if context is not None and context.cpu is not None:
         return context.cpu
     return host_profile()
+
+
+def native_kernel_gap(call: OpCall, dtype: torch.dtype, kernels: str) -> tuple[Inexact, ...]:
+    """``(Inexact,)`` when the modelled CPU computes ``dtype`` natively (the
+    ``avx512_bf16`` and ``amx`` levels: oneDNN's brgemm, ATen's packed blocks),
+    whose scratch no rule models; the call is then listed in ``unsupported``."""
+    cpu = profile_of(call)
+    name = str(dtype).removeprefix("torch.")
+    if name not in cpu.native_dtypes:
+        return ()
+    return (
+        Inexact(
+            f"{kernels} in {name} on the {cpu.isa} level (native instructions) take scratch "
+            "that is not modelled; the figure is that of the avx512 level"
+        ),
+    )

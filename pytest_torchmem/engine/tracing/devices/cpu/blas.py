@@ -18,8 +18,9 @@ The CPU matmuls of ATen (``aten/src/ATen/native/LinearAlgebra.cpp``,
 
 The oneDNN figures are those of ``gemm_bf16_matmul_t``, the implementation
 oneDNN 3.12 picks on AVX-512 CPUs without native bfloat16 (verified there).
-On CPUs with AVX512-BF16 or AMX oneDNN picks its brgemm matmul, whose
-scratchpad is not modelled; nor are float32 matmuls routed to oneDNN by
+On CPUs with AVX512-BF16 or AMX (the ``avx512_bf16`` and ``amx`` levels) oneDNN
+picks its brgemm matmul, whose scratchpad is not modelled: such calls are listed
+in ``unsupported``; nor are float32 matmuls routed to oneDNN by
 ``torch.backends.mkldnn.matmul.fp32_precision`` = "bf16"/"tf32" (brgemm).
 """
 
@@ -32,9 +33,9 @@ from typing import Any, Final
 import torch
 from torch._subclasses.fake_tensor import DataDependentOutputException
 
-from pytest_torchmem.engine.tracing.devices.cpu.base import CPU, profile_of
+from pytest_torchmem.engine.tracing.devices.cpu.base import CPU, native_kernel_gap, profile_of
 from pytest_torchmem.engine.tracing.devices.cpu.profiles import CpuProfile
-from pytest_torchmem.engine.tracing.rules import OUTPUTS, Alloc, OpCall, Steps, nbytes_of
+from pytest_torchmem.engine.tracing.rules import OUTPUTS, Alloc, Inexact, OpCall, Steps, nbytes_of
 
 __all__ = ["onednn_gemm_accumulator_bytes", "onednn_gemm_bytes"]
 
@@ -49,6 +50,7 @@ _BMM_SMALL: Final = 400
 #: ``memory_tracking::default_alignment`` (oneDNN): each scratchpad buffer is
 #: booked with this much room for its alignment.
 _ONEDNN_SCRATCH_ALIGN: Final = 128
+_MATMUL_KERNELS: Final = "oneDNN's matmul kernels"
 
 
 
@@ -222,12 +224,19 @@ def _result(call: OpCall) -> torch.Tensor:
     return out[0] if isinstance(out, (tuple, list)) else out
 
 
+def _native_gap(call: OpCall) -> tuple[Inexact, ...]:
+    """The product's dtype is computed natively on the modelled CPU (oneDNN enabled)."""
+    if not _mkldnn_enabled():
+        return ()
+    return native_kernel_gap(call, _result(call).dtype, _MATMUL_KERNELS)
+
+
 @CPU.scratch(aten.mm.default, aten.mm.out)
 def _mm(call: OpCall) -> Steps:
     """``mm_out_cpu`` → ``addmm_impl_cpu_``: the output first (structured kernel),
     then the copies of unusable operands and oneDNN's scratchpad."""
     gemm = _gemm_of(profile_of(call), _result(call), call.args[0], call.args[1], 1)
-    return [OUTPUTS, *gemm.steps()]
+    return [*_native_gap(call), OUTPUTS, *gemm.steps()]
 
 
 @CPU.scratch(
@@ -239,7 +248,7 @@ def _addmm(call: OpCall) -> Steps:
     bias is copied into the output, which costs nothing more)."""
     alpha = call.arg(4, "alpha", 1)
     gemm = _gemm_of(profile_of(call), _result(call), call.args[1], call.args[2], alpha)
-    return [OUTPUTS, *gemm.steps()]
+    return [*_native_gap(call), OUTPUTS, *gemm.steps()]
 
 
 # -- bmm_out_or_baddbmm_ ---------------------------------------------------------
@@ -335,14 +344,14 @@ def _bmm_steps(
 @CPU.scratch(aten.bmm.default, aten.bmm.out)
 def _bmm(call: OpCall) -> Steps:
     """``bmm_out_cpu`` → ``bmm_out_or_baddbmm_``."""
-    return [OUTPUTS, *_bmm_steps(profile_of(call), _result(call), call.args[0], call.args[1], 1)]
+    return [*_native_gap(call), OUTPUTS, *_bmm_steps(profile_of(call), _result(call), call.args[0], call.args[1], 1)]
 
 
 @CPU.scratch(aten.baddbmm.default, aten.baddbmm.out, aten.baddbmm_.default)
 def _baddbmm(call: OpCall) -> Steps:
     """``baddbmm_out_cpu`` → ``bmm_out_or_baddbmm_`` (the output holds ``self``)."""
     alpha = call.arg(4, "alpha", 1)
-    return [OUTPUTS, *_bmm_steps(profile_of(call), _result(call), call.args[1], call.args[2], alpha)]
+    return [*_native_gap(call), OUTPUTS, *_bmm_steps(profile_of(call), _result(call), call.args[1], call.args[2], alpha)]
 
 
 # -- addmv, dot -------------------------------------------------------------------
@@ -383,14 +392,14 @@ def _addmv_steps(
 @CPU.scratch(aten.mv.default, aten.mv.out)
 def _mv(call: OpCall) -> Steps:
     """``mv`` → ``addmv_`` into a fresh result (``mv_out`` → ``addmv_out``)."""
-    return [OUTPUTS, *_addmv_steps(profile_of(call), _result(call), call.args[0], call.args[1], 1)]
+    return [*_native_gap(call), OUTPUTS, *_addmv_steps(profile_of(call), _result(call), call.args[0], call.args[1], 1)]
 
 
 @CPU.scratch(aten.addmv.default, aten.addmv.out, aten.addmv_.default)
 def _addmv(call: OpCall) -> Steps:
     """``addmv_out_cpu``."""
     alpha = call.arg(4, "alpha", 1)
-    return [OUTPUTS, *_addmv_steps(profile_of(call), _result(call), call.args[1], call.args[2], alpha)]
+    return [*_native_gap(call), OUTPUTS, *_addmv_steps(profile_of(call), _result(call), call.args[1], call.args[2], alpha)]
 
 
 @CPU.scratch(aten.dot.default, aten.vdot.default)
@@ -400,8 +409,8 @@ def _dot(call: OpCall) -> Steps:
     self, other = call.args[0], call.args[1]
     cpu = profile_of(call)
     if self.is_complex() or not _use_mkldnn_matmul(cpu, self.dtype, self, other, size=self.shape[0]):
-        return [OUTPUTS]
-    return [OUTPUTS, *_mkldnn_matmul_steps(cpu, self, other, 1, 1, 1, 1)]
+        return [*_native_gap(call), OUTPUTS]
+    return [*_native_gap(call), OUTPUTS, *_mkldnn_matmul_steps(cpu, self, other, 1, 1, 1, 1)]
 
 
 # -- _grouped_mm -----------------------------------------------------------------
@@ -529,7 +538,7 @@ def _grouped_mm_scratch(call: OpCall) -> Steps:
     a_2d, b_2d = mat_a.dim() == 2, mat_b.dim() == 2
     cpu = profile_of(call)
     if not a_2d and not b_2d:
-        return [OUTPUTS, *_bmm_steps(cpu, out, mat_a, mat_b, 1)]
+        return [*_native_gap(call), OUTPUTS, *_bmm_steps(cpu, out, mat_a, mat_b, 1)]
     # The dimension the groups split, and how many rows it has.
     total = mat_a.shape[1] if (a_2d and b_2d) else (mat_a.shape[0] if a_2d else mat_b.shape[1])
     ends = _offsets(offs)

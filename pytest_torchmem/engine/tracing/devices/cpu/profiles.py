@@ -17,7 +17,15 @@ level         ATen capability     oneDNN ISA
 ``default``   ``DEFAULT``         ``SSE41`` (a CPU without AVX)
 ``avx2``      ``AVX2``            ``AVX2`` (Haswell .. Zen 3, most CI runners)
 ``avx512``    ``AVX512``          ``AVX512_CORE`` (Skylake-SP .. Cascade Lake)
+``avx512_bf16`` ``AVX512``        ``AVX512_CORE_BF16`` (Cooper Lake, Zen 4/5)
+``amx``       ``AVX512``          ``AVX512_CORE_AMX`` (Sapphire Rapids on)
 ============  ==================  =======================================
+
+On the two highest levels oneDNN and ATen compute bfloat16 (and, on ``amx``,
+float16) with native instructions: brgemm matmuls and packed attention blocks,
+whose scratch the rules do not model. Float32 kernels are those of ``avx512``;
+a reduced-precision call that takes a native kernel is listed in
+``unsupported`` (:attr:`CpuProfile.native_dtypes`).
 
 A profile is written ``"<level>:<threads>"`` (``"avx2:4"``), or built as
 ``CpuProfile(isa="avx2", threads=4)``, optionally with other cache sizes.
@@ -46,20 +54,34 @@ _KiB: Final = 1024
 _MiB: Final = 1024 * 1024
 
 #: The ISA levels, lowest first.
-ISA_LEVELS: Final = ("default", "avx2", "avx512")
+ISA_LEVELS: Final = ("default", "avx2", "avx512", "avx512_bf16", "amx")
 
 #: Per-core L1 data, L2 and L3 cache bytes of a typical CPU of each level (what
 #: oneDNN's ``platform::get_per_core_cache_size`` reads there): a pre-AVX Xeon;
-#: AMD EPYC Zen 2/3, the CPU of most hosted CI runners; Skylake-SP.
+#: AMD EPYC Zen 2/3, the CPU of most hosted CI runners; Skylake-SP; Zen 4;
+#: Sapphire Rapids.
 _CACHES: Final[dict[str, tuple[int, int, int]]] = {
     "default": (32 * _KiB, 256 * _KiB, 2 * _MiB),
     "avx2": (32 * _KiB, 512 * _KiB, 4 * _MiB),
     "avx512": (32 * _KiB, 1 * _MiB, 1408 * _KiB),
+    "avx512_bf16": (32 * _KiB, 1 * _MiB, 4 * _MiB),
+    "amx": (48 * _KiB, 2 * _MiB, 1920 * _KiB),
 }
 
 #: What the environment variables that cap a process to each level say.
-_ATEN_CAPABILITY: Final = {"default": "default", "avx2": "avx2", "avx512": "avx512"}
-_ONEDNN_ISA: Final = {"default": "SSE41", "avx2": "AVX2", "avx512": "AVX512_CORE"}
+_ATEN_CAPABILITY: Final = {
+    "default": "default", "avx2": "avx2", "avx512": "avx512", "avx512_bf16": "avx512", "amx": "avx512",
+}
+_ONEDNN_ISA: Final = {
+    "default": "SSE41", "avx2": "AVX2", "avx512": "AVX512_CORE",
+    "avx512_bf16": "AVX512_CORE_BF16", "amx": "AVX512_CORE_AMX",
+}
+#: The reduced-precision dtypes each level computes natively (oneDNN's
+#: ``mkldnn_bf16_device_check``/``mkldnn_fp16_device_check`` past avx512_core).
+_NATIVE_DTYPES: Final[dict[str, tuple[str, ...]]] = {
+    "avx512_bf16": ("bfloat16",),
+    "amx": ("bfloat16", "float16"),
+}
 
 #: The profile the pytest plugin models when none is named: cpu snapshot entries
 #: recorded anywhere compare on any other machine.
@@ -103,31 +125,42 @@ class CpuProfile:
                 object.__setattr__(self, name, default)
 
     @property
+    def level(self) -> int:
+        """The level's rank in :data:`ISA_LEVELS` (0: ``default``)."""
+        return ISA_LEVELS.index(self.isa)
+
+    @property
     def avx512(self) -> bool:
         """oneDNN may use avx512_core kernels (16-float vectors)."""
-        return self.isa == "avx512"
+        return self.level >= ISA_LEVELS.index("avx512")
 
     @property
     def avx2(self) -> bool:
         """oneDNN may use avx2 kernels (8-float vectors, FMA)."""
-        return self.isa in ("avx2", "avx512")
+        return self.level >= ISA_LEVELS.index("avx2")
 
     @property
     def onednn_bf16(self) -> bool:
         """oneDNN computes bfloat16 here (``mkldnn_bf16_device_check``: ideep's
-        ``has_bf16_type_support``, avx512_core or avx2_vnni_2; float16 needs
-        avx512_core_fp16 or avx2_vnni_2, which no profile has)."""
-        return self.isa == "avx512"
+        ``has_bf16_type_support``, avx512_core or avx2_vnni_2)."""
+        return self.avx512
+
+    @property
+    def native_dtypes(self) -> tuple[str, ...]:
+        """The reduced-precision dtypes (``torch.dtype`` names) this CPU computes
+        with native instructions: oneDNN's brgemm kernels and ATen's packed
+        attention, whose scratch the rules do not model."""
+        return _NATIVE_DTYPES.get(self.isa, ())
 
     @property
     def simd(self) -> int:
         """floats in one vector register of the widest oneDNN f32 kernels."""
-        return {"default": 4, "avx2": 8, "avx512": 16}[self.isa]
+        return 16 if self.avx512 else 8 if self.avx2 else 4
 
     @property
     def aten_capability(self) -> str:
         """What ``torch.backends.cpu.get_cpu_capability()`` says on such a CPU."""
-        return {"default": "DEFAULT", "avx2": "AVX2", "avx512": "AVX512"}[self.isa]
+        return _ATEN_CAPABILITY[self.isa].upper()
 
     @property
     def default_caches(self) -> bool:
@@ -148,7 +181,7 @@ class CpuProfile:
         return cls(**data)  # type: ignore[arg-type]
 
 
-_PROFILE_TEXT: Final = re.compile(r"^\s*([a-z0-9]+)\s*:\s*(\d+)\s*$", re.IGNORECASE)
+_PROFILE_TEXT: Final = re.compile(r"^\s*([a-z0-9_]+)\s*:\s*(\d+)\s*$", re.IGNORECASE)
 
 
 def cpu_profile(value: str | CpuProfile | None) -> CpuProfile:
@@ -203,7 +236,8 @@ def _host_isa() -> str:
             f"name a profile instead (cpu='{DEFAULT_CPU}'), which gives the same bytes on any host"
         )
     onednn = _onednn_level()
-    if onednn != aten:
+    # ATen's dispatch stops at AVX512; the levels above it differ in oneDNN only.
+    if onednn == "avx" or min(ISA_LEVELS.index(onednn), ISA_LEVELS.index("avx512")) != ISA_LEVELS.index(aten):
         lower = "default" if onednn == "avx" else min(aten, onednn, key=ISA_LEVELS.index)
         raise ValueError(
             f"this process runs ATen's {aten} kernels (ATEN_CPU_CAPABILITY) and oneDNN's "
@@ -211,29 +245,43 @@ def _host_isa() -> str:
             f"cap both, e.g. ATEN_CPU_CAPABILITY={_ATEN_CAPABILITY[lower]} "
             f"ONEDNN_MAX_CPU_ISA={_ONEDNN_ISA[lower]}, or name a profile"
         )
-    return aten
+    return onednn
+
+
+#: ``ONEDNN_MAX_CPU_ISA`` values (oneDNN's ``cpu_isa_t`` names) -> the level they cap to.
+_ONEDNN_CAPS: Final = {
+    "SSE41": "default", "AVX": "avx", "AVX2": "avx2", "AVX2_VNNI": "avx2",
+    "AVX512_CORE": "avx512", "AVX512_CORE_VNNI": "avx512",
+    "AVX512_CORE_BF16": "avx512_bf16",
+    "AVX512_CORE_AMX": "amx", "AVX10_1_512_AMX": "amx",
+}
 
 
 def _onednn_level() -> str:
     """The level of the oneDNN kernels this process may use: the CPU's, capped by
-    ``ONEDNN_MAX_CPU_ISA`` (or its older name ``DNNL_MAX_CPU_ISA``)."""
+    ``ONEDNN_MAX_CPU_ISA`` (or its older name ``DNNL_MAX_CPU_ISA``); ``"avx"``
+    for AVX without AVX2, which no level models."""
     import torch
 
-    if torch.cpu._is_avx512_supported():
+    if torch.cpu._is_amx_tile_supported():
+        level = "amx"
+    elif torch.cpu._is_avx512_bf16_supported():
+        level = "avx512_bf16"
+    elif torch.cpu._is_avx512_supported():
         level = "avx512"
     elif torch.cpu._is_avx2_supported():
         level = "avx2"
     else:
         level = "default"
     cap = (os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or "").upper()
-    if cap in ("", "ALL", "DEFAULT") or cap.startswith(("AVX512", "AVX10")):
-        capped = "avx512"
-    elif cap.startswith("AVX2"):
-        capped = "avx2"
-    elif cap == "AVX":
-        capped = "avx"  # a level of its own: no rule models AVX without AVX2
-    else:
-        capped = "default"
+    if cap in ("", "ALL", "DEFAULT"):
+        return level
+    capped = _ONEDNN_CAPS.get(cap)
+    if capped is None:
+        raise ValueError(
+            f"ONEDNN_MAX_CPU_ISA={cap} is not a level the CPU rules know; cap to one of "
+            f"{', '.join(sorted(_ONEDNN_CAPS))} or name a profile (cpu='{DEFAULT_CPU}')"
+        )
     if capped == "avx":
         return "avx" if level != "default" else level
     return min(level, capped, key=ISA_LEVELS.index)

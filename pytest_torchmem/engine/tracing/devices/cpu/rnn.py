@@ -52,7 +52,7 @@ from typing import Any, Final
 import torch
 
 from pytest_torchmem.engine.tracing.devices.cpu.base import CPU, profile_of
-from pytest_torchmem.engine.tracing.devices.cpu.profiles import CpuProfile
+from pytest_torchmem.engine.tracing.devices.cpu.profiles import ISA_LEVELS, CpuProfile
 from pytest_torchmem.engine.tracing.rules import OUTPUTS, Alloc, Free, OpCall, Steps, nbytes_of
 
 aten = torch.ops.aten
@@ -85,14 +85,15 @@ def _booking(nbytes: int, alignment: int = _BOOKING_ALIGN) -> int:
     return nbytes + max(alignment, _BOOKING_ALIGN) if nbytes > 0 else 0
 
 
-#: oneDNN's ISA levels that change an LSTM's buffers, lowest first; a profile
-#: reaches avx2 or avx512_core (the bfloat16 and AMX levels are not modelled).
-_ISA_LEVELS: Final = ("avx2", "avx512_core", "avx512_core_bf16", "avx512_core_amx")
+#: oneDNN's ISA levels that change an LSTM's buffers, lowest first, and the
+#: profile level each is.
+_ISA_LEVELS: Final = {
+    "avx2": "avx2", "avx512_core": "avx512", "avx512_core_bf16": "avx512_bf16", "avx512_core_amx": "amx",
+}
 
 
 def _mayiuse(cpu: CpuProfile, isa: str) -> bool:
-    level = {"default": -1, "avx2": 0, "avx512": 1}[cpu.isa]
-    return level >= _ISA_LEVELS.index(isa)
+    return cpu.level >= ISA_LEVELS.index(_ISA_LEVELS[isa])
 
 
 @dataclass(frozen=True)
