@@ -2,12 +2,15 @@
 
 torchvision's wheels on PyPI (0.28.0 pairs with torch 2.13.0) are built against
 the CUDA build of torch: beside the CPU wheel this project tests with, their C++
-extension (``torchvision/_C.so``) does not load, and torchvision's
+extension (``torchvision/_C.so``, linked to ``libtorch_cuda.so`` and
+``libc10_cuda.so``) does not load, and torchvision's
 ``_meta_registrations`` module then fails at import, registering a fake kernel
 for an operator the extension would have defined::
 
     RuntimeError: operator torchvision::nms does not exist
 
+(pytorch/vision#9085). With a torchvision built for the CPU torch the first
+import below succeeds as is and nothing is stubbed.
 Worse, transformers imports torchvision whenever it is installed, and every
 transformers model class (``GPT2LMHeadModel``, ...) then fails with
 ``ModuleNotFoundError``. The model definitions themselves are plain Python; only
