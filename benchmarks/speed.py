@@ -122,6 +122,12 @@ class _TransformersGPT2(nn.Module):
 
     def __init__(self, cfg: GPT2Config) -> None:
         super().__init__()
+        # Before transformers, which imports torchvision when it is installed
+        # (see tests/torchvision_import.py: beside the CPU torch wheel it needs help).
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+        from torchvision_import import import_torchvision
+
+        import_torchvision()
         import transformers
 
         transformers.logging.set_verbosity_error()

@@ -4,6 +4,12 @@ from pathlib import Path
 # The model zoo (tests/zoo.py) is shared by the test suite and the benchmarks.
 sys.path.insert(0, str(Path(__file__).parent))
 
+# Before any test module (and transformers, which imports torchvision when it is
+# installed): torchvision's wheel needs the CUDA build of torch to import as is.
+from torchvision_import import import_torchvision  # noqa: E402
+
+import_torchvision()
+
 
 from collections.abc import Iterator  # noqa: E402
 

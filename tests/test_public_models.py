@@ -1,10 +1,13 @@
-"""Public models as users bring them (Hugging Face transformers), both fake devices, AdamW.
+"""Public models as users bring them (Hugging Face transformers, torchvision), both fake devices, AdamW.
 
 Small configurations of GPT-2 (plain and with gradient checkpointing, both
 kinds), Llama (float32 and bfloat16), BERT, ViT, ResNet, ConvNeXt,
 MobileNetV2, EfficientNet, T5,
-Mixtral (float32: its experts' grouped matmul) and Whisper, and an LSTM
-tagger, each with a tokenizer-style ``Mapping`` batch and an AdamW step: the
+Mixtral (float32: its experts' grouped matmul) and Whisper, an LSTM
+tagger, and torchvision's ResNet-18, ConvNeXt, MobileNetV3-Small, EfficientNet
+(MBConv and Fused-MBConv blocks) and ViT (float32, with a cross-entropy loss
+on their logits; skipped when torchvision is not installed),
+each with a tokenizer-style ``Mapping`` batch and an AdamW step: the
 cpu estimate equals ``measure`` byte for byte (see ``NEAR`` for the one
 exception), and the fake cuda device traces each without an exception,
 listing nothing in ``unsupported`` but the attention-backward and cuDNN RNN
@@ -94,6 +97,30 @@ class _LstmTagger(nn.Module):
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         scores = self.tags(self.lstm(self.embed(input_ids))[0])
         return nn.functional.cross_entropy(scores.flatten(0, 1), labels.flatten() % 9)
+
+
+class _Classifier(nn.Module):
+    """A torchvision classifier taking the batch's pixels and labels, returning the loss."""
+
+    def __init__(self, net: nn.Module) -> None:
+        super().__init__()
+        self.net = net
+
+    def forward(self, pixel_values: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(self.net(pixel_values), labels)
+
+
+def _torchvision(build: Callable[[Any], nn.Module]) -> tuple[nn.Module, Any]:
+    """``build(torchvision.models)`` as a :class:`_Classifier` (10 classes), an image batch."""
+    torchvision = pytest.importorskip("torchvision", reason="torchvision is not installed")
+    return _Classifier(build(torchvision.models)), _image_batch()
+
+
+def _torchvision_efficientnet(models: Any) -> nn.Module:
+    """EfficientNet(V2)'s blocks, few and narrow: Fused-MBConv, then MBConv with squeeze-excitation."""
+    fused, mb = models.efficientnet.FusedMBConvConfig, models.efficientnet.MBConvConfig
+    setting = [fused(1, 3, 1, 16, 16, 1), fused(4, 3, 2, 16, 24, 1), mb(4, 3, 2, 24, 32, 2)]
+    return models.EfficientNet(setting, dropout=0.2, num_classes=10, last_channel=128)
 
 
 CASES: dict[str, Callable[[], tuple[nn.Module, Any]]] = {
@@ -214,6 +241,29 @@ CASES: dict[str, Callable[[], tuple[nn.Module, Any]]] = {
         {"input_features": torch.randn(2, 16, 64), "labels": torch.randint(0, _VOCAB, _IDS)},
     ),
     "lstm tagger": lambda: (_LstmTagger(), _lm_batch()),
+    "torchvision resnet18": lambda: _torchvision(lambda m: m.resnet18(num_classes=10)),
+    "torchvision convnext": lambda: _torchvision(
+        lambda m: m.ConvNeXt(
+            [m.convnext.CNBlockConfig(16, 32, 1), m.convnext.CNBlockConfig(32, None, 1)],
+            stochastic_depth_prob=0.1,
+            num_classes=10,
+        )
+    ),
+    "torchvision mobilenet v3 small": lambda: _torchvision(
+        lambda m: m.mobilenet_v3_small(num_classes=10, width_mult=0.5)
+    ),
+    "torchvision efficientnet": lambda: _torchvision(_torchvision_efficientnet),
+    "torchvision vit": lambda: _torchvision(
+        lambda m: m.VisionTransformer(
+            image_size=32,
+            patch_size=8,
+            num_layers=2,
+            num_heads=2,
+            hidden_dim=64,
+            mlp_dim=128,
+            num_classes=10,
+        )
+    ),
 }
 
 
