@@ -33,7 +33,10 @@ HOST = profiles.host_profile()
 
 @pytest.mark.parametrize(
     ("text", "isa", "threads"),
-    [("avx2:4", "avx2", 4), ("AVX512:16", "avx512", 16), (" default : 1 ", "default", 1)],
+    [
+        ("avx2:4", "avx2", 4), ("AVX512:16", "avx512", 16), (" default : 1 ", "default", 1),
+        ("avx512_bf16:2", "avx512_bf16", 2), ("amx:8", "amx", 8),
+    ],
 )
 def test_profile_text(text: str, isa: str, threads: int) -> None:
     profile = cpu_profile(text)
@@ -65,6 +68,57 @@ def test_each_level_has_typical_caches_and_custom_caches_are_named() -> None:
 def test_bad_profiles_name_the_fix(value: object, message: str) -> None:
     with pytest.raises((TypeError, ValueError), match=message):
         cpu_profile(value)  # type: ignore[arg-type]
+
+
+def test_the_native_levels_are_avx512_but_for_their_reduced_precision() -> None:
+    """``avx512_bf16`` and ``amx`` run avx512's float32 kernels (16-float vectors,
+    ATen's AVX512 dispatch) and compute bfloat16 (amx: float16 too) natively."""
+    for level in ("avx512_bf16", "amx"):
+        profile = CpuProfile(level, 4)
+        assert profile.avx512 and profile.avx2 and profile.onednn_bf16
+        assert (profile.simd, profile.aten_capability) == (16, "AVX512")
+    assert CpuProfile("avx512_bf16", 4).native_dtypes == ("bfloat16",)
+    assert CpuProfile("amx", 4).native_dtypes == ("bfloat16", "float16")
+    assert all(CpuProfile(level, 4).native_dtypes == () for level in ("default", "avx2", "avx512"))
+    assert capped_environment(CpuProfile("amx", 1)) == {
+        "ATEN_CPU_CAPABILITY": "avx512", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_AMX",
+    }
+
+
+@pytest.mark.parametrize(
+    ("cap", "level"),
+    [
+        ("SSE41", "default"), ("AVX2", "avx2"), ("AVX512_CORE", "avx512"), ("AVX512_CORE_VNNI", "avx512"),
+        ("AVX512_CORE_BF16", "avx512_bf16"), ("AVX512_CORE_AMX", "amx"), ("", None), ("ALL", None),
+    ],
+)
+def test_onednn_caps_lower_the_hosts_level(monkeypatch: pytest.MonkeyPatch, cap: str, level: str | None) -> None:
+    monkeypatch.delenv("DNNL_MAX_CPU_ISA", raising=False)
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "")
+    hardware = profiles._onednn_level()
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", cap)
+    expected = hardware if level is None else min(hardware, level, key=profiles.ISA_LEVELS.index)
+    assert profiles._onednn_level() == expected
+
+
+def test_a_onednn_cap_the_rules_do_not_know_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``AVX10_1_512`` (avx512_core_fp16 without AMX) computes float16 natively but
+    not as ``amx`` does; no level models it."""
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX10_1_512")
+    with pytest.raises(ValueError, match="ONEDNN_MAX_CPU_ISA=AVX10_1_512 is not a level the CPU rules know"):
+        profiles._onednn_level()
+
+
+def test_a_native_level_lists_its_reduced_precision_matmuls() -> None:
+    """Under ``amx`` a bfloat16 or float16 Linear is flagged, a float32 one is not;
+    under ``avx512_bf16`` only the bfloat16 one."""
+    for dtype, flagged in ((torch.float32, ()), (torch.bfloat16, ("amx", "avx512_bf16")), (torch.float16, ("amx",))):
+        model = nn.Linear(64, 64, dtype=dtype)
+        x = torch.randn(32, 64, dtype=dtype)
+        for level in ("avx512", "avx512_bf16", "amx"):
+            unsupported = tm.estimate(model, x, cpu=f"{level}:2").unsupported
+            assert bool(unsupported) == (level in flagged), (dtype, level, unsupported)
+            assert all("(native instructions)" in u.reason and level in u.reason for u in unsupported)
 
 
 def test_none_and_host_are_this_process_as_it_runs_now(threads: int) -> None:

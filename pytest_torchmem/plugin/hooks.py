@@ -130,7 +130,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     _option(
         parser,
         "cpu",
-        "The CPU profile the fake cpu device models: ISA level (default, avx2, avx512) and "
+        "The CPU profile the fake cpu device models: ISA level (default, avx2, avx512, avx512_bf16, amx) and "
         f"intra-op threads, e.g. avx512:8, or host for this machine (default: {DEFAULT_CPU}, "
         "the same bytes on every machine).",
         metavar="PROFILE",

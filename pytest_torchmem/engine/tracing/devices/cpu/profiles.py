@@ -11,15 +11,15 @@ runs now: that is what :func:`~pytest_torchmem.measure` sees.
 The ISA levels are the ones the rules were verified on, each the pair of
 ATen's ``ATEN_CPU_CAPABILITY`` and oneDNN's ``ONEDNN_MAX_CPU_ISA``:
 
-============  ==================  =======================================
-level         ATen capability     oneDNN ISA
-============  ==================  =======================================
-``default``   ``DEFAULT``         ``SSE41`` (a CPU without AVX)
-``avx2``      ``AVX2``            ``AVX2`` (Haswell .. Zen 3, most CI runners)
-``avx512``    ``AVX512``          ``AVX512_CORE`` (Skylake-SP .. Cascade Lake)
-``avx512_bf16`` ``AVX512``        ``AVX512_CORE_BF16`` (Cooper Lake, Zen 4/5)
-``amx``       ``AVX512``          ``AVX512_CORE_AMX`` (Sapphire Rapids on)
-============  ==================  =======================================
+===============  ==================  =======================================
+level            ATen capability     oneDNN ISA
+===============  ==================  =======================================
+``default``      ``DEFAULT``         ``SSE41`` (a CPU without AVX)
+``avx2``         ``AVX2``            ``AVX2`` (Haswell .. Zen 3, most CI runners)
+``avx512``       ``AVX512``          ``AVX512_CORE`` (Skylake-SP .. Cascade Lake)
+``avx512_bf16``  ``AVX512``          ``AVX512_CORE_BF16`` (Cooper Lake, Zen 4/5)
+``amx``          ``AVX512``          ``AVX512_CORE_AMX`` (Sapphire Rapids on)
+===============  ==================  =======================================
 
 On the two highest levels oneDNN and ATen compute bfloat16 (and, on ``amx``,
 float16) with native instructions: brgemm matmuls and packed attention blocks,
