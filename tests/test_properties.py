@@ -1279,6 +1279,14 @@ def test_estimate_and_measure_leave_the_model_untouched(program: Program) -> Non
         assert _same(_snapshot(model, inputs), before)
 
 
+def _located_nowhere(report: tm.MemoryReport) -> dict[str, Any]:
+    """The report as a dict, its ``unsupported`` entries without the caller's line
+    (the estimates compared are made on different lines)."""
+    data = report.to_dict()
+    data["unsupported"] = [{**u, "location": ""} for u in data["unsupported"]]
+    return data
+
+
 @_settings(max(_EXAMPLES // 4, 10))
 @given(programs())
 def test_estimate_is_deterministic_and_ignores_values(program: Program) -> None:
@@ -1287,6 +1295,6 @@ def test_estimate_is_deterministic_and_ignores_values(program: Program) -> None:
     model, inputs, options = build(program)
     meta_model, _, _ = build(program, device="meta")
     with intra_op_threads(program.threads):
-        first = tm.estimate(model, inputs, **options)
-        assert tm.estimate(model, inputs, **options).to_dict() == first.to_dict()
-        assert tm.estimate(meta_model, inputs, **options).to_dict() == first.to_dict()
+        first = _located_nowhere(tm.estimate(model, inputs, **options))
+        assert _located_nowhere(tm.estimate(model, inputs, **options)) == first
+        assert _located_nowhere(tm.estimate(meta_model, inputs, **options)) == first
