@@ -471,7 +471,12 @@ class Tracker(TorchDispatchMode):
             )
             self._abort(func, f"fake tensors cannot run it ({detail})")
 
-        steps = self._scratch(plan, OpCall(func, args, kwargs, out, self.context))
+        # (most ops have no scratch rule: no OpCall is made for them)
+        steps = (
+            self._scratch(plan, OpCall(func, args, kwargs, out, self.context))
+            if plan.scratch is not None
+            else None
+        )
         numbers = (
             self._wrapped_numbers(plan, args, kwargs)
             if self.wrapped_scalars and plan.tensor_slots
@@ -696,7 +701,10 @@ class Tracker(TorchDispatchMode):
             if isinstance(t, torch.Tensor):
                 if plan.mutable:
                     self._check_resize(t)
-                if t.device == self.device and not t._is_zerotensor():
+                # A fake tensor's device, read without the Python property (and the
+                # fake cuda device's GPU view of it): outside a kernel it is fake_device.
+                device = t.fake_device if type(t) is FakeTensor else t.device
+                if device == self.device and not t._is_zerotensor():
                     # (a zero tensor, sgn's gradient say, has no memory)
                     self._track(t, None, plan.name)
             elif isinstance(t, (tuple, list)):
@@ -768,8 +776,11 @@ class Tracker(TorchDispatchMode):
             device = torch.device(device)
             if device.type in self.aliases:
                 kwargs = {**kwargs, "device": self.device}
-        if any(_needs_faking(a) for a in args):
-            args = tuple(self._fake_foreign(a) for a in args)
+        for a in args:
+            # (a loop, not any() over a generator: this runs on every op, and most
+            # arguments are fake tensors or plain values, told apart by type alone)
+            if type(a) is not FakeTensor and _needs_faking(a):
+                return tuple(self._fake_foreign(a) for a in args), kwargs
         return args, kwargs
 
     def _fake_foreign(self, value: Any) -> Any:
