@@ -480,6 +480,58 @@ def reduction_steps(
         steps.append(Alloc(f"{tag}:cast", cast))
     if self.numel() == 0 or not outs:
         return steps
+    gpu = context.gpu if context is not None else None
+    if self.layout != torch.strided or any(o.layout != torch.strided for o in outs):
+        return steps + _launch_steps(self, outs, dim, keepdim, in_dtype, arg_size, vt0, gpu, tag)
+    # The launch's buffers follow from the geometry alone: a step reduces the same
+    # shapes again and again (each layer's bias gradients), so they are worked out
+    # once per geometry.
+    key = (
+        tuple(self.shape),
+        self.stride(),
+        self.storage_offset(),
+        self.dtype,
+        tuple((o.dim(), o.stride(), o.dtype) for o in outs),
+        dim if dim is None or isinstance(dim, int) else tuple(dim),
+        keepdim,
+        in_dtype,
+        arg_size,
+        vt0,
+        gpu,
+        tag,
+    )
+    try:
+        launch = _LAUNCH_STEPS.get(key)
+    except TypeError:  # an unhashable stand-in for a GPU profile: worked out each time
+        return steps + _launch_steps(self, outs, dim, keepdim, in_dtype, arg_size, vt0, gpu, tag)
+    if launch is None:
+        if len(_LAUNCH_STEPS) >= _LAUNCH_STEPS_KEPT:
+            _LAUNCH_STEPS.clear()
+        launch = _LAUNCH_STEPS[key] = tuple(
+            _launch_steps(self, outs, dim, keepdim, in_dtype, arg_size, vt0, gpu, tag)
+        )
+    return steps + list(launch)
+
+
+#: :func:`_launch_steps` by the reduction's geometry (see :func:`reduction_steps`).
+_LAUNCH_STEPS: dict[tuple[Any, ...], tuple[Step, ...]] = {}
+_LAUNCH_STEPS_KEPT: Final = 4096
+
+
+def _launch_steps(
+    self: torch.Tensor,
+    outs: Sequence[torch.Tensor],
+    dim: Any,
+    keepdim: bool,
+    in_dtype: torch.dtype,
+    arg_size: int | None,
+    vt0: int,
+    gpu: Any,
+    tag: str,
+) -> list[Step]:
+    """The buffers of the ``gpu_reduce_kernel`` launch of :func:`reduction_steps`
+    (over a non-empty ``self``, into at least one output)."""
+    steps: list[Step] = []
     reduced = _reduced_dims(self.dim(), dim)
     in_strides, offset = _input_layout(self, in_dtype)
     out_strides = [_viewed_out_strides(o, reduced, keepdim) for o in outs]
@@ -491,7 +543,6 @@ def reduction_steps(
             )
         )
         return steps
-    gpu = context.gpu if context is not None else None
     config = reduce_config(
         geo,
         arg_size=_acc_size(in_dtype) if arg_size is None else arg_size,
