@@ -356,21 +356,26 @@ class Tracker(TorchDispatchMode):
         self.timeline.phase(phase)
 
     def enter_module(self, index: int) -> None:
-        self._settle_numbers()
-        self._settle_views()
+        self._settle_pending()
         self._modules.append(index)
         self.module = index
         self.timeline.enter(index)
 
     def exit_module(self, index: int) -> None:
-        self._settle_numbers()
-        self._settle_views()
+        self._settle_pending()
         for pos in range(len(self._modules) - 1, -1, -1):
             if self._modules[pos] == index:
                 del self._modules[pos]
                 break
         self.module = self._modules[-1] if self._modules else -1
         self.timeline.exit(index)
+
+    def _settle_pending(self) -> None:
+        # (on each module entry and exit, forward and backward: mostly nothing is pending)
+        if self._pending_numbers:
+            self._settle_numbers()
+        if self._pending_views:
+            self._settle_views()
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         if self._optimizer_hook is not None:
