@@ -132,7 +132,13 @@ class ModuleTracker:
 
 def _hook_once(value: Any, fn: Callable[[], None]) -> None:
     """Call ``fn`` once, when the first gradient of a tensor in ``value`` is complete."""
-    tensors = [t for t in tensors_in(value) if t.requires_grad]
+    if isinstance(value, torch.Tensor):
+        found: Any = (value,)
+    elif type(value) is tuple and all(isinstance(v, torch.Tensor) for v in value):
+        found = value  # a module's usual arguments: no containers to walk
+    else:
+        found = tensors_in(value)
+    tensors = [t for t in found if t.requires_grad]
     if not tensors:
         return
     fired = [False]

@@ -356,21 +356,26 @@ class Tracker(TorchDispatchMode):
         self.timeline.phase(phase)
 
     def enter_module(self, index: int) -> None:
-        self._settle_numbers()
-        self._settle_views()
+        self._settle_pending()
         self._modules.append(index)
         self.module = index
         self.timeline.enter(index)
 
     def exit_module(self, index: int) -> None:
-        self._settle_numbers()
-        self._settle_views()
+        self._settle_pending()
         for pos in range(len(self._modules) - 1, -1, -1):
             if self._modules[pos] == index:
                 del self._modules[pos]
                 break
         self.module = self._modules[-1] if self._modules else -1
         self.timeline.exit(index)
+
+    def _settle_pending(self) -> None:
+        # (on each module entry and exit, forward and backward: mostly nothing is pending)
+        if self._pending_numbers:
+            self._settle_numbers()
+        if self._pending_views:
+            self._settle_views()
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         if self._optimizer_hook is not None:
@@ -471,7 +476,12 @@ class Tracker(TorchDispatchMode):
             )
             self._abort(func, f"fake tensors cannot run it ({detail})")
 
-        steps = self._scratch(plan, OpCall(func, args, kwargs, out, self.context))
+        # (most ops have no scratch rule: no OpCall is made for them)
+        steps = (
+            self._scratch(plan, OpCall(func, args, kwargs, out, self.context))
+            if plan.scratch is not None
+            else None
+        )
         numbers = (
             self._wrapped_numbers(plan, args, kwargs)
             if self.wrapped_scalars and plan.tensor_slots
@@ -696,7 +706,10 @@ class Tracker(TorchDispatchMode):
             if isinstance(t, torch.Tensor):
                 if plan.mutable:
                     self._check_resize(t)
-                if t.device == self.device and not t._is_zerotensor():
+                # A fake tensor's device, read without the Python property (and the
+                # fake cuda device's GPU view of it): outside a kernel it is fake_device.
+                device = t.fake_device if type(t) is FakeTensor else t.device
+                if device == self.device and not t._is_zerotensor():
                     # (a zero tensor, sgn's gradient say, has no memory)
                     self._track(t, None, plan.name)
             elif isinstance(t, (tuple, list)):
@@ -768,8 +781,11 @@ class Tracker(TorchDispatchMode):
             device = torch.device(device)
             if device.type in self.aliases:
                 kwargs = {**kwargs, "device": self.device}
-        if any(_needs_faking(a) for a in args):
-            args = tuple(self._fake_foreign(a) for a in args)
+        for a in args:
+            # (a loop, not any() over a generator: this runs on every op, and most
+            # arguments are fake tensors or plain values, told apart by type alone)
+            if type(a) is not FakeTensor and _needs_faking(a):
+                return tuple(self._fake_foreign(a) for a in args), kwargs
         return args, kwargs
 
     def _fake_foreign(self, value: Any) -> Any:

@@ -379,6 +379,11 @@ def view_strides(
     return tuple(out) if view_d == -1 else None
 
 
+#: :func:`view_strides` of the (sizes, strides, new sizes) tuples met: every view op of
+#: a CPU trace asks, and a step views the same few shapes again and again.
+_view_strides_of: Final = functools.lru_cache(maxsize=4096)(view_strides)
+
+
 @CPU.implementation(aten.view.default, aten._unsafe_view.default)
 def _view(call: OpCall) -> Any:
     """``view_impl`` (``TensorShape.cpp``) takes its strides from ``computeStride``;
@@ -386,7 +391,10 @@ def _view(call: OpCall) -> Any:
     CPU ``addmm``'s operand checks compare them)."""
     out = call.func(*call.args, **call.kwargs)
     x = call.args[0]
-    strides = view_strides(x.shape, x.stride(), out.shape)
+    try:
+        strides = _view_strides_of(x.shape, x.stride(), out.shape)
+    except TypeError:  # symbolic sizes: no cache key
+        strides = view_strides(x.shape, x.stride(), out.shape)
     if strides is None or strides == out.stride():
         return out
     return out.as_strided(out.shape, strides, out.storage_offset())

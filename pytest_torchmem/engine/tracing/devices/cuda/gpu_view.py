@@ -47,22 +47,30 @@ _INTERNAL: Final = (
 )
 
 
+#: Where the code that keeps seeing the trace's devices lives: torch, this package,
+#: and Python's frozen modules.
+_NOT_THE_PROGRAM: Final = (*_INTERNAL, "<frozen")
+
+
 def _from_the_program() -> bool:
     """Whether the caller of the caller (a query's caller) is the model's or a library's code."""
-    filename = sys._getframe(2).f_code.co_filename
-    return not filename.startswith(_INTERNAL) and not filename.startswith("<frozen")
+    return not sys._getframe(2).f_code.co_filename.startswith(_NOT_THE_PROGRAM)
 
 
 @contextmanager
 def gpu_view(profile: Any) -> Iterator[None]:
     """Within a fake cuda trace: the program sees the GPU ``profile`` describes."""
     real_device = FakeTensor.device
+    real_device_of = real_device.fget  # type: ignore[attr-defined]
     real_is_cuda = torch._C.TensorBase.is_cuda
     real_get_device = torch._C.TensorBase.get_device
+    getframe = sys._getframe
 
     def device(self: FakeTensor) -> torch.device:
-        seen = real_device.fget(self)  # type: ignore[attr-defined]
-        if seen.type == "meta" and _from_the_program():
+        # Asked thousands of times a step, mostly by torch's fake-tensor cache: the
+        # caller's frame is read here, without _from_the_program's call.
+        seen = real_device_of(self)
+        if seen.type == "meta" and not getframe(1).f_code.co_filename.startswith(_NOT_THE_PROGRAM):
             return _CUDA
         return seen
 

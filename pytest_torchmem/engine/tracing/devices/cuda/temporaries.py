@@ -85,6 +85,7 @@ __all__ = [
     "ReduceConfig",
     "cast_copy_bytes",
     "max_threads_per_sm",
+    "non_overlapping_and_dense",
     "reduce_config",
     "reduction_steps",
 ]
@@ -126,6 +127,22 @@ def _sm_count(gpu: Any) -> int:
 
 def _first(out: Any) -> torch.Tensor:
     return out[0] if isinstance(out, (tuple, list)) else out
+
+
+def non_overlapping_and_dense(t: torch.Tensor) -> bool:
+    """``prims.is_non_overlapping_and_dense_or_false(t)``, answered at once for the
+    common case, a contiguous strided tensor with no zero stride (the prims
+    helper takes ~14 us through its symbolic-shape guards, on every BLAS call).
+
+    Such a tensor is dense: its dimensions longer than 1 have distinct strides,
+    each the product of the sizes after it, so the prims helper's sort by stride
+    puts them back in order and its check passes. A zero stride (only on a
+    dimension of size 1 here) is left to the helper, whose comparison treats it
+    specially.
+    """
+    if t.layout == torch.strided and t.is_contiguous() and 0 not in t.stride():
+        return True
+    return prims.is_non_overlapping_and_dense_or_false(t)
 
 
 def _itemsize(dtype: torch.dtype) -> int:
@@ -431,7 +448,7 @@ def _input_layout(self: torch.Tensor, in_dtype: torch.dtype) -> tuple[list[int],
         isz = self.element_size()
         return [s * isz for s in self.stride()], self.storage_offset()
     isz = _itemsize(in_dtype)
-    if prims.is_non_overlapping_and_dense_or_false(self):
+    if non_overlapping_and_dense(self):
         return [s * isz for s in self.stride()], 0
     return [s * isz for s in prims.make_contiguous_strides_for(self.shape)], 0
 
@@ -463,6 +480,58 @@ def reduction_steps(
         steps.append(Alloc(f"{tag}:cast", cast))
     if self.numel() == 0 or not outs:
         return steps
+    gpu = context.gpu if context is not None else None
+    if self.layout != torch.strided or any(o.layout != torch.strided for o in outs):
+        return steps + _launch_steps(self, outs, dim, keepdim, in_dtype, arg_size, vt0, gpu, tag)
+    # The launch's buffers follow from the geometry alone: a step reduces the same
+    # shapes again and again (each layer's bias gradients), so they are worked out
+    # once per geometry.
+    key = (
+        tuple(self.shape),
+        self.stride(),
+        self.storage_offset(),
+        self.dtype,
+        tuple((o.dim(), o.stride(), o.dtype) for o in outs),
+        dim if dim is None or isinstance(dim, int) else tuple(dim),
+        keepdim,
+        in_dtype,
+        arg_size,
+        vt0,
+        gpu,
+        tag,
+    )
+    try:
+        launch = _LAUNCH_STEPS.get(key)
+    except TypeError:  # an unhashable stand-in for a GPU profile: worked out each time
+        return steps + _launch_steps(self, outs, dim, keepdim, in_dtype, arg_size, vt0, gpu, tag)
+    if launch is None:
+        if len(_LAUNCH_STEPS) >= _LAUNCH_STEPS_KEPT:
+            _LAUNCH_STEPS.clear()
+        launch = _LAUNCH_STEPS[key] = tuple(
+            _launch_steps(self, outs, dim, keepdim, in_dtype, arg_size, vt0, gpu, tag)
+        )
+    return steps + list(launch)
+
+
+#: :func:`_launch_steps` by the reduction's geometry (see :func:`reduction_steps`).
+_LAUNCH_STEPS: dict[tuple[Any, ...], tuple[Step, ...]] = {}
+_LAUNCH_STEPS_KEPT: Final = 4096
+
+
+def _launch_steps(
+    self: torch.Tensor,
+    outs: Sequence[torch.Tensor],
+    dim: Any,
+    keepdim: bool,
+    in_dtype: torch.dtype,
+    arg_size: int | None,
+    vt0: int,
+    gpu: Any,
+    tag: str,
+) -> list[Step]:
+    """The buffers of the ``gpu_reduce_kernel`` launch of :func:`reduction_steps`
+    (over a non-empty ``self``, into at least one output)."""
+    steps: list[Step] = []
     reduced = _reduced_dims(self.dim(), dim)
     in_strides, offset = _input_layout(self, in_dtype)
     out_strides = [_viewed_out_strides(o, reduced, keepdim) for o in outs]
@@ -474,7 +543,6 @@ def reduction_steps(
             )
         )
         return steps
-    gpu = context.gpu if context is not None else None
     config = reduce_config(
         geo,
         arg_size=_acc_size(in_dtype) if arg_size is None else arg_size,
@@ -660,7 +728,7 @@ def _fast_route(tensors: Sequence[torch.Tensor]) -> bool:
         return False
     dtype = tensors[0].dtype
     return all(
-        t.dtype == dtype and prims.is_non_overlapping_and_dense_or_false(t)
+        t.dtype == dtype and non_overlapping_and_dense(t)
         for t in tensors
     )
 
@@ -917,7 +985,7 @@ def _cumsum(call: OpCall) -> list[Step]:
     scanned = self
     if self.dtype != out.dtype:
         steps.append(Alloc("cast", cast_copy_bytes(self, out.dtype)))
-        if not prims.is_non_overlapping_and_dense_or_false(self):
+        if not non_overlapping_and_dense(self):
             scanned = out  # the copy is contiguous; a dense one keeps self's strides
     if not scanned.is_contiguous():
         steps.append(Alloc("contiguous", self.numel() * out.element_size()))

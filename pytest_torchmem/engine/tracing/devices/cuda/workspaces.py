@@ -73,7 +73,10 @@ import torch
 import torch._prims_common as prims
 
 from pytest_torchmem.engine.tracing.devices.cuda.base import CUDA
-from pytest_torchmem.engine.tracing.devices.cuda.temporaries import reduction_steps
+from pytest_torchmem.engine.tracing.devices.cuda.temporaries import (
+    non_overlapping_and_dense,
+    reduction_steps,
+)
 from pytest_torchmem.engine.tracing.rules import (
     OUTPUTS,
     Alloc,
@@ -183,10 +186,7 @@ def blas_workspace_steps(call: OpCall, *, lt: bool) -> list[Step]:
     has none yet in this trace (remembered in ``call.context.memo``)."""
     context = call.context
     gpu = context.gpu if context is not None else None
-    if lt and not unified_workspaces():
-        library, size = "cublaslt", cublaslt_workspace_size(gpu)
-    else:
-        library, size = "cublas", cublas_workspace_size(gpu)
+    library = "cublaslt" if lt and not unified_workspaces() else "cublas"
     key = (library, _thread())
     if context is not None:
         seen: set[tuple[str, str]] = context.memo.setdefault(
@@ -195,6 +195,9 @@ def blas_workspace_steps(call: OpCall, *, lt: bool) -> list[Step]:
         if key in seen:
             return []
         seen.add(key)
+    # (the environment is read for the size only when a workspace is made: once or
+    # twice a trace, not on each of its hundreds of BLAS calls)
+    size = cublaslt_workspace_size(gpu) if library == "cublaslt" else cublas_workspace_size(gpu)
     return [Keep(f"{library} workspace ({key[1]} thread)", size)]
 
 
@@ -202,7 +205,7 @@ def _prefers_cublaslt() -> bool:
     """``at::globalContext().blasPreferredBackend() == BlasBackend::Cublaslt``
     (``TORCH_BLAS_PREFER_CUBLASLT=1`` or ``torch.backends.cuda.preferred_blas_library``)."""
     try:
-        return str(torch._C._get_blas_preferred_backend()).endswith("Cublaslt")
+        return torch._C._get_blas_preferred_backend() == torch._C._BlasBackend.Cublaslt
     except (AttributeError, RuntimeError):  # pragma: no cover - older builds
         return _check_env("TORCH_BLAS_PREFER_CUBLASLT") is True
 
@@ -218,7 +221,7 @@ def _matrix_needs_copy(t: torch.Tensor) -> bool:
     n0, n1 = t.shape
     if (s0 == 1 and s1 >= max(1, n0)) or (s1 == 1 and s0 >= max(1, n1)):
         return False
-    return not prims.is_non_overlapping_and_dense_or_false(t)
+    return not non_overlapping_and_dense(t)
 
 
 def _batch_needs_copy(t: torch.Tensor, transpose_result: bool, m: int, n: int) -> bool:
@@ -237,7 +240,7 @@ def _gemm_copies(
 ) -> list[tuple[str, int]]:
     """The clones ``cublasCommonArgs(mat1, mat2, result)`` makes, in order."""
     copies: list[tuple[str, int]] = []
-    if prims.is_non_overlapping_and_dense_or_false(result):
+    if non_overlapping_and_dense(result):
         transpose_result = result.is_contiguous()
     else:
         s0, s1 = result.stride()
