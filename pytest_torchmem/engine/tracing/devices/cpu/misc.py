@@ -543,3 +543,25 @@ def _index_with_masks(call: OpCall) -> Steps:
         if index is not None and index.dtype in (torch.bool, torch.uint8)
     ]
     return [*steps, OUTPUTS]
+
+
+_DEG_RAD = (
+    aten.deg2rad.default, aten.deg2rad.out, aten.deg2rad_.default,
+    aten.rad2deg.default, aten.rad2deg.out, aten.rad2deg_.default,
+)  # fmt: skip
+
+
+@CPU.scratch(*_DEG_RAD)
+def _deg_rad(call: OpCall) -> Steps:
+    """``deg2rad`` / ``rad2deg`` (``UnaryOps.cpp``): the result first (the default
+    float dtype for an integer input), then
+    ``at::mul_out(result, self, wrapped_scalar_tensor(M_PI_180))``: the wrapped
+    ``double`` and the iterator's casts to the common dtype (the number, and an
+    integer ``self``)."""
+    self = arg(call, 0, "self")
+    if call.func._schema.name.endswith("_"):
+        output = self
+    else:
+        output = call.kwargs.get("out", call.out)
+    scale = 0.017453292519943295
+    return [OUTPUTS, *_scalar_wrap([scale]), *promotion_casts([self, scale], output)]
