@@ -20,8 +20,9 @@ device. Formulas (torch 2.13):
 * ``clamp_backward`` and ``clamp_backward_min_max`` with tensor bounds
   (``FunctionsManual.cpp``): ``logical_and_`` / ``logical_or_`` on a comparison's result.
 
-(``evenly_distribute_backward``, ``masked_fill_backward`` and ``prod_backward``
-take other algorithms eagerly, some value-dependent; they are not followed.)
+(``evenly_distribute_backward``, ``masked_fill_backward``, ``prod_backward`` and
+``cumprod_backward`` take other algorithms eagerly, chosen by values; they are
+not followed, and the CPU lists them in ``unsupported``: ``cpu/formulas.py``.)
 """
 
 from __future__ import annotations
