@@ -177,3 +177,39 @@ def test_roll_step_equals_measure(fn: Callable[..., Any], threads: int) -> None:
     x = torch.randn(4, 6, 8, requires_grad=True)
     model = Lambda(fn)
     assert tm.estimate(model, x).phase_peaks() == tm.measure(model, x).phase_peaks()
+
+
+def test_unfold_backward_indexes_with_an_arange() -> None:
+    """``x.unfold(1, 3, 1)`` of a (5, 7, 5) input: overlapping windows, so
+    ``unfold_backward`` indexes with ``arange(7)`` in int64 (56 B) beside the zero-filled
+    input gradient (5 x 7 x 5 floats); ``step >= size`` copies, with no index."""
+    from exactness import rule_buffers
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    aten = torch.ops.aten
+    with FakeTensorMode():
+        grad = torch.empty(5, 5, 5, 3)
+        assert rule_buffers(aten.unfold_backward.default, (grad, [5, 7, 5], 1, 3, 1)) == {
+            "idx_dim": 7 * 8
+        }
+        grad = torch.empty(5, 2, 5, 3)
+        assert rule_buffers(aten.unfold_backward.default, (grad, [5, 7, 5], 1, 3, 3)) == {}
+
+
+@pytest.mark.parametrize(
+    "fn",
+    [
+        lambda x: x.unfold(1, 3, 1),
+        lambda x: x.unfold(0, 2, 1).square(),
+        lambda x: x.unfold(2, 3, 3),
+        lambda x: x.unfold(-1, 4, 2).transpose(0, 1),
+    ],
+    ids=["overlapping", "overlapping squared", "disjoint", "last dim"],
+)
+def test_unfold_step_equals_measure(fn: Callable[..., Any], threads: int) -> None:
+    """OpInfo's ``unfold`` and ``unfold_copy`` samples: overlapping windows."""
+    x = torch.randn(4, 6, 8, requires_grad=True)
+    model = Lambda(fn)
+    assert tm.estimate(model, x).phase_peaks() == tm.measure(model, x).phase_peaks()
+    xb = torch.randn(4, 6, 8, dtype=torch.bfloat16, requires_grad=True)
+    assert tm.estimate(model, xb).phase_peaks() == tm.measure(model, xb).phase_peaks()

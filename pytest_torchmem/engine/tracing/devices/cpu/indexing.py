@@ -1,5 +1,5 @@
 """CPU rules: indexing and data-movement kernels (``Embedding.cpp``, ``PixelShuffle.cpp``,
-``ChanelShuffle.cpp`` in ``aten/src/ATen/native``), torch 2.13."""
+``ChanelShuffle.cpp``, ``UnfoldBackward.cpp`` in ``aten/src/ATen/native``), torch 2.13."""
 
 from __future__ import annotations
 
@@ -58,3 +58,19 @@ def _roll(call: OpCall) -> Steps:
     if len(dims) == 0:
         return [Alloc("self.contiguous()", _copy(self)), OUTPUTS]
     return [*(Alloc(f"rolled over dims[:{i + 1}]", nbytes) for i in range(len(dims) - 1)), OUTPUTS]
+
+
+@CPU.scratch(aten.unfold_backward.default)
+def _unfold_backward(call: OpCall) -> Steps:
+    """``unfold_backward`` (``UnfoldBackward.cpp``): ``grad_input = at::zeros(...)`` (the
+    output); with ``step >= size`` the windows do not overlap and the gradient is
+    copied into ``grad_input.unfold(...)``; otherwise ``unfold_backward_stub`` builds
+    ``_make_unfold_backward_iter_over_grad_out`` (``UnfoldBackward.h``), which indexes
+    with ``at::arange(0, grad_in.size(dim), kLong)`` (8 bytes per input element along
+    ``dim``)."""
+    sizes, dim = arg(call, 1, "input_sizes"), arg(call, 2, "dim")
+    size, step = arg(call, 3, "size"), arg(call, 4, "step")
+    if step >= size or call.out.numel() == 0:
+        return [OUTPUTS]
+    length = int(sizes[dim]) if len(sizes) else 1
+    return [OUTPUTS, Alloc("idx_dim", length * 8)]
