@@ -213,3 +213,46 @@ def test_unfold_step_equals_measure(fn: Callable[..., Any], threads: int) -> Non
     assert tm.estimate(model, x).phase_peaks() == tm.measure(model, x).phase_peaks()
     xb = torch.randn(4, 6, 8, dtype=torch.bfloat16, requires_grad=True)
     assert tm.estimate(model, xb).phase_peaks() == tm.measure(model, xb).phase_peaks()
+
+
+def test_an_int32_index_is_converted_to_int64() -> None:
+    """``gather``/``scatter*`` index with int64: a (5, 3) int32 index is copied as
+    int64 (15 x 8 B); an int64 one is not."""
+    from exactness import rule_buffers
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    aten = torch.ops.aten
+    with FakeTensorMode():
+        x, src = torch.empty(10, 5), torch.empty(5, 3)
+        idx32, idx64 = torch.zeros(5, 3, dtype=torch.int32), torch.zeros(5, 3, dtype=torch.int64)
+        assert rule_buffers(aten.gather.default, (x, 1, idx32)) == {"index as int64": 15 * 8}
+        assert rule_buffers(aten.gather.default, (x, 1, idx64)) == {}
+        assert rule_buffers(aten.scatter_add_.default, (x, 0, idx32, src)) == {"index as int64": 120}
+        assert rule_buffers(aten.scatter.value, (x, 0, idx32, 2.0)) == {"index as int64": 120}
+
+
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64], ids=str)
+@pytest.mark.parametrize(
+    "fn",
+    [
+        lambda x, i, s: x.gather(0, i),
+        lambda x, i, s: x.gather(1, i[:, :3]),
+        lambda x, i, s: x.scatter(0, i, s),
+        lambda x, i, s: x.scatter(0, i, 2.0),
+        lambda x, i, s: x.scatter_add(0, i, s),
+        lambda x, i, s: x.scatter_reduce(0, i, s, "sum"),
+        lambda x, i, s: x.clone().scatter_(0, i, s),
+    ],
+    ids=["gather", "gather narrow", "scatter", "scatter value", "scatter_add", "scatter_reduce",
+         "scatter_"],
+)  # fmt: skip
+def test_scatter_gather_step_equals_measure(
+    fn: Callable[..., Any], index_dtype: torch.dtype, threads: int
+) -> None:
+    """OpInfo's ``gather`` and ``scatter`` samples index with int32."""
+    torch.manual_seed(0)
+    idx = torch.randint(0, 5, (5, 5), dtype=index_dtype)
+    src = torch.randn(5, 5)
+    model = Lambda(lambda x: fn(x, idx, src))
+    x = torch.randn(10, 5, requires_grad=True)
+    assert tm.estimate(model, x).phase_peaks() == tm.measure(model, x).phase_peaks()
