@@ -256,3 +256,40 @@ def test_scatter_gather_step_equals_measure(
     model = Lambda(lambda x: fn(x, idx, src))
     x = torch.randn(10, 5, requires_grad=True)
     assert tm.estimate(model, x).phase_peaks() == tm.measure(model, x).phase_peaks()
+
+
+def test_chunk_cat_pads_a_tensor_not_divisible_in_chunks() -> None:
+    """``_chunk_cat([a, b], -1, 5)`` of two (1, 2, 3) floats: each is padded to
+    (1, 2, 5) (40 B) before the cat; sizes divisible by ``num_chunks`` are viewed."""
+    from exactness import rule_buffers
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    aten = torch.ops.aten
+    with FakeTensorMode():
+        a, b = torch.empty(1, 2, 3), torch.empty(4, 10)
+        assert rule_buffers(aten._chunk_cat.default, ([a, a], -1, 5)) == {
+            "tensor 0 padded": 40, "tensor 1 padded": 40,
+        }  # fmt: skip
+        assert rule_buffers(aten._chunk_cat.default, ([b, b[:, :7]], 1, 2)) == {
+            "tensor 1 padded": 4 * 8 * 4
+        }
+        assert rule_buffers(aten._chunk_cat.default, ([b], 1, 5)) == {}
+
+
+@pytest.mark.parametrize(
+    "shapes, dim, chunks",
+    [
+        ([(1, 2, 3), (1, 2, 3)], -1, 5),
+        ([(1, 2, 130), (1, 2, 300)], -1, 5),
+        ([(4, 10), (4, 7)], 1, 2),
+        ([(3, 4, 5)], 0, 2),
+    ],
+)
+def test_chunk_cat_forward_equals_measure(
+    shapes: list[tuple[int, ...]], dim: int, chunks: int, threads: int
+) -> None:
+    """OpInfo's ``_chunk_cat`` samples (no autograd)."""
+    tensors = tuple(torch.randn(*s) for s in shapes)
+    model = Lambda(lambda *a: torch.ops.aten._chunk_cat(list(a), dim, chunks), tensors)
+    estimated = tm.estimate(model, (), train=False)
+    assert estimated.phase_peaks() == tm.measure(model, (), train=False).phase_peaks()
