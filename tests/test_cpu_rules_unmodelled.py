@@ -27,7 +27,6 @@ def _reasons(fn: Callable[..., Any], *inputs: torch.Tensor, train: bool = True) 
     [
         (lambda x: torch.isin(x, x[:3]).float(), False, "isin"),
         (lambda x: torch.multinomial(x.abs()[0], 2).float(), False, "multinomial"),
-        (lambda x: torch.histc(x, 10), False, "histc"),
         (lambda x: x.masked_scatter(x > 0, x * 2), True, "masked_scatter_backward"),
         (lambda x: F.soft_margin_loss(x, x.detach().sign()), True, "soft_margin_loss"),
         (lambda x: F.bilinear(x, x, torch.ones(2, 4, 4)), True, "_trilinear"),

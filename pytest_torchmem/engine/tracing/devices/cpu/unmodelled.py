@@ -27,7 +27,6 @@ _UNMODELLED: Final = {
     aten.isin.Scalar_Tensor: "isin's kernel (a wrapped scalar, then eq) is not modelled",
     aten.multinomial.default: "multinomial's normalised copies, cumulative sums and "
     "random draws are not modelled",
-    aten.histc.default: "histc's (histogramdd_cpu) min/max and bin-edge tensors are not modelled",
     aten.masked_scatter_backward.default: "masked_scatter_backward's masked_select and "
     "mask sums (value-sized) are not modelled",
     aten._unsafe_masked_index.default: "_unsafe_masked_index's broadcast indices and "
