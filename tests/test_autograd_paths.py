@@ -81,7 +81,22 @@ CASES: dict[str, Callable[..., Any]] = {
     "index_select": lambda x: x.index_select(1, torch.tensor([0, 3, 3, 7])),
     "getitem": lambda x: x[:, torch.tensor([1, 2, 2, 5])],
     "clamp tensor bounds": lambda x: x.clamp(torch.full((16,), -0.5), torch.full((16,), 0.5)),
+    "trace": lambda x: torch.trace(x[0]),
+    "trace of a wide matrix": lambda x: torch.trace(x[:, 0]) * x[0],
+    "take": lambda x: torch.take(x, torch.tensor([[0, 5, 5], [100, 7, 3]])),
 }
+
+
+def test_trace_backward_bytes_by_hand() -> None:
+    """``trace(x)``, x (64, 64) float32: ``trace_backward`` makes the flat zeros (16 KiB)
+    and the diagonal's int64 indices (64 x 8 B), then ``index_fill_`` writes in place:
+    at the peak x, the loss, its gradient, the zeros (the input gradient) and the
+    indices. (Out of place, a second 16 KiB would be live.)"""
+    x = torch.randn(64, 64, requires_grad=True)
+    model = Lambda(torch.trace)
+    report = tm.estimate(model, x)
+    assert report.backward_peak == 2 * 64 * 64 * F32 + 64 * I64 + 2 * F32
+    assert _peaks(report) == _peaks(tm.measure(model, x))
 
 
 @pytest.mark.parametrize("name", CASES)

@@ -41,6 +41,34 @@ def test_dist_bytes_by_hand() -> None:
     assert _forward(lambda x, y: torch.dist(x, y, 3), x, y) == (2 * 64 * 128 + 128 + 1) * F32
 
 
+def test_mvlgamma_bytes_by_hand() -> None:
+    """p = 3 on (64, 128) floats: the 3-element arange, ``args`` (64 * 128 * 3 floats),
+    the result, then ``add_``'s wrapped number and its cast (8 + 4); at the peak x +
+    args + result + 12 bytes (the arange is freed when ``args`` is made, one thread:
+    no per-thread partials)."""
+    x = torch.rand(64, 128) + 2
+    from exactness import intra_op_threads
+
+    with intra_op_threads(1):
+        assert _forward(lambda x: torch.mvlgamma(x, 3), x) == (64 * 128 * 5) * F32 + 8 + F32
+
+
+@pytest.mark.parametrize("p", [1, 3, 5])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
+def test_mvlgamma_exact(p: int, dtype: torch.dtype, threads: int) -> None:
+    """OpInfo's ``mvlgamma.mvlgamma_p_{1,3,5}``, with the backward, and an integer input
+    (cast to float by the addition)."""
+    x = (torch.rand(6, 10, 12, dtype=dtype) + p).requires_grad_()
+    model = Lambda(lambda x: torch.mvlgamma(x, p))
+    assert tm.estimate(model, x).phase_peaks() == tm.measure(model, x).phase_peaks()
+    for inp in (
+        (torch.rand(10, 6, 12, dtype=dtype) + p).transpose(0, 1),
+        torch.randint(p, p + 5, (7, 9)),
+    ):
+        estimated = tm.estimate(model, inp, train=False)
+        assert estimated.phase_peaks() == tm.measure(model, inp, train=False).phase_peaks()
+
+
 @pytest.mark.parametrize(
     "fn",
     [

@@ -177,3 +177,119 @@ def test_roll_step_equals_measure(fn: Callable[..., Any], threads: int) -> None:
     x = torch.randn(4, 6, 8, requires_grad=True)
     model = Lambda(fn)
     assert tm.estimate(model, x).phase_peaks() == tm.measure(model, x).phase_peaks()
+
+
+def test_unfold_backward_indexes_with_an_arange() -> None:
+    """``x.unfold(1, 3, 1)`` of a (5, 7, 5) input: overlapping windows, so
+    ``unfold_backward`` indexes with ``arange(7)`` in int64 (56 B) beside the zero-filled
+    input gradient (5 x 7 x 5 floats); ``step >= size`` copies, with no index."""
+    from exactness import rule_buffers
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    aten = torch.ops.aten
+    with FakeTensorMode():
+        grad = torch.empty(5, 5, 5, 3)
+        assert rule_buffers(aten.unfold_backward.default, (grad, [5, 7, 5], 1, 3, 1)) == {
+            "idx_dim": 7 * 8
+        }
+        grad = torch.empty(5, 2, 5, 3)
+        assert rule_buffers(aten.unfold_backward.default, (grad, [5, 7, 5], 1, 3, 3)) == {}
+
+
+@pytest.mark.parametrize(
+    "fn",
+    [
+        lambda x: x.unfold(1, 3, 1),
+        lambda x: x.unfold(0, 2, 1).square(),
+        lambda x: x.unfold(2, 3, 3),
+        lambda x: x.unfold(-1, 4, 2).transpose(0, 1),
+    ],
+    ids=["overlapping", "overlapping squared", "disjoint", "last dim"],
+)
+def test_unfold_step_equals_measure(fn: Callable[..., Any], threads: int) -> None:
+    """OpInfo's ``unfold`` and ``unfold_copy`` samples: overlapping windows."""
+    x = torch.randn(4, 6, 8, requires_grad=True)
+    model = Lambda(fn)
+    assert tm.estimate(model, x).phase_peaks() == tm.measure(model, x).phase_peaks()
+    xb = torch.randn(4, 6, 8, dtype=torch.bfloat16, requires_grad=True)
+    assert tm.estimate(model, xb).phase_peaks() == tm.measure(model, xb).phase_peaks()
+
+
+def test_an_int32_index_is_converted_to_int64() -> None:
+    """``gather``/``scatter*`` index with int64: a (5, 3) int32 index is copied as
+    int64 (15 x 8 B); an int64 one is not."""
+    from exactness import rule_buffers
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    aten = torch.ops.aten
+    with FakeTensorMode():
+        x, src = torch.empty(10, 5), torch.empty(5, 3)
+        idx32, idx64 = torch.zeros(5, 3, dtype=torch.int32), torch.zeros(5, 3, dtype=torch.int64)
+        assert rule_buffers(aten.gather.default, (x, 1, idx32)) == {"index as int64": 15 * 8}
+        assert rule_buffers(aten.gather.default, (x, 1, idx64)) == {}
+        assert rule_buffers(aten.scatter_add_.default, (x, 0, idx32, src)) == {"index as int64": 120}
+        assert rule_buffers(aten.scatter.value, (x, 0, idx32, 2.0)) == {"index as int64": 120}
+
+
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64], ids=str)
+@pytest.mark.parametrize(
+    "fn",
+    [
+        lambda x, i, s: x.gather(0, i),
+        lambda x, i, s: x.gather(1, i[:, :3]),
+        lambda x, i, s: x.scatter(0, i, s),
+        lambda x, i, s: x.scatter(0, i, 2.0),
+        lambda x, i, s: x.scatter_add(0, i, s),
+        lambda x, i, s: x.scatter_reduce(0, i, s, "sum"),
+        lambda x, i, s: x.clone().scatter_(0, i, s),
+    ],
+    ids=["gather", "gather narrow", "scatter", "scatter value", "scatter_add", "scatter_reduce",
+         "scatter_"],
+)  # fmt: skip
+def test_scatter_gather_step_equals_measure(
+    fn: Callable[..., Any], index_dtype: torch.dtype, threads: int
+) -> None:
+    """OpInfo's ``gather`` and ``scatter`` samples index with int32."""
+    torch.manual_seed(0)
+    idx = torch.randint(0, 5, (5, 5), dtype=index_dtype)
+    src = torch.randn(5, 5)
+    model = Lambda(lambda x: fn(x, idx, src))
+    x = torch.randn(10, 5, requires_grad=True)
+    assert tm.estimate(model, x).phase_peaks() == tm.measure(model, x).phase_peaks()
+
+
+def test_chunk_cat_pads_a_tensor_not_divisible_in_chunks() -> None:
+    """``_chunk_cat([a, b], -1, 5)`` of two (1, 2, 3) floats: each is padded to
+    (1, 2, 5) (40 B) before the cat; sizes divisible by ``num_chunks`` are viewed."""
+    from exactness import rule_buffers
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    aten = torch.ops.aten
+    with FakeTensorMode():
+        a, b = torch.empty(1, 2, 3), torch.empty(4, 10)
+        assert rule_buffers(aten._chunk_cat.default, ([a, a], -1, 5)) == {
+            "tensor 0 padded": 40, "tensor 1 padded": 40,
+        }  # fmt: skip
+        assert rule_buffers(aten._chunk_cat.default, ([b, b[:, :7]], 1, 2)) == {
+            "tensor 1 padded": 4 * 8 * 4
+        }
+        assert rule_buffers(aten._chunk_cat.default, ([b], 1, 5)) == {}
+
+
+@pytest.mark.parametrize(
+    "shapes, dim, chunks",
+    [
+        ([(1, 2, 3), (1, 2, 3)], -1, 5),
+        ([(1, 2, 130), (1, 2, 300)], -1, 5),
+        ([(4, 10), (4, 7)], 1, 2),
+        ([(3, 4, 5)], 0, 2),
+    ],
+)
+def test_chunk_cat_forward_equals_measure(
+    shapes: list[tuple[int, ...]], dim: int, chunks: int, threads: int
+) -> None:
+    """OpInfo's ``_chunk_cat`` samples (no autograd)."""
+    tensors = tuple(torch.randn(*s) for s in shapes)
+    model = Lambda(lambda *a: torch.ops.aten._chunk_cat(list(a), dim, chunks), tensors)
+    estimated = tm.estimate(model, (), train=False)
+    assert estimated.phase_peaks() == tm.measure(model, (), train=False).phase_peaks()

@@ -75,6 +75,15 @@ def test_scalar_overloads_wrap_inside_the_kernel() -> None:
         assert scratch(aten.pow.Scalar, (1, x)) == []
         assert scratch(aten.mul.Tensor, (x, 0.5)) == [4]  # the tracker charges the wrapped number
         assert scratch(aten.where.self, (x > 0, x, xb)) == [64 * 64 * 4]
+        # deg2rad / rad2deg: mul_out(result, self, wrapped_scalar_tensor(pi / 180));
+        # an integer input is also cast to the default float dtype (64 x 64 x 4 B).
+        assert scratch(aten.deg2rad.default, (x,)) == [8, 4]
+        assert scratch(aten.rad2deg_.default, (xb,)) == [8, 2]
+        xi = torch.empty(64, 64, dtype=torch.int64)
+        assert scratch(aten.rad2deg.default, (xi,)) == [8, 64 * 64 * 4, 4]
+        # ldexp: pow(2.0, other) (64 x 64 floats), its wrapped 2.0 and cast, then the product.
+        assert scratch(aten.ldexp.Tensor, (x, x)) == [64 * 64 * 4, 8, 4]
+        assert scratch(aten.ldexp.Tensor, (x, xi)) == []
 
 
 def test_native_dropout_buffers() -> None:
@@ -117,6 +126,13 @@ def test_python_numbers_exact(threads: int, dtype: torch.dtype) -> None:
     assert_exact(lambda x: x.clone().mul_(0.5).add_(1.0).div_(3).square().sum(), (x,))
     assert_exact(lambda x: torch.where(x > 0.5, x, 0.0).sum(), (x,))
     assert_exact(lambda x: (x * 0.5).sum(), (x,), train=False)
+    assert_exact(lambda x: (torch.deg2rad(x) + torch.rad2deg(x)).sum(), (x,))
+    assert_exact(lambda x: x.clone().deg2rad_().sum(), (x,), train=False)
+    xi = torch.randint(0, 9, (8, 8))
+    assert_exact(lambda x: torch.rad2deg(x).sum(), inputs=(xi,), train=False)
+    e = torch.randn(8, dtype=dtype)
+    assert_exact(lambda x: torch.ldexp(x, e).sum(), (x[:8, :8],))
+    assert_exact(lambda x: torch.ldexp(x[:, :1], e).sum(), (x[:8],))
 
 
 def test_saved_wrapped_numbers_exact(threads: int) -> None:

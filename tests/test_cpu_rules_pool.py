@@ -164,3 +164,45 @@ def test_max_pool1d_without_autograd_makes_no_indices(threads: int) -> None:
         assert_exact(fn, (x,), train=False)
         assert_exact(fn, (xt,), train=False)
     assert_exact(lambda w, x: (F.max_pool1d(x, 2) * w).sum(), (torch.randn(4, 4),), (x,))
+
+
+_POOLS3D: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "max": lambda x: F.max_pool3d(x, 2),
+    "avg": lambda x: F.avg_pool3d(x, 2, 1),
+    "adaptive_avg": lambda x: F.adaptive_avg_pool3d(x, 3),
+    "adaptive_max": lambda x: F.adaptive_max_pool3d(x, (2, 3, 2)),
+}
+CL3 = torch.channels_last_3d
+
+
+def test_backward_3d_copies_a_broadcast_gradient() -> None:
+    """The 3-d average pooling backwards run on ``grad_output.contiguous()``: a
+    broadcast gradient of a (2, 3, 4, 4, 4) input's 2-pooled output (2 x 3 x 2 x 2 x 2
+    floats = 192 B) is copied; a contiguous one is not."""
+    with FakeTensorMode():
+        x = torch.empty(2, 3, 4, 4, 4)
+        ones = torch.ones(()).expand(2, 3, 2, 2, 2)
+        args = (ones, x, [2, 2, 2], [2, 2, 2], [0, 0, 0], False, True, None)
+        assert scratch(aten.avg_pool3d_backward.default, args) == {"grad_output contiguous": 192}
+        assert scratch(aten.avg_pool3d_backward.default, (ones.contiguous(), *args[1:])) == {}
+        assert scratch(aten._adaptive_avg_pool3d_backward.default, (ones, x)) == {
+            "grad_output contiguous": 192
+        }
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, BF16], ids=str)
+@pytest.mark.parametrize("pool", _POOLS3D)
+def test_pool3d_backward_exact(threads: int, dtype: torch.dtype, pool: str) -> None:
+    """OpInfo's ``nn.functional.{avg,max,adaptive_avg,adaptive_max}_pool3d`` samples
+    (a broadcast gradient from ``sum()``) and the channels-last-3d layouts."""
+    if pool == "avg" and dtype == BF16:
+        pytest.skip("avg_pool3d_out_frame has no bfloat16 CPU kernel")
+    fn = _POOLS3D[pool]
+    for layout in (lambda x: x, lambda x: x.contiguous(memory_format=CL3)):
+        x = layout(torch.randn(2, 3, 6, 6, 6, dtype=dtype))
+        for loss in (
+            lambda y: y.sum(),
+            lambda y: y.square().sum(),
+            lambda y: y.contiguous(memory_format=CL3).square().sum(),
+        ):
+            assert_exact(lambda x, loss=loss: loss(fn(x)), (x,))

@@ -103,6 +103,29 @@ def test_scans_sorts_and_predicates() -> None:
         assert scratch(aten.any.default, (x,)) == {"all/any: input as torch.bool": 64 * 32}
 
 
+def test_renorm_takes_a_norm_per_slice() -> None:
+    """``renorm(x, p, 1, maxnorm)`` of a (5, 6, 7) input: one norm per slice along dim 1
+    (6 floats); in ``bfloat16`` the norm is a ``float`` reduction of a ``float`` copy
+    (5 x 6 x 7 x 4 B), then the ``bfloat16`` factor (6 x 2 B)."""
+    with FakeTensorMode():
+        x = torch.empty(5, 6, 7)
+        assert scratch(aten.renorm.default, (x, 2, 1, 0.5)) == {"norm": 6 * 4}
+        xb = torch.empty(5, 6, 7, dtype=BF16)
+        assert scratch(aten.renorm_.default, (xb, 2, -1, 0.5)) == {
+            "norm (float)": 7 * 4, "norm: input as float": 5 * 6 * 7 * 4, "factor": 7 * 2,
+        }  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, BF16, torch.float64], ids=str)
+def test_renorm_exact(threads: int, dtype: torch.dtype) -> None:
+    """OpInfo's ``renorm`` samples, in place and on a transposed view."""
+    x = torch.randn(5, 6, 7, dtype=dtype)
+    assert_exact(lambda x: torch.renorm(x, 2, 1, 0.5).sum(), (x,))
+    assert_exact(lambda x: torch.renorm(x, 1, 0, 3.0).square().sum(), (x,))
+    assert_exact(lambda x: x.clone().renorm_(2, -1, 0.5).sum(), (x,), train=False)
+    assert_exact(lambda x: torch.renorm(x.transpose(0, 2), 2, 0, 0.5).sum(), (x,))
+
+
 def test_pointwise_losses_keep_an_input_sized_scalar() -> None:
     """``mse_loss`` builds its output at the inputs' size, then ``resize_({})``s it:
     the scalar keeps 64 x 200 x 4 B. The unreduced loss is a temporary of that size."""

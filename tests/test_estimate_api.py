@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from exactness import Lambda
 from torch.profiler import ProfilerActivity, profile
 
 import pytest_torchmem as tm
@@ -435,6 +436,29 @@ def test_input_buffer_accumulation_matches_the_engine(shared: bool) -> None:
         # gradients, and x's two partial gradients while they are summed into the
         # first; an out-of-place sum would make an eighth.
         assert estimated.backward_peak < 8 * 256 * 256 * F32
+
+
+def test_a_backward_formulas_own_add_stays_out_of_place() -> None:
+    """``var_mean_backward`` (``FunctionsManual.cpp``) returns ``gself + aux``: an ``add``
+    inside the node's ``apply``, with the use counts of the input buffer's in-place
+    sum, but always out of place. x (64, 64) float32, loss = var + mean: at the sum,
+    x, the var gradient (``x - mean`` is freed by then), the mean gradient and their
+    sum are live, four 16 KiB tensors and two 4-byte ones (65544 B, as measured); in
+    place, one 16 KiB tensor fewer."""
+    x = torch.randn(64, 64, requires_grad=True)
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        var, mean = torch.var_mean(x)
+        return var + mean
+
+    model = Lambda(fn)
+    estimated, measured = tm.estimate(model, x), tm.measure(model, x)
+    assert _peaks(estimated) == _peaks(measured)
+    assert estimated.backward_peak == 4 * 64 * 64 * F32 + 2 * F32
+    # An engine sum under the same node after its apply is still in place:
+    # i1e's formula adds, then its two uses of x are summed by the engine.
+    model = Lambda(lambda x: torch.special.i1e(x) * x)
+    assert _peaks(tm.estimate(model, x)) == _peaks(tm.measure(model, x))
 
 
 def test_an_expanded_input_is_copied_as_a_view_of_its_storage() -> None:

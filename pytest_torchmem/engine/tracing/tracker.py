@@ -74,6 +74,9 @@ _AS_STRIDED_MARK: Final = "torchmem_as_strided_backward"
 _SAVED_NUMBERS: Final = "torchmem_saved_numbers"
 #: Tokens (in ``Node.metadata``) that die with the node.
 _TOKENS: Final = "torchmem_tokens"
+#: Whether a backward node's ``apply`` is running (in ``Node.metadata``): set by
+#: the node's prehook, cleared by its post hook (see ``_note_running_node``).
+_RUNNING: Final = "torchmem_running"
 #: The most view ops between a view written in place and its base that are modelled.
 _MAX_VIEW_CHAIN: Final = 16
 # Inside __torch_dispatch__, the C++ use counts of an argument include the
@@ -455,6 +458,8 @@ class Tracker(TorchDispatchMode):
             # Autograd's input buffer adds a second gradient in place on plain
             # tensors; on fake ones it cannot tell, so it is done here.
             return args[0].add_(args[1])
+        if func is not _ADD and self.phase == Phase.BACKWARD:
+            self._note_running_node()
         if plan.check is not None:  # the real kernel's refusal, raised as the program's error
             plan.check(OpCall(func, args, kwargs, context=self.context))
         try:
@@ -502,21 +507,55 @@ class Tracker(TorchDispatchMode):
             self._remember_views(plan, args, kwargs)
         return out
 
+    def _note_running_node(self) -> None:
+        """Mark the backward node running this op as inside its ``apply``.
+
+        ``Engine::evaluate_function`` (``torch/csrc/autograd/engine.cpp``) adds a
+        node's outputs into the next nodes' input buffers under the same current
+        node as its ``apply``, after the post hooks. An ``add`` of the backward
+        formula itself (``var_mean_backward``'s ``gself + aux``, ``i1e``'s
+        ``self.sgn() + result.reciprocal()``) is always out of place, and must not
+        be taken for the buffer's in-place accumulation: the node's first other op
+        registers a prehook and a post hook that say whether ``apply`` runs. A node
+        whose ``apply`` dispatched no other op before an ``add`` is not known, and
+        the use counts decide as before.
+        """
+        node = torch._C._current_autograd_node()
+        if node is None:
+            return
+        meta = node.metadata
+        if _RUNNING in meta:
+            return
+        meta[_RUNNING] = True
+
+        def started(*_: Any) -> None:
+            meta[_RUNNING] = True
+
+        def finished(*_: Any) -> None:
+            meta[_RUNNING] = False
+
+        node.register_prehook(started)
+        node.register_hook(finished)
+
     def _accumulates_in_place(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
         """Whether this ``add`` is autograd's input buffer summing two gradients in place.
 
         The engine (``InputBuffer::accumulate``) does ``old.add_(new)`` when grad
         mode is off and it holds the last reference to ``old`` and its storage,
         which is dense; otherwise ``old + new``. Fake tensors count as tensor
-        subclasses, for which the engine always takes the second branch.
+        subclasses, for which the engine always takes the second branch. Not while
+        the node's ``apply`` runs (``_note_running_node``): that ``add`` is the
+        formula's.
         """
         if kwargs or len(args) != 2 or torch.is_grad_enabled() or self.phase != Phase.BACKWARD:
             return False
         old, new = args
+        node = torch._C._current_autograd_node()
         if (
             type(old) is not FakeTensor
             or type(new) is not FakeTensor
-            or torch._C._current_autograd_node() is None
+            or node is None
+            or node.metadata.get(_RUNNING, False)
             or old.shape != new.shape
             or old.dtype != new.dtype
             or not _dense(old)

@@ -19,9 +19,13 @@ device. Formulas (torch 2.13):
   ``at::_index_put_impl_(zeros, indices, grad, accumulate=true, unsafe=true)``;
 * ``clamp_backward`` and ``clamp_backward_min_max`` with tensor bounds
   (``FunctionsManual.cpp``): ``logical_and_`` / ``logical_or_`` on a comparison's result.
+* ``trace_backward_symint`` (``FunctionsManual.cpp``): ``index_fill_`` of the
+  diagonal's flat indices;
+* ``take_backward`` (``FunctionsManual.cpp``): ``zeros_like(input).put_(index, grad, true)``.
 
-(``evenly_distribute_backward``, ``masked_fill_backward`` and ``prod_backward``
-take other algorithms eagerly, some value-dependent; they are not followed.)
+(``evenly_distribute_backward``, ``masked_fill_backward``, ``prod_backward`` and
+``cumprod_backward`` take other algorithms eagerly, chosen by values; they are
+not followed, and the CPU lists them in ``unsupported``: ``cpu/formulas.py``.)
 """
 
 from __future__ import annotations
@@ -69,6 +73,8 @@ EAGER_IN_PLACE: Final[dict[Any, tuple[Callable[..., Any], frozenset[str]]]] = {
     aten.index_put.default: (_index_put, frozenset({"IndexBackward0"})),
     aten.logical_and.default: (aten.logical_and_.default, frozenset({"ClampBackward0"})),
     aten.logical_or.default: (aten.logical_or_.default, frozenset({"ClampBackward0"})),
+    aten.index_fill.int_Tensor: (aten.index_fill_.int_Tensor, frozenset({"TraceBackward0"})),
+    aten.put.default: (aten.put_.default, frozenset({"TakeBackward0"})),
 }
 
 

@@ -12,6 +12,7 @@ from pytest_torchmem.engine.tracing.devices.cpu import (  # noqa: F401  (they re
     blas,
     composite,
     conv,
+    formulas,
     gloo,
     indexing,
     linalg,
@@ -22,6 +23,7 @@ from pytest_torchmem.engine.tracing.devices.cpu import (  # noqa: F401  (they re
     reduce,
     rnn,
     sorting,
+    unmodelled,
     upsample,
 )
 from pytest_torchmem.engine.tracing.devices.cpu.base import CPU

@@ -19,7 +19,7 @@ from pytest_torchmem.engine.tracing.devices.cpu.reduce import (
     sum_steps,
     uses_acc_buffer,
 )
-from pytest_torchmem.engine.tracing.rules import OUTPUTS, Alloc, Free, OpCall, Steps
+from pytest_torchmem.engine.tracing.rules import OUTPUTS, Alloc, Free, Inexact, OpCall, Steps
 
 aten = torch.ops.aten
 
@@ -99,3 +99,42 @@ def _dist(call: OpCall) -> Steps:
     numel = torch.broadcast_shapes(self.shape, other.shape).numel()
     dtype = torch.promote_types(self.dtype, other.dtype)
     return [Alloc("self - other", numel * itemsize(dtype)), OUTPUTS]
+
+
+@CPU.scratch(aten.mvlgamma.default)
+def _mvlgamma(call: OpCall) -> Steps:
+    """``mvlgamma`` (``UnaryOps.cpp``)::
+
+        Tensor args = native::arange(-p * HALF + HALF, HALF, HALF, dtype, ...);  // p elements
+        args = args.add(self.unsqueeze(-1));   // self's shape + (p,); the arange is freed
+        return args.lgamma_().sum(-1).add_(p2_sub_p * std::log(pi) * QUARTER);
+
+    in the result dtype (the default float dtype for an integer ``self``, which the
+    addition casts). ``sum_out`` adds its own scratch (:mod:`.reduce`); ``add_`` of a
+    number wraps it as a ``double`` and casts it. ``args`` is contiguous for a
+    contiguous ``self``; a reduced-precision sum over a permuted ``args`` may take
+    ``sum_out``'s ``float`` path, which is not followed (listed in ``unsupported``).
+    """
+    self, p, out = arg(call, 0, "self"), arg(call, 1, "p"), call.out
+    size = itemsize(out.dtype)
+    numel = self.numel()
+    steps: Steps = [Alloc("arange", p * size)]
+    if self.dtype != out.dtype:
+        steps.append(Alloc("self as result dtype", numel * size))
+    steps += [Alloc("args", numel * p * size), Free("arange")]
+    if self.dtype != out.dtype:
+        steps.append(Free("self as result dtype"))
+    if out.dtype in (torch.bfloat16, torch.float16) and not self.is_contiguous():
+        steps.insert(0, Inexact("sum(-1) of a permuted reduced-precision args may run in float"))
+    cast = 0 if out.dtype == torch.float64 else size
+    threads = profile_of(call).threads
+    return [
+        *steps,
+        OUTPUTS,
+        *sum_steps(threads, (numel * p, out.dtype), out.numel(), out.dtype, "sum(-1)"),
+        Alloc("add_: wrapped number", _DOUBLE),
+        Alloc("add_: number as result dtype", cast),
+        Free("add_: number as result dtype"),
+        Free("add_: wrapped number"),
+        Free("args"),
+    ]

@@ -37,8 +37,15 @@ _FFT: Final = Inexact(
     aten.linalg_ldl_factor_ex, aten.linalg_ldl_solve, aten.linalg_householder_product,
     aten.linalg_matrix_exp, aten.cholesky, aten.cholesky_inverse, aten._cholesky_solve_helper,
     aten.geqrf, aten.ormqr, aten.lu_unpack, aten.linalg_qr,
+    aten.linalg_pinv, aten.cholesky_solve,
 )  # fmt: skip
 def _lapack(call: OpCall) -> Steps:
+    """Also two composites that fake tensors run whole (they reach the trace as one
+    op, with a meta kernel for the result only): ``linalg_pinv``
+    (``LinearAlgebra.cpp``: ``_linalg_svd`` or ``_linalg_eigh``, then a dozen
+    elementwise temporaries of the singular values and two products) and
+    ``cholesky_solve`` (``BatchLinearAlgebra.cpp``: ``_cholesky_solve_helper`` and its
+    info tensors)."""
     return [_LAPACK, OUTPUTS]
 
 

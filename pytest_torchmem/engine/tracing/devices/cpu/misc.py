@@ -35,7 +35,7 @@ from torch._prims_common import compute_elementwise_output_strides
 
 from pytest_torchmem.engine.tracing.devices.cpu.base import CPU, profile_of
 from pytest_torchmem.engine.tracing.devices.cpu.profiles import CpuProfile
-from pytest_torchmem.engine.tracing.rules import OUTPUTS, Alloc, Free, OpCall, Steps
+from pytest_torchmem.engine.tracing.rules import OUTPUTS, Alloc, Free, Inexact, OpCall, Steps
 
 __all__ = ["arg", "itemsize", "wrapped_nbytes", "promotion_casts"]
 
@@ -551,3 +551,45 @@ def _index_with_masks(call: OpCall) -> Steps:
         if index is not None and index.dtype in (torch.bool, torch.uint8)
     ]
     return [*steps, OUTPUTS]
+
+
+_DEG_RAD = (
+    aten.deg2rad.default, aten.deg2rad.out, aten.deg2rad_.default,
+    aten.rad2deg.default, aten.rad2deg.out, aten.rad2deg_.default,
+)  # fmt: skip
+
+
+@CPU.scratch(*_DEG_RAD)
+def _deg_rad(call: OpCall) -> Steps:
+    """``deg2rad`` / ``rad2deg`` (``UnaryOps.cpp``): the result first (the default
+    float dtype for an integer input), then
+    ``at::mul_out(result, self, wrapped_scalar_tensor(M_PI_180))``: the wrapped
+    ``double`` and the iterator's casts to the common dtype (the number, and an
+    integer ``self``)."""
+    self = arg(call, 0, "self")
+    if call.func._schema.name.endswith("_"):
+        output = self
+    else:
+        output = call.kwargs.get("out", call.out)
+    scale = 0.017453292519943295
+    return [OUTPUTS, *_scalar_wrap([scale]), *promotion_casts([self, scale], output)]
+
+
+@CPU.scratch(aten.ldexp.Tensor)
+def _ldexp(call: OpCall) -> Steps:
+    """``ldexp`` (``BinaryOps.cpp``): ``at::mul(self, at::pow(2.0, other))``: the power
+    (``pow.Scalar``: its result, the wrapped 2.0 and the iterator's casts, given back
+    when it returns), then the product, the op's output; the power is freed last. A
+    ``self`` of another dtype than the power (the product's casts) is not followed.
+    An integer ``other`` takes nothing beside the output (measured, float32 ``self``).
+    """
+    self, other = arg(call, 0, "self"), arg(call, 1, "other")
+    power = _common_dtype([2.0, other], int_to_float=False)
+    if power is None or not other.is_floating_point():
+        return [OUTPUTS]
+    casts = [*_scalar_wrap([2.0]), *promotion_casts([2.0, other])]
+    steps: list[Any] = [Alloc("pow(2, other)", other.numel() * itemsize(power)), *casts]
+    steps += [Free(c.tag) for c in reversed(casts)]
+    if self.dtype != power:
+        steps.insert(0, Inexact("ldexp of a self of another dtype than 2 ** other"))
+    return [*steps, OUTPUTS, Free("pow(2, other)")]

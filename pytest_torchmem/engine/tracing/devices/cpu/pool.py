@@ -34,7 +34,7 @@ aten = torch.ops.aten
 
 def kernel_format(t: torch.Tensor) -> torch.memory_format:
     """The loop a pooling kernel takes when it switches on ``t.suggest_memory_format()``."""
-    if t.dim() != 4:
+    if t.dim() not in (4, 5):
         return torch.contiguous_format
     return suggest_memory_format(t)
 
@@ -71,24 +71,32 @@ def _pool(call: OpCall) -> Steps:
     return [OUTPUTS, *copies(fmt, [("input", x), *zip(names, outs)])]
 
 
-@CPU.scratch(aten.max_pool2d_with_indices_backward.default)
+@CPU.scratch(
+    aten.max_pool2d_with_indices_backward.default,
+    aten.max_pool3d_with_indices_backward.default,
+)
 def _max_pool_backward(call: OpCall) -> Steps:
-    """``max_pool2d_backward_kernel_impl`` switches on the output gradient's format:
+    """``max_pool2d_backward_kernel_impl`` (and ``max_pool3d_backward_kernel_impl``,
+    channels-last-3d for 5-d) switches on the output gradient's format:
     ``cpu_max_pool_backward`` copies ``grad_output``, ``indices`` then
     ``grad_input``; the channels-last one ``grad_input``, ``grad_output``, ``indices``."""
     grad_output, indices = arg(call, 0, "grad_output"), arg(call, 7, "indices")
     return _backward(kernel_format(grad_output), grad_output, call.out, indices)
 
 
-@CPU.scratch(aten.adaptive_max_pool2d_backward.default)
+@CPU.scratch(
+    aten.adaptive_max_pool2d_backward.default, aten.adaptive_max_pool3d_backward.default
+)
 def _adaptive_max_pool_backward(call: OpCall) -> Steps:
-    """``adaptive_max_pool2d_backward_kernel_impl`` switches on the input gradient's
+    """``adaptive_max_pool2d_backward_kernel_impl`` (and its 3-d twin) switches on the input gradient's
     format ("grad_output might be NC11"); the copies as for max pooling."""
     grad_output, indices = arg(call, 0, "grad_output"), arg(call, 2, "indices")
     return _backward(kernel_format(call.out), grad_output, call.out, indices)
 
 
-@CPU.scratch(aten.avg_pool2d_backward.default, aten._adaptive_avg_pool2d_backward.default)
+@CPU.scratch(
+    aten.avg_pool2d_backward.default, aten._adaptive_avg_pool2d_backward.default
+)
 def _avg_pool_backward(call: OpCall) -> Steps:
     """``avg_pool2d_backward_kernel_impl`` / ``adaptive_avg_pool2d_backward_kernel_impl``
     switch on the output gradient's format: ``cpu_avg_pool_backward`` copies
@@ -111,3 +119,22 @@ def _backward(
     else:
         operands.insert(0, ("grad_input", grad_input))
     return [OUTPUTS, *copies(fmt, operands)]
+
+
+@CPU.scratch(aten.avg_pool3d.default)
+def _avg_pool3d(call: OpCall) -> Steps:
+    """``avg_pool3d_out_cpu_template`` (``AveragePool3d.cpp``) has no channels-last
+    loop: it runs on ``input.contiguous()`` (a channels-last-3d or transposed input
+    is copied, after the output is made)."""
+    return [OUTPUTS, *copies(torch.contiguous_format, [("input", arg(call, 0, "self"))])]
+
+
+@CPU.scratch(aten.avg_pool3d_backward.default, aten._adaptive_avg_pool3d_backward.default)
+def _avg_pool3d_backward(call: OpCall) -> Steps:
+    """``avg_pool3d_backward_out_cpu_template`` (``AveragePool3d.cpp``) and
+    ``adaptive_avg_pool3d_backward_out_cpu_template`` (``AdaptiveAveragePooling3d.cpp``)
+    have no channels-last loop: ``gradOutput.contiguous()`` (a broadcast or
+    channels-last-3d gradient is copied); the input gradient is written in its own
+    layout (measured: no copy of it for a channels-last-3d input)."""
+    grad_output = arg(call, 0, "grad_output")
+    return [OUTPUTS, *copies(torch.contiguous_format, [("grad_output", grad_output)])]

@@ -231,6 +231,31 @@ def _vector_norm(call: OpCall) -> Steps:
     return [OUTPUTS, Alloc("norm: input as result dtype", self.numel() * itemsize(out.dtype))]
 
 
+@CPU.scratch(aten.renorm.default, aten.renorm.out, aten.renorm_.default)
+def _renorm(call: OpCall) -> Steps:
+    """``renorm_out`` (``Normalization.cpp``, a structured kernel: the output first)::
+
+        norm = at::linalg_vector_norm(self, p, reduce_dims, true[, acc_type]);  // size(dim)
+        factor = acc_type == dtype ? norm : at::empty(norm.sizes(), self.options());
+        renorm_scale_factor_stub(...);  at::mul_outf(self, factor, out);
+
+    ``acc_type`` is CUDA's accumulate type: ``float`` for ``bfloat16``/``half``, whose
+    norm (with ``dtype=``) reduces a ``float`` copy of ``self`` (``_vector_norm``)."""
+    self, dim = arg(call, 0, "self"), arg(call, 2, "dim")
+    if self.numel() == 0 or self.is_complex():
+        return [OUTPUTS]
+    n = self.shape[dim] if self.dim() else 1
+    if self.dtype not in (torch.bfloat16, torch.float16):
+        return [OUTPUTS, Alloc("norm", n * itemsize(self.dtype))]
+    return [
+        OUTPUTS,
+        Alloc("norm (float)", n * 4),
+        Alloc("norm: input as float", self.numel() * 4),
+        Free("norm: input as float"),
+        Alloc("factor", n * itemsize(self.dtype)),
+    ]
+
+
 # -- scans and sorts ---------------------------------------------------------------
 
 
