@@ -20,9 +20,23 @@ from pytest_torchmem.engine.model_state import (
 )
 from pytest_torchmem.engine.parallel import Parallel, applied, fake_world, local_tensors, model_copy
 from pytest_torchmem.engine.report import Category, MemoryReport, Unsupported
-from pytest_torchmem.engine.step import LossFn, ModuleTracker, OptimizerFactory, run_step
+from pytest_torchmem.engine.step import (
+    LossFn,
+    ModuleTracker,
+    NoModules,
+    OptimizerFactory,
+    QuietProbe,
+    run_step,
+)
 from pytest_torchmem.engine.timeline import Analysis, Timeline, analyze
 from pytest_torchmem.engine.tracing.compiled import watch_compiled
+from pytest_torchmem.engine.tracing.compiled_program import (
+    CompiledModules,
+    Following,
+    compiled_modules,
+    following_compiled,
+    not_followed,
+)
 from pytest_torchmem.engine.tracing.devices import DeviceModel
 from pytest_torchmem.engine.tracing.devices.cpu.profiles import CpuProfile
 from pytest_torchmem.engine.tracing.devices.cuda.gpu_view import gpu_view
@@ -74,6 +88,8 @@ def trace(
     group; ``parallel.apply`` runs on a copy of the model holding the stand-ins.
     """
     context = TraceContext(device.name, gpu=gpu, cpu=cpu)
+    # compiled modules run inductor's program on cpu; on cuda (triton) they run eagerly, flagged
+    found = compiled_modules(model) if device.name == "cpu" and parallel is None else CompiledModules()
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True, allow_fallback_kernels=False)
     where = device.trace_device
     model_tensors = collect(model)
@@ -95,47 +111,80 @@ def trace(
     )
     baseline = adopt(tracker, standins)
     step_model = model if parallel is None else model_copy(model, model_tensors, standins.model)
-    modules = ModuleTracker(step_model, tracker)
+    # per-module hooks would make dynamo's guards fail in the traced step: no per-module figures
+    modules: Any = NoModules() if found else ModuleTracker(step_model, tracker)
     tracker.timeline.module_names = modules.names
-    router = device.router(context) if device.router is not None else nullcontext()
-    recomputation = routed_recomputation(router) if device.router is not None else nullcontext()
+    # the router (a torch-function mode) picks eager kernels as this device would; a followed
+    # compiled program has its kernels picked by inductor, and dynamo's cache entries guard on
+    # the torch-function mode stack of the warm-up, which has none
+    routed = device.router is not None and not found
+    router = device.router(context) if routed else nullcontext()
+    recomputation = routed_recomputation(router) if routed else nullcontext()
     rng_states = charged_rng_states() if device.name == "cpu" else nullcontext()
     seen_as_gpu = gpu_view(gpu) if device.name == "cuda" and gpu is not None else nullcontext()
-    try:
-        with (
-            watch_compiled(tracker.compiled_region),
-            substituted(model_tensors, standins.model) if parallel is None else nullcontext(),
-            modules,
-            # the mesh is made of real tensors, before fake tensors are on
-            fake_world(parallel, rank, where.type, tracker.storage_resized) if parallel is not None else nullcontext() as mesh,
-            fake_mode,
-            tracker,
-            router,
-            recomputation,
-            rng_states,
-            seen_as_gpu,
-        ):
-            parameters = standins.parameters
-            if parallel is not None:
-                step_model, parameters = _apply(tracker, parallel, step_model, mesh, standins)
-            run_step(
-                step_model,
-                standins.args,
-                standins.kwargs,
-                parameters=parameters,
-                inputs=standins.inputs,
-                hook_optimizers=standins.hook_optimizers,
+    program = following_compiled(found) if found else nullcontext(Following())
+    with program as following:
+        followed = following.is_ours if found else None
+        # dynamo compiles a frame only where no dispatch mode is active: the compiled program
+        # is built in an untracked step of its own, and the traced step finds it in the cache
+        warm_calls = (
+            _warm_up(
+                model,
+                model_tensors,
+                args,
+                kwargs,
+                fake_mode,
+                where,
+                following,
                 loss_fn=loss_fn,
-                optimizer=optimizer,
                 train=train,
-                probe=tracker,
                 keep_output=keep_output,
             )
-    except Exception as exc:
-        if not tracker.stopped_by(exc):
-            raise  # the program's own error
-        tracker.set_phase(None)
-    del standins, step_model
+            if found
+            else []
+        )
+        if found:
+            # dynamo runs no compiled code while a dispatch mode that does not ignore compile
+            # internals is active; the only compiled regions left to dynamo here are ours (the
+            # watch runs the others eagerly), whose programs were built in the warm-up
+            tracker.ignore_compile_internals = lambda: True  # type: ignore[method-assign]
+        try:
+            with (
+                watch_compiled(tracker.compiled_region, followed),
+                substituted(model_tensors, standins.model) if parallel is None else nullcontext(),
+                modules,
+                # the mesh is made of real tensors, before fake tensors are on
+                fake_world(parallel, rank, where.type, tracker.storage_resized) if parallel is not None else nullcontext() as mesh,
+                fake_mode,
+                tracker,
+                router,
+                recomputation,
+                rng_states,
+                seen_as_gpu,
+            ):
+                parameters = standins.parameters
+                if parallel is not None:
+                    step_model, parameters = _apply(tracker, parallel, step_model, mesh, standins)
+                run_step(
+                    step_model,
+                    standins.args,
+                    standins.kwargs,
+                    parameters=parameters,
+                    inputs=standins.inputs,
+                    hook_optimizers=standins.hook_optimizers,
+                    loss_fn=loss_fn,
+                    optimizer=optimizer,
+                    train=train,
+                    probe=tracker,
+                    keep_output=keep_output,
+                )
+        except Exception as exc:
+            if not tracker.stopped_by(exc):
+                raise  # the program's own error
+            tracker.set_phase(None)
+        del standins, step_model
+        for entry in not_followed(following, warm_calls):
+            tracker.flag(entry)
 
     allocator = device.allocator(context) if device.allocator is not None else None
     analysis = analyze(tracker.timeline, baseline, allocator)
@@ -152,6 +201,44 @@ def trace(
         profile=_profile_name(device.name, gpu, cpu),
     )
     return Trace(report, tracker.timeline, baseline, analysis, device, context)
+
+
+def _warm_up(
+    model: nn.Module,
+    model_tensors: Any,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    fake_mode: FakeTensorMode,
+    where: torch.device,
+    following: Following,
+    *,
+    loss_fn: LossFn | None,
+    train: bool,
+    keep_output: bool,
+) -> list[int]:
+    """One untracked step on fresh fake stand-ins, in which dynamo and our backend
+    compile the followed modules (the optimizer, not compiled by us, is left out);
+    returns how many times each backend's programs ran in it."""
+    with fake_mode:
+        copies = convert(model_tensors, args, kwargs, fake_standins(where))
+    with (
+        watch_compiled(lambda name, location: None, following.is_ours),
+        substituted(model_tensors, copies.model),
+        fake_mode,
+    ):
+        run_step(
+            model,
+            copies.args,
+            copies.kwargs,
+            parameters=copies.parameters,
+            inputs=copies.inputs,
+            loss_fn=loss_fn,
+            optimizer=None,
+            train=train,
+            probe=QuietProbe(),
+            keep_output=keep_output,
+        )
+    return following.calls_by_backend()
 
 
 def _apply(
