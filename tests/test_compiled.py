@@ -8,6 +8,7 @@ runs eagerly and is listed in ``unsupported`` with where it is defined.
 
 from __future__ import annotations
 
+import functools
 import inspect
 
 import pytest
@@ -196,6 +197,30 @@ def _conv() -> nn.Module:
     return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 8, 3))
 
 
+class _Selective(nn.Module):
+    """Selective activation checkpointing: matmuls saved, the rest recomputed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = _Fusable()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import (
+            CheckpointPolicy,
+            checkpoint,
+            create_selective_checkpoint_contexts,
+        )
+
+        def policy(ctx: object, op: object, *args: object, **kwargs: object) -> CheckpointPolicy:
+            if op == torch.ops.aten.mm.default:
+                return CheckpointPolicy.MUST_SAVE
+            return CheckpointPolicy.PREFER_RECOMPUTE
+
+        # a partial: dynamo traces context_fn only as one
+        contexts = functools.partial(create_selective_checkpoint_contexts, policy)
+        return checkpoint(self.block, x, use_reentrant=False, context_fn=contexts)
+
+
 def _regional_fusable() -> nn.Module:
     blocks = nn.Sequential(_Fusable(), _Fusable())
     for block in blocks:
@@ -206,7 +231,9 @@ def _regional_fusable() -> nn.Module:
 FAMILIES = {
     "mlp": (lambda: torch.compile(_Fusable()), (8, 16, 32)),
     "transformer": (lambda: torch.compile(_Attention()), (2, 16, 32)),
+    "conv-bn-relu": (lambda: torch.compile(_conv()), (2, 3, 16, 16)),
     "graph break": (lambda: torch.compile(_Breaks()), (8, 16, 32)),
+    "selective checkpointing": (lambda: torch.compile(_Selective()), (8, 16, 32)),
     "regional": (_regional_fusable, (8, 16, 32)),
 }
 
@@ -223,6 +250,19 @@ def test_the_estimate_follows_the_compiled_program(family: str) -> None:
     measured = tm.measure(model, x, device="cpu")
     assert measured.unsupported == ()
     assert estimated.phase_peaks() == measured.phase_peaks()
+
+
+def test_an_eager_adamw_step_after_a_compiled_model() -> None:
+    """The optimizer step itself is not compiled here: it runs eagerly in both."""
+    torch.manual_seed(0)
+    model, x = torch.compile(_Fusable()), torch.randn(8, 16, 32)
+
+    def adamw(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(params)
+
+    estimated = tm.estimate(model, x, optimizer=adamw, cpu=None)
+    assert estimated.unsupported == ()
+    assert estimated.phase_peaks() == tm.measure(model, x, optimizer=adamw).phase_peaks()
 
 
 def test_inference_follows_the_compiled_program() -> None:

@@ -143,6 +143,9 @@ def measure_step(request: StepRequest) -> MemoryReport:
             report = _measure_cuda(request, hook_failed)
         else:
             report, compiled_ran = _measure_cpu(request, hook_failed)
+            # only a warmed-up model runs compiled code in its steady state: a compiled
+            # function met in a model without compiled modules compiles inside the measured step
+            compiled_ran = compiled_ran and has_compiled_modules(request.model)
     flagged = [*hooks, *(() if compiled_ran else regions)]
     if flagged:
         report = dataclasses.replace(report, unsupported=(*report.unsupported, *flagged))

@@ -66,9 +66,11 @@ def watch_compiled(
     """Call ``on_region(name, location)`` whenever the code run enters a compiled region
     (but not one whose dynamo callback is ``followed``: its compiled program is traced).
 
-    With ``followed``, the other regions run eagerly: while the trace lets dynamo
-    compile (its own warm-up step), a region of the user's backend would otherwise
-    build real kernels and run them, or a cache entry of theirs, on fake tensors.
+    With ``followed``, the other regions run without dynamo (eagerly): while the trace
+    lets dynamo compile (its own warm-up step), a region of the user's backend would
+    otherwise build real kernels and run them, or a cache entry of theirs, on fake
+    tensors; and under a dispatch mode dynamo skips such a frame and marks its code
+    skipped for good, which would leave the user's later real calls eager.
     """
     try:
         import torch._dynamo.eval_frame as eval_frame

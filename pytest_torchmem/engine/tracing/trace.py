@@ -124,7 +124,10 @@ def trace(
     seen_as_gpu = gpu_view(gpu) if device.name == "cuda" and gpu is not None else nullcontext()
     program = following_compiled(found) if found else nullcontext(Following())
     with program as following:
-        followed = following.is_ours if found else None
+        # regions not followed run without dynamo: left to dynamo under the tracer's dispatch
+        # mode, it skips their frames and marks the code skipped for good (seen: every later
+        # real call of a compiled torch.nn module, through dynamo's shared wrap_inline, eager)
+        followed = following.is_ours if found else _none_followed
         # dynamo compiles a frame only where no dispatch mode is active: the compiled program
         # is built in an untracked step of its own, and the traced step finds it in the cache
         warm_calls = (
@@ -201,6 +204,10 @@ def trace(
         profile=_profile_name(device.name, gpu, cpu),
     )
     return Trace(report, tracker.timeline, baseline, analysis, device, context)
+
+
+def _none_followed(callback: Any) -> bool:
+    return False
 
 
 def _warm_up(
