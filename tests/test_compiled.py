@@ -320,3 +320,30 @@ def _seen_codes() -> list[object]:
     from torch._dynamo.convert_frame import input_codes
 
     return [code for ref in list(input_codes.seen) if (code := ref()) is not None]
+
+
+@pytest.mark.parametrize(
+    "options", [{"backend": "eager"}, {"backend": "aot_eager"}, {"options": {"cpp_wrapper": True}}]
+)
+def test_a_compiled_module_not_followed_is_listed(options: dict[str, object]) -> None:
+    """Backends other than inductor, and inductor's C++ wrapper: eager figures, flagged."""
+    torch.manual_seed(0)
+    eager, x = _Fusable(), torch.randn(8, 16, 32)
+    report = tm.estimate(torch.compile(eager, **options), x, cpu=None)  # type: ignore[call-overload]
+    assert [entry.op for entry in report.unsupported] == ["torch.compile: _Fusable.forward"]
+    assert report.phase_peaks() == tm.estimate(eager, x, cpu=None).phase_peaks()
+
+
+def test_a_program_that_cannot_be_built_is_listed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An error of inductor while the estimate compiles: the module runs eagerly, flagged."""
+    import torch._inductor.compile_fx as compile_fx
+
+    def broken(*args: object, **kwargs: object) -> object:
+        raise RuntimeError("inductor failed")
+
+    monkeypatch.setattr(compile_fx, "compile_fx", broken)
+    torch.manual_seed(0)
+    eager, x = _Fusable(), torch.randn(8, 16, 32)
+    report = tm.estimate(torch.compile(eager), x, cpu=None)
+    assert [entry.op for entry in report.unsupported] == ["torch.compile: _Fusable.forward"]
+    assert report.phase_peaks() == tm.estimate(eager, x, cpu=None).phase_peaks()

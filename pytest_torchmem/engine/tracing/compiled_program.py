@@ -231,9 +231,17 @@ class Following:
     backends: list[_FakeInductor] = field(default_factory=list)
     regions: list[int] = field(default_factory=list)
     places: list[tuple[str, str]] = field(default_factory=list)
+    put_backs: list[Callable[[], None]] = field(default_factory=list)
 
     def is_ours(self, callback: Any) -> bool:
         return any(callback is ours for ours in self.callbacks)
+
+    def abandon(self) -> None:
+        """Stop following: the compiled modules get the user's callables back (the watch
+        then runs them eagerly, flagged)."""
+        for put_back in self.put_backs:
+            put_back()
+        self.callbacks.clear()
 
     def calls_by_backend(self) -> list[int]:
         return [backend.calls for backend in self.backends]
@@ -243,6 +251,8 @@ def not_followed(following: Following, warm_calls: list[int]) -> list[Unsupporte
     """The followed modules whose compiled programs did not all run in the traced step
     as they ran in the warm-up (a guard failed, dynamo skipped a frame): eager figures."""
     flagged = []
+    if not following.callbacks:  # abandoned: the watch flagged what ran
+        return flagged
     for backend, before, (name, where) in zip(following.backends, warm_calls, following.places):
         if backend.calls - before != before:
             flagged.append(Unsupported(f"torch.compile: {name}", NOT_FOLLOWED_REASON, where))
@@ -272,6 +282,7 @@ def following_compiled(found: CompiledModules) -> Iterator[Following]:
         restore.enter_context(no_kernels(loaded))
         for compiled in found.followed:
             restore.callback(_put_back, compiled)
+            following.put_backs.append(lambda compiled=compiled: _put_back(compiled))  # type: ignore[misc]
             context = compiled.context
             backend = _FakeInductor(_inductor_wrapper(context))
             ours = torch._dynamo.optimize(

@@ -130,22 +130,26 @@ def trace(
         followed = following.is_ours if found else _none_followed
         # dynamo compiles a frame only where no dispatch mode is active: the compiled program
         # is built in an untracked step of its own, and the traced step finds it in the cache
-        warm_calls = (
-            _warm_up(
-                model,
-                model_tensors,
-                args,
-                kwargs,
-                fake_mode,
-                where,
-                following,
-                loss_fn=loss_fn,
-                train=train,
-                keep_output=keep_output,
-            )
-            if found
-            else []
-        )
+        warm_calls: list[int] = []
+        if found:
+            try:
+                warm_calls = _warm_up(
+                    model,
+                    model_tensors,
+                    args,
+                    kwargs,
+                    fake_mode,
+                    where,
+                    following,
+                    loss_fn=loss_fn,
+                    train=train,
+                    keep_output=keep_output,
+                )
+            except Exception:
+                # inductor or dynamo could not build the program (or the model failed, which
+                # the traced step shows again): the modules run eagerly there, flagged
+                following.abandon()
+                found = CompiledModules()
         if found:
             # dynamo runs no compiled code while a dispatch mode that does not ignore compile
             # internals is active; the only compiled regions left to dynamo here are ours (the
