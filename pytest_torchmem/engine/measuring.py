@@ -35,7 +35,7 @@ from pytest_torchmem.engine.model_state import (
 from pytest_torchmem.engine.distributed import FreedOnThisThread, collectives_completed_here
 from pytest_torchmem.engine.parallel import applied, local_tensors, model_copy
 from pytest_torchmem.engine.report import Category, MemoryReport, Unsupported
-from pytest_torchmem.engine.step import ModuleTracker, run_step
+from pytest_torchmem.engine.step import ModuleTracker, NoModules, run_step
 from pytest_torchmem.engine.timeline import FREE, Phase, StorageInfo, Timeline, analyze
 from pytest_torchmem.engine.tracing.compiled import MEASURED_EAGER_REASON, watch_compiled
 from pytest_torchmem.engine.tracing.devices.cpu.profiles import host_profile
@@ -143,6 +143,9 @@ def measure_step(request: StepRequest) -> MemoryReport:
             report = _measure_cuda(request, hook_failed)
         else:
             report, compiled_ran = _measure_cpu(request, hook_failed)
+            # only a warmed-up model runs compiled code in its steady state: a compiled
+            # function met in a model without compiled modules compiles inside the measured step
+            compiled_ran = compiled_ran and has_compiled_modules(request.model)
     flagged = [*hooks, *(() if compiled_ran else regions)]
     if flagged:
         report = dataclasses.replace(report, unsupported=(*report.unsupported, *flagged))
@@ -241,7 +244,7 @@ def profile_cpu_step(
     step_model = request.model
     if parallel is not None:
         step_model = model_copy(request.model, model_tensors, standins.model)
-    modules: Any = _NoModules() if compiled else ModuleTracker(step_model, probe)
+    modules: Any = NoModules() if compiled else ModuleTracker(step_model, probe)
     timeline.module_names = modules.names
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         parameters = standins.parameters
@@ -281,18 +284,6 @@ def profile_cpu_step(
             gc.collect()
     _read_events(prof, timeline, by_ptr, probe)
     return prof, timeline, baseline
-
-
-class _NoModules:
-    """Stands for the per-module hooks where they would break compiled regions."""
-
-    names: dict[int, str] = {}
-
-    def __enter__(self) -> _NoModules:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        return None
 
 
 def _run(request: StepRequest, standins: Converted, probe: Any) -> None:

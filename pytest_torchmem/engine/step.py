@@ -21,7 +21,7 @@ from pytest_torchmem.engine.parallel import local_tensors
 from pytest_torchmem.engine.report import ROOT_NAME, Category
 from pytest_torchmem.engine.timeline import Phase
 
-__all__ = ["Probe", "ModuleTracker", "run_step", "default_loss", "LossFn", "OptimizerFactory"]
+__all__ = ["Probe", "QuietProbe", "NoModules", "ModuleTracker", "run_step", "default_loss", "LossFn", "OptimizerFactory"]
 
 LossFn = Callable[[Any], torch.Tensor]
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
@@ -41,6 +41,38 @@ class Probe(Protocol):
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> None: ...
 
     def assign_role(self, category: Category, tensors: Iterable[torch.Tensor]) -> None: ...
+
+
+class QuietProbe:
+    """A probe that listens to nothing (a step run only for its side effects: a warm-up)."""
+
+    def set_phase(self, phase: Phase | None) -> None:
+        pass
+
+    def enter_module(self, index: int) -> None:
+        pass
+
+    def exit_module(self, index: int) -> None:
+        pass
+
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        pass
+
+    def assign_role(self, category: Category, tensors: Iterable[torch.Tensor]) -> None:
+        pass
+
+
+class NoModules:
+    """Stands for the per-module hooks where they would break compiled regions
+    (dynamo guards on hooks: its compiled code would not run)."""
+
+    names: dict[int, str] = {}
+
+    def __enter__(self) -> NoModules:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
 
 
 def default_loss(output: Any) -> torch.Tensor:

@@ -60,8 +60,18 @@ def _region(wrapper_frame: Any) -> tuple[str, str]:
 
 
 @contextmanager
-def watch_compiled(on_region: Callable[[str, str], None]) -> Iterator[None]:
-    """Call ``on_region(name, location)`` whenever the code run enters a compiled region."""
+def watch_compiled(
+    on_region: Callable[[str, str], None], followed: Callable[[Any], bool] | None = None
+) -> Iterator[None]:
+    """Call ``on_region(name, location)`` whenever the code run enters a compiled region
+    (but not one whose dynamo callback is ``followed``: its compiled program is traced).
+
+    With ``followed``, the other regions run without dynamo (eagerly): while the trace
+    lets dynamo compile (its own warm-up step), a region of the user's backend would
+    otherwise build real kernels and run them, or a cache entry of theirs, on fake
+    tensors; and under a dispatch mode dynamo skips such a frame and marks its code
+    skipped for good, which would leave the user's later real calls eager.
+    """
     try:
         import torch._dynamo.eval_frame as eval_frame
     except ImportError:  # pragma: no cover - a torch without dynamo
@@ -70,10 +80,12 @@ def watch_compiled(on_region: Callable[[str, str], None]) -> Iterator[None]:
     real = eval_frame._maybe_set_eval_frame
 
     def noticing(callback: Any) -> Any:
-        if callback is not None and callback is not False:
+        if callback is not None and callback is not False and not (followed and followed(callback)):
             caller = sys._getframe(1)
             if caller.f_code.co_name == "compile_wrapper":
                 on_region(*_region(caller))
+                if followed is not None:
+                    return real(None)
         return real(callback)
 
     eval_frame._maybe_set_eval_frame = noticing

@@ -20,11 +20,25 @@ from pytest_torchmem.engine.model_state import (
 )
 from pytest_torchmem.engine.parallel import Parallel, applied, fake_world, local_tensors, model_copy
 from pytest_torchmem.engine.report import Category, MemoryReport, Unsupported
-from pytest_torchmem.engine.step import LossFn, ModuleTracker, OptimizerFactory, run_step
+from pytest_torchmem.engine.step import (
+    LossFn,
+    ModuleTracker,
+    NoModules,
+    OptimizerFactory,
+    QuietProbe,
+    run_step,
+)
 from pytest_torchmem.engine.timeline import Analysis, Timeline, analyze
 from pytest_torchmem.engine.tracing.compiled import watch_compiled
+from pytest_torchmem.engine.tracing.compiled_program import (
+    CompiledModules,
+    Following,
+    compiled_modules,
+    following_compiled,
+    not_followed,
+)
 from pytest_torchmem.engine.tracing.devices import DeviceModel
-from pytest_torchmem.engine.tracing.devices.cpu.profiles import CpuProfile
+from pytest_torchmem.engine.tracing.devices.cpu.profiles import CpuProfile, host_profile
 from pytest_torchmem.engine.tracing.devices.cuda.gpu_view import gpu_view
 from pytest_torchmem.engine.tracing.devices.cuda.profiles import GpuProfile
 from pytest_torchmem.engine.tracing.devices.routing import routed_recomputation
@@ -74,6 +88,8 @@ def trace(
     group; ``parallel.apply`` runs on a copy of the model holding the stand-ins.
     """
     context = TraceContext(device.name, gpu=gpu, cpu=cpu)
+    # compiled modules run inductor's program on cpu; on cuda (triton) they run eagerly, flagged
+    found = compiled_modules(model) if device.name == "cpu" and parallel is None else CompiledModules()
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True, allow_fallback_kernels=False)
     where = device.trace_device
     model_tensors = collect(model)
@@ -95,47 +111,89 @@ def trace(
     )
     baseline = adopt(tracker, standins)
     step_model = model if parallel is None else model_copy(model, model_tensors, standins.model)
-    modules = ModuleTracker(step_model, tracker)
+    # per-module hooks would make dynamo's guards fail in the traced step: no per-module figures
+    modules: Any = NoModules() if found else ModuleTracker(step_model, tracker)
     tracker.timeline.module_names = modules.names
-    router = device.router(context) if device.router is not None else nullcontext()
-    recomputation = routed_recomputation(router) if device.router is not None else nullcontext()
+    # the router (a torch-function mode) picks eager kernels as this device would; a followed
+    # compiled program has its kernels picked by inductor, and dynamo's cache entries guard on
+    # the torch-function mode stack of the warm-up, which has none
+    routed = device.router is not None and not found
+    router = device.router(context) if routed else nullcontext()
+    recomputation = routed_recomputation(router) if routed else nullcontext()
     rng_states = charged_rng_states() if device.name == "cpu" else nullcontext()
     seen_as_gpu = gpu_view(gpu) if device.name == "cuda" and gpu is not None else nullcontext()
-    try:
-        with (
-            watch_compiled(tracker.compiled_region),
-            substituted(model_tensors, standins.model) if parallel is None else nullcontext(),
-            modules,
-            # the mesh is made of real tensors, before fake tensors are on
-            fake_world(parallel, rank, where.type, tracker.storage_resized) if parallel is not None else nullcontext() as mesh,
-            fake_mode,
-            tracker,
-            router,
-            recomputation,
-            rng_states,
-            seen_as_gpu,
-        ):
-            parameters = standins.parameters
-            if parallel is not None:
-                step_model, parameters = _apply(tracker, parallel, step_model, mesh, standins)
-            run_step(
-                step_model,
-                standins.args,
-                standins.kwargs,
-                parameters=parameters,
-                inputs=standins.inputs,
-                hook_optimizers=standins.hook_optimizers,
-                loss_fn=loss_fn,
-                optimizer=optimizer,
-                train=train,
-                probe=tracker,
-                keep_output=keep_output,
-            )
-    except Exception as exc:
-        if not tracker.stopped_by(exc):
-            raise  # the program's own error
-        tracker.set_phase(None)
-    del standins, step_model
+    program = following_compiled(found) if found else nullcontext(Following())
+    with program as following:
+        # regions not followed run without dynamo: left to dynamo under the tracer's dispatch
+        # mode, it skips their frames and marks the code skipped for good (seen: every later
+        # real call of a compiled torch.nn module, through dynamo's shared wrap_inline, eager)
+        followed = following.is_ours if found else _none_followed
+        # dynamo compiles a frame only where no dispatch mode is active: the compiled program
+        # is built in an untracked step of its own, and the traced step finds it in the cache
+        warm_calls: list[int] = []
+        if found:
+            try:
+                warm_calls = _warm_up(
+                    model,
+                    model_tensors,
+                    args,
+                    kwargs,
+                    fake_mode,
+                    where,
+                    following,
+                    loss_fn=loss_fn,
+                    train=train,
+                    keep_output=keep_output,
+                )
+            except Exception:
+                # inductor or dynamo could not build the program (or the model failed, which
+                # the traced step shows again): the modules run eagerly there, flagged
+                following.abandon()
+                found = CompiledModules()
+        if found:
+            # dynamo runs no compiled code while a dispatch mode that does not ignore compile
+            # internals is active; the only compiled regions left to dynamo here are ours (the
+            # watch runs the others eagerly), whose programs were built in the warm-up
+            tracker.ignore_compile_internals = lambda: True  # type: ignore[method-assign]
+        try:
+            with (
+                watch_compiled(tracker.compiled_region, followed),
+                substituted(model_tensors, standins.model) if parallel is None else nullcontext(),
+                modules,
+                # the mesh is made of real tensors, before fake tensors are on
+                fake_world(parallel, rank, where.type, tracker.storage_resized) if parallel is not None else nullcontext() as mesh,
+                fake_mode,
+                tracker,
+                router,
+                recomputation,
+                rng_states,
+                seen_as_gpu,
+            ):
+                parameters = standins.parameters
+                if parallel is not None:
+                    step_model, parameters = _apply(tracker, parallel, step_model, mesh, standins)
+                run_step(
+                    step_model,
+                    standins.args,
+                    standins.kwargs,
+                    parameters=parameters,
+                    inputs=standins.inputs,
+                    hook_optimizers=standins.hook_optimizers,
+                    loss_fn=loss_fn,
+                    optimizer=optimizer,
+                    train=train,
+                    probe=tracker,
+                    keep_output=keep_output,
+                )
+        except Exception as exc:
+            if not tracker.stopped_by(exc):
+                raise  # the program's own error
+            tracker.set_phase(None)
+        del standins, step_model
+        for entry in not_followed(following, warm_calls):
+            tracker.flag(entry)
+        if found and not _is_this_host(cpu):
+            tracker.flag(_compiled_for_the_host(cpu))
 
     allocator = device.allocator(context) if device.allocator is not None else None
     analysis = analyze(tracker.timeline, baseline, allocator)
@@ -152,6 +210,69 @@ def trace(
         profile=_profile_name(device.name, gpu, cpu),
     )
     return Trace(report, tracker.timeline, baseline, analysis, device, context)
+
+
+def _none_followed(callback: Any) -> bool:
+    return False
+
+
+def _is_this_host(cpu: CpuProfile | None) -> bool:
+    """Whether ``cpu`` is the CPU this process runs on (ISA level and threads)."""
+    if cpu is None:
+        return True
+    try:
+        host = host_profile()
+    except ValueError:
+        return False
+    return (cpu.isa, cpu.threads) == (host.isa, host.threads)
+
+
+def _compiled_for_the_host(cpu: CpuProfile | None) -> Unsupported:
+    """Inductor builds its program for the CPU it runs on, not for a named profile."""
+    return Unsupported(
+        "torch.compile: CPU profile",
+        f"the compiled program was built by inductor for this host, not for the profile {cpu} "
+        "(inductor picks its kernels and vector widths by the host's ISA and threads); "
+        "estimate with cpu='host' for a compiled model",
+    )
+
+
+def _warm_up(
+    model: nn.Module,
+    model_tensors: Any,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    fake_mode: FakeTensorMode,
+    where: torch.device,
+    following: Following,
+    *,
+    loss_fn: LossFn | None,
+    train: bool,
+    keep_output: bool,
+) -> list[int]:
+    """One untracked step on fresh fake stand-ins, in which dynamo and our backend
+    compile the followed modules (the optimizer, not compiled by us, is left out);
+    returns how many times each backend's programs ran in it."""
+    with fake_mode:
+        copies = convert(model_tensors, args, kwargs, fake_standins(where))
+    with (
+        watch_compiled(lambda name, location: None, following.is_ours),
+        substituted(model_tensors, copies.model),
+        fake_mode,
+    ):
+        run_step(
+            model,
+            copies.args,
+            copies.kwargs,
+            parameters=copies.parameters,
+            inputs=copies.inputs,
+            loss_fn=loss_fn,
+            optimizer=None,
+            train=train,
+            probe=QuietProbe(),
+            keep_output=keep_output,
+        )
+    return following.calls_by_backend()
 
 
 def _apply(
