@@ -35,7 +35,7 @@ from pytest_torchmem.engine.model_state import (
 from pytest_torchmem.engine.distributed import FreedOnThisThread, collectives_completed_here
 from pytest_torchmem.engine.parallel import applied, local_tensors, model_copy
 from pytest_torchmem.engine.report import Category, MemoryReport, Unsupported
-from pytest_torchmem.engine.step import ModuleTracker, NoModules, run_step
+from pytest_torchmem.engine.step import ModuleTracker, NoModules, QuietProbe, run_step
 from pytest_torchmem.engine.timeline import FREE, Phase, StorageInfo, Timeline, analyze
 from pytest_torchmem.engine.tracing.compiled import MEASURED_EAGER_REASON, watch_compiled
 from pytest_torchmem.engine.tracing.devices.cpu.profiles import host_profile
@@ -591,8 +591,9 @@ def _measure_cuda(request: StepRequest, on_hook_error: HookError | None = None) 
     )
 
 
-class _CudaPeakProbe:
-    """Reads and resets the CUDA peak statistics at each phase boundary."""
+class _CudaPeakProbe(QuietProbe):
+    """Reads and resets the CUDA peak statistics at each phase boundary (and listens
+    to nothing else)."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -607,18 +608,6 @@ class _CudaPeakProbe:
         self.reserved = max(self.reserved, torch.cuda.max_memory_reserved(self.device))
         torch.cuda.reset_peak_memory_stats(self.device)
         self.phase = phase
-
-    def enter_module(self, index: int) -> None:
-        pass
-
-    def exit_module(self, index: int) -> None:
-        pass
-
-    def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        pass
-
-    def assign_role(self, category: Category, tensors: Iterable[torch.Tensor]) -> None:
-        pass
 
 
 def _measure_ranks(request: StepRequest, on_hook_error: HookError | None = None) -> MemoryReport:
