@@ -35,6 +35,7 @@ from torch._prims_common import compute_elementwise_output_strides
 
 from pytest_torchmem.engine.tracing.devices.cpu.base import CPU, profile_of
 from pytest_torchmem.engine.tracing.devices.cpu.profiles import CpuProfile
+from pytest_torchmem.engine.tracing.devices.memo import BoundedMemo
 from pytest_torchmem.engine.tracing.rules import OUTPUTS, Alloc, Free, Inexact, OpCall, Steps
 
 __all__ = ["arg", "itemsize", "wrapped_nbytes", "promotion_casts"]
@@ -190,8 +191,7 @@ def _functional_binary_ops() -> tuple[Any, ...]:
 #: ``compute_elementwise_output_strides`` by the output's shape and the inputs' shapes
 #: and strides, which alone decide it: a model repeats a few layouts layer after
 #: layer, and computing one dispatches an ``expand`` per input.
-_LAYOUTS: dict[tuple[Any, ...], tuple[int, ...]] = {}
-_LAYOUTS_MAX: Final = 4096
+_LAYOUTS: Final[BoundedMemo[tuple[int, ...]]] = BoundedMemo()
 
 
 @CPU.implementation(*_functional_binary_ops())
@@ -219,13 +219,9 @@ def _iterator_layout(call: OpCall, reduced_only: bool, operands: tuple[int, int]
     ):
         return out
     key = (tuple(out.shape), *((tuple(t.shape), t.stride()) for t in tensors))
-    strides = _LAYOUTS.get(key)
-    if strides is None:
-        expanded = [t.expand(out.shape) for t in tensors]
-        strides = tuple(compute_elementwise_output_strides(*expanded))
-        if len(_LAYOUTS) >= _LAYOUTS_MAX:
-            _LAYOUTS.clear()
-        _LAYOUTS[key] = strides
+    strides = _LAYOUTS.get(
+        key, lambda: tuple(compute_elementwise_output_strides(*(t.expand(out.shape) for t in tensors)))
+    )
     if strides == out.stride():
         return out
     return torch.empty_strided(out.shape, strides, dtype=out.dtype, device=out.device)

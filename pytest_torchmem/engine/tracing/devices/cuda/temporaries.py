@@ -66,6 +66,7 @@ import torch
 import torch._prims_common as prims
 
 from pytest_torchmem.engine.tracing.devices.cuda.base import CUDA
+from pytest_torchmem.engine.tracing.devices.memo import BoundedMemo
 from pytest_torchmem.engine.tracing.devices.tensor_iterator import (
     coalesce_dimensions,
     reorder_dimensions,
@@ -500,22 +501,18 @@ def reduction_steps(
         gpu,
         tag,
     )
+    def work_out() -> tuple[Step, ...]:
+        return tuple(_launch_steps(self, outs, dim, keepdim, in_dtype, arg_size, vt0, gpu, tag))
+
     try:
-        launch = _LAUNCH_STEPS.get(key)
+        launch = _LAUNCH_STEPS.get(key, work_out)
     except TypeError:  # an unhashable stand-in for a GPU profile: worked out each time
-        return steps + _launch_steps(self, outs, dim, keepdim, in_dtype, arg_size, vt0, gpu, tag)
-    if launch is None:
-        if len(_LAUNCH_STEPS) >= _LAUNCH_STEPS_KEPT:
-            _LAUNCH_STEPS.clear()
-        launch = _LAUNCH_STEPS[key] = tuple(
-            _launch_steps(self, outs, dim, keepdim, in_dtype, arg_size, vt0, gpu, tag)
-        )
+        launch = work_out()
     return steps + list(launch)
 
 
 #: :func:`_launch_steps` by the reduction's geometry (see :func:`reduction_steps`).
-_LAUNCH_STEPS: dict[tuple[Any, ...], tuple[Step, ...]] = {}
-_LAUNCH_STEPS_KEPT: Final = 4096
+_LAUNCH_STEPS: Final[BoundedMemo[tuple[Step, ...]]] = BoundedMemo()
 
 
 def _launch_steps(
