@@ -226,8 +226,8 @@ def _result(call: OpCall) -> torch.Tensor:
 
 def _native_gap(call: OpCall) -> tuple[Inexact, ...]:
     """The product's dtype is computed natively on the modelled CPU (oneDNN enabled)."""
-    if not _mkldnn_enabled():
-        return ()
+    if not profile_of(call).native_dtypes or not _mkldnn_enabled():
+        return ()  # most profiles: nothing to ask on this hot path
     return native_kernel_gap(call, _result(call).dtype, _MATMUL_KERNELS)
 
 
