@@ -12,6 +12,7 @@ from torch import nn
 
 import pytest_torchmem as tm
 from pytest_torchmem.engine.tracing.devices.cpu import CPU
+from pytest_torchmem.engine.tracing.devices.cpu.base import NATIVE_INSTRUCTIONS
 from pytest_torchmem.engine.tracing.rules import Alloc, OpCall, RuleSet
 
 
@@ -59,7 +60,7 @@ class Lambda(nn.Module):
 
 #: What the estimate says of a bfloat16/float16 kernel that the modelled CPU runs
 #: on native instructions (the avx512_bf16 and amx levels; ``cpu.base.native_kernel_gap``).
-NATIVE_GAP: Final = "(native instructions)"
+NATIVE_GAP: Final = NATIVE_INSTRUCTIONS
 
 
 def flagged_native(estimated: tm.MemoryReport) -> bool:

@@ -10,10 +10,13 @@ from pytest_torchmem.engine.tracing.devices.common import COMMON
 from pytest_torchmem.engine.tracing.devices.cpu.profiles import CpuProfile, host_profile
 from pytest_torchmem.engine.tracing.rules import Inexact, OpCall, RuleSet
 
-__all__ = ["CPU", "profile_of", "native_kernel_gap"]
+__all__ = ["CPU", "NATIVE_INSTRUCTIONS", "profile_of", "native_kernel_gap"]
 
 #: The CPU rules; the modules of this package register into it.
 CPU: Final[RuleSet] = COMMON.copy("cpu")
+
+#: What the reason of a :func:`native_kernel_gap` says, to be told apart from other gaps.
+NATIVE_INSTRUCTIONS: Final = "(native instructions)"
 
 
 def profile_of(call: OpCall) -> CpuProfile:
@@ -36,7 +39,7 @@ def native_kernel_gap(call: OpCall, dtype: torch.dtype, kernels: str) -> tuple[I
         return ()
     return (
         Inexact(
-            f"{kernels} in {name} on the {cpu.isa} level (native instructions) take scratch "
+            f"{kernels} in {name} on the {cpu.isa} level {NATIVE_INSTRUCTIONS} take scratch "
             "that is not modelled; the figure is that of the avx512 level"
         ),
     )
