@@ -372,7 +372,8 @@ def main(argv: list[str] | None = None) -> int:
     if options.profiles:
         from pytest_torchmem.engine.tracing.devices.cpu.profiles import host_profile
 
-        label = {p: f"host ({host_profile()})" if p == "host" else p for p in by_profile}
+        host = host_profile()
+        label = {p: f"host ({host.isa}:{host.threads})" if p == "host" else p for p in by_profile}
         rows = [[label[p], *row] for p, results in by_profile.items() for row in summary_rows(results)]
         print(tabulate(rows, headers=["profile", *SUMMARY_HEADERS]))
     else:
