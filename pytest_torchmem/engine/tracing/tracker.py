@@ -251,6 +251,9 @@ class Tracker(TorchDispatchMode):
         # tensors is an elementwise op (it fails on a closure's labels tensor).
         self._foreign: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self._modules: list[int] = []  # running modules, innermost last
+        #: The allocator pool new storages are charged to (see StorageInfo.pool): a
+        #: CUDA graph's private pool while a program compiled with CUDA graphs runs.
+        self.pool = 0
         #: Whether Python numbers passed as tensors cost device memory (CPU only).
         self.wrapped_scalars = device.type == "cpu" if wraps_numbers is None else wraps_numbers
         # Ops that took Python numbers in Tensor slots while autograd was recording:
@@ -273,6 +276,11 @@ class Tracker(TorchDispatchMode):
             return self._live.get(t.untyped_storage()._cdata)
         except (RuntimeError, NotImplementedError):
             return None
+
+    def pool_of(self, t: torch.Tensor) -> int | None:
+        """The allocator pool of ``t``'s storage, if the tracker knows it."""
+        sid = self.storage_id(t)
+        return None if sid is None else self.timeline.storages[sid].pool
 
     def live_since(self, first: int) -> list[int]:
         """The sids of the storages made since sid ``first`` that are still live."""
@@ -299,6 +307,7 @@ class Tracker(TorchDispatchMode):
             op=op,
             frames=user_frames(stop=self._outer_dirs) if self.record_frames and op else (),
             node=autograd_node() if self.record_frames and op else "",
+            pool=self.pool if op else 0,
         )
         sid = self.timeline.new_storage(info)
         self._live[key] = sid
@@ -805,6 +814,7 @@ class Tracker(TorchDispatchMode):
             op=plan.name,
             frames=user_frames(stop=self._outer_dirs) if self.record_frames else (),
             node=autograd_node() if self.record_frames else "",
+            pool=self.pool,
         )
         return self.timeline.new_storage(info)
 
