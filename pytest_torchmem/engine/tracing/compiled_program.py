@@ -45,6 +45,7 @@ import torch
 from torch import nn
 
 from pytest_torchmem.engine.report import Unsupported
+from pytest_torchmem.engine.tracing.inductor_device import host_vector_isa
 
 __all__ = [
     "NOT_FOLLOWED_REASON",
@@ -120,7 +121,7 @@ def no_kernels(loaded: list[Any]) -> Iterator[None]:
     compiler.wait = lambda self, scope: None  # type: ignore[method-assign]
     codecache.PyCodeCache.load_by_key_path = staticmethod(load)  # type: ignore[method-assign,assignment]
     try:
-        with inductor_config.patch(force_disable_caches=True, compile_threads=1):
+        with inductor_config.patch(force_disable_caches=True, compile_threads=1), host_vector_isa():
             yield
     finally:
         for name, value in saved.items():
