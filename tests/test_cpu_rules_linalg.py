@@ -110,6 +110,10 @@ _CASES: dict[str, tuple[Callable[..., Any], Callable[[], tuple[torch.Tensor, ...
     "lu batch tall": (lambda a: L.lu(a)[1:], lambda: (torch.randn(2, 6, 4),)),
     "lu_unpack batch": (lambda a: torch.lu_unpack(*L.lu_factor(a))[1:], lambda: (torch.randn(3, 4, 5),)),
     "lu_solve batch": (lambda a, b: L.lu_solve(*L.lu_factor(a), b), lambda: (torch.randn(3, 5, 5), torch.randn(3, 5, 2))),
+    "lu_solve broadcast": (
+        lambda a, b: L.lu_solve(*L.lu_factor(a), b),
+        lambda: (torch.randn(5, 5), torch.randn(3, 5, 2)),
+    ),
     "lu_solve adjoint right": (
         lambda a, b: L.lu_solve(*L.lu_factor(a), b, left=False, adjoint=True),
         lambda: (torch.randn(5, 5), torch.randn(2, 5)),
@@ -155,6 +159,13 @@ _FORWARD: dict[str, tuple[Callable[..., Any], Callable[[], tuple[torch.Tensor, .
     "matrix_rank tensor atol": (lambda a: L.matrix_rank(a, atol=torch.tensor(0.5)), lambda: (torch.randn(5, 4),)),
     "matrix_rank hermitian": (lambda a: L.matrix_rank(a, hermitian=True), lambda: (_spd(3, 5, 5),)),
     "matrix_rank 1x1": (lambda a: L.matrix_rank(a), lambda: (torch.randn(1, 1),)),
+    "matrix_rank tol": (lambda a: L.matrix_rank(a, 0.5), lambda: (torch.randn(5, 4),)),
+    "matrix_rank tensor tol": (lambda a: L.matrix_rank(a, torch.tensor(0.5)), lambda: (torch.randn(5, 4),)),
+    "matrix_rank rtol": (lambda a: L.matrix_rank(a, rtol=0.1), lambda: (torch.randn(5, 4),)),
+    "matrix_rank out": (
+        lambda a: L.matrix_rank(a, out=torch.empty((), dtype=torch.long)),
+        lambda: (torch.randn(5, 4),),
+    ),
     "geqrf batch": (lambda a: torch.geqrf(a), lambda: (torch.randn(3, 6, 4),)),
     "qr complete": (lambda a: L.qr(a, "complete"), lambda: (torch.randn(6, 4),)),
     "qr r batch": (lambda a: L.qr(a, "r")[1], lambda: (torch.randn(2, 6, 4),)),
@@ -184,6 +195,12 @@ def test_forward_equals_measure(name: str, threads: int) -> None:
     fn, make = _FORWARD[name]
     torch.manual_seed(0)
     _exact(fn, *make(), train=False)
+
+
+def test_lu_without_pivoting_raises_as_the_cpu_kernel_does() -> None:
+    model = Lambda(lambda a: L.lu(a, pivot=False), (torch.randn(3, 3),))
+    with pytest.raises(RuntimeError, match="LU without pivoting is not implemented on the CPU"):
+        tm.estimate(model, ())
 
 
 # -- what is listed in unsupported ------------------------------------------------------------

@@ -295,6 +295,13 @@ def _lu_solve_checks(threads: int, pivots: int) -> list[Step]:
     ]
 
 
+@CPU.check(aten.linalg_lu_factor_ex.default, aten.linalg_lu.default)
+def _lu_without_pivoting(call: OpCall) -> None:
+    """``apply_lu_factor`` refuses ``pivot=False`` on the CPU (an empty input returns first)."""
+    if call.args[0].numel() and not arg(call, 1, "pivot", True):
+        raise RuntimeError("linalg.lu_factor: LU without pivoting is not implemented on the CPU")
+
+
 @CPU.scratch(aten.linalg_lu_factor_ex.default)
 def _lu_factor_ex(call: OpCall) -> Steps:
     """``linalg_lu_factor_ex_out``: ``getrf`` in place in the output; the check of

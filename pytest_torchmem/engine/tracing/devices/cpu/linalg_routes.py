@@ -15,6 +15,7 @@ tensor subclass, which fake tensors are (``LinearAlgebra.cpp``,
 * **matrix_rank.** ``matrix_rank_impl`` sums ``S > tol`` into the ``int64`` result
   it allocated first (``sum_out``); for a subclass it allocates the sum anew.
   The route runs the composite's steps here, with ``sum(..., out=result)``.
+  (``out=`` results are resized by ``sum``, as ``resize_output`` would.)
 """
 
 from __future__ import annotations
@@ -91,32 +92,34 @@ def _epsilon(dtype: torch.dtype) -> float:
 
 def _matrix_rank(context: TraceContext, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """``linalg_matrix_rank`` (``LinearAlgebra.cpp``), step by step: the ``int64``
-    result, ``get_atol_rtol``, the singular (or absolute eigen) values,
-    ``tol = max(atol, rtol * max(S))`` and ``sum_out(result, S > tol, -1)``.
-    Calls with ``tol`` or ``out`` run as they are."""
-    names = ("A", "tol", "hermitian")
-    bound = dict(zip(names, args))
+    result (or ``out``), ``get_atol_rtol``, the singular (or absolute eigen) values,
+    ``tol = max(atol, rtol * max(S))`` and ``sum_out(result, S > tol, -1)``. Arguments
+    no overload takes run as they are (and raise as they do)."""
+    bound = dict(zip(("A", "tol", "hermitian"), args))
     for key, value in kwargs.items():
-        bound["A" if key in ("input", "A") else key] = value
-    A = bound.get("A")
-    atol, rtol = bound.get("atol"), bound.get("rtol")
-    hermitian = bound.get("hermitian", False)
+        bound["A" if key == "input" else key] = value
+    A, tol, out = bound.get("A"), bound.get("tol"), bound.get("out")
+    atol, rtol, hermitian = bound.get("atol"), bound.get("rtol"), bound.get("hermitian", False)
+    tolerances = (tol, atol, rtol)
+    tensors = any(isinstance(v, torch.Tensor) for v in tolerances)
     if (
         not isinstance(A, torch.Tensor)
-        or bound.get("tol") is not None
-        or bound.get("out") is not None
-        or set(bound) - {"A", "atol", "rtol", "hermitian"}
+        or set(bound) - {"A", "tol", "atol", "rtol", "hermitian", "out"}
         or not isinstance(hermitian, bool)
+        or (tol is not None and (atol is not None or rtol is not None))
+        or (tensors and not all(v is None or isinstance(v, torch.Tensor) for v in tolerances))
         or A.dim() < 2
         or A.is_complex()
     ):
         return _values(context, func, args, kwargs)
-    tensors = isinstance(atol, torch.Tensor) or isinstance(rtol, torch.Tensor)
-    if tensors and not all(v is None or isinstance(v, torch.Tensor) for v in (atol, rtol)):
-        return _values(context, func, args, kwargs)
     with _ValuesOnly(context) if not _needs_grad(A) else _Nothing():
-        result = torch.empty(A.shape[:-2], dtype=torch.long, device=A.device)
-        atol_t, rtol_t = _atol_rtol(A, atol, rtol, tensors or atol is rtol is None)
+        result = out if out is not None else torch.empty(A.shape[:-2], dtype=torch.long, device=A.device)
+        if isinstance(tol, torch.Tensor):
+            atol_t, rtol_t = tol, torch.zeros((), dtype=tol.dtype, device=tol.device)
+        elif tol is not None:
+            atol_t, rtol_t = _atol_rtol(A, tol, 0.0, tensors=False)
+        else:
+            atol_t, rtol_t = _atol_rtol(A, atol, rtol, tensors or atol is rtol is None)
         if A.numel() == 0:
             return result.fill_(0)
         if not hermitian:
@@ -125,8 +128,8 @@ def _matrix_rank(context: TraceContext, func: Any, args: tuple[Any, ...], kwargs
         else:
             S = torch.linalg.eigvalsh(A).abs()
             max_S = S.amax(dim=-1, keepdim=True)
-        tol = torch.max(atol_t.unsqueeze(-1), rtol_t.unsqueeze(-1) * max_S)
-        return torch.sum(S > tol, dim=-1, out=result)
+        limit = torch.max(atol_t.unsqueeze(-1), rtol_t.unsqueeze(-1) * max_S)
+        return torch.sum(S > limit, dim=-1, out=result)
 
 
 def _atol_rtol(A: torch.Tensor, atol: Any, rtol: Any, tensors: bool) -> tuple[torch.Tensor, torch.Tensor]:
