@@ -126,6 +126,11 @@ _CASES: dict[str, tuple[Callable[..., Any], Callable[[], tuple[torch.Tensor, ...
     "qr batch wide": (lambda a: L.qr(a), lambda: (torch.randn(3, 4, 6),)),
     "svd batch": (lambda a: L.svd(a, full_matrices=False), lambda: (torch.randn(3, 6, 4),)),
     "svd full": (lambda a: L.svd(a), lambda: (torch.randn(6, 4),)),
+    "svd, a copy through transpose blocks": (lambda a: L.svd(a, full_matrices=False), lambda: (torch.randn(100, 80),)),
+    "cholesky_solve, copies through transpose blocks": (
+        lambda b, a: torch.cholesky_solve(b, L.cholesky(a)),
+        lambda: (torch.randn(70, 70), _spd(70, 70)),
+    ),
     "eigh batch": (lambda a: L.eigh(a), lambda: (_spd(3, 6, 6),)),
     "eigh blocked": (lambda a: L.eigh(a), lambda: (_spd(12, 12),)),
     "eig, real part": (lambda a: L.eig(a)[0].real, lambda: (torch.randn(5, 5),)),
@@ -178,6 +183,8 @@ _FORWARD: dict[str, tuple[Callable[..., Any], Callable[[], tuple[torch.Tensor, .
     "ldl_factor blocked": (lambda a: L.ldl_factor(a), lambda: (_spd(12, 12),)),
     "ldl_solve batch": (lambda a, b: L.ldl_solve(*L.ldl_factor(a), b), lambda: (_spd(2, 6, 6), torch.randn(2, 6, 3))),
     "matrix_exp of 1x1 matrices": (lambda a: torch.matrix_exp(a), lambda: (torch.randn(3, 1, 1),)),
+    "eigvalsh 70x70, a copy through transpose blocks": (lambda a: L.eigvalsh(a), lambda: (_spd(70, 70),)),
+    "qr r, a copy through transpose blocks": (lambda a: L.qr(a, "r")[1], lambda: (torch.randn(200, 20),)),
 }
 
 

@@ -8,9 +8,9 @@ inputs, pivot and ``info`` tensors, the proxies a structured ``out=`` kernel
 makes when an output's strides are not the ones it wants, LAPACK work arrays
 sized by the ``lwork = -1`` query (:mod:`.lapack`), and the small tensors of
 their checks (``_linalg_check_errors``: ``infos.any()``; ``lu_solve``'s
-``pivots.gt(0).all()``). The rules here list them step by step. Complex
-inputs (the ``c``/``z`` routines' ``rwork``) are listed in ``unsupported``, as
-is a workspace whose MKL answer is not modelled for the call's sizes.
+``pivots.gt(0).all()``). The rules here list them step by step. A workspace
+whose MKL answer is not modelled for the call's sizes is listed in
+``unsupported``, as are complex inputs to the kernels that query one.
 
 QR and LDL are in :mod:`.qr`, the eigen and singular value decompositions in
 :mod:`.spectral`.
@@ -26,7 +26,7 @@ import torch
 
 from pytest_torchmem.engine.tracing.devices.cpu import lapack
 from pytest_torchmem.engine.tracing.devices.cpu.base import CPU, profile_of
-from pytest_torchmem.engine.tracing.devices.cpu.misc import arg, itemsize
+from pytest_torchmem.engine.tracing.devices.cpu.misc import arg, itemsize, transpose_copy
 from pytest_torchmem.engine.tracing.devices.cpu.reduce import two_pass_buffer
 from pytest_torchmem.engine.tracing.rules import (
     OUTPUTS,
@@ -42,6 +42,7 @@ __all__ = [
     "all_item",
     "batch_numel",
     "check_errors",
+    "column_major_copy",
     "compare",
     "compare_all",
     "complex_gap",
@@ -49,6 +50,7 @@ __all__ = [
     "f_strides",
     "is_contiguous",
     "lapack_gap",
+    "transpose_block",
     "tri_steps",
     "work",
 ]
@@ -119,23 +121,23 @@ def _broadcast_batch(a: Sequence[int], b: Sequence[int]) -> tuple[int, ...]:
     return tuple(torch.broadcast_shapes(tuple(a[:-2]), tuple(b[:-2])))
 
 
-def tri_copy(sizes: Sequence[int], strides: Sequence[int], in_place: bool) -> tuple[bool, int]:
+def _tri_check(sizes: Sequence[int], strides: Sequence[int], in_place: bool) -> tuple[bool, bool]:
     """``checkTrilTriuBatchContiguous`` (``TriangularOpsUtils.h``) for ``tril``/``triu``
-    of a tensor laid out as ``sizes``/``strides``: ``(in_place_update, bytes per
-    element of the contiguous copy it makes, 0 or 1)``."""
+    of a tensor laid out as ``sizes``/``strides``: ``(in_place_update, copied)``,
+    whether it makes a contiguous copy."""
     if is_contiguous(sizes, strides):
-        return tuple(strides) == c_strides(sizes), 0
+        return tuple(strides) == c_strides(sizes), False
     dims = len(sizes)
     if in_place and dims <= 3:
-        return True, 0
+        return True, False
     expected = sizes[-1] * sizes[-2]
     for i in range(dims - 3, -1, -1):
         if in_place and i == 0 and (strides[i] == 0 or sizes[i] == 1):
             continue
         if expected != strides[i]:
-            return False, 1
+            return False, True
         expected *= sizes[i]
-    return True, 0
+    return True, False
 
 
 def tri_steps(
@@ -146,7 +148,7 @@ def tri_steps(
     cannot update in place a contiguous result copied back."""
     if math.prod(sizes) == 0:
         return []
-    update, copy = tri_copy(sizes, strides, in_place)
+    update, copy = _tri_check(sizes, strides, in_place)
     size = _nbytes(sizes, dtype)
     steps: list[Step] = []
     if copy:
@@ -156,6 +158,20 @@ def tri_steps(
     if copy:
         steps.append(Free(f"{tag}: contiguous input"))
     return steps
+
+
+def transpose_block(sizes: Sequence[int], strides: Sequence[int], dtype: torch.dtype) -> list[Step]:
+    """``cloneBatchedColumnMajor`` of a tensor laid out as ``sizes``/``strides``:
+    ``src.mT().clone(Contiguous)``, whose ``copy_`` of a row-major 2-D matrix goes
+    through ``copy_same_type_transpose_``'s block buffer (:func:`.misc.transpose_copy`)."""
+    if len(sizes) != 2:
+        return []
+    return list(transpose_copy((sizes[1], sizes[0]), (strides[1], strides[0]), dtype))
+
+
+def column_major_copy(t: torch.Tensor, tag: str) -> list[Step]:
+    """``cloneBatchedColumnMajor(t)``, left allocated as ``tag``."""
+    return [Alloc(tag, t.numel() * t.element_size()), *transpose_block(t.shape, t.stride(), t.dtype)]
 
 
 # -- the small tensors of the kernels' checks ---------------------------------------
@@ -252,7 +268,7 @@ def _cholesky(call: OpCall) -> Steps:
         return [OUTPUTS]
     batch = batch_numel(A)
     return [
-        OUTPUTS, Alloc("info", batch * _INT32),
+        OUTPUTS, *transpose_block(A.shape, A.stride(), A.dtype), Alloc("info", batch * _INT32),
         *check_errors(profile_of(call).threads, batch), Free("info"),
     ]  # fmt: skip
 
@@ -277,10 +293,14 @@ def _cholesky_solve(call: OpCall) -> Steps:
     B, A = call.args[0], call.args[1]
     batch = _broadcast_batch(B.shape, A.shape)
     count = math.prod(batch)
-    a_copy = _nbytes((*batch, *A.shape[-2:]), A.dtype)
+    a_sizes = (*batch, *A.shape[-2:])
+    b_sizes = (*batch, *B.shape[-2:])
     return [
-        OUTPUTS, Alloc("A (column-major)", a_copy), Alloc("infos", count * _INT32),
-        *check_errors(profile_of(call).threads, count, "infos"), Free("infos"), Free("A (column-major)"),
+        OUTPUTS, *transpose_block(b_sizes, _expanded_strides(B, b_sizes), B.dtype),
+        Alloc("A (column-major)", _nbytes(a_sizes, A.dtype)),
+        *transpose_block(a_sizes, _expanded_strides(A, a_sizes), A.dtype),
+        Alloc("infos", count * _INT32), *check_errors(profile_of(call).threads, count, "infos"),
+        Free("infos"), Free("A (column-major)"),
     ]  # fmt: skip
 
 
@@ -417,7 +437,7 @@ def lu_solve_steps(
     if not pivots.is_contiguous():
         steps.append(Alloc("pivots (contiguous)", pivots.numel() * _INT32))
     if not f_contiguous(LU.shape, LU.stride()):
-        steps.append(Alloc("LU (column-major)", LU.numel() * LU.element_size()))
+        steps += column_major_copy(LU, "LU (column-major)")
     steps += _lu_solve_checks(threads, pivots.numel())
     steps += _broadcast_indices(LU.shape[:-2], result[:-2])
     return [

@@ -17,6 +17,7 @@ from pytest_torchmem.engine.tracing.devices.cpu.base import CPU, profile_of
 from pytest_torchmem.engine.tracing.devices.cpu.linalg import (
     batch_numel,
     check_errors,
+    column_major_copy,
     compare_all,
     complex_gap,
     f_contiguous,
@@ -130,7 +131,7 @@ def _qr(call: OpCall) -> Steps:
     elif R.shape[-2] == m:
         in_r = True
     else:
-        steps.append(Alloc("A (column-major)", A.numel() * size))
+        steps += column_major_copy(A, "A (column-major)")
         qr_sizes, qr_strides = A.shape, f_strides(A.shape)
     steps += _geqrf_work(m, n, A.dtype)
     if in_r:
@@ -176,7 +177,7 @@ def _ldl_solve(call: OpCall) -> Steps:
     count = pivots.numel()
     steps: list[Step] = [*complex_gap(LD), OUTPUTS, *_contiguous_copy(pivots, "pivots (contiguous)")]
     if not f_contiguous(LD.shape, LD.stride()):
-        steps.append(Alloc("LD (column-major)", LD.numel() * LD.element_size()))
+        steps += column_major_copy(LD, "LD (column-major)")
     for check in ("|pivots| >= 1", "|pivots| <= n"):
         steps.append(Alloc(f"{check}: abs", count * _INT32))
         steps += [*compare_all(threads, count, torch.int32, check), Free(f"{check}: abs")]

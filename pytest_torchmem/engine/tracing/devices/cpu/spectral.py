@@ -26,6 +26,7 @@ from pytest_torchmem.engine.tracing.devices.cpu.linalg import (
     all_item,
     batch_numel,
     check_errors,
+    column_major_copy,
     compare,
     compare_all,
     complex_gap,
@@ -67,7 +68,7 @@ def _svd(call: OpCall) -> Steps:
     batch = batch_numel(A)
     return [
         OUTPUTS, Alloc("info", batch * _INT32),
-        Alloc("A (column-major)", A.numel() * A.element_size()), Free("A (column-major)"),
+        *column_major_copy(A, "A (column-major)"), Free("A (column-major)"),
         *check_errors(profile_of(call).threads, batch), Free("info"),
     ]  # fmt: skip
 
@@ -99,7 +100,7 @@ def _eigh(call: OpCall) -> Steps:
     threads = profile_of(call).threads
     steps: list[Step] = [*complex_gap(A), OUTPUTS]
     if not vectors:
-        steps.append(Alloc("A (column-major)", A.numel() * A.element_size()))
+        steps += column_major_copy(A, "A (column-major)")
     steps.append(Alloc("info", batch * _INT32))
     sizes = lapack.syevd_lwork(vectors, n, threads)
     if sizes is None:
