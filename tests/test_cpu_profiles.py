@@ -82,6 +82,7 @@ def test_the_native_levels_are_avx512_but_for_their_reduced_precision() -> None:
     assert all(CpuProfile(level, 4).native_dtypes == () for level in ("default", "avx2", "avx512"))
     assert capped_environment(CpuProfile("amx", 1)) == {
         "ATEN_CPU_CAPABILITY": "avx512", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_AMX",
+        "MKL_ENABLE_INSTRUCTIONS": "AVX512_E4",
     }
 
 

@@ -359,3 +359,45 @@ def test_gradients_arriving_transposed_keep_their_layout(threads: int, dtype: to
     ):  # fmt: skip
         assert_exact_with_breakdown(lambda x, act=act: act(x).transpose(1, 2).mul(0.5).sum(), (x,))
     assert_exact_with_breakdown(lambda x: F.dropout(x, 0.5).transpose(1, 2).mul(0.5).sum(), (x,))
+
+
+# -- copies of transposed matrices -----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "dtype, size, block",
+    [
+        (torch.float32, (100, 80), 60 * 60 * 4),
+        (torch.bfloat16, (100, 80), 60 * 60 * 2),
+        (torch.uint8, (100, 80), 120 * 120),
+        (torch.bool, (100, 80), 60 * 60),
+        (torch.float32, (60, 60), 60 * 60 * 4),
+        (torch.float32, (59, 61), 0),
+    ],
+)
+def test_transposed_copy_takes_a_block_buffer(dtype: torch.dtype, size: tuple[int, int], block: int) -> None:
+    """``copy_`` into a contiguous tensor from a transposed-contiguous 2-D matrix of 3600
+    elements or more (``copy_transpose_valid``, ``Copy.cpp``) goes through a 60x60 block
+    buffer (120x120 bytes for ``uint8``): ``x.t().contiguous()`` and ``copy_``."""
+    x = torch.empty(size, device="meta", dtype=dtype)
+    assert scratch(aten.clone.default, (x.t(),), {"memory_format": torch.contiguous_format}) == (
+        [block] if block else []
+    )
+    dst = torch.empty(size[::-1], device="meta", dtype=dtype)
+    assert scratch(aten.copy_.default, (dst, x.t())) == ([block] if block else [])
+    assert scratch(aten.clone.default, (x.t(),)) == []  # (preserves the transposed layout)
+
+
+@pytest.mark.parametrize("fn", [lambda x: x.t().contiguous(), lambda x: torch.empty(80, 100).copy_(x.t())])
+def test_transposed_copies_equal_measure(fn: Any) -> None:
+    x = torch.randn(100, 80)
+    assert_model_exact(_Fn(fn), x, train=False)
+
+
+class _Fn(torch.nn.Module):
+    def __init__(self, fn: Any) -> None:
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fn(x)

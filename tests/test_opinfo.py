@@ -86,12 +86,61 @@ EXACT = (
     "sort",
     "index_select",
     "__getitem__",
+    # LAPACK-backed linear algebra (cpu.linalg, cpu.qr, cpu.spectral)
+    "cholesky",
+    "cholesky_inverse",
+    "cholesky_solve",
+    "geqrf",
+    "linalg.cholesky",
+    "linalg.cholesky_ex",
+    "linalg.cond",
+    "linalg.det",
+    "linalg.eig",
+    "linalg.eigh",
+    "linalg.eigvals",
+    "linalg.eigvalsh",
+    "linalg.inv",
+    "linalg.inv_ex",
+    "linalg.ldl_factor",
+    "linalg.ldl_factor_ex",
+    "linalg.ldl_solve",
+    "linalg.lu",
+    "linalg.lu_factor",
+    "linalg.lu_factor_ex",
+    "linalg.lu_solve",
+    "linalg.matrix_rank",
+    "linalg.matrix_rank.hermitian",
+    "linalg.pinv",
+    "linalg.pinv.hermitian",
+    "linalg.pinv.singular",
+    "linalg.qr",
+    "linalg.slogdet",
+    "linalg.solve",
+    "linalg.solve_ex",
+    "linalg.solve_triangular",
+    "linalg.svd",
+    "linalg.svdvals",
+    "linalg.tensorinv",
+    "linalg.tensorsolve",
+    "logdet",
+    "lu",
+    "lu_solve",
+    "lu_unpack",
+    "norm.nuc",
+    "pca_lowrank",
+    "pinverse",
+    "qr",
+    "svd",
+    "svd_lowrank",
 )
 
 #: Common ops traced without raising whose samples are not yet exact, and why.
 TRACED = (
     "nn.functional.gelu",  # oneDNN reorders a broadcast output gradient (sum's backward)
     "masked_fill",  # with a tensor value, eager backward takes masked_select (value-dependent)
+    "matrix_exp",  # the Taylor degree and scaling are chosen from the norms (listed)
+    "linalg.householder_product",  # backward keeps per-column gradients for a cat (listed)
+    "ormqr",  # the same backward (listed)
 )
 
 

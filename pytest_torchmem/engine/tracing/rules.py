@@ -16,7 +16,11 @@ A device model describes, per aten op, what the fake trace cannot see:
 * **checks** refuse, before the fake kernel runs, the arguments the device's
   real kernel refuses (operands of two dtypes for a matrix product), raising
   what the real kernel raises, with its message: the estimate fails where the
-  step would.
+  step would;
+* **composites** run an op's composite kernel with the trace watching, for
+  ops whose fake kernel runs that composite out of the trace's sight (a
+  ``CompositeExplicitAutograd`` op with no meta kernel): the ops it calls are
+  traced, and charged, one by one.
 
 Adding an op is one decorated function::
 
@@ -51,6 +55,7 @@ __all__ = [
     "ImplementationRule",
     "FallbackRule",
     "CheckRule",
+    "CompositeRule",
     "Steps",
 ]
 
@@ -150,6 +155,8 @@ ImplementationRule: TypeAlias = Callable[[OpCall], Any]
 FallbackRule: TypeAlias = Callable[[OpCall], "tuple[Any, str]"]
 #: Raises what the device's real kernel raises for arguments it refuses; returns None otherwise.
 CheckRule: TypeAlias = Callable[[OpCall], None]
+#: Runs the op's composite kernel (with the tracker active); returns the outputs.
+CompositeRule: TypeAlias = Callable[[OpCall], Any]
 
 OpLike: TypeAlias = "OpOverload | OpOverloadPacket"
 
@@ -175,6 +182,7 @@ class RuleSet:
         self._implementations: dict[OpOverload, ImplementationRule] = {}
         self._fallbacks: dict[OpOverload, FallbackRule] = {}
         self._checks: dict[OpOverload, CheckRule] = {}
+        self._composites: dict[OpOverload, CompositeRule] = {}
 
     def __repr__(self) -> str:
         return (
@@ -198,6 +206,14 @@ class RuleSet:
         """Register a check of the arguments of ``ops`` that raises as the real kernel does."""
         return self._register(self._checks, "check", ops)
 
+    def composite(self, *ops: OpLike) -> Callable[[CompositeRule], CompositeRule]:
+        """Register a function that runs ``ops``' composite kernel with the trace
+        watching: the ops the composite calls are traced one by one."""
+        return self._register(self._composites, "composite", ops)
+
+    def composite_rule(self, func: OpOverload) -> CompositeRule | None:
+        return self._composites.get(func)
+
     def check_rule(self, func: OpOverload) -> CheckRule | None:
         return self._checks.get(func)
 
@@ -217,6 +233,7 @@ class RuleSet:
             "implementation": sorted(str(op) for op in self._implementations),
             "fallback": sorted(str(op) for op in self._fallbacks),
             "check": sorted(str(op) for op in self._checks),
+            "composite": sorted(str(op) for op in self._composites),
         }
 
     def copy(self, device: str | None = None) -> RuleSet:
@@ -226,6 +243,7 @@ class RuleSet:
         other._implementations.update(self._implementations)
         other._fallbacks.update(self._fallbacks)
         other._checks.update(self._checks)
+        other._composites.update(self._composites)
         return other
 
     def _register(

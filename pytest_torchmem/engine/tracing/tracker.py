@@ -39,6 +39,7 @@ from pytest_torchmem.engine.tracing.rules import (
     OUTPUTS,
     Alloc,
     CheckRule,
+    CompositeRule,
     Free,
     ImplementationRule,
     Inexact,
@@ -191,6 +192,10 @@ class _OpPlan:
     written_slots: tuple[tuple[int, str], ...] = ()
     #: Refuses what the real kernel refuses (raises its error), if the op has such a rule.
     check: CheckRule | None = None
+    #: Runs the op's composite kernel with the tracker active, if the op has such a rule.
+    composite: CompositeRule | None = None
+    #: Whether the op has a ``CompositeImplicitAutograd`` kernel (see ``_dispatch``).
+    implicit: bool = False
 
 
 def _skipped_by_dynamo() -> None:
@@ -243,6 +248,7 @@ class Tracker(TorchDispatchMode):
         self._live: dict[int, int] = {}  # storage _cdata -> sid
         self._refs: dict[int, weakref.ref[Any]] = {}  # sid -> weak reference keeping the callback
         self._plans: dict[Any, _OpPlan] = {}
+        self._composites = 0  # composite rules running (their kernels call ops below autograd)
         self._resized: dict[int, int] = {}  # sid -> bytes after its last resize
         self._inexact: set[Unsupported] = set()
         # The first stand-in given for a value-dependent op, if any (see stopped_by).
@@ -412,6 +418,10 @@ class Tracker(TorchDispatchMode):
                 implementation=self.rules.implementation_rule(func),
                 scratch=self.rules.scratch_rule(func),
                 check=self.rules.check_rule(func),
+                composite=self.rules.composite_rule(func),
+                implicit=torch._C._dispatch_has_kernel_for_dispatch_key(
+                    func.name(), torch._C.DispatchKey.CompositeImplicitAutograd
+                ),
                 mutable=func._schema.is_mutable,
                 tensor_slots=tuple(
                     (i, arg.name)
@@ -472,7 +482,20 @@ class Tracker(TorchDispatchMode):
         if plan.check is not None:  # the real kernel's refusal, raised as the program's error
             plan.check(OpCall(func, args, kwargs, context=self.context))
         try:
-            if plan.implementation is not None:
+            if plan.composite is not None:
+                # the parts come back through this mode, each traced with its own rules
+                self._composites += 1
+                try:
+                    with self:
+                        out = plan.composite(OpCall(func, args, kwargs, context=self.context))
+                finally:
+                    self._composites -= 1
+            elif self._composites and plan.implicit and plan.implementation is None:
+                # Called below autograd by a composite's kernel, a CompositeImplicitAutograd
+                # op reaches this mode whole; fake tensors would decompose it out of sight.
+                with self:
+                    out = func.decompose(*args, **kwargs)
+            elif plan.implementation is not None:
                 out = plan.implementation(OpCall(func, args, kwargs, context=self.context))
             else:
                 out = func(*args, **kwargs)

@@ -20,9 +20,11 @@ from pytest_torchmem.engine.tracing.devices.cpu import (  # noqa: F401  (they re
     norm,
     padding,
     pool,
+    qr,
     reduce,
     rnn,
     sorting,
+    spectral,
     unmodelled,
     upsample,
 )

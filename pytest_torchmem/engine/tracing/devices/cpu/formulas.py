@@ -24,6 +24,15 @@ miss):
 * ``masked_fill_backward`` (``FunctionsManual.cpp``, the gradient of a tensor
   ``value``): eagerly ``grad.masked_select(mask).sum()`` (a value-sized
   selection); traced: ``at::where(mask, grad, 0).sum()`` (``scalar_tensor``).
+
+One more formula takes its composite-compliant algorithm for any subclass, not
+by values, but keeps its pieces alive across a loop, so that no later rule can
+give back what it holds:
+
+* ``householder_product_backward`` (``FunctionsManual.cpp``;
+  ``linalg.householder_product``, ``ormqr``): eagerly each column's gradient is
+  copied into ``zeros_like(input)`` and freed; traced: all columns are kept
+  and joined with ``cat``.
 """
 
 from __future__ import annotations
@@ -39,25 +48,35 @@ aten = torch.ops.aten
 
 _EVENLY: Final = frozenset({"MaxBackward1", "MinBackward1", "MedianBackward0", "NanmedianBackward0"})
 
-#: op -> (autograd nodes whose formula runs it only on its traced path, the formula).
+_HOUSEHOLDER: Final = "householder_product_backward"
+
+#: op -> {autograd node whose formula runs it only on its traced path: the formula}.
 _TRACED_ONLY: Final = {
-    aten.isnan.default: (_EVENLY, "evenly_distribute_backward"),
-    aten.bitwise_not.default: (frozenset({"CumprodBackward0"}), "cumprod_backward"),
-    aten.cat.default: (frozenset({"ProdBackward0", "ProdBackward1"}), "prod_backward"),
-    aten.scalar_tensor.default: (frozenset({"MaskedFillBackward1"}), "masked_fill_backward"),
+    aten.isnan.default: dict.fromkeys(_EVENLY, "evenly_distribute_backward"),
+    aten.bitwise_not.default: {"CumprodBackward0": "cumprod_backward"},
+    aten.cat.default: {
+        "ProdBackward0": "prod_backward",
+        "ProdBackward1": "prod_backward",
+        "LinalgHouseholderProductBackward0": _HOUSEHOLDER,
+        "OrmqrBackward0": _HOUSEHOLDER,
+    },
+    aten.scalar_tensor.default: {"MaskedFillBackward1": "masked_fill_backward"},
 }
 
 
 @CPU.scratch(*_TRACED_ONLY)
 def _traced_only(call: OpCall) -> Steps:
-    nodes, formula = _TRACED_ONLY[call.func]
     node = torch._C._current_autograd_node()
-    if node is None or node.name() not in nodes:
+    formula = _TRACED_ONLY[call.func].get(node.name()) if node is not None else None
+    if formula is None:
         return [OUTPUTS]
+    why = (
+        "keeps every column's gradient for a cat where the eager CPU step writes them into "
+        "zeros_like(input) one by one"
+        if formula == _HOUSEHOLDER
+        else "takes another algorithm eagerly on the CPU, chosen by tensor values"
+    )
     return [
-        Inexact(
-            f"{formula} (under {node.name()}) takes another algorithm eagerly on the CPU, "
-            "chosen by tensor values; the traced composite-compliant one is counted"
-        ),
+        Inexact(f"{formula} (under {node.name()}) {why}; the traced composite-compliant one is counted"),
         OUTPUTS,
     ]

@@ -38,7 +38,7 @@ from pytest_torchmem.engine.tracing.devices.cpu.profiles import CpuProfile
 from pytest_torchmem.engine.tracing.devices.memo import BoundedMemo
 from pytest_torchmem.engine.tracing.rules import OUTPUTS, Alloc, Free, Inexact, OpCall, Steps
 
-__all__ = ["arg", "itemsize", "wrapped_nbytes", "promotion_casts"]
+__all__ = ["arg", "itemsize", "wrapped_nbytes", "promotion_casts", "transpose_copy"]
 
 aten = torch.ops.aten
 
@@ -394,6 +394,60 @@ def _view(call: OpCall) -> Any:
     if strides is None or strides == out.stride():
         return out
     return out.as_strided(out.shape, strides, out.storage_offset())
+
+
+# -- copies ------------------------------------------------------------------------------
+
+#: ``copy_transpose_valid``'s least element count (``Copy.cpp``).
+_TRANSPOSE_MIN: Final = 60 * 60
+
+
+def transpose_copy(sizes: Sequence[int], strides: Sequence[int], dtype: torch.dtype) -> list[Alloc | Free]:
+    """The scratch of ``copy_`` into a contiguous tensor of the same sizes and dtype
+    from ``src`` laid out as ``sizes``/``strides`` (``copy_impl``, ``Copy.cpp``): a 2-D
+    transposed-contiguous matrix of 3600 elements or more is copied block by block
+    through ``copy_same_type_transpose_``'s buffer, ``60 x 60`` elements (``120 x
+    120`` for ``uint8``)."""
+    if (
+        len(sizes) != 2
+        or math.prod(sizes) < _TRANSPOSE_MIN
+        or strides[0] != 1
+        or strides[1] != sizes[0]
+    ):
+        return []
+    block = 120 if dtype == torch.uint8 else 60
+    return [Alloc("transpose block", block * block * itemsize(dtype)), Free("transpose block")]
+
+
+def _same_copy(dst: torch.Tensor, src: Any) -> bool:
+    """``copy_transpose_valid``'s other conditions: a contiguous destination of the
+    source's sizes, dtype, negative and conjugate bits."""
+    return (
+        isinstance(src, torch.Tensor)
+        and dst.is_contiguous()
+        and dst.dtype == src.dtype
+        and dst.shape == src.shape
+        and dst.is_neg() == src.is_neg()
+        and dst.is_conj() == src.is_conj()
+        and not dst.is_quantized
+    )
+
+
+@CPU.scratch(aten.copy_.default)
+def _copy(call: OpCall) -> Steps:
+    dst, src = call.args[0], call.args[1]
+    if not _same_copy(dst, src):
+        return [OUTPUTS]
+    return [OUTPUTS, *transpose_copy(src.shape, src.stride(), src.dtype)]
+
+
+@CPU.scratch(aten.clone.default, aten._to_copy.default)
+def _clone(call: OpCall) -> Steps:
+    """``clone`` and ``_to_copy`` make their output, then ``copy_`` into it."""
+    src = call.args[0]
+    if not isinstance(call.out, torch.Tensor) or not _same_copy(call.out, src):
+        return [OUTPUTS]
+    return [OUTPUTS, *transpose_copy(src.shape, src.stride(), src.dtype)]
 
 
 # -- activations run by oneDNN ---------------------------------------------------------

@@ -76,6 +76,12 @@ _ONEDNN_ISA: Final = {
     "default": "SSE41", "avx2": "AVX2", "avx512": "AVX512_CORE",
     "avx512_bf16": "AVX512_CORE_BF16", "amx": "AVX512_CORE_AMX",
 }
+#: What ``MKL_ENABLE_INSTRUCTIONS`` caps MKL to on each level (MKL's own dispatch
+#: decides the sizes some LAPACK routines ask for, see ``cpu/lapack.py``).
+_MKL_ISA: Final = {
+    "default": "SSE4_2", "avx2": "AVX2", "avx512": "AVX512",
+    "avx512_bf16": "AVX512_E3", "amx": "AVX512_E4",
+}
 #: The reduced-precision dtypes each level computes natively (oneDNN's
 #: ``mkldnn_bf16_device_check``/``mkldnn_fp16_device_check`` past avx512_core).
 _NATIVE_DTYPES: Final[dict[str, tuple[str, ...]]] = {
@@ -323,8 +329,11 @@ def _count_cpus(cpu_list: str) -> int:
 
 def capped_environment(profile: CpuProfile) -> dict[str, str]:
     """The environment variables that make a process on a faster host dispatch as
-    ``profile``'s level does (for ground truth from ``measure`` in a subprocess)."""
+    ``profile``'s level does (for ground truth from ``measure`` in a subprocess):
+    ATen's kernels, oneDNN's and MKL's (on an Intel host; MKL ignores the cap
+    elsewhere)."""
     return {
         "ATEN_CPU_CAPABILITY": _ATEN_CAPABILITY[profile.isa],
         "ONEDNN_MAX_CPU_ISA": _ONEDNN_ISA[profile.isa],
+        "MKL_ENABLE_INSTRUCTIONS": _MKL_ISA[profile.isa],
     }

@@ -19,6 +19,9 @@ Every other call passes through after one dictionary look-up.
   adds out of place ("composite compliance"), one more output-sized tensor
   while the matmul's result is alive.
 
+* **linear algebra** (:mod:`.linalg_routes`): values-only spectral composites,
+  ``linalg.eigvals`` and ``linalg.matrix_rank``.
+
 Python-level functions of ``torch.nn.functional`` (``multi_head_attention_forward``
 calls ``linear``) run with the mode active, so that what they call is routed
 too, and so does the backward, where checkpoints recompute their forward. C++
@@ -34,6 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from pytest_torchmem.engine.tracing.devices.cpu.linalg_routes import LINALG_ROUTES
 from pytest_torchmem.engine.tracing.devices.routing import BodyRouting
 from pytest_torchmem.engine.tracing.rules import TraceContext
 
@@ -164,6 +168,9 @@ class CpuRouter(BodyRouting, TorchFunctionMode):
         handler = _ROUTES.get(func)
         if handler is not None:
             return handler(func, args, kwargs)
+        route = LINALG_ROUTES.get(func)
+        if route is not None:
+            return route(self.context, func, args, kwargs)
         if self.runs_body(func):
             return self.run_body(func, types_, args, kwargs)
         return func(*args, **kwargs)
