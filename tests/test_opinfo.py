@@ -86,6 +86,26 @@ EXACT = (
     "sort",
     "index_select",
     "__getitem__",
+    # MKL's FFTs: _exec_fft's input copies (cpu/fft.py)
+    "fft.fft",
+    "fft.fft2",
+    "fft.fftn",
+    "fft.hfft",
+    "fft.hfft2",
+    "fft.hfftn",
+    "fft.ifft",
+    "fft.ifft2",
+    "fft.ifftn",
+    "fft.ihfft",
+    "fft.ihfft2",
+    "fft.ihfftn",
+    "fft.irfft",
+    "fft.irfft2",
+    "fft.irfftn",
+    "fft.rfft",
+    "fft.rfft2",
+    "fft.rfftn",
+    "stft",
 )
 
 #: Common ops traced without raising whose samples are not yet exact, and why.

@@ -12,6 +12,7 @@ from pytest_torchmem.engine.tracing.devices.cpu import (  # noqa: F401  (they re
     blas,
     composite,
     conv,
+    fft,
     formulas,
     gloo,
     indexing,

@@ -1,9 +1,9 @@
-"""CPU rules: LAPACK-backed linear algebra and MKL's FFTs, listed as partly modelled.
+"""CPU rules: LAPACK-backed linear algebra, listed as partly modelled.
 
 These kernels take workspaces from the allocator whose sizes LAPACK or MKL
 decide at run time (``lwork`` queries: ``?getri``, ``?syevd``, ``?gesdd``...),
 and pivot, info and permuted input copies that follow each function's own code
-(``aten/src/ATen/native/BatchLinearAlgebra.cpp``, ``mkl/SpectralOps.cpp``). The
+(``aten/src/ATen/native/BatchLinearAlgebra.cpp``). The
 rules count the outputs, and list the call in ``unsupported``: the estimate
 there is a lower bound by those buffers (tens to thousands of bytes in
 PyTorch's OpInfo samples), never a silent miss.
@@ -22,10 +22,6 @@ aten = torch.ops.aten
 
 _LAPACK: Final = Inexact(
     "LAPACK's workspaces and the kernel's pivot and info tensors are not modelled; "
-    "only the outputs are counted"
-)
-_FFT: Final = Inexact(
-    "MKL's FFT: the input copies (permuted or padded) it makes are not modelled; "
     "only the outputs are counted"
 )
 
@@ -47,11 +43,6 @@ def _lapack(call: OpCall) -> Steps:
     ``cholesky_solve`` (``BatchLinearAlgebra.cpp``: ``_cholesky_solve_helper`` and its
     info tensors)."""
     return [_LAPACK, OUTPUTS]
-
-
-@CPU.scratch(aten._fft_r2c, aten._fft_c2r, aten._fft_c2c)
-def _fft(call: OpCall) -> Steps:
-    return [_FFT, OUTPUTS]
 
 
 @CPU.scratch(aten._linalg_check_errors.default)
