@@ -13,6 +13,7 @@ from torch import nn
 import pytest_torchmem as tm
 
 F32, I64 = 4, 8
+BF16 = torch.bfloat16
 
 
 def _forward(fn: Callable[..., Any], x: torch.Tensor) -> int:
@@ -225,10 +226,11 @@ def test_an_int32_index_is_converted_to_int64() -> None:
     with FakeTensorMode():
         x, src = torch.empty(10, 5), torch.empty(5, 3)
         idx32, idx64 = torch.zeros(5, 3, dtype=torch.int32), torch.zeros(5, 3, dtype=torch.int64)
-        assert rule_buffers(aten.gather.default, (x, 1, idx32)) == {"index as int64": 15 * 8}
+        tag = "kernel: index as int64"
+        assert rule_buffers(aten.gather.default, (x, 1, idx32)) == {tag: 15 * 8}
         assert rule_buffers(aten.gather.default, (x, 1, idx64)) == {}
-        assert rule_buffers(aten.scatter_add_.default, (x, 0, idx32, src)) == {"index as int64": 120}
-        assert rule_buffers(aten.scatter.value, (x, 0, idx32, 2.0)) == {"index as int64": 120}
+        assert rule_buffers(aten.scatter_add_.default, (x, 0, idx32, src)) == {tag: 120}
+        assert rule_buffers(aten.scatter.value, (x, 0, idx32, 2.0)) == {tag: 120}
 
 
 @pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64], ids=str)
@@ -256,6 +258,135 @@ def test_scatter_gather_step_equals_measure(
     model = Lambda(lambda x: fn(x, idx, src))
     x = torch.randn(10, 5, requires_grad=True)
     assert tm.estimate(model, x).phase_peaks() == tm.measure(model, x).phase_peaks()
+
+
+def test_reduced_precision_scatter_accumulates_in_float() -> None:
+    """``cpu_scatter_gather_base_kernel`` accumulates a ``bfloat16`` output in a ``float``
+    copy (``create_acc_buffer``): a (10, 5) scatter takes 50 x 4 B beside its 100 B
+    output; a gather's copy is of its (5, 3) result."""
+    from exactness import rule_buffers
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    aten = torch.ops.aten
+    with FakeTensorMode():
+        x, src = torch.empty(10, 5, dtype=BF16), torch.empty(5, 3, dtype=BF16)
+        idx = torch.zeros(5, 3, dtype=torch.int64)
+        acc = "kernel: float accumulator"
+        assert rule_buffers(aten.scatter_add.default, (x, 0, idx, src)) == {acc: 200}
+        assert rule_buffers(aten.gather.default, (x, 1, idx)) == {acc: 60}
+        assert rule_buffers(aten.scatter_add.default, (x.float(), 0, idx, src.float())) == {}
+
+
+def test_scatter_reduce_mean_divides_by_counts() -> None:
+    """``scatter_reduce(..., "mean", include_self=False)`` of a (10, 5) float tensor with a
+    (5, 5) index: the output (200 B), then ``ones_like(src)`` (100 B), ``count`` (200 B)
+    and ``count == 0`` (8 B wrapped zero, 4 B as float, a 50 B mask)."""
+    from exactness import rule_buffers
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    aten = torch.ops.aten
+    with FakeTensorMode():
+        x, src, idx = torch.empty(10, 5), torch.empty(5, 5), torch.zeros(5, 5, dtype=torch.int64)
+        buffers = rule_buffers(
+            aten.scatter_reduce.two, (x, 0, idx, src, "mean"), {"include_self": False}
+        )
+    assert buffers == {
+        "ones_like(src)": 100,
+        "count": 200,
+        "count == 0: wrapped 0": 8,
+        "input 1 as torch.float32": 4,
+        "count == 0": 50,
+    }
+    model = Lambda(lambda x: x.scatter_reduce(0, idx, src, "mean", include_self=False))
+    forward = 200 + 200 + 100 + 200 + 8 + 4 + 50  # input, output, ones, count, comparison
+    torch.manual_seed(0)
+    x, idx, src = torch.randn(10, 5), torch.randint(0, 10, (5, 5)), torch.randn(5, 5)
+    assert _forward(model.fn, x) == forward
+
+
+def test_index_reduce_counts() -> None:
+    """``index_reduce`` of a 1-D (5,) float tensor keeps ``counts`` (20 B) whatever the
+    reduction, and for ``mean`` the ``counts == 0`` mask (8 + 4 + 5 B); a 2-D (5, 3)
+    ``mean`` takes counts (60 B), ``ones_like(source)`` (4 x 3 floats, freed by the
+    index_add) and the mask (8 + 4 + 15 B)."""
+    i = torch.tensor([0, 2, 1, 2])
+    x1, s1 = torch.randn(5), torch.randn(4)
+    assert _forward(lambda x: x.index_reduce(0, i, s1, "prod"), x1) == 20 + 20 + 20
+    assert _forward(lambda x: x.index_reduce(0, i, s1, "mean"), x1) == 20 + 20 + 20 + 8 + 4 + 5
+    x2, s2 = torch.randn(5, 3), torch.randn(4, 3)
+    assert _forward(lambda x: x.index_reduce(0, i, s2, "amax"), x2) == 60 + 60
+    assert _forward(lambda x: x.index_reduce(0, i, s2, "mean"), x2) == 60 + 60 + 60 + 48
+
+
+_I4 = torch.tensor([0, 2, 1, 2])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, BF16], ids=str)
+@pytest.mark.parametrize(
+    "fn",
+    [
+        lambda x, i, s: x.scatter_reduce(0, i, s, "mean"),
+        lambda x, i, s: x.scatter_reduce(0, i, s, "mean", include_self=False),
+        lambda x, i, s: x.scatter_reduce(0, i.int(), s, "mean", include_self=False),
+        lambda x, i, s: x[:5].scatter_reduce(1, i.t() % 5, s.t(), "mean"),
+        lambda x, i, s: x.scatter_reduce(0, i, s, "amax", include_self=False),
+        lambda x, i, s: x.scatter_add(0, i, s),
+        lambda x, i, s: x.gather(1, i[:, :3] % 5),
+        lambda x, i, s: x.index_reduce(0, _I4, s[:4], "mean"),
+        lambda x, i, s: x.index_reduce(0, _I4, s[:4], "mean", include_self=False),
+        lambda x, i, s: x[:5].index_reduce(1, _I4.int(), s.t()[:, :4], "mean"),
+        lambda x, i, s: x.index_reduce(0, _I4[::2], s[:2], "prod"),
+        lambda x, i, s: x[:, 0].index_reduce(0, _I4, s[:4, 0], "mean", include_self=False),
+        lambda x, i, s: x[:, 0].index_reduce(0, _I4, s[:4, 0], "amin"),
+        lambda x, i, s: x.index_add(0, _I4, s[:4]),
+        lambda x, i, s: x.index_select(0, _I4),
+        lambda x, i, s: x.t().index_select(1, _I4[::2]),
+    ],
+    ids=[
+        "scatter_reduce mean", "mean exclude self", "mean int32 index", "mean dim 1",
+        "amax exclude self", "scatter_add", "gather", "index_reduce mean",
+        "index_reduce mean exclude self", "index_reduce mean dim 1 int32", "index_reduce strided",
+        "index_reduce 1-D mean", "index_reduce 1-D amin", "index_add", "index_select",
+        "index_select dim 1 transposed",
+    ],
+)  # fmt: skip
+def test_scatter_reduce_and_index_reduce_equal_measure(
+    fn: Callable[..., Any], dtype: torch.dtype, threads: int
+) -> None:
+    torch.manual_seed(0)
+    idx, src = torch.randint(0, 10, (5, 5)), torch.randn(5, 5, dtype=dtype)
+    model = Lambda(lambda x: fn(x, idx, src))
+    x = torch.randn(10, 5, dtype=dtype, requires_grad=True)
+    assert tm.estimate(model, x).phase_peaks() == tm.measure(model, x).phase_peaks()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, BF16, torch.float16], ids=str)
+@pytest.mark.parametrize(
+    "fn",
+    [
+        lambda x, i, s: x.scatter_add(0, i, s),
+        lambda x, i, s: x.scatter_reduce(0, i, s, "mean", include_self=False),
+        lambda x, i, s: x.scatter_reduce(0, i, s, "amax"),
+        lambda x, i, s: x.gather(0, i[:7]),
+        lambda x, i, s: x.index_add(0, i[:, 0], s),
+        lambda x, i, s: x.index_reduce(0, i[:, 0], s, "mean"),
+    ],
+    ids=["scatter_add", "scatter_reduce mean", "scatter_reduce amax", "gather", "index_add",
+         "index_reduce mean"],
+)  # fmt: skip
+def test_expanded_index_path_equals_measure(
+    fn: Callable[..., Any], dtype: torch.dtype, threads: int
+) -> None:
+    """A column index expanded over rows of 32 (a GNN's): the expanded-index kernels,
+    which accumulate ``bfloat16``/``half`` in a ``float`` row per thread."""
+    torch.manual_seed(0)
+    idx = torch.randint(0, 10, (50, 1)).expand(50, 32)
+    src = torch.randn(50, 32, dtype=dtype)
+    model = Lambda(lambda x: fn(x, idx, src))
+    x = torch.randn(10, 32, dtype=dtype)
+    estimated = tm.estimate(model, x, train=False)
+    assert estimated.unsupported == ()
+    assert estimated.forward_peak == tm.measure(model, x, train=False).forward_peak
 
 
 def test_chunk_cat_pads_a_tensor_not_divisible_in_chunks() -> None:

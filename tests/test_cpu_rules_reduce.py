@@ -91,6 +91,33 @@ def test_full_variance_takes_a_mean_first(threads: int) -> None:
         assert scratch(aten.var.correction, (x.to(BF16),)) == {}
 
 
+def test_count_nonzero_over_a_dim(threads: int) -> None:
+    """``count_nonzero(x, dim)`` is ``(x != 0).sum(dim)``: the wrapped zero (8 B) and its
+    float cast (4 B), the bool mask (numel B) and the sum's int64 copy of it
+    (numel x 8 B); a bool input is summed as it is; no dim counts into the output."""
+    with FakeTensorMode():
+        x = torch.empty(16, 32)
+        assert scratch(aten.count_nonzero.dim_IntList, (x, [0])) == {
+            "self != 0: wrapped 0": 8,
+            "input 1 as torch.float32": 4,
+            "self != 0": 512,
+            "sum: input as torch.int64": 512 * 8,
+        }
+        mask = torch.empty(16, 32, dtype=torch.bool)
+        assert scratch(aten.count_nonzero.dim_IntList, (mask, [0])) == {
+            "sum: input as torch.int64": 512 * 8
+        }
+        assert scratch(aten.count_nonzero.default, (x,)) == {}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, BF16, torch.int32, torch.bool], ids=str)
+@pytest.mark.parametrize("shape", [(16, 32), (256, 256)], ids=str)
+def test_count_nonzero_exact(threads: int, dtype: torch.dtype, shape: tuple[int, int]) -> None:
+    x = (torch.randn(shape) * 2).to(dtype)
+    for dim in (0, (0, 1), None):
+        assert_exact(lambda x: torch.count_nonzero(x, dim=dim).float(), inputs=(x,), train=False)
+
+
 def test_scans_sorts_and_predicates() -> None:
     """``cumsum`` of a bool mask converts it to ``int64``; ``sort`` fills its indices
     from ``arange(size(dim))``; ``any()`` of floats reduces a bool copy."""

@@ -106,6 +106,10 @@ EXACT = (
     "fft.rfft2",
     "fft.rfftn",
     "stft",
+    # indexing and reduction kernels' counts, masks and casts (cpu/indexing.py, cpu/reduce.py)
+    "count_nonzero",
+    "index_reduce.mean",
+    "scatter_reduce.mean",
 )
 
 #: Common ops traced without raising whose samples are not yet exact, and why.

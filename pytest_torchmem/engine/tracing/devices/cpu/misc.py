@@ -38,7 +38,14 @@ from pytest_torchmem.engine.tracing.devices.cpu.profiles import CpuProfile
 from pytest_torchmem.engine.tracing.devices.memo import BoundedMemo
 from pytest_torchmem.engine.tracing.rules import OUTPUTS, Alloc, Free, Inexact, OpCall, Steps
 
-__all__ = ["arg", "itemsize", "wrapped_nbytes", "promotion_casts"]
+__all__ = [
+    "arg",
+    "itemsize",
+    "wrapped_nbytes",
+    "promotion_casts",
+    "scalar_comparison",
+    "view_strides",
+]
 
 aten = torch.ops.aten
 
@@ -123,6 +130,22 @@ def promotion_casts(
         if operand is not None and operand[0] != common:
             steps.append(Alloc(f"input {i} as {common}", operand[1] * size))
     return steps
+
+
+def scalar_comparison(t: torch.Tensor, value: Any, mask: str) -> list[Alloc | Free]:
+    """``t == value`` (``t != value``...) called inside a kernel: ``eq.Scalar`` wraps the
+    number, casts it to the common dtype (``promotion_casts``) and makes the ``bool``
+    mask, named ``mask`` and left to the caller to free; the wrapped number and its
+    cast are freed when the comparison returns."""
+    wrapped = f"{mask}: wrapped {value!r}"
+    casts = promotion_casts([t, value])
+    return [
+        Alloc(wrapped, wrapped_nbytes(value)),
+        *casts,
+        Alloc(mask, t.numel()),
+        Free(wrapped),
+        *(Free(c.tag) for c in casts),
+    ]
 
 
 def _scalar_wrap(values: Iterable[Any]) -> list[Alloc]:

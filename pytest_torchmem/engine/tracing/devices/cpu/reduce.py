@@ -26,7 +26,7 @@ from typing import Any, Final
 import torch
 
 from pytest_torchmem.engine.tracing.devices.cpu.base import CPU, profile_of
-from pytest_torchmem.engine.tracing.devices.cpu.misc import arg, itemsize
+from pytest_torchmem.engine.tracing.devices.cpu.misc import arg, itemsize, scalar_comparison
 from pytest_torchmem.engine.tracing.devices.tensor_iterator import (
     coalesce_dimensions,
     reorder_dimensions,
@@ -190,6 +190,22 @@ def _all_any(call: OpCall) -> Steps:
     if self.numel() == 1:
         return [OUTPUTS, *([Alloc("self as bool", 1)] if self.dtype != torch.bool else [])]
     return [OUTPUTS, *sum_steps(profile_of(call).threads, self, out.numel(), torch.bool, "all/any")]
+
+
+@CPU.scratch(aten.count_nonzero.dim_IntList, aten.count_nonzero.default)
+def _count_nonzero(call: OpCall) -> Steps:
+    """``count_nonzero_cpu`` (``ReduceOps.cpp``): with no dim, a counting loop into the
+    output alone; over dims, ``(self != 0).sum(dims)`` (a ``bool`` input is summed as
+    it is): ``ne.Scalar`` wraps the ``0`` (an ``int64`` tensor), casts it to the
+    common dtype and makes the mask, and the sum casts the mask to ``int64`` into
+    the output; the mask is freed when the op returns."""
+    self, dim = arg(call, 0, "self"), arg(call, 1, "dim")
+    if not ([dim] if isinstance(dim, int) else dim):
+        return [OUTPUTS]
+    steps = scalar_comparison(self, 0, "self != 0") if self.dtype != torch.bool else []
+    threads = profile_of(call).threads
+    mask = (self.numel(), torch.bool)
+    return [*steps, OUTPUTS, *sum_steps(threads, mask, call.out.numel(), torch.int64, "sum")]
 
 
 # -- mean, var, std --------------------------------------------------------------

@@ -63,23 +63,3 @@ _UNMODELLED: Final = {
 @CPU.scratch(*_UNMODELLED)
 def _unmodelled(call: OpCall) -> Steps:
     return [Inexact(_UNMODELLED[call.func]), OUTPUTS]
-
-
-@CPU.scratch(aten.index_reduce.default, aten.index_reduce_.default)
-def _index_reduce(call: OpCall) -> Steps:
-    """``index_reduce`` with ``reduce="mean"`` keeps a count per output element
-    (``index_reduce_func_impl``, ``TensorAdvancedIndexing.cpp``): not modelled; the
-    other reductions take nothing beside the output (measured)."""
-    if arg(call, 4, "reduce") == "mean":
-        return [Inexact("index_reduce's mean counts are not modelled"), OUTPUTS]
-    return [OUTPUTS]
-
-
-@CPU.scratch(aten.count_nonzero.dim_IntList, aten.count_nonzero.default)
-def _count_nonzero(call: OpCall) -> Steps:
-    """``count_nonzero`` over dims (``TensorCompare.cpp``) takes buffers (the wrapped
-    zero and its cast, the ``!= 0`` mask, the sum's ``int64`` copy) that are not
-    modelled; with no dim it reduces with nothing beside the output (measured)."""
-    if call.func is aten.count_nonzero.dim_IntList or arg(call, 1, "dim") is not None:
-        return [Inexact("count_nonzero over a dim: its mask and casts are not modelled"), OUTPUTS]
-    return [OUTPUTS]
