@@ -110,12 +110,22 @@ EXACT = (
     "count_nonzero",
     "index_reduce.mean",
     "scatter_reduce.mean",
+    "_segment_reduce.lengths",
+    "_segment_reduce.offsets",
+    "_unsafe_masked_index",
+    "_unsafe_masked_index_put_accumulate",
+    "nn.functional.embedding_bag",
+    "multinomial",
+    "normal",
+    "normal.number_mean",
 )
 
 #: Common ops traced without raising whose samples are not yet exact, and why.
 TRACED = (
     "nn.functional.gelu",  # oneDNN reorders a broadcast output gradient (sum's backward)
     "masked_fill",  # with a tensor value, eager backward takes masked_select (value-dependent)
+    "isin",  # the sort-based kernel's unique copies (value-dependent)
+    "masked_scatter",  # its backward's masked_select (value-dependent)
 )
 
 

@@ -5,14 +5,29 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch._prims_common import is_non_overlapping_and_dense_or_false, suggest_memory_format
 
 from pytest_torchmem.engine.tracing.devices.cpu.base import CPU, profile_of
-from pytest_torchmem.engine.tracing.devices.cpu.misc import arg, scalar_comparison
-from pytest_torchmem.engine.tracing.rules import OUTPUTS, Alloc, Free, OpCall, Steps, nbytes_of
+from pytest_torchmem.engine.tracing.devices.cpu.misc import (
+    arg,
+    broadcast_shape,
+    index_long_copies,
+    scalar_comparison,
+)
+from pytest_torchmem.engine.tracing.devices.cpu.reduce import GRAIN_SIZE, sum_steps
+from pytest_torchmem.engine.tracing.rules import (
+    OUTPUTS,
+    Alloc,
+    Free,
+    Inexact,
+    OpCall,
+    Steps,
+    nbytes_of,
+)
 
 aten = torch.ops.aten
 
@@ -288,7 +303,8 @@ def _index_add_rule(call: OpCall) -> Steps:
     self, dim, index, source = (arg(call, i, n) for i, n in enumerate(_INDEX_ARGS))
     out = _first(call.out)
     contiguous = (out.is_contiguous(), source.is_contiguous())
-    return [OUTPUTS, *_index_add(call, out, dim, index, source, contiguous, arg(call, 4, "alpha", 1))]
+    alpha = arg(call, 4, "alpha", 1)
+    return [OUTPUTS, *_index_add(call, out, dim, index, source, contiguous, alpha)]
 
 
 @CPU.scratch(aten.index_select.default)
@@ -307,6 +323,147 @@ def _like_is_contiguous(t: torch.Tensor) -> bool:
     """Whether ``ones_like(t)`` (``MemoryFormat::Preserve``: ``t``'s strides when it is
     dense and non-overlapping, contiguous otherwise) is contiguous."""
     return t.is_contiguous() or not is_non_overlapping_and_dense_or_false(t)
+
+
+# -- the masked index of inductor's decompositions (TensorAdvancedIndexing.cpp) ---------------
+
+
+def _advanced_index_shape(shape: Sequence[int], indices: Sequence[Any]) -> tuple[int, ...]:
+    """The shape ``self[indices]`` has (advanced indexing): the indices broadcast
+    together replace the dims they index, in place when those dims are adjacent,
+    first otherwise."""
+    dims = [d for d, i in enumerate(indices) if i is not None]
+    if not dims:
+        return tuple(shape)
+    middle = broadcast_shape(*(indices[d].shape for d in dims))
+    rest = [shape[d] for d in range(len(shape)) if d not in dims]
+    if dims == list(range(dims[0], dims[-1] + 1)):
+        return (*shape[: dims[0]], *middle, *shape[dims[-1] + 1 :])
+    return (*middle, *rest)
+
+
+def _clamps(indices: Sequence[Any]) -> list[Alloc]:
+    """``at::clamp(index, -size, size - 1)`` of each index (its dtype and shape)."""
+    return [
+        Alloc(f"index {k} clamped", nbytes_of(i)) for k, i in enumerate(indices) if i is not None
+    ]
+
+
+@CPU.scratch(aten._unsafe_masked_index.default)
+def _unsafe_masked_index(call: OpCall) -> Steps:
+    """``_unsafe_masked_index``: each index clamped; then ``_unsafe_index(self, clamped)``
+    (its ``int32`` indices converted first, :func:`~.misc.index_long_copies`) and
+    ``result.masked_fill(logical_not(mask), fill)`` (the not-mask, then the output);
+    all freed when it returns. An empty ``self`` is indexed as a ``new_full`` of its
+    sizes (1 where an index meets an empty dim)."""
+    self, mask, indices = arg(call, 0, "self"), arg(call, 1, "mask"), list(arg(call, 2, "indices"))
+    steps: list[Any] = _clamps(indices)
+    if self.numel() == 0:
+        sizes = [
+            1 if d < len(indices) and indices[d] is not None and size == 0 else size
+            for d, size in enumerate(self.shape)
+        ]
+        full = math.prod(sizes) * self.element_size()
+        return [*steps, Alloc("new_full", full), *index_long_copies(indices), OUTPUTS]
+    result = math.prod(_advanced_index_shape(self.shape, indices)) * self.element_size()
+    return [
+        *steps,
+        *index_long_copies(indices),
+        Alloc("_unsafe_index(self, indices)", result),
+        *(Free(a.tag) for a in index_long_copies(indices)),
+        Alloc("logical_not(mask)", mask.numel()),
+        OUTPUTS,
+    ]
+
+
+@CPU.scratch(aten._unsafe_masked_index_put_accumulate.default)
+def _unsafe_masked_index_put_accumulate(call: OpCall) -> Steps:
+    """``_unsafe_masked_index_put_accumulate`` (the backward of the above): a clone of an
+    empty ``self``; else each index clamped, ``values.masked_fill(logical_not(mask), 0)``
+    (the not-mask freed after it), then ``_unsafe_index_put(self, clamped, masked,
+    true)``: the output (a clone of ``self``) and, in ``index_put_``, ``int32`` indices
+    converted (:func:`~.misc.index_long_copies`)."""
+    self, mask = arg(call, 0, "self"), arg(call, 1, "mask")
+    indices, values = list(arg(call, 2, "indices")), arg(call, 3, "values")
+    if self.numel() == 0:
+        return [OUTPUTS]
+    masked = math.prod(broadcast_shape(values.shape, mask.shape)) * values.element_size()
+    copies = index_long_copies(indices)
+    return [
+        *_clamps(indices),
+        Alloc("logical_not(mask)", mask.numel()),
+        Alloc("values.masked_fill(...)", masked),
+        Free("logical_not(mask)"),
+        OUTPUTS,
+        *copies,
+        *(Free(a.tag) for a in copies),
+    ]
+
+
+_INDEX_PUT: tuple[Any, ...] = (
+    aten.index_put.default, aten.index_put_.default, aten._index_put_impl_.default,
+)  # fmt: skip
+
+
+@CPU.scratch(*_INDEX_PUT)
+def _index_put(call: OpCall) -> Steps:
+    """``index_put_`` (``TensorAdvancedIndexing.cpp``; ``index_put`` on a clone): a single
+    boolean mask with one value and no accumulation is a ``masked_fill_``; otherwise
+    ``AdvancedIndex`` converts ``int32`` indices (:func:`~.misc.index_long_copies`), and
+    turns masks into ``nonzero`` indices, whose number depends on the values (listed,
+    every element taken as selected)."""
+    indices, values = list(arg(call, 1, "indices")), arg(call, 2, "values")
+    accumulate = arg(call, 3, "accumulate", False)
+    masks = [i for i in indices if i is not None and i.dtype in (torch.bool, torch.uint8)]
+    present = [i for i in indices if i is not None]
+    if masks and not accumulate and values.numel() == 1 and len(present) == 1:
+        return [OUTPUTS]
+    if masks:
+        return [
+            OUTPUTS,
+            Inexact(
+                "index_put_ with a boolean mask: the nonzero indices it makes depend on the "
+                "values; every element was taken as selected"
+            ),
+            *(Alloc(f"nonzero {k}", m.numel() * m.dim() * 8) for k, m in enumerate(masks)),
+        ]
+    copies = index_long_copies(indices)
+    return [OUTPUTS, *copies, *(Free(a.tag) for a in copies)]
+
+
+@CPU.scratch(aten.masked_scatter_backward.default)
+def _masked_scatter_backward(call: OpCall) -> Steps:
+    """``masked_scatter_backward_symint`` (``TensorAdvancedIndexing.cpp``):
+    ``grad.masked_select(mask)`` then, when fewer than all are selected, ``zeros`` of the
+    rest and ``cat`` of the two (the output). ``masked_select_out_impl_cpu`` counts the
+    selection with ``mask.sum().item()`` (the mask as ``int64``), and off its serial
+    kernel (many elements on several threads, or broadcast operands) takes an
+    ``int64`` copy of the mask and its prefix sum. The number selected depends on the
+    values: the selection and the zeros together take one output's bytes, and the
+    prefix-sum path is taken as run (an upper bound, listed)."""
+    grad, mask = arg(call, 0, "grad"), arg(call, 1, "mask")
+    n = math.prod(broadcast_shape(grad.shape, mask.shape))
+    threads = profile_of(call).threads
+    steps: list[Any] = [
+        Inexact(
+            "masked_scatter_backward: how many elements its masked_select takes depends on "
+            "the values; its buffers were taken at their largest (an upper bound)"
+        ),
+        Alloc("mask.sum()", 8),
+        *sum_steps(threads, (n, torch.bool), 1, torch.int64, "mask.sum()"),
+        Free("mask.sum()"),
+        Alloc("masked_select and zeros", n * grad.element_size()),
+    ]
+    serial = (
+        (n < GRAIN_SIZE or threads == 1)
+        and grad.is_contiguous()
+        and mask.is_contiguous()
+        and tuple(grad.shape) == tuple(mask.shape)
+    )
+    if not serial and n:
+        steps += [Alloc("mask as int64", n * 8), Alloc("mask prefix sum", n * 8)]
+        steps += [Free("mask as int64"), Free("mask prefix sum")]
+    return [*steps, OUTPUTS]
 
 
 @CPU.scratch(aten._chunk_cat.default)
