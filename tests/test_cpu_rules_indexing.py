@@ -475,10 +475,10 @@ def test_isin_equals_measure(fn: Callable[..., Any], threads: int) -> None:
 
 
 def test_unsafe_masked_index_clamps_indexes_and_fills() -> None:
-    """``_unsafe_masked_index`` of a (5, 5) float with (10, 1) and (1, 10) int64 indices and
-    a (10, 10) mask: the clamped indices (80 + 80 B), ``_unsafe_index`` (400 B), the
-    not-mask (100 B) and the output (400 B). Forward: input 100 + mask 100 + the
-    indices 160 (captured) ... counted as the step's: 100 + all of the above."""
+    """``_unsafe_masked_index`` of a (5, 5) float (100 B) with (10, 1) and (1, 10) int64
+    indices and a (10, 10) mask (the model's constants): the clamped indices
+    (80 + 80 B), ``_unsafe_index`` (400 B), the not-mask (100 B) and the output
+    (400 B), all held at once."""
     i0, i1 = torch.randint(0, 5, (10, 1)), torch.randint(0, 5, (1, 10))
     mask = torch.rand(10, 10) > 0.5
     x = torch.randn(5, 5)
@@ -537,19 +537,16 @@ def test_masked_scatter_backward_takes_its_largest_buffers_and_says_so() -> None
 
 
 def test_embedding_bag_keeps_offset2bag_of_n_plus_one() -> None:
-    """``mean`` over 6 indices in 2 bags of a (5, 5) table: ``offset2bag`` is resized to
-    7 elements, ``make_offset2bag`` adds ``ones_like(offsets)`` (16 B) and a wrapped 1
-    (8 B), then ``cumsum`` into a new 7-element storage (56 B, kept as the output)
-    that replaces the first; the forward then holds output 40, offset2bag 56,
-    bag_size 16, max_indices 16; ``mean`` divides by
+    """``mean`` over 6 indices in 2 bags of a (5, 5) float table (100 B): ``offset2bag`` is
+    resized to 7 elements, ``make_offset2bag`` adds ``ones_like(offsets)`` (16 B) and a
+    wrapped 1 (8 B), then ``cumsum`` into a new 7-element storage (56 B, the output)
+    that replaces the first; the forward then holds the output 40, offset2bag 56,
+    bag_size 16 and max_indices 16, and ``mean`` divides by
     ``max(bag_size, ones_like(bag_size)).to(float)`` (16 + 16 + 8 B)."""
     weight = torch.randn(5, 5)
     idx, offsets = torch.tensor([0, 2, 1, 2, 4, 3]), torch.tensor([0, 2])
-    fn = lambda w: F.embedding_bag(idx, w, offsets, mode="mean")  # noqa: E731
-    held = 40 + 56 + 16 + 16
-    inputs = 100 + 48 + 16  # (the indices and offsets are the model's constants)
-    assert _forward(fn, weight) == 100 + held + 16 + 16 + 8
-    del inputs
+    peak = _forward(lambda w: F.embedding_bag(idx, w, offsets, mode="mean"), weight)
+    assert peak == 100 + (40 + 56 + 16 + 16) + (16 + 16 + 8)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, BF16], ids=str)

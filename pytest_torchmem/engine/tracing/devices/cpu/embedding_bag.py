@@ -17,8 +17,8 @@ scratch of its own:
   ``max``.
 
 The reduction then takes a ``float`` buffer for ``bfloat16``/``half`` tables off
-the fast path, the ``float`` per-sample weights on it, and for ``mean``
-``bag_size.clamp_min(1).to(dtype)``. The meta kernel gives ``offset2bag`` and
+the fast path, the ``float`` per-sample weights on it, and for ``mean`` the
+divisor ``at::max(bag_size, ones_like(bag_size)).to(dtype)``. The meta kernel gives ``offset2bag`` and
 ``bag_size`` the sizes of the tensors, not of their storages (and treats a
 ``bfloat16`` table as off the fast path): an implementation rule makes them as
 the kernel does.
@@ -30,8 +30,8 @@ from typing import Any, Final
 
 import torch
 
-from pytest_torchmem.engine.tracing.devices.cpu.misc import arg, itemsize, promotion_casts
 from pytest_torchmem.engine.tracing.devices.cpu.base import CPU
+from pytest_torchmem.engine.tracing.devices.cpu.misc import arg, itemsize, promotion_casts
 from pytest_torchmem.engine.tracing.rules import (
     Alloc,
     Free,
