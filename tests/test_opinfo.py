@@ -132,6 +132,38 @@ EXACT = (
     "qr",
     "svd",
     "svd_lowrank",
+    # MKL's FFTs: _exec_fft's input copies (cpu/fft.py)
+    "fft.fft",
+    "fft.fft2",
+    "fft.fftn",
+    "fft.hfft",
+    "fft.hfft2",
+    "fft.hfftn",
+    "fft.ifft",
+    "fft.ifft2",
+    "fft.ifftn",
+    "fft.ihfft",
+    "fft.ihfft2",
+    "fft.ihfftn",
+    "fft.irfft",
+    "fft.irfft2",
+    "fft.irfftn",
+    "fft.rfft",
+    "fft.rfft2",
+    "fft.rfftn",
+    "stft",
+    # indexing and reduction kernels' counts, masks and casts (cpu/indexing.py, cpu/reduce.py)
+    "count_nonzero",
+    "index_reduce.mean",
+    "scatter_reduce.mean",
+    "_segment_reduce.lengths",
+    "_segment_reduce.offsets",
+    "_unsafe_masked_index",
+    "_unsafe_masked_index_put_accumulate",
+    "nn.functional.embedding_bag",
+    "multinomial",
+    "normal",
+    "normal.number_mean",
 )
 
 #: Common ops traced without raising whose samples are not yet exact, and why.
@@ -141,6 +173,8 @@ TRACED = (
     "matrix_exp",  # the Taylor degree and scaling are chosen from the norms (listed)
     "linalg.householder_product",  # backward keeps per-column gradients for a cat (listed)
     "ormqr",  # the same backward (listed)
+    "isin",  # the sort-based kernel's unique copies (value-dependent)
+    "masked_scatter",  # its backward's masked_select (value-dependent)
 )
 
 

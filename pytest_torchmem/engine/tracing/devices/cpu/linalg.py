@@ -1,4 +1,4 @@
-"""CPU rules: LU and Cholesky factorizations, solvers and determinants; MKL's FFTs.
+"""CPU rules: LU and Cholesky factorizations, solvers and determinants.
 
 Fake tensors run these ops' meta kernels, which make the outputs only. The real
 CPU kernels (``aten/src/ATen/native/BatchLinearAlgebra.cpp`` and
@@ -58,12 +58,6 @@ __all__ = [
 aten = torch.ops.aten
 
 _INT32: Final = 4
-
-_FFT: Final = Inexact(
-    "MKL's FFT: the input copies (permuted or padded) it makes are not modelled; "
-    "only the outputs are counted"
-)
-
 
 # -- layouts ------------------------------------------------------------------
 
@@ -611,11 +605,3 @@ def _tril_triu(call: OpCall) -> Steps:
     t = call.args[0]
     name = call.func._schema.name.removeprefix("aten::")
     return [OUTPUTS, *tri_steps(t.shape, t.stride(), t.dtype, call.func in _TRI_IN_PLACE, name)]
-
-
-# -- FFT ----------------------------------------------------------------------------
-
-
-@CPU.scratch(aten._fft_r2c, aten._fft_c2r, aten._fft_c2c)
-def _fft(call: OpCall) -> Steps:
-    return [_FFT, OUTPUTS]

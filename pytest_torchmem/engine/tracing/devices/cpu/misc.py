@@ -38,7 +38,17 @@ from pytest_torchmem.engine.tracing.devices.cpu.profiles import CpuProfile
 from pytest_torchmem.engine.tracing.devices.memo import BoundedMemo
 from pytest_torchmem.engine.tracing.rules import OUTPUTS, Alloc, Free, Inexact, OpCall, Steps
 
-__all__ = ["arg", "itemsize", "wrapped_nbytes", "promotion_casts", "transpose_copy"]
+__all__ = [
+    "arg",
+    "itemsize",
+    "wrapped_nbytes",
+    "promotion_casts",
+    "transpose_copy",
+    "scalar_comparison",
+    "view_strides",
+    "broadcast_shape",
+    "index_long_copies",
+]
 
 aten = torch.ops.aten
 
@@ -123,6 +133,22 @@ def promotion_casts(
         if operand is not None and operand[0] != common:
             steps.append(Alloc(f"input {i} as {common}", operand[1] * size))
     return steps
+
+
+def scalar_comparison(t: torch.Tensor, value: Any, mask: str) -> list[Alloc | Free]:
+    """``t == value`` (``t != value``...) called inside a kernel: ``eq.Scalar`` wraps the
+    number, casts it to the common dtype (``promotion_casts``) and makes the ``bool``
+    mask, named ``mask`` and left to the caller to free; the wrapped number and its
+    cast are freed when the comparison returns."""
+    wrapped = f"{mask}: wrapped {value!r}"
+    casts = promotion_casts([t, value])
+    return [
+        Alloc(wrapped, wrapped_nbytes(value)),
+        *casts,
+        Alloc(mask, t.numel()),
+        Free(wrapped),
+        *(Free(c.tag) for c in casts),
+    ]
 
 
 def _scalar_wrap(values: Iterable[Any]) -> list[Alloc]:
@@ -588,18 +614,47 @@ def _native_dropout_backward(call: OpCall) -> Steps:
     ]  # fmt: skip
 
 
+def broadcast_shape(*shapes: Sequence[int]) -> tuple[int, ...]:
+    """The shape ``shapes`` broadcast to (``infer_size``), computed without tensors."""
+    ndim = max((len(s) for s in shapes), default=0)
+    out = [1] * ndim
+    for shape in shapes:
+        for i, size in enumerate(shape, ndim - len(shape)):
+            out[i] = size if out[i] == 1 else out[i]
+    return tuple(out)
+
+
+def index_long_copies(indices: Sequence[Any], tag: str = "index") -> list[Alloc]:
+    """``AdvancedIndex`` (``TensorAdvancedIndexing.cpp``) converts each ``int32`` index,
+    expanded with the others to their broadcast shape, with ``.to(kLong)``: 8 bytes an
+    element of that shape (held while the kernel runs)."""
+    present = [i for i in indices if i is not None]
+    if not any(i.dtype == torch.int32 for i in present):
+        return []
+    numel = math.prod(broadcast_shape(*(i.shape for i in present)))
+    return [
+        Alloc(f"{tag} {k} as int64", numel * 8)
+        for k, i in enumerate(indices)
+        if i is not None and i.dtype == torch.int32
+    ]
+
+
 @CPU.scratch(aten.index.Tensor)
 def _index_with_masks(call: OpCall) -> Steps:
     """``x[mask]``: ``expandTensors`` turns each boolean mask into long indices with
     ``mask.nonzero()`` (``TensorAdvancedIndexing.cpp``), an ``(n, mask.dim())`` int64
     tensor held while the kernel runs. ``n`` is unknown to fake tensors: the
-    common fallback assumed every element selected, and so does this rule.
-    """
+    common fallback assumed every element selected, and so does this rule. Integer
+    indices of ``int32`` are converted before the output is made
+    (:func:`index_long_copies`, measured)."""
+    indices = call.args[1]
     steps: list[Any] = [
         Alloc(f"nonzero{number}", index.numel() * index.dim() * 8)
-        for number, index in enumerate(call.args[1])
+        for number, index in enumerate(indices)
         if index is not None and index.dtype in (torch.bool, torch.uint8)
     ]
+    if not steps:
+        steps = index_long_copies(indices)
     return [*steps, OUTPUTS]
 
 
