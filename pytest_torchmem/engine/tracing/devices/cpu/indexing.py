@@ -3,12 +3,19 @@
 
 from __future__ import annotations
 
-import torch
-from torch._prims_common import suggest_memory_format
+import math
+from typing import Any, Final, NamedTuple
 
-from pytest_torchmem.engine.tracing.devices.cpu.base import CPU
+import torch
+from torch._prims_common import (
+    is_non_overlapping_and_dense_or_false,
+    make_contiguous_strides_for,
+    suggest_memory_format,
+)
+
+from pytest_torchmem.engine.tracing.devices.cpu.base import CPU, profile_of
 from pytest_torchmem.engine.tracing.devices.cpu.misc import arg
-from pytest_torchmem.engine.tracing.rules import OUTPUTS, Alloc, Inexact, OpCall, Steps
+from pytest_torchmem.engine.tracing.rules import OUTPUTS, Alloc, Free, Inexact, OpCall, Steps
 
 aten = torch.ops.aten
 
@@ -76,13 +83,83 @@ def _unfold_backward(call: OpCall) -> Steps:
     return [OUTPUTS, Alloc("idx_dim", length * 8)]
 
 
+_GATHER = (aten.gather.default, aten.gather.out)
+_SCATTER_ADD = (aten.scatter_add.default, aten.scatter_add_.default)
+_SCATTER_REDUCE = (aten.scatter_reduce.two, aten.scatter_reduce_.two)
 _SCATTER_GATHER = (
-    aten.gather.default, aten.gather.out,
+    *_GATHER, *_SCATTER_ADD, *_SCATTER_REDUCE,
     aten.scatter.src, aten.scatter.value, aten.scatter.reduce, aten.scatter.value_reduce,
     aten.scatter_.src, aten.scatter_.value, aten.scatter_.reduce, aten.scatter_.value_reduce,
-    aten.scatter_add.default, aten.scatter_add_.default,
-    aten.scatter_reduce.two, aten.scatter_reduce_.two,
 )  # fmt: skip
+
+#: ``isReducedFloatingType``: the dtypes ``cpu_scatter_gather_base_kernel`` accumulates in float.
+_REDUCED: Final = (torch.bfloat16, torch.float16)
+
+
+class _Index(NamedTuple):
+    """The int64 index a scatter/gather kernel reads: sizes and strides."""
+
+    sizes: tuple[int, ...]
+    strides: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.sizes)
+
+    @classmethod
+    def of(cls, index: torch.Tensor) -> _Index:
+        """``index``, or an int32 one's ``to(kLong)`` copy (its strides where dense,
+        else contiguous)."""
+        if index.dtype == torch.int64 or is_non_overlapping_and_dense_or_false(index):
+            return cls(tuple(index.shape), tuple(index.stride()))
+        return cls(tuple(index.shape), tuple(make_contiguous_strides_for(index.shape)))
+
+
+def _expanded_index(self: torch.Tensor, dim: int, index: _Index, src: Any, *, scatter: bool) -> bool:
+    """``can_use_expanded_index_path`` (``TensorAdvancedIndexing.cpp``; x86 builds have
+    FBGEMM's OpenMP radix sort): the GNN fast path of ``gather``, ``scatter_add`` and
+    ``scatter_reduce.two``, taken for an index expanded along ``dim == 0`` (stride 1
+    there, 0 elsewhere), contiguous ``self`` (the written tensor) and ``src``, and,
+    for a scatter, at least 16 columns."""
+    if not isinstance(src, torch.Tensor) or not self.is_floating_point():
+        return False
+    if 0 in (self.numel(), index.numel, src.numel(), self.dim(), len(index.sizes), src.dim()):
+        return False
+    sizes, strides = index
+    if any(src.shape[d] != sizes[d] for d in range(1, len(sizes))):
+        return False
+    if scatter and index.numel // sizes[0] < 16:
+        return False
+    expanded = strides[0] == 1 and not any(
+        strides[d] > 1 or (strides[d] == 1 and sizes[d] > 1) for d in range(1, len(sizes))
+    )
+    return dim % self.dim() == 0 and expanded and src.is_contiguous() and self.is_contiguous()
+
+
+def _accumulation(
+    call: OpCall, func: Any, written: torch.Tensor, index: _Index, src: Any, dim: int
+) -> Steps:
+    """The float buffer a bfloat16/float16 ``gather``/``scatter*`` (``func``)
+    accumulates in (``ScatterGatherKernel.cpp``): ``create_acc_buffer`` gives the base
+    kernel ``at::empty(self.sizes(), kFloat)``, copied in and back (``self`` is the
+    written tensor); the expanded-index path of a scatter sums each row in one
+    ``at::zeros({num_threads, K}, kFloat)`` (``cpu_scatter_reduce_expanded_index``,
+    ``K = index.numel() / index.size(0)``), and that of ``gather`` copies rows
+    directly. ``scatter_reduce.two`` without ``include_self`` first fills the indexed
+    places (``scatter_``: a buffer of its own, freed before the reduction's)."""
+    if written.dtype not in _REDUCED or index.numel == 0:
+        return []
+    if func in _GATHER or func in _SCATTER_ADD or func in _SCATTER_REDUCE:
+        if _expanded_index(written, dim, index, src, scatter=func not in _GATHER):
+            if func in _GATHER:
+                return []
+            columns = index.numel // index.sizes[0]
+            return [Alloc("float rows per thread", profile_of(call).threads * columns * 4)]
+    steps: list[Any] = []
+    if func in _SCATTER_REDUCE and not arg(call, 5, "include_self", True):
+        fill = "float buffer of the exclude-self fill"
+        steps += [Alloc(fill, written.numel() * 4), Free(fill)]
+    return [*steps, Alloc("float buffer", written.numel() * 4)]
 
 
 @CPU.scratch(*_SCATTER_GATHER)
@@ -91,18 +168,57 @@ def _scatter_gather(call: OpCall) -> Steps:
     ``ScatterGatherKernel.cpp``) index with ``int64``: an ``int32`` index is converted
     (``index.to(kLong)``, 8 bytes an element) after the output is made (measured:
     ``gather`` of a (5, 5) int32 index takes 200 B beside its 100 B output, and
-    ``gather``'s backward ``scatter_add_`` the same). ``scatter_reduce``'s mean keeps
-    counts and copies (``scatter_reduce_two``) that are not modelled: listed."""
+    ``gather``'s backward ``scatter_add_`` the same); in bfloat16 and float16 the
+    kernel then accumulates in float (:func:`_accumulation`). ``scatter_reduce``'s
+    mean keeps counts and copies (``scatter_reduce_two``) that are not modelled: listed."""
     index = arg(call, 2, "index")
     steps: Steps = [OUTPUTS]
     if call.func in _SCATTER_REDUCE and arg(call, 4, "reduce") == "mean":
         steps.insert(0, Inexact("scatter_reduce's mean counts and copies are not modelled"))
-    if not isinstance(index, torch.Tensor) or index.dtype != torch.int32 or index.numel() == 0:
+    if not isinstance(index, torch.Tensor):
         return steps
-    return [*steps, Alloc("index as int64", index.numel() * 8)]
+    gather = call.func in _GATHER
+    written = call.out if gather else _written(call)
+    source = arg(call, 0, "self") if gather else arg(call, 3, "src", arg(call, 3, "value"))
+    buffer = _accumulation(call, call.func, written, _Index.of(index), source, arg(call, 1, "dim"))
+    if index.dtype != torch.int32 or index.numel() == 0:
+        return [*steps, *buffer]
+    return [*steps, Alloc("index as int64", index.numel() * 8), *buffer]
 
 
-_SCATTER_REDUCE = (aten.scatter_reduce.two, aten.scatter_reduce_.two)
+def _written(call: OpCall) -> torch.Tensor:
+    """The tensor an op writes: ``self`` of an in-place op, else its output."""
+    out = call.out[0] if isinstance(call.out, (tuple, list)) else call.out
+    return arg(call, 0, "self") if call.func._schema.name.endswith("_") else out
+
+
+_INDEX_ADD = (aten.index_add.default, aten.index_add_.default, aten.index_add.out)
+
+
+@CPU.scratch(*_INDEX_ADD)
+def _index_add(call: OpCall) -> Steps:
+    """``index_add_cpu_out`` (``TensorAdvancedIndexing.cpp``): ``index.contiguous()``;
+    then, for a result of two or more dims added along its first or last dim with
+    ``alpha == 1``, an int64 index and ``source`` of the result's sizes apart from
+    ``dim``, ``result.scatter_add_(dim, index.as_strided(...))`` with the index
+    expanded over the other dims: in bfloat16 and float16 that kernel's float
+    buffer (:func:`_accumulation`; the expanded-index path along dim 0)."""
+    self, dim, index = arg(call, 0, "self"), arg(call, 1, "dim"), arg(call, 2, "index")
+    source, alpha = arg(call, 3, "source"), arg(call, 4, "alpha", 1)
+    steps: list[Any] = [OUTPUTS, Alloc("index.contiguous()", _copy(index))]
+    result = _written(call)
+    if result.dim() <= 1 or index.numel() == 0 or self.numel() == 0:
+        return steps
+    dim %= result.dim()
+    if dim not in (0, result.dim() - 1) or alpha != 1 or index.dtype != torch.int64:
+        return steps
+    if any(result.shape[d] != source.shape[d] for d in range(result.dim()) if d != dim):
+        return steps
+    expanded = _Index(
+        tuple(index.numel() if d == dim else result.shape[d] for d in range(result.dim())),
+        tuple(1 if d == dim else 0 for d in range(result.dim())),
+    )
+    return [*steps, *_accumulation(call, aten.scatter_add_.default, result, expanded, source, dim)]
 
 
 @CPU.scratch(aten._chunk_cat.default)
