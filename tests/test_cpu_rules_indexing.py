@@ -9,6 +9,7 @@ import pytest
 import torch
 from exactness import Lambda
 from torch import nn
+from torch.nn import functional as F
 
 import pytest_torchmem as tm
 
@@ -372,7 +373,7 @@ def test_expanded_index_step_equals_measure(fn: Callable[..., Any], threads: int
         lambda x: x.median(dim=1).values,
         lambda x: x.index_select(1, torch.tensor([0, 3, 3, 7])),
         lambda x: x.take_along_dim(torch.tensor([[0], [5], [2], [1], [0], [5]]), dim=1),
-        lambda x: torch.nn.functional.max_unpool1d(*torch.nn.functional.max_pool1d(x[None], 2, return_indices=True), 2),
+        lambda x: F.max_unpool1d(*F.max_pool1d(x[None], 2, return_indices=True), 2),
     ],
     ids=["sort", "topk", "kthvalue", "max", "cummax", "median", "index_select", "take_along_dim", "max_unpool1d"],
 )  # fmt: skip

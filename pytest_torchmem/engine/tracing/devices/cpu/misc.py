@@ -615,6 +615,7 @@ def _ldexp(call: OpCall) -> Steps:
     else:
         casts = [*_scalar_wrap([base]), *casts]
         steps = [result, *casts, *(Free(c.tag) for c in reversed(casts))]
-    product = [Alloc(f"product: {c.tag}", c.nbytes) for c in promotion_casts([self, meta_tensor(other.shape, power)])]
+    power_tensor = meta_tensor(other.shape, power)
+    product = [Alloc(f"product: {c.tag}", c.nbytes) for c in promotion_casts([self, power_tensor])]
     steps += [*product, OUTPUTS, *(Free(c.tag) for c in reversed(product))]
     return [*steps, Free(result.tag)]
