@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from exactness import Lambda, assert_exact
 from torch import nn
+from torch.nn import functional as F
 
 import pytest_torchmem as tm
 
@@ -234,6 +235,7 @@ def test_an_int32_index_is_converted_to_int64() -> None:
         assert rule_buffers(aten.scatter.value, (x, 0, idx32, 2.0)) == {tag: 120}
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64], ids=str)
 @pytest.mark.parametrize(
     "fn",
@@ -250,14 +252,140 @@ def test_an_int32_index_is_converted_to_int64() -> None:
          "scatter_"],
 )  # fmt: skip
 def test_scatter_gather_step_equals_measure(
-    fn: Callable[..., Any], index_dtype: torch.dtype, threads: int
+    fn: Callable[..., Any], index_dtype: torch.dtype, dtype: torch.dtype, threads: int
 ) -> None:
-    """OpInfo's ``gather`` and ``scatter`` samples index with int32."""
+    """OpInfo's ``gather`` and ``scatter`` samples index with int32; in bfloat16 each
+    kernel (and ``gather``'s backward ``scatter_add_``) accumulates in a float copy."""
     torch.manual_seed(0)
     idx = torch.randint(0, 5, (5, 5), dtype=index_dtype)
-    src = torch.randn(5, 5)
+    src = torch.randn(5, 5, dtype=dtype)
     model = Lambda(lambda x: fn(x, idx, src))
-    x = torch.randn(10, 5, requires_grad=True)
+    x = torch.randn(10, 5, dtype=dtype, requires_grad=True)
+    assert tm.estimate(model, x).phase_peaks() == tm.measure(model, x).phase_peaks()
+
+
+def test_reduced_precision_scatter_gather_accumulate_in_float() -> None:
+    """``cpu_scatter_gather_base_kernel`` gives a bfloat16 ``self`` (the written tensor:
+    ``gather``'s result, the scatters' output) a float copy, ``at::empty(self.sizes(),
+    kFloat)``: 4 bytes an element of (5, 3) = 60 B for ``gather``, of (10, 5) = 200 B
+    for the scatters. ``scatter_reduce`` without ``include_self`` first fills the
+    indexed places with ``scatter_``, whose buffer is given back before the
+    reduction takes its own. float32 takes none."""
+    from exactness import rule_buffers
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    aten = torch.ops.aten
+    bf16 = torch.bfloat16
+    with FakeTensorMode():
+        x, src = torch.empty(10, 5, dtype=bf16), torch.empty(5, 5, dtype=bf16)
+        idx = torch.zeros(5, 5, dtype=torch.int64)
+        assert rule_buffers(aten.gather.default, (x, 1, idx[:, :3])) == {"kernel: float accumulator": 60}
+        assert rule_buffers(aten.scatter_add.default, (x, 0, idx, src)) == {"kernel: float accumulator": 200}
+        assert rule_buffers(aten.scatter_.value, (x, 0, idx, 2.0)) == {"kernel: float accumulator": 200}
+        assert rule_buffers(aten.scatter.src, (x.float(), 0, idx, src.float())) == {}
+        steps = rule_buffers(aten.scatter_reduce.two, (x, 0, idx, src, "amax"), {"include_self": False})
+        assert steps == {"scatter_ (exclude self): float accumulator": 200, "kernel: float accumulator": 200}
+        idx32 = idx.int()
+        assert rule_buffers(aten.gather.default, (x, 0, idx32)) == {
+            "kernel: index as int64": 25 * 8, "kernel: float accumulator": 25 * 4,
+        }  # fmt: skip
+
+
+def test_expanded_index_paths_in_reduced_precision() -> None:
+    """``can_use_expanded_index_path``: an index expanded over the columns (stride 1
+    along dim 0, 0 elsewhere) of a contiguous (10, 32) ``self`` takes the GNN kernels:
+    ``gather`` copies rows (no buffer), ``scatter_add``/``scatter_reduce`` sum each
+    row in ``at::zeros({num_threads, 32}, kFloat)`` (2 threads: 256 B); fewer than
+    16 columns keep the base kernel's float copy of ``self``."""
+    from exactness import intra_op_threads, rule_buffers
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    aten = torch.ops.aten
+    bf16 = torch.bfloat16
+    with FakeTensorMode(), intra_op_threads(2):
+        x, src = torch.empty(10, 32, dtype=bf16), torch.empty(8, 32, dtype=bf16)
+        idx = torch.zeros(8, 1, dtype=torch.int64).expand(8, 32)
+        assert rule_buffers(aten.gather.default, (x, 0, idx)) == {}
+        assert rule_buffers(aten.scatter_add.default, (x, 0, idx, src)) == {"expanded-index rows": 256}
+        steps = rule_buffers(aten.scatter_reduce.two, (x, 0, idx, src, "sum"), {"include_self": False})
+        assert steps == {"expanded-index rows": 256}
+        narrow = (x[:, :8].contiguous(), 0, idx[:, :8], src[:, :8].contiguous())
+        assert rule_buffers(aten.scatter_add.default, narrow) == {"kernel: float accumulator": 80 * 4}
+        assert rule_buffers(aten.scatter_add.default, (x, 1, idx, src)) == {"kernel: float accumulator": 320 * 4}
+
+
+def test_index_add_scatters_in_reduced_precision() -> None:
+    """``index_add_cpu_out`` of a result of two or more dims along its first or last
+    dim (``alpha == 1``, an int64 index) calls ``scatter_add_`` with the index
+    expanded over the other dims: along the last dim of (10, 5), the base kernel's
+    float copy (200 B); along dim 0 of (10, 32), the expanded-index kernel's
+    (2 threads x 32 floats); with ``alpha=2``, an int32 index, or in float32, none.
+    A strided index is first made contiguous (8 bytes an element)."""
+    from exactness import intra_op_threads, rule_buffers
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    aten = torch.ops.aten
+    bf16 = torch.bfloat16
+    with FakeTensorMode(), intra_op_threads(2):
+        x, idx = torch.empty(10, 5, dtype=bf16), torch.zeros(6, dtype=torch.int64)
+        assert rule_buffers(aten.index_add.default, (x, 1, idx[:3], torch.empty(10, 3, dtype=bf16))) == {
+            "index_add_: scatter_add_: float accumulator": 200
+        }
+        wide = torch.empty(10, 32, dtype=bf16)
+        rows = torch.empty(6, 32, dtype=bf16)
+        assert rule_buffers(aten.index_add_.default, (wide, 0, idx, rows)) == {"index_add_: expanded-index rows": 256}
+        assert rule_buffers(aten.index_add.default, (wide, 0, idx, rows), {"alpha": 2}) == {}
+        assert rule_buffers(aten.index_add.default, (wide, 0, idx.int(), rows)) == {}
+        assert rule_buffers(aten.index_add.default, (wide.float(), 0, idx, rows.float())) == {}
+        assert rule_buffers(aten.index_add.default, (wide, 0, idx[::2], rows[:3])) == {
+            "index_add_: index.contiguous()": 24, "index_add_: expanded-index rows": 256,
+        }  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "fn",
+    [
+        lambda x, i: x.gather(0, i),
+        lambda x, i: x.scatter_add(0, i, torch.ones(8, 32, dtype=x.dtype)),
+        lambda x, i: x.scatter_reduce(0, i, torch.ones(8, 32, dtype=x.dtype), "amax", include_self=False),
+        lambda x, i: x.index_add(0, i[:, 0], torch.ones(8, 32, dtype=x.dtype)),
+        lambda x, i: x.index_add(1, i[0, :8], torch.ones(10, 8, dtype=x.dtype)),
+        lambda x, i: x[:, :4].index_add(0, i[:, 0], torch.ones(8, 4, dtype=x.dtype)),
+    ],
+    ids=["gather", "scatter_add", "scatter_reduce", "index_add dim 0", "index_add last", "index_add narrow"],
+)
+def test_expanded_index_step_equals_measure(fn: Callable[..., Any], threads: int) -> None:
+    """The GNN paths (an index expanded along dim 0) and ``index_add``'s scatter in
+    bfloat16, forward and backward, at 1, 2 and 4 threads (the rows buffer has one
+    row per thread)."""
+    torch.manual_seed(0)
+    idx = torch.randint(0, 10, (8, 1)).expand(8, 32)
+    model = Lambda(lambda x: fn(x, idx) * 2)
+    x = torch.randn(10, 32, dtype=torch.bfloat16, requires_grad=True)
+    assert tm.estimate(model, x).phase_peaks() == tm.measure(model, x).phase_peaks()
+
+
+@pytest.mark.parametrize(
+    "fn",
+    [
+        lambda x: x.sort(dim=0).values,
+        lambda x: x.topk(3, dim=1).values,
+        lambda x: x.kthvalue(2, dim=0).values,
+        lambda x: x.max(dim=1).values,
+        lambda x: x.cummax(dim=0).values,
+        lambda x: x.median(dim=1).values,
+        lambda x: x.index_select(1, torch.tensor([0, 3, 3, 7])),
+        lambda x: x.take_along_dim(torch.tensor([[0], [5], [2], [1], [0], [5]]), dim=1),
+        lambda x: F.max_unpool1d(*F.max_pool1d(x[None], 2, return_indices=True), 2),
+    ],
+    ids=["sort", "topk", "kthvalue", "max", "cummax", "median", "index_select", "take_along_dim", "max_unpool1d"],
+)  # fmt: skip
+def test_reduced_precision_selection_backward_equals_measure(fn: Callable[..., Any], threads: int) -> None:
+    """The backward of value-selecting and indexing ops in bfloat16: ``scatter_``,
+    ``scatter_add_``, ``index_add_`` and ``gather`` into a float copy of the gradient."""
+    torch.manual_seed(0)
+    x = torch.randn(6, 20, dtype=torch.bfloat16, requires_grad=True)
+    model = Lambda(fn)
     assert tm.estimate(model, x).phase_peaks() == tm.measure(model, x).phase_peaks()
 
 

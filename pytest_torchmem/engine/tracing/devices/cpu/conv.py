@@ -19,8 +19,9 @@ follow torch 2.13:
 3. **oneDNN**: see :mod:`~pytest_torchmem.engine.tracing.devices.cpu.onednn`.
 
 Not modelled (the op's outputs are counted, its scratch is not): bfloat16 and
-float16 convolutions (oneDNN's ``jit_bf16`` kernels; listed in
-``unsupported``), ``slow_conv_transpose3d`` and NNPACK (reached only with
+float16 convolutions that oneDNN runs (bfloat16 from the avx512 level on,
+float16 on amx; listed in ``unsupported``; below, ATen's slow paths run them
+and are modelled), ``slow_conv_transpose3d`` and NNPACK (reached only with
 oneDNN disabled).
 """
 
@@ -34,9 +35,11 @@ import torch
 import torch._prims_common
 
 from pytest_torchmem.engine.tracing.devices.cpu.base import CPU, profile_of
+from pytest_torchmem.engine.tracing.devices.cpu.misc import meta_tensor
 from pytest_torchmem.engine.tracing.devices.cpu.onednn import conv_list
 from pytest_torchmem.engine.tracing.devices.cpu.onednn.common import Geo
 from pytest_torchmem.engine.tracing.devices.cpu.profiles import CpuProfile
+from pytest_torchmem.engine.tracing.devices.cpu.reduce import acc_buffer_steps, sum_steps, uses_acc_buffer
 from pytest_torchmem.engine.tracing.rules import (
     OUTPUTS,
     Alloc,
@@ -122,6 +125,8 @@ def _backend(c: _Conv, cpu: CpuProfile) -> str:
     if _mkldnn_enabled() and not (c.transposed and big_output_padding):
         if dtype == torch.bfloat16 and cpu.onednn_bf16:
             mkldnn = True
+        elif dtype == torch.float16 and "float16" in cpu.native_dtypes:
+            mkldnn = True  # mkldnn_fp16_device_check: avx512_core_fp16 (the amx level)
         elif dtype == torch.float32:
             mkldnn = (
                 strided or dilated or x[0] >= 16 or w[-1] != 1 or w[-2] != 1 or cpu.threads > 1
@@ -407,11 +412,15 @@ def _slow_forward_group(s: _Steps, k: _Slow, output: Any) -> Any:
     return tag
 
 
-def _slow_backward_group(s: _Steps, k: _Slow, mask: Sequence[bool], go_copy: int, output: Any) -> Any:
+def _slow_backward_group(
+    s: _Steps, k: _Slow, mask: Sequence[bool], go_copy: int, output: Any, bias_sum: Sequence[Step] = ()
+) -> Any:
     """The backward of one group (``slow_conv2d_backward_cpu``,
     ``slow_conv3d_backward_cpu``, ``slow_conv_dilated*_backward_cpu``,
     ``slow_conv_transpose*_backward_cpu``); ``output(i)`` allocates gradient
-    ``i`` and returns its tag. ``go_copy``: bytes of ``grad_output.contiguous()``."""
+    ``i`` and returns its tag. ``go_copy``: bytes of ``grad_output.contiguous()``;
+    ``bias_sum``: the scratch of ``at::sum_out(grad_bias, grad_output, ...)``
+    (:func:`_bias_sum`), right after the bias gradient is made."""
     tags: list[Any] = []
     if k.kind in ("slow_dilated2d", "slow_dilated3d"):
         go = s.alloc(go_copy, "grad_output contiguous")
@@ -434,6 +443,7 @@ def _slow_backward_group(s: _Steps, k: _Slow, mask: Sequence[bool], go_copy: int
         s.free(go)
     if mask[2]:
         tags.append(output(2))
+        s.steps.extend(bias_sum)
     if mask[1]:
         tags.append(output(1))
         go = s.alloc(go_copy, "grad_output contiguous")
@@ -477,6 +487,43 @@ def _relaid(t: torch.Tensor, groups: int, channels_last: bool) -> bool:
     return any(size > 1 and a != b for size, a, b in zip(shape, given, wanted))
 
 
+#: The slow kernels whose backward sums the bias gradient with
+#: ``at::sum_out(grad_bias, grad_output, {0, 2, 3[, 4]})`` between the input's and the
+#: weight's gradients (``slow_conv2d_backward_out_cpu``, ``slow_conv3d_backward_out_cpu``,
+#: ``slow_conv_transpose2d_backward_out_cpu``); the dilated ones sum one image at a time.
+_SUMS_BIAS: Final = frozenset({"slow2d", "slow3d", "slow_transpose2d"})
+
+
+def _bias_sum(k: _Slow, grad_output: torch.Tensor, threads: int) -> list[Step]:
+    """The scratch of the bias gradient's ``at::sum_out`` over every dim but the
+    channels of ``grad_output`` (what the kernel is given): in bfloat16/float16 the
+    ``float`` path of ``sum_out`` where its iterator starts with two reduced dims
+    (``should_use_acc_buffer``: a batch of more than one image, laid out densely)."""
+    if k.kind not in _SUMS_BIAS:
+        return []
+    dims = (0, *range(2, grad_output.dim()))
+    if uses_acc_buffer(grad_output, dims, grad_output.dtype):
+        return list(acc_buffer_steps(threads, grad_output, k.oc, "grad_bias sum"))
+    return list(sum_steps(threads, grad_output, k.oc, grad_output.dtype, "grad_bias sum"))
+
+
+def _view4d(t: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Sizes and strides of ``view4d(t)`` (``t.unsqueeze(2)``), a 1-d convolution's
+    operand as the 2-d kernels see it."""
+    n, ch, length = t.shape
+    s0, s1, s2 = t.stride()
+    return (n, ch, 1, length), (s0, s1, length * s2, s2)
+
+
+def _subtensor(t: torch.Tensor, groups: int) -> torch.Tensor:
+    """One group of ``t`` as ``subtensor(t, 1, groups, g)`` gives it: the narrowed
+    view where that is contiguous in ``t.suggest_memory_format()``, else a copy in it."""
+    shape = (t.shape[0], t.shape[1] // groups, *t.shape[2:])
+    if _subtensor_copy(t, groups) == 0:
+        return meta_tensor(shape, t.dtype, t.stride())
+    return meta_tensor(shape, t.dtype, _format_strides(shape, _suggests_cl(t)))
+
+
 def _slow_forward(s: _Steps, c: _Conv, backend: str, out: torch.Tensor) -> None:
     """``_convolution`` on a slow path: ``input.contiguous(fmt)``, then per
     group (``subtensor``: a contiguous copy of the group's input channels) the
@@ -500,7 +547,9 @@ def _slow_forward(s: _Steps, c: _Conv, backend: str, out: torch.Tensor) -> None:
     s.free(w_copy, x_copy)
 
 
-def _slow_backward(s: _Steps, c: _Conv, backend: str, grad_output: torch.Tensor, mask: Sequence[bool], outs: Any) -> None:
+def _slow_backward(
+    s: _Steps, c: _Conv, backend: str, grad_output: torch.Tensor, mask: Sequence[bool], outs: Any, threads: int
+) -> None:
     """``convolution_backward`` on a slow path, per group like the forward
     (copies of the group's output gradient and input), gradients concatenated."""
     out_sp = tuple(grad_output.shape[2:]) if not c.conv1d else (1, grad_output.shape[2])
@@ -514,7 +563,12 @@ def _slow_backward(s: _Steps, c: _Conv, backend: str, grad_output: torch.Tensor,
             s.output(i, sizes[i])  # the gradients, in the kernel's order
 
         go_copy = _contiguous_copy(grad_output, k.channels_last)
-        _slow_backward_group(s, k, mask, go_copy, output)
+        kernel_go = grad_output
+        if c.conv1d:
+            shape, strides = _view4d(grad_output)
+            kernel_go = meta_tensor(shape, grad_output.dtype, strides)
+        bias_sum = _bias_sum(k, kernel_go, threads) if mask[2] else ()
+        _slow_backward_group(s, k, mask, go_copy, output, bias_sum)
         s.outputs()
     else:
         g = c.groups
@@ -523,6 +577,7 @@ def _slow_backward(s: _Steps, c: _Conv, backend: str, grad_output: torch.Tensor,
         # copies it .contiguous(its own format) where that differs (once for the
         # input's gradient, once for the weight's).
         go_kernel_copy = nbytes_of(grad_output) // g if _relaid(grad_output, g, k.channels_last) else 0
+        bias_sum = _bias_sum(k, _subtensor(grad_output, g), threads) if mask[2] else ()
         x_g_bytes = 0 if k.n == 1 else nbytes_of(c.input) // g
         per: list[list[Any]] = [[], [], []]
         for _ in range(g):
@@ -534,7 +589,7 @@ def _slow_backward(s: _Steps, c: _Conv, backend: str, grad_output: torch.Tensor,
                 per[i].append(tag)
                 return tag
 
-            _slow_backward_group(s, k, mask, go_kernel_copy, output)
+            _slow_backward_group(s, k, mask, go_kernel_copy, output, bias_sum)
             s.free(x_g, gog)
         s.outputs()
         s.free(*per[2], *per[1], *per[0])
@@ -579,7 +634,7 @@ def _convolution_backward_steps(call: OpCall) -> list[Step] | None:
             return None
         s.free(w_copy, x_copy)
     elif backend in _SLOW:
-        _slow_backward(s, c, backend, grad_output, mask, call.out)
+        _slow_backward(s, c, backend, grad_output, mask, call.out, cpu.threads)
     else:
         return None
     s.free(one_d)
@@ -597,9 +652,18 @@ _LOW_PRECISION_GAP: Final = Inexact(
 
 
 def _flag_low_precision(call: OpCall, steps: list[Step]) -> list[Step]:
-    if call.args[0].dtype in (torch.bfloat16, torch.float16):
-        return [_LOW_PRECISION_GAP, *steps]
-    return steps
+    """Flag a bfloat16/float16 convolution that oneDNN runs; ATen's slow paths
+    (reached where oneDNN does not compute the dtype) are modelled at any dtype."""
+    input = call.args[0]
+    if input.dtype not in (torch.bfloat16, torch.float16):
+        return steps
+    weight, bias = call.args[1], call.args[2]
+    args = call.args[3:9] if call.func is aten.convolution.default else call.args[4:10]
+    if call.func is aten.convolution_backward.default:
+        bias = call.args[10][2] or None
+    if _backend(_conv(input, weight, bool(bias is not None), args), profile_of(call)) in _SLOW:
+        return steps
+    return [_LOW_PRECISION_GAP, *steps]
 
 
 @CPU.scratch(aten.convolution.default)

@@ -41,6 +41,7 @@ from pytest_torchmem.engine.tracing.rules import OUTPUTS, Alloc, Free, Inexact, 
 __all__ = [
     "arg",
     "itemsize",
+    "meta_tensor",
     "wrapped_nbytes",
     "promotion_casts",
     "transpose_copy",
@@ -82,6 +83,18 @@ def wrapped_nbytes(value: Any) -> int:
     """Bytes of the wrapped-number tensor ATen makes of the Python number ``value``."""
     dtype = _number_dtype(value)
     return 0 if dtype is None else itemsize(dtype)
+
+
+def meta_tensor(
+    shape: Sequence[int], dtype: torch.dtype, strides: Sequence[int] | None = None
+) -> torch.Tensor:
+    """A meta tensor that stands for an operand a kernel makes (a 0-dim constant, a
+    view, a copy), to read its dtype promotion or layout from; made outside the
+    trace's dispatch modes, which would otherwise track it."""
+    with torch._C._DisableTorchDispatch():
+        if strides is None:
+            return torch.empty(tuple(shape), dtype=dtype, device="meta")
+        return torch.empty_strided(tuple(shape), tuple(strides), dtype=dtype, device="meta")
 
 
 def _operand(value: Any) -> tuple[torch.dtype, int] | None:
@@ -682,19 +695,37 @@ def _deg_rad(call: OpCall) -> Steps:
 
 @CPU.scratch(aten.ldexp.Tensor)
 def _ldexp(call: OpCall) -> Steps:
-    """``ldexp`` (``BinaryOps.cpp``): ``at::mul(self, at::pow(2.0, other))``: the power
-    (``pow.Scalar``: its result, the wrapped 2.0 and the iterator's casts, given back
-    when it returns), then the product, the op's output; the power is freed last. A
-    ``self`` of another dtype than the power (the product's casts) is not followed.
-    An integer ``other`` takes nothing beside the output (measured, float32 ``self``).
-    """
+    """``ldexp`` (``BinaryOps.cpp``): a floating ``self`` with an integer ``other`` takes
+    ``_ldexp_int_exponent`` into ``empty_like(self)``, which the iterator resizes (a
+    new storage where the result broadcasts to more elements); otherwise ``at::mul(self, _pow2(self,
+    other))``. ``_pow2`` of a float32 or integer ``self`` is ``at::pow(2.0, other)``
+    (``pow.Scalar``: its result, then the wrapped 2.0 and the iterator's casts); of
+    any other dtype (bfloat16, float16, float64) ``at::full({}, 2.0,
+    self.options()).pow(other)`` (the 0-dim two, the iterator's casts, then the
+    power; the two is freed when the power returns). Then the product (its casts,
+    then the op's output); the power is freed last."""
     self, other = arg(call, 0, "self"), arg(call, 1, "other")
-    power = _common_dtype([2.0, other], int_to_float=False)
-    if power is None or not other.is_floating_point():
+    if not (other.is_floating_point() or other.is_complex()) and self.is_floating_point():
+        # empty_like(self), resized by the iterator: a broadcast result is a new storage
+        if call.out.numel() <= self.numel():
+            return [OUTPUTS]
+        first = Alloc("empty_like(self)", self.numel() * self.element_size())
+        return [first, OUTPUTS, Free(first.tag)]
+    base: Any = 2.0
+    if self.dtype != torch.float32 and (self.is_floating_point() or self.is_complex()):
+        base = meta_tensor((), self.dtype)
+    power = _common_dtype([base, other], int_to_float=False)
+    if power is None:
         return [OUTPUTS]
-    casts = [*_scalar_wrap([2.0]), *promotion_casts([2.0, other])]
-    steps: list[Any] = [Alloc("pow(2, other)", other.numel() * itemsize(power)), *casts]
-    steps += [Free(c.tag) for c in reversed(casts)]
-    if self.dtype != power:
-        steps.insert(0, Inexact("ldexp of a self of another dtype than 2 ** other"))
-    return [*steps, OUTPUTS, Free("pow(2, other)")]
+    result = Alloc("pow(2, other)", other.numel() * itemsize(power))
+    casts = [Alloc(f"pow: {c.tag}", c.nbytes) for c in promotion_casts([base, other])]
+    if isinstance(base, torch.Tensor):
+        two = Alloc("full({}, 2)", itemsize(self.dtype))
+        steps: list[Any] = [two, *casts, result, *(Free(c.tag) for c in reversed(casts)), Free(two.tag)]
+    else:
+        casts = [*_scalar_wrap([base]), *casts]
+        steps = [result, *casts, *(Free(c.tag) for c in reversed(casts))]
+    power_tensor = meta_tensor(other.shape, power)
+    product = [Alloc(f"product: {c.tag}", c.nbytes) for c in promotion_casts([self, power_tensor])]
+    steps += [*product, OUTPUTS, *(Free(c.tag) for c in reversed(product))]
+    return [*steps, Free(result.tag)]
