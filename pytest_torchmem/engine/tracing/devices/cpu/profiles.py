@@ -48,6 +48,7 @@ __all__ = [
     "cpu_profile",
     "host_profile",
     "capped_environment",
+    "capped_inductor_cache",
 ]
 
 _KiB: Final = 1024
@@ -331,9 +332,31 @@ def capped_environment(profile: CpuProfile) -> dict[str, str]:
     """The environment variables that make a process on a faster host dispatch as
     ``profile``'s level does (for ground truth from ``measure`` in a subprocess):
     ATen's kernels, oneDNN's and MKL's (on an Intel host; MKL ignores the cap
-    elsewhere)."""
+    elsewhere), and an inductor cache of the level's own (:func:`capped_inductor_cache`)."""
     return {
         "ATEN_CPU_CAPABILITY": _ATEN_CAPABILITY[profile.isa],
         "ONEDNN_MAX_CPU_ISA": _ONEDNN_ISA[profile.isa],
         "MKL_ENABLE_INSTRUCTIONS": _MKL_ISA[profile.isa],
+        "TORCHINDUCTOR_CACHE_DIR": capped_inductor_cache(profile.isa),
     }
+
+
+_CAPPED_CACHE: Final = "-capped-"
+
+
+def capped_inductor_cache(isa: str) -> str:
+    """Inductor's on-disk cache for processes capped to the level ``isa``.
+
+    Inductor's cache keys (torch 2.13) do not include ``ATEN_CPU_CAPABILITY``, by
+    which it picks the vector ISA of the kernels it builds: a process capped to
+    another level than the one that filled the cache loads those programs and
+    computes wrong values or crashes (seen: AVX2-capped after an uncapped compile on
+    an AVX512 host). Each capped level therefore gets a cache directory of its own,
+    beside the one in use (``TORCHINDUCTOR_CACHE_DIR`` or inductor's default)."""
+    base = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if base is None:
+        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+        base = default_cache_dir()
+    base = base.split(_CAPPED_CACHE)[0]
+    return f"{base}{_CAPPED_CACHE}{isa}"
