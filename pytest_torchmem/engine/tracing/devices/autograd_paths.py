@@ -21,7 +21,9 @@ device. Formulas (torch 2.13):
   (``FunctionsManual.cpp``): ``logical_and_`` / ``logical_or_`` on a comparison's result.
 * ``trace_backward_symint`` (``FunctionsManual.cpp``): ``index_fill_`` of the
   diagonal's flat indices;
-* ``take_backward`` (``FunctionsManual.cpp``): ``zeros_like(input).put_(index, grad, true)``.
+* ``take_backward`` (``FunctionsManual.cpp``): ``zeros_like(input).put_(index, grad, true)``;
+* ``masked_select_backward`` (``TensorAdvancedIndexing.cpp``): ``masked_scatter_``
+  into ``zeros_like`` of the broadcast input.
 
 (``evenly_distribute_backward``, ``masked_fill_backward``, ``prod_backward`` and
 ``cumprod_backward`` take other algorithms eagerly, chosen by values; they are
@@ -75,6 +77,10 @@ EAGER_IN_PLACE: Final[dict[Any, tuple[Callable[..., Any], frozenset[str]]]] = {
     aten.logical_or.default: (aten.logical_or_.default, frozenset({"ClampBackward0"})),
     aten.index_fill.int_Tensor: (aten.index_fill_.int_Tensor, frozenset({"TraceBackward0"})),
     aten.put.default: (aten.put_.default, frozenset({"TakeBackward0"})),
+    aten.masked_scatter.default: (
+        aten.masked_scatter_.default,
+        frozenset({"MaskedSelectBackward0"}),
+    ),
 }
 
 

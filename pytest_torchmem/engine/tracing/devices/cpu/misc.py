@@ -534,21 +534,6 @@ def _native_dropout_backward(call: OpCall) -> Steps:
     ]  # fmt: skip
 
 
-@CPU.scratch(aten.index.Tensor)
-def _index_with_masks(call: OpCall) -> Steps:
-    """``x[mask]``: ``expandTensors`` turns each boolean mask into long indices with
-    ``mask.nonzero()`` (``TensorAdvancedIndexing.cpp``), an ``(n, mask.dim())`` int64
-    tensor held while the kernel runs. ``n`` is unknown to fake tensors: the
-    common fallback assumed every element selected, and so does this rule.
-    """
-    steps: list[Any] = [
-        Alloc(f"nonzero{number}", index.numel() * index.dim() * 8)
-        for number, index in enumerate(call.args[1])
-        if index is not None and index.dtype in (torch.bool, torch.uint8)
-    ]
-    return [*steps, OUTPUTS]
-
-
 _DEG_RAD = (
     aten.deg2rad.default, aten.deg2rad.out, aten.deg2rad_.default,
     aten.rad2deg.default, aten.rad2deg.out, aten.rad2deg_.default,
