@@ -562,14 +562,20 @@ class Tracker(TorchDispatchMode):
             if isinstance(first, torch.Tensor):
                 self._pending_formulas.append((weakref.ref(first), plan.formula))
         values = self.values
+        known = values.known
         if (
             real_out is not None
             or plan.values is _MADE
             or (
-                values.known
+                known
                 and (
                     plan.written_slots
-                    or (plan.values is _COMPUTED and values.all_known(args, kwargs))
+                    or (
+                        plan.values is _COMPUTED
+                        # (the first argument, looked up inline: most ops stop here)
+                        and (not args or type(args[0]) is not FakeTensor or id(args[0]) in known)
+                        and values.all_known(args, kwargs)
+                    )
                 )
             )
         ):

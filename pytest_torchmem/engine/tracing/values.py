@@ -386,9 +386,11 @@ class KnownValues:
             return False, None
         try:
             with _DisableTorchDispatch(), torch.no_grad():
-                return True, func(*real_args, **dict(real_kwargs))
+                out = func(*real_args, **dict(real_kwargs))
         except Exception:  # noqa: BLE001 - what the real op refuses is the fake one's to say
             return False, None
+        # (fake outputs are made like the real ones: plain strided tensors only)
+        return _all_strided(out), out
 
     def after(
         self,
@@ -468,12 +470,14 @@ class KnownValues:
         return True
 
     def _fill(self, out: Any, value: Any) -> Any:
-        if not isinstance(out, FakeTensor) or not self._small(out) or isinstance(value, torch.Tensor):
+        if type(out) is not FakeTensor or isinstance(value, torch.Tensor) or not self._small(out):
             return None
-        real = _view(_new_storage(out.untyped_storage().nbytes()), out)
-        with _DisableTorchDispatch(), torch.no_grad():
-            real.fill_(value)
-        return real
+        with _DisableTorchDispatch():
+            if out.is_contiguous() and out.storage_offset() == 0:
+                # (one call: most factories' outputs; _attach checks the storage's size)
+                return torch.full(out.shape, value, dtype=out.dtype)
+            real = _view(_new_storage(out.untyped_storage().nbytes()), out)
+            return real.fill_(value)
 
     def _attach(self, out: Any, real: Any) -> None:
         if isinstance(out, (tuple, list)):
@@ -483,7 +487,7 @@ class KnownValues:
             return
         if not isinstance(out, FakeTensor) or not isinstance(real, torch.Tensor):
             return
-        if real.shape != out.shape or real.dtype != out.dtype or real.device != _CPU:
+        if real.shape != out.shape or real.dtype != out.dtype or real.device.type != "cpu":
             self.forget(out)
             return
         key = _storage_key(out)
@@ -526,6 +530,12 @@ class KnownValues:
             or _geometry(entry.shadow) != _geometry(t)
         ):
             self.forget(t)
+
+
+def _all_strided(out: Any) -> bool:
+    if isinstance(out, (tuple, list)):
+        return all(_all_strided(o) for o in out)
+    return not isinstance(out, torch.Tensor) or _readable(out)
 
 
 def _items(kwargs: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
