@@ -164,12 +164,39 @@ EXACT = (
     "multinomial",
     "normal",
     "normal.number_mean",
+    # value-dependent: exact on the values the trace knows (values.py)
+    "nonzero",
+    "argwhere",
+    "masked_select",
+    "combinations",
+    "index_put",
+    "index_fill",
+    "unique",
+    "unique_consecutive",
+    "item",
+    "narrow",
+    "tensor_split",
+    "equal",
+    "allclose",
+    "cov",
+    "corrcoef",
+    "nn.functional.gaussian_nll_loss",
+    "nn.functional.ctc_loss",
+    # backward formulas that pick their algorithm by values (cpu/formulas.py)
+    "cumprod",
+    "masked.cumprod",
+    "linalg.vander",
+    "prod",
+    "masked_fill",
+    "max.reduction_no_dim",
+    "min.reduction_no_dim",
+    "median",
+    "nanmedian",
 )
 
 #: Common ops traced without raising whose samples are not yet exact, and why.
 TRACED = (
     "nn.functional.gelu",  # oneDNN reorders a broadcast output gradient (sum's backward)
-    "masked_fill",  # with a tensor value, eager backward takes masked_select (value-dependent)
     "matrix_exp",  # the Taylor degree and scaling are chosen from the norms (listed)
     "linalg.householder_product",  # backward keeps per-column gradients for a cat (listed)
     "ormqr",  # the same backward (listed)

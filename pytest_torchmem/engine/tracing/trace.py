@@ -111,6 +111,7 @@ def trace(
         record_frames=record_frames,
     )
     baseline = adopt(tracker, standins)
+    tracker.values.adopt(_originals(standins))
     step_model = model if parallel is None else model_copy(model, model_tensors, standins.model)
     # per-module hooks would make dynamo's guards fail in the traced step: no per-module figures
     modules: Any = NoModules() if found else ModuleTracker(step_model, tracker)
@@ -344,6 +345,26 @@ def _fake_parameter(t: torch.Tensor, requires_grad: bool) -> torch.Tensor:
     t.requires_grad_(requires_grad)
     t._is_param = True  # type: ignore[attr-defined]
     return t
+
+
+def _originals(standins: Converted) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``(stand-in, original)`` of the step's tensors whose values the trace may know:
+    inputs first, then buffers, attributes, parameters and gradients (the shadows'
+    room is bounded)."""
+    groups = (
+        standins.inputs,
+        standins.buffers,
+        standins.attributes,
+        standins.parameters,
+        standins.gradients,
+    )
+    pairs = []
+    for group in groups:
+        for t in group:
+            original = standins.originals.get(id(t))
+            if original is not None:
+                pairs.append((t, original))
+    return pairs
 
 
 def adopt(tracker: Tracker, standins: Converted) -> list[int]:

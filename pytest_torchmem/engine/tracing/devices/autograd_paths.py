@@ -23,7 +23,9 @@ device. Formulas (torch 2.13):
   diagonal's flat indices;
 * ``take_backward`` (``FunctionsManual.cpp``): ``zeros_like(input).put_(index, grad, true)``;
 * ``linalg_eig_backward`` (``FunctionsManual.cpp``; ``linalg.eig``, ``linalg.eigh``):
-  ``ret.diagonal(0, -2, -1).copy_(gL)`` where a subclass takes ``diagonal_scatter``.
+  ``ret.diagonal(0, -2, -1).copy_(gL)`` where a subclass takes ``diagonal_scatter``;
+* ``masked_select_backward`` (``TensorAdvancedIndexing.cpp``): ``masked_scatter_``
+  into ``zeros_like`` of the broadcast input.
 
 (``evenly_distribute_backward``, ``masked_fill_backward``, ``prod_backward`` and
 ``cumprod_backward`` take other algorithms eagerly, chosen by values; they are
@@ -87,6 +89,10 @@ EAGER_IN_PLACE: Final[dict[Any, tuple[Callable[..., Any], frozenset[str]]]] = {
     aten.diagonal_scatter.default: (
         _diagonal_copy,
         frozenset({"LinalgEighBackward0", "LinalgEigBackward0"}),
+    ),
+    aten.masked_scatter.default: (
+        aten.masked_scatter_.default,
+        frozenset({"MaskedSelectBackward0"}),
     ),
 }
 

@@ -18,6 +18,7 @@ from pytest_torchmem.engine.tracing.devices.cpu import (  # noqa: F401  (they re
     gloo,
     indexing,
     linalg,
+    masks,
     misc,
     norm,
     padding,

@@ -400,37 +400,6 @@ def _unsafe_masked_index_put_accumulate(call: OpCall) -> Steps:
     ]
 
 
-_INDEX_PUT: tuple[Any, ...] = (
-    aten.index_put.default, aten.index_put_.default, aten._index_put_impl_.default,
-)  # fmt: skip
-
-
-@CPU.scratch(*_INDEX_PUT)
-def _index_put(call: OpCall) -> Steps:
-    """``index_put_`` (``TensorAdvancedIndexing.cpp``; ``index_put`` on a clone): a single
-    boolean mask with one value and no accumulation is a ``masked_fill_``; otherwise
-    ``AdvancedIndex`` converts ``int32`` indices (:func:`~.misc.index_long_copies`), and
-    turns masks into ``nonzero`` indices, whose number depends on the values (listed,
-    every element taken as selected)."""
-    indices, values = list(arg(call, 1, "indices")), arg(call, 2, "values")
-    accumulate = arg(call, 3, "accumulate", False)
-    masks = [i for i in indices if i is not None and i.dtype in (torch.bool, torch.uint8)]
-    present = [i for i in indices if i is not None]
-    if masks and not accumulate and values.numel() == 1 and len(present) == 1:
-        return [OUTPUTS]
-    if masks:
-        return [
-            OUTPUTS,
-            Inexact(
-                "index_put_ with a boolean mask: the nonzero indices it makes depend on the "
-                "values; every element was taken as selected"
-            ),
-            *(Alloc(f"nonzero {k}", m.numel() * m.dim() * 8) for k, m in enumerate(masks)),
-        ]
-    copies = index_long_copies(indices)
-    return [OUTPUTS, *copies, *(Free(a.tag) for a in copies)]
-
-
 @CPU.scratch(aten.masked_scatter_backward.default)
 def _masked_scatter_backward(call: OpCall) -> Steps:
     """``masked_scatter_backward_symint`` (``TensorAdvancedIndexing.cpp``):

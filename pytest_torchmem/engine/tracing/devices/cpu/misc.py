@@ -652,25 +652,6 @@ def index_long_copies(indices: Sequence[Any], tag: str = "index") -> list[Alloc]
     ]
 
 
-@CPU.scratch(aten.index.Tensor)
-def _index_with_masks(call: OpCall) -> Steps:
-    """``x[mask]``: ``expandTensors`` turns each boolean mask into long indices with
-    ``mask.nonzero()`` (``TensorAdvancedIndexing.cpp``), an ``(n, mask.dim())`` int64
-    tensor held while the kernel runs. ``n`` is unknown to fake tensors: the
-    common fallback assumed every element selected, and so does this rule. Integer
-    indices of ``int32`` are converted before the output is made
-    (:func:`index_long_copies`, measured)."""
-    indices = call.args[1]
-    steps: list[Any] = [
-        Alloc(f"nonzero{number}", index.numel() * index.dim() * 8)
-        for number, index in enumerate(indices)
-        if index is not None and index.dtype in (torch.bool, torch.uint8)
-    ]
-    if not steps:
-        steps = index_long_copies(indices)
-    return [*steps, OUTPUTS]
-
-
 _DEG_RAD = (
     aten.deg2rad.default, aten.deg2rad.out, aten.deg2rad_.default,
     aten.rad2deg.default, aten.rad2deg.out, aten.rad2deg_.default,

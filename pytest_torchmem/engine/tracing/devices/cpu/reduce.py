@@ -31,7 +31,7 @@ from pytest_torchmem.engine.tracing.devices.tensor_iterator import (
     coalesce_dimensions,
     reorder_dimensions,
 )
-from pytest_torchmem.engine.tracing.rules import OUTPUTS, Alloc, Free, OpCall, Steps
+from pytest_torchmem.engine.tracing.rules import OUTPUTS, Alloc, Free, OpCall, Output, Steps
 
 __all__ = ["GRAIN_SIZE", "two_pass_buffer", "sum_steps", "mean_steps"]
 
@@ -359,6 +359,30 @@ def _sort(call: OpCall) -> Steps:
 # -- losses ----------------------------------------------------------------------------
 #
 # ``Reduction``: 0 none, 1 mean, 2 sum (``aten/src/ATen/core/Reduction.h``).
+
+
+@CPU.scratch(aten._ctc_loss.default, aten._ctc_loss.Tensor)
+def _ctc_loss(call: OpCall) -> Steps:
+    """``ctc_loss_cpu_template`` (``LossCTC.cpp``): ``log_alpha`` is made before
+    ``neg_log_likelihood`` (the op returns them the other way round). Its size
+    depends on the longest target (values): the op ran on them, or was listed."""
+    return [Output(1), Output(0)]
+
+
+@CPU.implementation(aten._ctc_loss_backward.default, aten._ctc_loss_backward.Tensor)
+def _ctc_loss_backward_output(call: OpCall) -> Any:
+    """``_ctc_loss_backward`` has no meta kernel: its gradient is
+    ``full_like(log_probs, -inf, LEGACY_CONTIGUOUS_MEMORY_FORMAT)``."""
+    log_probs = arg(call, 1, "log_probs")
+    return torch.empty_like(log_probs, memory_format=torch.contiguous_format)
+
+
+@CPU.scratch(aten._ctc_loss_backward.default, aten._ctc_loss_backward.Tensor)
+def _ctc_loss_backward(call: OpCall) -> Steps:
+    """``ctc_loss_backward_cpu_template``: the gradient (``full_like(log_probs, -inf)``),
+    then ``log_beta = empty_like(log_alpha)``, freed on return."""
+    log_alpha = arg(call, 6, "log_alpha")
+    return [OUTPUTS, Alloc("log_beta", log_alpha.numel() * log_alpha.element_size())]
 
 
 def _reduction(call: OpCall, index: int) -> int:
