@@ -6,7 +6,8 @@ to that level (``ATEN_CPU_CAPABILITY``, ``ONEDNN_MAX_CPU_ISA``,
 ``MKL_ENABLE_INSTRUCTIONS``) and that runs at the profile's intra-op thread
 count; the estimate under the named profile, made in any process, must give the
 same bytes. Used by ``tests/test_accuracy_profiles.py``
-and ``benchmarks/accuracy.py --profiles``.
+and ``benchmarks/accuracy.py --profiles``; the compiled families of
+``compiled_zoo.py`` likewise (``tests/test_compiled.py``).
 
     python tests/profiled.py THREADS [case ...]   # in the capped process: JSON on stdout
 """
@@ -19,6 +20,7 @@ import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from pytest_torchmem.engine.tracing.devices.cpu.profiles import (
     ISA_LEVELS,
@@ -45,9 +47,19 @@ def as_measured_here(profile: CpuProfile) -> CpuProfile:
 
 def measure_zoo(profile: CpuProfile, names: Sequence[str]) -> dict[str, dict[str, int]]:
     """``measure`` of the zoo ``names`` in a process capped to ``profile``: name -> phase peaks."""
+    return _capped(profile, _HERE, names)
+
+
+def measure_compiled(profile: CpuProfile, names: Sequence[str]) -> dict[str, list[dict[str, int]]]:
+    """``measure`` of the compiled families ``names`` (``compiled_zoo.py``) in a process
+    capped to ``profile``: name -> phase peaks of each of its shapes."""
+    return _capped(profile, _HERE.parent / "compiled_zoo.py", names)
+
+
+def _capped(profile: CpuProfile, script: Path, names: Sequence[str]) -> Any:
     env = {**os.environ, **capped_environment(profile)}
     done = subprocess.run(
-        [sys.executable, str(_HERE), str(profile.threads), *names],
+        [sys.executable, str(script), str(profile.threads), *names],
         env=env,
         capture_output=True,
         text=True,

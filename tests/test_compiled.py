@@ -1,23 +1,27 @@
 """Compiled models: followed on cpu, never reported as eager figures in silence (issue 11).
 
-On cpu the estimate runs the program inductor builds for each compiled module
-(no kernel compiled) and equals ``measure``, which runs the real compiled
-step (the fake cuda device's program: tests/test_compiled_cuda.py). What is
-not followed (compiled functions) runs eagerly and is listed in
-``unsupported`` with where it is defined.
+On cpu the estimate runs the program inductor builds for each compiled region
+(compiled modules, compiled functions called in ``forward``, a compiled
+optimizer step; no kernel compiled), built for the CPU profile, and equals
+``measure``, which runs the real compiled step in its steady state (the fake
+cuda device's program: tests/test_compiled_cuda.py). What is not followed
+(other backends, inductor's C++ wrapper, compiled functions on cuda) runs
+eagerly and is listed in ``unsupported`` with where it is defined.
 """
 
 from __future__ import annotations
 
-import functools
 import inspect
 
 import pytest
 import torch
+from compiled_zoo import FAMILIES, Attention, Fusable, adamw, compiled_adamw
+from profiled import as_measured_here, measure_compiled, reachable
 from torch import nn
 
 import pytest_torchmem as tm
-from pytest_torchmem.engine.tracing.compiled import EAGER_REASON, MEASURED_EAGER_REASON
+from pytest_torchmem.engine.tracing.compiled import EAGER_REASON
+from pytest_torchmem.engine.tracing.devices.cpu.profiles import CpuProfile, host_profile
 
 
 def _block() -> nn.Module:
@@ -38,63 +42,20 @@ class _CallsCompiledFunction(nn.Module):
         return _scaled_gelu(self.linear(x))
 
 
-class _Regional(nn.Module):
-    """Regional compilation: each repeated block compiled on its own."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList(_block() for _ in range(2))
-        for block in self.blocks:
-            block.compile()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for block in self.blocks:
-            x = x + block(x)
-        return x
-
-
 def _where(function: object) -> str:
     code = inspect.unwrap(function).__code__  # type: ignore[arg-type]
     return f"{code.co_filename}:{code.co_firstlineno}"
 
 
-def _compiled(kind: str) -> tuple[nn.Module, str, str]:
-    """A compiled model, the region's name and where it is defined."""
-    sequential = f"{nn.Sequential.forward.__code__.co_filename}:"
-    sequential += str(nn.Sequential.forward.__code__.co_firstlineno)
-    if kind == "torch.compile(model)":
-        return torch.compile(_block()), "Sequential.forward", sequential
-    if kind == "model.compile()":
-        model = _block()
-        model.compile()
-        return model, "Sequential.forward", sequential
-    if kind == "compiled function in forward":
-        return _CallsCompiledFunction(), "_scaled_gelu", _where(_scaled_gelu)
-    return _Regional(), "Sequential.forward", sequential
-
-
-KINDS = ["torch.compile(model)", "model.compile()", "compiled function in forward", "regional"]
-
-
-@pytest.mark.parametrize("device", ["cuda", "cpu"])
-@pytest.mark.parametrize("kind", ["compiled function in forward"])
-def test_a_compiled_region_is_listed_as_traced_eagerly(kind: str, device: str) -> None:
-    model, name, where = _compiled(kind)
-    x = torch.randn(4, 16)
-    report = tm.estimate(model, x, device=device)
+def test_a_compiled_function_on_cuda_is_listed_as_traced_eagerly() -> None:
+    """On cuda compiled modules are followed (tests/test_compiled_cuda.py), compiled
+    functions are not: the eager figures, said."""
+    report = tm.estimate(_CallsCompiledFunction(), torch.randn(4, 16), device="cuda")
     compiled = [entry for entry in report.unsupported if entry.op.startswith("torch.compile")]
     assert [(entry.op, entry.reason, entry.location) for entry in compiled] == [
-        (f"torch.compile: {name}", EAGER_REASON, where)
+        ("torch.compile: _scaled_gelu", EAGER_REASON, _where(_scaled_gelu))
     ]
     assert not report.complete
-
-
-def test_measure_lists_a_compiled_region_too() -> None:
-    model, name, where = _compiled("compiled function in forward")
-    report = tm.measure(model, torch.randn(4, 16))
-    assert [(entry.op, entry.reason, entry.location) for entry in report.unsupported] == [
-        (f"torch.compile: {name}", MEASURED_EAGER_REASON, where)
-    ]
 
 
 def test_the_watch_is_gone_after_the_trace() -> None:
@@ -105,26 +66,137 @@ def test_the_watch_is_gone_after_the_trace() -> None:
     assert eval_frame._maybe_set_eval_frame is real
 
 
-class _Fusable(nn.Module):
-    """The issue's block, small: inductor fuses ``gelu(h) * sigmoid(h) + tanh(h)``."""
+# -- the compiled program, followed on cpu: the accuracy suite -----------------------
+
+
+def _figures(name: str, compiled: bool, cpu: object = None) -> list[dict[str, int]]:
+    """The estimates of family ``name`` (each of its shapes), compiled or eager."""
+    family = FAMILIES[name]
+    model, x, options = family.make(compiled)
+    shapes = [x, *(torch.randn(*shape) for shape in family.more_shapes)]
+    reports = [tm.estimate(model, inputs, cpu=cpu, **options) for inputs in shapes]  # type: ignore[arg-type]
+    assert all(report.unsupported == () for report in reports), [r.unsupported for r in reports]
+    return [report.phase_peaks() for report in reports]
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_the_estimate_follows_the_compiled_program(name: str) -> None:
+    """Byte for byte what measure sees of the real compiled step, in every phase, at this
+    host's level and threads; the eager estimate beside it shows what the compiler changed."""
+    family = FAMILIES[name]
+    model, x, options = family.make(compiled=True)
+    measured = []
+    for inputs in [x, *(torch.randn(*shape) for shape in family.more_shapes)]:
+        report = tm.measure(model, inputs, **options)
+        assert report.unsupported == ()
+        measured.append(report.phase_peaks())
+    estimated = _figures(name, compiled=True)
+    eager = _figures(name, compiled=False)
+    assert estimated == measured, f"eager: {eager}"
+
+
+#: Lower levels than this host's, measured in capped processes: the plugin's default
+#: profile, and a CPU without AVX on one thread.
+LOWER = [CpuProfile("avx2", 4), CpuProfile("default", 1)]
+
+
+@pytest.mark.parametrize("profile", LOWER, ids=str)
+def test_the_estimate_under_a_named_profile_is_that_cpus(profile: CpuProfile) -> None:
+    """Under a named profile inductor builds for that CPU (its vector width and threads),
+    and the kernels it leaves to ATen follow the profile's rules: the estimate made in this
+    process equals measure in a process capped to the level, at the profile's threads."""
+    if not reachable(profile):
+        pytest.skip(f"this host cannot run {profile.isa}")
+    here = as_measured_here(profile)
+    measured = measure_compiled(here, list(FAMILIES))
+    wrong = {}
+    for name in FAMILIES:
+        estimated = _figures(name, compiled=True, cpu=here)
+        if estimated != measured[name]:
+            wrong[name] = (estimated, measured[name])
+    assert wrong == {}
+
+
+class _ScatterSum(nn.Module):
+    """A summing ``scatter_reduce``: inductor runs its own kernel on one thread and ATen's
+    on more (``needs_fallback_due_to_atomic_add_limitations``), with other buffers."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.norm = nn.LayerNorm(32)
-        self.up = nn.Linear(32, 128)
-        self.down = nn.Linear(128, 32)
+        self.linear = nn.Linear(32, 32)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.up(self.norm(x))
-        h = torch.nn.functional.gelu(h) * torch.sigmoid(h) + torch.tanh(h)
-        return x + self.down(h)
+    def forward(self, x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        h = self.linear(x).relu() * 2
+        out = torch.zeros(16, 32, dtype=h.dtype).scatter_reduce(0, index, h, "sum")
+        return out.sigmoid()
+
+
+def test_the_program_is_built_for_the_profiles_threads() -> None:
+    """The plan depends on the thread count here (1 thread: a smaller forward); the
+    estimate follows the profile's threads, not this process's."""
+    from exactness import intra_op_threads
+
+    torch.manual_seed(0)
+    inputs = (torch.randn(64, 32), torch.randint(0, 16, (64, 32)))
+    host = host_profile()
+    measured = {}
+    for threads in (1, 4):
+        with intra_op_threads(threads):
+            measured[threads] = tm.measure(torch.compile(_ScatterSum()), inputs).phase_peaks()
+    assert measured[1] != measured[4]
+    with intra_op_threads(2):
+        for threads in (1, 4):
+            profile = CpuProfile(host.isa, threads, l1d=host.l1d, l2=host.l2, l3=host.l3)
+            report = tm.estimate(torch.compile(_ScatterSum()), inputs, cpu=profile)
+            assert report.unsupported == ()
+            assert report.phase_peaks() == measured[threads]
+
+
+def test_inference_follows_the_compiled_program() -> None:
+    torch.manual_seed(0)
+    model, x = torch.compile(Fusable()), torch.randn(8, 16, 32)
+    estimated = tm.estimate(model, x, train=False, cpu=None)
+    assert estimated.unsupported == ()
+    assert estimated.phase_peaks() == tm.measure(model, x, train=False).phase_peaks()
+
+
+def test_the_compiled_program_beats_the_eager_one() -> None:
+    """Fusion saves activations; the compiled AdamW step makes no per-parameter temporaries."""
+    torch.manual_seed(0)
+    eager, x = Fusable(), torch.randn(8, 16, 32)
+    compiled = tm.estimate(torch.compile(eager), x, cpu=None, optimizer=compiled_adamw)
+    plain = tm.estimate(eager, x, cpu=None, optimizer=adamw)
+    assert compiled.forward_peak < plain.forward_peak
+    assert compiled.backward_peak < plain.backward_peak
+    assert compiled.step_peak < plain.step_peak
+
+
+def test_the_compiled_optimizer_state_is_optimizer_state() -> None:
+    """Dynamo makes the state while it compiles the step (it calls ``_init_group`` itself):
+    the estimate sees it made there, charged as optimizer state at the step's peak."""
+    torch.manual_seed(0)
+    model, x = nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 64)), torch.randn(8, 64)
+    report = tm.estimate(model, x, cpu=None, optimizer=compiled_adamw)
+    assert report.peak == report.step_peak
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    steps = 4 * len(list(model.parameters()))  # one float32 step counter per parameter
+    assert report.breakdown[tm.Category.OPTIMIZER_STATE] == 2 * params + steps
+
+
+def test_an_eager_adamw_step_after_a_compiled_model() -> None:
+    """The optimizer step itself is not compiled here: it runs eagerly in both."""
+    torch.manual_seed(0)
+    model, x = torch.compile(Fusable()), torch.randn(8, 16, 32)
+    estimated = tm.estimate(model, x, optimizer=adamw, cpu=None)
+    assert estimated.unsupported == ()
+    assert estimated.phase_peaks() == tm.measure(model, x, optimizer=adamw).phase_peaks()
 
 
 def test_measure_runs_a_compiled_module_in_its_steady_state() -> None:
     """One warm-up step compiles; the measured step runs the compiled code (checked in the
     profiler's events), whose saved activations are fewer than eager's."""
     torch.manual_seed(0)
-    model, x = _Fusable(), torch.randn(8, 16, 32)
+    model, x = Fusable(), torch.randn(8, 16, 32)
     eager = tm.measure(model, x)
     compiled = tm.measure(torch.compile(model), x)
     assert compiled.unsupported == ()
@@ -135,7 +207,18 @@ def test_measure_runs_a_compiled_module_in_its_steady_state() -> None:
     assert tm.measure(model, x).phase_peaks() == eager.phase_peaks()
 
 
-# -- the compiled program, followed on cpu ------------------------------------------
+def test_measures_never_use_up_the_users_recompile_limit() -> None:
+    """Each measurement compiles in a dynamo cache region of its own: a compiled optimizer
+    step compiles once per optimizer, and dynamo counts invalidated entries against the
+    limit, so measurements in the user's region would leave later steps eager."""
+    from torch._dynamo import config as dynamo_config
+
+    torch.manual_seed(0)
+    model, x = Fusable(), torch.randn(8, 16, 32)
+    with dynamo_config.patch(recompile_limit=2):
+        reports = [tm.measure(model, x, optimizer=compiled_adamw) for _ in range(3)]
+    assert all(report.unsupported == () for report in reports)
+    assert len({report.step_peak for report in reports}) == 1
 
 
 def _compiled_code_ran(model: nn.Module, x: torch.Tensor) -> bool:
@@ -147,146 +230,20 @@ def _compiled_code_ran(model: nn.Module, x: torch.Tensor) -> bool:
     return any(event.name.startswith("Torch-Compiled Region") for event in prof.events())
 
 
-class _Attention(nn.Module):
-    """A pre-norm transformer block with scaled-dot-product attention."""
+def _seen_codes() -> list[object]:
+    from torch._dynamo.convert_frame import input_codes
 
-    def __init__(self, d: int = 32, heads: int = 4) -> None:
-        super().__init__()
-        self.heads = heads
-        self.norm1, self.norm2 = nn.LayerNorm(d), nn.LayerNorm(d)
-        self.qkv, self.out = nn.Linear(d, 3 * d), nn.Linear(d, d)
-        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, n, d = x.shape
-        q, k, v = self.qkv(self.norm1(x)).view(b, n, 3, self.heads, d // self.heads).unbind(2)
-        a = torch.nn.functional.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
-        )
-        x = x + self.out(a.transpose(1, 2).reshape(b, n, d))
-        return x + self.mlp(self.norm2(x))
-
-
-class _Breaks(nn.Module):
-    """A graph break in forward: two compiled graphs with eager code between them."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.first, self.second = _Fusable(), _Fusable()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.first(x)
-        torch._dynamo.graph_break()
-        return self.second(x)
-
-
-def _conv() -> nn.Module:
-    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 8, 3))
-
-
-class _Selective(nn.Module):
-    """Selective activation checkpointing: matmuls saved, the rest recomputed."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.block = _Fusable()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from torch.utils.checkpoint import (
-            CheckpointPolicy,
-            checkpoint,
-            create_selective_checkpoint_contexts,
-        )
-
-        def policy(ctx: object, op: object, *args: object, **kwargs: object) -> CheckpointPolicy:
-            if op == torch.ops.aten.mm.default:
-                return CheckpointPolicy.MUST_SAVE
-            return CheckpointPolicy.PREFER_RECOMPUTE
-
-        # a partial: dynamo traces context_fn only as one
-        contexts = functools.partial(create_selective_checkpoint_contexts, policy)
-        return checkpoint(self.block, x, use_reentrant=False, context_fn=contexts)
-
-
-def _regional_fusable() -> nn.Module:
-    blocks = nn.Sequential(_Fusable(), _Fusable())
-    for block in blocks:
-        block.compile()
-    return blocks
-
-
-FAMILIES = {
-    "mlp": (lambda: torch.compile(_Fusable()), (8, 16, 32)),
-    "transformer": (lambda: torch.compile(_Attention()), (2, 16, 32)),
-    "conv-bn-relu": (lambda: torch.compile(_conv()), (2, 3, 16, 16)),
-    "graph break": (lambda: torch.compile(_Breaks()), (8, 16, 32)),
-    "selective checkpointing": (lambda: torch.compile(_Selective()), (8, 16, 32)),
-    "regional": (_regional_fusable, (8, 16, 32)),
-}
-
-
-@pytest.mark.parametrize("family", list(FAMILIES))
-def test_the_estimate_follows_the_compiled_program(family: str) -> None:
-    """Byte for byte what measure sees of the real compiled step, in every phase; the eager
-    estimate (the model without compile) beside it shows what the compiler changed."""
-    torch.manual_seed(0)
-    build, shape = FAMILIES[family]
-    model, x = build(), torch.randn(*shape)
-    estimated = tm.estimate(model, x, device="cpu", cpu=None)
-    assert estimated.unsupported == ()
-    measured = tm.measure(model, x, device="cpu")
-    assert measured.unsupported == ()
-    assert estimated.phase_peaks() == measured.phase_peaks()
-
-
-def test_an_eager_adamw_step_after_a_compiled_model() -> None:
-    """The optimizer step itself is not compiled here: it runs eagerly in both."""
-    torch.manual_seed(0)
-    model, x = torch.compile(_Fusable()), torch.randn(8, 16, 32)
-
-    def adamw(params: list[nn.Parameter]) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(params)
-
-    estimated = tm.estimate(model, x, optimizer=adamw, cpu=None)
-    assert estimated.unsupported == ()
-    assert estimated.phase_peaks() == tm.measure(model, x, optimizer=adamw).phase_peaks()
-
-
-def test_inference_follows_the_compiled_program() -> None:
-    torch.manual_seed(0)
-    model, x = torch.compile(_Fusable()), torch.randn(8, 16, 32)
-    estimated = tm.estimate(model, x, train=False, cpu=None)
-    assert estimated.unsupported == ()
-    assert estimated.phase_peaks() == tm.measure(model, x, train=False).phase_peaks()
-
-
-def test_dynamic_shapes_two_batch_sizes() -> None:
-    torch.manual_seed(0)
-    model = torch.compile(_Fusable(), dynamic=True)
-    for batch in (4, 8):
-        x = torch.randn(batch, 16, 32)
-        estimated = tm.estimate(model, x, cpu=None)
-        assert estimated.unsupported == ()
-        assert estimated.phase_peaks() == tm.measure(model, x).phase_peaks()
-
-
-def test_the_compiled_program_beats_the_eager_one() -> None:
-    torch.manual_seed(0)
-    eager, x = _Fusable(), torch.randn(8, 16, 32)
-    compiled = tm.estimate(torch.compile(eager), x, cpu=None)
-    plain = tm.estimate(eager, x, cpu=None)
-    assert compiled.forward_peak < plain.forward_peak
-    assert compiled.backward_peak < plain.backward_peak
+    return [code for ref in list(input_codes.seen) if (code := ref()) is not None]
 
 
 def test_an_estimate_leaves_the_users_compiled_model_as_it_was() -> None:
-    """After an estimate the model's real compiled calls run real compiled code (not the
-    estimate's no-op kernels) and compute the eager values; the estimate's cache entries
-    live in their own region, invalidated, and the user's region holds only their own."""
+    """After estimates and measurements the model's real compiled calls run real compiled
+    code (not the estimate's no-op kernels) and compute the eager values; our cache entries
+    live in regions of their own, invalidated, and the user's region holds only their own."""
     from torch._dynamo.eval_frame import _get_cache_entries_for_region
 
     torch.manual_seed(0)
-    eager, x = _Fusable(), torch.randn(8, 16, 32)
+    eager, x = Fusable(), torch.randn(8, 16, 32)
     model = torch.compile(eager)
     forward = model.forward
     with torch.no_grad():
@@ -295,6 +252,7 @@ def test_an_estimate_leaves_the_users_compiled_model_as_it_was() -> None:
     users = {c: len(_get_cache_entries_for_region(c, -1)) for c in codes}
     for _ in range(3):  # repeated estimates stay complete and never touch the user's region
         assert tm.estimate(model, x, cpu=None).unsupported == ()
+    assert tm.measure(model, x).unsupported == ()
     assert model.forward is forward
     assert {c: len(_get_cache_entries_for_region(c, -1)) for c in codes} == users
     with torch.no_grad():
@@ -303,47 +261,122 @@ def test_an_estimate_leaves_the_users_compiled_model_as_it_was() -> None:
     assert {c: len(_get_cache_entries_for_region(c, -1)) for c in codes} == users  # no recompile
 
 
-def _seen_codes() -> list[object]:
-    from torch._dynamo.convert_frame import input_codes
-
-    return [code for ref in list(input_codes.seen) if (code := ref()) is not None]
-
-
 @pytest.mark.parametrize(
     "options", [{"backend": "eager"}, {"backend": "aot_eager"}, {"options": {"cpp_wrapper": True}}]
 )
 def test_a_compiled_module_not_followed_is_listed(options: dict[str, object]) -> None:
     """Backends other than inductor, and inductor's C++ wrapper: eager figures, flagged."""
     torch.manual_seed(0)
-    eager, x = _Fusable(), torch.randn(8, 16, 32)
+    eager, x = Fusable(), torch.randn(8, 16, 32)
     report = tm.estimate(torch.compile(eager, **options), x, cpu=None)  # type: ignore[call-overload]
-    assert [entry.op for entry in report.unsupported] == ["torch.compile: _Fusable.forward"]
+    assert [entry.op for entry in report.unsupported] == ["torch.compile: Fusable.forward"]
     assert report.phase_peaks() == tm.estimate(eager, x, cpu=None).phase_peaks()
 
 
-def test_a_program_that_cannot_be_built_is_listed(monkeypatch: pytest.MonkeyPatch) -> None:
-    """An error of inductor while the estimate compiles: the module runs eagerly, flagged."""
+def _broken_inductor(monkeypatch: pytest.MonkeyPatch) -> None:
     import torch._inductor.compile_fx as compile_fx
 
     def broken(*args: object, **kwargs: object) -> object:
         raise RuntimeError("inductor failed")
 
     monkeypatch.setattr(compile_fx, "compile_fx", broken)
+
+
+def test_a_program_that_cannot_be_built_is_listed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An error of inductor while the estimate compiles: the module runs eagerly, flagged."""
+    _broken_inductor(monkeypatch)
     torch.manual_seed(0)
-    eager, x = _Fusable(), torch.randn(8, 16, 32)
+    eager, x = Fusable(), torch.randn(8, 16, 32)
     report = tm.estimate(torch.compile(eager), x, cpu=None)
-    assert [entry.op for entry in report.unsupported] == ["torch.compile: _Fusable.forward"]
+    assert [entry.op for entry in report.unsupported] == ["torch.compile: Fusable.forward"]
     assert report.phase_peaks() == tm.estimate(eager, x, cpu=None).phase_peaks()
 
 
-def test_a_named_cpu_profile_other_than_the_host_is_said() -> None:
-    """Inductor builds the program for the CPU it runs on: under a profile that is not
-    this host (the plugin's default avx2:4 on most machines) the report says so."""
-    from pytest_torchmem.engine.tracing.devices.cpu.profiles import host_profile
+def test_an_optimizer_step_that_cannot_be_built_is_listed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The compiled step is built in the traced step (its optimizer is new there): an error
+    of inductor there runs dynamo's graph as traced, flagged."""
+    _broken_inductor(monkeypatch)
+    torch.manual_seed(0)
+    model, x = Fusable(), torch.randn(8, 16, 32)
+    report = tm.estimate(model, x, cpu=None, optimizer=compiled_adamw)
+    assert [entry.op for entry in report.unsupported] == ["torch.compile: Adam.step"]
 
-    host = host_profile()
-    other = f"{'avx2' if host.isa != 'avx2' else 'default'}:{host.threads}"
-    model, x = torch.compile(_Fusable()), torch.randn(8, 16, 32)
-    assert tm.estimate(model, x, cpu="host").unsupported == ()
-    said = [u for u in tm.estimate(model, x, cpu=other).unsupported if u.op == "torch.compile: CPU profile"]
-    assert len(said) == 1 and other in said[0].reason
+
+# -- compile=: an eager model checked as compiled ------------------------------------
+
+
+def test_compile_checks_an_eager_model_as_compiled() -> None:
+    """``compile=True`` is ``torch.compile(model)``'s figures, in estimate and measure; the
+    model is not compiled, and its eager figures stay as they were."""
+    torch.manual_seed(0)
+    model, x = Attention(), torch.randn(2, 16, 32)
+    attributes = dict(model.__dict__)
+    eager = tm.estimate(model, x, cpu=None)
+    estimated = tm.estimate(model, x, cpu=None, compile=True)
+    assert estimated.unsupported == ()
+    assert estimated.phase_peaks() == tm.measure(model, x, compile=True).phase_peaks()
+    assert model.__dict__ == attributes
+    assert tm.estimate(model, x, cpu=None).phase_peaks() == eager.phase_peaks()
+    assert estimated.phase_peaks() != eager.phase_peaks()
+    assert estimated.phase_peaks() == tm.estimate(torch.compile(model), x, cpu=None).phase_peaks()
+
+
+def test_compile_options_reach_torch_compile() -> None:
+    """Inductor's options change its program (without buffer reuse, another backward
+    plan here): the estimate is ``torch.compile``'s with them, as the measurement is."""
+    torch.manual_seed(0)
+    model, x = Attention(), torch.randn(2, 16, 32)
+    options = {"options": {"allow_buffer_reuse": False}, "dynamic": False}
+    estimated = tm.estimate(model, x, cpu=None, compile=options)
+    assert estimated.phase_peaks() != tm.estimate(model, x, cpu=None, compile=True).phase_peaks()
+    assert estimated.phase_peaks() == tm.measure(model, x, compile=options).phase_peaks()
+    compiled = torch.compile(model, options={"allow_buffer_reuse": False}, dynamic=False)
+    assert estimated.phase_peaks() == tm.estimate(compiled, x, cpu=None).phase_peaks()
+
+
+def test_autotuning_is_listed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where inductor benchmarks kernel choices (max-autotune), the estimate's candidates
+    are no-op kernels: its choice may not be a real compile's, and the report says so.
+    (Inductor benchmarks only where it has several candidates: simulated here.)"""
+    import torch._inductor.compile_fx as compile_fx
+    from torch._dynamo.utils import counters
+
+    real = compile_fx.compile_fx
+
+    def autotuning(*args: object, **kwargs: object) -> object:
+        counters["inductor"]["select_algorithm_autotune"] += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(compile_fx, "compile_fx", autotuning)
+    report = tm.estimate(Fusable(), torch.randn(2, 32), cpu=None, compile={"mode": "max-autotune"})
+    assert [entry.op for entry in report.unsupported] == ["torch.compile: autotuning"]
+
+
+@pytest.mark.parametrize(
+    ("value", "error", "match"),
+    [
+        (1, TypeError, "compile must be True, False, None or a dict"),
+        ("max-autotune", TypeError, "compile must be True, False, None or a dict"),
+        ({"backend": "eager"}, ValueError, "does not take 'backend'.*inductor"),
+        ({"mode": "fast"}, ValueError, "mode 'fast' is not one of default"),
+        ({"dynamic": "yes"}, TypeError, "dynamic must be True, False or None"),
+        ({"fullgraph": None}, TypeError, "fullgraph must be True or False"),
+        ({"mode": "default", "options": {}}, ValueError, "mode or options, not both"),
+        ({"options": ["epilogue_fusion"]}, TypeError, "options must be a dict"),
+        ({"options": {"x": object()}}, TypeError, r"options\['x'\] is <object"),
+    ],
+)
+def test_malformed_compile_values_are_clear_errors(value: object, error: type, match: str) -> None:
+    with pytest.raises(error, match=match):
+        tm.estimate(Fusable(), torch.randn(2, 32), compile=value)  # type: ignore[arg-type]
+
+
+def test_compile_of_a_compiled_model_is_refused() -> None:
+    with pytest.raises(ValueError, match="already holds compiled modules"):
+        tm.measure(torch.compile(Fusable()), torch.randn(2, 32), compile=True)
+
+
+def test_compile_and_parallel_together_are_refused() -> None:
+    parallel = tm.Parallel(mesh={"dp": 2}, apply=lambda model, mesh: model)
+    with pytest.raises(ValueError, match="compile= and parallel= together"):
+        tm.estimate(Fusable(), torch.randn(2, 32), compile=True, parallel=parallel)

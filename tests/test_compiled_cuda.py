@@ -9,6 +9,8 @@ small model, against the eager estimate, and by what the report lists.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 from torch import nn
@@ -22,12 +24,48 @@ from pytest_torchmem.engine.tracing.compiled_cuda import (
 from pytest_torchmem.engine.tracing.devices import device_model
 from pytest_torchmem.engine.tracing.devices.cuda.profiles import gpu_profile
 from pytest_torchmem.engine.tracing.trace import trace
-from test_compiled import FAMILIES, KINDS, _Attention, _compiled, _Fusable
+from compiled_zoo import FAMILIES
+from compiled_zoo import Attention as _Attention
+from compiled_zoo import Fusable as _Fusable
+from test_compiled import _block, _CallsCompiledFunction, _scaled_gelu, _where
 
 KiB = 1024
 MiB = 1024 * KiB
 #: One small-pool segment of the caching allocator (``kSmallBuffer``).
 SMALL_SEGMENT = 2 * MiB
+
+
+class _Regional(nn.Module):
+    """Regional compilation: each repeated block compiled on its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(_block() for _ in range(2))
+        for block in self.blocks:
+            block.compile()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = x + block(x)
+        return x
+
+
+def _compiled(kind: str) -> tuple[nn.Module, str, str]:
+    """A compiled model, the region's name and where it is defined."""
+    sequential = f"{nn.Sequential.forward.__code__.co_filename}:"
+    sequential += str(nn.Sequential.forward.__code__.co_firstlineno)
+    if kind == "torch.compile(model)":
+        return torch.compile(_block()), "Sequential.forward", sequential
+    if kind == "model.compile()":
+        model = _block()
+        model.compile()
+        return model, "Sequential.forward", sequential
+    if kind == "compiled function in forward":
+        return _CallsCompiledFunction(), "_scaled_gelu", _where(_scaled_gelu)
+    return _Regional(), "Sequential.forward", sequential
+
+
+KINDS = ["torch.compile(model)", "model.compile()", "compiled function in forward", "regional"]
 
 
 class _SinSum(nn.Module):
@@ -146,8 +184,18 @@ def _traced(model: nn.Module, x: torch.Tensor, gpu: str = "H100", **kwargs: obje
     )
 
 
+def _built(name: str) -> Callable[[], nn.Module]:
+    return lambda: FAMILIES[name].make(compiled=True)[0]
+
+
+#: The families of compiled modules (compiled functions and optimizer steps are not followed
+#: on cuda).
+_MODULE_FAMILIES = ("mlp", "transformer", "conv-bn-relu", "graph break", "selective checkpointing", "regional")
 CUDA_FAMILIES = {
-    **{name: (build, shape, torch.float32, "H100") for name, (build, shape) in FAMILIES.items()},
+    **{
+        name: (_built(name), FAMILIES[name].shape, torch.float32, "H100")
+        for name in _MODULE_FAMILIES
+    },
     # bf16 on an A100: flash attention (the H100 takes cuDNN's)
     "transformer": (lambda: torch.compile(_Attention().to(torch.bfloat16)), (2, 16, 32), torch.bfloat16, "A100"),
 }

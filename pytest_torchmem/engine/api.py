@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from typing import Any
 
 from torch import nn
 
 from pytest_torchmem.engine.parallel import Parallel
 from pytest_torchmem.engine.report import MemoryReport
-from pytest_torchmem.engine.request import step_request
+from pytest_torchmem.engine.request import as_compiled, step_request
 from pytest_torchmem.engine.step import LossFn, OptimizerFactory
 from pytest_torchmem.engine.tracing.devices import device_model
 from pytest_torchmem.engine.tracing.devices.cpu.profiles import CpuProfile, cpu_profile
@@ -30,6 +31,7 @@ def estimate(
     keep_output: bool = False,
     gpu: str | None = None,
     cpu: str | CpuProfile | None = None,
+    compile: bool | Mapping[str, Any] | None = None,
     parallel: Parallel | None = None,
 ) -> MemoryReport:
     """Estimate the memory of one step of ``model`` on ``inputs`` with fake tensors.
@@ -65,13 +67,24 @@ def estimate(
     ``"<isa level>:<intra-op threads>"`` such as ``"avx2:4"``, or a
     :class:`~pytest_torchmem.CpuProfile`; under a named profile the figures are
     the same on every host.
+
+    ``compile``: ``True`` or a dict of ``torch.compile``'s ``mode``, ``dynamic``,
+    ``fullgraph`` and ``options`` checks an eager ``model`` as
+    ``torch.compile(model, **compile)`` runs it (``model`` itself is not
+    compiled); a compiled model (``torch.compile(model)``, ``model.compile()``,
+    compiled submodules and functions) is estimated as compiled without it. On
+    cpu the estimate follows inductor's program; on cuda a compiled region runs
+    eagerly, listed in ``unsupported``.
     """
-    request = step_request("estimate", model, inputs, device, loss_fn, optimizer, train, keep_output)
+    request = step_request(
+        "estimate", model, inputs, device, loss_fn, optimizer, train, keep_output, compile
+    )
     if gpu is not None and request.device != "cuda":
         raise ValueError(f"gpu={gpu!r} applies to device='cuda' only, not {device!r}")
     if cpu is not None and request.device != "cpu":
         raise ValueError(f"cpu={cpu!r} applies to device='cpu' only, not {device!r}")
     _check_parallel(parallel)
+    request = as_compiled(request, parallel)
     reports = [
         trace(
             request.model,
@@ -116,6 +129,7 @@ def measure(
     optimizer: OptimizerFactory | None = None,
     train: bool = True,
     keep_output: bool = False,
+    compile: bool | Mapping[str, Any] | None = None,
     parallel: Parallel | None = None,
 ) -> MemoryReport:
     """Run one step of ``model`` for real and report the memory it took.
@@ -131,11 +145,17 @@ def measure(
     ``parallel`` (cpu only): the mesh's ranks run as real processes on this
     machine over gloo (world size at most 4), each measured as above; the
     report is the memory of ``parallel.rank``.
+
+    ``compile`` (``estimate``'s): the step of ``torch.compile(model, **compile)``,
+    in its steady state (a warm-up step compiles first); dynamo's cache
+    entries of a measurement are its own, invalidated when it returns.
     """
     from pytest_torchmem.engine.measuring import measure_step
 
     _check_parallel(parallel)
-    request = step_request("measure", model, inputs, device, loss_fn, optimizer, train, keep_output)
-    return measure_step(dataclasses.replace(request, parallel=parallel))
+    request = step_request(
+        "measure", model, inputs, device, loss_fn, optimizer, train, keep_output, compile
+    )
+    return measure_step(as_compiled(dataclasses.replace(request, parallel=parallel)))
 
 

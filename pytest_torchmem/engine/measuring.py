@@ -37,8 +37,15 @@ from pytest_torchmem.engine.parallel import applied, local_tensors, model_copy
 from pytest_torchmem.engine.report import Category, MemoryReport, Unsupported
 from pytest_torchmem.engine.step import ModuleTracker, NoModules, QuietProbe, run_step
 from pytest_torchmem.engine.timeline import FREE, Phase, StorageInfo, Timeline, analyze
-from pytest_torchmem.engine.tracing.compiled import MEASURED_EAGER_REASON, watch_compiled
+from pytest_torchmem.engine.tracing.compiled import (
+    MEASURED_EAGER_REASON,
+    CacheRegions,
+    region_of,
+    watch_compiled,
+)
 from pytest_torchmem.engine.tracing.devices.cpu.profiles import host_profile
+
+from pytest_torchmem.engine.request import has_compiled_modules
 
 if TYPE_CHECKING:
     from pytest_torchmem.engine.request import StepRequest
@@ -48,6 +55,10 @@ __all__ = ["measure_step"]
 _MARK: Final = "torchmem::"
 #: The profiler's name for a region of code compiled by dynamo.
 _COMPILED_REGION: Final = "Torch-Compiled Region"
+#: Why measure's own dynamo cache entries are invalidated when it returns.
+_MEASURED_REGION: Final = "pytest-torchmem: compiled for one measurement"
+#: The profiler's name for dynamo's compile of one frame (``dynamo_timed``).
+_FRAME_COMPILE: Final = "_compile.compile_inner (dynamo_timed)"
 _Allocation = torch._C._profiler._ExtraFields_Allocation
 
 
@@ -56,6 +67,8 @@ class _MarkingProbe:
     """Marks the step's progress in the profiler's event tree."""
 
     roles: list[tuple[Category, list[int]]] = field(default_factory=list)
+    #: told the phase too (which compiled regions a step enters where)
+    seen: _Seen | None = None
 
     @staticmethod
     def _mark(text: str) -> None:
@@ -63,6 +76,8 @@ class _MarkingProbe:
             pass
 
     def set_phase(self, phase: Phase | None) -> None:
+        if self.seen is not None:
+            self.seen.phase = phase
         self._mark(f"phase:{-1 if phase is None else int(phase)}")
 
     def enter_module(self, index: int) -> None:
@@ -112,22 +127,21 @@ def _copies(device: torch.device) -> StandIns:
 def measure_step(request: StepRequest) -> MemoryReport:
     """Run ``request``'s step for real on its device and report its memory.
 
-    A model with compiled modules (``torch.compile(model)``, ``model.compile()``,
-    compiled submodules) is measured on cpu in its steady state: one warm-up
-    step, which compiles, outside the measurement, then the measured step
-    (from fresh copies of the model's tensors: the optimizer's first step),
-    without per-module hooks, which would make dynamo fall back to eager
-    code (``modules`` is then empty). A compiled region that did not run as
-    compiled code in the measured step (a compiled function called in
-    ``forward``, any compiled region on cuda) is listed in ``unsupported``.
+    A model with compiled regions (compiled modules, compiled functions called
+    in ``forward``, a compiled optimizer step) is measured on cpu in its steady
+    state: one warm-up step, which compiles, outside the measurement, then the
+    measured step (from fresh copies of the model's tensors: the optimizer's
+    first step), without per-module hooks, which would make dynamo fall back
+    to eager code (``modules`` is then empty). Compiled functions are found
+    when the step calls them: the step is then measured again, after a
+    warm-up. A compiled optimizer step compiles in the measured step all the
+    same (its optimizer is new there, and dynamo compiles a step per
+    optimizer): what dynamo allocates and frees while it compiles is not
+    counted, what it makes and leaves (the optimizer's state) is. A compiled
+    region that did not run as compiled code in the measured step (any
+    compiled region on cuda) is listed in ``unsupported``.
     """
-    regions: list[Unsupported] = []
-
-    def noted(name: str, location: str) -> None:
-        entry = Unsupported(f"torch.compile: {name}", MEASURED_EAGER_REASON, location)
-        if entry not in regions:
-            regions.append(entry)
-
+    seen = _Seen()
     hooks: list[Unsupported] = []
 
     def hook_failed(hook: Any, exc: Exception) -> None:
@@ -135,31 +149,53 @@ def measure_step(request: StepRequest) -> MemoryReport:
         if entry not in hooks:
             hooks.append(entry)
 
+    def isolated(callback: Any, wrapper_frame: Any) -> Any:
+        from torch._C._dynamo.eval_frame import set_eval_frame_isolate_recompiles_id
+
+        seen.noted(*region_of(wrapper_frame))
+        # compile_wrapper set the user's region and puts back the one before it on exit
+        set_eval_frame_isolate_recompiles_id(cache.current)
+        return callback
+
     compiled_ran = False
-    with watch_compiled(noted):
+    with CacheRegions(_MEASURED_REGION) as cache, watch_compiled(seen.noted, isolated):
         if request.parallel is not None:
             report = _measure_ranks(request, hook_failed)
         elif request.device == "cuda":
             report = _measure_cuda(request, hook_failed)
         else:
-            report, compiled_ran = _measure_cpu(request, hook_failed)
-            # only a warmed-up model runs compiled code in its steady state: a compiled
-            # function met in a model without compiled modules compiles inside the measured step
-            compiled_ran = compiled_ran and has_compiled_modules(request.model)
-    flagged = [*hooks, *(() if compiled_ran else regions)]
+            warm = has_compiled_modules(request.model)
+            report, compiled_ran = _measure_cpu(request, hook_failed, warm=warm, seen=seen)
+            if seen.before_step and not warm:
+                # a compiled function compiled inside that step: measured again, warmed up,
+                # in a cache region of its own (the optimizer steps compiled there stay apart)
+                seen.regions.clear()
+                hooks.clear()
+                cache.new()
+                report, compiled_ran = _measure_cpu(request, hook_failed, warm=True, seen=seen)
+    flagged = [*hooks, *(() if compiled_ran else seen.regions)]
     if flagged:
         report = dataclasses.replace(report, unsupported=(*report.unsupported, *flagged))
     return report
 
 
-def has_compiled_modules(model: torch.nn.Module) -> bool:
-    """Whether ``model`` or one of its submodules is compiled as a module."""
-    from torch._dynamo.eval_frame import OptimizedModule
+@dataclass
+class _Seen:
+    """The compiled regions a measurement entered (as ``unsupported`` entries, should
+    their compiled code not run), and whether one was entered before the optimizer step
+    (compiled there, inside the measured step, unless a warm-up step compiled it)."""
 
-    return any(
-        isinstance(module, OptimizedModule) or getattr(module, "_compiled_call_impl", None)
-        for module in model.modules()
-    )
+    regions: list[Unsupported] = field(default_factory=list)
+    before_step: bool = False
+    #: the phase of the step being run (told by its probe)
+    phase: Phase | None = None
+
+    def noted(self, name: str, location: str) -> None:
+        entry = Unsupported(f"torch.compile: {name}", MEASURED_EAGER_REASON, location)
+        if entry not in self.regions:
+            self.regions.append(entry)
+        if self.phase != Phase.STEP:
+            self.before_step = True
 
 
 def _baseline_groups(standins: Converted) -> tuple[tuple[Category, list[torch.Tensor]], ...]:
@@ -181,11 +217,17 @@ def _host_profile_name() -> str | None:
 
 
 def _measure_cpu(
-    request: StepRequest, on_hook_error: HookError | None = None, mesh: Any = None
+    request: StepRequest,
+    on_hook_error: HookError | None = None,
+    mesh: Any = None,
+    *,
+    warm: bool | None = None,
+    seen: _Seen | None = None,
 ) -> tuple[MemoryReport, bool]:
-    """The report, and whether compiled code ran in the measured step."""
+    """The report, and whether compiled code ran in the measured step (``warm``, ``seen``:
+    see :func:`profile_cpu_step`)."""
     profile = _host_profile_name()
-    prof, timeline, baseline = profile_cpu_step(request, on_hook_error, mesh)
+    prof, timeline, baseline = profile_cpu_step(request, on_hook_error, mesh, warm=warm, seen=seen)
     analysis = analyze(timeline, baseline)
     forward, backward, step = analysis.phase_peaks
     return MemoryReport(
@@ -211,18 +253,25 @@ def _ran_compiled_code(prof: Any) -> bool:
 
 
 def profile_cpu_step(
-    request: StepRequest, on_hook_error: HookError | None = None, mesh: Any = None
+    request: StepRequest,
+    on_hook_error: HookError | None = None,
+    mesh: Any = None,
+    *,
+    warm: bool | None = None,
+    seen: _Seen | None = None,
 ) -> tuple[Any, Timeline, list[int]]:
     """Run the step on the CPU under the profiler: ``(profiler, timeline, baseline sids)``.
 
-    A model with compiled modules first runs one warm-up step (see :func:`measure_step`).
+    With ``warm`` (None: where the model has compiled modules) one warm-up step runs
+    first, and the measured step has no per-module hooks (see :func:`measure_step`);
+    ``seen`` is told the phase the measured step is in.
     Under ``request.parallel``, ``mesh`` is the real device mesh of this rank:
     ``apply`` runs under the profiler on a copy of the model that holds the
     copies, and what it leaves alive counts from the start of the step.
     """
     device = torch.device("cpu")
     model_tensors = collect(request.model)
-    compiled = has_compiled_modules(request.model)
+    compiled = has_compiled_modules(request.model) if warm is None else warm
     if compiled:
         _warm_up(request, model_tensors, device, on_hook_error)
     with torch.no_grad():
@@ -239,7 +288,7 @@ def profile_cpu_step(
             by_ptr[storage.data_ptr()] = sid
             baseline.append(sid)
 
-    probe = _MarkingProbe()
+    probe = _MarkingProbe(seen=seen)
     parallel = request.parallel
     step_model = request.model
     if parallel is not None:
@@ -309,16 +358,20 @@ def _warm_up(
     device: torch.device,
     on_hook_error: HookError | None = None,
 ) -> None:
-    """One step of a compiled model on copies of its tensors, unmeasured: it compiles."""
+    """One step of a compiled model on copies of its tensors, unmeasured: it compiles.
+
+    Without the optimizer: the measured step makes a new one, and a compiled step of
+    it compiles there all the same (dynamo compiles a step per optimizer)."""
     with torch.no_grad():
         copies = convert(model_tensors, request.args, request.kwargs, _copies(device), on_hook_error)
     with substituted(model_tensors, copies.model):
-        _run(request, copies, _MarkingProbe())
+        _run(dataclasses.replace(request, optimizer=None), copies, QuietProbe())
 
 
 def _read_events(prof: Any, timeline: Timeline, by_ptr: dict[int, int], probe: _MarkingProbe) -> None:
     """Turn the profiler's allocator events and marks into timeline events."""
     events: list[tuple[int, Any]] = []
+    compiled_in_step = False
     stack = list(prof.profiler.kineto_results.experimental_event_tree())
     while stack:
         node = stack.pop()
@@ -328,8 +381,12 @@ def _read_events(prof: Any, timeline: Timeline, by_ptr: dict[int, int], probe: _
                 events.append((node.start_time_ns, node))
         elif node.name.startswith(_MARK):
             events.append((node.start_time_ns, node))
+        elif node.name == _FRAME_COMPILE:
+            compiled_in_step = True
         stack.extend(node.children)
     events.sort(key=lambda pair: pair[0])
+    if compiled_in_step:
+        events = _without_compile_temporaries(events)
 
     phase: Phase | None = None
     started = False
@@ -404,6 +461,45 @@ def _read_events(prof: Any, timeline: Timeline, by_ptr: dict[int, int], probe: _
     settled = _free_lost(timeline, by_ptr, elsewhere, settled)
     if settled is not None:
         _free_released(timeline, settled, first)
+
+
+def _without_compile_temporaries(events: list[tuple[int, Any]]) -> list[tuple[int, Any]]:
+    """``events`` without the allocations dynamo made and freed while it compiled a frame
+    in the step (its copies of the RNG state, the constants it evaluates), and their frees.
+
+    Only a compiled optimizer step compiles in the measured step (its optimizer is
+    new there); what the compile leaves alive (the state it makes, calling the
+    optimizer's ``_init_group``) stays.
+    """
+    open_in_compile: dict[int, tuple[Any, int]] = {}  # ptr -> (alloc node, end of its compile)
+    dropped: set[int] = set()
+    for at, node in events:
+        fields = node.extra_fields
+        if not isinstance(fields, _Allocation):
+            continue
+        if fields.alloc_size > 0:
+            compile_node = _compile_of(node)
+            if compile_node is not None:
+                open_in_compile[fields.ptr] = (node, compile_node.end_time_ns)
+            else:
+                open_in_compile.pop(fields.ptr, None)
+        elif fields.alloc_size < 0:
+            found = open_in_compile.pop(fields.ptr, None)
+            if found is not None and at <= found[1]:
+                dropped.update((id(found[0]), id(node)))
+    if not dropped:
+        return events
+    return [(at, node) for at, node in events if id(node) not in dropped]
+
+
+def _compile_of(node: Any) -> Any:
+    """The dynamo compile of a frame an allocation was made in, or None."""
+    parent = node.parent
+    while parent is not None:
+        if parent.name == _FRAME_COMPILE:
+            return parent
+        parent = parent.parent
+    return None
 
 
 def _collective_of(node: Any) -> Any:

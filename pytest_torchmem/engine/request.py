@@ -4,15 +4,17 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+import dataclasses
 from dataclasses import dataclass, is_dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
+from pytest_torchmem.engine.compiling import CompileOptions, compile_options
 from pytest_torchmem.engine.step import LossFn, OptimizerFactory
 
-__all__ = ["StepRequest", "step_request"]
+__all__ = ["StepRequest", "step_request", "as_compiled", "has_compiled_modules"]
 
 
 @dataclass(frozen=True)
@@ -30,6 +32,8 @@ class StepRequest:
     keep_output: bool = False
     #: The rank of a parallel run to report (a :class:`~pytest_torchmem.Parallel`), or None.
     parallel: Any = None
+    #: ``compile=``: the model is checked as ``torch.compile(model, **options)`` runs it.
+    compile: CompileOptions | None = None
 
 
 def step_request(
@@ -41,6 +45,7 @@ def step_request(
     optimizer: Any,
     train: Any,
     keep_output: Any = False,
+    compile: Any = None,
 ) -> StepRequest:
     if not isinstance(model, nn.Module):
         raise TypeError(
@@ -86,4 +91,41 @@ def step_request(
         raise TypeError(f"train must be True or False, got {train!r}")
     if not isinstance(keep_output, bool):
         raise TypeError(f"keep_output must be True or False, got {keep_output!r}")
-    return StepRequest(model, args, kwargs, kind, loss_fn, optimizer, train, keep_output)
+    compiled = compile_options(compile)
+    if compiled is not None and has_compiled_modules(model):
+        raise ValueError(
+            f"{entry}(compile=...) checks an eager model as torch.compile would run it, and "
+            f"this {type(model).__name__} already holds compiled modules (torch.compile, "
+            ".compile()); pass it without compile=, or pass the eager model"
+        )
+    return StepRequest(model, args, kwargs, kind, loss_fn, optimizer, train, keep_output, compile=compiled)
+
+
+def has_compiled_modules(model: nn.Module) -> bool:
+    """Whether ``model`` or one of its submodules is compiled as a module
+    (``torch.compile(module)``, ``module.compile()``)."""
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    return any(
+        isinstance(module, OptimizedModule) or getattr(module, "_compiled_call_impl", None) is not None
+        for module in model.modules()
+    )
+
+
+def as_compiled(request: StepRequest, parallel: Any = None) -> StepRequest:
+    """``request`` with its model as ``torch.compile(model, **options)`` of ``compile=``
+    (an ``OptimizedModule`` around the user's model, which is not changed); ``parallel``:
+    the run's :class:`~pytest_torchmem.Parallel` where ``request`` does not hold it."""
+    if request.compile is None:
+        return request
+    if request.parallel is not None or parallel is not None:
+        raise ValueError(
+            "compile= and parallel= together are not supported: compile the model inside "
+            "parallel.apply, or check the rank eagerly"
+        )
+    model = request.model
+    marked = "_is_torch_compile" in model.__dict__
+    compiled = torch.compile(model, **request.compile.kwargs())
+    if not marked:  # torch.compile marks the module it wraps (for nested compiled calls)
+        model.__dict__.pop("_is_torch_compile", None)
+    return dataclasses.replace(request, model=compiled)

@@ -24,7 +24,15 @@ from typing import Any, Final
 
 from torch import nn
 
-__all__ = ["EAGER_REASON", "MEASURED_EAGER_REASON", "watch_compiled"]
+__all__ = [
+    "EAGER_REASON",
+    "MEASURED_EAGER_REASON",
+    "Redirect",
+    "CacheRegions",
+    "invalidate_regions",
+    "region_of",
+    "watch_compiled",
+]
 
 #: What the report says of a compiled region.
 EAGER_REASON: Final = (
@@ -40,7 +48,7 @@ MEASURED_EAGER_REASON: Final = (
 )
 
 
-def _region(wrapper_frame: Any) -> tuple[str, str]:
+def region_of(wrapper_frame: Any) -> tuple[str, str]:
     """The compiled callable's name and ``file:line``, from dynamo's wrapper frame."""
     fn = wrapper_frame.f_locals.get("fn")
     try:
@@ -59,18 +67,25 @@ def _region(wrapper_frame: Any) -> tuple[str, str]:
     return name, where
 
 
-@contextmanager
-def watch_compiled(
-    on_region: Callable[[str, str], None], followed: Callable[[Any], bool] | None = None
-) -> Iterator[None]:
-    """Call ``on_region(name, location)`` whenever the code run enters a compiled region
-    (but not one whose dynamo callback is ``followed``: its compiled program is traced).
+#: Where a compiled region the watch meets goes: the callback to run it with (the
+#: region's own one, or one the trace follows it with), or None: run it eagerly, flagged.
+Redirect = Callable[[Any, Any], Any]
 
-    With ``followed``, the other regions run without dynamo (eagerly): while the trace
-    lets dynamo compile (its own warm-up step), a region of the user's backend would
-    otherwise build real kernels and run them, or a cache entry of theirs, on fake
-    tensors; and under a dispatch mode dynamo skips such a frame and marks its code
-    skipped for good, which would leave the user's later real calls eager.
+
+@contextmanager
+def watch_compiled(on_region: Callable[[str, str], None], redirect: Redirect | None = None) -> Iterator[None]:
+    """Call ``on_region(name, location)`` whenever the code run enters a compiled region
+    (but not one that ``redirect`` follows).
+
+    ``redirect(callback, wrapper_frame)`` says how each region entered runs: the
+    callback it returns (the region's own one, or one of the trace's), or None:
+    then the region runs without dynamo (eagerly), and ``on_region`` is told.
+    While the trace lets dynamo compile (its own warm-up step), a region of the
+    user's backend would otherwise build real kernels and run them, or a cache
+    entry of theirs, on fake tensors; and under a dispatch mode dynamo skips such
+    a frame and marks its code skipped for good, which would leave the user's
+    later real calls eager. Without ``redirect`` every region runs as compiled
+    and ``on_region`` is told of each.
     """
     try:
         import torch._dynamo.eval_frame as eval_frame
@@ -80,12 +95,17 @@ def watch_compiled(
     real = eval_frame._maybe_set_eval_frame
 
     def noticing(callback: Any) -> Any:
-        if callback is not None and callback is not False and not (followed and followed(callback)):
+        if callback is not None and callback is not False:
             caller = sys._getframe(1)
             if caller.f_code.co_name == "compile_wrapper":
-                on_region(*_region(caller))
+                if redirect is None:
+                    on_region(*region_of(caller))
+                    return real(callback)
+                followed = redirect(callback, caller)
                 if followed is not None:
-                    return real(None)
+                    return real(followed)
+                on_region(*region_of(caller))
+                return real(None)
         return real(callback)
 
     eval_frame._maybe_set_eval_frame = noticing
@@ -93,3 +113,49 @@ def watch_compiled(
         yield
     finally:
         eval_frame._maybe_set_eval_frame = real
+
+
+class CacheRegions:
+    """Dynamo cache regions of our own (as ``isolate_recompiles=True`` makes them): what is
+    compiled in them never counts against the user's ``recompile_limit``, which dynamo
+    counts in cache entries, invalidated ones too (a compiled optimizer step compiles once
+    per optimizer). :meth:`new` opens another one (:attr:`current`); all are invalidated
+    on exit, with ``reason``."""
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+        self.opened: list[int] = []
+        self.current = -1
+
+    def new(self) -> int:
+        import torch._dynamo.eval_frame as eval_frame
+
+        self.current = next(eval_frame._next_isolate_recompiles_id)
+        self.opened.append(self.current)
+        return self.current
+
+    def __enter__(self) -> CacheRegions:
+        self.new()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        invalidate_regions(self.opened, self.reason)
+
+
+def invalidate_regions(regions: list[int], reason: str) -> None:
+    """Invalidate the cache entries of ``regions`` on every code object dynamo saw (dynamo
+    keeps an invalidated entry, which no guard passes, and drops its code and program)."""
+    from torch._dynamo.convert_frame import input_codes
+    from torch._dynamo.eval_frame import _get_cache_entries_for_region
+    from torch._dynamo.guards import DeletedGuardManagerWrapper
+
+    for ref in list(input_codes.seen):
+        code = ref()
+        if code is None:
+            continue
+        for region in regions:
+            for entry in _get_cache_entries_for_region(code, region):
+                manager = entry.guard_manager
+                extra_state = getattr(manager, "extra_state", None)
+                if extra_state is not None:
+                    extra_state.invalidate(entry, DeletedGuardManagerWrapper(reason))

@@ -45,17 +45,29 @@ import torch
 from torch import nn
 
 from pytest_torchmem.engine.report import Unsupported
+from pytest_torchmem.engine.timeline import Phase
+from pytest_torchmem.engine.tracing.devices.cpu.profiles import CpuProfile
 from pytest_torchmem.engine.tracing.inductor_device import host_vector_isa
 
 __all__ = [
+    "AUTOTUNED",
     "NOT_FOLLOWED_REASON",
+    "Builder",
     "CompiledModules",
     "Following",
     "compiled_modules",
+    "followable",
     "following_compiled",
     "no_kernels",
-    "not_followed",
 ]
+
+#: What the report says where inductor autotuned while the estimate compiled.
+AUTOTUNED: Final = Unsupported(
+    "torch.compile: autotuning",
+    "inductor autotuned kernels (mode='max-autotune'): the estimate ran the candidates as "
+    "no-op kernels, so its choices (ATen's kernels or inductor's C++ templates, and what they "
+    "fuse) may differ from a real compile's, which times them on this CPU",
+)
 
 #: What a compiled module's region says when its program could not be followed.
 NOT_FOLLOWED_REASON: Final = (
@@ -92,10 +104,11 @@ _DISPATCHED: Final[dict[str, Callable[..., torch.Tensor]]] = {
 
 
 @contextmanager
-def no_kernels(loaded: list[Any]) -> Iterator[None]:
+def no_kernels(loaded: list[Any], cpu: CpuProfile | None = None) -> Iterator[None]:
     """While inductor compiles: no C++ kernel is built, the output modules allocate
     through the dispatcher, and no cache is read or written (``loaded`` gets each
-    output module, to be dropped from ``PyCodeCache`` afterwards)."""
+    output module, to be dropped from ``PyCodeCache`` afterwards); inductor builds
+    for ``cpu`` (its vector width and threads), not for this host."""
     import torch._inductor.async_compile as async_compile
     import torch._inductor.config as inductor_config
     from torch._inductor import codecache
@@ -121,12 +134,34 @@ def no_kernels(loaded: list[Any]) -> Iterator[None]:
     compiler.wait = lambda self, scope: None  # type: ignore[method-assign]
     codecache.PyCodeCache.load_by_key_path = staticmethod(load)  # type: ignore[method-assign,assignment]
     try:
-        with inductor_config.patch(force_disable_caches=True, compile_threads=1), host_vector_isa():
+        with (
+            inductor_config.patch(force_disable_caches=True, compile_threads=1, **for_profile(cpu)),
+            host_vector_isa(),
+        ):
             yield
     finally:
         for name, value in saved.items():
             setattr(compiler, name, value)
         codecache.PyCodeCache.load_by_key_path = real_load  # type: ignore[method-assign]
+
+
+def for_profile(cpu: CpuProfile | None) -> dict[str, int]:
+    """The inductor options that make it build for ``cpu`` rather than this host.
+
+    Inductor's C++ backend reads the host twice: the vector ISA (``pick_vec_isa``,
+    capped by ``ATEN_CPU_CAPABILITY``; ``cpp.simdlen`` names its width instead)
+    and the intra-op threads (``parallel_num_threads``; ``cpp.threads`` instead),
+    which sizes its kernels' loops and picks between its own kernel and ATen's for
+    a summing ``scatter_reduce_`` (``needs_fallback_due_to_atomic_add_limitations``,
+    one thread: its own). Its buffers (which exist, their sizes, their reuse) do
+    not depend on either in the programs tested (measured at each ISA level at 1,
+    2 and 4 threads); the kernels it leaves to ATen (matmuls, convolutions,
+    attention) allocate as the CPU rules say for the profile.
+    """
+    if cpu is None:
+        return {}
+    width = 512 if cpu.avx512 else 256 if cpu.avx2 else 0  # 0: no vector ISA matches
+    return {"cpp.simdlen": width, "cpp.threads": cpu.threads}
 
 
 def _inductor_wrapper(context: Any) -> Any:
@@ -176,8 +211,7 @@ def compiled_modules(model: nn.Module) -> CompiledModules:
             attributes = ("_compiled_call_impl",)
         else:
             continue
-        wrapper = _inductor_wrapper(context) if context is not None else None
-        if wrapper is None or wrapper.config.get("cpp_wrapper"):
+        if followable(context) is None:
             continue  # run eagerly and flagged by the watch, as before
         saved = {name: module.__dict__.get(name) for name in attributes}
         found.followed.append(_Compiled(module, saved, context))
@@ -206,21 +240,34 @@ class Builder(Protocol):
 
 class _FakeInductor:
     """A dynamo backend: the user's inductor compile, with no kernels and fake-run
-    allocations. ``compiled`` counts the graphs it built, ``calls`` their runs."""
+    allocations (built by ``builder``, if given). ``compiled`` counts the graphs it
+    built, ``calls`` their runs.
 
-    def __init__(self, wrapper: Any, builder: Builder | None = None) -> None:
+    With ``fallback`` a graph inductor cannot build runs as dynamo traced it
+    (``failed`` says so); without it the error reaches the caller (the warm-up,
+    which then gives up following)."""
+
+    def __init__(self, wrapper: Any, builder: Builder | None = None, fallback: bool = False) -> None:
         self.wrapper = wrapper
         self.builder = builder
+        self.fallback = fallback
+        self.failed = False
         self.compiled = 0
         self.calls = 0
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
         # no_kernels is on for all of following_compiled: AOTAutograd compiles the
         # backward graph lazily, at the first backward, outside this call
-        if self.builder is not None:
-            program = self.builder.compile(self.wrapper, gm, example_inputs)
-        else:
-            program = self.wrapper(gm, example_inputs)
+        try:
+            if self.builder is not None:
+                program = self.builder.compile(self.wrapper, gm, example_inputs)
+            else:
+                program = self.wrapper(gm, example_inputs)
+        except Exception:
+            if not self.fallback:
+                raise
+            self.failed = True
+            return gm.forward
         self.compiled += 1
         return self._counted(program)
 
@@ -239,40 +286,160 @@ class _FakeInductor:
 
 
 @dataclass
-class Following:
-    """What :func:`following_compiled` set up: our dynamo callbacks and backends, and
-    for each backend the compiled module's name and ``file:line``."""
+class _Region:
+    """One compiled region the trace follows: our backend and dynamo callback for it,
+    its cache region, where it is defined, and what its backend had done by the end
+    of the warm-up (None: first met after it, in the traced step)."""
 
-    callbacks: list[Any] = field(default_factory=list)
-    backends: list[_FakeInductor] = field(default_factory=list)
-    regions: list[int] = field(default_factory=list)
-    places: list[tuple[str, str]] = field(default_factory=list)
+    backend: _FakeInductor
+    callback: Any
+    region: int
+    place: tuple[str, str]
+    warm: tuple[int, int] | None = None
+
+
+@dataclass
+class Following:
+    """What :func:`following_compiled` set up: the compiled regions the trace follows.
+
+    Compiled modules are followed from the start; on cpu (no ``builder``) compiled
+    functions (and compiled optimizer steps) too, when the step first calls them,
+    through :meth:`redirect`.
+    Inactive (``active=False``), nothing is followed: :attr:`met` then says in which
+    phase the step first called a compiled function that could have been.
+    """
+
+    active: bool = True
+    #: builds and enters the programs on a device other than cpu (then only compiled
+    #: modules are followed)
+    builder: Builder | None = None
+    regions: list[_Region] = field(default_factory=list)
+    #: every dynamo cache region opened for a followed region (invalidated on exit)
+    cache_regions: list[int] = field(default_factory=list)
     put_backs: list[Callable[[], None]] = field(default_factory=list)
+    #: the compiled functions met so far, by ``id`` of their dynamo context (kept alive)
+    functions: dict[int, tuple[Any, _Region]] = field(default_factory=dict)
+    #: the earliest phase of the step in which a compiled function of inductor was met
+    #: while not following (None: none was)
+    met: Phase | None = None
+    #: the phase of the step now (told by the trace)
+    phase: Callable[[], Phase | None] = lambda: None
+    #: called before a compiled function runs followed (the trace's router steps aside)
+    entering: Callable[[], None] = lambda: None
+    #: whether the warm-up step is over (a region first built later falls back on failure)
+    warmed: bool = False
+    #: the modes that make what runs visible to the trace, for code dynamo runs with
+    #: them popped (an optimizer's state, made while dynamo compiles its step)
+    visible: Callable[[], Any] | None = None
+    #: inductor's count of autotuned kernel choices when following began
+    autotuned: int = 0
 
     def is_ours(self, callback: Any) -> bool:
-        return any(callback is ours for ours in self.callbacks)
+        return any(callback is region.callback for region in self.regions)
+
+    def redirect(self, callback: Any, wrapper_frame: Any) -> Any:
+        """The callback a compiled region entered through ``wrapper_frame`` (dynamo's
+        ``compile_wrapper``) runs with: ours, or None (eagerly, flagged)."""
+        if self.is_ours(callback):
+            return callback
+        context = wrapper_frame.f_locals.get("self")
+        wrapper = followable(context)
+        if wrapper is None or self.builder is not None:
+            return None
+        if not self.active:
+            phase = self.phase()
+            phase = Phase.FORWARD if phase is None else phase
+            self.met = phase if self.met is None else min(self.met, phase)
+            return None
+        known = self.functions.get(id(context))
+        if known is None:
+            from pytest_torchmem.engine.tracing.compiled import region_of
+
+            if self.warmed and self.phase() != Phase.STEP:
+                # first met in the traced step before the optimizer step: AOTAutograd would
+                # compile its backward lazily, under the tracker; it runs eagerly, flagged
+                return None
+
+            _, region = self._follow(context, wrapper, region_of(wrapper_frame))
+            self.functions[id(context)] = (context, region)
+        else:
+            region = known[1]
+        from torch._C._dynamo.eval_frame import set_eval_frame_isolate_recompiles_id
+
+        self.entering()
+        # compile_wrapper set the user's region and puts back the one before it on exit
+        set_eval_frame_isolate_recompiles_id(region.region)
+        return region.callback
+
+    def _follow(self, context: Any, wrapper: Any, place: tuple[str, str]) -> tuple[Any, _Region]:
+        backend = _FakeInductor(wrapper, self.builder, fallback=self.warmed)
+        ours = torch._dynamo.optimize(
+            backend,
+            nopython=bool(context.fullgraph),
+            dynamic=context._dynamic,
+            isolate_recompiles=True,  # our own cache region: the user's limit is untouched
+        )
+        region = _Region(backend, ours.callback, ours._isolate_recompiles_id, place)
+        self.regions.append(region)
+        self.cache_regions.append(region.region)
+        return ours, region
+
+    def warm_up_done(self) -> None:
+        """Note what each region's backend did in the warm-up step."""
+        for region in self.regions:
+            region.warm = (region.backend.compiled, region.backend.calls)
+        self.warmed = True
 
     def abandon(self) -> None:
         """Stop following: the compiled modules get the user's callables back (the watch
         then runs them eagerly, flagged)."""
         for put_back in self.put_backs:
             put_back()
-        self.callbacks.clear()
+        self.regions.clear()
+        self.functions.clear()
+        self.active = False
 
-    def calls_by_backend(self) -> list[int]:
-        return [backend.calls for backend in self.backends]
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Let the trace see the state a compiled step of ``optimizer`` makes: dynamo
+        calls the optimizer's ``_init_group`` itself while it compiles the step, with
+        every dispatch mode popped."""
+        init_group = getattr(optimizer, "_init_group", None)
+        if init_group is None or self.visible is None:
+            return
+        visible = self.visible
 
+        def seen_init_group(*args: Any, **kwargs: Any) -> Any:
+            with visible():
+                return init_group(*args, **kwargs)
 
-def not_followed(following: Following, warm_calls: list[int]) -> list[Unsupported]:
-    """The followed modules whose compiled programs did not all run in the traced step
-    as they ran in the warm-up (a guard failed, dynamo skipped a frame): eager figures."""
-    flagged = []
-    if not following.callbacks:  # abandoned: the watch flagged what ran
+        optimizer._init_group = seen_init_group  # type: ignore[method-assign]
+
+    def not_followed(self) -> list[Unsupported]:
+        """The followed regions whose compiled programs did not run in the traced step
+        as they ran in the warm-up (a guard failed and dynamo built another program, or
+        skipped the frame), and those first built in the traced step that inductor could
+        not build: eager figures."""
+        flagged = [AUTOTUNED] if _autotuned() > self.autotuned else []
+        for region in self.regions:
+            backend = region.backend
+            if region.warm is None:
+                wrong = backend.failed or backend.calls == 0
+            else:
+                compiled, calls = region.warm
+                wrong = backend.compiled != compiled or backend.calls - calls != calls
+            if wrong:
+                name, where = region.place
+                flagged.append(Unsupported(f"torch.compile: {name}", NOT_FOLLOWED_REASON, where))
         return flagged
-    for backend, before, (name, where) in zip(following.backends, warm_calls, following.places):
-        if backend.calls - before != before:
-            flagged.append(Unsupported(f"torch.compile: {name}", NOT_FOLLOWED_REASON, where))
-    return flagged
+
+
+def followable(context: Any) -> Any:
+    """The inductor wrapper of a dynamo context the trace can follow (inductor's, without
+    ``cpp_wrapper``), or None."""
+    wrapper = _inductor_wrapper(context) if context is not None and hasattr(context, "callback") else None
+    if wrapper is None or wrapper.config.get("cpp_wrapper"):
+        return None
+    return wrapper
 
 
 def _place(module: nn.Module) -> tuple[str, str]:
@@ -284,40 +451,33 @@ def _place(module: nn.Module) -> tuple[str, str]:
 
 
 @contextmanager
-def following_compiled(found: CompiledModules, builder: Builder | None = None) -> Iterator[Following]:
+def following_compiled(
+    found: CompiledModules, cpu: CpuProfile | None = None, builder: Builder | None = None
+) -> Iterator[Following]:
     """Give each followed compiled module a compiled callable of its own options and
-    the fake inductor backend (whose programs ``builder`` builds and enters, if given);
-    on exit put the user's back and drop our cache entries."""
+    the fake inductor backend (whose programs ``builder`` builds and enters, if given),
+    and follow the compiled functions the step calls (on cpu: built for ``cpu``); on
+    exit put the user's callables back and drop our cache entries."""
     from torch._dynamo import external_utils, trace_rules
     from torch._dynamo import config as dynamo_config
 
-    following = Following()
+    following = Following(builder=builder, autotuned=_autotuned())
     loaded: list[Any] = []
     with ExitStack() as restore:
         restore.callback(_drop_loaded, loaded)
-        restore.callback(_invalidate, following.regions)
-        restore.enter_context(no_kernels(loaded))
+        restore.callback(_invalidate, following)
+        restore.enter_context(no_kernels(loaded, cpu))
         for compiled in found.followed:
             restore.callback(_put_back, compiled)
             following.put_backs.append(lambda compiled=compiled: _put_back(compiled))  # type: ignore[misc]
-            context = compiled.context
-            backend = _FakeInductor(_inductor_wrapper(context), builder)
-            optimized = torch._dynamo.optimize(
-                backend,
-                nopython=bool(context.fullgraph),
-                dynamic=context._dynamic,
-                isolate_recompiles=True,  # our own cache region: the user's limit is untouched
-            )
-            following.callbacks.append(optimized.callback)
-            following.backends.append(backend)
-            following.regions.append(optimized._isolate_recompiles_id)
+            module = compiled.module
+            place = _place(getattr(module, "_orig_mod", module))
+            optimized, _ = following._follow(compiled.context, _inductor_wrapper(compiled.context), place)
 
             def ours(call: Callable[..., Any], optimized: Any = optimized) -> Callable[..., Any]:
-                compiled = optimized(call)
-                return builder.around(compiled) if builder is not None else compiled
+                compiled_call = optimized(call)
+                return builder.around(compiled_call) if builder is not None else compiled_call
 
-            module = compiled.module
-            following.places.append(_place(getattr(module, "_orig_mod", module)))
             if "_compiled_call_impl" in compiled.saved:
                 module._compiled_call_impl = ours(module._call_impl)
                 continue
@@ -336,6 +496,13 @@ def following_compiled(found: CompiledModules, builder: Builder | None = None) -
         yield following
 
 
+def _autotuned() -> int:
+    """How many times inductor has benchmarked kernel choices in this process."""
+    from torch._dynamo.utils import counters
+
+    return counters["inductor"]["select_algorithm_autotune"]
+
+
 def _put_back(compiled: _Compiled) -> None:
     for name, value in compiled.saved.items():
         if value is None:
@@ -344,23 +511,11 @@ def _put_back(compiled: _Compiled) -> None:
             compiled.module.__dict__[name] = value
 
 
-def _invalidate(regions: list[int]) -> None:
-    """Invalidate the cache entries of our regions on every code object dynamo saw."""
-    from torch._dynamo.convert_frame import input_codes
-    from torch._dynamo.eval_frame import _get_cache_entries_for_region
-    from torch._dynamo.guards import DeletedGuardManagerWrapper
+def _invalidate(following: Following) -> None:
+    from pytest_torchmem.engine.tracing.compiled import invalidate_regions
 
     reason = "pytest-torchmem: an estimate's fake program, not for real runs"
-    for ref in list(input_codes.seen):
-        code = ref()
-        if code is None:
-            continue
-        for region in regions:
-            for entry in _get_cache_entries_for_region(code, region):
-                manager = entry.guard_manager
-                extra_state = getattr(manager, "extra_state", None)
-                if extra_state is not None:
-                    extra_state.invalidate(entry, DeletedGuardManagerWrapper(reason))
+    invalidate_regions(following.cache_regions, reason)
 
 
 def _drop_loaded(loaded: list[Any]) -> None:

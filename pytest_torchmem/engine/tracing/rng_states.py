@@ -30,6 +30,9 @@ def charged_rng_states() -> Iterator[None]:
     nbytes = real_get().numel()
 
     def get_rng_state() -> torch.Tensor:
+        if torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is None:
+            # dynamo, compiling with every mode popped, saves and restores the real state
+            return real_get()
         return torch.empty(nbytes, dtype=torch.uint8, device="cpu")
 
     def set_rng_state(new_state: Any) -> None:

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from contextlib import nullcontext
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -28,19 +29,18 @@ from pytest_torchmem.engine.step import (
     QuietProbe,
     run_step,
 )
-from pytest_torchmem.engine.timeline import Analysis, Timeline, analyze
+from pytest_torchmem.engine.timeline import Analysis, Phase, Timeline, analyze
 from pytest_torchmem.engine.tracing.compiled import watch_compiled
 from pytest_torchmem.engine.tracing.compiled_program import (
     CompiledModules,
     Following,
     compiled_modules,
     following_compiled,
-    not_followed,
 )
 from pytest_torchmem.engine.tracing.devices import DeviceModel
-from pytest_torchmem.engine.tracing.devices.cpu.profiles import CpuProfile, host_profile
-from pytest_torchmem.engine.tracing.devices.cuda.gpu_view import gpu_view
+from pytest_torchmem.engine.tracing.devices.cpu.profiles import CpuProfile
 from pytest_torchmem.engine.tracing.compiled_cuda import CudaProgram
+from pytest_torchmem.engine.tracing.devices.cuda.gpu_view import gpu_view
 from pytest_torchmem.engine.tracing.devices.cuda.profiles import GpuProfile, gpu_profile
 from pytest_torchmem.engine.tracing.devices.routing import routed_recomputation
 from pytest_torchmem.engine.tracing.rng_states import charged_rng_states
@@ -87,16 +87,81 @@ def trace(
     allocation; ``keep_output`` holds the model's output to the end of the step.
     ``parallel``: the step of rank ``rank`` of that mesh, over a fake process
     group; ``parallel.apply`` runs on a copy of the model holding the stand-ins.
+
+    On cpu the compiled regions of the step are followed (their compiled programs
+    run): compiled modules are found before the step; a compiled function (or
+    optimizer step) is found when the step calls it, and then the step is traced
+    again, following it: after a warm-up step that compiles what runs before the
+    optimizer step, as for compiled modules; a compiled optimizer step alone is
+    compiled where it runs (its optimizer is new in each step).
     """
-    context = TraceContext(device.name, gpu=gpu, cpu=cpu)
-    # compiled modules run inductor's program (on cuda: built by inductor's cuda backend)
+    # compiled modules run inductor's program (on cuda: built by inductor's cuda backend);
+    # compiled functions and optimizer steps are followed on cpu
     found = compiled_modules(model) if parallel is None else CompiledModules()
+    follows_functions = device.name == "cpu" and parallel is None
+
+    def once(follow: bool, warm: bool) -> tuple[Trace, Phase | None]:
+        return _trace(
+            model,
+            args,
+            kwargs,
+            found=found,
+            follow=follow,
+            warm=warm,
+            device=device,
+            loss_fn=loss_fn,
+            optimizer=optimizer,
+            train=train,
+            keep_output=keep_output,
+            gpu=gpu,
+            cpu=cpu,
+            record_frames=record_frames,
+            parallel=parallel,
+            rank=rank,
+        )
+
+    traced, met = once(follow=bool(found), warm=bool(found))
+    if follows_functions and not found and met is not None:
+        traced, _ = once(follow=True, warm=met != Phase.STEP)
+    return traced
+
+
+def _trace(
+    model: nn.Module,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    *,
+    found: CompiledModules,
+    follow: bool,
+    warm: bool,
+    device: DeviceModel,
+    loss_fn: LossFn | None,
+    optimizer: OptimizerFactory | None,
+    train: bool,
+    keep_output: bool,
+    gpu: GpuProfile | None,
+    cpu: CpuProfile | None,
+    record_frames: bool,
+    parallel: Parallel | None,
+    rank: int,
+) -> tuple[Trace, Phase | None]:
+    """One trace (see :func:`trace`); ``follow``: follow the compiled regions (``found``,
+    and the compiled functions the step calls); ``warm``: build them in a warm-up step
+    first (then the traced step has no per-module hooks and no router). Also returns,
+    where the trace did not follow, the earliest phase in which the step called a
+    compiled function it could have followed (None: none)."""
+    context = TraceContext(device.name, gpu=gpu, cpu=cpu)
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True, allow_fallback_kernels=False)
     where = device.trace_device
     model_tensors = collect(model)
 
     def hook_failed(hook: Any, exc: Exception) -> None:
         tracker.flag(hook_failure(hook, exc))
+
+    def prepare_optimizer(optimizer: torch.optim.Optimizer, context: TraceContext) -> None:
+        if device.prepare_optimizer is not None:
+            device.prepare_optimizer(optimizer, context)
+        following.prepare_optimizer(optimizer)
 
     with fake_mode:
         standins = convert(model_tensors, args, kwargs, fake_standins(where), hook_failed)
@@ -107,22 +172,24 @@ def trace(
         context=context,
         aliases=device.aliases,
         wraps_numbers=device.wraps_numbers,
-        optimizer_hook=device.prepare_optimizer,
+        optimizer_hook=prepare_optimizer,
         record_frames=record_frames,
     )
     baseline = adopt(tracker, standins)
     tracker.values.adopt(_originals(standins))
     step_model = model if parallel is None else model_copy(model, model_tensors, standins.model)
     # per-module hooks would make dynamo's guards fail in the traced step: no per-module figures
-    modules: Any = NoModules() if found else ModuleTracker(step_model, tracker)
+    modules: Any = NoModules() if warm else ModuleTracker(step_model, tracker)
     tracker.timeline.module_names = modules.names
     # the router (a torch-function mode) picks eager kernels as this device would; a followed
     # compiled program has its kernels picked by inductor, and dynamo's cache entries guard on
     # the torch-function mode stack of the warm-up, which has none (on cuda the program is
-    # entered with the router popped: see CudaProgram.around)
-    routed = device.router is not None and (not found or device.name == "cuda")
-    router = device.router(context) if routed else nullcontext()
-    recomputation = routed_recomputation(router) if routed else nullcontext()
+    # entered with the router popped: see CudaProgram.around; on cpu the router steps aside
+    # for a compiled optimizer step: see _Routing)
+    routed = device.router is not None and (not warm or device.name == "cuda")
+    raw_router = device.router(context) if routed else nullcontext()
+    router: Any = _Routing(raw_router) if routed and follow and not warm else raw_router
+    recomputation = routed_recomputation(raw_router) if routed else nullcontext()
     rng_states = charged_rng_states() if device.name == "cpu" else nullcontext()
     seen_as_gpu = gpu_view(gpu) if device.name == "cuda" and gpu is not None else nullcontext()
     # on cuda inductor's cuda program is built (AOTAutograd under the router) and entered
@@ -132,18 +199,20 @@ def trace(
         if found and device.name == "cuda" and device.router is not None
         else None
     )
-    program = following_compiled(found, cuda_build) if found else nullcontext(Following())
+    built_for = cpu if device.name == "cpu" else None
+    program = (
+        following_compiled(found, built_for, cuda_build) if follow else nullcontext(Following(active=False))
+    )
     with program as following:
-        # regions not followed run without dynamo: left to dynamo under the tracer's dispatch
-        # mode, it skips their frames and marks the code skipped for good (seen: every later
-        # real call of a compiled torch.nn module, through dynamo's shared wrap_inline, eager)
-        followed = following.is_ours if found else _none_followed
-        # dynamo compiles a frame only where no dispatch mode is active: the compiled program
-        # is built in an untracked step of its own, and the traced step finds it in the cache
-        warm_calls: list[int] = []
-        if found:
+        following.phase = lambda: tracker.phase
+        if isinstance(router, _Routing):
+            following.entering = router.step_aside
+        # the compiled programs are built in an untracked step of their own, and the traced
+        # step finds them in dynamo's cache (AOTAutograd compiles a backward lazily, at its
+        # first run: in the traced step it would run under the tracker)
+        if warm:
             try:
-                warm_calls = _warm_up(
+                _warm_up(
                     model,
                     model_tensors,
                     args,
@@ -159,15 +228,20 @@ def trace(
                 # inductor or dynamo could not build the program (or the model failed, which
                 # the traced step shows again): the modules run eagerly there, flagged
                 following.abandon()
-                found = CompiledModules()
-        if found:
+        if follow:
+            following.warm_up_done()
             # dynamo runs no compiled code while a dispatch mode that does not ignore compile
-            # internals is active; the only compiled regions left to dynamo here are ours (the
-            # watch runs the others eagerly), whose programs were built in the warm-up
+            # internals is active; the compiled regions left to dynamo here are ours (the watch
+            # runs the others eagerly): built in the warm-up, or (a compiled optimizer step,
+            # whose optimizer is new in each step) compiled here with every mode popped
             tracker.ignore_compile_internals = lambda: True  # type: ignore[method-assign]
+            following.visible = lambda: _visible(fake_mode, tracker)
         try:
             with (
-                watch_compiled(tracker.compiled_region, followed),
+                # regions not followed run without dynamo: left to dynamo under the tracer's
+                # dispatch mode, it skips their frames and marks the code skipped for good
+                # (seen: every later real call of a compiled torch.nn module eager)
+                watch_compiled(tracker.compiled_region, following.redirect),
                 substituted(model_tensors, standins.model) if parallel is None else nullcontext(),
                 modules,
                 # the mesh is made of real tensors, before fake tensors are on
@@ -199,12 +273,11 @@ def trace(
             if not tracker.stopped_by(exc):
                 raise  # the program's own error
             tracker.set_phase(None)
+        following.visible = None
         del standins, step_model
-        for entry in not_followed(following, warm_calls):
+        for entry in following.not_followed():
             tracker.flag(entry)
-        if found and device.name == "cpu" and not _is_this_host(cpu):
-            tracker.flag(_compiled_for_the_host(cpu))
-        if found and cuda_build is not None:
+        if cuda_build is not None and following.regions:
             for gap in cuda_build.gaps:
                 tracker.flag(Unsupported(f"torch.compile on cuda: {gap.what}", gap.why))
 
@@ -222,32 +295,45 @@ def trace(
         unsupported=(*tracker.unsupported, *_parallel_gaps(device.name, parallel)),
         profile=_profile_name(device.name, gpu, cpu),
     )
-    return Trace(report, tracker.timeline, baseline, analysis, device, context)
+    return Trace(report, tracker.timeline, baseline, analysis, device, context), following.met
 
 
-def _none_followed(callback: Any) -> bool:
-    return False
+class _Routing:
+    """The router of a step whose compiled optimizer step is followed: it steps aside
+    (leaves the torch-function mode stack) before dynamo traces that code, which would
+    trace the router too; the CPU router routes nothing an optimizer step calls."""
+
+    def __init__(self, router: Any) -> None:
+        self.router = router
+        self.aside = False
+
+    def __enter__(self) -> _Routing:
+        self.router.__enter__()
+        return self
+
+    def step_aside(self) -> None:
+        stack = torch._C._len_torch_function_stack()
+        if not self.aside and stack and torch._C._get_function_stack_at(stack - 1) is self.router:
+            torch._C._pop_torch_function_stack()
+            self.aside = True
+
+    def __exit__(self, *exc: object) -> Any:
+        if self.aside:
+            torch._C._push_on_torch_function_stack(self.router)
+            self.aside = False
+        return self.router.__exit__(*exc)
 
 
-def _is_this_host(cpu: CpuProfile | None) -> bool:
-    """Whether ``cpu`` is the CPU this process runs on (ISA level and threads)."""
-    if cpu is None:
-        return True
-    try:
-        host = host_profile()
-    except ValueError:
-        return False
-    return (cpu.isa, cpu.threads) == (host.isa, host.threads)
+@contextmanager
+def _visible(fake_mode: FakeTensorMode, tracker: Tracker) -> Iterator[None]:
+    """The trace's modes again where dynamo popped them (else nothing changes)."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
-
-def _compiled_for_the_host(cpu: CpuProfile | None) -> Unsupported:
-    """Inductor builds its program for the CPU it runs on, not for a named profile."""
-    return Unsupported(
-        "torch.compile: CPU profile",
-        f"the compiled program was built by inductor for this host, not for the profile {cpu} "
-        "(inductor picks its kernels and vector widths by the host's ISA and threads); "
-        "estimate with cpu='host' for a compiled model",
-    )
+    if any(mode is tracker for mode in _get_current_dispatch_mode_stack()):
+        yield
+        return
+    with fake_mode, tracker:
+        yield
 
 
 def _warm_up(
@@ -262,14 +348,15 @@ def _warm_up(
     loss_fn: LossFn | None,
     train: bool,
     keep_output: bool,
-) -> list[int]:
+) -> None:
     """One untracked step on fresh fake stand-ins, in which dynamo and our backend
-    compile the followed modules (the optimizer, not compiled by us, is left out);
-    returns how many times each backend's programs ran in it."""
+    compile the followed modules and the compiled functions the step calls (the
+    optimizer is left out: the traced step makes a new one, whose compiled step is
+    compiled anew)."""
     with fake_mode:
         copies = convert(model_tensors, args, kwargs, fake_standins(where))
     with (
-        watch_compiled(lambda name, location: None, following.is_ours),
+        watch_compiled(lambda name, location: None, following.redirect),
         substituted(model_tensors, copies.model),
         fake_mode,
     ):
@@ -285,7 +372,6 @@ def _warm_up(
             probe=QuietProbe(),
             keep_output=keep_output,
         )
-    return following.calls_by_backend()
 
 
 def _apply(
