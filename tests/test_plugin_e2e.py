@@ -339,7 +339,7 @@ class TestX:
         (
             "budget=5",
             "*does not know 'budget'; it takes forward, backward, step, peak, devices, rtol, atol, gpu, cpu, "
-            "keep_output, mesh, rank",
+            "keep_output, compile, mesh, rank",
         ),
         (
             'gpu="H1000"',
@@ -517,6 +517,7 @@ torchmem_keep_output = true
         "fail_on_improvement": True,
         "stale": "fail",
         "keep_output": True,
+        "compile": False,
         "measured_on_gpu": False,
     }
     assert (pytester.path / "__torchmem__" / "test_m.json").is_file()

@@ -29,11 +29,14 @@ SESSION_KEY: Final = pytest.StashKey[TorchmemSession]()
 
 _MARKER_HELP: Final = (
     f"{MARKER}(forward=None, backward=None, step=None, peak=None, devices=None, rtol=None, "
-    "atol=None, gpu=None, cpu=None, keep_output=None): memory caps of the step checked by the "
-    "torchmem fixture (bytes, or strings such as '512 MiB'), the devices to trace, the drift "
-    "allowed from the snapshot, the GPU profile the cuda estimate follows (e.g. 'A100'), the CPU "
-    "profile the cpu estimate follows (e.g. 'avx512:8', or 'host') and whether the model's "
-    "output is held through backward (True) or released before it (False)."
+    "atol=None, gpu=None, cpu=None, keep_output=None, compile=None, mesh=None, rank=None): memory "
+    "caps of the step checked by the torchmem fixture (bytes, or strings such as '512 MiB'), the "
+    "devices to trace, the drift allowed from the snapshot, the GPU profile the cuda estimate "
+    "follows (e.g. 'A100'), the CPU profile the cpu estimate follows (e.g. 'avx512:8', or "
+    "'host'), whether the model's output is held through backward (True) or released before it "
+    "(False), whether the model is checked as torch.compile runs it (True, or a dict of "
+    "torch.compile's mode, dynamic, fullgraph and options), and the mesh and rank of a "
+    "parallel check."
 )
 
 
@@ -141,6 +144,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "Hold the model's output through backward (as `out = model(**batch); "
         "out.loss.backward()` does) in checks that do not say keep_output; by default it is "
         "released before backward, as a loop that keeps only the loss does.",
+        "bool",
+    )
+    _option(
+        parser,
+        "compile",
+        "Check models as torch.compile(model) runs them (inductor's program, in its steady "
+        "state) in checks that do not say compile; their entries are keyed '<name> @ compiled'.",
         "bool",
     )
     _option(

@@ -20,6 +20,7 @@ import json
 import os
 import platform
 import shlex
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
@@ -140,7 +141,7 @@ def _option(config: pytest.Config, name: str) -> tuple[Any, str]:
 
 #: The options that are flags (``--torchmem-update``): their ini twins are booleans.
 _FLAGS: Final = frozenset(
-    {"torchmem_update", "torchmem_fail_on_improvement", "torchmem_keep_output"}
+    {"torchmem_update", "torchmem_fail_on_improvement", "torchmem_keep_output", "torchmem_compile"}
 )
 
 
@@ -188,6 +189,8 @@ class Settings:
     stale: str = "warn"
     #: ``--torchmem-keep-output``: hold the model's output through backward by default.
     keep_output: bool = False
+    #: ``--torchmem-compile``: check models as ``torch.compile(model)`` runs them by default.
+    compile: bool = False
 
     @classmethod
     def from_config(cls, config: pytest.Config) -> Settings:
@@ -197,6 +200,7 @@ class Settings:
             values["update"] = bool(_option(config, "torchmem_update")[0])
             values["fail_on_improvement"] = bool(_option(config, "torchmem_fail_on_improvement")[0])
             values["keep_output"] = bool(_option(config, "torchmem_keep_output")[0])
+            values["compile"] = bool(_option(config, "torchmem_compile")[0])
             devices, source = _option(config, "torchmem_devices")
             if devices is not None:
                 values["devices"] = parse_devices(devices, known_devices(), source)
@@ -264,6 +268,7 @@ class Settings:
             "fail_on_improvement": self.fail_on_improvement,
             "stale": self.stale,
             "keep_output": self.keep_output,
+            "compile": self.compile,
         }
 
 
@@ -549,19 +554,22 @@ class TorchmemSession:
         for nodeid in nodeids:
             self._names.pop(nodeid, None)
 
-    def _claim(self, item: pytest.Item, name: str | None) -> str:
+    def _claim(self, item: pytest.Item, name: str | None, compiled: str = "") -> str:
+        """The check's name (``name``, or the default one), claimed with ``compiled``
+        (a compiled check's suffix: it may share its name with an eager check)."""
         if name is None:
             name = DEFAULT_NAME
         elif not isinstance(name, str) or not name.strip():
             raise TypeError(f"torchmem.check(name=...) must be a non-empty string, got {name!r}")
         names = self._names.setdefault(item.nodeid, set())  # (begin() empties it for a rerun)
-        if name in names:
+        if name + compiled in names:
             hint = "" if name != DEFAULT_NAME else " without a name"
+            how = " (compiled alike)" if compiled else ""
             raise ValueError(
-                f"torchmem.check was called twice{hint} as {name!r} in {item.nodeid}; "
+                f"torchmem.check was called twice{hint} as {name!r}{how} in {item.nodeid}; "
                 "pass name=... to tell several checks in one test apart"
             )
-        names.add(name)
+        names.add(name + compiled)
         return name
 
     def rules(self, item: pytest.Item, device: str) -> RuleSet:
@@ -689,23 +697,30 @@ class TorchmemSession:
         train: bool,
         name: str | None,
         keep_output: bool | None = None,
+        compile: Any = None,
         parallel: Parallel | None = None,
     ) -> dict[str, MemoryReport]:
         __tracebackhide__ = True
         from pytest_torchmem.engine.api import _check_parallel
-        from pytest_torchmem.engine.request import step_request
+        from pytest_torchmem.engine.request import as_compiled, step_request
 
         spec = self.spec(item)
         _check_parallel(parallel)
         parallel = _marked_parallel(item, spec, parallel)
         if keep_output is None:
             keep_output = self.settings.keep_output if spec.keep_output is None else spec.keep_output
+        if compile is None:
+            compile = self.settings.compile if spec.compile is None else spec.compile
         request = step_request(
-            "torchmem.check", model, inputs, "cpu", loss_fn, optimizer, train, keep_output
+            "torchmem.check", model, inputs, "cpu", loss_fn, optimizer, train, keep_output, compile
         )
-        name = self._claim(item, name)
-        # one entry per mesh and rank: checks of other meshes never compare with it
-        entry_name = name if parallel is None else f"{name} @ {parallel.key} rank={parallel.rank}"
+        # a compiled check has an entry of its own, beside the eager one of the same name
+        compiled = "" if request.compile is None else f" @ {request.compile.key}"
+        name = self._claim(item, name, compiled)
+        request = as_compiled(request, parallel)
+        entry_name = name + compiled
+        if parallel is not None:  # one entry per mesh and rank: other meshes never compare
+            entry_name = f"{entry_name} @ {parallel.key} rank={parallel.rank}"
         devices = spec.devices or self.settings.devices
         gpu = spec.gpu or self.settings.gpu
         cpu = _cpu_profile(spec.cpu or self.settings.cpu)
@@ -1019,6 +1034,7 @@ class TorchmemSession:
             f"torchmem: {mode}, devices {','.join(settings.devices)}, {settings.tolerance}, "
             f"gpu profile {settings.gpu}, cpu profile {settings.cpu}"
             + (", keep_output" if settings.keep_output else "")
+            + (", compile" if settings.compile else "")
         )
 
     def summary_lines(self) -> list[str]:
@@ -1127,6 +1143,7 @@ class TorchmemFixture:
         train: bool = True,
         name: str | None = None,
         keep_output: bool | None = None,
+        compile: bool | Mapping[str, Any] | None = None,
         parallel: Parallel | None = None,
     ) -> dict[str, MemoryReport]:
         """Trace one step of ``model`` on each device and check it; return the reports by device.
@@ -1141,6 +1158,10 @@ class TorchmemFixture:
         ``keep_output``, else ``--torchmem-keep-output`` (ini
         ``torchmem_keep_output``), else ``False``; an entry recorded with the
         other setting fails until it is re-recorded.
+        ``compile`` (``estimate``'s): ``None`` takes the marker's ``compile``, else
+        ``--torchmem-compile`` (ini ``torchmem_compile``: ``True``), else ``False``
+        (eager); a compiled check's entry is keyed ``"<name> @ compiled"`` (with
+        the options given), beside the eager check of the same name.
         ``parallel`` (``estimate``'s): the memory of one rank; the marker's
         ``mesh=`` and ``rank=`` take the place of its own, and each mesh and
         rank has an entry of its own.
@@ -1155,5 +1176,6 @@ class TorchmemFixture:
             train=train,
             name=name,
             keep_output=keep_output,
+            compile=compile,
             parallel=parallel,
         )

@@ -11,8 +11,9 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from decimal import Decimal
 from enum import Enum
-from typing import Any, Final
+from typing import Any, Final, Literal
 
+from pytest_torchmem.engine.compiling import CompileOptions, compile_options
 from pytest_torchmem.engine.report import ROOT_NAME
 from pytest_torchmem.engine.units import format_bytes, format_delta, parse_bytes
 from pytest_torchmem.plugin.snapshots import Entry, Key
@@ -24,6 +25,7 @@ __all__ = [
     "parse_marker",
     "parse_gpu",
     "parse_cpu",
+    "parse_compile",
     "CPU_ISA_LEVELS",
     "Tolerance",
     "Status",
@@ -49,7 +51,7 @@ __all__ = [
 #: The figures a ``memory_budget`` marker can cap.
 BUDGETS: Final = ("forward", "backward", "step", "peak")
 _MARKER_KEYS: Final = (
-    *BUDGETS, "devices", "rtol", "atol", "gpu", "cpu", "keep_output", "mesh", "rank"
+    *BUDGETS, "devices", "rtol", "atol", "gpu", "cpu", "keep_output", "compile", "mesh", "rank"
 )
 #: The ISA levels of CPU profiles: ``tracing.devices.cpu.profiles.ISA_LEVELS``, spelled
 #: out so that reading options and markers needs no torch (a test checks that the two agree).
@@ -92,6 +94,8 @@ class MarkerSpec:
     cpu: str | None = None
     #: Whether the model's output is held through backward (``keep_output``).
     keep_output: bool | None = None
+    #: ``compile=``: the options to check the model compiled with, or False (eager).
+    compile: CompileOptions | Literal[False] | None = None
     #: The mesh of ``torchmem.check(parallel=...)``, in place of the Parallel's own.
     mesh: Mapping[str, int] | None = None
     #: The rank of ``torchmem.check(parallel=...)`` (an int or ``"max"``), in place of its own.
@@ -234,6 +238,9 @@ def parse_marker(
         raise MarkerError(
             f"{MARKER}(keep_output={keep_output!r}): keep_output must be True or False"
         )
+    compile = merged.get("compile")
+    if compile is not None:
+        compile = parse_compile(compile, f"{MARKER}(compile={compile!r})") or False
     mesh = merged.get("mesh")
     if mesh is not None:
         mesh = parse_mesh(mesh, f"{MARKER}(mesh={mesh!r})")
@@ -248,9 +255,19 @@ def parse_marker(
         gpu=gpu,
         cpu=cpu,
         keep_output=keep_output,
+        compile=compile,
         mesh=mesh,
         rank=rank,
     )
+
+
+def parse_compile(value: Any, where: str) -> CompileOptions | None:
+    """``compile=`` (:func:`~pytest_torchmem.engine.compiling.compile_options`): None for
+    an eager check."""
+    try:
+        return compile_options(value, where)
+    except (TypeError, ValueError) as exc:
+        raise MarkerError(str(exc)) from None
 
 
 def parse_mesh(value: Any, where: str) -> dict[str, int]:
