@@ -137,6 +137,7 @@ def no_kernels(loaded: list[Any], cpu: CpuProfile | None = None) -> Iterator[Non
         with (
             inductor_config.patch(force_disable_caches=True, compile_threads=1, **for_profile(cpu)),
             host_vector_isa(),
+            _vector_isa_of(cpu),
         ):
             yield
     finally:
@@ -149,8 +150,9 @@ def for_profile(cpu: CpuProfile | None) -> dict[str, int]:
     """The inductor options that make it build for ``cpu`` rather than this host.
 
     Inductor's C++ backend reads the host twice: the vector ISA (``pick_vec_isa``,
-    capped by ``ATEN_CPU_CAPABILITY``; ``cpp.simdlen`` names its width instead)
-    and the intra-op threads (``parallel_num_threads``; ``cpp.threads`` instead),
+    capped by ``ATEN_CPU_CAPABILITY``; ``cpp.simdlen`` names its width instead, among
+    the ISAs :func:`_vector_isa_of` gives) and the intra-op threads
+    (``parallel_num_threads``; ``cpp.threads`` instead),
     which sizes its kernels' loops and picks between its own kernel and ATen's for
     a summing ``scatter_reduce_`` (``needs_fallback_due_to_atomic_add_limitations``,
     one thread: its own). Its buffers (which exist, their sizes, their reuse) do
@@ -162,6 +164,29 @@ def for_profile(cpu: CpuProfile | None) -> dict[str, int]:
         return {}
     width = 512 if cpu.avx512 else 256 if cpu.avx2 else 0  # 0: no vector ISA matches
     return {"cpp.simdlen": width, "cpp.threads": cpu.threads}
+
+
+#: Inductor's vector ISA (``cpu_vec_isa``'s class) of each level: what it picks on such a CPU.
+_VECTOR_ISA: Final = {"avx2": "VecAVX2", "avx512": "VecAVX512", "avx512_bf16": "VecAVX512", "amx": "VecAMX"}
+
+
+@contextmanager
+def _vector_isa_of(cpu: CpuProfile | None) -> Iterator[None]:
+    """Inductor sees the profile's vector ISA as the only one this CPU has (none on the
+    ``default`` level), whatever the host's: no kernel is built, so none is probed."""
+    if cpu is None:
+        yield
+        return
+    from torch._inductor import cpu_vec_isa
+
+    name = _VECTOR_ISA.get(cpu.isa)
+    isas = [getattr(cpu_vec_isa, name)()] if name is not None else []
+    real = cpu_vec_isa.valid_vec_isa_list
+    cpu_vec_isa.valid_vec_isa_list = lambda: list(isas)  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        cpu_vec_isa.valid_vec_isa_list = real
 
 
 def _inductor_wrapper(context: Any) -> Any:
@@ -419,7 +444,9 @@ class Following:
         as they ran in the warm-up (a guard failed and dynamo built another program, or
         skipped the frame), and those first built in the traced step that inductor could
         not build: eager figures."""
-        flagged = [AUTOTUNED] if _autotuned() > self.autotuned else []
+        # on cuda the builder says what it autotunes (CudaProgram's gaps)
+        autotuned = self.cache_regions and self.builder is None and _autotuned() > self.autotuned
+        flagged = [AUTOTUNED] if autotuned else []
         for region in self.regions:
             backend = region.backend
             if region.warm is None:
