@@ -109,6 +109,10 @@ class TraceContext:
     cpu: Any = None
     #: Per-trace state of rules (e.g. which library workspaces exist already).
     memo: dict[str, Any] = field(default_factory=dict)
+    #: Runs ``kernel()`` with the trace's dispatch mode active again, so that the ops
+    #: it dispatches are traced one by one (set by the tracker): for implementations
+    #: that run an op's own kernel where that kernel is a program of other ops.
+    follow: Callable[[Callable[[], Any]], Any] | None = None
 
 
 class _Outputs:

@@ -232,6 +232,7 @@ class Tracker(TorchDispatchMode):
         self.device: Final = device
         self.rules: Final = rules
         self.context: Final = context or TraceContext(device.type)
+        self.context.follow = self._follow
         self.aliases: Final = aliases
         self._optimizer_hook = optimizer_hook
         self.record_frames: Final = record_frames
@@ -393,6 +394,14 @@ class Tracker(TorchDispatchMode):
                     self.timeline.assign_role(sid, category)
 
     # -- dispatch ------------------------------------------------------------
+
+    def _follow(self, kernel: Callable[[], Any]) -> Any:
+        """``kernel()`` with this mode pushed again (inside ``__torch_dispatch__`` it
+        is not), so that each op the kernel dispatches is traced with its rules.
+        Autograd records nothing below the dispatcher: grad mode is off, as in a
+        custom op's forward, so that no op waits for a node to be attached."""
+        with torch.no_grad(), self:
+            return kernel()
 
     def _plan(self, func: Any) -> _OpPlan:
         plan = self._plans.get(func)

@@ -49,11 +49,6 @@ _UNMODELLED: Final = {
     "buffers are not modelled",
     aten._upsample_bilinear2d_aa_backward.default: "the antialiased upsampling's weight and "
     "index buffers are not modelled",
-    aten.soft_margin_loss.default: "soft_margin_loss's elementwise temporaries are not modelled",
-    aten.soft_margin_loss_backward.default: "soft_margin_loss_backward's elementwise "
-    "temporaries are not modelled",
-    aten._trilinear.default: "_trilinear's (bilinear) per-step sum and permuted copies are "
-    "not modelled",
     aten.normal.Tensor_float: "normal's broadcast mean/std and the draws' buffers are not modelled",
     aten.normal.float_Tensor: "normal's broadcast mean/std and the draws' buffers are not modelled",
     aten.normal.Tensor_Tensor: "normal's broadcast mean/std and the draws' buffers are not modelled",
