@@ -1,5 +1,6 @@
 """CPU rules: indexing and data-movement kernels (``Embedding.cpp``, ``PixelShuffle.cpp``,
-``ChanelShuffle.cpp``, ``UnfoldBackward.cpp`` in ``aten/src/ATen/native``), torch 2.13."""
+``ChanelShuffle.cpp``, ``UnfoldBackward.cpp``, ``TensorShape.cpp``,
+``TensorAdvancedIndexing.cpp`` in ``aten/src/ATen/native``), torch 2.13."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from torch._prims_common import suggest_memory_format
 
 from pytest_torchmem.engine.tracing.devices.cpu.base import CPU
 from pytest_torchmem.engine.tracing.devices.cpu.misc import arg
-from pytest_torchmem.engine.tracing.rules import OUTPUTS, Alloc, Inexact, OpCall, Steps
+from pytest_torchmem.engine.tracing.rules import OUTPUTS, Alloc, Free, Inexact, OpCall, Steps
 
 aten = torch.ops.aten
 
@@ -74,6 +75,42 @@ def _unfold_backward(call: OpCall) -> Steps:
         return [OUTPUTS]
     length = int(sizes[dim]) if len(sizes) else 1
     return [OUTPUTS, Alloc("idx_dim", length * 8)]
+
+
+@CPU.scratch(aten.repeat.default)
+def _repeat(call: OpCall) -> Steps:
+    """``repeat`` (``TensorShape.cpp``): the result, copied into through ``unfold``
+    views of it; then, for ``n`` repeat dims, an ``int64`` permutation of ``2n``
+    dims (``cat`` of ``arange(n)`` and ``arange(n).add(n)``, whose ``add.Scalar``
+    wraps ``n`` in an 8-byte tensor), given back before it returns (measured). A
+    zero repeat returns the empty result at once."""
+    repeats = arg(call, 1, "repeats")
+    n = len(repeats)
+    if any(r == 0 for r in repeats):
+        return [OUTPUTS]
+    return [
+        OUTPUTS,
+        Alloc("arange(n)", 8 * n),
+        Alloc("add: wrapped n", 8),
+        Alloc("arange(n) + n", 8 * n),
+        Free("add: wrapped n"),
+        Alloc("permutation (cat)", 16 * n),
+        Free("arange(n)"),
+        Free("arange(n) + n"),
+        Free("permutation (cat)"),
+    ]
+
+
+@CPU.scratch(aten.index_select.default)
+def _index_select(call: OpCall) -> Steps:
+    """``index_select_out_cpu_`` (``TensorAdvancedIndexing.cpp``): along dim 1 of a
+    tensor of two or more dims, ``index_select_out_cpu_dim1_`` reads
+    ``self.contiguous()``, a copy of a broadcast or permuted ``self`` (an expanded
+    gradient in ``index_copy``'s backward), after the result is made."""
+    self, dim, index = arg(call, 0, "self"), arg(call, 1, "dim"), arg(call, 2, "index")
+    if self.dim() < 2 or dim % self.dim() != 1 or index.numel() == 0 or self.numel() == 0:
+        return [OUTPUTS]
+    return [OUTPUTS, Alloc("self.contiguous()", _copy(self))]
 
 
 _SCATTER_GATHER = (
