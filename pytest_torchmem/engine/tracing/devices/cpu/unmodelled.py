@@ -43,10 +43,6 @@ _UNMODELLED: Final = {
     "counts are not modelled",
     aten._embedding_bag_per_sample_weights_backward.default: "embedding_bag's per-sample "
     "weights backward buffers are not modelled",
-    aten._upsample_bilinear2d_aa.default: "the antialiased upsampling's weight and index "
-    "buffers are not modelled",
-    aten._upsample_bilinear2d_aa_backward.default: "the antialiased upsampling's weight and "
-    "index buffers are not modelled",
     aten.normal.Tensor_float: "normal's broadcast mean/std and the draws' buffers are not modelled",
     aten.normal.float_Tensor: "normal's broadcast mean/std and the draws' buffers are not modelled",
     aten.normal.Tensor_Tensor: "normal's broadcast mean/std and the draws' buffers are not modelled",
