@@ -16,12 +16,13 @@ from typing import Any
 
 import pytest
 import torch
+from exactness import intra_op_threads
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import pytest_torchmem as tm
 from pytest_torchmem.engine.tracing.devices.cpu import CPU
-from pytest_torchmem.engine.tracing.devices.cpu.profiles import CpuProfile
+from pytest_torchmem.engine.tracing.devices.cpu.profiles import CpuProfile, host_profile
 from pytest_torchmem.engine.tracing.rules import Alloc, OpCall, TraceContext
 
 aten = torch.ops.aten
@@ -234,6 +235,17 @@ SHAPES: dict[str, tuple[Any, tuple[int, ...], dict[str, Any]]] = {
     "transposed_output_padding": (
         lambda: nn.ConvTranspose2d(8, 16, 3, stride=2, padding=1, output_padding=1), (2, 8, 7, 7), {},
     ),
+    # slow_conv_transpose3d where oneDNN is not taken (one image, 3x3x3 or 1x1x1 kernels, one thread)
+    "transposed3d": (lambda: nn.ConvTranspose3d(3, 3, 3, stride=2, padding=2, output_padding=1), (1, 3, 4, 4, 4), {}),
+    "transposed3d_shrinking": (lambda: nn.ConvTranspose3d(4, 3, 3, padding=2), (1, 4, 5, 5, 5), {}),
+    "transposed3d_groups": (lambda: nn.ConvTranspose3d(4, 6, 2, stride=2, groups=2), (1, 4, 3, 3, 3), {}),
+    "transposed3d_groups_shrinking": (
+        lambda: nn.ConvTranspose3d(4, 2, 3, padding=2, groups=2, bias=False), (1, 4, 5, 5, 5), {},
+    ),
+    "transposed3d_pointwise": (lambda: nn.ConvTranspose3d(4, 3, 1, bias=False), (1, 4, 3, 3, 3), {}),
+    "transposed3d_big_output_padding": (
+        lambda: nn.ConvTranspose3d(2, 2, 3, stride=2, output_padding=(1, 0, 1), dilation=2), (2, 2, 4, 4, 4), {},
+    ),
     "input_without_grad": (lambda: nn.Conv2d(3, 16, 3, padding=1), (4, 3, 16, 16), {"no_grad_input": True}),
     "float64": (lambda: nn.Conv2d(4, 6, 3, padding=1).double(), (2, 4, 8, 8), {"dtype": torch.float64}),
 }
@@ -255,11 +267,48 @@ def test_estimate_equals_measure(name: str, threads: int) -> None:
     assert estimated.phase_peaks() == measured.phase_peaks()
 
 
+def test_slow_transposed3d_output_keeps_the_input_storage() -> None:
+    """``slow_conv_transpose3d`` makes its output as ``empty_like(input)`` and resizes
+    it: a (1, 4, 5, 5, 5) input (2000 bytes) padded into a (1, 3, 3, 3, 3) output
+    (324 bytes) keeps 2000 bytes. Forward: x 2000 + weight 1296 + bias 12 + output
+    2000 + one image's columns (3 x 27 taps x 125 floats = 40500) + ``ones`` over the
+    output's 27 positions (108) = 45916."""
+    torch.manual_seed(0)
+    model = nn.ConvTranspose3d(4, 3, 3, padding=2)
+    x = torch.randn(1, 4, 5, 5, 5)
+    with intra_op_threads(1):
+        report = tm.estimate(model, x, train=False)
+        assert report.forward_peak == 2000 + 4 * 3 * 27 * 4 + 12 + 2000 + 3 * 27 * 125 * 4 + 27 * 4
+        assert report.forward_peak == tm.measure(model, x, train=False).forward_peak
+
+
+
+@pytest.mark.parametrize(
+    "name", ["transposed3d", "transposed3d_groups", "transposed_output_padding", "conv1d", "conv3d"]
+)
+def test_low_precision_slow_paths_are_exact_where_onednn_does_not_compute_them(name: str, threads: int) -> None:
+    """Below the ``avx512`` level oneDNN does not compute bfloat16: ATen's slow paths
+    run it, with a ``float`` pass for the transposed kernels' bias gradient
+    (``sum``'s accumulation buffer), and the estimate is exact; from ``avx512`` on it
+    is flagged (oneDNN's primitives, and the slow paths' ``mkldnn_bf16_gemm``)."""
+    build, shape, _ = SHAPES[name]
+    torch.manual_seed(0)
+    model = build().to(torch.bfloat16)
+    x = torch.randn(shape, dtype=torch.bfloat16, requires_grad=True)
+    estimated = tm.estimate(model, x)
+    if host_profile().onednn_bf16:
+        assert estimated.unsupported != ()
+        return
+    assert estimated.unsupported == ()
+    assert estimated.phase_peaks() == tm.measure(model, x).phase_peaks()
+
+
 def test_unmodelled_low_precision_convolutions_are_listed_as_unsupported() -> None:
     """A rule that knows it models a call only in part says so: the bf16 oneDNN
-    convolution's scratch is missing, and the report must not look complete."""
+    convolution's scratch is missing (on the ``avx512`` level, where oneDNN computes
+    bfloat16), and the report must not look complete."""
     model = torch.nn.Conv2d(4, 6, 3).to(torch.bfloat16)
-    report = tm.estimate(model, torch.randn(2, 4, 8, 8, dtype=torch.bfloat16))
+    report = tm.estimate(model, torch.randn(2, 4, 8, 8, dtype=torch.bfloat16), cpu="avx512:1")
     assert {entry.op for entry in report.unsupported} == {
         "aten.convolution.default",
         "aten.convolution_backward.default",

@@ -19,9 +19,10 @@ follow torch 2.13:
 3. **oneDNN**: see :mod:`~pytest_torchmem.engine.tracing.devices.cpu.onednn`.
 
 Not modelled (the op's outputs are counted, its scratch is not): bfloat16 and
-float16 convolutions (oneDNN's ``jit_bf16`` kernels; listed in
-``unsupported``), ``slow_conv_transpose3d`` and NNPACK (reached only with
-oneDNN disabled).
+float16 convolutions that oneDNN computes (its ``jit_bf16`` kernels, and from
+the ``avx512`` level the slow paths' ``mkldnn_bf16_gemm``; listed in
+``unsupported``) and NNPACK (reached only with oneDNN disabled). Below that
+level the slow paths compute reduced precision in ATen, and are modelled.
 """
 
 from __future__ import annotations
@@ -37,6 +38,11 @@ from pytest_torchmem.engine.tracing.devices.cpu.base import CPU, profile_of
 from pytest_torchmem.engine.tracing.devices.cpu.onednn import conv_list
 from pytest_torchmem.engine.tracing.devices.cpu.onednn.common import Geo
 from pytest_torchmem.engine.tracing.devices.cpu.profiles import CpuProfile
+from pytest_torchmem.engine.tracing.devices.cpu.reduce import (
+    acc_buffer_steps,
+    sum_steps,
+    uses_acc_buffer,
+)
 from pytest_torchmem.engine.tracing.rules import (
     OUTPUTS,
     Alloc,
@@ -366,6 +372,17 @@ class _Slow:
     item: int
     unit: bool  # 1x1, unit stride, no padding (no im2col)
     channels_last: bool
+    bias: bool = False
+
+    @property
+    def transposed3d_held(self) -> int:
+        """``slow_conv_transpose3d``'s output is ``empty_like(input)`` resized: the
+        input's bytes, which it keeps when the output is not larger."""
+        return self.n * self.c * self.in_sp * self.item
+
+    @property
+    def output_bytes(self) -> int:
+        return self.n * self.oc * self.out_sp * self.item
 
     @property
     def columns(self) -> int:
@@ -384,7 +401,7 @@ def _slow(c: _Conv, backend: str, out_spatial: Sequence[int]) -> _Slow:
         unit = unit and c.groups == 1  # compute_columns3d views the input only without groups
     return _Slow(
         backend, x[0], x[1] // g, oc, _prod(x[2:]), _prod(out_spatial), _prod(w[2:]),
-        c.input.element_size(), unit, _channels_last(c, backend),
+        c.input.element_size(), unit, _channels_last(c, backend), c.bias,
     )
 
 
@@ -400,6 +417,17 @@ def _slow_forward_group(s: _Steps, k: _Slow, output: Any) -> Any:
         tag = output()
         cols = s.alloc(k.c * k.ks * k.out_sp * k.item, "columns")  # one image
         s.free(cols)
+    elif k.kind == "slow_transpose3d":
+        # slow_conv_transpose3d_out_cpu_template: empty_like(input) resized to the
+        # output (a new buffer only when larger), one image's columns (even for
+        # 1x1x1), and at::ones(output spatial) with a bias
+        held = k.transposed3d_held if k.output_bytes > k.transposed3d_held else 0
+        first = s.alloc(held, "output before resize")
+        tag = output()
+        s.free(first)
+        cols = s.alloc(k.oc * k.ks * k.in_sp * k.item, "columns")
+        ones = s.alloc(k.out_sp * k.item if k.bias else 0, "ones")
+        s.free(ones, cols)
     else:  # slow_conv_transpose2d: columns of every image, even for 1x1
         tag = output()
         cols = s.alloc(k.n * k.oc * k.ks * k.in_sp * k.item, "columns")
@@ -407,11 +435,15 @@ def _slow_forward_group(s: _Steps, k: _Slow, output: Any) -> Any:
     return tag
 
 
-def _slow_backward_group(s: _Steps, k: _Slow, mask: Sequence[bool], go_copy: int, output: Any) -> Any:
+def _slow_backward_group(
+    s: _Steps, k: _Slow, mask: Sequence[bool], go_copy: int, output: Any, bias_sum: Sequence[Step] = ()
+) -> Any:
     """The backward of one group (``slow_conv2d_backward_cpu``,
     ``slow_conv3d_backward_cpu``, ``slow_conv_dilated*_backward_cpu``,
     ``slow_conv_transpose*_backward_cpu``); ``output(i)`` allocates gradient
-    ``i`` and returns its tag. ``go_copy``: bytes of ``grad_output.contiguous()``."""
+    ``i`` and returns its tag. ``go_copy``: bytes of ``grad_output.contiguous()``;
+    ``bias_sum``: the scratch of the transposed kernels' ``at::sum`` of the output
+    gradient into the bias gradient."""
     tags: list[Any] = []
     if k.kind in ("slow_dilated2d", "slow_dilated3d"):
         go = s.alloc(go_copy, "grad_output contiguous")
@@ -432,8 +464,20 @@ def _slow_backward_group(s: _Steps, k: _Slow, mask: Sequence[bool], go_copy: int
             s.free(s.alloc(0 if k.unit else k.oc * k.ks * k.in_sp * k.item, "grad columns"))
         # slow_conv2d: the input gradient's columns come from new[], not the allocator
         s.free(go)
+    if k.kind == "slow_transpose3d" and (mask[1] or mask[2]):
+        # slow_conv_transpose3d_acc_grad_parameters_cpu: both gradients resized, then
+        # the columns, and the bias gradient summed while they are held (measured)
+        tags += [output(i) for i in (1, 2) if mask[i]]
+        go = s.alloc(go_copy, "grad_output contiguous")
+        cols = s.alloc(0 if k.unit else k.oc * k.ks * k.in_sp * k.item, "columns")
+        if mask[2]:
+            s.steps += bias_sum
+        s.free(cols, go)
+        return tags
     if mask[2]:
         tags.append(output(2))
+        if k.kind == "slow_transpose2d":
+            s.steps += bias_sum
     if mask[1]:
         tags.append(output(1))
         go = s.alloc(go_copy, "grad_output contiguous")
@@ -446,7 +490,7 @@ def _slow_backward_group(s: _Steps, k: _Slow, mask: Sequence[bool], go_copy: int
 
 
 _SLOW: Final = frozenset(
-    {"slow2d", "slow3d", "slow_dilated2d", "slow_dilated3d", "slow_transpose2d"}
+    {"slow2d", "slow3d", "slow_dilated2d", "slow_dilated3d", "slow_transpose2d", "slow_transpose3d"}
 )
 
 
@@ -489,6 +533,8 @@ def _slow_forward(s: _Steps, c: _Conv, backend: str, out: torch.Tensor) -> None:
         _slow_forward_group(s, k, s.outputs)
     else:
         group_out = nbytes_of(out) // c.groups
+        if backend == "slow_transpose3d":
+            group_out = max(group_out, k.transposed3d_held)
         per_group_in = 0 if k.n == 1 else nbytes_of(c.input) // c.groups
         results = []
         for _ in range(c.groups):
@@ -500,11 +546,26 @@ def _slow_forward(s: _Steps, c: _Conv, backend: str, out: torch.Tensor) -> None:
     s.free(w_copy, x_copy)
 
 
-def _slow_backward(s: _Steps, c: _Conv, backend: str, grad_output: torch.Tensor, mask: Sequence[bool], outs: Any) -> None:
+def _bias_sum(k: _Slow, threads: int, dtype: torch.dtype) -> list[Step]:
+    """``at::sum`` of one group's contiguous output gradient over all dims but the
+    channels (the transposed kernels' bias gradient): a reduced-precision one takes
+    ``sum``'s ``float`` path (:func:`~.reduce.uses_acc_buffer`)."""
+    if k.kind not in ("slow_transpose2d", "slow_transpose3d"):
+        return []
+    group = torch.empty((k.n, k.oc, k.out_sp), dtype=dtype, device="meta")
+    if uses_acc_buffer(group, (0, 2), dtype):
+        return list(acc_buffer_steps(threads, group, k.oc, "bias sum"))
+    return list(sum_steps(threads, group, k.oc, dtype, "bias sum"))
+
+
+def _slow_backward(
+    s: _Steps, c: _Conv, backend: str, grad_output: torch.Tensor, mask: Sequence[bool], outs: Any, threads: int
+) -> None:
     """``convolution_backward`` on a slow path, per group like the forward
     (copies of the group's output gradient and input), gradients concatenated."""
     out_sp = tuple(grad_output.shape[2:]) if not c.conv1d else (1, grad_output.shape[2])
     k = _slow(c, backend, out_sp)
+    bias_sum = _bias_sum(k, threads, grad_output.dtype) if mask[2] else []
     x_copy = s.alloc(0 if c.conv1d else _contiguous_copy(c.input, k.channels_last), "input contiguous")
     w_copy = s.alloc(_contiguous_copy(c.weight, k.channels_last), "weight contiguous")
     sizes = [nbytes_of(o) if o is not None else 0 for o in outs]
@@ -514,7 +575,7 @@ def _slow_backward(s: _Steps, c: _Conv, backend: str, grad_output: torch.Tensor,
             s.output(i, sizes[i])  # the gradients, in the kernel's order
 
         go_copy = _contiguous_copy(grad_output, k.channels_last)
-        _slow_backward_group(s, k, mask, go_copy, output)
+        _slow_backward_group(s, k, mask, go_copy, output, bias_sum)
         s.outputs()
     else:
         g = c.groups
@@ -534,7 +595,7 @@ def _slow_backward(s: _Steps, c: _Conv, backend: str, grad_output: torch.Tensor,
                 per[i].append(tag)
                 return tag
 
-            _slow_backward_group(s, k, mask, go_kernel_copy, output)
+            _slow_backward_group(s, k, mask, go_kernel_copy, output, bias_sum)
             s.free(x_g, gog)
         s.outputs()
         s.free(*per[2], *per[1], *per[0])
@@ -579,7 +640,7 @@ def _convolution_backward_steps(call: OpCall) -> list[Step] | None:
             return None
         s.free(w_copy, x_copy)
     elif backend in _SLOW:
-        _slow_backward(s, c, backend, grad_output, mask, call.out)
+        _slow_backward(s, c, backend, grad_output, mask, call.out, cpu.threads)
     else:
         return None
     s.free(one_d)
@@ -597,9 +658,39 @@ _LOW_PRECISION_GAP: Final = Inexact(
 
 
 def _flag_low_precision(call: OpCall, steps: list[Step]) -> list[Step]:
-    if call.args[0].dtype in (torch.bfloat16, torch.float16):
+    """Flag a bfloat16/float16 convolution where oneDNN computes it: the convolution
+    primitives, or (where oneDNN computes bfloat16, the ``avx512`` level up) the
+    gemm of ATen's slow paths (``mkldnn_bf16_gemm``, measured: buffers the size of
+    the columns). Below, the slow paths compute in ATen and are modelled."""
+    if call.args[0].dtype not in (torch.bfloat16, torch.float16):
+        return steps
+    cpu = profile_of(call)
+    if cpu.onednn_bf16:
         return [_LOW_PRECISION_GAP, *steps]
-    return steps
+    if call.func is aten.convolution.default:
+        c = _conv(call.args[0], call.args[1], call.args[2] is not None, call.args[3:9])
+    else:  # convolution_backward(grad_output, input, weight, bias_sizes, ...)
+        c = _conv(call.args[1], call.args[2], bool(call.args[10][2]), call.args[4:10])
+    if _backend(c, cpu) in _SLOW:
+        return steps
+    return [_LOW_PRECISION_GAP, *steps]
+
+
+@CPU.implementation(aten.convolution.default)
+def _convolution_output(call: OpCall) -> Any:
+    """``slow_conv_transpose3d`` makes its output as ``empty_like(input)`` and
+    ``resize_``s it: an output smaller than the input keeps the input's storage
+    (measured: a padded 3-d transposed convolution of a 2000-byte input into 324
+    bytes holds 2000)."""
+    out = call.func(*call.args, **call.kwargs)
+    input, weight, bias = call.args[0], call.args[1], call.args[2]
+    c = _conv(input, weight, bias is not None, call.args[3:9])
+    if c.groups != 1 or not isinstance(out, torch.Tensor) or _backend(c, profile_of(call)) != "slow_transpose3d":
+        return out
+    if nbytes_of(input) <= nbytes_of(out):
+        return out
+    held = torch.empty((input.numel(),), dtype=out.dtype, device=out.device)
+    return held.resize_(out.shape)
 
 
 @CPU.scratch(aten.convolution.default)
