@@ -35,10 +35,7 @@ _DOUBLE: Final = 8
 def _transpose_buffer(t: torch.Tensor) -> int:
     """Bytes of the ``{BLOCK_SZ, BLOCK_SZ}`` buffer ``copy_`` takes to copy the
     transposed 2-d ``t`` into a contiguous tensor (``copy_transpose_valid``)."""
-    if (
-        t.dim() != 2 or t.numel() < _BLOCK * _BLOCK or t.stride(0) != 1
-        or t.stride(1) != t.shape[0] or t.dtype == torch.bool
-    ):  # fmt: skip
+    if t.dim() != 2 or t.numel() < _BLOCK * _BLOCK or t.stride(0) != 1 or t.stride(1) != t.shape[0]:
         return 0
     block = 2 * _BLOCK if t.dtype == torch.uint8 else _BLOCK
     return block * block * t.element_size()
@@ -70,7 +67,8 @@ def _aminmax(self: torch.Tensor, d: int, *, whole: bool = False) -> list[Step]:
     nbytes = d * self.element_size()
     copy: list[Step] = []
     if whole and not self.is_contiguous():
-        copy = [*_reshaped("aminmax: self", self, (self.numel(),)), Free("aminmax: self reshaped")]
+        copy = _reshaped("aminmax: self", self, (self.numel(),))
+        copy += _given_back(copy)
     return [
         Alloc("aminmax: min", nbytes), Alloc("aminmax: max", nbytes), *copy,
         Free("aminmax: min"), Free("aminmax: max"),
