@@ -1,5 +1,6 @@
-"""Outputs of the ops torch gives no meta kernel (``devices/meta_kernels.py``): the
-implementations make what the real CPU kernel returns, on every device model."""
+"""Outputs of the ops torch gives no meta kernel (``devices/meta_kernels.py`` on every
+device model, ``devices/cpu/histogram.py`` for the CPU-only ops): the implementations
+make what the real CPU kernel returns."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 import pytest_torchmem as tm
 from pytest_torchmem.engine.tracing.devices.common import COMMON
+from pytest_torchmem.engine.tracing.devices.cpu import CPU
 from pytest_torchmem.engine.tracing.rules import OpCall
 
 aten = torch.ops.aten
@@ -65,7 +67,8 @@ def test_outputs_are_the_real_kernels(name: str) -> None:
     real = tree_flatten(op(*args, **kwargs))[0]
     with FakeTensorMode(allow_non_fake_inputs=True) as mode:
         fake_args = tree_map(lambda a: mode.from_tensor(a) if isinstance(a, torch.Tensor) else a, args)
-        fake = tree_flatten(COMMON.implementation_rule(op)(OpCall(op, fake_args, kwargs)))[0]
+        rules = COMMON if COMMON.implementation_rule(op) is not None else CPU
+        fake = tree_flatten(rules.implementation_rule(op)(OpCall(op, fake_args, kwargs)))[0]
     assert [_layout(t) for t in fake] == [_layout(t) for t in real]
 
 
@@ -86,3 +89,13 @@ def test_backward_is_traced_on_every_device(fn: Callable[..., Any], device: str)
     report = tm.estimate(Lambda(fn), (x, target), device=device)
     assert report.unsupported == ()
     assert report.backward_peak > 0
+
+
+def test_cpu_only_ops_stop_the_cuda_trace() -> None:
+    """``histogram`` has no CUDA kernel: the fake cuda device does not trace it as if
+    it had one (it says so in ``unsupported``), while the CPU traces it whole."""
+    x = torch.randn(40)
+    model = Lambda(lambda x: torch.histogram(x, 5).hist)
+    assert tm.estimate(model, x, train=False).unsupported == ()
+    reasons = [u.reason for u in tm.estimate(model, x, train=False, device="cuda").unsupported]
+    assert any("fake tensors cannot run it" in r for r in reasons), reasons

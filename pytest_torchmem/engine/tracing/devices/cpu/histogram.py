@@ -8,8 +8,8 @@ from ``aminmax(input, 0)`` when no range is given (``min == max`` for
 counts into ``thread_histograms = at::zeros({get_num_threads(), bins...})``,
 summed into the histogram. With ``density`` it divides by ``hist.sum()`` (a
 wrapped number) and by each dimension's ``bin_edges.diff()``. Torch has no
-meta kernel for ``histogram`` and ``histogramdd``'s ops; their outputs come
-from :mod:`~pytest_torchmem.engine.tracing.devices.meta_kernels`.
+meta kernel for ``histogram`` and ``histogramdd``'s ops, which have a CPU
+kernel alone: their outputs are made here, for the trace only.
 """
 
 from __future__ import annotations
@@ -104,6 +104,39 @@ def _density(call: OpCall, self: torch.Tensor, bins: Sequence[int]) -> list[Step
 
 def _range_from_input(call: OpCall, self: torch.Tensor) -> bool:
     return call.kwargs.get("range") is None and self.numel() > 0
+
+
+# -- outputs (no meta kernel in torch) ------------------------------------------------------
+
+
+def _empty(self: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
+    return torch.empty(tuple(int(n) for n in shape), dtype=self.dtype, device=self.device)
+
+
+@CPU.implementation(aten.histogram.bin_ct, aten.histogram.bins_tensor)
+def _histogram_outputs(call: OpCall) -> tuple[torch.Tensor, torch.Tensor]:
+    """``histogram_cpu``: ``(hist, bin_edges)`` of ``bins`` and ``bins + 1`` elements
+    (with bin edges given: one bin fewer than edges) of ``self``'s dtype."""
+    self, bins = call.args[0], call.arg(1, "bins", 100)
+    count = bins.numel() - 1 if isinstance(bins, torch.Tensor) else int(bins)
+    return _empty(self, (count,)), _empty(self, (count + 1,))
+
+
+@CPU.implementation(aten._histogramdd_bin_edges.default)
+def _histogramdd_edges_outputs(call: OpCall) -> list[torch.Tensor]:
+    """``histogramdd_bin_edges_cpu``: ``bins[d] + 1`` edges per dimension ``d``."""
+    return [_empty(call.args[0], (int(n) + 1,)) for n in call.arg(1, "bins")]
+
+
+@CPU.implementation(aten._histogramdd_from_bin_cts.default, aten._histogramdd_from_bin_tensors.default)
+def _histogramdd_output(call: OpCall) -> torch.Tensor:
+    """``_histogramdd``: the histogram of shape ``bins`` (with bin edges given: one
+    bin fewer than edges per dimension)."""
+    bins = call.arg(1, "bins")
+    return _empty(call.args[0], [b.numel() - 1 if isinstance(b, torch.Tensor) else b for b in bins])
+
+
+# -- scratch ------------------------------------------------------------------------------
 
 
 @CPU.scratch(aten.histc.default)
