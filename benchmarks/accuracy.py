@@ -8,7 +8,7 @@ Prints, per model family and phase, the estimate, the measurement and the
 error; ``--device cuda`` needs a GPU and names its profile with ``--gpu``
 (default: the profile whose name appears in the device's name, else H100).
 ``--profiles`` prints one line per CPU profile this host can run (each level up
-to the host's, capped with ``ATEN_CPU_CAPABILITY``/``ONEDNN_MAX_CPU_ISA``, at 1,
+to the host's, capped with ``ATEN_CPU_CAPABILITY``/``ONEDNN_MAX_CPU_ISA``/``MKL_ENABLE_INSTRUCTIONS``, at 1,
 2 and 4 intra-op threads): the families exact in every phase, those whose
 estimate lists ``unsupported`` (not compared: a level's natively computed
 bfloat16/float16 kernels), and the worst error of the others, the ground truth

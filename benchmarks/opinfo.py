@@ -4,6 +4,7 @@
     python benchmarks/opinfo.py --op 'nn.functional.*' --limit-samples 10
     python benchmarks/opinfo.py --device cuda                # estimate on the fake cuda device only
     python benchmarks/opinfo.py --json opinfo.json --jobs 2
+    python benchmarks/opinfo.py --profiles default:1,avx2:2,host   # one table row per CPU profile
 
 Every OpInfo of ``torch.testing._internal.common_methods_invocations.op_db``
 (it needs the ``expecttest`` package) that supports the dtype on CPU gives its
@@ -25,6 +26,12 @@ input (sparse or non-CPU tensors: "skipped"). An op with no sample left is
 excluded from the denominators. Ops run in worker
 processes, so that an op that crashes or hangs the interpreter is reported,
 not fatal.
+
+``--profiles`` runs the whole benchmark once per CPU profile (``level:threads``;
+``host`` is this machine as it is): each in worker processes capped with
+``ATEN_CPU_CAPABILITY``/``ONEDNN_MAX_CPU_ISA`` to the level and running at the
+profile's intra-op thread count, so that a faster host stands for the machines
+below it; the summary then has one row per profile and dtype.
 """
 
 from __future__ import annotations
@@ -56,9 +63,14 @@ EXCLUDED = (Outcome.MEASURE_FAILED, Outcome.SKIPPED)
 # -- worker: runs ops sent on stdin, one JSON line back per op ---------------------------
 
 
-def _worker(limit: int, device: str) -> int:
+def _worker(limit: int, device: str, threads: int | None) -> int:
     warnings.filterwarnings("ignore")
     from opinfo_harness import op_infos, op_name, run_op
+
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)
 
     # The answers go to the parent on the original stdout; whatever else the ops or
     # torch print goes to stderr.
@@ -82,9 +94,18 @@ class _Worker:
     ready: bool = False
 
 
-def _start(limit: int, device: str) -> _Worker:
+def _start(limit: int, device: str, profile: str | None) -> _Worker:
+    command = [sys.executable, __file__, "--worker", "--limit-samples", str(limit), "--device", device]
+    env = None
+    if profile is not None and profile != "host":
+        from pytest_torchmem.engine.tracing.devices.cpu.profiles import capped_environment, cpu_profile
+
+        named = cpu_profile(profile)
+        env = {**os.environ, **capped_environment(named)}
+        command += ["--threads", str(named.threads)]
     process = subprocess.Popen(
-        [sys.executable, __file__, "--worker", "--limit-samples", str(limit), "--device", device],
+        command,
+        env=env,
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
@@ -107,6 +128,7 @@ class _Pool:
     limit: int
     device: str
     timeout: float
+    profile: str | None = None
     workers: list[_Worker] = field(default_factory=list)
 
     def run(self, tasks: list[tuple[str, str]], progress: bool) -> list[OpResult]:
@@ -151,7 +173,7 @@ class _Pool:
         return results
 
     def _spawn(self, selector: selectors.BaseSelector) -> _Worker:
-        worker = _start(self.limit, self.device)
+        worker = _start(self.limit, self.device, self.profile)
         assert worker.process.stdout is not None
         selector.register(worker.process.stdout, selectors.EVENT_READ, worker)
         return worker
@@ -191,7 +213,7 @@ def _percent(part: int, whole: int) -> str:
 def summary_rows(results: list[OpResult]) -> list[list[Any]]:
     """One row per dtype: ops run, excluded, and the outcomes of the rest."""
     rows = []
-    for dtype in sorted({r.dtype for r in results}):
+    for dtype in sorted({r.dtype for r in results}, key=lambda d: list(DTYPES).index(d)):
         counts = Counter(r.outcome for r in results if r.dtype == dtype)
         total = sum(counts.values())
         excluded = sum(counts[o] for o in EXCLUDED)
@@ -307,50 +329,63 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per op (default 300)")
     parser.add_argument("--top", type=int, default=25, help="inexact ops listed (default 25)")
     parser.add_argument("--quiet", action="store_true", help="no progress lines")
+    parser.add_argument(
+        "--profiles",
+        help="comma-separated CPU profiles to run under, e.g. default:1,avx2:2,host (capped workers)",
+    )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--threads", type=int, help=argparse.SUPPRESS)
     options = parser.parse_args(argv)
     if options.worker:
-        return _worker(options.limit_samples, options.device)
+        return _worker(options.limit_samples, options.device, options.threads)
 
     dtypes = options.dtype or ["float32", "bfloat16"]
+    profiles: list[str | None] = [None]
+    if options.profiles:
+        from pytest_torchmem.engine.tracing.devices.cpu.profiles import cpu_profile
+
+        profiles = [p.strip() for p in options.profiles.split(",") if p.strip()]
+        for profile in profiles:
+            if profile != "host":
+                cpu_profile(profile)  # a bad name fails here, before any worker starts
     start = time.perf_counter()
     tasks, not_supported = _tasks(dtypes, options.op)
     if not tasks:
         print("no OpInfo matches", options.op, file=sys.stderr)
         return 2
-    pool = _Pool(options.jobs, options.limit_samples, options.device, options.timeout)
-    results = pool.run(tasks, progress=not options.quiet)
-    results.sort(key=lambda r: (r.dtype, r.op))
+    by_profile: dict[str | None, list[OpResult]] = {}
+    for profile in profiles:
+        pool = _Pool(options.jobs, options.limit_samples, options.device, options.timeout, profile)
+        by_profile[profile] = sorted(
+            pool.run(tasks, progress=not options.quiet), key=lambda r: (r.dtype, r.op)
+        )
     seconds = time.perf_counter() - start
 
     import torch
 
+    threads = "each profile's threads" if options.profiles else f"{torch.get_num_threads()} threads"
     print(
         f"OpInfo coverage on {options.device}: torch {torch.__version__}, "
         f"{len({op for op, _ in tasks})} ops, up to {options.limit_samples} samples each, "
-        f"{torch.get_num_threads()} threads, {seconds:.0f} s"
+        f"{threads}, {seconds:.0f} s"
     )
-    print(tabulate(summary_rows(results), headers=SUMMARY_HEADERS))
+    if options.profiles:
+        from pytest_torchmem.engine.tracing.devices.cpu.profiles import host_profile
+
+        host = host_profile()
+        label = {p: f"host ({host.isa}:{host.threads})" if p == "host" else p for p in by_profile}
+        rows = [[label[p], *row] for p, results in by_profile.items() for row in summary_rows(results)]
+        print(tabulate(rows, headers=["profile", *SUMMARY_HEADERS]))
+    else:
+        print(tabulate(summary_rows(by_profile[None]), headers=SUMMARY_HEADERS))
     print(
         f"\nops run: OpInfos that list the dtype for CPU ({not_supported} op-dtype pairs that "
         "do not are not run). excluded: every sample's real op (on cuda: its CPU step) raised, "
         "or the sample cannot be an input (sparse, non-CPU tensors). Percentages are of the "
         "counted ops; traced = exact + inexact + flagged (+ traced, not measured on cuda)."
     )
-    for outcome, title in (
-        (Outcome.RAISED, "Raised"),
-        (Outcome.FLAGGED, "Flagged (in unsupported)"),
-    ):
-        rows = _other_rows(results, outcome)
-        if rows:
-            print(f"\n{title}:")
-            print(tabulate(rows, headers=["op", "dtype", "first"]))
-    rows = inexact_rows(results, options.top)
-    if rows:
-        print(
-            f"\nLargest inexact (relative error of the worst phase, worst sample; top {options.top}):"
-        )
-        print(tabulate(rows, headers=["op", "dtype", "worst phase"]))
+    for profile, results in by_profile.items():
+        _details(results, options.top, f" on {profile}" if profile else "")
     if options.json:
         data = {
             "torch": torch.__version__,
@@ -358,12 +393,37 @@ def main(argv: list[str] | None = None) -> int:
             "dtypes": dtypes,
             "limit_samples": options.limit_samples,
             "threads": torch.get_num_threads(),
-            "summary": [dict(zip(SUMMARY_HEADERS, row)) for row in summary_rows(results)],
-            "results": [r.to_dict() for r in results],
+            "profiles": [
+                {
+                    "profile": profile or "host",
+                    "summary": [dict(zip(SUMMARY_HEADERS, row)) for row in summary_rows(results)],
+                    "results": [r.to_dict() for r in results],
+                }
+                for profile, results in by_profile.items()
+            ],
         }
+        if not options.profiles:  # the layout of a single run, as before
+            data.update(data.pop("profiles")[0])
+            del data["profile"]
         options.json.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
-    raised = sum(r.outcome is Outcome.RAISED for r in results)
+    raised = sum(r.outcome is Outcome.RAISED for results in by_profile.values() for r in results)
     return 1 if raised else 0
+
+
+def _details(results: list[OpResult], top: int, where: str) -> None:
+    """The raised, flagged and largest inexact ops of one run."""
+    for outcome, title in (
+        (Outcome.RAISED, "Raised"),
+        (Outcome.FLAGGED, "Flagged (in unsupported)"),
+    ):
+        rows = _other_rows(results, outcome)
+        if rows:
+            print(f"\n{title}{where}:")
+            print(tabulate(rows, headers=["op", "dtype", "first"]))
+    rows = inexact_rows(results, top)
+    if rows:
+        print(f"\nLargest inexact{where} (relative error of the worst phase, worst sample; top {top}):")
+        print(tabulate(rows, headers=["op", "dtype", "worst phase"]))
 
 
 if __name__ == "__main__":

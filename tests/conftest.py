@@ -11,6 +11,20 @@ from torchvision_import import import_torchvision  # noqa: E402
 import_torchvision()
 
 
+def _capped_inductor_cache() -> None:
+    """A run capped below this host's level (``ATEN_CPU_CAPABILITY``, as ``.ci/run``
+    does) compiles into an inductor cache of its level's own: inductor's cache keys
+    do not tell the levels apart (see ``capped_inductor_cache``)."""
+    import os
+
+    if "ATEN_CPU_CAPABILITY" in os.environ:
+        from pytest_torchmem.engine.tracing.devices.cpu.profiles import capped_inductor_cache, host_profile
+
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = capped_inductor_cache(host_profile().isa)
+
+
+_capped_inductor_cache()
+
 from collections.abc import Iterator  # noqa: E402
 
 import pytest  # noqa: E402

@@ -1,10 +1,11 @@
 """Ground truth for a CPU profile: the model zoo measured in a process capped to its level.
 
 ``measure`` reads the CPU the process runs on. For a profile below this host's
-level, the zoo is measured in a subprocess whose ATen and oneDNN are capped to
-that level (``ATEN_CPU_CAPABILITY``, ``ONEDNN_MAX_CPU_ISA``) and that runs at the
-profile's intra-op thread count; the estimate under the named profile, made in
-any process, must give the same bytes. Used by ``tests/test_accuracy_profiles.py``
+level, the zoo is measured in a subprocess whose ATen, oneDNN and MKL are capped
+to that level (``ATEN_CPU_CAPABILITY``, ``ONEDNN_MAX_CPU_ISA``,
+``MKL_ENABLE_INSTRUCTIONS``) and that runs at the profile's intra-op thread
+count; the estimate under the named profile, made in any process, must give the
+same bytes. Used by ``tests/test_accuracy_profiles.py``
 and ``benchmarks/accuracy.py --profiles``.
 
     python tests/profiled.py THREADS [case ...]   # in the capped process: JSON on stdout

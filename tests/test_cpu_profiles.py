@@ -18,6 +18,7 @@ from torch import nn
 import pytest_torchmem as tm
 from pytest_torchmem.engine.tracing.devices.cpu import profiles
 from pytest_torchmem.engine.tracing.devices.cpu.profiles import (
+    ISA_LEVELS,
     CpuProfile,
     capped_environment,
     cpu_profile,
@@ -80,9 +81,24 @@ def test_the_native_levels_are_avx512_but_for_their_reduced_precision() -> None:
     assert CpuProfile("avx512_bf16", 4).native_dtypes == ("bfloat16",)
     assert CpuProfile("amx", 4).native_dtypes == ("bfloat16", "float16")
     assert all(CpuProfile(level, 4).native_dtypes == () for level in ("default", "avx2", "avx512"))
-    assert capped_environment(CpuProfile("amx", 1)) == {
+    capped = capped_environment(CpuProfile("amx", 1))
+    assert capped.pop("TORCHINDUCTOR_CACHE_DIR").endswith("-capped-amx")
+    assert capped == {
         "ATEN_CPU_CAPABILITY": "avx512", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_AMX",
+        "MKL_ENABLE_INSTRUCTIONS": "AVX512_E4",
     }
+
+
+def test_each_capped_level_compiles_into_an_inductor_cache_of_its_own(monkeypatch) -> None:
+    """Inductor's cache keys do not include ATEN_CPU_CAPABILITY: a program cached by an
+    uncapped process and loaded by an AVX2-capped one computed wrong values on an
+    AVX512 host (and the other way round crashed), so capped processes never share it."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/tmp/my-cache")
+    dirs = {level: capped_environment(CpuProfile(level, 1))["TORCHINDUCTOR_CACHE_DIR"] for level in ISA_LEVELS}
+    assert dirs["avx2"] == "/tmp/my-cache-capped-avx2"
+    assert len(set(dirs.values())) == len(ISA_LEVELS)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", dirs["avx2"])  # a capped process caps again
+    assert capped_environment(CpuProfile("default", 1))["TORCHINDUCTOR_CACHE_DIR"] == "/tmp/my-cache-capped-default"
 
 
 @pytest.mark.parametrize(

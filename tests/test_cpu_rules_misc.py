@@ -86,6 +86,27 @@ def test_scalar_overloads_wrap_inside_the_kernel() -> None:
         assert scratch(aten.ldexp.Tensor, (x, xi)) == []
 
 
+def test_ldexp_of_other_dtypes_powers_a_two_of_self_dtype() -> None:
+    """``_pow2`` (``BinaryOps.cpp``) of a bfloat16, float16 or float64 ``self`` is
+    ``at::full({}, 2.0, self.options()).pow(other)``: a 0-dim two of ``self``'s dtype
+    (2, 2, 8 bytes), no wrapped number, then the power (8 elements); an operand of
+    another dtype is cast, in the power (float32 ``other``: the two as float, 4 B) or
+    in the product (``self`` as float, 8 x 8 x 4 B). A float32 ``self`` with a bfloat16
+    ``other`` takes ``pow(2.0, other)`` (bfloat16), then casts it to float for the
+    product (8 x 4 B). An integer ``self`` and ``other``: ``pow(2.0, other)`` in float
+    (its wrapped 2.0, the 2.0 and ``other`` cast), then ``self`` cast (8 x 8 x 4 B)."""
+    with FakeTensorMode():
+        x = torch.empty(8, 8)
+        e = torch.empty(8)
+        for dtype, two in ((BF16, 2), (torch.float16, 2), (torch.float64, 8)):
+            size = torch.empty((), dtype=dtype).element_size()
+            assert scratch(aten.ldexp.Tensor, (x.to(dtype), e.to(dtype))) == [two, 8 * size]
+        assert scratch(aten.ldexp.Tensor, (x.to(BF16), e)) == [2, 4, 8 * 4, 8 * 8 * 4]
+        assert scratch(aten.ldexp.Tensor, (x, e.to(BF16))) == [8 * 2, 8, 2, 8 * 4]
+        xi, ei = x.long(), e.long()
+        assert scratch(aten.ldexp.Tensor, (xi, ei)) == [8 * 4, 8, 4, 8 * 4, 8 * 8 * 4]
+
+
 def test_native_dropout_buffers() -> None:
     """``input.mul(mask).mul_(scale)``: the bool mask as float (64 x 256 x 4 B), then
     the wrapped scale and its cast; the backward's ``grad * mask * scale`` adds the
@@ -133,6 +154,24 @@ def test_python_numbers_exact(threads: int, dtype: torch.dtype) -> None:
     e = torch.randn(8, dtype=dtype)
     assert_exact(lambda x: torch.ldexp(x, e).sum(), (x[:8, :8],))
     assert_exact(lambda x: torch.ldexp(x[:, :1], e).sum(), (x[:8],))
+
+
+@pytest.mark.parametrize(
+    ("x_dtype", "e_dtype"),
+    [
+        (BF16, BF16), (torch.float16, torch.float16), (torch.float64, torch.float64),
+        (BF16, torch.float32), (torch.float32, BF16), (BF16, torch.int64), (torch.float32, torch.int64),
+        (torch.int64, torch.int64),
+    ],
+    ids=_ids,
+)  # fmt: skip
+def test_ldexp_forward_exact(threads: int, x_dtype: torch.dtype, e_dtype: torch.dtype) -> None:
+    """OpInfo's ``ldexp`` samples (a (5, 1) ``self``, a (5,) exponent, and 0-dim ones):
+    the power, then the product, at the forward's peak; with an integer exponent,
+    ``empty_like(self)`` (10 or 20 B), then the (5, 5) result it is resized to."""
+    x, e = torch.randn(5, 1).to(x_dtype), torch.randn(5).mul(3).to(e_dtype)
+    assert_exact(lambda x, e: torch.ldexp(x, e), inputs=(x, e), train=False)
+    assert_exact(lambda x, e: torch.ldexp(x, e), inputs=(x[0, 0].clone(), e[0].clone()), train=False)
 
 
 def test_saved_wrapped_numbers_exact(threads: int) -> None:
@@ -359,3 +398,45 @@ def test_gradients_arriving_transposed_keep_their_layout(threads: int, dtype: to
     ):  # fmt: skip
         assert_exact_with_breakdown(lambda x, act=act: act(x).transpose(1, 2).mul(0.5).sum(), (x,))
     assert_exact_with_breakdown(lambda x: F.dropout(x, 0.5).transpose(1, 2).mul(0.5).sum(), (x,))
+
+
+# -- copies of transposed matrices -----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "dtype, size, block",
+    [
+        (torch.float32, (100, 80), 60 * 60 * 4),
+        (torch.bfloat16, (100, 80), 60 * 60 * 2),
+        (torch.uint8, (100, 80), 120 * 120),
+        (torch.bool, (100, 80), 60 * 60),
+        (torch.float32, (60, 60), 60 * 60 * 4),
+        (torch.float32, (59, 61), 0),
+    ],
+)
+def test_transposed_copy_takes_a_block_buffer(dtype: torch.dtype, size: tuple[int, int], block: int) -> None:
+    """``copy_`` into a contiguous tensor from a transposed-contiguous 2-D matrix of 3600
+    elements or more (``copy_transpose_valid``, ``Copy.cpp``) goes through a 60x60 block
+    buffer (120x120 bytes for ``uint8``): ``x.t().contiguous()`` and ``copy_``."""
+    x = torch.empty(size, device="meta", dtype=dtype)
+    assert scratch(aten.clone.default, (x.t(),), {"memory_format": torch.contiguous_format}) == (
+        [block] if block else []
+    )
+    dst = torch.empty(size[::-1], device="meta", dtype=dtype)
+    assert scratch(aten.copy_.default, (dst, x.t())) == ([block] if block else [])
+    assert scratch(aten.clone.default, (x.t(),)) == []  # (preserves the transposed layout)
+
+
+@pytest.mark.parametrize("fn", [lambda x: x.t().contiguous(), lambda x: torch.empty(80, 100).copy_(x.t())])
+def test_transposed_copies_equal_measure(fn: Any) -> None:
+    x = torch.randn(100, 80)
+    assert_model_exact(_Fn(fn), x, train=False)
+
+
+class _Fn(torch.nn.Module):
+    def __init__(self, fn: Any) -> None:
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fn(x)

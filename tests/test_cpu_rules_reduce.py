@@ -91,6 +91,33 @@ def test_full_variance_takes_a_mean_first(threads: int) -> None:
         assert scratch(aten.var.correction, (x.to(BF16),)) == {}
 
 
+def test_count_nonzero_over_a_dim(threads: int) -> None:
+    """``count_nonzero(x, dim)`` is ``(x != 0).sum(dim)``: the wrapped zero (8 B) and its
+    float cast (4 B), the bool mask (numel B) and the sum's int64 copy of it
+    (numel x 8 B); a bool input is summed as it is; no dim counts into the output."""
+    with FakeTensorMode():
+        x = torch.empty(16, 32)
+        assert scratch(aten.count_nonzero.dim_IntList, (x, [0])) == {
+            "self != 0: wrapped 0": 8,
+            "input 1 as torch.float32": 4,
+            "self != 0": 512,
+            "sum: input as torch.int64": 512 * 8,
+        }
+        mask = torch.empty(16, 32, dtype=torch.bool)
+        assert scratch(aten.count_nonzero.dim_IntList, (mask, [0])) == {
+            "sum: input as torch.int64": 512 * 8
+        }
+        assert scratch(aten.count_nonzero.default, (x,)) == {}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, BF16, torch.int32, torch.bool], ids=str)
+@pytest.mark.parametrize("shape", [(16, 32), (256, 256)], ids=str)
+def test_count_nonzero_exact(threads: int, dtype: torch.dtype, shape: tuple[int, int]) -> None:
+    x = (torch.randn(shape) * 2).to(dtype)
+    for dim in (0, (0, 1), None):
+        assert_exact(lambda x: torch.count_nonzero(x, dim=dim).float(), inputs=(x,), train=False)
+
+
 def test_scans_sorts_and_predicates() -> None:
     """``cumsum`` of a bool mask converts it to ``int64``; ``sort`` fills its indices
     from ``arange(size(dim))``; ``any()`` of floats reduces a bool copy."""
@@ -276,3 +303,44 @@ def test_log_softmax_backward_makes_a_contiguous_gradient(threads: int) -> None:
     assert_exact(lambda x: x.log_softmax(-1).transpose(1, 2).mul(0.5).sum(), (x,))
     x = torch.randn(3, 8, 5, requires_grad=True)
     assert_exact(lambda x: x.log_softmax(1).permute(2, 0, 1).square().sum(), (x,))
+
+
+# -- segment_reduce ------------------------------------------------------------------------------
+
+
+def test_segment_reduce_checks_lengths() -> None:
+    """``segment_reduce`` with lengths (4 int64) of a (6, 4) float: unless ``unsafe``,
+    ``lengths.min()`` (8 B), ``lengths.sum(-1)`` (8 B), ``== data.size(0)`` (a wrapped
+    8 B size, a 1 B mask) and ``all`` (1 B), all freed before the output; with
+    offsets, the output alone."""
+    with FakeTensorMode():
+        data, lengths = torch.empty(6, 4), torch.zeros(4, dtype=torch.long)
+        offsets = torch.zeros(5, dtype=torch.long)
+        checks = {
+            "lengths.min()": 8, "lengths.sum(-1)": 8, "== size: wrapped size": 8,
+            "== size": 1, "all(...)": 1,
+        }  # fmt: skip
+        assert scratch(aten.segment_reduce.default, (data, "sum"), {"lengths": lengths}) == checks
+        unsafe = {"lengths": lengths, "unsafe": True}
+        assert scratch(aten.segment_reduce.default, (data, "sum"), unsafe) == {}
+        assert scratch(aten.segment_reduce.default, (data, "max"), {"offsets": offsets}) == {}
+
+
+@pytest.mark.parametrize(
+    "fn",
+    [
+        lambda d: torch.segment_reduce(d, "sum", lengths=torch.tensor([2, 0, 3, 1])),
+        lambda d: torch.segment_reduce(d, "mean", lengths=torch.tensor([2, 0, 3, 1]), unsafe=True),
+        lambda d: torch.segment_reduce(d, "max", offsets=torch.tensor([0, 2, 2, 5, 6]), initial=0.0),
+        lambda d: torch.segment_reduce(d, "prod", lengths=torch.tensor([2, 0, 3, 1]).int()),
+        lambda d: torch.segment_reduce(d.t(), "min", lengths=torch.tensor([[1, 5]] * 4), axis=1, initial=9.0),
+        lambda d: torch.segment_reduce(
+            d.t(), "sum", lengths=torch.tensor([[2, 0, 3, 1]] * 4).t().contiguous().t(), axis=1
+        ),
+    ],
+    ids=["lengths", "unsafe mean", "offsets", "int32 lengths", "transposed", "strided lengths"],
+)  # fmt: skip
+def test_segment_reduce_exact(fn: Any, threads: int) -> None:
+    """Forward and ``_segment_reduce_backward`` (contiguous copies of the expanded
+    gradient, the output and the data)."""
+    assert_exact(fn, inputs=(torch.randn(6, 4, requires_grad=True),))

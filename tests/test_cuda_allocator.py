@@ -786,3 +786,31 @@ def test_a_long_timeline_replays_quickly() -> None:
             assert block is not None
             live.append(block)
     check_invariants(alloc, {i: (b, b.requested, b.stream) for i, b in enumerate(live)})
+
+
+# -- private pools (CUDA graphs) ---------------------------------------------------------
+
+
+def _freed_then_taken(pool: int) -> int:
+    """A 4 KiB forward buffer freed, then another 4 KiB one made in ``pool``: the
+    reserved peak of the step through the caching-allocator model."""
+    from pytest_torchmem.engine.timeline import Phase, StorageInfo, Timeline, analyze
+
+    t = Timeline()
+    first = t.new_storage(StorageInfo(4096, phase=Phase.FORWARD, op="aten.empty.memory_format"))
+    second = t.new_storage(StorageInfo(4096, phase=Phase.FORWARD, op="aten.empty.memory_format", pool=pool))
+    t.phase(Phase.FORWARD)
+    t.alloc(first)
+    t.free(first)
+    t.alloc(second)
+    t.phase(None)
+    analysis = analyze(t, [], CachingAllocator())
+    assert analysis.reserved_peak is not None
+    return analysis.reserved_peak
+
+
+def test_a_private_pool_takes_no_block_of_the_device() -> None:
+    """The device's cached block serves the second request in the same pool (one 2 MiB
+    small segment); a private pool (a CUDA graph's) gets a segment of its own."""
+    assert _freed_then_taken(pool=0) == 2 * MiB
+    assert _freed_then_taken(pool=1) == 2 * 2 * MiB

@@ -212,6 +212,32 @@ def test_bmm_copies() -> None:
     ]
 
 
+def _run_out(func: Any, args: tuple[Any, ...], out: torch.Tensor) -> list[Any]:
+    """The rule of an ``out=`` overload, called as inductor's programs call it."""
+    rule = CUDA.scratch_rule(func)
+    assert rule is not None, func
+    context = TraceContext("cuda", gpu=gpu_profile("H100"))
+    return list(rule(OpCall(func, args, {"out": out}, out, context)))
+
+
+def test_the_out_overloads_take_the_same_steps() -> None:
+    """``mm(a, b, out=buf)`` and ``bmm(..., out=buf)`` (what inductor's compiled programs
+    call, into a buffer of their own) are ``addmm_out_cuda_impl`` / ``baddbmm_out_cuda_impl``
+    with that buffer as the result: the same clones and workspace as the functional forms."""
+    grad = meta(1, 1).expand(32, 64)
+    weight = meta(128, 64).t()
+    out = meta(32, 128)
+    assert _run_out(aten.mm.out, (grad, weight), out) == run_rule(aten.mm.default, (grad, weight), out)
+    bias = meta(128)
+    assert _run_out(aten.addmm.out, (bias, grad, weight), out) == run_rule(
+        aten.addmm.default, (bias, grad, weight), out
+    )
+    b1, b2, result = meta(1, 8, 32).expand(4, 8, 32), meta(4, 1, 16).expand(4, 32, 16), meta(4, 8, 16)
+    steps = _run_out(aten.bmm.out, (b1, b2), result)
+    assert steps == run_rule(aten.bmm.default, (b1, b2), result)
+    assert [s for s in steps if isinstance(s, Alloc)] == [Alloc("batch_a", 4 * 32 * 16 * 4)]
+
+
 # -- cuDNN convolution -------------------------------------------------------------------
 
 

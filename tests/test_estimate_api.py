@@ -12,6 +12,7 @@ from exactness import Lambda
 from torch.profiler import ProfilerActivity, profile
 
 import pytest_torchmem as tm
+from pytest_torchmem.engine.tracing.values import MAX_NUMEL
 
 F32 = 4
 
@@ -319,7 +320,10 @@ class DataDependent(nn.Module):
 
 
 def test_value_dependent_ops_are_reported_not_raised() -> None:
-    report = tm.estimate(DataDependent(), torch.randn(4, 8))
+    """Built on the meta device, the layer's values are not known: neither are ``h``'s."""
+    with torch.device("meta"):
+        model = DataDependent()
+    report = tm.estimate(model, torch.randn(4, 8))
     where = {entry.op: entry.location for entry in report.unsupported}
     assert where == {
         "aten.index.Tensor": f"{__file__}:{_line_of('picked = h[h > 0]')}",
@@ -328,6 +332,15 @@ def test_value_dependent_ops_are_reported_not_raised() -> None:
     assert not report.complete
     # the largest possible selection was assumed: the estimate is an upper bound
     assert report.forward_peak >= tm.measure(DataDependent(), torch.randn(4, 8)).forward_peak
+
+
+def test_value_dependent_ops_on_known_values_are_exact() -> None:
+    """With real parameters and inputs the trace knows ``h``'s values (values.py)."""
+    torch.manual_seed(0)
+    model, x = DataDependent(), torch.randn(4, 8)
+    report = tm.estimate(model, x)
+    assert report.complete
+    assert report.phase_peaks() == tm.measure(model, x).phase_peaks()
 
 
 def _line_of(text: str) -> int:
@@ -343,9 +356,25 @@ def test_op_without_fake_kernel_stops_the_trace_with_a_report() -> None:
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return torch.bincount(x)  # output length depends on the largest value
 
-    report = tm.estimate(Sparse(), torch.tensor([1, 2, 3]), train=False)
+    # above the values' limit (values.py): bincount cannot run on its values either
+    report = tm.estimate(Sparse(), torch.randint(0, 4, (MAX_NUMEL + 1,)), train=False)
     assert [entry.op for entry in report.unsupported] == ["aten.bincount.default"]
     assert "the trace stopped here" in report.unsupported[0].reason
+
+
+def test_op_without_fake_kernel_runs_on_known_values_and_is_listed() -> None:
+    """On known values its outputs are exact; its kernel's own buffers, which no rule
+    follows, are not: listed, and the trace goes on."""
+
+    class Sparse(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.bincount(x) * 2
+
+    report = tm.estimate(Sparse(), torch.tensor([1, 2, 3]), train=False)
+    assert [entry.op for entry in report.unsupported] == ["aten.bincount.default"]
+    assert "not modelled" in report.unsupported[0].reason
+    # the input, bincount's 4 int64 bins, then * 2: its wrapped 2 and its output
+    assert report.forward_peak == 3 * 8 + 4 * 8 + 8 + 4 * 8
 
 
 # -- the report ------------------------------------------------------------------------
@@ -396,13 +425,14 @@ def test_functional_dropout_and_loss_inside_model() -> None:
 
 
 def test_boolean_mask_selecting_everything_is_exact() -> None:
-    """The upper bound assumed for ``x[mask]`` is reached when the mask is all true."""
+    """The upper bound assumed for ``x[mask]`` (a mask above the values' limit) is
+    reached when the mask is all true."""
 
     class SelectAll(nn.Module):
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return x[x > -1e9] * 2
 
-    x = torch.randn(64, 100)
+    x = torch.randn(64, MAX_NUMEL // 64 + 1)
     estimated = tm.estimate(SelectAll(), x, train=False)
     assert [entry.op for entry in estimated.unsupported] == ["aten.index.Tensor"]
     assert _peaks(estimated) == _peaks(tm.measure(SelectAll(), x, train=False))

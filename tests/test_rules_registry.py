@@ -36,6 +36,20 @@ def test_copies_are_independent() -> None:
     assert other.device == "b"
 
 
+def test_composite_rules_are_a_kind_of_their_own() -> None:
+    """A composite rule (run with the tracker active) is registered, listed, copied and
+    refused twice like the other kinds; the CPU rules trace ``linalg_pinv``'s parts."""
+    rules = RuleSet("test")
+    rules.composite(aten.linalg_pinv.atol_rtol_tensor)(lambda call: None)
+    assert rules.ops()["composite"] == ["aten.linalg_pinv.atol_rtol_tensor"]
+    assert rules.copy().composite_rule(aten.linalg_pinv.atol_rtol_tensor) is not None
+    with pytest.raises(ValueError, match="already has a composite rule"):
+        rules.composite(aten.linalg_pinv.atol_rtol_tensor)(lambda call: None)
+    from pytest_torchmem.engine.tracing.devices.cpu import CPU
+
+    assert CPU.composite_rule(aten.linalg_pinv.atol_rtol_tensor) is not None
+
+
 def test_only_aten_ops() -> None:
     with pytest.raises(TypeError, match="registered for aten ops"):
         RuleSet("x").scratch("mm")  # type: ignore[arg-type]

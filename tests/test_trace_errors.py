@@ -49,6 +49,7 @@ def _only(report: tm.MemoryReport) -> tm.Unsupported:
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
 def test_custom_op_without_fake_kernel_is_reported(device: str) -> None:
+    """Even where its arguments' values are known: only ATen's ops run on values."""
     x = torch.randn(256)
     model = Lambda(lambda x: _triple(x.exp()))  # custom op call
     report = tm.estimate(model, x, device=device, train=False)
@@ -68,8 +69,9 @@ def test_numpy_in_forward_is_reported() -> None:
 
 
 def test_cpp_reading_tensor_values_is_reported() -> None:
-    """``tensor_split`` with a tensor of split points reads them in C++."""
-    model = Lambda(lambda x, at: torch.tensor_split(x, at)[0] * 2)  # reads values
+    """``tensor_split`` with a tensor of split points reads them in C++; drawn at
+    random, their values are not known to the trace."""
+    model = Lambda(lambda x, at: torch.tensor_split(x, at.random_(1, 7))[0] * 2)  # reads values
     entry = _only(tm.estimate(model, (torch.randn(8), torch.tensor([2, 5])), train=False))
     assert entry.op == "(tensor values)"
     assert "not allocated" in entry.reason and entry.reason.endswith("the trace stopped here")
@@ -77,14 +79,15 @@ def test_cpp_reading_tensor_values_is_reported() -> None:
 
 
 def test_error_after_a_stand_in_value_is_reported() -> None:
-    """``int(n)`` gets the stand-in 0: the empty ``stack`` fails only in the trace."""
-    model = Lambda(lambda x, n: torch.stack([x * i for i in range(int(n))]))  # uses a value
+    """``int(n)`` of a number drawn at random gets the stand-in 0: the empty ``stack``
+    fails only in the trace."""
+    model = Lambda(lambda x, n: torch.stack([x * i for i in range(int(n.random_(3, 4)))]))  # value
     report = tm.estimate(model, (torch.randn(4), torch.tensor(3)), train=False)
     first, second = report.unsupported
     assert first.op == "aten._local_scalar_dense.default"
     assert "stack expects a non-empty TensorList" in second.reason
     assert "after aten._local_scalar_dense.default" in second.reason
-    assert second.location == _line_of("# uses a value")
+    assert second.location == _line_of("# value")
     with pytest.raises(RuntimeError, match="non-empty"):  # the same program, for real, runs
         torch.stack([])
     tm.measure(model, (torch.randn(4), torch.tensor(3)), train=False)

@@ -117,6 +117,8 @@ class _Converter:
         self.tensors: dict[int, torch.Tensor] = {}
         self.with_grads: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.keyed = _KeyedByParameter()
+        #: id(stand-in) -> the tensor it stands in for.
+        self.originals: dict[int, torch.Tensor] = {}
 
     def gradients(self) -> None:
         """Give the stand-ins the stand-ins of their originals' ``.grad``, after
@@ -145,6 +147,7 @@ class _Converter:
         elif t.requires_grad:
             new.requires_grad_(True)
         self.tensors[id(t)] = new
+        self.originals[id(new)] = t
         if t.grad is not None and new.requires_grad:
             self.with_grads.append((t, new))
         return new
@@ -315,6 +318,8 @@ class Converted:
     inputs: list[torch.Tensor]
     #: Optimizers that parameter hooks step (twins of the user's: see _KeyedByParameter).
     hook_optimizers: list[torch.optim.Optimizer] = field(default_factory=list)
+    #: id(stand-in) -> the tensor it stands in for.
+    originals: dict[int, torch.Tensor] = field(default_factory=dict)
 
     @property
     def gradients(self) -> list[torch.Tensor]:
@@ -357,6 +362,7 @@ def convert(
         attributes=attributes,
         inputs=inputs,
         hook_optimizers=convert_one.keyed.optimizers(),
+        originals=convert_one.originals,
     )
 
 

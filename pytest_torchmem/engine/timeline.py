@@ -75,6 +75,9 @@ class StorageInfo:
     #: The autograd node that was running when it was made, in backward (``MmBackward0``;
     #: recorded with the frames).
     node: str = ""
+    #: The allocator pool it is charged to: 0 the device's own, else a private pool (a
+    #: CUDA graph's, whose blocks only its own allocations reuse).
+    pool: int = 0
 
 
 @dataclass
@@ -145,7 +148,7 @@ class Analysis:
 class Allocator(Protocol):
     """What :func:`analyze` needs of an allocator model (the CUDA caching allocator)."""
 
-    def malloc(self, nbytes: int) -> Any: ...
+    def malloc(self, nbytes: int, stream: int = 0) -> Any: ...
 
     def free(self, block: Any) -> None: ...
 
@@ -153,11 +156,13 @@ class Allocator(Protocol):
     def peak_reserved(self) -> int: ...
 
 
-def _charge(allocator: Allocator | None, blocks: dict[int, Any], sid: int, nbytes: int) -> int:
-    """Bytes a new storage of ``nbytes`` is charged: itself, or its allocator block."""
+def _charge(allocator: Allocator | None, blocks: dict[int, Any], sid: int, nbytes: int, pool: int = 0) -> int:
+    """Bytes a new storage of ``nbytes`` is charged: itself, or its allocator block (in
+    ``pool``: a private pool is modelled as a stream of its own, whose cached blocks no
+    other allocation takes, as ``get_free_block`` keys them)."""
     if allocator is None:
         return nbytes
-    block = allocator.malloc(nbytes)
+    block = allocator.malloc(nbytes, pool) if pool else allocator.malloc(nbytes)
     if block is None:
         return 0
     blocks[sid] = block
@@ -202,7 +207,7 @@ def analyze(timeline: Timeline, baseline: list[int], allocator: Allocator | None
                 continue  # already live: counted once
             old = size.get(a, 0)
             old_block = blocks.pop(a, None)
-            charged = _charge(allocator, blocks, a, b)
+            charged = _charge(allocator, blocks, a, b, timeline.storages[a].pool)
             # a resize holds the old block until the data is copied into the new one
             live += charged
             by_cat[cat_of[a]] += charged
@@ -308,7 +313,7 @@ def replay(
                 continue
             old = size.get(a, 0)
             old_block = blocks.pop(a, None)
-            charged = _charge(allocator, blocks, a, b)
+            charged = _charge(allocator, blocks, a, b, timeline.storages[a].pool)
             size[a] = charged
             yield Charge(index, a, charged, blocks.get(a))
             if old:

@@ -39,12 +39,13 @@ import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import Any, Final, Protocol
 
 import torch
 from torch import nn
 
 from pytest_torchmem.engine.report import Unsupported
+from pytest_torchmem.engine.tracing.inductor_device import host_vector_isa
 
 __all__ = [
     "NOT_FOLLOWED_REASON",
@@ -120,7 +121,7 @@ def no_kernels(loaded: list[Any]) -> Iterator[None]:
     compiler.wait = lambda self, scope: None  # type: ignore[method-assign]
     codecache.PyCodeCache.load_by_key_path = staticmethod(load)  # type: ignore[method-assign,assignment]
     try:
-        with inductor_config.patch(force_disable_caches=True, compile_threads=1):
+        with inductor_config.patch(force_disable_caches=True, compile_threads=1), host_vector_isa():
             yield
     finally:
         for name, value in saved.items():
@@ -192,19 +193,34 @@ def _closure_context(compiled: Any) -> Any:
     return compiled.__closure__[code.co_freevars.index("self")].cell_contents
 
 
+class Builder(Protocol):
+    """How a device other than cpu builds and enters a compiled module's program (the
+    fake cuda device's: :class:`~pytest_torchmem.engine.tracing.compiled_cuda.CudaProgram`)."""
+
+    def compile(self, wrapper: Any, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+        """The program of one graph, in place of ``wrapper(gm, example_inputs)``."""
+
+    def around(self, call: Callable[..., Any]) -> Callable[..., Any]:
+        """The compiled module's callable, as the traced step calls it."""
+
+
 class _FakeInductor:
     """A dynamo backend: the user's inductor compile, with no kernels and fake-run
     allocations. ``compiled`` counts the graphs it built, ``calls`` their runs."""
 
-    def __init__(self, wrapper: Any) -> None:
+    def __init__(self, wrapper: Any, builder: Builder | None = None) -> None:
         self.wrapper = wrapper
+        self.builder = builder
         self.compiled = 0
         self.calls = 0
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
         # no_kernels is on for all of following_compiled: AOTAutograd compiles the
         # backward graph lazily, at the first backward, outside this call
-        program = self.wrapper(gm, example_inputs)
+        if self.builder is not None:
+            program = self.builder.compile(self.wrapper, gm, example_inputs)
+        else:
+            program = self.wrapper(gm, example_inputs)
         self.compiled += 1
         return self._counted(program)
 
@@ -268,9 +284,10 @@ def _place(module: nn.Module) -> tuple[str, str]:
 
 
 @contextmanager
-def following_compiled(found: CompiledModules) -> Iterator[Following]:
+def following_compiled(found: CompiledModules, builder: Builder | None = None) -> Iterator[Following]:
     """Give each followed compiled module a compiled callable of its own options and
-    the fake inductor backend; on exit put the user's back and drop our cache entries."""
+    the fake inductor backend (whose programs ``builder`` builds and enters, if given);
+    on exit put the user's back and drop our cache entries."""
     from torch._dynamo import external_utils, trace_rules
     from torch._dynamo import config as dynamo_config
 
@@ -284,16 +301,21 @@ def following_compiled(found: CompiledModules) -> Iterator[Following]:
             restore.callback(_put_back, compiled)
             following.put_backs.append(lambda compiled=compiled: _put_back(compiled))  # type: ignore[misc]
             context = compiled.context
-            backend = _FakeInductor(_inductor_wrapper(context))
-            ours = torch._dynamo.optimize(
+            backend = _FakeInductor(_inductor_wrapper(context), builder)
+            optimized = torch._dynamo.optimize(
                 backend,
                 nopython=bool(context.fullgraph),
                 dynamic=context._dynamic,
                 isolate_recompiles=True,  # our own cache region: the user's limit is untouched
             )
-            following.callbacks.append(ours.callback)
+            following.callbacks.append(optimized.callback)
             following.backends.append(backend)
-            following.regions.append(ours._isolate_recompiles_id)
+            following.regions.append(optimized._isolate_recompiles_id)
+
+            def ours(call: Callable[..., Any], optimized: Any = optimized) -> Callable[..., Any]:
+                compiled = optimized(call)
+                return builder.around(compiled) if builder is not None else compiled
+
             module = compiled.module
             following.places.append(_place(getattr(module, "_orig_mod", module)))
             if "_compiled_call_impl" in compiled.saved:

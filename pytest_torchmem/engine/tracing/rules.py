@@ -10,13 +10,23 @@ A device model describes, per aten op, what the fake trace cannot see:
   missing or wrong for the device: they return the op's outputs, made with
   other (fake) ops;
 * **fallbacks** stand in for an op whose output depends on tensor values
-  (``nonzero``, ``.item()``), which fake tensors cannot know: they return the
-  largest possible outputs and a reason, and the op is listed in the report's
-  ``unsupported``;
+  (``nonzero``, ``.item()``), which fake tensors cannot run: where the trace
+  knows the values that decide the output (:meth:`OpCall.value`) they return
+  the exact outputs and no reason; otherwise the largest possible outputs and
+  a reason, and the op is listed in the report's ``unsupported``;
+* **formulas** replace the backward formula of an op whose eager algorithm the
+  trace cannot take (``cumprod_backward`` picks it by tensor values, and by
+  ``areAnyTensorSubclassLike``, which fake tensors always are): the node's
+  formula runs unrecorded, then the rule's Python replica of the eager formula
+  runs through the trace, and its gradients replace the node's;
 * **checks** refuse, before the fake kernel runs, the arguments the device's
   real kernel refuses (operands of two dtypes for a matrix product), raising
   what the real kernel raises, with its message: the estimate fails where the
-  step would.
+  step would;
+* **composites** run an op's composite kernel with the trace watching, for
+  ops whose fake kernel runs that composite out of the trace's sight (a
+  ``CompositeExplicitAutograd`` op with no meta kernel): the ops it calls are
+  traced, and charged, one by one.
 
 Adding an op is one decorated function::
 
@@ -51,6 +61,10 @@ __all__ = [
     "ImplementationRule",
     "FallbackRule",
     "CheckRule",
+    "CompositeRule",
+    "Formula",
+    "FormulaCall",
+    "REPLICA",
     "Steps",
 ]
 
@@ -109,10 +123,11 @@ class TraceContext:
     cpu: Any = None
     #: Per-trace state of rules (e.g. which library workspaces exist already).
     memo: dict[str, Any] = field(default_factory=dict)
-    #: Runs ``kernel()`` with the trace's dispatch mode active again, so that the ops
-    #: it dispatches are traced one by one (set by the tracker): for implementations
-    #: that run an op's own kernel where that kernel is a program of other ops.
-    follow: Callable[[Callable[[], Any]], Any] | None = None
+    #: The values the trace knows (:class:`~pytest_torchmem.engine.tracing.values.KnownValues`).
+    values: Any = None
+    #: The trace's dispatch mode: ``with context.tracer.decomposed():`` runs ops
+    #: through the trace (recorded, composites decomposed), from inside a rule.
+    tracer: Any = None
 
 
 class _Outputs:
@@ -147,13 +162,60 @@ class OpCall:
             return self.args[index]
         return self.kwargs.get(name, default)
 
+    def value(self, t: Any) -> torch.Tensor | None:
+        """The real value of the fake tensor ``t`` where the trace knows it (a small
+        tensor computed from the step's real inputs), else ``None``. Read only."""
+        values = self.context.values if self.context is not None else None
+        return None if values is None else values.of(t)
+
+
+#: Set (in ``Node.metadata``) while a node's :class:`Formula` replica runs.
+REPLICA: Final = "torchmem_replica"
+
+
+@dataclass(frozen=True, slots=True)
+class FormulaCall:
+    """One run of a backward node whose formula a :class:`Formula` replaces."""
+
+    #: The autograd node (``CumprodBackward0``).
+    node: Any
+    #: Its incoming gradients (``grads``; ``grad`` is ``grads[0]``).
+    grads: tuple[Any, ...]
+    #: Which of its gradients the engine asked for (``task_should_compute_output``).
+    needed: tuple[bool, ...]
+    context: TraceContext | None = None
+
+    def saved(self, name: str) -> Any:
+        """The node's saved ``name`` (``self``, ``result``, ``dim``)."""
+        value = getattr(self.node, f"_saved_{name}")
+        values = self.context.values if self.context is not None else None
+        if values is not None and isinstance(value, torch.Tensor):
+            values.alias(value)  # an output saved by autograd is a new tensor on its storage
+        return value
+
+
+@dataclass(frozen=True)
+class Formula:
+    """A backward formula run as eagerly: ``backward`` returns the node's gradients."""
+
+    #: The autograd node the forward op makes.
+    node: str
+    backward: Callable[[FormulaCall], Sequence[Any]]
+    #: The saved tensors the replica reads (``_saved_<name>``): with unpack hooks
+    #: (a checkpoint's) the node's own formula runs instead.
+    saved: tuple[str, ...] = ()
+    #: Whether the replica applies to this run (the node's own formula runs otherwise).
+    applies: Callable[[FormulaCall], bool] = lambda call: True
+
 
 ScratchRule: TypeAlias = Callable[[OpCall], "Steps | None"]
 ImplementationRule: TypeAlias = Callable[[OpCall], Any]
-#: Returns ``(outputs, reason)``.
-FallbackRule: TypeAlias = Callable[[OpCall], "tuple[Any, str]"]
+#: Returns ``(outputs, reason)``; the reason is ``None`` where the outputs are exact.
+FallbackRule: TypeAlias = Callable[[OpCall], "tuple[Any, str | None]"]
 #: Raises what the device's real kernel raises for arguments it refuses; returns None otherwise.
 CheckRule: TypeAlias = Callable[[OpCall], None]
+#: Runs the op's composite kernel (with the tracker active); returns the outputs.
+CompositeRule: TypeAlias = Callable[[OpCall], Any]
 
 OpLike: TypeAlias = "OpOverload | OpOverloadPacket"
 
@@ -179,6 +241,8 @@ class RuleSet:
         self._implementations: dict[OpOverload, ImplementationRule] = {}
         self._fallbacks: dict[OpOverload, FallbackRule] = {}
         self._checks: dict[OpOverload, CheckRule] = {}
+        self._composites: dict[OpOverload, CompositeRule] = {}
+        self._formulas: dict[OpOverload, Formula] = {}
 
     def __repr__(self) -> str:
         return (
@@ -198,9 +262,33 @@ class RuleSet:
         """Register a stand-in for value-dependent ``ops`` that fake tensors cannot run."""
         return self._register(self._fallbacks, "fallback", ops)
 
+    def formula(
+        self, *ops: OpLike, node: str, saved: tuple[str, ...] = (), applies: Any = None
+    ) -> Callable[[Callable[[FormulaCall], Sequence[Any]]], Callable[[FormulaCall], Sequence[Any]]]:
+        """Register the eager backward formula of the ``node`` that ``ops`` make."""
+        register = self._register(self._formulas, "formula", ops)
+
+        def decorate(backward: Callable[[FormulaCall], Sequence[Any]]) -> Any:
+            extra = {} if applies is None else {"applies": applies}
+            register(Formula(node, backward, saved, **extra))
+            return backward
+
+        return decorate
+
+    def formula_rule(self, func: OpOverload) -> Formula | None:
+        return self._formulas.get(func)
+
     def check(self, *ops: OpLike) -> Callable[[CheckRule], CheckRule]:
         """Register a check of the arguments of ``ops`` that raises as the real kernel does."""
         return self._register(self._checks, "check", ops)
+
+    def composite(self, *ops: OpLike) -> Callable[[CompositeRule], CompositeRule]:
+        """Register a function that runs ``ops``' composite kernel with the trace
+        watching: the ops the composite calls are traced one by one."""
+        return self._register(self._composites, "composite", ops)
+
+    def composite_rule(self, func: OpOverload) -> CompositeRule | None:
+        return self._composites.get(func)
 
     def check_rule(self, func: OpOverload) -> CheckRule | None:
         return self._checks.get(func)
@@ -221,6 +309,8 @@ class RuleSet:
             "implementation": sorted(str(op) for op in self._implementations),
             "fallback": sorted(str(op) for op in self._fallbacks),
             "check": sorted(str(op) for op in self._checks),
+            "composite": sorted(str(op) for op in self._composites),
+            "formula": sorted(str(op) for op in self._formulas),
         }
 
     def copy(self, device: str | None = None) -> RuleSet:
@@ -230,6 +320,8 @@ class RuleSet:
         other._implementations.update(self._implementations)
         other._fallbacks.update(self._fallbacks)
         other._checks.update(self._checks)
+        other._composites.update(self._composites)
+        other._formulas.update(self._formulas)
         return other
 
     def _register(
@@ -244,7 +336,8 @@ class RuleSet:
                 if op in table:
                     raise ValueError(
                         f"{self.device}: {op} already has a {kind} rule "
-                        f"({table[op].__qualname__}); remove it before adding another"
+                        f"({getattr(table[op], 'backward', table[op]).__qualname__}); "
+                        "remove it before adding another"
                     )
             for op in overloads:
                 table[op] = rule

@@ -40,7 +40,8 @@ from pytest_torchmem.engine.tracing.compiled_program import (
 from pytest_torchmem.engine.tracing.devices import DeviceModel
 from pytest_torchmem.engine.tracing.devices.cpu.profiles import CpuProfile, host_profile
 from pytest_torchmem.engine.tracing.devices.cuda.gpu_view import gpu_view
-from pytest_torchmem.engine.tracing.devices.cuda.profiles import GpuProfile
+from pytest_torchmem.engine.tracing.compiled_cuda import CudaProgram
+from pytest_torchmem.engine.tracing.devices.cuda.profiles import GpuProfile, gpu_profile
 from pytest_torchmem.engine.tracing.devices.routing import routed_recomputation
 from pytest_torchmem.engine.tracing.rng_states import charged_rng_states
 from pytest_torchmem.engine.tracing.rules import TraceContext
@@ -88,8 +89,8 @@ def trace(
     group; ``parallel.apply`` runs on a copy of the model holding the stand-ins.
     """
     context = TraceContext(device.name, gpu=gpu, cpu=cpu)
-    # compiled modules run inductor's program on cpu; on cuda (triton) they run eagerly, flagged
-    found = compiled_modules(model) if device.name == "cpu" and parallel is None else CompiledModules()
+    # compiled modules run inductor's program (on cuda: built by inductor's cuda backend)
+    found = compiled_modules(model) if parallel is None else CompiledModules()
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True, allow_fallback_kernels=False)
     where = device.trace_device
     model_tensors = collect(model)
@@ -110,19 +111,28 @@ def trace(
         record_frames=record_frames,
     )
     baseline = adopt(tracker, standins)
+    tracker.values.adopt(_originals(standins))
     step_model = model if parallel is None else model_copy(model, model_tensors, standins.model)
     # per-module hooks would make dynamo's guards fail in the traced step: no per-module figures
     modules: Any = NoModules() if found else ModuleTracker(step_model, tracker)
     tracker.timeline.module_names = modules.names
     # the router (a torch-function mode) picks eager kernels as this device would; a followed
     # compiled program has its kernels picked by inductor, and dynamo's cache entries guard on
-    # the torch-function mode stack of the warm-up, which has none
-    routed = device.router is not None and not found
+    # the torch-function mode stack of the warm-up, which has none (on cuda the program is
+    # entered with the router popped: see CudaProgram.around)
+    routed = device.router is not None and (not found or device.name == "cuda")
     router = device.router(context) if routed else nullcontext()
     recomputation = routed_recomputation(router) if routed else nullcontext()
     rng_states = charged_rng_states() if device.name == "cpu" else nullcontext()
     seen_as_gpu = gpu_view(gpu) if device.name == "cuda" and gpu is not None else nullcontext()
-    program = following_compiled(found) if found else nullcontext(Following())
+    # on cuda inductor's cuda program is built (AOTAutograd under the router) and entered
+    # with no torch-function mode, so the router routes the rest of the step
+    cuda_build = (
+        CudaProgram(gpu_profile(gpu), where, lambda: device.router(context), tracker)
+        if found and device.name == "cuda" and device.router is not None
+        else None
+    )
+    program = following_compiled(found, cuda_build) if found else nullcontext(Following())
     with program as following:
         # regions not followed run without dynamo: left to dynamo under the tracer's dispatch
         # mode, it skips their frames and marks the code skipped for good (seen: every later
@@ -192,8 +202,11 @@ def trace(
         del standins, step_model
         for entry in not_followed(following, warm_calls):
             tracker.flag(entry)
-        if found and not _is_this_host(cpu):
+        if found and device.name == "cpu" and not _is_this_host(cpu):
             tracker.flag(_compiled_for_the_host(cpu))
+        if found and cuda_build is not None:
+            for gap in cuda_build.gaps:
+                tracker.flag(Unsupported(f"torch.compile on cuda: {gap.what}", gap.why))
 
     allocator = device.allocator(context) if device.allocator is not None else None
     analysis = analyze(tracker.timeline, baseline, allocator)
@@ -332,6 +345,26 @@ def _fake_parameter(t: torch.Tensor, requires_grad: bool) -> torch.Tensor:
     t.requires_grad_(requires_grad)
     t._is_param = True  # type: ignore[attr-defined]
     return t
+
+
+def _originals(standins: Converted) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``(stand-in, original)`` of the step's tensors whose values the trace may know:
+    inputs first, then buffers, attributes, parameters and gradients (the shadows'
+    room is bounded)."""
+    groups = (
+        standins.inputs,
+        standins.buffers,
+        standins.attributes,
+        standins.parameters,
+        standins.gradients,
+    )
+    pairs = []
+    for group in groups:
+        for t in group:
+            original = standins.originals.get(id(t))
+            if original is not None:
+                pairs.append((t, original))
+    return pairs
 
 
 def adopt(tracker: Tracker, standins: Converted) -> list[int]:

@@ -11,11 +11,14 @@ run.
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import threading
+import traceback
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -39,6 +42,10 @@ from pytest_torchmem.engine.tracing.rules import (
     OUTPUTS,
     Alloc,
     CheckRule,
+    CompositeRule,
+    REPLICA,
+    Formula,
+    FormulaCall,
     Free,
     ImplementationRule,
     Inexact,
@@ -49,6 +56,7 @@ from pytest_torchmem.engine.tracing.rules import (
     ScratchRule,
     TraceContext,
 )
+from pytest_torchmem.engine.tracing.values import KnownValues, ValueKind, value_kind
 
 __all__ = [
     "Tracker",
@@ -77,6 +85,11 @@ _TOKENS: Final = "torchmem_tokens"
 #: Whether a backward node's ``apply`` is running (in ``Node.metadata``): set by
 #: the node's prehook, cleared by its post hook (see ``_note_running_node``).
 _RUNNING: Final = "torchmem_running"
+_MADE: Final = ValueKind.MADE
+_COMPUTED: Final = ValueKind.COMPUTED
+#: Whether a node's own formula runs unrecorded (in ``Node.metadata``): its eager
+#: replica (a :class:`Formula`) runs in the post hook instead.
+_SILENT: Final = "torchmem_silent"
 #: The most view ops between a view written in place and its base that are modelled.
 _MAX_VIEW_CHAIN: Final = 16
 # Inside __torch_dispatch__, the C++ use counts of an argument include the
@@ -181,6 +194,7 @@ class _OpPlan:
     """What the tracker needs to know about an op, worked out once per op."""
 
     name: str
+    func: Any
     localize: bool
     implementation: ImplementationRule | None
     scratch: ScratchRule | None
@@ -191,6 +205,12 @@ class _OpPlan:
     written_slots: tuple[tuple[int, str], ...] = ()
     #: Refuses what the real kernel refuses (raises its error), if the op has such a rule.
     check: CheckRule | None = None
+    #: Runs the op's composite kernel with the tracker active, if the op has such a rule.
+    composite: CompositeRule | None = None
+    #: How its outputs' values are known.
+    values: ValueKind = ValueKind.OPAQUE
+    #: The eager backward formula of the node it makes, if the device replaces it.
+    formula: Formula | None = None
 
 
 def _skipped_by_dynamo() -> None:
@@ -232,7 +252,10 @@ class Tracker(TorchDispatchMode):
         self.device: Final = device
         self.rules: Final = rules
         self.context: Final = context or TraceContext(device.type)
-        self.context.follow = self._follow
+        #: The values of small tensors the trace knows (see values.py).
+        self.values: Final = KnownValues()
+        self.context.values = self.values
+        self.context.tracer = self
         self.aliases: Final = aliases
         self._optimizer_hook = optimizer_hook
         self.record_frames: Final = record_frames
@@ -252,6 +275,9 @@ class Tracker(TorchDispatchMode):
         # tensors is an elementwise op (it fails on a closure's labels tensor).
         self._foreign: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self._modules: list[int] = []  # running modules, innermost last
+        #: The allocator pool new storages are charged to (see StorageInfo.pool): a
+        #: CUDA graph's private pool while a program compiled with CUDA graphs runs.
+        self.pool = 0
         #: Whether Python numbers passed as tensors cost device memory (CPU only).
         self.wrapped_scalars = device.type == "cpu" if wraps_numbers is None else wraps_numbers
         # Ops that took Python numbers in Tensor slots while autograd was recording:
@@ -265,6 +291,12 @@ class Tracker(TorchDispatchMode):
         # Views an in-place op wrote into while autograd was recording (weak refs),
         # whose regenerated nodes are settled once autograd has rebased them.
         self._pending_views: list[weakref.ref[Any]] = []
+        # Outputs of ops whose node gets an eager formula (weak refs), settled once
+        # autograd has attached the node; how many such nodes run unrecorded now.
+        self._pending_formulas: list[tuple[weakref.ref[Any], Formula]] = []
+        self._silent = 0
+        # Inside decomposed(): composite ops run their CompositeImplicitAutograd kernel.
+        self._decomposing = 0
 
     # -- storages -----------------------------------------------------------
 
@@ -274,6 +306,11 @@ class Tracker(TorchDispatchMode):
             return self._live.get(t.untyped_storage()._cdata)
         except (RuntimeError, NotImplementedError):
             return None
+
+    def pool_of(self, t: torch.Tensor) -> int | None:
+        """The allocator pool of ``t``'s storage, if the tracker knows it."""
+        sid = self.storage_id(t)
+        return None if sid is None else self.timeline.storages[sid].pool
 
     def live_since(self, first: int) -> list[int]:
         """The sids of the storages made since sid ``first`` that are still live."""
@@ -300,6 +337,7 @@ class Tracker(TorchDispatchMode):
             op=op,
             frames=user_frames(stop=self._outer_dirs) if self.record_frames and op else (),
             node=autograd_node() if self.record_frames and op else "",
+            pool=self.pool if op else 0,
         )
         sid = self.timeline.new_storage(info)
         self._live[key] = sid
@@ -354,6 +392,7 @@ class Tracker(TorchDispatchMode):
     def set_phase(self, phase: Phase | None) -> None:
         self._settle_numbers(final=True)
         self._settle_views()
+        self._settle_formulas()
         self.phase = phase
         self._modules.clear()
         self.module = -1
@@ -380,6 +419,8 @@ class Tracker(TorchDispatchMode):
             self._settle_numbers()
         if self._pending_views:
             self._settle_views()
+        if self._pending_formulas:
+            self._settle_formulas()
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         if self._optimizer_hook is not None:
@@ -395,23 +436,17 @@ class Tracker(TorchDispatchMode):
 
     # -- dispatch ------------------------------------------------------------
 
-    def _follow(self, kernel: Callable[[], Any]) -> Any:
-        """``kernel()`` with this mode pushed again (inside ``__torch_dispatch__`` it
-        is not), so that each op the kernel dispatches is traced with its rules.
-        Autograd records nothing below the dispatcher: grad mode is off, as in a
-        custom op's forward, so that no op waits for a node to be attached."""
-        with torch.no_grad(), self:
-            return kernel()
-
     def _plan(self, func: Any) -> _OpPlan:
         plan = self._plans.get(func)
         if plan is None:
             plan = self._plans[func] = _OpPlan(
                 name=str(func),
+                func=func,
                 localize=func not in _LIFTS,
                 implementation=self.rules.implementation_rule(func),
                 scratch=self.rules.scratch_rule(func),
                 check=self.rules.check_rule(func),
+                composite=self.rules.composite_rule(func),
                 mutable=func._schema.is_mutable,
                 tensor_slots=tuple(
                     (i, arg.name)
@@ -423,6 +458,8 @@ class Tracker(TorchDispatchMode):
                     for i, arg in enumerate(func._schema.arguments)
                     if arg.alias_info is not None and arg.alias_info.is_write
                 ),
+                values=value_kind(func),
+                formula=self.rules.formula_rule(func),
             )
         return plan
 
@@ -453,6 +490,14 @@ class Tracker(TorchDispatchMode):
             # its local tensors come back here.
             return NotImplemented
         kwargs = kwargs or {}
+        if self._silent and self._in_silent_node():
+            return func(*args, **kwargs)  # a formula replaced by its eager replica
+        if self._decomposing and _composite(func) and self.rules.implementation_rule(func) is None:
+            # Called below autograd (by a composite's kernel, a rule's own calls), a
+            # CompositeImplicitAutograd op reaches this mode whole; fake tensors would
+            # decompose it out of sight.
+            with self:  # (the mode is popped while it dispatches: its ops come back here)
+                return func.decompose(*args, **kwargs)
         if not func.is_view:
             # Not on a view op: autograd may be regenerating a view's node, replaying
             # its view ops while it holds the view's lock, which grad_fn would take.
@@ -460,6 +505,8 @@ class Tracker(TorchDispatchMode):
                 self._settle_numbers()
             if self._pending_views:
                 self._settle_views()
+            if self._pending_formulas:
+                self._settle_formulas()
         plan = self._plan(func)
         if plan.localize:
             args, kwargs = self._localize(args, kwargs)
@@ -471,24 +518,40 @@ class Tracker(TorchDispatchMode):
             self._note_running_node()
         if plan.check is not None:  # the real kernel's refusal, raised as the program's error
             plan.check(OpCall(func, args, kwargs, context=self.context))
+        real_out = needs_values = cannot_run = None
         try:
-            if plan.implementation is not None:
+            if plan.composite is not None:
+                # the parts come back through this mode, each traced with its own rules
+                with self.decomposed():
+                    out = plan.composite(OpCall(func, args, kwargs, context=self.context))
+            elif plan.implementation is not None:
                 out = plan.implementation(OpCall(func, args, kwargs, context=self.context))
             else:
                 out = func(*args, **kwargs)
         except _NEEDS_VALUES as exc:
-            out = self._data_dependent(func, args, kwargs, exc)
+            # The fake kernel's frames, kept by the traceback (in reference cycles that
+            # only the garbage collector breaks), hold the op's arguments: cleared, so
+            # that the arguments die when the program drops them, not at a collection.
+            traceback.clear_frames(exc.__traceback__)
+            needs_values = type(exc).__name__
         except (RuntimeError, NotImplementedError) as exc:
             # Anything else the fake kernel raises is the program's error (a shape
             # mismatch the real kernel raises too), unless fake tensors caused it.
             if not fake_tensor_limit(exc):
                 raise
-            detail = (
+            cannot_run = (
                 "it has no fake or meta kernel"
                 if isinstance(exc, UnsupportedOperatorException)
                 else _first_line(exc)
             )
-            self._abort(func, f"fake tensors cannot run it ({detail})")
+        if cannot_run is not None:
+            # where every argument's value is known, the op runs on them
+            known, real_out = self.values.run(func, plan.values, args, kwargs)
+            if not known:
+                self._abort(func, f"fake tensors cannot run it ({cannot_run})")
+            out = self._from_values(plan, real_out, args)
+        elif needs_values is not None:
+            out, real_out = self._data_dependent(plan, args, kwargs, needs_values)
 
         # (most ops have no scratch rule: no OpCall is made for them)
         steps = (
@@ -514,6 +577,30 @@ class Tracker(TorchDispatchMode):
             self._remember_numbers(func, args, kwargs, out, numbers)
         if plan.written_slots and torch.is_grad_enabled():
             self._remember_views(plan, args, kwargs)
+        if plan.formula is not None and torch.is_grad_enabled():
+            first = out[0] if isinstance(out, (tuple, list)) else out
+            if isinstance(first, torch.Tensor):
+                self._pending_formulas.append((weakref.ref(first), plan.formula))
+        values = self.values
+        known = values.known
+        if (
+            real_out is not None
+            or plan.values is _MADE
+            or (
+                known
+                and (
+                    plan.written_slots
+                    or (
+                        plan.values is _COMPUTED
+                        # (the first argument, looked up inline: most ops stop here)
+                        and (not args or type(args[0]) is not FakeTensor or id(args[0]) in known)
+                        and values.all_known(args, kwargs)
+                    )
+                )
+            )
+        ):
+            written = _written(plan, args, kwargs) if plan.written_slots else ()
+            values.after(func, plan.values, args, kwargs, out, written, real_out)
         return out
 
     def _note_running_node(self) -> None:
@@ -590,6 +677,79 @@ class Tracker(TorchDispatchMode):
             if _number_nbytes(value):
                 found.append((name, value))
         return found
+
+    @contextmanager
+    def decomposed(self) -> Iterator[None]:
+        """Run ops through the trace from inside a rule (a kernel's own calls to
+        other ops, written out in Python): the trace's dispatch is entered again,
+        and a composite op runs its ``CompositeImplicitAutograd`` kernel, as below
+        autograd eagerly (inside a dispatch mode autograd's keys are excluded, and
+        the mode would see the composite op whole)."""
+        self._decomposing += 1
+        try:
+            with self:
+                yield
+        finally:
+            self._decomposing -= 1
+
+    # -- backward formulas run as eagerly ------------------------------------------
+    #
+    # Some backward formulas pick another algorithm for tensor subclasses, which
+    # fake tensors are, than eagerly (``cumprod_backward``: by ``(input == 0).any()``
+    # on plain tensors, always the masked one on subclasses). The device gives
+    # such an op a :class:`Formula`, a Python replica of the eager formula: its
+    # node gets hooks where autograd made it, the node's own formula then runs
+    # unrecorded, and the replica runs in the post hook, through the trace, its
+    # gradients replacing the node's.
+
+    def _in_silent_node(self) -> bool:
+        node = torch._C._current_autograd_node()
+        return node is not None and node.metadata.get(_SILENT, False)
+
+    def _settle_formulas(self) -> None:
+        pending, self._pending_formulas = self._pending_formulas, []
+        for ref, formula in pending:
+            t = ref()
+            node = None if t is None else t.grad_fn
+            if node is None or node.name() != formula.node or _SILENT in node.metadata:
+                continue
+            self._replace_formula(node, formula)
+
+    def _replace_formula(self, node: Any, formula: Formula) -> None:
+        meta = node.metadata
+        meta[_SILENT] = False
+        # the hooks say when apply runs (see _note_running_node), registered here
+        # rather than from inside the node, where the post hooks are being run
+        meta[_RUNNING] = False
+
+        # (the hooks find the node as the engine's current one: holding it in their
+        # closures would make a cycle that keeps its saved tensors until a collection)
+        def started(grads: Any) -> None:
+            meta[_RUNNING] = True
+            node = torch._C._current_autograd_node()
+            call = FormulaCall(node, tuple(grads), (), self.context)
+            if all(_saved_without_hooks(node, f"_saved_{name}") is not None for name in formula.saved):
+                if formula.applies(call):
+                    meta[_SILENT] = True
+                    self._silent += 1
+
+        def finished(grad_inputs: Any, grads: Any) -> Any:
+            if not meta.get(_SILENT, False):
+                meta[_RUNNING] = False
+                return None
+            meta[_SILENT] = False
+            self._silent -= 1
+            needed = tuple(g is not None for g in grad_inputs)
+            meta[REPLICA] = True
+            node = torch._C._current_autograd_node()
+            try:
+                replaced = formula.backward(FormulaCall(node, tuple(grads), needed, self.context))
+            finally:
+                meta[_RUNNING] = meta[REPLICA] = False
+            return tuple(replaced)
+
+        node.register_prehook(started)
+        node.register_hook(finished)
 
     # -- wrapped numbers that autograd saves --------------------------------------
     #
@@ -814,6 +974,7 @@ class Tracker(TorchDispatchMode):
             op=plan.name,
             frames=user_frames(stop=self._outer_dirs) if self.record_frames else (),
             node=autograd_node() if self.record_frames else "",
+            pool=self.pool,
         )
         return self.timeline.new_storage(info)
 
@@ -851,6 +1012,7 @@ class Tracker(TorchDispatchMode):
                 fake.requires_grad_(True)
             self._foreign[value] = fake
             self.adopt(fake, Category.BUFFERS)
+            self.values.adopt([(fake, value)])
         return fake
 
     # -- what fake tensors cannot do ------------------------------------------
@@ -888,16 +1050,52 @@ class Tracker(TorchDispatchMode):
             )
             return None
 
-    def _data_dependent(self, func: Any, args: Any, kwargs: Any, exc: Exception) -> Any:
+    def _data_dependent(self, plan: _OpPlan, args: Any, kwargs: Any, why: str) -> tuple[Any, Any]:
+        """The outputs of a value-dependent op, and their real values (or ``None``):
+        run on the values where the trace knows every argument's, else the op's
+        fallback rule (exact where the values it needs are known)."""
+        func = plan.func
+        known, real = self.values.run(func, plan.values, args, kwargs)
+        if known:
+            return self._from_values(plan, real, args), real
         fallback = self.rules.fallback_rule(func)
         if fallback is None:
-            self._abort(func, f"output depends on tensor values ({type(exc).__name__})")
+            self._abort(func, f"output depends on tensor values ({why})")
         out, reason = fallback(OpCall(func, args, kwargs, context=self.context))
-        entry = Unsupported(str(func), reason, user_location())
-        self.unsupported.append(entry)
-        if self._assumed is None:
-            self._assumed = entry
-        return out
+        if reason is not None:
+            entry = Unsupported(str(func), reason, user_location())
+            self.unsupported.append(entry)
+            if self._assumed is None:
+                self._assumed = entry
+        return out, None
+
+    def _from_values(self, plan: _OpPlan, real: Any, args: Any) -> Any:
+        """Fake outputs like ``real``, the op's outputs run on the values. The device
+        model vouches for the kernel's other buffers where it has a rule for the op
+        (a scratch rule, or a fallback written for it); otherwise the op is listed."""
+        if plan.scratch is None and self.rules.fallback_rule(plan.func) is None:
+            self._report_inexact(
+                plan.name,
+                "its outputs were made from the tensors' values (fake tensors cannot run it); "
+                "what its kernel allocates beside them is not modelled",
+            )
+        return self._faked(real, args)
+
+    def _faked(self, real: Any, args: Any) -> Any:
+        """Fake tensors with the geometry (and storage size) of the real outputs ``real``."""
+        if isinstance(real, (tuple, list)):
+            return type(real)(self._faked(r, args) for r in real)
+        if not isinstance(real, torch.Tensor):
+            return real
+        device = next(
+            (a.fake_device for a in _tensors_in(args) if type(a) is FakeTensor), self.device
+        )
+        # (not fake_like: FakeTensorMode's dispatch cache keeps the storage given to
+        # set_, which would never be freed)
+        out = torch.empty(
+            real.untyped_storage().nbytes() // real.element_size(), dtype=real.dtype, device=device
+        )
+        return out.as_strided_(real.shape, real.stride(), real.storage_offset())
 
     def _abort(self, func: Any, reason: str) -> None:
         self.unsupported.append(
@@ -1144,6 +1342,27 @@ def _number_nbytes(value: Any) -> int:
     if isinstance(value, (int, float)):
         return 8
     return 0
+
+
+@functools.cache
+def _composite(func: Any) -> bool:
+    """Whether ``func`` has a ``CompositeImplicitAutograd`` kernel."""
+    return torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), "CompositeImplicitAutograd")
+
+
+def _tensors_in(values: Any) -> Iterable[Any]:
+    for value in values:
+        if isinstance(value, (list, tuple)):
+            yield from value
+        else:
+            yield value
+
+
+def _written(plan: _OpPlan, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
+    """The arguments ``plan``'s op writes into."""
+    return tuple(
+        args[index] if index < len(args) else kwargs.get(name) for index, name in plan.written_slots
+    )
 
 
 def _needs_faking(value: Any) -> bool:

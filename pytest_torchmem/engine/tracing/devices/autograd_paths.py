@@ -21,7 +21,11 @@ device. Formulas (torch 2.13):
   (``FunctionsManual.cpp``): ``logical_and_`` / ``logical_or_`` on a comparison's result.
 * ``trace_backward_symint`` (``FunctionsManual.cpp``): ``index_fill_`` of the
   diagonal's flat indices;
-* ``take_backward`` (``FunctionsManual.cpp``): ``zeros_like(input).put_(index, grad, true)``.
+* ``take_backward`` (``FunctionsManual.cpp``): ``zeros_like(input).put_(index, grad, true)``;
+* ``linalg_eig_backward`` (``FunctionsManual.cpp``; ``linalg.eig``, ``linalg.eigh``):
+  ``ret.diagonal(0, -2, -1).copy_(gL)`` where a subclass takes ``diagonal_scatter``;
+* ``masked_select_backward`` (``TensorAdvancedIndexing.cpp``): ``masked_scatter_``
+  into ``zeros_like`` of the broadcast input;
 * ``binary_cross_entropy_target_backward`` (``FunctionsManual.cpp``):
   ``at::logit(self).neg_()`` multiplied by the gradient (and the weight) with ``mul_``.
   ``mul`` is a binary elementwise op whose output a device model may lay out itself
@@ -61,6 +65,13 @@ _SELECTING: Final = frozenset(
 )
 
 
+def _diagonal_copy(
+    t: torch.Tensor, src: torch.Tensor, offset: int = 0, dim1: int = 0, dim2: int = 1
+) -> torch.Tensor:
+    t.diagonal(offset, dim1, dim2).copy_(src)
+    return t
+
+
 def _index_put(
     t: torch.Tensor, indices: Any, values: torch.Tensor, accumulate: bool = False
 ) -> Any:
@@ -80,6 +91,14 @@ EAGER_IN_PLACE: Final[dict[Any, tuple[Callable[..., Any], frozenset[str]]]] = {
     aten.logical_or.default: (aten.logical_or_.default, frozenset({"ClampBackward0"})),
     aten.index_fill.int_Tensor: (aten.index_fill_.int_Tensor, frozenset({"TraceBackward0"})),
     aten.put.default: (aten.put_.default, frozenset({"TakeBackward0"})),
+    aten.diagonal_scatter.default: (
+        _diagonal_copy,
+        frozenset({"LinalgEighBackward0", "LinalgEigBackward0"}),
+    ),
+    aten.masked_scatter.default: (
+        aten.masked_scatter_.default,
+        frozenset({"MaskedSelectBackward0"}),
+    ),
 }
 
 

@@ -1,10 +1,13 @@
-"""Rules every device model starts from: stand-ins for value-dependent ops.
+"""Rules every device model starts from: value-dependent ops.
 
 Fake tensors have no values, so ``nonzero``, ``masked_select``, ``unique`` or
-``.item()`` cannot be run. To let the trace go on, each gets the largest
-output it could have (every element selected) or a neutral scalar, and the
-estimate lists the op in ``unsupported``: for that op the figure is an upper
-bound, not exact.
+``.item()`` cannot be run on them. Where the trace knows the values of every
+argument (small tensors computed from the step's real inputs: ``values.py``)
+the op runs on them and its outputs are exact; the fallbacks here answer the
+rest: exact where the values that decide the output are known (a mask's, for
+``masked_select`` and boolean indexing), else the largest output the op could
+have (every element selected) or a neutral scalar, and the estimate lists the
+op in ``unsupported``: for that op the figure is an upper bound, not exact.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from pytest_torchmem.engine.tracing.devices.collectives import register_collecti
 from pytest_torchmem.engine.tracing.devices.eager_checks import register_checks
 from pytest_torchmem.engine.tracing.devices.meta_kernels import register_meta_kernels
 from pytest_torchmem.engine.tracing.rules import OpCall, RuleSet
+from pytest_torchmem.engine.tracing.values import count_nonzero, on_values
 
 __all__ = ["COMMON"]
 
@@ -49,31 +53,64 @@ def _item(call: OpCall) -> tuple[Any, str]:
     return value, f"the Python value of a tensor is not known; {value!r} was used"
 
 
+@COMMON.fallback(aten.equal.default)
+def _equal(call: OpCall) -> tuple[Any, str]:
+    """``equal``: ``True`` stands in (an ``equal`` kernel allocates nothing)."""
+    return True, "whether two tensors are equal is not known; True was used"
+
+
 @COMMON.fallback(aten.nonzero.default)
 def _nonzero(call: OpCall) -> tuple[Any, str]:
     t = call.args[0]
     return t.new_empty((t.numel(), t.dim()), dtype=torch.long), _UPPER
 
 
+def _selected(call: OpCall, mask: torch.Tensor) -> int | None:
+    """How many elements of ``mask`` are set, where its values are known."""
+    return count_nonzero(call.value(mask))
+
+
 @COMMON.fallback(aten.masked_select.default)
-def _masked_select(call: OpCall) -> tuple[Any, str]:
+def _masked_select(call: OpCall) -> tuple[Any, str | None]:
+    """Its output size is the broadcast mask's count of set elements."""
     t, mask = call.args[0], call.args[1]
     shape = torch.broadcast_shapes(t.shape, mask.shape)
+    value = call.value(mask)
+    if value is not None:
+        with on_values():
+            count = int(torch.count_nonzero(value.expand(shape)))
+        return t.new_empty((count,)), None
     return t.new_empty((shape.numel(),)), _UPPER
 
 
 @COMMON.fallback(aten.index.Tensor)
-def _index_with_masks(call: OpCall) -> tuple[Any, str]:
-    """``x[mask]``: every element of a boolean mask is assumed selected."""
+def _index_with_masks(call: OpCall) -> tuple[Any, str | None]:
+    """``x[mask]``: a boolean mask selects its set elements (every element, where
+    its values are not known)."""
     t, indices = call.args[0], call.args[1]
     expanded: list[Any] = []
+    exact = True
     for index in indices:
         if index is not None and index.dtype in (torch.bool, torch.uint8):
-            everything = index.new_empty((index.numel(),), dtype=torch.long)
-            expanded.extend([everything] * index.dim())
+            count = _selected(call, index)
+            exact = exact and count is not None
+            chosen = index.new_empty((index.numel() if count is None else count,), dtype=torch.long)
+            expanded.extend([chosen] * index.dim())
         else:
             expanded.append(index)
-    return aten.index.Tensor(t, expanded), _UPPER
+    return aten.index.Tensor(t, expanded), None if exact else _UPPER
+
+
+@COMMON.implementation(aten.allclose.default)
+def _allclose(call: OpCall) -> bool:
+    """``at::allclose`` (``TensorCompare.cpp``): ``isclose(...).all().item()``, run
+    through the trace (its ops recorded, ``.item()`` answered from the values)."""
+    self, other = call.args[0], call.args[1]
+    rtol, atol = call.arg(2, "rtol", 1e-05), call.arg(3, "atol", 1e-08)
+    equal_nan = call.arg(4, "equal_nan", False)
+    assert call.context is not None and call.context.tracer is not None
+    with call.context.tracer.decomposed():
+        return bool(torch.isclose(self, other, rtol, atol, equal_nan).all().item())
 
 
 @COMMON.fallback(aten._unique2.default)

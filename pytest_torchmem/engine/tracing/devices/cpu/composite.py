@@ -9,8 +9,8 @@ tensor's dtype before it makes the boolean result (see :mod:`.misc`).
 
 Where the kernel is registered as such a program (``CompositeExplicitAutograd``:
 a C++ function of ``at::`` calls, or a custom op's Python function), no rule
-repeats it: :func:`follow_cpu_kernel` runs the kernel itself on the fake
-tensors with the trace's mode pushed again, and each op it calls is traced
+repeats it: :func:`follow_cpu_kernel`, a composite rule, runs the kernel itself
+on the fake tensors with the trace watching, and each op it calls is traced
 with its own rules, in its order.
 """
 
@@ -38,13 +38,12 @@ _CPU_KERNEL: Final = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
 
 
 def follow_cpu_kernel(call: OpCall) -> Any:
-    """An implementation that runs ``call``'s CPU kernel where that kernel is a program
+    """A composite rule that runs ``call``'s CPU kernel where that kernel is a program
     of other ops, so that the trace sees each of them (their outputs, their scratch)
-    instead of the op's meta kernel alone. Outside a trace: the op as it is."""
-    follow = call.context.follow if call.context is not None else None
-    if follow is None:
-        return call.func(*call.args, **call.kwargs)
-    return follow(lambda: call.func.redispatch(_CPU_KERNEL, *call.args, **call.kwargs))
+    instead of the op's meta kernel alone. Grad mode is off, as in a custom op's
+    forward: nothing below the dispatcher is recorded by autograd."""
+    with torch.no_grad():
+        return call.func.redispatch(_CPU_KERNEL, *call.args, **call.kwargs)
 
 
 #: Ops whose CPU kernel is followed op by op (torch 2.13):
@@ -61,7 +60,7 @@ _FOLLOWED: Final = (
     aten.soft_margin_loss.default, aten.soft_margin_loss.out,
     aten.soft_margin_loss_backward.default, aten.soft_margin_loss_backward.grad_input,
 )  # fmt: skip
-CPU.implementation(*_FOLLOWED)(follow_cpu_kernel)
+CPU.composite(*_FOLLOWED)(follow_cpu_kernel)
 
 
 def _chunked_linear_cross_entropy() -> tuple[Any, ...]:
@@ -81,7 +80,7 @@ def _chunked_linear_cross_entropy() -> tuple[Any, ...]:
 
 _CUSTOM_FOLLOWED: Final = _chunked_linear_cross_entropy()
 if _CUSTOM_FOLLOWED:
-    CPU.implementation(*_CUSTOM_FOLLOWED)(follow_cpu_kernel)
+    CPU.composite(*_CUSTOM_FOLLOWED)(follow_cpu_kernel)
 
 
 def _compare_with_number(dtype: torch.dtype, numel: int, tag: str) -> list[Alloc | Free]:

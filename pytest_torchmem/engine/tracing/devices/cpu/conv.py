@@ -19,10 +19,11 @@ follow torch 2.13:
 3. **oneDNN**: see :mod:`~pytest_torchmem.engine.tracing.devices.cpu.onednn`.
 
 Not modelled (the op's outputs are counted, its scratch is not): bfloat16 and
-float16 convolutions that oneDNN computes (its ``jit_bf16`` kernels, and from
-the ``avx512`` level the slow paths' ``mkldnn_bf16_gemm``; listed in
-``unsupported``) and NNPACK (reached only with oneDNN disabled). Below that
-level the slow paths compute reduced precision in ATen, and are modelled.
+float16 convolutions that oneDNN runs (bfloat16 from the avx512 level on,
+float16 on amx; listed in ``unsupported``; below, ATen's slow paths run them
+and are modelled, but for ``slow_conv_transpose3d``'s gemm, which oneDNN
+computes there: ``mkldnn_bf16_gemm``) and NNPACK (reached only with oneDNN
+disabled).
 """
 
 from __future__ import annotations
@@ -35,14 +36,11 @@ import torch
 import torch._prims_common
 
 from pytest_torchmem.engine.tracing.devices.cpu.base import CPU, profile_of
+from pytest_torchmem.engine.tracing.devices.cpu.misc import meta_tensor
 from pytest_torchmem.engine.tracing.devices.cpu.onednn import conv_list
 from pytest_torchmem.engine.tracing.devices.cpu.onednn.common import Geo
 from pytest_torchmem.engine.tracing.devices.cpu.profiles import CpuProfile
-from pytest_torchmem.engine.tracing.devices.cpu.reduce import (
-    acc_buffer_steps,
-    sum_steps,
-    uses_acc_buffer,
-)
+from pytest_torchmem.engine.tracing.devices.cpu.reduce import acc_buffer_steps, sum_steps, uses_acc_buffer
 from pytest_torchmem.engine.tracing.rules import (
     OUTPUTS,
     Alloc,
@@ -128,6 +126,8 @@ def _backend(c: _Conv, cpu: CpuProfile) -> str:
     if _mkldnn_enabled() and not (c.transposed and big_output_padding):
         if dtype == torch.bfloat16 and cpu.onednn_bf16:
             mkldnn = True
+        elif dtype == torch.float16 and "float16" in cpu.native_dtypes:
+            mkldnn = True  # mkldnn_fp16_device_check: avx512_core_fp16 (the amx level)
         elif dtype == torch.float32:
             mkldnn = (
                 strided or dilated or x[0] >= 16 or w[-1] != 1 or w[-2] != 1 or cpu.threads > 1
@@ -442,8 +442,8 @@ def _slow_backward_group(
     ``slow_conv3d_backward_cpu``, ``slow_conv_dilated*_backward_cpu``,
     ``slow_conv_transpose*_backward_cpu``); ``output(i)`` allocates gradient
     ``i`` and returns its tag. ``go_copy``: bytes of ``grad_output.contiguous()``;
-    ``bias_sum``: the scratch of the transposed kernels' ``at::sum`` of the output
-    gradient into the bias gradient."""
+    ``bias_sum``: the scratch of ``at::sum_out(grad_bias, grad_output, ...)``
+    (:func:`_bias_sum`), right after the bias gradient is made."""
     tags: list[Any] = []
     if k.kind in ("slow_dilated2d", "slow_dilated3d"):
         go = s.alloc(go_copy, "grad_output contiguous")
@@ -471,13 +471,12 @@ def _slow_backward_group(
         go = s.alloc(go_copy, "grad_output contiguous")
         cols = s.alloc(0 if k.unit else k.oc * k.ks * k.in_sp * k.item, "columns")
         if mask[2]:
-            s.steps += bias_sum
+            s.steps.extend(bias_sum)
         s.free(cols, go)
         return tags
     if mask[2]:
         tags.append(output(2))
-        if k.kind == "slow_transpose2d":
-            s.steps += bias_sum
+        s.steps.extend(bias_sum)
     if mask[1]:
         tags.append(output(1))
         go = s.alloc(go_copy, "grad_output contiguous")
@@ -521,6 +520,44 @@ def _relaid(t: torch.Tensor, groups: int, channels_last: bool) -> bool:
     return any(size > 1 and a != b for size, a, b in zip(shape, given, wanted))
 
 
+#: The slow kernels whose backward sums the bias gradient with
+#: ``at::sum_out(grad_bias, grad_output, {0, 2, 3[, 4]})`` between the input's and the
+#: weight's gradients (``slow_conv2d_backward_out_cpu``, ``slow_conv3d_backward_out_cpu``,
+#: ``slow_conv_transpose2d_backward_out_cpu``; ``slow_conv_transpose3d_acc_grad_parameters_cpu``
+#: on its contiguous copy, with the columns held); the dilated ones sum one image at a time.
+_SUMS_BIAS: Final = frozenset({"slow2d", "slow3d", "slow_transpose2d", "slow_transpose3d"})
+
+
+def _bias_sum(k: _Slow, grad_output: torch.Tensor, threads: int) -> list[Step]:
+    """The scratch of the bias gradient's ``at::sum_out`` over every dim but the
+    channels of ``grad_output`` (what the kernel is given): in bfloat16/float16 the
+    ``float`` path of ``sum_out`` where its iterator starts with two reduced dims
+    (``should_use_acc_buffer``: a batch of more than one image, laid out densely)."""
+    if k.kind not in _SUMS_BIAS:
+        return []
+    dims = (0, *range(2, grad_output.dim()))
+    if uses_acc_buffer(grad_output, dims, grad_output.dtype):
+        return list(acc_buffer_steps(threads, grad_output, k.oc, "grad_bias sum"))
+    return list(sum_steps(threads, grad_output, k.oc, grad_output.dtype, "grad_bias sum"))
+
+
+def _view4d(t: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Sizes and strides of ``view4d(t)`` (``t.unsqueeze(2)``), a 1-d convolution's
+    operand as the 2-d kernels see it."""
+    n, ch, length = t.shape
+    s0, s1, s2 = t.stride()
+    return (n, ch, 1, length), (s0, s1, length * s2, s2)
+
+
+def _subtensor(t: torch.Tensor, groups: int) -> torch.Tensor:
+    """One group of ``t`` as ``subtensor(t, 1, groups, g)`` gives it: the narrowed
+    view where that is contiguous in ``t.suggest_memory_format()``, else a copy in it."""
+    shape = (t.shape[0], t.shape[1] // groups, *t.shape[2:])
+    if _subtensor_copy(t, groups) == 0:
+        return meta_tensor(shape, t.dtype, t.stride())
+    return meta_tensor(shape, t.dtype, _format_strides(shape, _suggests_cl(t)))
+
+
 def _slow_forward(s: _Steps, c: _Conv, backend: str, out: torch.Tensor) -> None:
     """``_convolution`` on a slow path: ``input.contiguous(fmt)``, then per
     group (``subtensor``: a contiguous copy of the group's input channels) the
@@ -546,18 +583,6 @@ def _slow_forward(s: _Steps, c: _Conv, backend: str, out: torch.Tensor) -> None:
     s.free(w_copy, x_copy)
 
 
-def _bias_sum(k: _Slow, threads: int, dtype: torch.dtype) -> list[Step]:
-    """``at::sum`` of one group's contiguous output gradient over all dims but the
-    channels (the transposed kernels' bias gradient): a reduced-precision one takes
-    ``sum``'s ``float`` path (:func:`~.reduce.uses_acc_buffer`)."""
-    if k.kind not in ("slow_transpose2d", "slow_transpose3d"):
-        return []
-    group = torch.empty((k.n, k.oc, k.out_sp), dtype=dtype, device="meta")
-    if uses_acc_buffer(group, (0, 2), dtype):
-        return list(acc_buffer_steps(threads, group, k.oc, "bias sum"))
-    return list(sum_steps(threads, group, k.oc, dtype, "bias sum"))
-
-
 def _slow_backward(
     s: _Steps, c: _Conv, backend: str, grad_output: torch.Tensor, mask: Sequence[bool], outs: Any, threads: int
 ) -> None:
@@ -565,7 +590,6 @@ def _slow_backward(
     (copies of the group's output gradient and input), gradients concatenated."""
     out_sp = tuple(grad_output.shape[2:]) if not c.conv1d else (1, grad_output.shape[2])
     k = _slow(c, backend, out_sp)
-    bias_sum = _bias_sum(k, threads, grad_output.dtype) if mask[2] else []
     x_copy = s.alloc(0 if c.conv1d else _contiguous_copy(c.input, k.channels_last), "input contiguous")
     w_copy = s.alloc(_contiguous_copy(c.weight, k.channels_last), "weight contiguous")
     sizes = [nbytes_of(o) if o is not None else 0 for o in outs]
@@ -575,6 +599,13 @@ def _slow_backward(
             s.output(i, sizes[i])  # the gradients, in the kernel's order
 
         go_copy = _contiguous_copy(grad_output, k.channels_last)
+        kernel_go = grad_output
+        if c.conv1d:
+            shape, strides = _view4d(grad_output)
+            kernel_go = meta_tensor(shape, grad_output.dtype, strides)
+        elif backend == "slow_transpose3d":
+            kernel_go = meta_tensor(grad_output.shape, grad_output.dtype)
+        bias_sum = _bias_sum(k, kernel_go, threads) if mask[2] else ()
         _slow_backward_group(s, k, mask, go_copy, output, bias_sum)
         s.outputs()
     else:
@@ -584,6 +615,7 @@ def _slow_backward(
         # copies it .contiguous(its own format) where that differs (once for the
         # input's gradient, once for the weight's).
         go_kernel_copy = nbytes_of(grad_output) // g if _relaid(grad_output, g, k.channels_last) else 0
+        bias_sum = _bias_sum(k, _subtensor(grad_output, g), threads) if mask[2] else ()
         x_g_bytes = 0 if k.n == 1 else nbytes_of(c.input) // g
         per: list[list[Any]] = [[], [], []]
         for _ in range(g):
@@ -657,21 +689,27 @@ _LOW_PRECISION_GAP: Final = Inexact(
 )
 
 
+def _onednn_computes(cpu: CpuProfile, dtype: torch.dtype) -> bool:
+    """``mkldnn_bf16_device_check`` / ``mkldnn_fp16_device_check``: oneDNN computes
+    ``dtype`` here (``slow_conv_transpose3d``'s gemm included: ``mkldnn_bf16_gemm``,
+    measured: buffers of the columns' size that no rule models)."""
+    return cpu.onednn_bf16 if dtype == torch.bfloat16 else "float16" in cpu.native_dtypes
+
+
 def _flag_low_precision(call: OpCall, steps: list[Step]) -> list[Step]:
-    """Flag a bfloat16/float16 convolution where oneDNN computes it: the convolution
-    primitives, or (where oneDNN computes bfloat16, the ``avx512`` level up) the
-    gemm of ATen's slow paths (``mkldnn_bf16_gemm``, measured: buffers the size of
-    the columns). Below, the slow paths compute in ATen and are modelled."""
-    if call.args[0].dtype not in (torch.bfloat16, torch.float16):
+    """Flag a bfloat16/float16 convolution that oneDNN runs; ATen's slow paths
+    (reached where oneDNN does not compute the dtype) are modelled at any dtype,
+    but for ``slow_conv_transpose3d`` where oneDNN runs its gemm."""
+    dtype = call.args[0].dtype
+    if dtype not in (torch.bfloat16, torch.float16):
         return steps
     cpu = profile_of(call)
-    if cpu.onednn_bf16:
-        return [_LOW_PRECISION_GAP, *steps]
     if call.func is aten.convolution.default:
         c = _conv(call.args[0], call.args[1], call.args[2] is not None, call.args[3:9])
     else:  # convolution_backward(grad_output, input, weight, bias_sizes, ...)
         c = _conv(call.args[1], call.args[2], bool(call.args[10][2]), call.args[4:10])
-    if _backend(c, cpu) in _SLOW:
+    backend = _backend(c, cpu)
+    if backend in _SLOW and not (backend == "slow_transpose3d" and _onednn_computes(cpu, dtype)):
         return steps
     return [_LOW_PRECISION_GAP, *steps]
 

@@ -39,7 +39,18 @@ from pytest_torchmem.engine.tracing.devices.cpu.profiles import CpuProfile
 from pytest_torchmem.engine.tracing.devices.memo import BoundedMemo
 from pytest_torchmem.engine.tracing.rules import OUTPUTS, Alloc, Free, Inexact, OpCall, Steps
 
-__all__ = ["arg", "itemsize", "wrapped_nbytes", "promotion_casts"]
+__all__ = [
+    "arg",
+    "itemsize",
+    "meta_tensor",
+    "wrapped_nbytes",
+    "promotion_casts",
+    "transpose_copy",
+    "scalar_comparison",
+    "view_strides",
+    "broadcast_shape",
+    "index_long_copies",
+]
 
 aten = torch.ops.aten
 
@@ -73,6 +84,18 @@ def wrapped_nbytes(value: Any) -> int:
     """Bytes of the wrapped-number tensor ATen makes of the Python number ``value``."""
     dtype = _number_dtype(value)
     return 0 if dtype is None else itemsize(dtype)
+
+
+def meta_tensor(
+    shape: Sequence[int], dtype: torch.dtype, strides: Sequence[int] | None = None
+) -> torch.Tensor:
+    """A meta tensor that stands for an operand a kernel makes (a 0-dim constant, a
+    view, a copy), to read its dtype promotion or layout from; made outside the
+    trace's dispatch modes, which would otherwise track it."""
+    with torch._C._DisableTorchDispatch():
+        if strides is None:
+            return torch.empty(tuple(shape), dtype=dtype, device="meta")
+        return torch.empty_strided(tuple(shape), tuple(strides), dtype=dtype, device="meta")
 
 
 def _operand(value: Any) -> tuple[torch.dtype, int] | None:
@@ -124,6 +147,22 @@ def promotion_casts(
         if operand is not None and operand[0] != common:
             steps.append(Alloc(f"input {i} as {common}", operand[1] * size))
     return steps
+
+
+def scalar_comparison(t: torch.Tensor, value: Any, mask: str) -> list[Alloc | Free]:
+    """``t == value`` (``t != value``...) called inside a kernel: ``eq.Scalar`` wraps the
+    number, casts it to the common dtype (``promotion_casts``) and makes the ``bool``
+    mask, named ``mask`` and left to the caller to free; the wrapped number and its
+    cast are freed when the comparison returns."""
+    wrapped = f"{mask}: wrapped {value!r}"
+    casts = promotion_casts([t, value])
+    return [
+        Alloc(wrapped, wrapped_nbytes(value)),
+        *casts,
+        Alloc(mask, t.numel()),
+        Free(wrapped),
+        *(Free(c.tag) for c in casts),
+    ]
 
 
 def _scalar_wrap(values: Iterable[Any]) -> list[Alloc]:
@@ -402,6 +441,60 @@ def _view(call: OpCall) -> Any:
     return out.as_strided(out.shape, strides, out.storage_offset())
 
 
+# -- copies ------------------------------------------------------------------------------
+
+#: ``copy_transpose_valid``'s least element count (``Copy.cpp``).
+_TRANSPOSE_MIN: Final = 60 * 60
+
+
+def transpose_copy(sizes: Sequence[int], strides: Sequence[int], dtype: torch.dtype) -> list[Alloc | Free]:
+    """The scratch of ``copy_`` into a contiguous tensor of the same sizes and dtype
+    from ``src`` laid out as ``sizes``/``strides`` (``copy_impl``, ``Copy.cpp``): a 2-D
+    transposed-contiguous matrix of 3600 elements or more is copied block by block
+    through ``copy_same_type_transpose_``'s buffer, ``60 x 60`` elements (``120 x
+    120`` for ``uint8``)."""
+    if (
+        len(sizes) != 2
+        or math.prod(sizes) < _TRANSPOSE_MIN
+        or strides[0] != 1
+        or strides[1] != sizes[0]
+    ):
+        return []
+    block = 120 if dtype == torch.uint8 else 60
+    return [Alloc("transpose block", block * block * itemsize(dtype)), Free("transpose block")]
+
+
+def _same_copy(dst: torch.Tensor, src: Any) -> bool:
+    """``copy_transpose_valid``'s other conditions: a contiguous destination of the
+    source's sizes, dtype, negative and conjugate bits."""
+    return (
+        isinstance(src, torch.Tensor)
+        and dst.is_contiguous()
+        and dst.dtype == src.dtype
+        and dst.shape == src.shape
+        and dst.is_neg() == src.is_neg()
+        and dst.is_conj() == src.is_conj()
+        and not dst.is_quantized
+    )
+
+
+@CPU.scratch(aten.copy_.default)
+def _copy(call: OpCall) -> Steps:
+    dst, src = call.args[0], call.args[1]
+    if not _same_copy(dst, src):
+        return [OUTPUTS]
+    return [OUTPUTS, *transpose_copy(src.shape, src.stride(), src.dtype)]
+
+
+@CPU.scratch(aten.clone.default, aten._to_copy.default)
+def _clone(call: OpCall) -> Steps:
+    """``clone`` and ``_to_copy`` make their output, then ``copy_`` into it."""
+    src = call.args[0]
+    if not isinstance(call.out, torch.Tensor) or not _same_copy(call.out, src):
+        return [OUTPUTS]
+    return [OUTPUTS, *transpose_copy(src.shape, src.stride(), src.dtype)]
+
+
 # -- activations run by oneDNN ---------------------------------------------------------
 
 
@@ -540,19 +633,29 @@ def _native_dropout_backward(call: OpCall) -> Steps:
     ]  # fmt: skip
 
 
-@CPU.scratch(aten.index.Tensor)
-def _index_with_masks(call: OpCall) -> Steps:
-    """``x[mask]``: ``expandTensors`` turns each boolean mask into long indices with
-    ``mask.nonzero()`` (``TensorAdvancedIndexing.cpp``), an ``(n, mask.dim())`` int64
-    tensor held while the kernel runs. ``n`` is unknown to fake tensors: the
-    common fallback assumed every element selected, and so does this rule.
-    """
-    steps: list[Any] = [
-        Alloc(f"nonzero{number}", index.numel() * index.dim() * 8)
-        for number, index in enumerate(call.args[1])
-        if index is not None and index.dtype in (torch.bool, torch.uint8)
+def broadcast_shape(*shapes: Sequence[int]) -> tuple[int, ...]:
+    """The shape ``shapes`` broadcast to (``infer_size``), computed without tensors."""
+    ndim = max((len(s) for s in shapes), default=0)
+    out = [1] * ndim
+    for shape in shapes:
+        for i, size in enumerate(shape, ndim - len(shape)):
+            out[i] = size if out[i] == 1 else out[i]
+    return tuple(out)
+
+
+def index_long_copies(indices: Sequence[Any], tag: str = "index") -> list[Alloc]:
+    """``AdvancedIndex`` (``TensorAdvancedIndexing.cpp``) converts each ``int32`` index,
+    expanded with the others to their broadcast shape, with ``.to(kLong)``: 8 bytes an
+    element of that shape (held while the kernel runs)."""
+    present = [i for i in indices if i is not None]
+    if not any(i.dtype == torch.int32 for i in present):
+        return []
+    numel = math.prod(broadcast_shape(*(i.shape for i in present)))
+    return [
+        Alloc(f"{tag} {k} as int64", numel * 8)
+        for k, i in enumerate(indices)
+        if i is not None and i.dtype == torch.int32
     ]
-    return [*steps, OUTPUTS]
 
 
 _DEG_RAD = (
@@ -579,19 +682,37 @@ def _deg_rad(call: OpCall) -> Steps:
 
 @CPU.scratch(aten.ldexp.Tensor)
 def _ldexp(call: OpCall) -> Steps:
-    """``ldexp`` (``BinaryOps.cpp``): ``at::mul(self, at::pow(2.0, other))``: the power
-    (``pow.Scalar``: its result, the wrapped 2.0 and the iterator's casts, given back
-    when it returns), then the product, the op's output; the power is freed last. A
-    ``self`` of another dtype than the power (the product's casts) is not followed.
-    An integer ``other`` takes nothing beside the output (measured, float32 ``self``).
-    """
+    """``ldexp`` (``BinaryOps.cpp``): a floating ``self`` with an integer ``other`` takes
+    ``_ldexp_int_exponent`` into ``empty_like(self)``, which the iterator resizes (a
+    new storage where the result broadcasts to more elements); otherwise ``at::mul(self, _pow2(self,
+    other))``. ``_pow2`` of a float32 or integer ``self`` is ``at::pow(2.0, other)``
+    (``pow.Scalar``: its result, then the wrapped 2.0 and the iterator's casts); of
+    any other dtype (bfloat16, float16, float64) ``at::full({}, 2.0,
+    self.options()).pow(other)`` (the 0-dim two, the iterator's casts, then the
+    power; the two is freed when the power returns). Then the product (its casts,
+    then the op's output); the power is freed last."""
     self, other = arg(call, 0, "self"), arg(call, 1, "other")
-    power = _common_dtype([2.0, other], int_to_float=False)
-    if power is None or not other.is_floating_point():
+    if not (other.is_floating_point() or other.is_complex()) and self.is_floating_point():
+        # empty_like(self), resized by the iterator: a broadcast result is a new storage
+        if call.out.numel() <= self.numel():
+            return [OUTPUTS]
+        first = Alloc("empty_like(self)", self.numel() * self.element_size())
+        return [first, OUTPUTS, Free(first.tag)]
+    base: Any = 2.0
+    if self.dtype != torch.float32 and (self.is_floating_point() or self.is_complex()):
+        base = meta_tensor((), self.dtype)
+    power = _common_dtype([base, other], int_to_float=False)
+    if power is None:
         return [OUTPUTS]
-    casts = [*_scalar_wrap([2.0]), *promotion_casts([2.0, other])]
-    steps: list[Any] = [Alloc("pow(2, other)", other.numel() * itemsize(power)), *casts]
-    steps += [Free(c.tag) for c in reversed(casts)]
-    if self.dtype != power:
-        steps.insert(0, Inexact("ldexp of a self of another dtype than 2 ** other"))
-    return [*steps, OUTPUTS, Free("pow(2, other)")]
+    result = Alloc("pow(2, other)", other.numel() * itemsize(power))
+    casts = [Alloc(f"pow: {c.tag}", c.nbytes) for c in promotion_casts([base, other])]
+    if isinstance(base, torch.Tensor):
+        two = Alloc("full({}, 2)", itemsize(self.dtype))
+        steps: list[Any] = [two, *casts, result, *(Free(c.tag) for c in reversed(casts)), Free(two.tag)]
+    else:
+        casts = [*_scalar_wrap([base]), *casts]
+        steps = [result, *casts, *(Free(c.tag) for c in reversed(casts))]
+    power_tensor = meta_tensor(other.shape, power)
+    product = [Alloc(f"product: {c.tag}", c.nbytes) for c in promotion_casts([self, power_tensor])]
+    steps += [*product, OUTPUTS, *(Free(c.tag) for c in reversed(product))]
+    return [*steps, Free(result.tag)]

@@ -48,6 +48,7 @@ __all__ = [
     "cpu_profile",
     "host_profile",
     "capped_environment",
+    "capped_inductor_cache",
 ]
 
 _KiB: Final = 1024
@@ -75,6 +76,12 @@ _ATEN_CAPABILITY: Final = {
 _ONEDNN_ISA: Final = {
     "default": "SSE41", "avx2": "AVX2", "avx512": "AVX512_CORE",
     "avx512_bf16": "AVX512_CORE_BF16", "amx": "AVX512_CORE_AMX",
+}
+#: What ``MKL_ENABLE_INSTRUCTIONS`` caps MKL to on each level (MKL's own dispatch
+#: decides the sizes some LAPACK routines ask for, see ``cpu/lapack.py``).
+_MKL_ISA: Final = {
+    "default": "SSE4_2", "avx2": "AVX2", "avx512": "AVX512",
+    "avx512_bf16": "AVX512_E3", "amx": "AVX512_E4",
 }
 #: The reduced-precision dtypes each level computes natively (oneDNN's
 #: ``mkldnn_bf16_device_check``/``mkldnn_fp16_device_check`` past avx512_core).
@@ -323,8 +330,33 @@ def _count_cpus(cpu_list: str) -> int:
 
 def capped_environment(profile: CpuProfile) -> dict[str, str]:
     """The environment variables that make a process on a faster host dispatch as
-    ``profile``'s level does (for ground truth from ``measure`` in a subprocess)."""
+    ``profile``'s level does (for ground truth from ``measure`` in a subprocess):
+    ATen's kernels, oneDNN's and MKL's (on an Intel host; MKL ignores the cap
+    elsewhere), and an inductor cache of the level's own (:func:`capped_inductor_cache`)."""
     return {
         "ATEN_CPU_CAPABILITY": _ATEN_CAPABILITY[profile.isa],
         "ONEDNN_MAX_CPU_ISA": _ONEDNN_ISA[profile.isa],
+        "MKL_ENABLE_INSTRUCTIONS": _MKL_ISA[profile.isa],
+        "TORCHINDUCTOR_CACHE_DIR": capped_inductor_cache(profile.isa),
     }
+
+
+_CAPPED_CACHE: Final = "-capped-"
+
+
+def capped_inductor_cache(isa: str) -> str:
+    """Inductor's on-disk cache for processes capped to the level ``isa``.
+
+    Inductor's cache keys (torch 2.13) do not include ``ATEN_CPU_CAPABILITY``, by
+    which it picks the vector ISA of the kernels it builds: a process capped to
+    another level than the one that filled the cache loads those programs and
+    computes wrong values or crashes (seen: AVX2-capped after an uncapped compile on
+    an AVX512 host). Each capped level therefore gets a cache directory of its own,
+    beside the one in use (``TORCHINDUCTOR_CACHE_DIR`` or inductor's default)."""
+    base = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if base is None:
+        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+        base = default_cache_dir()
+    base = base.split(_CAPPED_CACHE)[0]
+    return f"{base}{_CAPPED_CACHE}{isa}"

@@ -26,12 +26,12 @@ from typing import Any, Final
 import torch
 
 from pytest_torchmem.engine.tracing.devices.cpu.base import CPU, profile_of
-from pytest_torchmem.engine.tracing.devices.cpu.misc import arg, itemsize
+from pytest_torchmem.engine.tracing.devices.cpu.misc import arg, itemsize, scalar_comparison
 from pytest_torchmem.engine.tracing.devices.tensor_iterator import (
     coalesce_dimensions,
     reorder_dimensions,
 )
-from pytest_torchmem.engine.tracing.rules import OUTPUTS, Alloc, Free, OpCall, Steps
+from pytest_torchmem.engine.tracing.rules import OUTPUTS, Alloc, Free, OpCall, Output, Steps
 
 __all__ = ["GRAIN_SIZE", "two_pass_buffer", "sum_steps", "mean_steps"]
 
@@ -192,6 +192,78 @@ def _all_any(call: OpCall) -> Steps:
     return [OUTPUTS, *sum_steps(profile_of(call).threads, self, out.numel(), torch.bool, "all/any")]
 
 
+@CPU.scratch(aten.count_nonzero.dim_IntList, aten.count_nonzero.default)
+def _count_nonzero(call: OpCall) -> Steps:
+    """``count_nonzero_cpu`` (``ReduceOps.cpp``): with no dim, a counting loop into the
+    output alone; over dims, ``(self != 0).sum(dims)`` (a ``bool`` input is summed as
+    it is): ``ne.Scalar`` wraps the ``0`` (an ``int64`` tensor), casts it to the
+    common dtype and makes the mask, and the sum casts the mask to ``int64`` into
+    the output; the mask is freed when the op returns."""
+    self, dim = arg(call, 0, "self"), arg(call, 1, "dim")
+    if not ([dim] if isinstance(dim, int) else dim):
+        return [OUTPUTS]
+    steps = scalar_comparison(self, 0, "self != 0") if self.dtype != torch.bool else []
+    threads = profile_of(call).threads
+    mask = (self.numel(), torch.bool)
+    return [*steps, OUTPUTS, *sum_steps(threads, mask, call.out.numel(), torch.int64, "sum")]
+
+
+def _contiguous_copy_of(t: Any, tag: str) -> list[Alloc]:
+    """``t.contiguous()`` of an optional tensor: a copy where it is not contiguous."""
+    if not isinstance(t, torch.Tensor) or t.is_contiguous():
+        return []
+    return [Alloc(tag, t.numel() * t.element_size())]
+
+
+@CPU.scratch(aten.segment_reduce.default)
+def _segment_reduce(call: OpCall) -> Steps:
+    """``segment_reduce_kernel`` (``SegmentReduce.cpp``): ``data.contiguous()``; with
+    offsets, ``offsets.contiguous()``; with lengths, unless ``unsafe``, the checks
+    ``lengths.min().item()`` (a 0-dim result; ``min`` copies a non-contiguous input)
+    and ``all(lengths.sum({-1}) == data.size(axis)).item()`` (the sum, the wrapped
+    size, the mask, the ``all``), then ``lengths.contiguous()``; the output last."""
+    data = arg(call, 0, "data")
+    lengths, offsets = call.kwargs.get("lengths"), call.kwargs.get("offsets")
+    steps: list[Any] = _contiguous_copy_of(data, "data.contiguous()")
+    if offsets is not None or lengths is None:
+        return [*steps, *_contiguous_copy_of(offsets, "offsets.contiguous()"), OUTPUTS]
+    if not call.kwargs.get("unsafe", False) and lengths.numel() > 0:
+        sums = lengths.numel() // lengths.shape[-1] if lengths.shape[-1] else 0
+        threads = profile_of(call).threads
+        min_copy = _contiguous_copy_of(lengths, "min: lengths.contiguous()")
+        steps += [
+            Alloc("lengths.min()", lengths.element_size()),
+            *min_copy,
+            *(Free(a.tag) for a in min_copy),
+            Free("lengths.min()"),
+            Alloc("lengths.sum(-1)", sums * 8),
+            *sum_steps(threads, lengths, sums, torch.int64),
+            Alloc("== size: wrapped size", 8),
+            Alloc("== size", sums),
+            Free("== size: wrapped size"),
+            Alloc("all(...)", 1),
+            *sum_steps(threads, (sums, torch.bool), 1, torch.bool, "all"),
+            Free("all(...)"),
+            Free("== size"),
+            Free("lengths.sum(-1)"),
+        ]
+    return [*steps, *_contiguous_copy_of(lengths, "lengths.contiguous()"), OUTPUTS]
+
+
+@CPU.scratch(aten._segment_reduce_backward.default)
+def _segment_reduce_backward(call: OpCall) -> Steps:
+    """``_segment_reduce_backward_kernel`` (``SegmentReduce.cpp``): ``contiguous()`` copies
+    of the gradient (an expanded one, from a sum), the forward's output, the data and
+    the lengths or offsets, then the output (``zeros_like(data)``)."""
+    names = ("grad", "output", "data")
+    tensors = [arg(call, i, n) for i, n in enumerate(names)]
+    tensors.append(call.kwargs.get("lengths", call.kwargs.get("offsets")))
+    copies = [
+        a for t, n in zip(tensors, (*names, "lengths/offsets")) for a in _contiguous_copy_of(t, n)
+    ]
+    return [*copies, OUTPUTS]
+
+
 # -- mean, var, std --------------------------------------------------------------
 
 
@@ -287,6 +359,30 @@ def _sort(call: OpCall) -> Steps:
 # -- losses ----------------------------------------------------------------------------
 #
 # ``Reduction``: 0 none, 1 mean, 2 sum (``aten/src/ATen/core/Reduction.h``).
+
+
+@CPU.scratch(aten._ctc_loss.default, aten._ctc_loss.Tensor)
+def _ctc_loss(call: OpCall) -> Steps:
+    """``ctc_loss_cpu_template`` (``LossCTC.cpp``): ``log_alpha`` is made before
+    ``neg_log_likelihood`` (the op returns them the other way round). Its size
+    depends on the longest target (values): the op ran on them, or was listed."""
+    return [Output(1), Output(0)]
+
+
+@CPU.implementation(aten._ctc_loss_backward.default, aten._ctc_loss_backward.Tensor)
+def _ctc_loss_backward_output(call: OpCall) -> Any:
+    """``_ctc_loss_backward`` has no meta kernel: its gradient is
+    ``full_like(log_probs, -inf, LEGACY_CONTIGUOUS_MEMORY_FORMAT)``."""
+    log_probs = arg(call, 1, "log_probs")
+    return torch.empty_like(log_probs, memory_format=torch.contiguous_format)
+
+
+@CPU.scratch(aten._ctc_loss_backward.default, aten._ctc_loss_backward.Tensor)
+def _ctc_loss_backward(call: OpCall) -> Steps:
+    """``ctc_loss_backward_cpu_template``: the gradient (``full_like(log_probs, -inf)``),
+    then ``log_beta = empty_like(log_alpha)``, freed on return."""
+    log_alpha = arg(call, 6, "log_alpha")
+    return [OUTPUTS, Alloc("log_beta", log_alpha.numel() * log_alpha.element_size())]
 
 
 def _reduction(call: OpCall, index: int) -> int:

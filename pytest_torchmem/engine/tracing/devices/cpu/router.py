@@ -19,6 +19,13 @@ Every other call passes through after one dictionary look-up.
   adds out of place ("composite compliance"), one more output-sized tensor
   while the matmul's result is alive.
 
+* **linear algebra** (:mod:`.linalg_routes`): values-only spectral composites,
+  ``linalg.eigvals`` and ``linalg.matrix_rank``.
+* **tensor_split** with a tensor of indices (``TensorShape.cpp``): C++ reads the
+  indices' values (``data_ptr``), which fake tensors do not have; where the
+  trace knows them (``values.py``) the call gets them as Python numbers, as the
+  C++ code passes them on (views: nothing is allocated).
+
 Python-level functions of ``torch.nn.functional`` (``multi_head_attention_forward``
 calls ``linear``) run with the mode active, so that what they call is routed
 too, and so does the backward, where checkpoints recompute their forward. C++
@@ -34,8 +41,10 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from pytest_torchmem.engine.tracing.devices.cpu.linalg_routes import LINALG_ROUTES
 from pytest_torchmem.engine.tracing.devices.routing import BodyRouting
 from pytest_torchmem.engine.tracing.rules import TraceContext
+from pytest_torchmem.engine.tracing.values import on_values
 
 __all__ = ["CpuRouter", "pooling_output_size"]
 
@@ -146,6 +155,28 @@ _ROUTES: Final[dict[Any, Handler]] = {
     F.linear: _linear,
 }
 
+_TENSOR_SPLIT: Final = frozenset({torch.tensor_split, torch.Tensor.tensor_split})
+
+
+def _tensor_split(
+    context: TraceContext, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    """``tensor_split(self, indices_or_sections: Tensor, dim)`` with the tensor's values
+    known: ``.item()`` of a 0-dim tensor (sections), ``tolist()`` of a 1-d one."""
+    split = args[1] if len(args) > 1 else kwargs.get("indices_or_sections", kwargs.get("indices"))
+    value = context.values.of(split) if context.values is not None else None
+    if value is None or split.device.type != "cpu" or split.dtype != torch.long:
+        return func(*args, **kwargs)
+    with on_values():
+        numbers = value.item() if value.dim() == 0 else value.tolist()
+    rest = {k: v for k, v in kwargs.items() if k not in ("indices_or_sections", "indices")}
+    return func(args[0], numbers, *args[2:], **rest)
+
+
+def _has_tensor_split(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    split = args[1] if len(args) > 1 else kwargs.get("indices_or_sections", kwargs.get("indices"))
+    return isinstance(split, torch.Tensor)
+
 
 class CpuRouter(BodyRouting, TorchFunctionMode):
     """Runs what the real CPU kernel allocates for the composites in ``_ROUTES``."""
@@ -164,6 +195,11 @@ class CpuRouter(BodyRouting, TorchFunctionMode):
         handler = _ROUTES.get(func)
         if handler is not None:
             return handler(func, args, kwargs)
+        route = LINALG_ROUTES.get(func)
+        if route is not None:
+            return route(self.context, func, args, kwargs)
+        if func in _TENSOR_SPLIT and _has_tensor_split(args, kwargs):
+            return _tensor_split(self.context, func, args, kwargs)
         if self.runs_body(func):
             return self.run_body(func, types_, args, kwargs)
         return func(*args, **kwargs)

@@ -297,14 +297,22 @@ def _addmm_uses_lt(
     )
 
 
-@CUDA.scratch(aten.mm.default, aten.addmm.default, aten._addmm_activation.default)
+@CUDA.scratch(
+    aten.mm.default,
+    aten.mm.out,
+    aten.addmm.default,
+    aten.addmm.out,
+    aten._addmm_activation.default,
+)
 def _mm(call: OpCall) -> list[Step]:
     """``addmm_out_cuda_impl`` (Blas.cpp; ``mm`` is ``addmm(result, result, ...)``
     with beta 0): nothing when the result is empty or ``k == 0``; otherwise the
     operand clones of ``cublasCommonArgs``, then the gemm: cuBLASLt's
     ``gemm_and_bias`` when :func:`_addmm_uses_lt`, else ``at::cuda::blas::gemm``
-    (cuBLAS, or cuBLASLt when it is the preferred backend)."""
-    if call.func == aten.mm.default:
+    (cuBLAS, or cuBLASLt when it is the preferred backend). The ``out=`` overloads
+    are what inductor's compiled programs call (``extern_kernels.mm``), into a
+    buffer the program allocated."""
+    if call.func in (aten.mm.default, aten.mm.out):
         mat1, mat2 = call.args[0], call.args[1]
         self, beta = None, 0j
     else:
@@ -323,14 +331,14 @@ def _mm(call: OpCall) -> list[Step]:
     )
 
 
-@CUDA.scratch(aten.bmm.default, aten.baddbmm.default)
+@CUDA.scratch(aten.bmm.default, aten.bmm.out, aten.baddbmm.default, aten.baddbmm.out)
 def _bmm(call: OpCall) -> list[Step]:
     """``baddbmm_out_cuda_impl`` (Blas.cpp): nothing for an empty result or
     ``k == 0``; a result whose strides no batched gemm can write is computed in
     a contiguous clone (copied back after); batch operands are cloned when
     ``prepare_batch_matrix_for_cublas`` cannot pass them; then ``bgemm`` (or
     ``gemm`` for one batch)."""
-    if call.func == aten.bmm.default:
+    if call.func in (aten.bmm.default, aten.bmm.out):
         batch1, batch2 = call.args[0], call.args[1]
     else:
         batch1, batch2 = call.args[1], call.args[2]

@@ -1,0 +1,322 @@
+"""Inductor's questions about the hardware, answered without it.
+
+* :func:`as_the_gpu`: while inductor lowers, schedules and writes a graph
+  for ``cuda`` on a machine without a GPU (a CPU-only torch, no triton), its
+  device queries (``torch.cuda.get_device_properties``, dynamo's device
+  interface, ``DeviceProperties``) answer as the GPU of a profile, no triton
+  kernel is compiled, and each output module is loaded to run on the trace's
+  fake tensors: its allocations through the dispatcher, its device guards and
+  streams doing nothing.
+* :func:`host_vector_isa`: the vector ISAs inductor's C++ backend may use on
+  this host, read from the CPU's flags instead of compiling and loading a
+  probe program per ISA (seconds each, a large part of a small program's build).
+
+Every patch is undone when its context ends.
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any, Final
+
+import torch
+
+from pytest_torchmem.engine.tracing.devices.cuda.profiles import GpuProfile
+
+__all__ = ["Enter", "as_the_gpu", "gpu_properties", "host_vector_isa"]
+
+_GPU: Final = torch.device("cuda", 0)
+_MISSING: Final = object()
+
+#: ``maxThreadsPerMultiProcessor`` by compute capability (CUDA C Programming Guide,
+#: "Technical Specifications per Compute Capability").
+_THREADS_PER_SM: Final = {(7, 0): 2048, (7, 5): 1024, (8, 0): 2048, (8, 6): 1536, (8, 7): 2048, (8, 9): 1536}
+#: ``sharedMemPerBlockOptin`` by compute capability (the same table).
+_SHARED_OPTIN: Final = {(7, 0): 98304, (7, 5): 65536, (8, 0): 166912, (8, 6): 101376, (8, 9): 101376}
+
+
+def gpu_properties(profile: GpuProfile) -> types.SimpleNamespace:
+    """What ``torch.cuda.get_device_properties`` answers on the profile's GPU (the
+    fields inductor reads: SMs, threads per SM, capability, warp size)."""
+    major, minor = profile.compute_capability
+    return types.SimpleNamespace(
+        name=f"NVIDIA {profile.name}",
+        major=major,
+        minor=minor,
+        multi_processor_count=profile.sm_count,
+        total_memory=profile.memory,
+        max_threads_per_multi_processor=_THREADS_PER_SM.get((major, minor), 2048),
+        max_threads_per_block=1024,
+        regs_per_multiprocessor=65536,
+        warp_size=32,
+        shared_memory_per_block_optin=_SHARED_OPTIN.get((major, minor), 232448),
+        shared_memory_per_multiprocessor=_SHARED_OPTIN.get((major, minor), 232448) + 1024,
+        L2_cache_size=50 << 20,
+        gcnArchName="",
+        is_integrated=False,
+        uuid="",
+    )
+
+
+# -- the GPU that inductor's cuda backend asks about ---------------------------------
+
+
+def _interface(profile: GpuProfile) -> type:
+    """Dynamo's ``CudaInterface`` for the profile's GPU (device 0, available, triton
+    capable): the device queries of inductor's lowering and scheduling."""
+    from torch._dynamo.device_interface import CudaInterface
+
+    props = gpu_properties(profile)
+    capability = props.major * 10 + props.minor
+
+    class Worker:
+        set_device = staticmethod(lambda device: None)
+        current_device = staticmethod(lambda: 0)
+        get_device_properties = staticmethod(lambda device=None: props)
+
+    class ProfileInterface(CudaInterface):  # type: ignore[misc]
+        pass
+
+    ProfileInterface.Worker = Worker  # type: ignore[assignment]
+    for name, value in {
+        "current_device": lambda: 0,
+        "device_count": lambda: 1,
+        "get_device_properties": lambda device=None: props,
+        "is_available": lambda: True,
+        "get_compute_capability": lambda device=None: capability,
+        "is_triton_capable": lambda device=None: True,
+        "raise_if_triton_unavailable": lambda device=None: None,
+        "is_bf16_supported": lambda including_emulation=False: props.major >= 8,
+        "set_device": lambda device: None,
+    }.items():
+        setattr(ProfileInterface, name, staticmethod(value))
+    return ProfileInterface
+
+
+class _NoKernel:
+    """A triton kernel that is never compiled: its launches do nothing."""
+
+    def run(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+    def __call__(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+
+def _current(owner: Any, name: str) -> Any:
+    """What ``setattr(owner, name, ...)`` replaces: a class's own descriptor (a
+    ``classmethod``, a ``staticmethod``) as it is, a module's attribute."""
+    if isinstance(owner, type):
+        return owner.__dict__.get(name, _MISSING)
+    return getattr(owner, name, _MISSING)
+
+
+@contextmanager
+def _setattrs(patches: Sequence[tuple[Any, str, Any]]) -> Iterator[None]:
+    """Set each ``(owner, name, value)`` while the context is active."""
+    saved = [(owner, name, _current(owner, name)) for owner, name, _ in patches]
+    try:
+        for owner, name, value in patches:
+            setattr(owner, name, value)
+        yield
+    finally:
+        for owner, name, value in reversed(saved):
+            if value is _MISSING:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, value)
+
+
+@contextmanager
+def as_the_gpu(
+    profile: GpuProfile, trace_device: torch.device, enter: Enter | None = None
+) -> Iterator[None]:
+    """While inductor lowers, schedules and writes a graph for cuda: the device queries
+    answer as the profile's GPU, no triton kernel is compiled, and each output module
+    is loaded to run on the trace's fake tensors (see :func:`_load`; ``enter`` wraps
+    its ``call``)."""
+    import torch._inductor.async_compile as async_compile
+    import torch._inductor.scheduler as scheduler
+    import torch.utils._triton as triton_utils
+    from torch._dynamo import device_interface
+    from torch._inductor import codecache
+    from torch._inductor.runtime.hints import DeviceProperties
+
+    props = gpu_properties(profile)
+    interface = _interface(profile)
+    real_create = DeviceProperties.__dict__["create"].__func__
+
+    def create(cls: type, device: torch.device) -> DeviceProperties:
+        if device.type != "cuda":
+            return real_create(cls, device)
+        return cls(
+            type="cuda",
+            index=0,
+            multi_processor_count=props.multi_processor_count,
+            cc=props.major * 10 + props.minor,
+            major=props.major,
+            regs_per_multiprocessor=props.regs_per_multiprocessor,
+            max_threads_per_multi_processor=props.max_threads_per_multi_processor,
+            max_threads_per_block=props.max_threads_per_block,
+            warp_size=props.warp_size,
+        )
+
+    device_interface.get_interface_for_device("cpu")  # registers the built-in interfaces first
+    interfaces = device_interface.device_interfaces
+    saved_interfaces = {name: interfaces.get(name) for name in ("cuda", "cuda:0")}
+
+    def load(key: str, path: str, linemap: Any = None, attrs: Any = None, **kwargs: Any) -> Any:
+        return _load(key, path, attrs, trace_device, enter)
+
+    patches: list[tuple[Any, str, Any]] = [
+        (DeviceProperties, "create", classmethod(create)),
+        (torch.cuda, "get_device_properties", lambda device=None: props),
+        (torch.cuda, "get_device_capability", lambda device=None: (props.major, props.minor)),
+        # the scheduler refuses a cuda graph without triton; no triton kernel is compiled here
+        (scheduler, "has_triton", lambda: True),
+        (triton_utils, "triton_hash_with_backend", lambda: "0" * 64),
+        (async_compile.AsyncCompile, "triton", lambda self, *args, **kwargs: _NoKernel()),
+        (codecache.PyCodeCache, "load_by_key_path", staticmethod(load)),
+    ]
+    with _setattrs(patches):
+        interfaces["cuda"] = interfaces["cuda:0"] = interface
+        try:
+            yield
+        finally:
+            for name, value in saved_interfaces.items():
+                if value is None:
+                    interfaces.pop(name, None)
+                else:
+                    interfaces[name] = value
+
+
+# -- the output module, run on the trace's tensors ------------------------------------
+
+#: Import lines of a cuda output module that a CPU-only torch cannot run, and what
+#: stands for them (the names bound after loading, in :func:`_load`).
+_IMPORTS: Final = {
+    "import triton": "triton = None",
+    "import triton.language as tl": "tl = None",
+    "from torch._C import _cuda_getCurrentRawStream as get_raw_stream": "get_raw_stream = None",
+}
+
+
+class _DeviceGuard:
+    """``torch.cuda._DeviceGuard``: one device, nothing to switch."""
+
+    def __init__(self, index: int) -> None:
+        pass
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+
+class _Cuda:
+    """What an output module calls of ``torch.cuda`` while it runs."""
+
+    _DeviceGuard = _DeviceGuard
+
+    @staticmethod
+    def set_device(index: int) -> None:
+        return None
+
+
+class _Torch:
+    """``torch`` as an output module sees it: ``torch.cuda`` is :class:`_Cuda`."""
+
+    cuda = _Cuda
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch, name)
+
+
+def _copy_if_misaligned(t: torch.Tensor) -> torch.Tensor:
+    """``copy_if_misaligned`` (dynamo's guards): an input whose data is not 16-byte
+    aligned is cloned with its strides into a fresh block (blocks are aligned, so the
+    offset tells)."""
+    if (t.storage_offset() * t.element_size()) % 16 == 0:
+        return t
+    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device).copy_(t)
+
+
+def _reinterpret(t: torch.Tensor, size: Sequence[int], stride: Sequence[int], offset: int) -> torch.Tensor:
+    return t.as_strided(size, stride, t.storage_offset() + offset)
+
+
+#: Wraps an output module's ``call(args)``.
+Enter = Callable[[Callable[[list[Any]], Any]], Callable[[list[Any]], Any]]
+
+
+def _load(
+    key: str, path: str, attrs: Any, trace_device: torch.device, enter: Enter | None
+) -> types.ModuleType:
+    """Load an output module written for cuda so that it runs on the trace's fake
+    tensors: its cuda allocations are made on ``trace_device`` through the dispatcher,
+    its host ones on fake cpu tensors, and its device guards and streams do nothing;
+    ``enter`` wraps its ``call``."""
+    with open(path) as source:
+        lines = [_IMPORTS.get(line, line) for line in source.read().splitlines()]
+    module = types.ModuleType(f"pytest_torchmem_compiled_{key}")
+    module.__file__ = path
+    module.key = key  # type: ignore[attr-defined]
+    exec(compile("\n".join(lines), path, "exec", dont_inherit=True), module.__dict__)
+
+    def empty_strided(size: Sequence[int], stride: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty_strided(size, stride, dtype=dtype, device=trace_device)
+
+    def empty_strided_cpu(size: Sequence[int], stride: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty_strided(size, stride, dtype=dtype, device="cpu")
+
+    def device(type: str, index: int | None = None) -> torch.device:  # noqa: A002 - torch.device's name
+        return trace_device if type == "cuda" else torch.device(type, index) if index is not None else torch.device(type)
+
+    for name, value in {
+        "torch": _Torch(),
+        "device": device,
+        "empty_strided_cuda": empty_strided,
+        "empty_strided_cpu": empty_strided_cpu,
+        "empty_strided_cpu_pinned": empty_strided_cpu,
+        "reinterpret_tensor": _reinterpret,
+        "copy_if_misaligned": _copy_if_misaligned,
+        "get_raw_stream": lambda index: 0,
+    }.items():
+        setattr(module, name, value)
+    for name, value in (attrs or {}).items():
+        setattr(module, name, value)
+    if enter is not None:
+        module.call = enter(module.call)  # type: ignore[attr-defined]
+    return module
+
+
+@contextmanager
+def host_vector_isa() -> Iterator[None]:
+    """Inductor's vector ISAs of this host from the CPU's flags (``x86_isa_checker``),
+    each trusted to build (``cpp.vec_isa_ok``), as if probed: ``valid_vec_isa_list``
+    compiles and loads a small program per ISA the CPU has, once per process. A list
+    the process already probed is kept; this one is not cached, so a real compile
+    after the estimate probes as it would have."""
+    import platform
+
+    import torch._inductor.config as inductor_config
+    from torch._inductor import cpu_vec_isa
+
+    real = cpu_vec_isa.valid_vec_isa_list
+
+    def valid_vec_isa_list() -> list[Any]:
+        if real.cache_info().currsize or platform.machine() not in ("x86_64", "AMD64"):
+            return real()
+        flags = cpu_vec_isa.x86_isa_checker()
+        return [
+            isa
+            for isa in cpu_vec_isa.supported_vec_isa_list
+            if all(flag in flags for flag in str(isa).split())
+        ]
+
+    with _setattrs([(cpu_vec_isa, "valid_vec_isa_list", valid_vec_isa_list)]):
+        with inductor_config.patch({"cpp.vec_isa_ok": True}):
+            yield

@@ -1,0 +1,561 @@
+"""The values of small tensors, known beside the fake trace (issue 10).
+
+Fake tensors have no values, so an op whose output size or whose path depends
+on them (``nonzero``, ``.item()``, ``unique``, a boolean mask) cannot be
+followed. But the step's inputs are real tensors, and so may be the model's
+parameters and buffers; a tensor computed only from tensors whose values are
+known, and small enough, can have its value known too. :class:`KnownValues`
+keeps a real copy (a *shadow*) of such tensors: each op whose tensor
+arguments all have shadows runs for real on them, beside its fake run, and its
+outputs get the real results as shadows. A value-dependent op that meets
+shadows is then answered with the real value, and the trace follows the path
+eager takes.
+
+What stays unknown: tensors made from unknown ones (too large, on the meta
+device, drawn at random: ops tagged ``nondeterministic_seeded``), uninitialised
+memory (``empty``), ops outside ATen's own namespaces, and anything written in
+place with unknown values (every shadow of that storage is dropped).
+
+Real memory is bounded, never proportional to activations or parameters: a
+tensor is shadowed only if its storage holds at most :data:`MAX_NUMEL`
+elements, and the shadows alive together hold at most :data:`MAX_BYTES`; past
+that, values are unknown. The user's tensors are copied, never written.
+
+Shadows are keyed by the fake tensor (its ``id``, held weakly) for the lookups
+made on every op, and grouped by fake storage, so that views and in-place
+writes see one real storage, as the fake ones share one.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from enum import IntEnum
+from typing import Any, Final
+
+import torch
+from torch._C import _DisableTorchDispatch
+from torch._subclasses.fake_tensor import FakeTensor
+
+__all__ = [
+    "KnownValues",
+    "LIFTS",
+    "MAX_BYTES",
+    "MAX_NUMEL",
+    "ValueKind",
+    "count_nonzero",
+    "on_values",
+    "value_kind",
+]
+
+aten = torch.ops.aten
+
+#: The most elements a shadowed storage holds (per tensor): ATen's ``GRAIN_SIZE``,
+#: below which its CPU kernels run on the calling thread (a kernel split over the
+#: intra-op threads costs their wake-up, more than the work on so few elements).
+MAX_NUMEL: Final = 1 << 15
+#: The most bytes all shadows alive at once hold (16 MiB).
+MAX_BYTES: Final = 1 << 24
+#: The most elements a real op reads from one argument (an expanded view can be large).
+_MAX_READ: Final = MAX_NUMEL
+
+_CPU: Final = torch.device("cpu")
+
+
+class ValueKind(IntEnum):
+    """How an op's outputs get their values."""
+
+    #: Opaque: outputs unknown (random, uninitialised, outside ATen).
+    OPAQUE = 0
+    #: Computed from the tensor arguments' values: known when they all are.
+    COMPUTED = 1
+    #: Made from the arguments that are not tensors alone (``arange``, ``zeros``):
+    #: known whatever the tensor arguments (``zeros_like``).
+    MADE = 2
+
+
+#: Ops whose outputs are uninitialised memory, or depend on more than their arguments.
+_OPAQUE: Final = frozenset(
+    {
+        aten.empty.memory_format,
+        aten.empty_strided.default,
+        aten.empty_like.default,
+        aten.empty_permuted.default,
+        aten.new_empty.default,
+        aten.new_empty_strided.default,
+        aten.resize_.default,
+        aten.resize_as_.default,
+        aten._resize_output_.default,
+        aten.set_.source_Storage,
+        aten.set_.source_Storage_storage_offset,
+        aten.set_.default,
+    }
+)
+
+#: Ops through which ``torch.tensor(...)`` hands a real tensor to the trace: its value.
+LIFTS: Final = frozenset(
+    {aten.lift_fresh.default, aten.lift_fresh_copy.default, aten.lift.default}
+)
+
+#: Factories whose values their non-tensor arguments decide: run for real on the CPU.
+_FACTORIES: Final = frozenset(
+    {
+        *(getattr(aten.arange, name) for name in aten.arange.overloads()),
+        *(getattr(aten.linspace, name) for name in aten.linspace.overloads()),
+        *(getattr(aten.logspace, name) for name in aten.logspace.overloads()),
+        *(getattr(aten.eye, name) for name in aten.eye.overloads()),
+        aten.tril_indices.default,
+        aten.triu_indices.default,
+    }
+)
+
+
+_Fill = Callable[[tuple[Any, ...], dict[str, Any]], Any]
+
+
+def _filled(index: int | None, value: Any = None) -> _Fill:
+    """The fill value of a factory: the argument at ``index`` (or keyword
+    ``fill_value``), else ``value``."""
+
+    def fill(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if index is None:
+            return value
+        return args[index] if len(args) > index else kwargs.get("fill_value", value)
+
+    return fill
+
+
+#: Ops whose outputs are filled with one value, whatever the tensor arguments hold.
+_FILLS: Final[dict[Any, _Fill]] = {
+    aten.zeros.default: _filled(None, 0),
+    aten.ones.default: _filled(None, 1),
+    aten.full.default: _filled(1),
+    aten.scalar_tensor.default: _filled(0),
+    aten.zeros_like.default: _filled(None, 0),
+    aten.ones_like.default: _filled(None, 1),
+    aten.full_like.default: _filled(1),
+    aten.new_zeros.default: _filled(None, 0),
+    aten.new_ones.default: _filled(None, 1),
+    aten.new_full.default: _filled(2),
+}
+
+
+def value_kind(func: Any) -> ValueKind:
+    """The :class:`ValueKind` of ``func``."""
+    if func in _FACTORIES or func in _FILLS or func in LIFTS:
+        return ValueKind.MADE
+    if func in _OPAQUE or not isinstance(func, torch._ops.OpOverload):
+        return ValueKind.OPAQUE
+    if func.namespace not in ("aten", "prims") or torch.Tag.nondeterministic_seeded in func.tags:
+        return ValueKind.OPAQUE
+    return ValueKind.COMPUTED
+
+
+@dataclass(eq=False)
+class _Storage:
+    """The real copy of one fake storage, and the known tensors that view it."""
+
+    real: torch.UntypedStorage
+    nbytes: int
+    ids: set[int] = field(default_factory=set)
+
+
+@dataclass(eq=False, slots=True)
+class _Known:
+    ref: weakref.ref[Any]
+    shadow: torch.Tensor
+    key: int  # the fake storage's _cdata
+
+
+class _Unknown(Exception):
+    """An argument's value is not known (internal control flow)."""
+
+
+@contextmanager
+def on_values() -> Iterator[None]:
+    """Run real ops on shadows: no dispatch mode (the fake mode would take real
+    tensors for its own), no autograd."""
+    with _DisableTorchDispatch(), torch.no_grad():
+        yield
+
+
+def count_nonzero(value: torch.Tensor | None) -> int | None:
+    """How many elements of the real ``value`` are not zero (``None`` for ``None``)."""
+    if value is None:
+        return None
+    with on_values():
+        return int(torch.count_nonzero(value))
+
+
+def _storage_key(t: torch.Tensor) -> int | None:
+    try:
+        return t.untyped_storage()._cdata
+    except (RuntimeError, NotImplementedError):
+        return None
+
+
+def _geometry(t: torch.Tensor) -> tuple[Any, ...]:
+    return (tuple(t.shape), t.stride(), t.storage_offset(), t.dtype)
+
+
+def _view(real: torch.UntypedStorage, like: torch.Tensor) -> torch.Tensor:
+    """A real tensor on ``real`` with ``like``'s dtype and geometry."""
+    with _DisableTorchDispatch():
+        out = torch.empty(0, dtype=like.dtype, device=_CPU)
+        out.set_(real, like.storage_offset(), like.shape, like.stride())
+    return out
+
+
+def _copy_of(storage: torch.UntypedStorage) -> torch.UntypedStorage:
+    """A CPU copy of the real ``storage``, through a tensor of its widest whole
+    elements (``UntypedStorage.copy_`` goes byte by byte, and a byte tensor has
+    eight times the elements, past ``GRAIN_SIZE`` sooner)."""
+    nbytes = storage.nbytes()
+    dtype = next(d for d in _WORDS if nbytes % d.itemsize == 0)
+    with _DisableTorchDispatch(), torch.no_grad():
+        source = torch.empty(0, dtype=dtype, device=storage.device).set_(storage)
+        return source.to(_CPU, copy=True).untyped_storage()
+
+
+_WORDS: Final = (torch.int64, torch.int32, torch.int16, torch.uint8)
+
+
+def _new_storage(nbytes: int) -> torch.UntypedStorage:
+    with _DisableTorchDispatch():
+        return torch.empty(nbytes, dtype=torch.uint8, device=_CPU).untyped_storage()
+
+
+class KnownValues:
+    """The shadows of one trace (see the module's docstring)."""
+
+    def __init__(self, max_numel: int = MAX_NUMEL, max_bytes: int = MAX_BYTES) -> None:
+        self.max_numel: Final = max_numel
+        self.max_bytes: Final = max_bytes
+        #: id(fake tensor) -> its shadow. Truthy when any value is known (read on every op).
+        self.known: dict[int, _Known] = {}
+        self._storages: dict[int, _Storage] = {}
+        self.nbytes = 0  # held by the shadows' storages
+
+    # -- reading ---------------------------------------------------------------
+
+    def of(self, t: Any) -> torch.Tensor | None:
+        """The real value of the fake tensor ``t`` (read-only, please), or ``None``."""
+        if not isinstance(t, FakeTensor):
+            return None
+        entry = self.known.get(id(t))
+        key = _storage_key(t)
+        if entry is not None and entry.key == key and _geometry(entry.shadow) == _geometry(t):
+            return entry.shadow
+        # another view of a known storage (a saved output unpacked by autograd, say)
+        storage = self._storages.get(key) if key is not None else None
+        if storage is None or not _fits(t, storage.nbytes):
+            return None
+        return _view(storage.real, t)
+
+    def alias(self, t: Any) -> None:
+        """Know ``t`` by its own identity if it views a known storage (a tensor made
+        outside dispatch: an output autograd saved and unpacked, ``x.data``)."""
+        if isinstance(t, FakeTensor) and id(t) not in self.known:
+            key = _storage_key(t)
+            storage = self._storages.get(key) if key is not None else None
+            if storage is not None and _fits(t, storage.nbytes):
+                self._add(t, _view(storage.real, t), key)
+
+    def _shadow(self, a: FakeTensor) -> torch.Tensor:
+        entry = self.known.get(id(a))
+        if entry is None:
+            raise _Unknown
+        shadow = entry.shadow
+        # ``x.data = y`` swaps a tensor's storage without dispatching an op
+        if a.shape != shadow.shape or _storage_key(a) != entry.key:
+            raise _Unknown
+        if a.numel() > _MAX_READ:
+            raise _Unknown
+        return shadow
+
+    def _real(self, value: Any) -> Any:
+        kind = type(value)
+        if kind is FakeTensor:
+            return self._shadow(value)
+        if kind is list or kind is tuple:
+            return kind(self._real(v) for v in value)
+        if isinstance(value, torch.Tensor):
+            raise _Unknown  # a real tensor reached the op unfaked, or a subclass
+        if isinstance(value, torch.device):
+            return _CPU
+        return value
+
+    # -- the step's own tensors -------------------------------------------------
+
+    def adopt(self, pairs: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Know the values of fake stand-ins from their real originals, in order,
+        while the limits allow: ``(fake, original)`` pairs. The originals are copied
+        (once per storage), never written."""
+        copies: dict[int, tuple[int, torch.UntypedStorage]] = {}
+        for fake, original in pairs:
+            if not _readable(original):
+                continue
+            real_storage = original.untyped_storage()
+            key = _storage_key(fake)
+            if key is None or fake.dtype != original.dtype:
+                continue
+            copied = copies.get(real_storage._cdata)
+            if copied is None or copied[0] != key:
+                storage = self._storages.get(key)
+                if storage is None:
+                    nbytes = real_storage.nbytes()
+                    if nbytes != fake.untyped_storage().nbytes() or not self._room(nbytes, fake):
+                        continue
+                    storage = self._storages[key] = _Storage(_copy_of(real_storage), nbytes)
+                    self.nbytes += nbytes
+                copied = copies[real_storage._cdata] = (key, storage.real)
+            self._add(fake, _view(copied[1], fake), key)
+
+    def _room(self, nbytes: int, like: torch.Tensor) -> bool:
+        return nbytes <= self.max_numel * like.element_size() and self.nbytes + nbytes <= self.max_bytes
+
+    def _add(self, fake: torch.Tensor, shadow: torch.Tensor, key: int) -> None:
+        ident = id(fake)
+        old = self.known.get(ident)
+        if old is not None:
+            if old.key == key:
+                old.shadow = shadow
+                return
+            self._drop_id(ident)
+        storage = self._storages[key]
+        storage.ids.add(ident)
+        self.known[ident] = _Known(weakref.ref(fake, self._dead(ident, key)), shadow, key)
+
+    def _dead(self, ident: int, key: int) -> Callable[[Any], None]:
+        def dead(_ref: Any) -> None:
+            entry = self.known.get(ident)
+            if entry is not None and entry.key == key:
+                self._drop_id(ident)
+
+        return dead
+
+    def _drop_id(self, ident: int) -> None:
+        entry = self.known.pop(ident, None)
+        if entry is None:
+            return
+        storage = self._storages.get(entry.key)
+        if storage is not None:
+            storage.ids.discard(ident)
+            if not storage.ids:
+                del self._storages[entry.key]
+                self.nbytes -= storage.nbytes
+
+    def forget(self, t: Any) -> None:
+        """``t``'s storage was written with unknown values: forget every view of it."""
+        if isinstance(t, (list, tuple)):
+            for v in t:
+                self.forget(v)
+            return
+        if not isinstance(t, FakeTensor):
+            return
+        entry = self.known.get(id(t))
+        if entry is not None:
+            self._forget_storage(entry.key)
+        key = _storage_key(t)
+        if key is not None:
+            self._forget_storage(key)
+
+    def _forget_storage(self, key: int) -> None:
+        storage = self._storages.pop(key, None)
+        if storage is None:
+            return
+        self.nbytes -= storage.nbytes
+        for ident in storage.ids:
+            self.known.pop(ident, None)
+
+    # -- ops ------------------------------------------------------------------------
+
+    def run(
+        self, func: Any, kind: ValueKind, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[bool, Any]:
+        """``(True, real outputs)`` of ``func`` (of :class:`ValueKind` ``kind``) run on the
+        arguments' values, when they are all known and the op computes its outputs
+        from them alone; else ``(False, None)``. For ops fake tensors cannot run."""
+        if kind != ValueKind.COMPUTED or not self.known:
+            return False, None
+        try:
+            real_args, real_kwargs = self._real(args), self._real(_items(kwargs))
+        except _Unknown:
+            return False, None
+        try:
+            with _DisableTorchDispatch(), torch.no_grad():
+                out = func(*real_args, **dict(real_kwargs))
+        except Exception:  # noqa: BLE001 - what the real op refuses is the fake one's to say
+            return False, None
+        # (fake outputs are made like the real ones: plain strided tensors only)
+        return _all_strided(out), out
+
+    def after(
+        self,
+        func: Any,
+        kind: ValueKind,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        out: Any,
+        written: tuple[Any, ...],
+        real_out: Any = None,
+    ) -> None:
+        """Give ``out`` the values ``func`` computes, where they are known; forget the
+        values of what it wrote in place (``written``) where they are not.
+        ``real_out``: the real outputs, if :meth:`run` made them already."""
+        if real_out is None:
+            real_out = self._compute(func, kind, args, kwargs, out)
+            if real_out is None:
+                for t in written:
+                    self.forget(t)
+                return
+        self._attach(out, real_out)
+        for t in written:
+            self._check_written(t)
+
+    def all_known(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+        """Whether every fake tensor among an op's arguments has a shadow (by identity)."""
+        return self._all_known(args) and (not kwargs or self._all_known(kwargs.values()))
+
+    def _all_known(self, values: Any) -> bool:
+        """Whether every fake tensor in ``values`` (arguments, lists of them) has a
+        shadow, by identity: the check every op pays while values are known, so it
+        is a loop over types and one dict look-up for the common first tensor."""
+        known = self.known
+        for value in values:
+            kind = type(value)
+            if kind is FakeTensor:
+                if id(value) not in known:
+                    return False
+            elif kind is list or kind is tuple:
+                if not self._all_known(value):
+                    return False
+        return True
+
+    def _compute(
+        self, func: Any, kind: ValueKind, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any
+    ) -> Any:
+        if kind == ValueKind.OPAQUE:
+            return None
+        if kind == ValueKind.COMPUTED and not self.all_known(args, kwargs):
+            return None
+        fill = _FILLS.get(func)
+        if fill is not None:
+            return self._fill(out, fill(args, kwargs))
+        if func in LIFTS:
+            lifted = args[0] if args else None
+            if not isinstance(lifted, torch.Tensor) or not _readable(lifted) or not self._small(lifted):
+                return None
+            with _DisableTorchDispatch(), torch.no_grad():
+                return lifted.detach().to(_CPU, copy=True)
+        try:
+            real_args, real_kwargs = self._real(args), self._real(_items(kwargs))
+        except _Unknown:
+            return None
+        if not self._small(out):
+            return None
+        try:
+            with _DisableTorchDispatch(), torch.no_grad():
+                return func(*real_args, **dict(real_kwargs))
+        except Exception:  # noqa: BLE001 - a kernel the CPU lacks, or a check of its own
+            return None
+
+    def _small(self, out: Any) -> bool:
+        if isinstance(out, torch.Tensor):
+            return out.numel() <= self.max_numel
+        if isinstance(out, (tuple, list)):
+            return all(self._small(t) for t in out)
+        return True
+
+    def _fill(self, out: Any, value: Any) -> Any:
+        if type(out) is not FakeTensor or isinstance(value, torch.Tensor) or not self._small(out):
+            return None
+        with _DisableTorchDispatch():
+            if out.is_contiguous() and out.storage_offset() == 0:
+                # (one call: most factories' outputs; _attach checks the storage's size)
+                return torch.full(out.shape, value, dtype=out.dtype)
+            real = _view(_new_storage(out.untyped_storage().nbytes()), out)
+            return real.fill_(value)
+
+    def _attach(self, out: Any, real: Any) -> None:
+        if isinstance(out, (tuple, list)):
+            if isinstance(real, (tuple, list)) and len(real) == len(out):
+                for o, r in zip(out, real):
+                    self._attach(o, r)
+            return
+        if not isinstance(out, FakeTensor) or not isinstance(real, torch.Tensor):
+            return
+        if real.shape != out.shape or real.dtype != out.dtype or real.device.type != "cpu":
+            self.forget(out)
+            return
+        key = _storage_key(out)
+        if key is None:
+            return
+        storage = self._storages.get(key)
+        if storage is not None:
+            # a view of (or an in-place write into) a known storage: its shadow is there
+            if _fits(out, storage.nbytes):
+                self._add(out, _view(storage.real, out), key)
+            return
+        nbytes = out.untyped_storage().nbytes()
+        if not self._room(nbytes, out):
+            return
+        if real.untyped_storage().nbytes() == nbytes and _geometry(real) == _geometry(out):
+            shadow = real
+        else:
+            shadow = _view(_new_storage(nbytes), out)
+            with _DisableTorchDispatch(), torch.no_grad():
+                shadow.copy_(real)
+        self._storages[key] = _Storage(shadow.untyped_storage(), nbytes)
+        self.nbytes += nbytes
+        self._add(out, shadow, key)
+
+    def _check_written(self, t: Any) -> None:
+        """After a real in-place op: the written tensor's shadow must still be a view
+        of its storage's copy with the fake's geometry (``out=`` may have resized it)."""
+        if isinstance(t, (list, tuple)):
+            for v in t:
+                self._check_written(v)
+            return
+        if not isinstance(t, FakeTensor):
+            return
+        entry = self.known.get(id(t))
+        storage = self._storages.get(entry.key) if entry is not None else None
+        if (
+            entry is None
+            or storage is None
+            or entry.shadow.untyped_storage()._cdata != storage.real._cdata
+            or _geometry(entry.shadow) != _geometry(t)
+        ):
+            self.forget(t)
+
+
+def _all_strided(out: Any) -> bool:
+    if isinstance(out, (tuple, list)):
+        return all(_all_strided(o) for o in out)
+    return not isinstance(out, torch.Tensor) or _readable(out)
+
+
+def _items(kwargs: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
+    return tuple(kwargs.items())
+
+
+def _fits(t: torch.Tensor, nbytes: int) -> bool:
+    """Whether ``t``'s elements lie inside a storage of ``nbytes``."""
+    if t.numel() == 0:
+        return True
+    last = t.storage_offset() + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
+    return all(s >= 0 for s in t.stride()) and (last + 1) * t.element_size() <= nbytes
+
+
+def _readable(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a plain tensor whose values can be copied."""
+    return (
+        type(t) in (torch.Tensor, torch.nn.Parameter)
+        and t.layout == torch.strided
+        and t.device.type != "meta"
+        and not t.is_quantized
+        and not t.is_nested
+    )

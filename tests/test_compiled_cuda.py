@@ -1,0 +1,273 @@
+"""Compiled models on the fake cuda device: inductor's cuda program, built without a GPU (issue 11).
+
+The estimate runs the program inductor's cuda backend writes (triton's fusion,
+the wrapper's buffer reuse, aten's extern kernels), built on a CPU-only torch
+with no kernel compiled, each buffer charged through the caching-allocator
+model. There is no GPU to measure here: the figures are checked by hand on a
+small model, against the eager estimate, and by what the report lists.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import pytest_torchmem as tm
+from pytest_torchmem.engine.tracing.compiled_cuda import (
+    AUTOTUNE_GAP,
+    CUDA_GRAPHS_GAP,
+    PAD_MM_GAP,
+)
+from pytest_torchmem.engine.tracing.devices import device_model
+from pytest_torchmem.engine.tracing.devices.cuda.profiles import gpu_profile
+from pytest_torchmem.engine.tracing.trace import trace
+from test_compiled import FAMILIES, KINDS, _Attention, _compiled, _Fusable
+
+KiB = 1024
+MiB = 1024 * KiB
+#: One small-pool segment of the caching allocator (``kSmallBuffer``).
+SMALL_SEGMENT = 2 * MiB
+
+
+class _SinSum(nn.Module):
+    """``sin(x * w).sum()``: one fused kernel forward, one backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(1024))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.sin(x * self.w).sum()
+
+
+def _loss(out: torch.Tensor) -> torch.Tensor:
+    return out
+
+
+def test_a_compiled_program_checked_by_hand() -> None:
+    """``sin(x * w).sum()`` over 1024 fp32 values (4 KiB each for x and w).
+
+    The joint graph is ``mul, sin, sum`` forward and ``cos(mul) * x * grad`` for
+    w's gradient. The min-cut partitioner saves the primals rather than ``mul``:
+    a parameter is free to save (``treat_parameters_as_free_to_save``) and x
+    costs its 4 KiB, while ``mul``, fusible into all its users, is charged
+    twice its size. Inductor fuses the forward into one persistent reduction
+    (1024 values: below 8192, no split) writing one fp32 scalar, and the
+    backward into one pointwise kernel writing w's gradient. Each block is
+    rounded to 512 bytes: the scalar costs 512.
+
+    forward: w 4096 + x 4096 + the loss 512 = 8704
+    backward: 8704 + autograd's ones for the loss 512 + w's gradient 4096 = 13312
+    reserved: all in one 2 MiB small-pool segment
+    """
+    torch.manual_seed(0)
+    model, x = _SinSum(), torch.randn(1024)
+    report = tm.estimate(torch.compile(model), x, device="cuda", loss_fn=_loss)
+    assert report.unsupported == ()
+    assert (report.forward_peak, report.backward_peak) == (8704, 13312)
+    assert report.reserved_peak == SMALL_SEGMENT
+    # eagerly mul and sin each make a 4 KiB tensor, and SinBackward saves mul
+    eager = tm.estimate(model, x, device="cuda", loss_fn=_loss)
+    assert eager.forward_peak >= 8704 + 2 * 4096
+
+
+class _ColumnSum(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.sum(0)
+
+
+@pytest.mark.parametrize(("gpu", "splits"), [("H100", 512), ("T4", 160)])
+def test_a_split_reduction_is_sized_for_the_gpu(gpu: str, splits: int) -> None:
+    """``x.sum(0)`` of a (65536, 64) fp32 input (16 MiB): 64 outputs, too few to fill the
+    GPU, so inductor splits the outer reduction in two kernels with a (splits, 64) fp32
+    buffer between them (``Reduction.num_splits``, ``reduction_split_factor`` in
+    choices.py; 4 values per thread, 8 warps of 32 threads):
+
+    * H100 (132 SMs, 2048 threads each): 65536 * 64 is below 32 * 132 * 2048, so 32
+      values per split thread: ceil(65536 / (4 * 32)) = 512 splits;
+    * T4 (40 SMs, 1024 threads each): 65536 * 64 is between 32 and 512 * 40 * 1024,
+      so 40 * 1024 / 256 = 160 target blocks, ceil(65536 / (4 * 160)) = 103 per
+      thread (the nearest divisor, 128, is 25 away, not taken): ceil(65536 / 412) = 160.
+
+    forward: x 16 MiB + the buffer splits * 64 * 4 + the output 256 (a 512-byte block).
+    """
+    report = tm.estimate(torch.compile(_ColumnSum()), torch.randn(65536, 64), device="cuda", gpu=gpu, train=False)
+    assert report.unsupported == ()
+    assert report.forward_peak == 16 * MiB + splits * 64 * 4 + 512
+
+
+def test_reduce_overhead_checked_by_hand() -> None:
+    """CUDA graphs: the program of the default mode, its allocations in a private pool.
+
+    The input x (not a parameter) is copied into the pool before the forward graph
+    runs, and the copy is what the graph saves for backward; the backward graph's
+    tangent (autograd's ones, made eagerly) is copied in too. The pool is a
+    segment of its own.
+
+    forward: 8704 + x's copy 4096 = 12800
+    backward: 13312 + x's copy 4096 + the tangent's copy 512 = 17920
+    reserved: the device's small segment and the pool's
+    """
+    torch.manual_seed(0)
+    model, x = _SinSum(), torch.randn(1024)
+    report = tm.estimate(torch.compile(model, mode="reduce-overhead"), x, device="cuda", loss_fn=_loss)
+    assert [(u.op, u.reason) for u in report.unsupported] == [
+        (f"torch.compile on cuda: {CUDA_GRAPHS_GAP.what}", CUDA_GRAPHS_GAP.why)
+    ]
+    assert (report.forward_peak, report.backward_peak) == (12800, 17920)
+    assert report.reserved_peak == 2 * SMALL_SEGMENT
+
+
+def test_reduce_overhead_on_cpu_is_the_default_program() -> None:
+    """Inductor skips CUDA graphs for a cpu graph: the program is the default mode's."""
+    torch.manual_seed(0)
+    model, x = _Fusable(), torch.randn(8, 16, 32)
+    estimated = tm.estimate(torch.compile(model, mode="reduce-overhead"), x, cpu=None)
+    assert estimated.unsupported == ()
+    assert estimated.phase_peaks() == tm.estimate(torch.compile(model), x, cpu=None).phase_peaks()
+    assert estimated.phase_peaks() == tm.measure(torch.compile(model, mode="reduce-overhead"), x).phase_peaks()
+
+
+def _storages_made_by(report_trace: object, op: str) -> int:
+    return sum(1 for info in report_trace.timeline.storages if info.op == op)  # type: ignore[attr-defined]
+
+
+def _traced(model: nn.Module, x: torch.Tensor, gpu: str = "H100", **kwargs: object) -> object:
+    return trace(
+        model,
+        (x,),
+        {},
+        device=device_model("cuda"),
+        loss_fn=kwargs.pop("loss_fn", None),  # type: ignore[arg-type]
+        optimizer=kwargs.pop("optimizer", None),  # type: ignore[arg-type]
+        train=bool(kwargs.pop("train", True)),
+        gpu=gpu_profile(gpu),
+    )
+
+
+CUDA_FAMILIES = {
+    **{name: (build, shape, torch.float32, "H100") for name, (build, shape) in FAMILIES.items()},
+    # bf16 on an A100: flash attention (the H100 takes cuDNN's)
+    "transformer": (lambda: torch.compile(_Attention().to(torch.bfloat16)), (2, 16, 32), torch.bfloat16, "A100"),
+}
+
+
+@pytest.mark.parametrize("family", list(CUDA_FAMILIES))
+def test_the_cuda_program_is_followed(family: str) -> None:
+    """Each family runs inductor's cuda program in the traced step (its buffers are the
+    wrapper's ``empty_strided`` calls), nothing is listed, and the figures are not the
+    eager ones."""
+    torch.manual_seed(0)
+    build, shape, dtype, gpu = CUDA_FAMILIES[family]
+    model, x = build(), torch.randn(*shape, dtype=dtype)
+    traced = _traced(model, x, gpu)
+    report = traced.report  # type: ignore[attr-defined]
+    assert report.unsupported == ()
+    assert _storages_made_by(traced, "aten.empty_strided.default") > 0
+    eager_model = getattr(model, "_orig_mod", model)
+    if eager_model is not model:
+        eager = tm.estimate(eager_model, x, device="cuda", gpu=gpu)
+        assert eager.phase_peaks() != report.phase_peaks()
+
+
+def test_attention_takes_the_gpus_kernel() -> None:
+    """The joint graph is traced under the device's router: the compiled program calls
+    the attention kernel the GPU picks (flash on an A100 in bf16), as eagerly."""
+    torch.manual_seed(0)
+    model, x = _Attention().to(torch.bfloat16), torch.randn(2, 16, 32, dtype=torch.bfloat16)
+    traced = _traced(torch.compile(model), x, "A100")
+    ops = {info.op for info in traced.timeline.storages}  # type: ignore[attr-defined]
+    assert "aten._scaled_dot_product_flash_attention.default" in ops
+    assert "aten._scaled_dot_product_flash_attention_backward.default" in ops
+
+
+def test_the_bias_gradient_of_a_convolution_is_a_reduction_on_cuda() -> None:
+    """Inductor decomposes ``convolution_backward``'s bias gradient into a sum for a
+    GPU (decomposition.py); the joint graph, traced on meta, is decomposed as for cuda:
+    the compiled backward asks the convolution for no bias gradient."""
+    torch.manual_seed(0)
+    model, x = torch.compile(nn.Conv2d(3, 8, 3)), torch.randn(2, 3, 16, 16)
+    traced = _traced(model, x)
+    assert traced.report.unsupported == ()  # type: ignore[attr-defined]
+    # the weight's gradient and the bias's (a reduction of the wrapper's own): no input gradient
+    assert _storages_made_by(traced, "aten.convolution_backward.default") == 1
+
+
+@pytest.mark.parametrize("batch", [4, 8])
+def test_dynamic_shapes(batch: int) -> None:
+    torch.manual_seed(0)
+    model, x = torch.compile(_Fusable(), dynamic=True), torch.randn(batch, 16, 32)
+    report = tm.estimate(model, x, device="cuda")
+    assert report.unsupported == ()
+    static = tm.estimate(torch.compile(_Fusable()), x, device="cuda")
+    assert report.phase_peaks() == static.phase_peaks()
+
+
+def test_an_adamw_step_after_a_compiled_model() -> None:
+    """The optimizer step runs eagerly (foreach, as on a GPU) after the compiled
+    backward; its figures are the eager model's, whose parameters and gradients match."""
+    torch.manual_seed(0)
+    eager, x = _Fusable(), torch.randn(8, 16, 32)
+
+    def adamw(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(params)
+
+    report = tm.estimate(torch.compile(eager), x, device="cuda", optimizer=adamw)
+    assert report.unsupported == ()
+    assert report.step_peak == tm.estimate(eager, x, device="cuda", optimizer=adamw).step_peak
+
+
+def test_max_autotune_is_listed() -> None:
+    torch.manual_seed(0)
+    model = torch.compile(_Fusable(), mode="max-autotune-no-cudagraphs")
+    report = tm.estimate(model, torch.randn(8, 16, 32), device="cuda")
+    assert [(u.op, u.reason) for u in report.unsupported] == [
+        (f"torch.compile on cuda: {AUTOTUNE_GAP.what}", AUTOTUNE_GAP.why)
+    ]
+
+
+def test_a_matmul_that_pad_mm_may_pad_is_listed() -> None:
+    """A bf16 linear with 30 input features (not a multiple of 8)."""
+    torch.manual_seed(0)
+    model = torch.compile(nn.Linear(30, 64).to(torch.bfloat16))
+    report = tm.estimate(model, torch.randn(16, 30, dtype=torch.bfloat16), device="cuda")
+    assert [u.op for u in report.unsupported] == [f"torch.compile on cuda: {PAD_MM_GAP.what}"]
+
+
+def test_the_estimate_leaves_torch_as_it_was() -> None:
+    """The device queries answered as the GPU's while inductor compiles are put back."""
+    from torch._dynamo import device_interface
+    from torch._inductor.runtime.hints import DeviceProperties
+
+    saved = (
+        torch.cuda.get_device_properties,
+        torch.cuda.get_device_capability,
+        DeviceProperties.__dict__["create"],
+        dict(device_interface.device_interfaces),
+        torch.overrides._get_current_function_mode_stack(),
+    )
+    tm.estimate(torch.compile(_SinSum()), torch.randn(1024), device="cuda", loss_fn=_loss)
+    assert saved == (
+        torch.cuda.get_device_properties,
+        torch.cuda.get_device_capability,
+        DeviceProperties.__dict__["create"],
+        dict(device_interface.device_interfaces),
+        torch.overrides._get_current_function_mode_stack(),
+    )
+
+
+def test_a_compiled_function_in_forward_is_still_listed_on_cuda() -> None:
+    """Only compiled modules are followed; a compiled function runs eagerly, listed."""
+    model, name, where = _compiled("compiled function in forward")
+    report = tm.estimate(model, torch.randn(4, 16), device="cuda")
+    assert [(u.op, u.location) for u in report.unsupported] == [(f"torch.compile: {name}", where)]
+
+
+
+@pytest.mark.parametrize("kind", [kind for kind in KINDS if kind != "compiled function in forward"])
+def test_each_way_of_compiling_a_module_is_followed(kind: str) -> None:
+    """``torch.compile(model)``, ``model.compile()`` and regional compilation."""
+    model, _, _ = _compiled(kind)
+    report = tm.estimate(model, torch.randn(4, 16), device="cuda")
+    assert report.unsupported == ()
