@@ -99,6 +99,31 @@ def test_trace_backward_bytes_by_hand() -> None:
     assert _peaks(report) == _peaks(tm.measure(model, x))
 
 
+def test_binary_cross_entropy_target_backward_multiplies_in_place() -> None:
+    """``binary_cross_entropy(x, t)`` with ``t`` requiring grad, (1024,) float32, mean:
+    ``binary_cross_entropy_target_backward`` takes ``logit(x).neg_()`` and multiplies
+    it by the gradient with ``mul_`` (out of place under a dispatch mode).
+
+    Backward: x and t (4096 + 4096), the loss and its gradient (4 + 4), the input's
+    gradient (4096) and the target's (4096), and ``div_``'s wrapped count and its
+    float cast (8 + 4) = 16404. (Out of place, a second 4096 would be live.)
+    """
+    x, t = torch.rand(1024, requires_grad=True), torch.rand(1024, requires_grad=True)
+    model = Lambda(torch.nn.functional.binary_cross_entropy)
+    report = tm.estimate(model, (x, t))
+    assert report.backward_peak == 4 * 1024 * F32 + 2 * F32 + 8 + F32
+    assert _peaks(report) == _peaks(tm.measure(model, (x, t)))
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_binary_cross_entropy_target_backward_equals_measure(reduction: str, weighted: bool, threads: int) -> None:
+    x, t = torch.rand(6, 40, requires_grad=True), torch.rand(6, 40, requires_grad=True)
+    weight = torch.rand(40) if weighted else None
+    model = Lambda(lambda x, t: torch.nn.functional.binary_cross_entropy(x, t, weight, reduction=reduction))
+    assert _peaks(tm.estimate(model, (x, t))) == _peaks(tm.measure(model, (x, t)))
+
+
 @pytest.mark.parametrize("name", CASES)
 def test_estimate_equals_measure(name: str, threads: int) -> None:
     x = torch.randn(*_X, requires_grad=True)

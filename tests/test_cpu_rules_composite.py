@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 import torch
-from exactness import Lambda
+from exactness import Lambda, assert_exact
 
 import pytest_torchmem as tm
 
@@ -85,3 +85,73 @@ def test_step_equals_measure(fn: Callable[..., Any], dtype: torch.dtype, threads
     x = torch.randn(6, 10, 12, dtype=dtype, requires_grad=True)
     model = Lambda(fn)
     assert tm.estimate(model, x).phase_peaks() == tm.measure(model, x).phase_peaks()
+
+
+# -- kernels followed op by op (``follow_cpu_kernel``) ------------------------------------
+
+
+def test_soft_margin_loss_bytes_by_hand() -> None:
+    """``soft_margin_loss(x, target)``, (64, 128) float32, mean, followed in
+    ``Loss.cpp``: ``neg_out`` into the ``empty({0})`` result (64 * 128 floats, which the
+    scalar loss keeps after ``resize_({})``), then ``mean``: its 0-dim result, the
+    wrapped 8-byte count and its float cast. Peak: x + target + result + 4 + 8 + 4."""
+    x, target = torch.randn(64, 128), torch.randn(64, 128).sign()
+    peak = _forward(lambda x, t: torch.nn.functional.soft_margin_loss(x, t), x, target)
+    assert peak == 3 * 64 * 128 * F32 + F32 + 8 + F32
+
+
+def test_bilinear_bytes_by_hand() -> None:
+    """``bilinear(x1, x2, w)``: x1 (8, 3), x2 (8, 4), w (5, 3, 4), no bias, one thread:
+    ``_trilinear`` zeroes the (8, 5) output, then for each of the 5 output features
+    ``sumproduct_pair`` multiplies by ``bmm`` (the (8, 4) product, and the (8, 1)
+    result of the second pair), added into a column: at the peak the inputs,
+    the output, the first product and the second: (24 + 32 + 60 + 40 + 32 + 8) floats."""
+    x1, x2, w = torch.randn(8, 3), torch.randn(8, 4), torch.randn(5, 3, 4)
+    from exactness import intra_op_threads
+
+    with intra_op_threads(1):
+        peak = _forward(lambda a, b, w: torch.nn.functional.bilinear(a, b, w), x1, x2, w)
+    assert peak == (24 + 32 + 60 + 40 + 32 + 8) * F32
+
+
+_FOLLOWED: dict[str, tuple[Callable[..., Any], tuple[tuple[int, ...], ...]]] = {
+    "bilinear": (lambda a, b, w, bias: torch.nn.functional.bilinear(a, b, w, bias), ((8, 3), (8, 4), (5, 3, 4), (5,))),
+    "bilinear 3-d": (lambda a, b, w, bias: torch.nn.functional.bilinear(a, b, w, bias), ((2, 6, 3), (2, 6, 4), (7, 3, 4), (7,))),
+    "soft_margin none": (
+        lambda x, t, *_: torch.nn.functional.soft_margin_loss(x, t.detach().sign(), reduction="none"), ((6, 10), (6, 10)),
+    ),
+    "soft_margin mean": (lambda x, t, *_: torch.nn.functional.soft_margin_loss(x, t.detach().sign()), ((6, 10), (6, 10))),
+    "soft_margin sum": (
+        lambda x, t, *_: torch.nn.functional.soft_margin_loss(x, t.detach().sign(), reduction="sum"), ((40000,), (40000,)),
+    ),
+}
+
+
+@pytest.mark.parametrize("name", _FOLLOWED)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_followed_kernels_equal_measure(name: str, dtype: torch.dtype, threads: int) -> None:
+    """``_trilinear`` (``bilinear``'s kernel and its backward) and ``soft_margin_loss``
+    and its backward: each op of the kernel traced with its own rules."""
+    fn, shapes = _FOLLOWED[name]
+    inputs = tuple(torch.randn(s, dtype=dtype, requires_grad=True) for s in shapes)
+    assert_exact(Lambda(fn), inputs)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_chunked_linear_cross_entropy_equals_measure(reduction: str, dtype: torch.dtype, threads: int) -> None:
+    """``linear_cross_entropy`` with chunking options runs custom ops whose forward is
+    a Python program (per chunk of the batch: logits, log-sum-exp, the gathered
+    targets; for mean/sum the gradients too): the fake kernel made only the outputs,
+    the trace now follows the program."""
+    from torch.nn.modules.linear_cross_entropy_options import LinearCrossEntropyOptions
+
+    torch.manual_seed(0)
+    x = torch.randn(16, 8, dtype=dtype, requires_grad=True)
+    w = torch.randn(12, 8, dtype=dtype, requires_grad=True)
+    target = torch.randint(0, 12, (16,))
+    options = LinearCrossEntropyOptions(batch_chunk_size=4)
+    model = Lambda(
+        lambda x, w, t: torch.nn.functional.linear_cross_entropy(x, w, t, reduction=reduction, options=options)
+    )
+    assert_exact(model, (x, w, target))

@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 import torch
+from exactness import intra_op_threads
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -234,6 +235,17 @@ SHAPES: dict[str, tuple[Any, tuple[int, ...], dict[str, Any]]] = {
     "transposed_output_padding": (
         lambda: nn.ConvTranspose2d(8, 16, 3, stride=2, padding=1, output_padding=1), (2, 8, 7, 7), {},
     ),
+    # slow_conv_transpose3d where oneDNN is not taken (one image, 3x3x3 or 1x1x1 kernels, one thread)
+    "transposed3d": (lambda: nn.ConvTranspose3d(3, 3, 3, stride=2, padding=2, output_padding=1), (1, 3, 4, 4, 4), {}),
+    "transposed3d_shrinking": (lambda: nn.ConvTranspose3d(4, 3, 3, padding=2), (1, 4, 5, 5, 5), {}),
+    "transposed3d_groups": (lambda: nn.ConvTranspose3d(4, 6, 2, stride=2, groups=2), (1, 4, 3, 3, 3), {}),
+    "transposed3d_groups_shrinking": (
+        lambda: nn.ConvTranspose3d(4, 2, 3, padding=2, groups=2, bias=False), (1, 4, 5, 5, 5), {},
+    ),
+    "transposed3d_pointwise": (lambda: nn.ConvTranspose3d(4, 3, 1, bias=False), (1, 4, 3, 3, 3), {}),
+    "transposed3d_big_output_padding": (
+        lambda: nn.ConvTranspose3d(2, 2, 3, stride=2, output_padding=(1, 0, 1), dilation=2), (2, 2, 4, 4, 4), {},
+    ),
     "input_without_grad": (lambda: nn.Conv2d(3, 16, 3, padding=1), (4, 3, 16, 16), {"no_grad_input": True}),
     "float64": (lambda: nn.Conv2d(4, 6, 3, padding=1).double(), (2, 4, 8, 8), {"dtype": torch.float64}),
 }
@@ -253,6 +265,21 @@ def test_estimate_equals_measure(name: str, threads: int) -> None:
     measured = tm.measure(model, x)
     assert estimated.unsupported == ()
     assert estimated.phase_peaks() == measured.phase_peaks()
+
+
+def test_slow_transposed3d_output_keeps_the_input_storage() -> None:
+    """``slow_conv_transpose3d`` makes its output as ``empty_like(input)`` and resizes
+    it: a (1, 4, 5, 5, 5) input (2000 bytes) padded into a (1, 3, 3, 3, 3) output
+    (324 bytes) keeps 2000 bytes. Forward: x 2000 + weight 1296 + bias 12 + output
+    2000 + one image's columns (3 x 27 taps x 125 floats = 40500) + ``ones`` over the
+    output's 27 positions (108) = 45916."""
+    torch.manual_seed(0)
+    model = nn.ConvTranspose3d(4, 3, 3, padding=2)
+    x = torch.randn(1, 4, 5, 5, 5)
+    with intra_op_threads(1):
+        report = tm.estimate(model, x, train=False)
+        assert report.forward_peak == 2000 + 4 * 3 * 27 * 4 + 12 + 2000 + 3 * 27 * 125 * 4 + 27 * 4
+        assert report.forward_peak == tm.measure(model, x, train=False).forward_peak
 
 
 def test_unmodelled_low_precision_convolutions_are_listed_as_unsupported() -> None:
@@ -321,6 +348,11 @@ _BF16_SLOW: dict[str, tuple[Any, tuple[int, ...]]] = {
     "transposed 2d": (lambda: nn.ConvTranspose2d(4, 5, 3, stride=2, padding=1), (3, 4, 6, 6)),
     "transposed 2d groups": (lambda: nn.ConvTranspose2d(4, 6, 3, groups=2), (3, 4, 6, 6)),
     "transposed 2d 1x1": (lambda: nn.ConvTranspose2d(4, 3, 1), (3, 4, 6, 6)),
+    # slow_conv_transpose3d (its gemm is oneDNN's from avx512 on: listed there)
+    "transposed 3d": (lambda: nn.ConvTranspose3d(3, 3, 3, stride=2, padding=2, output_padding=1), (1, 3, 4, 4, 4)),
+    "transposed 3d batch": (lambda: nn.ConvTranspose3d(3, 2, 2, stride=2), (3, 3, 3, 3, 3)),
+    "transposed 3d groups": (lambda: nn.ConvTranspose3d(4, 6, 2, stride=2, groups=2), (2, 4, 3, 3, 3)),
+    "transposed 3d shrinking": (lambda: nn.ConvTranspose3d(4, 3, 3, padding=2, bias=False), (1, 4, 5, 5, 5)),
 }
 
 

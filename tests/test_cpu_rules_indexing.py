@@ -712,3 +712,62 @@ def test_embedding_bag_equals_measure(kwargs: dict[str, Any], dtype: torch.dtype
     expected = ["embedding_bag"] if kwargs["mode"] == "max" else []
     assert [u.reason.split("'")[0] for u in estimated.unsupported] == expected
     assert estimated.phase_peaks() == tm.measure(model, (weight, psw)).phase_peaks()
+
+
+# -- repeat, index_select ----------------------------------------------------------------------
+
+
+def test_repeat_builds_an_int64_permutation() -> None:
+    """``x.repeat(2, 3)``, x (16, 32) float32: the (32, 96) result, then for the 2 repeat
+    dims ``arange(2)`` (16 B), the wrapped 2 of ``add`` (8 B) and the sum (16 B), their
+    ``cat`` (32 B): x + result + 16 + 16 + 32 at the peak (the wrapped number is given
+    back before the ``cat``)."""
+    x = torch.randn(16, 32)
+    assert _forward(lambda x: x.repeat(2, 3), x) == 16 * 32 * F32 + 32 * 96 * F32 + 64
+
+
+@pytest.mark.parametrize(
+    "fn",
+    [
+        lambda x: x.repeat(2, 1, 3),
+        lambda x: x.repeat(1, 1),
+        lambda x: x.repeat(0, 2),
+        lambda x: x[0, 0].repeat(()),
+        lambda x: x[:0].repeat(2, 1),
+        lambda x: torch.tile(x, (2,)),
+        lambda x: torch.tile(x[0, 0], ()),
+    ],
+    ids=["new dim", "ones", "zero repeat", "scalar", "empty", "tile", "tile scalar"],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_repeat_step_equals_measure(fn: Callable[..., Any], dtype: torch.dtype, threads: int) -> None:
+    x = torch.randn(6, 10, dtype=dtype, requires_grad=True)
+    model = Lambda(fn)
+    assert tm.estimate(model, x).phase_peaks() == tm.measure(model, x).phase_peaks()
+
+
+def test_index_select_along_dim_1_copies_a_strided_input() -> None:
+    """``x.t().index_select(1, idx)``, x (32, 64) float32, 5 indices: the (64, 5) result,
+    then ``index_select_out_cpu_dim1_`` reads ``self.contiguous()`` (32 * 64 floats)."""
+    x, idx = torch.randn(32, 64), torch.tensor([0, 3, 3, 7, 1])
+    peak = _forward(lambda x: x.t().index_select(1, idx), x)
+    assert peak == 32 * 64 * F32 + 64 * 5 * F32 + 32 * 64 * F32
+
+
+@pytest.mark.parametrize(
+    "fn",
+    [
+        lambda x: x.index_select(1, torch.tensor([2, 0, 1])),
+        lambda x: x.transpose(0, 2).index_select(1, torch.tensor([2, 0, 1])),
+        lambda x: x.index_copy(2, torch.tensor([4, 0, 1]), torch.ones(6, 5, 3, dtype=x.dtype)),
+        lambda x: x.index_copy(-1, torch.tensor([4, 0, 1, 3, 2]), x.flip(-1)),
+    ],
+    ids=["dim 1", "transposed dim 1", "index_copy", "index_copy of itself"],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_index_select_step_equals_measure(fn: Callable[..., Any], dtype: torch.dtype, threads: int) -> None:
+    """``index_copy``'s backward selects its source's gradient from a broadcast one
+    along the last dim (``index_select`` with ``self.contiguous()``)."""
+    x = torch.randn(6, 5, 5, dtype=dtype, requires_grad=True)
+    model = Lambda(fn)
+    assert tm.estimate(model, x).phase_peaks() == tm.measure(model, x).phase_peaks()

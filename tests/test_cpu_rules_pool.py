@@ -206,3 +206,44 @@ def test_pool3d_backward_exact(threads: int, dtype: torch.dtype, pool: str) -> N
             lambda y: y.contiguous(memory_format=CL3).square().sum(),
         ):
             assert_exact(lambda x, loss=loss: loss(fn(x)), (x,))
+
+
+# -- fractional max pooling -----------------------------------------------------------
+
+
+def test_fractional_max_pool2d_backward_copies_a_broadcast_gradient_twice() -> None:
+    """``fractional_max_pool2d_backward``: its meta function reads
+    ``gradOutput.contiguous()`` before making the input gradient, its kernel again
+    after: a broadcast gradient of the (2, 3, 4, 4) output (384 B) is copied twice,
+    one copy at a time; a contiguous one is not."""
+    with FakeTensorMode():
+        x = torch.empty(2, 3, 9, 9)
+        indices = torch.empty(2, 3, 4, 4, dtype=torch.long)
+        ones = torch.ones(()).expand(2, 3, 4, 4)
+        op = aten.fractional_max_pool2d_backward.default
+        assert scratch(op, (ones, x, [2, 2], [4, 4], indices)) == {
+            "grad_output contiguous": 384,
+            "grad_output contiguous (kernel)": 384,
+        }
+        assert scratch(op, (ones.contiguous(), x, [2, 2], [4, 4], indices)) == {}
+
+
+_FRACTIONAL = {
+    "2d": (lambda x: F.fractional_max_pool2d(x, 2, output_size=(4, 3)), (2, 3, 9, 7)),
+    "2d ratio": (lambda x: F.fractional_max_pool2d(x, 3, output_ratio=(0.5, 0.5)), (3, 9, 9)),
+    "3d": (lambda x: F.fractional_max_pool3d(x, 2, output_size=3), (2, 3, 7, 6, 5)),
+    "3d ratio": (lambda x: F.fractional_max_pool3d(x, (2, 1, 2), output_ratio=0.5), (3, 6, 6, 6)),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, BF16], ids=str)
+@pytest.mark.parametrize("pool", _FRACTIONAL)
+def test_fractional_max_pool_exact(threads: int, dtype: torch.dtype, pool: str) -> None:
+    """OpInfo's ``nn.functional.fractional_max_pool{2,3}d`` (a broadcast gradient from
+    ``sum()``), a dense gradient, and a transposed input (copied by the forward);
+    ``fractional_max_pool3d_backward`` has no meta kernel in torch
+    (``devices/meta_kernels.py``)."""
+    fn, shape = _FRACTIONAL[pool]
+    for x in (torch.randn(shape, dtype=dtype), torch.randn(shape, dtype=dtype).transpose(-1, -2)):
+        for loss in (lambda y: y.sum(), lambda y: y.square().sum()):
+            assert_exact(lambda x, loss=loss: loss(fn(x)), (x,))

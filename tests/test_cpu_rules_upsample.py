@@ -108,3 +108,45 @@ def test_grid_sample_backward_copies_a_broadcast_gradient() -> None:
     report = tm.estimate(Sample(), (x, grid))
     assert report.backward_peak == 2 * (600 + 256) + 2 * F32 + 2 * 3 * 4 * 4 * F32
     assert report.phase_peaks() == tm.measure(Sample(), (x, grid)).phase_peaks()
+
+
+# -- antialiased (separable) interpolation ---------------------------------------------------
+
+
+def test_antialiased_bilinear_bytes_by_hand() -> None:
+    """(2, 3, 16, 20) float32 to (8, 10), bilinear, antialiased: the output (1920 B);
+    the width pass into a (2, 3, 16, 10) temporary (3840 B), its bounds (3 x 10 int64),
+    weights (scale 2, support 2: 5 taps x 10 floats) and weight indices (10 int64):
+    520 B, given back before the height pass (416 B) writes the output. Peak:
+    x 7680 + 1920 + 3840 + 520."""
+    x = torch.randn(2, 3, 16, 20)
+    peak = _forward(x, size=(8, 10), mode="bilinear", antialias=True)
+    assert peak == 7680 + 1920 + 3840 + 3 * 10 * I64 + 5 * 10 * F32 + 10 * I64
+
+
+AA_CASES = [
+    ((2, 3, 16, 20), {"size": (8, 10), "mode": "bilinear"}),
+    ((2, 3, 16, 20), {"size": (16, 7), "mode": "bilinear", "align_corners": True}),
+    ((2, 3, 16, 20), {"size": (40, 9), "mode": "bicubic"}),
+    ((2, 3, 16, 20), {"size": (5, 20), "mode": "bicubic", "align_corners": True}),
+    ((2, 3, 16, 20), {"size": (16, 20), "mode": "bilinear"}),
+    ((1, 2, 9, 13), {"scale_factor": 0.37, "mode": "bilinear"}),
+    ((1, 2, 9, 13), {"scale_factor": (1.7, 0.9), "mode": "bicubic", "recompute_scale_factor": False}),
+]
+
+
+@pytest.mark.parametrize(("shape", "options"), AA_CASES, ids=lambda v: str(v))
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_antialiased_step_equals_measure(
+    shape: tuple[int, ...], options: dict[str, Any], channels_last: bool, threads: int
+) -> None:
+    """OpInfo's ``_upsample_bilinear2d_aa`` samples and the bicubic twin, with the
+    backward (``grad_output.contiguous()`` of a broadcast gradient)."""
+    x = torch.randn(shape)
+    if channels_last:
+        x = x.contiguous(memory_format=torch.channels_last)
+    model = Interpolate(antialias=True, **options)
+    x.requires_grad_(True)
+    estimated = tm.estimate(model, x)
+    assert estimated.unsupported == ()
+    assert estimated.phase_peaks() == tm.measure(model, x).phase_peaks()

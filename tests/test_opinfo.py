@@ -192,6 +192,24 @@ EXACT = (
     "min.reduction_no_dim",
     "median",
     "nanmedian",
+    # kernels followed op by op, missing meta kernels, and their scratch (issue 10)
+    "tile",
+    "repeat",
+    "index_copy",
+    "histc",
+    "histogram",
+    "histogramdd",
+    "nn.functional.bilinear",
+    "nn.functional.soft_margin_loss",
+    "nn.functional.binary_cross_entropy",
+    "nn.functional.multi_margin_loss",
+    "nn.functional.multilabel_margin_loss",
+    "nn.functional.linear_cross_entropy.chunked",
+    "nn.functional.linear_cross_entropy.chunked_none",
+    "nn.functional.fractional_max_pool2d",
+    "nn.functional.fractional_max_pool3d",
+    "nn.functional.conv_transpose3d",
+    "_upsample_bilinear2d_aa",
 )
 
 #: Common ops traced without raising whose samples are not yet exact, and why.

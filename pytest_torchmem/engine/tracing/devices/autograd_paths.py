@@ -25,7 +25,12 @@ device. Formulas (torch 2.13):
 * ``linalg_eig_backward`` (``FunctionsManual.cpp``; ``linalg.eig``, ``linalg.eigh``):
   ``ret.diagonal(0, -2, -1).copy_(gL)`` where a subclass takes ``diagonal_scatter``;
 * ``masked_select_backward`` (``TensorAdvancedIndexing.cpp``): ``masked_scatter_``
-  into ``zeros_like`` of the broadcast input.
+  into ``zeros_like`` of the broadcast input;
+* ``binary_cross_entropy_target_backward`` (``FunctionsManual.cpp``):
+  ``at::logit(self).neg_()`` multiplied by the gradient (and the weight) with ``mul_``.
+  ``mul`` is a binary elementwise op whose output a device model may lay out itself
+  (the CPU's), so it is in :data:`EAGER_IN_PLACE_BINARY`: such a device's rule asks
+  :func:`in_place_twin` first; a device without one registers the table too.
 
 (``evenly_distribute_backward``, ``masked_fill_backward``, ``prod_backward`` and
 ``cumprod_backward`` take other algorithms eagerly, chosen by values; they are
@@ -41,7 +46,7 @@ import torch
 
 from pytest_torchmem.engine.tracing.rules import OpCall, RuleSet
 
-__all__ = ["EAGER_IN_PLACE", "register_eager_in_place"]
+__all__ = ["EAGER_IN_PLACE", "EAGER_IN_PLACE_BINARY", "in_place_twin", "register_eager_in_place"]
 
 aten = torch.ops.aten
 
@@ -97,15 +102,29 @@ EAGER_IN_PLACE: Final[dict[Any, tuple[Callable[..., Any], frozenset[str]]]] = {
 }
 
 
+#: Binary elementwise ops of the formulas above (see :func:`in_place_twin`).
+EAGER_IN_PLACE_BINARY: Final[dict[Any, tuple[Callable[..., Any], frozenset[str]]]] = {
+    aten.mul.Tensor: (aten.mul_.Tensor, frozenset({"BinaryCrossEntropyBackward0"})),
+}
+
+
+def in_place_twin(call: OpCall) -> Callable[..., Any] | None:
+    """The in-place op the eager formula calls instead of ``call.func``, when the
+    running autograd node is one of those formulas; else None."""
+    entry = EAGER_IN_PLACE.get(call.func) or EAGER_IN_PLACE_BINARY.get(call.func)
+    if entry is None:
+        return None
+    in_place, nodes = entry
+    node = torch._C._current_autograd_node()
+    return in_place if node is not None and node.name() in nodes else None
+
+
 def _eager_in_place(call: OpCall) -> Any:
     """The out-of-place op, or its in-place twin inside the formulas above."""
-    in_place, nodes = EAGER_IN_PLACE[call.func]
-    node = torch._C._current_autograd_node()
-    if node is not None and node.name() in nodes:
-        return in_place(*call.args, **call.kwargs)
-    return call.func(*call.args, **call.kwargs)
+    twin = in_place_twin(call)
+    return (twin or call.func)(*call.args, **call.kwargs)
 
 
-def register_eager_in_place(rules: RuleSet) -> None:
-    """Register :func:`_eager_in_place` for the ops of :data:`EAGER_IN_PLACE` on ``rules``."""
-    rules.implementation(*EAGER_IN_PLACE)(_eager_in_place)
+def register_eager_in_place(rules: RuleSet, table: dict[Any, Any] = EAGER_IN_PLACE) -> None:
+    """Register :func:`_eager_in_place` for the ops of ``table`` on ``rules``."""
+    rules.implementation(*table)(_eager_in_place)

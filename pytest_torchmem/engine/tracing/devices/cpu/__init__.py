@@ -16,8 +16,10 @@ from pytest_torchmem.engine.tracing.devices.cpu import (  # noqa: F401  (they re
     fft,
     formulas,
     gloo,
+    histogram,
     indexing,
     linalg,
+    losses,
     masks,
     misc,
     norm,
@@ -29,7 +31,6 @@ from pytest_torchmem.engine.tracing.devices.cpu import (  # noqa: F401  (they re
     sampling,
     sorting,
     spectral,
-    unmodelled,
     upsample,
 )
 from pytest_torchmem.engine.tracing.devices.cpu.base import CPU

@@ -6,9 +6,17 @@ order (torch 2.13).
 A comparison of a tensor with a Python number (``x == INFINITY``) wraps the
 number in a 0-dim ``double`` tensor, which ``TensorIterator`` casts to the
 tensor's dtype before it makes the boolean result (see :mod:`.misc`).
+
+Where the kernel is registered as such a program (``CompositeExplicitAutograd``:
+a C++ function of ``at::`` calls, or a custom op's Python function), no rule
+repeats it: :func:`follow_cpu_kernel`, a composite rule, runs the kernel itself
+on the fake tensors with the trace watching, and each op it calls is traced
+with its own rules, in its order.
 """
 
 from __future__ import annotations
+
+from typing import Any, Final
 
 import torch
 
@@ -24,6 +32,55 @@ from pytest_torchmem.engine.tracing.rules import OUTPUTS, Alloc, Free, Inexact, 
 aten = torch.ops.aten
 
 _DOUBLE = 8
+
+#: The CPU kernel's slot of the dispatcher (where a composite kernel is registered too).
+_CPU_KERNEL: Final = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
+
+
+def follow_cpu_kernel(call: OpCall) -> Any:
+    """A composite rule that runs ``call``'s CPU kernel where that kernel is a program
+    of other ops, so that the trace sees each of them (their outputs, their scratch)
+    instead of the op's meta kernel alone. Grad mode is off, as in a custom op's
+    forward: nothing below the dispatcher is recorded by autograd."""
+    with torch.no_grad():
+        return call.func.redispatch(_CPU_KERNEL, *call.args, **call.kwargs)
+
+
+#: Ops whose CPU kernel is followed op by op (torch 2.13):
+#:
+#: * ``_trilinear`` (``Linear.cpp``, ``bilinear``'s kernel and its backward): a zero
+#:   output, then per step of the unrolled dim ``sumproduct_pair`` twice (permuted
+#:   copies, ``bmm`` or ``mul``, ``sum``) added into a slice of it;
+#: * ``soft_margin_loss`` / ``soft_margin_loss_backward`` (``Loss.cpp``): in-place
+#:   elementwise programs on an ``empty({0})`` result (``neg_out(...).mul_(target)
+#:   .exp_().log1p_()`` and a loss reduction; ``exp(-target * input)`` and the
+#:   gradient's ``mul_``/``add_``/``div_`` with wrapped numbers).
+_FOLLOWED: Final = (
+    aten._trilinear.default,
+    aten.soft_margin_loss.default, aten.soft_margin_loss.out,
+    aten.soft_margin_loss_backward.default, aten.soft_margin_loss_backward.grad_input,
+)  # fmt: skip
+CPU.composite(*_FOLLOWED)(follow_cpu_kernel)
+
+
+def _chunked_linear_cross_entropy() -> tuple[Any, ...]:
+    """``linear_cross_entropy``'s chunked custom ops (``torch/nn/modules/
+    linear_cross_entropy.py``, registered when that module is imported): their
+    forward is a Python program (``_linear_cross_entropy_batch_chunked_accumulator``:
+    per batch chunk the logits, their log-sum-exp, the gathered targets, and for the
+    mean/sum op the gradients too), which the fake kernel replaces by its outputs."""
+    try:
+        import torch.nn.modules.linear_cross_entropy  # noqa: F401  (registers the ops)
+    except ImportError:  # a torch without it
+        return ()
+    namespace = torch.ops.torch_nn
+    names = ("_linear_cross_entropy_batch_chunked", "_linear_cross_entropy_batch_chunked_no_reduction")
+    return tuple(getattr(namespace, name).default for name in names if hasattr(namespace, name))
+
+
+_CUSTOM_FOLLOWED: Final = _chunked_linear_cross_entropy()
+if _CUSTOM_FOLLOWED:
+    CPU.composite(*_CUSTOM_FOLLOWED)(follow_cpu_kernel)
 
 
 def _compare_with_number(dtype: torch.dtype, numel: int, tag: str) -> list[Alloc | Free]:

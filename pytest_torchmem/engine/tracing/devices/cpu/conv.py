@@ -21,8 +21,9 @@ follow torch 2.13:
 Not modelled (the op's outputs are counted, its scratch is not): bfloat16 and
 float16 convolutions that oneDNN runs (bfloat16 from the avx512 level on,
 float16 on amx; listed in ``unsupported``; below, ATen's slow paths run them
-and are modelled), ``slow_conv_transpose3d`` and NNPACK (reached only with
-oneDNN disabled).
+and are modelled, but for ``slow_conv_transpose3d``'s gemm, which oneDNN
+computes there: ``mkldnn_bf16_gemm``) and NNPACK (reached only with oneDNN
+disabled).
 """
 
 from __future__ import annotations
@@ -371,6 +372,17 @@ class _Slow:
     item: int
     unit: bool  # 1x1, unit stride, no padding (no im2col)
     channels_last: bool
+    bias: bool = False
+
+    @property
+    def transposed3d_held(self) -> int:
+        """``slow_conv_transpose3d``'s output is ``empty_like(input)`` resized: the
+        input's bytes, which it keeps when the output is not larger."""
+        return self.n * self.c * self.in_sp * self.item
+
+    @property
+    def output_bytes(self) -> int:
+        return self.n * self.oc * self.out_sp * self.item
 
     @property
     def columns(self) -> int:
@@ -389,7 +401,7 @@ def _slow(c: _Conv, backend: str, out_spatial: Sequence[int]) -> _Slow:
         unit = unit and c.groups == 1  # compute_columns3d views the input only without groups
     return _Slow(
         backend, x[0], x[1] // g, oc, _prod(x[2:]), _prod(out_spatial), _prod(w[2:]),
-        c.input.element_size(), unit, _channels_last(c, backend),
+        c.input.element_size(), unit, _channels_last(c, backend), c.bias,
     )
 
 
@@ -405,6 +417,17 @@ def _slow_forward_group(s: _Steps, k: _Slow, output: Any) -> Any:
         tag = output()
         cols = s.alloc(k.c * k.ks * k.out_sp * k.item, "columns")  # one image
         s.free(cols)
+    elif k.kind == "slow_transpose3d":
+        # slow_conv_transpose3d_out_cpu_template: empty_like(input) resized to the
+        # output (a new buffer only when larger), one image's columns (even for
+        # 1x1x1), and at::ones(output spatial) with a bias
+        held = k.transposed3d_held if k.output_bytes > k.transposed3d_held else 0
+        first = s.alloc(held, "output before resize")
+        tag = output()
+        s.free(first)
+        cols = s.alloc(k.oc * k.ks * k.in_sp * k.item, "columns")
+        ones = s.alloc(k.out_sp * k.item if k.bias else 0, "ones")
+        s.free(ones, cols)
     else:  # slow_conv_transpose2d: columns of every image, even for 1x1
         tag = output()
         cols = s.alloc(k.n * k.oc * k.ks * k.in_sp * k.item, "columns")
@@ -441,6 +464,16 @@ def _slow_backward_group(
             s.free(s.alloc(0 if k.unit else k.oc * k.ks * k.in_sp * k.item, "grad columns"))
         # slow_conv2d: the input gradient's columns come from new[], not the allocator
         s.free(go)
+    if k.kind == "slow_transpose3d" and (mask[1] or mask[2]):
+        # slow_conv_transpose3d_acc_grad_parameters_cpu: both gradients resized, then
+        # the columns, and the bias gradient summed while they are held (measured)
+        tags += [output(i) for i in (1, 2) if mask[i]]
+        go = s.alloc(go_copy, "grad_output contiguous")
+        cols = s.alloc(0 if k.unit else k.oc * k.ks * k.in_sp * k.item, "columns")
+        if mask[2]:
+            s.steps.extend(bias_sum)
+        s.free(cols, go)
+        return tags
     if mask[2]:
         tags.append(output(2))
         s.steps.extend(bias_sum)
@@ -456,7 +489,7 @@ def _slow_backward_group(
 
 
 _SLOW: Final = frozenset(
-    {"slow2d", "slow3d", "slow_dilated2d", "slow_dilated3d", "slow_transpose2d"}
+    {"slow2d", "slow3d", "slow_dilated2d", "slow_dilated3d", "slow_transpose2d", "slow_transpose3d"}
 )
 
 
@@ -490,8 +523,9 @@ def _relaid(t: torch.Tensor, groups: int, channels_last: bool) -> bool:
 #: The slow kernels whose backward sums the bias gradient with
 #: ``at::sum_out(grad_bias, grad_output, {0, 2, 3[, 4]})`` between the input's and the
 #: weight's gradients (``slow_conv2d_backward_out_cpu``, ``slow_conv3d_backward_out_cpu``,
-#: ``slow_conv_transpose2d_backward_out_cpu``); the dilated ones sum one image at a time.
-_SUMS_BIAS: Final = frozenset({"slow2d", "slow3d", "slow_transpose2d"})
+#: ``slow_conv_transpose2d_backward_out_cpu``; ``slow_conv_transpose3d_acc_grad_parameters_cpu``
+#: on its contiguous copy, with the columns held); the dilated ones sum one image at a time.
+_SUMS_BIAS: Final = frozenset({"slow2d", "slow3d", "slow_transpose2d", "slow_transpose3d"})
 
 
 def _bias_sum(k: _Slow, grad_output: torch.Tensor, threads: int) -> list[Step]:
@@ -536,6 +570,8 @@ def _slow_forward(s: _Steps, c: _Conv, backend: str, out: torch.Tensor) -> None:
         _slow_forward_group(s, k, s.outputs)
     else:
         group_out = nbytes_of(out) // c.groups
+        if backend == "slow_transpose3d":
+            group_out = max(group_out, k.transposed3d_held)
         per_group_in = 0 if k.n == 1 else nbytes_of(c.input) // c.groups
         results = []
         for _ in range(c.groups):
@@ -567,6 +603,8 @@ def _slow_backward(
         if c.conv1d:
             shape, strides = _view4d(grad_output)
             kernel_go = meta_tensor(shape, grad_output.dtype, strides)
+        elif backend == "slow_transpose3d":
+            kernel_go = meta_tensor(grad_output.shape, grad_output.dtype)
         bias_sum = _bias_sum(k, kernel_go, threads) if mask[2] else ()
         _slow_backward_group(s, k, mask, go_copy, output, bias_sum)
         s.outputs()
@@ -651,19 +689,46 @@ _LOW_PRECISION_GAP: Final = Inexact(
 )
 
 
+def _onednn_computes(cpu: CpuProfile, dtype: torch.dtype) -> bool:
+    """``mkldnn_bf16_device_check`` / ``mkldnn_fp16_device_check``: oneDNN computes
+    ``dtype`` here (``slow_conv_transpose3d``'s gemm included: ``mkldnn_bf16_gemm``,
+    measured: buffers of the columns' size that no rule models)."""
+    return cpu.onednn_bf16 if dtype == torch.bfloat16 else "float16" in cpu.native_dtypes
+
+
 def _flag_low_precision(call: OpCall, steps: list[Step]) -> list[Step]:
     """Flag a bfloat16/float16 convolution that oneDNN runs; ATen's slow paths
-    (reached where oneDNN does not compute the dtype) are modelled at any dtype."""
-    input = call.args[0]
-    if input.dtype not in (torch.bfloat16, torch.float16):
+    (reached where oneDNN does not compute the dtype) are modelled at any dtype,
+    but for ``slow_conv_transpose3d`` where oneDNN runs its gemm."""
+    dtype = call.args[0].dtype
+    if dtype not in (torch.bfloat16, torch.float16):
         return steps
-    weight, bias = call.args[1], call.args[2]
-    args = call.args[3:9] if call.func is aten.convolution.default else call.args[4:10]
-    if call.func is aten.convolution_backward.default:
-        bias = call.args[10][2] or None
-    if _backend(_conv(input, weight, bool(bias is not None), args), profile_of(call)) in _SLOW:
+    cpu = profile_of(call)
+    if call.func is aten.convolution.default:
+        c = _conv(call.args[0], call.args[1], call.args[2] is not None, call.args[3:9])
+    else:  # convolution_backward(grad_output, input, weight, bias_sizes, ...)
+        c = _conv(call.args[1], call.args[2], bool(call.args[10][2]), call.args[4:10])
+    backend = _backend(c, cpu)
+    if backend in _SLOW and not (backend == "slow_transpose3d" and _onednn_computes(cpu, dtype)):
         return steps
     return [_LOW_PRECISION_GAP, *steps]
+
+
+@CPU.implementation(aten.convolution.default)
+def _convolution_output(call: OpCall) -> Any:
+    """``slow_conv_transpose3d`` makes its output as ``empty_like(input)`` and
+    ``resize_``s it: an output smaller than the input keeps the input's storage
+    (measured: a padded 3-d transposed convolution of a 2000-byte input into 324
+    bytes holds 2000)."""
+    out = call.func(*call.args, **call.kwargs)
+    input, weight, bias = call.args[0], call.args[1], call.args[2]
+    c = _conv(input, weight, bias is not None, call.args[3:9])
+    if c.groups != 1 or not isinstance(out, torch.Tensor) or _backend(c, profile_of(call)) != "slow_transpose3d":
+        return out
+    if nbytes_of(input) <= nbytes_of(out):
+        return out
+    held = torch.empty((input.numel(),), dtype=out.dtype, device=out.device)
+    return held.resize_(out.shape)
 
 
 @CPU.scratch(aten.convolution.default)

@@ -1,6 +1,7 @@
 """CPU rules: indexing and data-movement kernels (``Embedding.cpp``, ``PixelShuffle.cpp``,
-``ChanelShuffle.cpp``, ``UnfoldBackward.cpp``, ``TensorAdvancedIndexing.cpp`` and
-``cpu/ScatterGatherKernel.cpp`` in ``aten/src/ATen/native``), torch 2.13."""
+``ChanelShuffle.cpp``, ``UnfoldBackward.cpp``, ``TensorShape.cpp``,
+``TensorAdvancedIndexing.cpp`` and ``cpu/ScatterGatherKernel.cpp`` in
+``aten/src/ATen/native``), torch 2.13."""
 
 from __future__ import annotations
 
@@ -93,6 +94,30 @@ def _unfold_backward(call: OpCall) -> Steps:
         return [OUTPUTS]
     length = int(sizes[dim]) if len(sizes) else 1
     return [OUTPUTS, Alloc("idx_dim", length * 8)]
+
+
+@CPU.scratch(aten.repeat.default)
+def _repeat(call: OpCall) -> Steps:
+    """``repeat`` (``TensorShape.cpp``): the result, copied into through ``unfold``
+    views of it; then, for ``n`` repeat dims, an ``int64`` permutation of ``2n``
+    dims (``cat`` of ``arange(n)`` and ``arange(n).add(n)``, whose ``add.Scalar``
+    wraps ``n`` in an 8-byte tensor), given back before it returns (measured). A
+    zero repeat returns the empty result at once."""
+    repeats = arg(call, 1, "repeats")
+    n = len(repeats)
+    if any(r == 0 for r in repeats):
+        return [OUTPUTS]
+    return [
+        OUTPUTS,
+        Alloc("arange(n)", 8 * n),
+        Alloc("add: wrapped n", 8),
+        Alloc("arange(n) + n", 8 * n),
+        Free("add: wrapped n"),
+        Alloc("permutation (cat)", 16 * n),
+        Free("arange(n)"),
+        Free("arange(n) + n"),
+        Free("permutation (cat)"),
+    ]
 
 
 # -- gather, scatter, index_reduce (TensorAdvancedIndexing.cpp, ScatterGatherKernel.cpp) --

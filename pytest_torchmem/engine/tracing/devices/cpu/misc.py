@@ -33,6 +33,7 @@ from typing import Any, Final
 import torch
 from torch._prims_common import compute_elementwise_output_strides
 
+from pytest_torchmem.engine.tracing.devices.autograd_paths import in_place_twin
 from pytest_torchmem.engine.tracing.devices.cpu.base import CPU, profile_of
 from pytest_torchmem.engine.tracing.devices.cpu.profiles import CpuProfile
 from pytest_torchmem.engine.tracing.devices.memo import BoundedMemo
@@ -239,7 +240,12 @@ def _binary_layout(call: OpCall) -> Any:
     the inputs' dimension order, broadcast dimensions ignored). The meta kernel
     gets them wrong for reduced-precision inputs when the first one is a
     broadcast (stride-0) view of a channels-last tensor's shape, which changes
-    later kernels' paths (a channels-last batch norm backward, ``.contiguous()``)."""
+    later kernels' paths (a channels-last batch norm backward, ``.contiguous()``).
+    Inside a backward formula that multiplies in place eagerly, the in-place op
+    (:data:`~pytest_torchmem.engine.tracing.devices.autograd_paths.EAGER_IN_PLACE_BINARY`)."""
+    twin = in_place_twin(call)
+    if twin is not None:
+        return twin(*call.args, **call.kwargs)
     return _iterator_layout(call, reduced_only=True)
 
 

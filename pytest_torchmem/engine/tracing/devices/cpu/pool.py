@@ -25,7 +25,7 @@ from torch._prims_common import suggest_memory_format
 
 from pytest_torchmem.engine.tracing.devices.cpu.base import CPU
 from pytest_torchmem.engine.tracing.devices.cpu.misc import arg
-from pytest_torchmem.engine.tracing.rules import OUTPUTS, Alloc, OpCall, Steps
+from pytest_torchmem.engine.tracing.rules import OUTPUTS, Alloc, Free, OpCall, Steps
 
 __all__ = ["copies", "kernel_format"]
 
@@ -138,3 +138,35 @@ def _avg_pool3d_backward(call: OpCall) -> Steps:
     layout (measured: no copy of it for a channels-last-3d input)."""
     grad_output = arg(call, 0, "grad_output")
     return [OUTPUTS, *copies(torch.contiguous_format, [("grad_output", grad_output)])]
+
+
+@CPU.scratch(aten.fractional_max_pool2d.default, aten.fractional_max_pool3d.default)
+def _fractional_max_pool(call: OpCall) -> Steps:
+    """``fractional_max_pool2d_out_cpu`` / ``fractional_max_pool3d_out_cpu_template``
+    (``FractionalMaxPool2d.cpp``, ``FractionalMaxPool3d.cpp``): the outputs, then
+    ``input.contiguous()`` and ``random_samples.contiguous()``, held to the end."""
+    x, samples = arg(call, 0, "self"), arg(call, 3, "random_samples")
+    return [OUTPUTS, *copies(torch.contiguous_format, [("input", x), ("random_samples", samples)])]
+
+
+@CPU.scratch(aten.fractional_max_pool2d_backward.default)
+def _fractional_max_pool2d_backward(call: OpCall) -> Steps:
+    """``fractional_max_pool2d_backward`` (``FractionalMaxPool2d.cpp``): the meta
+    function checks the sizes of ``gradOutput_.contiguous()`` before it makes the
+    input gradient, and the kernel takes ``gradOutput_.contiguous()`` again: a
+    broadcast gradient is copied twice, one copy at a time (measured)."""
+    copy = copies(torch.contiguous_format, [("grad_output", arg(call, 0, "grad_output"))])
+    if not copy:
+        return [OUTPUTS]
+    (first,) = copy
+    again = Alloc("grad_output contiguous (kernel)", first.nbytes)
+    return [first, OUTPUTS, Free(first.tag), again, Free(again.tag)]
+
+
+@CPU.scratch(aten.fractional_max_pool3d_backward.default)
+def _fractional_max_pool3d_backward(call: OpCall) -> Steps:
+    """``fractional_max_pool3d_backward_out_cpu_template`` (``FractionalMaxPool3d.cpp``):
+    ``gradOutput_.contiguous()``, then ``gradInput.resize_as_(input)`` (the output;
+    its outputs come from :mod:`~pytest_torchmem.engine.tracing.devices.meta_kernels`)."""
+    copy = copies(torch.contiguous_format, [("grad_output", arg(call, 0, "grad_output"))])
+    return [*copy, OUTPUTS]

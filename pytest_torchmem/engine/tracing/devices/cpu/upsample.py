@@ -19,6 +19,15 @@ Forward (``aten/src/ATen/native/cpu/UpSampleKernel.cpp``): after the output
   ``_use_vectorized_kernel_cond_3d`` (channels-last-3d input, more than 3
   channels). 1-d and bicubic always take the generic kernel.
 
+Antialiased 2-d bilinear and bicubic (``_upsample_*2d_aa``) run
+``separable_upsample_generic_Nd_kernel_impl``: one pass per interpolated dim
+whose size changes, the last dim first, each into a temporary of the sizes so
+far (``at::empty(temp_oshape, input.options())``, held to the end) except the
+last pass, which writes the output; each pass makes its index ranges and
+weights (``_compute_index_ranges_weights``: three int64 tensors of the
+output's size along the dim, the weights of ``max_interp_size`` taps each in
+the input's dtype, one more int64 tensor) and gives them back after it.
+
 Backward (``UpSampleMoreKernel.cpp``, ``UpSampleBicubic2d.cpp``): the gradient of
 the input (structured) first; then a channels-last output gradient of a 4-d or
 5-d nearest/linear op takes ``cpu_upsample_*_backward_channels_last`` on
@@ -29,6 +38,8 @@ gradient, as ``sum()``'s backward gives, is copied).
 
 from __future__ import annotations
 
+import math
+import struct
 from collections.abc import Sequence
 from typing import Final
 
@@ -36,7 +47,16 @@ import torch
 
 from pytest_torchmem.engine.tracing.devices.cpu.base import CPU, profile_of
 from pytest_torchmem.engine.tracing.devices.cpu.misc import itemsize
-from pytest_torchmem.engine.tracing.rules import OUTPUTS, Alloc, Inexact, OpCall, Steps, nbytes_of
+from pytest_torchmem.engine.tracing.rules import (
+    OUTPUTS,
+    Alloc,
+    Free,
+    Inexact,
+    OpCall,
+    Step,
+    Steps,
+    nbytes_of,
+)
 
 aten = torch.ops.aten
 
@@ -128,6 +148,65 @@ def _upsample_backward(call: OpCall) -> Steps:
     if channels_last and not bicubic:
         fmt = _channels_last(grad_output)
     return [OUTPUTS, *_copies(fmt, [("grad_output", grad_output), ("grad_input", grad_input)])]
+
+
+#: antialiased forward op -> taps of its filter (``HelperInterpLinear`` / ``HelperInterpCubic``)
+_ANTIALIASED: Final = {aten._upsample_bilinear2d_aa.default: 2, aten._upsample_bicubic2d_aa.default: 4}
+
+
+def _f32(value: float) -> float:
+    """``value`` rounded to a C ``float``."""
+    return struct.unpack("f", struct.pack("f", value))[0]
+
+
+def _aa_taps(in_size: int, out_size: int, align_corners: bool, scale: float | None, taps: int, dtype: torch.dtype) -> int:
+    """``max_interp_size`` of ``_compute_index_ranges_weights``: the filter's support
+    widened by the scale (``area_pixel_compute_scale`` in the kernel's float type)."""
+    cast = _f32 if dtype == torch.float32 else float
+    if align_corners:
+        ratio = cast((in_size - 1) / (out_size - 1)) if out_size > 1 else 0.0
+    elif scale is not None and scale > 0:
+        ratio = cast(1.0 / scale)
+    else:
+        ratio = cast(cast(in_size) / out_size)
+    support = cast(taps * 0.5 * ratio) if ratio >= 1.0 else taps * 0.5
+    return math.ceil(support) * 2 + 1
+
+
+@CPU.scratch(*_ANTIALIASED)
+def _upsample_aa(call: OpCall) -> Steps:
+    """The output, then the separable passes (see the module's notes)."""
+    x, output = call.args[0], call.out
+    if x.dtype not in (torch.float32, torch.float64):
+        return [OUTPUTS, Inexact("the antialiased uint8 interpolation kernels are not modelled")]
+    align_corners = bool(call.args[2])
+    scales = [call.arg(3, "scales_h"), call.arg(4, "scales_w")]
+    taps = _ANTIALIASED[call.func]
+    steps: list[Step] = [OUTPUTS]
+    changed = [d for d in (3, 2) if output.size(d) != x.size(d)]  # the last dim first
+    temp = list(x.shape)
+    for i, d in enumerate(changed):
+        if i < len(changed) - 1:
+            temp[d] = output.size(d)
+            steps.append(Alloc(f"pass {i} result", math.prod(temp) * x.element_size()))
+        out_size = output.size(d)
+        width = _aa_taps(x.size(d), out_size, align_corners, scales[d - 2], taps, x.dtype)
+        buffers = [
+            *(Alloc(f"pass {i}: bounds {j}", out_size * 8) for j in range(3)),
+            Alloc(f"pass {i}: weights", out_size * width * x.element_size()),
+            Alloc(f"pass {i}: weight indices", out_size * 8),
+        ]
+        steps += [*buffers, *(Free(b.tag) for b in buffers)]
+    return steps
+
+
+@CPU.scratch(aten._upsample_bilinear2d_aa_backward.default, aten._upsample_bicubic2d_aa_backward.default)
+def _upsample_aa_backward(call: OpCall) -> Steps:
+    """``cpu_upsample_genNd_backward_aa``: the input's gradient (structured), then
+    ``grad_output.contiguous()`` and ``grad_input.contiguous()``; the weights are
+    computed on the stack."""
+    grad_output, grad_input = call.args[0], call.out
+    return [OUTPUTS, *_copies(torch.contiguous_format, [("grad_output", grad_output), ("grad_input", grad_input)])]
 
 
 @CPU.scratch(aten.grid_sampler_2d_backward.default)

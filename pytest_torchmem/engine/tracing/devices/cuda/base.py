@@ -5,6 +5,10 @@ from __future__ import annotations
 
 from typing import Final
 
+from pytest_torchmem.engine.tracing.devices.autograd_paths import (
+    EAGER_IN_PLACE_BINARY,
+    register_eager_in_place,
+)
 from pytest_torchmem.engine.tracing.devices.common import COMMON
 from pytest_torchmem.engine.tracing.rules import RuleSet
 
@@ -12,3 +16,5 @@ __all__ = ["CUDA"]
 
 #: The CUDA rules.
 CUDA: Final[RuleSet] = COMMON.copy("cuda")
+# (the CPU's binary-op layout rules ask for these themselves: cpu/misc.py)
+register_eager_in_place(CUDA, EAGER_IN_PLACE_BINARY)
