@@ -76,6 +76,7 @@ _PRIM_DEVICE: Final = torch.ops.prim.device.default
 #: The buffer of the Python numbers an op got in Tensor slots, wrapped as tensors.
 _WRAPPED_TAG: Final = "<wrapped scalars>"
 _ADD: Final = torch.ops.aten.add.Tensor
+_BACKWARD: Final = Phase.BACKWARD
 #: Marks (in ``Node.metadata``) a replayed view node given the as_strided_backward hook.
 _AS_STRIDED_MARK: Final = "torchmem_as_strided_backward"
 #: The wrapped numbers (in ``Node.metadata``) the node inside a CopySlices saved.
@@ -190,11 +191,51 @@ def autograd_node() -> str:
 
 
 @dataclass(frozen=True, slots=True)
-class _OpPlan:
-    """What the tracker needs to know about an op, worked out once per op."""
+class _OpFacts:
+    """What an op's schema tells the tracker (the same in every trace)."""
 
     name: str
+    localize: bool
+    mutable: bool
+    tensor_slots: tuple[tuple[int, str], ...]
+    written_slots: tuple[tuple[int, str], ...]
+    values: ValueKind
+
+
+def _op_facts(func: Any) -> _OpFacts:
+    """The :class:`_OpFacts` of ``func``, worked out once per process."""
+    found = _FACTS.get(id(func))
+    if found is None or found[0] is not func:
+        arguments = func._schema.arguments
+        facts = _OpFacts(
+            name=str(func),
+            localize=func not in _LIFTS,
+            mutable=func._schema.is_mutable,
+            tensor_slots=tuple(
+                (i, arg.name) for i, arg in enumerate(arguments) if isinstance(arg.type, torch.TensorType)
+            ),
+            written_slots=tuple(
+                (i, arg.name)
+                for i, arg in enumerate(arguments)
+                if arg.alias_info is not None and arg.alias_info.is_write
+            ),
+            values=value_kind(func),
+        )
+        found = _FACTS[id(func)] = (func, facts)
+    return found[1]
+
+
+#: :func:`_op_facts` by ``id(op)``, with the op (which keeps the id its own).
+_FACTS: dict[int, tuple[Any, _OpFacts]] = {}
+
+
+@dataclass(frozen=True, slots=True)
+class _OpPlan:
+    """What the tracker needs to know about an op, worked out once per op and trace."""
+
+    #: The op (held, so that its id, the plan's key, stays its own).
     func: Any
+    name: str
     localize: bool
     implementation: ImplementationRule | None
     scratch: ScratchRule | None
@@ -266,7 +307,7 @@ class Tracker(TorchDispatchMode):
         self.module = -1
         self._live: dict[int, int] = {}  # storage _cdata -> sid
         self._refs: dict[int, weakref.ref[Any]] = {}  # sid -> weak reference keeping the callback
-        self._plans: dict[Any, _OpPlan] = {}
+        self._plans: dict[int, _OpPlan] = {}  # id(op) -> plan
         self._resized: dict[int, int] = {}  # sid -> bytes after its last resize
         self._inexact: set[Unsupported] = set()
         # The first stand-in given for a value-dependent op, if any (see stopped_by).
@@ -329,21 +370,15 @@ class Tracker(TorchDispatchMode):
         sid = self._live.get(key)
         if sid is not None:
             return sid
-        info = StorageInfo(
-            nbytes=storage.nbytes(),
-            category=category,
-            phase=self.phase,
-            module=self.module,
-            op=op,
-            frames=user_frames(stop=self._outer_dirs) if self.record_frames and op else (),
-            node=autograd_node() if self.record_frames and op else "",
-            pool=self.pool if op else 0,
-        )
-        sid = self.timeline.new_storage(info)
+        pool = self.pool if op else 0
+        info = StorageInfo(storage.nbytes(), category, self.phase, self.module, op, (), "", pool)
+        if self.record_frames and op:
+            info.frames = user_frames(stop=self._outer_dirs)
+            info.node = autograd_node()
+        # (an op's output is allocated as it is made; a storage adopted before the step is not)
+        sid = self.timeline.new_allocation(info) if op else self.timeline.new_storage(info)
         self._live[key] = sid
         self._refs[sid] = weakref.ref(storage, self._freed_callback(key, sid))
-        if op:
-            self.timeline.alloc(sid)
         return sid
 
     def _freed_callback(self, key: int, sid: int) -> Callable[[Any], None]:
@@ -437,28 +472,23 @@ class Tracker(TorchDispatchMode):
     # -- dispatch ------------------------------------------------------------
 
     def _plan(self, func: Any) -> _OpPlan:
-        plan = self._plans.get(func)
+        # Keyed by id: an OpOverload hashes in Python, a cost paid on every op; the
+        # plan holds its op, so the id stays its own while the plan exists.
+        plan = self._plans.get(id(func))
         if plan is None:
-            plan = self._plans[func] = _OpPlan(
-                name=str(func),
+            facts = _op_facts(func)
+            plan = self._plans[id(func)] = _OpPlan(
                 func=func,
-                localize=func not in _LIFTS,
+                name=facts.name,
+                localize=facts.localize,
                 implementation=self.rules.implementation_rule(func),
                 scratch=self.rules.scratch_rule(func),
                 check=self.rules.check_rule(func),
                 composite=self.rules.composite_rule(func),
-                mutable=func._schema.is_mutable,
-                tensor_slots=tuple(
-                    (i, arg.name)
-                    for i, arg in enumerate(func._schema.arguments)
-                    if isinstance(arg.type, torch.TensorType)
-                ),
-                written_slots=tuple(
-                    (i, arg.name)
-                    for i, arg in enumerate(func._schema.arguments)
-                    if arg.alias_info is not None and arg.alias_info.is_write
-                ),
-                values=value_kind(func),
+                mutable=facts.mutable,
+                tensor_slots=facts.tensor_slots,
+                written_slots=facts.written_slots,
+                values=facts.values,
                 formula=self.rules.formula_rule(func),
             )
         return plan
@@ -514,7 +544,7 @@ class Tracker(TorchDispatchMode):
             # Autograd's input buffer adds a second gradient in place on plain
             # tensors; on fake ones it cannot tell, so it is done here.
             return args[0].add_(args[1])
-        if func is not _ADD and self.phase == Phase.BACKWARD:
+        if func is not _ADD and self.phase is _BACKWARD:
             self._note_running_node()
         if plan.check is not None:  # the real kernel's refusal, raised as the program's error
             plan.check(OpCall(func, args, kwargs, context=self.context))
@@ -562,13 +592,13 @@ class Tracker(TorchDispatchMode):
         numbers = (
             self._wrapped_numbers(plan, args, kwargs)
             if self.wrapped_scalars and plan.tensor_slots
-            else []
+            else None
         )
         if numbers:
             numbers = self._fresh_numbers(numbers)
-        wrapped = sum(_number_nbytes(value) for _, value in numbers)
-        if wrapped:
-            steps = [Alloc(_WRAPPED_TAG, wrapped), *(steps or (OUTPUTS,))]
+            wrapped = sum(_number_nbytes(value) for _, value in numbers)
+            if wrapped:
+                steps = [Alloc(_WRAPPED_TAG, wrapped), *(steps or (OUTPUTS,))]
         if steps:
             self._run_steps(plan, steps, out)
         else:
@@ -674,7 +704,8 @@ class Tracker(TorchDispatchMode):
         found = []
         for index, name in plan.tensor_slots:
             value = args[index] if index < len(args) else kwargs.get(name)
-            if _number_nbytes(value):
+            # (mostly a fake tensor, told apart by its type alone)
+            if type(value) is not FakeTensor and _number_nbytes(value):
                 found.append((name, value))
         return found
 
@@ -993,7 +1024,8 @@ class Tracker(TorchDispatchMode):
         for a in args:
             # (a loop, not any() over a generator: this runs on every op, and most
             # arguments are fake tensors or plain values, told apart by type alone)
-            if type(a) is not FakeTensor and _needs_faking(a):
+            kind = type(a)
+            if kind is not FakeTensor and kind not in _INERT and _needs_faking(a):
                 return tuple(self._fake_foreign(a) for a in args), kwargs
         return args, kwargs
 
@@ -1369,8 +1401,17 @@ def _needs_faking(value: Any) -> bool:
     if isinstance(value, torch.Tensor):
         return not isinstance(value, FakeTensor)
     if isinstance(value, (list, tuple)):
-        return any(_needs_faking(v) for v in value)
+        for v in value:  # (sizes, mostly: ints, told apart by type alone)
+            kind = type(v)
+            if kind is not FakeTensor and kind not in _INERT and _needs_faking(v):
+                return True
     return False
+
+
+#: Argument types that are never tensors nor hold any.
+_INERT: Final = frozenset(
+    {int, float, bool, complex, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format}
+)
 
 
 def fake_like(
