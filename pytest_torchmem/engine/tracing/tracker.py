@@ -77,6 +77,9 @@ _PRIM_DEVICE: Final = torch.ops.prim.device.default
 _WRAPPED_TAG: Final = "<wrapped scalars>"
 _ADD: Final = torch.ops.aten.add.Tensor
 _BACKWARD: Final = Phase.BACKWARD
+_FAKE_KEY: Final = torch._C._TorchDispatchModeKey.FAKE
+#: The tensor types the fake mode is told an op has (it reads the arguments themselves).
+_FAKE_TYPES: Final = (FakeTensor,)
 #: Marks (in ``Node.metadata``) a replayed view node given the as_strided_backward hook.
 _AS_STRIDED_MARK: Final = "torchmem_as_strided_backward"
 #: The wrapped numbers (in ``Node.metadata``) the node inside a CopySlices saved.
@@ -557,7 +560,7 @@ class Tracker(TorchDispatchMode):
             elif plan.implementation is not None:
                 out = plan.implementation(OpCall(func, args, kwargs, context=self.context))
             else:
-                out = func(*args, **kwargs)
+                out = self.fake_kernel(func, args, kwargs)
         except _NEEDS_VALUES as exc:
             # The fake kernel's frames, kept by the traceback (in reference cycles that
             # only the garbage collector breaks), hold the op's arguments: cleared, so
@@ -632,6 +635,29 @@ class Tracker(TorchDispatchMode):
             written = _written(plan, args, kwargs) if plan.written_slots else ()
             values.after(func, plan.values, args, kwargs, out, written, real_out)
         return out
+
+    def fake_kernel(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """``func(*args, **kwargs)`` below the tracker: the fake mode's kernel.
+
+        Called from the tracker's dispatch, with no other dispatch mode between it
+        and the fake mode, the fake mode's ``dispatch`` is called directly, as the
+        dispatcher would call it (the fake mode unset while it runs): without the
+        trip through the C++ dispatcher and the fake mode's statistics and dynamo
+        wrappers (~6 us an op, a tenth of a step's trace). Anywhere else the op is
+        called as usual.
+        """
+        if torch._C._len_torch_dispatch_stack() == 1:  # the fake mode alone
+            mode = torch._C._unset_dispatch_mode(_FAKE_KEY)
+            if mode is self.fake_mode:
+                try:
+                    out = mode.dispatch(func, _FAKE_TYPES, args, kwargs)
+                finally:
+                    torch._C._set_dispatch_mode(mode)
+                if out is not NotImplemented:
+                    return out
+            elif mode is not None:
+                torch._C._set_dispatch_mode(mode)
+        return func(*args, **kwargs)
 
     def _note_running_node(self) -> None:
         """Mark the backward node running this op as inside its ``apply``.

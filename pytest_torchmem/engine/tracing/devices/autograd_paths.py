@@ -103,7 +103,7 @@ def _eager_in_place(call: OpCall) -> Any:
     node = torch._C._current_autograd_node()
     if node is not None and node.name() in nodes:
         return in_place(*call.args, **call.kwargs)
-    return call.func(*call.args, **call.kwargs)
+    return call.default()
 
 
 def register_eager_in_place(rules: RuleSet) -> None:
