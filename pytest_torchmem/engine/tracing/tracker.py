@@ -310,6 +310,7 @@ class Tracker(TorchDispatchMode):
         self.module = -1
         self._live: dict[int, int] = {}  # storage _cdata -> sid
         self._refs: dict[int, weakref.ref[Any]] = {}  # sid -> weak reference keeping the callback
+        self._on_freed = self._freed  # (one bound method for every storage's reference)
         self._plans: dict[int, _OpPlan] = {}  # id(op) -> plan
         self._resized: dict[int, int] = {}  # sid -> bytes after its last resize
         self._inexact: set[Unsupported] = set()
@@ -381,17 +382,16 @@ class Tracker(TorchDispatchMode):
         # (an op's output is allocated as it is made; a storage adopted before the step is not)
         sid = self.timeline.new_allocation(info) if op else self.timeline.new_storage(info)
         self._live[key] = sid
-        self._refs[sid] = weakref.ref(storage, self._freed_callback(key, sid))
+        ref = self._refs[sid] = _StorageRef(storage, self._on_freed)
+        ref.key, ref.sid = key, sid
         return sid
 
-    def _freed_callback(self, key: int, sid: int) -> Callable[[Any], None]:
-        def freed(_ref: Any) -> None:
-            if self._live.get(key) == sid:
-                del self._live[key]
-            self._refs.pop(sid, None)
-            self.timeline.free(sid)
-
-        return freed
+    def _freed(self, ref: _StorageRef) -> None:
+        key, sid = ref.key, ref.sid
+        if self._live.get(key) == sid:
+            del self._live[key]
+        self._refs.pop(sid, None)
+        self.timeline.free(sid)
 
     def _sized(self, t: torch.Tensor) -> tuple[int, int, int] | None:
         """``(sid, bytes now, bytes last charged)`` of ``t``'s live storage, or None."""
@@ -1249,6 +1249,15 @@ _PROBE_TENSOR: Final = object()
 
 class _Token:
     """An object to hold a weak reference to."""
+
+
+class _StorageRef(weakref.ref):  # type: ignore[type-arg]
+    """A weak reference to a tracked storage that carries its key and sid: one object
+    a storage, where a callback closing over them made three more."""
+
+    __slots__ = ("key", "sid")
+    key: int
+    sid: int
 
 
 def _probe_spec(value: Any) -> Any:
