@@ -643,8 +643,9 @@ class Tracker(TorchDispatchMode):
         and the fake mode, the fake mode's ``dispatch`` is called directly, as the
         dispatcher would call it (the fake mode unset while it runs): without the
         trip through the C++ dispatcher and the fake mode's statistics and dynamo
-        wrappers (~6 us an op, a tenth of a step's trace). Anywhere else the op is
-        called as usual.
+        wrappers (~6 us an op: 7 ms of GPT-2 small's 1,200 ops). Anywhere else (a
+        user's dispatch mode active, or a tensor subclass the fake mode refuses)
+        the op is called as usual.
         """
         if torch._C._len_torch_dispatch_stack() == 1:  # the fake mode alone
             mode = torch._C._unset_dispatch_mode(_FAKE_KEY)
