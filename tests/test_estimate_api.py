@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 from exactness import Lambda
 from torch.profiler import ProfilerActivity, profile
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import pytest_torchmem as tm
 from pytest_torchmem.engine.tracing.values import MAX_NUMEL
@@ -501,3 +502,62 @@ def test_an_expanded_input_is_copied_as_a_view_of_its_storage() -> None:
     estimated, measured = tm.estimate(model, x), tm.measure(model, x)
     assert estimated.phase_peaks() == measured.phase_peaks()
     assert estimated.breakdown[tm.Category.INPUTS] == measured.breakdown[tm.Category.INPUTS] == 20
+
+
+# -- the tracer's short cuts give what the long way gives ----------------------------
+
+
+class _Seen(TorchDispatchMode):
+    """A user's dispatch mode that lets every op through and remembers its name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: set[str] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        self.ops.add(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_a_users_dispatch_mode_still_sees_the_steps_ops(device: str) -> None:
+    """The tracer runs an op's fake kernel by calling the fake mode itself only when
+    no other dispatch mode sits between them; under a user's mode (entered before
+    ``estimate``) the ops go the dispatcher's way, through that mode, and every
+    figure is the same."""
+    model, x = _linear()
+    plain = tm.estimate(model, x, device=device)
+    with _Seen() as seen:
+        observed = tm.estimate(model, x, device=device)
+    assert {"aten.addmm.default", "aten.mm.default"} <= seen.ops
+    assert observed.to_json() == plain.to_json()
+
+
+@pytest.mark.parametrize("where", ["cpu", "meta"])
+def test_stand_ins_are_what_the_fake_mode_makes(where: str) -> None:
+    """A model's stand-ins are built as the fake mode builds a factory's output, without
+    its dispatch: the same tensor, attribute for attribute, as ``empty_strided``
+    under the mode, on the fake cpu device and on the fake cuda device's meta."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from pytest_torchmem.engine.tracing.trace import fake_empty
+
+    def attributes(t: torch.Tensor) -> tuple[object, ...]:
+        return (
+            type(t), t.fake_device, tuple(t.shape), t.stride(), t.dtype, t.storage_offset(),
+            t.untyped_storage().nbytes(), t.requires_grad, t.is_leaf, t._version, t._is_view(),
+            str(torch._C._dispatch_keys(t)), sorted(vars(t)), t.constant, t.fake_mode,
+        )
+
+    originals = [
+        torch.empty(3, 4), torch.empty(3, 4).t(), torch.empty(0, 5), torch.empty((), dtype=torch.int64),
+        torch.empty(2, 3, 4, 5).to(memory_format=torch.channels_last), torch.empty(7, dtype=torch.bfloat16),
+        torch.empty(10).as_strided((3,), (3,)), torch.empty(5, dtype=torch.bool),
+    ]
+    mode = FakeTensorMode(allow_non_fake_inputs=True, allow_fallback_kernels=False)
+    device = torch.device(where)
+    with mode:
+        for t in originals:
+            made = fake_empty(mode, t.shape, t.stride(), t.dtype, device)
+            expected = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device)
+            assert attributes(made) == attributes(expected), (tuple(t.shape), t.stride(), t.dtype)

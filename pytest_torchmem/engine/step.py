@@ -150,7 +150,7 @@ class ModuleTracker:
         with torch._C.DisableTorchFunction():
             self.probe.enter_module(index)
             if torch.is_grad_enabled():
-                _hook_once(args, lambda: self.probe.exit_module(index))
+                _hook_once(args, self.probe.exit_module, index)
 
     def _after(self, module: nn.Module, args: Any, output: Any) -> None:
         index = self._index.get(id(module))
@@ -159,30 +159,49 @@ class ModuleTracker:
         with torch._C.DisableTorchFunction():
             self.probe.exit_module(index)
             if torch.is_grad_enabled():
-                _hook_once(output, lambda: self.probe.enter_module(index))
+                _hook_once(output, self.probe.enter_module, index)
 
 
-def _hook_once(value: Any, fn: Callable[[], None]) -> None:
-    """Call ``fn`` once, when the first gradient of a tensor in ``value`` is complete."""
+class _Once:
+    """A tensor hook that calls ``fn(index)`` the first time one of the tensors it is
+    registered on gets its gradient (one small object, not a closure and its cells:
+    a step registers hundreds)."""
+
+    __slots__ = ("fn", "index")
+
+    def __init__(self, fn: Callable[[int], None], index: int) -> None:
+        self.fn: Callable[[int], None] | None = fn
+        self.index = index
+
+    def __call__(self, _grad: torch.Tensor) -> None:
+        fn = self.fn
+        if fn is not None:
+            self.fn = None
+            with torch._C.DisableTorchFunction():
+                fn(self.index)
+
+
+def _hook_once(value: Any, fn: Callable[[int], None], index: int) -> None:
+    """Call ``fn(index)`` once, when the first gradient of a tensor in ``value`` is complete."""
     if isinstance(value, torch.Tensor):
-        found: Any = (value,)
-    elif type(value) is tuple and all(isinstance(v, torch.Tensor) for v in value):
-        found = value  # a module's usual arguments: no containers to walk
+        if value.requires_grad:
+            value.register_hook(_Once(fn, index))
+        return
+    if type(value) is tuple:
+        for v in value:
+            if not isinstance(v, torch.Tensor):
+                found: Any = tensors_in(value)
+                break
+        else:
+            found = value  # a module's usual arguments: no containers to walk
     else:
         found = tensors_in(value)
-    tensors = [t for t in found if t.requires_grad]
-    if not tensors:
-        return
-    fired = [False]
-
-    def hook(_grad: torch.Tensor) -> None:
-        if not fired[0]:
-            fired[0] = True
-            with torch._C.DisableTorchFunction():
-                fn()
-
-    for t in tensors:
-        t.register_hook(hook)
+    hook = None
+    for t in found:
+        if t.requires_grad:
+            if hook is None:
+                hook = _Once(fn, index)
+            t.register_hook(hook)
 
 
 def _call(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

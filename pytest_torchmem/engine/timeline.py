@@ -94,6 +94,14 @@ class Timeline:
         self.storages.append(info)
         return len(self.storages) - 1
 
+    def new_allocation(self, info: StorageInfo) -> int:
+        """A new storage, allocated now (:meth:`new_storage` and :meth:`alloc` in one
+        call: the tracker makes one per op output)."""
+        sid = len(self.storages)
+        self.storages.append(info)
+        self.events.append((ALLOC, sid, info.nbytes))
+        return sid
+
     def alloc(self, sid: int) -> None:
         self.events.append((ALLOC, sid, self.storages[sid].nbytes))
 

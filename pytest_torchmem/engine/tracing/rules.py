@@ -126,7 +126,8 @@ class TraceContext:
     #: The values the trace knows (:class:`~pytest_torchmem.engine.tracing.values.KnownValues`).
     values: Any = None
     #: The trace's dispatch mode: ``with context.tracer.decomposed():`` runs ops
-    #: through the trace (recorded, composites decomposed), from inside a rule.
+    #: through the trace (recorded, composites decomposed), from inside a rule;
+    #: ``context.tracer.fake_kernel(op, args, kwargs)`` runs an op's own fake kernel.
     tracer: Any = None
 
 
@@ -155,6 +156,14 @@ class OpCall:
     out: Any = None
     #: The trace this call belongs to.
     context: TraceContext | None = None
+
+    def default(self) -> Any:
+        """The op's own kernel on the call's arguments, as if no rule were registered
+        (in a trace: the fake kernel, run directly by the trace's fake mode)."""
+        tracer = self.context.tracer if self.context is not None else None
+        if tracer is not None:
+            return tracer.fake_kernel(self.func, self.args, self.kwargs)
+        return self.func(*self.args, **self.kwargs)
 
     def arg(self, index: int, name: str, default: Any = None) -> Any:
         """The argument at position ``index``, or given by keyword as ``name``, else ``default``."""

@@ -122,7 +122,7 @@ def in_place_twin(call: OpCall) -> Callable[..., Any] | None:
 def _eager_in_place(call: OpCall) -> Any:
     """The out-of-place op, or its in-place twin inside the formulas above."""
     twin = in_place_twin(call)
-    return (twin or call.func)(*call.args, **call.kwargs)
+    return twin(*call.args, **call.kwargs) if twin is not None else call.default()
 
 
 def register_eager_in_place(rules: RuleSet, table: dict[Any, Any] = EAGER_IN_PLACE) -> None:

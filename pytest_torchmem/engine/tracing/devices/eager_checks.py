@@ -63,10 +63,13 @@ def _meta(dtype: torch.dtype) -> str:
     return _TYPE_META.get(dtype, str(dtype).removeprefix("torch."))
 
 
-def _tensors(call: OpCall, count: int) -> list[Any] | None:
-    found = list(call.args[:count])
-    if len(found) < count or not all(isinstance(t, torch.Tensor) for t in found):
+def _tensors(call: OpCall, count: int) -> tuple[Any, ...] | None:
+    found = call.args[:count]
+    if len(found) < count:
         return None
+    for t in found:  # (a loop, not all() over a generator: every matrix product asks)
+        if not isinstance(t, torch.Tensor):
+            return None
     return found
 
 

@@ -35,7 +35,8 @@ from torch._subclasses.fake_tensor import DataDependentOutputException
 
 from pytest_torchmem.engine.tracing.devices.cpu.base import CPU, native_kernel_gap, profile_of
 from pytest_torchmem.engine.tracing.devices.cpu.profiles import CpuProfile
-from pytest_torchmem.engine.tracing.rules import OUTPUTS, Alloc, Inexact, OpCall, Steps, nbytes_of
+from pytest_torchmem.engine.tracing.devices.memo import BoundedMemo
+from pytest_torchmem.engine.tracing.rules import OUTPUTS, Alloc, Inexact, OpCall, Step, Steps, nbytes_of
 
 __all__ = ["onednn_gemm_accumulator_bytes", "onednn_gemm_bytes"]
 
@@ -231,12 +232,38 @@ def _native_gap(call: OpCall) -> tuple[Inexact, ...]:
     return native_kernel_gap(call, _result(call).dtype, _MATMUL_KERNELS)
 
 
+def _product_steps(call: OpCall, mat1: torch.Tensor, mat2: torch.Tensor, alpha: Any) -> Steps:
+    """The steps of one ``addmm_impl_cpu_`` call: the output first (structured
+    kernel), then the copies of unusable operands and oneDNN's scratchpad."""
+    cpu, result = profile_of(call), _result(call)
+    try:
+        key = (
+            cpu.isa, cpu.threads, _mkldnn_enabled(), result.dtype, alpha,
+            tuple(result.shape), result.stride(), _layout(mat1), _layout(mat2),
+        )
+        return _PRODUCT_STEPS.get(key, lambda: _work_out_product(call, cpu, result, mat1, mat2, alpha))
+    except TypeError:  # symbolic sizes: no key
+        return _work_out_product(call, cpu, result, mat1, mat2, alpha)
+
+
+def _work_out_product(
+    call: OpCall, cpu: CpuProfile, result: torch.Tensor, mat1: torch.Tensor, mat2: torch.Tensor, alpha: Any
+) -> tuple[Step, ...]:
+    gemm = _gemm_of(cpu, result, mat1, mat2, alpha)
+    steps = (*_native_gap(call), OUTPUTS, *(step for step in gemm.steps() if step.nbytes > 0))
+    return () if steps == (OUTPUTS,) else steps  # () : only the outputs, as without a rule
+
+
+#: :func:`_product_steps` by what alone decides them: the CPU's level and threads,
+#: whether oneDNN is on, the dtype, ``alpha`` and the sizes and strides of the
+#: result and operands (a model repeats a few products layer after layer).
+_PRODUCT_STEPS: Final[BoundedMemo[tuple[Step, ...]]] = BoundedMemo()
+
+
 @CPU.scratch(aten.mm.default, aten.mm.out)
 def _mm(call: OpCall) -> Steps:
-    """``mm_out_cpu`` → ``addmm_impl_cpu_``: the output first (structured kernel),
-    then the copies of unusable operands and oneDNN's scratchpad."""
-    gemm = _gemm_of(profile_of(call), _result(call), call.args[0], call.args[1], 1)
-    return [*_native_gap(call), OUTPUTS, *gemm.steps()]
+    """``mm_out_cpu`` → ``addmm_impl_cpu_``."""
+    return _product_steps(call, call.args[0], call.args[1], 1)
 
 
 @CPU.scratch(
@@ -246,9 +273,7 @@ def _mm(call: OpCall) -> Steps:
 def _addmm(call: OpCall) -> Steps:
     """``addmm_out_cpu`` / ``addmm_activation_out_cpu`` → ``addmm_impl_cpu_`` (the
     bias is copied into the output, which costs nothing more)."""
-    alpha = call.arg(4, "alpha", 1)
-    gemm = _gemm_of(profile_of(call), _result(call), call.args[1], call.args[2], alpha)
-    return [*_native_gap(call), OUTPUTS, *gemm.steps()]
+    return _product_steps(call, call.args[1], call.args[2], call.arg(4, "alpha", 1))
 
 
 # -- bmm_out_or_baddbmm_ ---------------------------------------------------------

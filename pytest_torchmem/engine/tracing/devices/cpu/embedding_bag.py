@@ -134,7 +134,7 @@ def _embedding_bag_outputs(call: OpCall) -> Any:
     viewed as ``N`` (empty on the fast ``sum`` path, ``bfloat16`` included), and
     ``bag_size`` (and ``max_indices`` off ``max``) of ``B`` elements viewed as the
     bags where they hold the bags' sizes."""
-    output, _, _, _ = call.func(*call.args, **call.kwargs)
+    output, _, _, _ = call.default()
     bag = _Bag.of(call)
     index = bag.offsets.new_empty((0,), dtype=bag.index_dtype)
     offset2bag = index.new_empty((0,))

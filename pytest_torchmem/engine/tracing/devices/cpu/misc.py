@@ -252,7 +252,7 @@ def _binary_layout(call: OpCall) -> Any:
 def _iterator_layout(call: OpCall, reduced_only: bool, operands: tuple[int, int] = (0, 1)) -> Any:
     """``call``'s output laid out as ``TensorIterator`` lays out a binary op on the
     arguments at ``operands`` (for reduced-precision inputs only if ``reduced_only``)."""
-    out = call.func(*call.args, **call.kwargs)
+    out = call.default()
     tensors = [
         a for a in (call.args[i] for i in operands if i < len(call.args)) if isinstance(a, torch.Tensor)
     ]
@@ -430,7 +430,7 @@ def _view(call: OpCall) -> Any:
     """``view_impl`` (``TensorShape.cpp``) takes its strides from ``computeStride``;
     the fake kernel gives sizes of 1 other strides, which later kernels read (the
     CPU ``addmm``'s operand checks compare them)."""
-    out = call.func(*call.args, **call.kwargs)
+    out = call.default()
     x = call.args[0]
     try:
         strides = _view_strides_of(x.shape, x.stride(), out.shape)
@@ -597,7 +597,7 @@ def _native_dropout_eval(call: OpCall) -> Any:
     x, train = arg(call, 0, "input"), arg(call, 2, "train")
     if train is False and x.numel() != 0:
         return x.clone(), torch.ones_like(x, dtype=torch.bool)
-    return call.func(*call.args, **call.kwargs)
+    return call.default()
 
 
 @CPU.scratch(aten.native_dropout.default)

@@ -119,7 +119,7 @@ def _batch_norm_dtypes(call: OpCall) -> Any:
     input in neither layout (a transposed view) gets an output laid out as it
     suggests, ``empty_like(self, self.suggest_memory_format())``, where the meta
     kernel keeps the input's strides."""
-    out = call.func(*call.args, **call.kwargs)
+    out = call.default()
     x, weight, bias, running_mean, running_var, _ = _batch_norm_args(call)
     if isinstance(out[0], torch.Tensor) and not _contiguous_any(x):
         fmt = _suggest_memory_format(x)
@@ -204,7 +204,7 @@ def _batch_norm_backward_mask(call: OpCall) -> Any:
     input.suggest_memory_format())``); the fake kernel (a decomposition) always
     returns one, laid out as the input (or contiguous for a channels-last
     ``bfloat16`` one), which decides whether autograd copies it to a leaf's layout."""
-    out = list(call.func(*call.args, **call.kwargs))
+    out = list(call.default())
     mask = arg(call, 9, "output_mask", [True, True, True])
     x, grad_input = arg(call, 1, "input"), out[0]
     if isinstance(grad_input, torch.Tensor):
@@ -282,7 +282,7 @@ def _sum_over_channels(threads: int, grad_out: torch.Tensor, channels: int) -> l
 def _layer_norm_dtypes(call: OpCall) -> Any:
     """``layer_norm_cpu`` (``layer_norm.cpp``): mean and rstd are
     ``param_scalar_type(input, mixed_type)``, ``float`` for a mixed-type input."""
-    out = call.func(*call.args, **call.kwargs)
+    out = call.default()
     x, weight, bias = arg(call, 0, "input"), arg(call, 2, "weight"), arg(call, 3, "bias")
     return _with_float_stats(out) if _mixed(x, weight, bias) else out
 
@@ -310,7 +310,7 @@ def _layer_norm_backward_layout(call: OpCall) -> Any:
     """``layer_norm_backward_cpu`` (``layer_norm.cpp``) makes ``dX`` contiguous
     (``empty_like`` of the contiguous ``X``) whatever the layouts of ``X`` and
     ``dY``; the fake kernel (a decomposition) follows ``dY``."""
-    out = call.func(*call.args, **call.kwargs)
+    out = call.default()
     dx = out[0]
     if isinstance(dx, torch.Tensor) and not dx.is_contiguous():
         return (torch.empty_like(dx, memory_format=torch.contiguous_format), *out[1:])
@@ -348,7 +348,7 @@ def _layer_norm_backward(call: OpCall) -> Steps:
 def _group_norm_dtypes(call: OpCall) -> Any:
     """``native_group_norm`` (``group_norm.cpp``): mean and rstd are ``float`` for a
     mixed-type input."""
-    out = call.func(*call.args, **call.kwargs)
+    out = call.default()
     x, weight, bias = arg(call, 0, "input"), arg(call, 1, "weight"), arg(call, 2, "bias")
     return _with_float_stats(out) if _mixed(x, weight, bias) else out
 
@@ -359,7 +359,7 @@ def _group_norm_backward_dtypes(call: OpCall) -> Any:
     and ``dgamma``/``dbeta`` ``empty_like(gamma)``; with ``float`` statistics of a
     mixed-type input the fake kernel promotes ``dX`` to ``float``, and it lays
     ``dX`` out like ``dY`` (a decomposition), not like ``X``."""
-    out = call.func(*call.args, **call.kwargs)
+    out = call.default()
     x, weight = arg(call, 1, "input"), arg(call, 4, "weight")
     fixed = []
     for index, (t, like) in enumerate(zip(out, (x, weight, weight))):

@@ -75,7 +75,7 @@ def _laid_out(out: torch.Tensor, fmt: torch.memory_format) -> torch.Tensor:
 @CPU.implementation(aten.reflection_pad3d.default, aten.replication_pad3d.default)
 def _pad3d_layout(call: OpCall) -> Any:
     """``padding_memory_format_3d(input)``: a channels-last-3d input, a channels-last-3d result."""
-    return _laid_out(call.func(*call.args, **call.kwargs), _format(call.args[0], 3))
+    return _laid_out(call.default(), _format(call.args[0], 3))
 
 
 @CPU.implementation(
@@ -85,7 +85,7 @@ def _pad3d_layout(call: OpCall) -> Any:
 def _pad_backward_layout(call: OpCall) -> Any:
     """``grad_input`` in the input's suggested memory format (``padding_memory_format_3d``)."""
     dims = _BACKWARD[call.func.overloadpacket]
-    return _laid_out(call.func(*call.args, **call.kwargs), _format(call.args[1], dims))
+    return _laid_out(call.default(), _format(call.args[1], dims))
 
 
 @CPU.scratch(*_FORWARD)

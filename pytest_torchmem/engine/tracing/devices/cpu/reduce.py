@@ -414,7 +414,7 @@ def _pointwise_loss_output(call: OpCall) -> Any:
     """``mse_loss`` / ``smooth_l1_loss`` meta functions (``Loss.cpp``) build a binary
     iterator on the output, allocating it at the inputs' broadcast size, then
     ``resize_({})`` it when reducing: the scalar loss keeps that storage."""
-    out = call.func(*call.args, **call.kwargs)
+    out = call.default()
     self, target = arg(call, 0, "self"), arg(call, 1, "target")
     if _reduction(call, 2) == 0 or not isinstance(out, torch.Tensor):
         return out
@@ -431,7 +431,7 @@ def _pointwise_loss_backward_layout(call: OpCall) -> Any:
     (``Loss.cpp``) make the input gradient with ``at::zeros_like(input,
     LEGACY_CONTIGUOUS_MEMORY_FORMAT)``: contiguous whatever the input's layout (the
     meta kernel follows the input's strides), which decides later kernels' copies."""
-    out = call.func(*call.args, **call.kwargs)
+    out = call.default()
     if isinstance(out, torch.Tensor) and not out.is_contiguous():
         return torch.empty_like(out, memory_format=torch.contiguous_format)
     return out
@@ -462,7 +462,7 @@ def _bce_output(call: OpCall) -> Any:
     """``binary_cross_entropy_out_cpu`` (``Loss.cpp``) writes the unreduced loss into
     ``empty_like(input)``, then ``resize_as_`` it to the reduced scalar: the scalar
     keeps the input-sized storage."""
-    out = call.func(*call.args, **call.kwargs)
+    out = call.default()
     if _reduction(call, 3) == 0:
         return out
     return _scalar_in_input_sized_storage(out, arg(call, 0, "self").numel())
@@ -571,7 +571,7 @@ def _log_softmax_backward_layout(call: OpCall) -> Any:
     gradient with ``LEGACY_CONTIGUOUS_MEMORY_FORMAT``: contiguous whatever ``grad``'s
     layout (the fake kernel, a decomposition, follows it), which decides whether
     ``AccumulateGrad`` can keep it as the leaf's gradient."""
-    out = call.func(*call.args, **call.kwargs)
+    out = call.default()
     if isinstance(out, torch.Tensor) and not out.is_contiguous():
         return torch.empty_like(out, memory_format=torch.contiguous_format)
     return out

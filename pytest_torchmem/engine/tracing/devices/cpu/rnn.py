@@ -530,7 +530,7 @@ def _weight_reorders(primitive: _Primitive) -> list[Any]:
 def _mkldnn_rnn_layer_outputs(call: OpCall) -> Any:
     """``at::native::mkldnn_rnn_layer``: the meta kernel's outputs, with the workspace
     oneDNN asks for (``pd.workspace_desc().get_size()`` bytes) when grad mode is on."""
-    output, hy, cy, workspace = call.func(*call.args, **call.kwargs)
+    output, hy, cy, workspace = call.default()
     if torch.is_grad_enabled() and _is_lstm(call, 9):
         input, weight_ih, bias_ih = call.args[0], call.args[1], call.args[3]
         layer = _layer(input, weight_ih, bias_ih, call.args[12])
@@ -574,7 +574,7 @@ def _mkldnn_rnn_layer_backward_outputs(call: OpCall) -> Any:
     aliasing, so repeated traces would disagree.
     """
     if not _is_lstm(call, 14):
-        return call.func(*call.args, **call.kwargs)
+        return call.default()
     input, weight_ih, weight_hh, bias_ih, _bias_hh, hx, cx = call.args[:7]
     f32 = torch.float32
     diff_x = input.new_empty(input.shape, dtype=f32)

@@ -54,7 +54,7 @@ def _svd_outputs(call: OpCall) -> Any:
     driver = arg(call, 3, "driver", None)
     if arg(call, 2, "compute_uv", True) and call.context is not None and values_only(call.context.memo):
         return call.func(A, full_matrices, False, driver=driver)
-    return call.func(*call.args, **call.kwargs)
+    return call.default()
 
 
 @CPU.scratch(aten._linalg_svd.default)
@@ -83,7 +83,7 @@ def _eigh_outputs(call: OpCall) -> Any:
     A, uplo = call.args[0], arg(call, 1, "UPLO", "L")
     if arg(call, 2, "compute_v", True) and call.context is not None and values_only(call.context.memo):
         return call.func(A, uplo, False)
-    return call.func(*call.args, **call.kwargs)
+    return call.default()
 
 
 @CPU.scratch(aten._linalg_eigh.default)

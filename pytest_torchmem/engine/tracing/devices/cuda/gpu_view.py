@@ -68,11 +68,11 @@ def gpu_view(profile: Any) -> Iterator[None]:
 
     def device(self: FakeTensor) -> torch.device:
         # Asked thousands of times a step, mostly by torch's fake-tensor cache: the
-        # caller's frame is read here, without _from_the_program's call.
+        # caller's frame is read first, here, without _from_the_program's call.
+        if getframe(1).f_code.co_filename.startswith(_NOT_THE_PROGRAM):
+            return real_device_of(self)  # type: ignore[no-any-return]
         seen = real_device_of(self)
-        if seen.type == "meta" and not getframe(1).f_code.co_filename.startswith(_NOT_THE_PROGRAM):
-            return _CUDA
-        return seen
+        return _CUDA if seen.type == "meta" else seen
 
     def is_cuda(self: FakeTensor) -> bool:
         if self.fake_device.type == "meta" and _from_the_program():

@@ -182,7 +182,7 @@ def _efficient_forward_outputs(call: OpCall) -> Any:
     """``_efficient_attention_forward``: the philox seed and offset are 0-dim int64
     tensors on the host (Note [Seed and Offset Device], outside graph capture);
     the meta kernel puts them on the device."""
-    out, lse, _seed, _offset = call.func(*call.args, **call.kwargs)
+    out, lse, _seed, _offset = call.default()
     host = torch.device("cpu")
     return (
         out,
@@ -266,7 +266,7 @@ def _cudnn_attention_outputs(call: OpCall) -> Any:
     """``_cudnn_attention_forward`` / ``run_cudnn_SDP_fprop``: the softmax statistics
     (b, h, s_q, 1) fp32 are made only when ``compute_log_sumexp``; the seed and
     offset are 0-dim int64 tensors on the device (as the meta kernel has them)."""
-    out = list(call.func(*call.args, **call.kwargs))
+    out = list(call.default())
     if not call.arg(4, "compute_log_sumexp", False):
         out[1] = out[1].new_empty((0,))
     return tuple(out)
@@ -493,5 +493,5 @@ def _grouped_mm(call: OpCall) -> Any:
     mat_a, mat_b = call.args[0], call.args[1]
     out_dtype = call.args[4] if len(call.args) > 4 else call.kwargs.get("out_dtype")
     if mat_a.dtype == mat_b.dtype == torch.bfloat16 and out_dtype in (None, torch.bfloat16):
-        return call.func(*call.args, **call.kwargs)
+        return call.default()
     return grouped_mm_output(call)

@@ -67,6 +67,7 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Any, Final, Literal
 
 import torch
@@ -77,6 +78,7 @@ from pytest_torchmem.engine.tracing.devices.cuda.temporaries import (
     non_overlapping_and_dense,
     reduction_steps,
 )
+from pytest_torchmem.engine.tracing.devices.memo import BoundedMemo
 from pytest_torchmem.engine.tracing.rules import (
     OUTPUTS,
     Alloc,
@@ -304,7 +306,7 @@ def _addmm_uses_lt(
     aten.addmm.out,
     aten._addmm_activation.default,
 )
-def _mm(call: OpCall) -> list[Step]:
+def _mm(call: OpCall) -> Sequence[Step]:
     """``addmm_out_cuda_impl`` (Blas.cpp; ``mm`` is ``addmm(result, result, ...)``
     with beta 0): nothing when the result is empty or ``k == 0``; otherwise the
     operand clones of ``cublasCommonArgs``, then the gemm: cuBLASLt's
@@ -323,12 +325,37 @@ def _mm(call: OpCall) -> list[Step]:
     result = call.out
     if result.numel() == 0 or mat1.shape[1] == 0:
         return [OUTPUTS]
-    lt = self is not None and _addmm_uses_lt(self, mat1, mat2, result, beta)
-    if not lt:
-        lt = _prefers_cublaslt()
-    return _copy_steps(
-        _gemm_copies(mat1, mat2, result), blas_workspace_steps(call, lt=lt)
-    )
+
+    def work_out() -> tuple[tuple[tuple[str, int], ...], bool]:
+        lt = self is not None and _addmm_uses_lt(self, mat1, mat2, result, beta)
+        if not lt:
+            lt = _prefers_cublaslt()
+        return tuple(_gemm_copies(mat1, mat2, result)), lt
+
+    try:
+        key = (
+            _layout(mat1), _layout(mat2), _layout(result),
+            None if self is None else (_layout(self), os.environ.get("DISABLE_ADDMM_CUDA_LT")),
+            beta, _prefers_cublaslt(),
+        )
+        copies, lt = _GEMM_PLANS.get(key, work_out)
+    except TypeError:  # symbolic sizes: no key
+        copies, lt = work_out()
+    workspace = blas_workspace_steps(call, lt=lt)
+    if not copies and not workspace:
+        return ()  # only the outputs, as without a rule
+    return _copy_steps(list(copies), workspace)
+
+
+def _layout(t: torch.Tensor) -> tuple[Any, ...]:
+    return tuple(t.shape), t.stride(), t.dtype, t.layout
+
+
+#: ``(operand clones, whether cuBLASLt runs it)`` of ``addmm_out_cuda_impl`` by what
+#: alone decides them: the operands', result's and bias's sizes, strides, dtypes
+#: and layouts, ``beta``, ``DISABLE_ADDMM_CUDA_LT`` and the preferred BLAS library
+#: (a model repeats a few products layer after layer).
+_GEMM_PLANS: Final[BoundedMemo[tuple[tuple[tuple[str, int], ...], bool]]] = BoundedMemo()
 
 
 @CUDA.scratch(aten.bmm.default, aten.bmm.out, aten.baddbmm.default, aten.baddbmm.out)
