@@ -720,7 +720,7 @@ def _convolution_output(call: OpCall) -> Any:
     ``resize_``s it: an output smaller than the input keeps the input's storage
     (measured: a padded 3-d transposed convolution of a 2000-byte input into 324
     bytes holds 2000)."""
-    out = call.func(*call.args, **call.kwargs)
+    out = call.default()
     input, weight, bias = call.args[0], call.args[1], call.args[2]
     c = _conv(input, weight, bias is not None, call.args[3:9])
     if c.groups != 1 or not isinstance(out, torch.Tensor) or _backend(c, profile_of(call)) != "slow_transpose3d":
