@@ -453,3 +453,27 @@ def test_grouped_slow_path_recopies_a_gradient_laid_out_unlike_the_kernel() -> N
         estimated, measured = tm.estimate(model, x), tm.measure(model, x)
     assert estimated.phase_peaks() == measured.phase_peaks()
     assert dict(estimated.breakdown) == dict(measured.breakdown)
+
+
+class _Conv3dStride2(nn.Module):
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.conv = nn.Conv3d(channels, 1, 4, stride=2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.conv(x)
+
+
+@pytest.mark.parametrize("level", ["default", "avx2", "avx512", "amx"])
+def test_a_strided_one_channel_backward_data_is_listed_on_avx512(level: str) -> None:
+    """oneDNN's strided backward-data of one input channel takes its brgemm or its jit
+    kernel by a cost estimate on avx512 and up (ONEDNN_VERBOSE: a 1-channel 4^3 input
+    under a 4^3 kernel at stride 2 ran ``jit:avx512_core``, with 2 channels
+    ``brgconv_strided``): listed there; not on the lower levels, where the brgemm
+    kernel's avx2 version runs (exact against measure), nor with 2 channels."""
+    x1, x2 = torch.randn(1, 1, 4, 4, 4, requires_grad=True), torch.randn(1, 2, 4, 4, 4, requires_grad=True)
+    one = tm.estimate(_Conv3dStride2(1), x1, cpu=f"{level}:2")
+    two = tm.estimate(_Conv3dStride2(2), x2, cpu=f"{level}:2")
+    listed = [u for u in one.unsupported if "one input channel on avx512" in u.reason]
+    assert bool(listed) == (level in ("avx512", "amx"))
+    assert not [u for u in two.unsupported if "one input channel" in u.reason]
