@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Any, Final
 
 import torch
@@ -38,7 +39,7 @@ from pytest_torchmem.engine.tracing.devices.cpu.profiles import CpuProfile
 from pytest_torchmem.engine.tracing.devices.memo import BoundedMemo
 from pytest_torchmem.engine.tracing.rules import OUTPUTS, Alloc, Inexact, OpCall, Step, Steps, nbytes_of
 
-__all__ = ["onednn_gemm_accumulator_bytes", "onednn_gemm_bytes"]
+__all__ = ["is_contiguous", "onednn_gemm_accumulator_bytes", "onednn_gemm_bytes"]
 
 aten = torch.ops.aten
 
@@ -279,8 +280,11 @@ def _addmm(call: OpCall) -> Steps:
 # -- bmm_out_or_baddbmm_ ---------------------------------------------------------
 
 
-def _is_contiguous(sizes: tuple[int, ...], strides: tuple[int, ...]) -> bool:
-    """``TensorImpl::is_contiguous`` on sizes and strides (size-1 dims are free)."""
+def is_contiguous(sizes: Sequence[int], strides: Sequence[int]) -> bool:
+    """``TensorImpl::is_contiguous`` (row-major) on sizes and strides: dimensions of
+    size 1 are ignored, and an empty tensor is contiguous."""
+    if 0 in sizes:
+        return True
     expected = 1
     for size, stride in zip(reversed(sizes), reversed(strides)):
         if size != 1:
@@ -293,7 +297,7 @@ def _is_contiguous(sizes: tuple[int, ...], strides: tuple[int, ...]) -> bool:
 def _mkldnn_optimized_format(sizes: tuple[int, ...], strides: tuple[int, ...]) -> bool:
     """``is_mkldnn_optimized_format`` in ``mkldnn_matmul``: contiguous, or the
     (each) matrix transposed."""
-    if _is_contiguous(sizes, strides):
+    if is_contiguous(sizes, strides):
         return True
     if len(sizes) == 2:
         return strides[0] == 1 and strides[1] == sizes[0]

@@ -26,6 +26,7 @@ import torch
 
 from pytest_torchmem.engine.tracing.devices.cpu import lapack
 from pytest_torchmem.engine.tracing.devices.cpu.base import CPU, profile_of
+from pytest_torchmem.engine.tracing.devices.cpu.blas import is_contiguous
 from pytest_torchmem.engine.tracing.devices.cpu.misc import arg, itemsize, transpose_copy
 from pytest_torchmem.engine.tracing.devices.cpu.reduce import two_pass_buffer
 from pytest_torchmem.engine.tracing.rules import (
@@ -48,7 +49,6 @@ __all__ = [
     "complex_gap",
     "f_contiguous",
     "f_strides",
-    "is_contiguous",
     "lapack_gap",
     "transpose_block",
     "tri_steps",
@@ -78,19 +78,6 @@ def f_strides(sizes: Sequence[int]) -> tuple[int, ...]:
         strides[-1] = max(sizes[-2], 1)
         strides[-2] = 1
     return tuple(strides)
-
-
-def is_contiguous(sizes: Sequence[int], strides: Sequence[int]) -> bool:
-    """``TensorImpl::is_contiguous`` (row-major): dimensions of size 1 are ignored."""
-    if math.prod(sizes) == 0:
-        return True
-    expected = 1
-    for size, stride in zip(reversed(sizes), reversed(strides)):
-        if size != 1:
-            if stride != expected:
-                return False
-            expected *= size
-    return True
 
 
 def f_contiguous(sizes: Sequence[int], strides: Sequence[int]) -> bool:
