@@ -115,6 +115,59 @@ class _ColumnSum(nn.Module):
         return x.sum(0)
 
 
+_GUARDED_CALLS: dict[str, Callable[[torch.Tensor, torch.Tensor], object]] = {
+    "~": lambda x, mask: ~mask,
+    "contiguous": lambda x, mask: x.t().contiguous(),
+    "copy_": lambda x, mask: x.copy_(x.t()),
+    "nonzero": lambda x, mask: mask.nonzero(),
+    "nonzero(as_tuple=True)": lambda x, mask: mask.nonzero(as_tuple=True)[0],
+}
+
+
+@pytest.mark.parametrize("name", list(_GUARDED_CALLS))
+def test_a_method_that_sets_the_device_runs_on_cuda_fakes(name: str) -> None:
+    """These Tensor methods' bindings set the tensor's device first (a CUDA device guard,
+    which a CPU-only torch does not have); while a cuda program is built they run their
+    op on fake cuda tensors without it, as the decompositions FakeTensorMode runs do."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    from pytest_torchmem.engine.tracing.inductor_device import unguarded
+
+    call = _GUARDED_CALLS[name]
+    with FakeTensorMode(shape_env=ShapeEnv()):
+        x = torch.empty(4, 4, device="cuda")
+        mask = torch.empty(4, 4, dtype=torch.bool, device="cuda")
+        if torch.version.cuda is None:  # a CPU-only torch
+            with pytest.raises(RuntimeError, match="not linked with support for cuda"):
+                call(x, mask)
+        with unguarded():
+            out = call(x, mask)
+        assert isinstance(out, torch.Tensor) and out.device == torch.device("cuda", 0)
+        assert out.dtype == {"~": torch.bool, "nonzero": torch.int64}.get(name, out.dtype)
+
+
+class _PermutedHeads(nn.Module):
+    """Attention over heads split off a fused projection by a permute."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(32, 96)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).view(x.shape[0], x.shape[1], 3, 2, 16).permute(2, 0, 3, 1, 4)
+        return nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def test_attention_over_permuted_heads_is_followed() -> None:
+    """The backward writes the three heads' gradients into one buffer; inductor's
+    ``reinplace_inplaceable_ops`` checks the scatter it rewrites with ``copy_``, a method
+    whose binding sets the device (it was listed as not followed)."""
+    torch.manual_seed(0)
+    report = tm.estimate(torch.compile(_PermutedHeads()), torch.randn(2, 16, 32), device="cuda")
+    assert not [u for u in report.unsupported if u.op.startswith("torch.compile: ")]
+
+
 @pytest.mark.parametrize(("gpu", "splits"), [("H100", 512), ("T4", 160)])
 def test_a_split_reduction_is_sized_for_the_gpu(gpu: str, splits: int) -> None:
     """``x.sum(0)`` of a (65536, 64) fp32 input (16 MiB): 64 outputs, too few to fill the
@@ -288,21 +341,19 @@ def test_the_estimate_leaves_torch_as_it_was() -> None:
     from torch._dynamo import device_interface
     from torch._inductor.runtime.hints import DeviceProperties
 
-    saved = (
-        torch.cuda.get_device_properties,
-        torch.cuda.get_device_capability,
-        DeviceProperties.__dict__["create"],
-        dict(device_interface.device_interfaces),
-        torch.overrides._get_current_function_mode_stack(),
-    )
+    def state() -> tuple[object, ...]:
+        return (
+            torch.cuda.get_device_properties,
+            torch.cuda.get_device_capability,
+            DeviceProperties.__dict__["create"],
+            dict(device_interface.device_interfaces),
+            torch.overrides._get_current_function_mode_stack(),
+            torch._decomp.decomposition_table,
+        )
+
+    saved = state()
     tm.estimate(torch.compile(_SinSum()), torch.randn(1024), device="cuda", loss_fn=_loss)
-    assert saved == (
-        torch.cuda.get_device_properties,
-        torch.cuda.get_device_capability,
-        DeviceProperties.__dict__["create"],
-        dict(device_interface.device_interfaces),
-        torch.overrides._get_current_function_mode_stack(),
-    )
+    assert saved == state()
 
 
 def test_a_compiled_function_in_forward_is_still_listed_on_cuda() -> None:

@@ -37,7 +37,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
 from pytest_torchmem.engine.tracing.devices.cuda.profiles import GpuProfile
-from pytest_torchmem.engine.tracing.inductor_device import Enter, as_the_gpu
+from pytest_torchmem.engine.tracing.inductor_device import Enter, as_the_gpu, unguarded
 
 __all__ = ["CudaProgram", "Gap", "GRAPH_POOL", "without_function_modes"]
 
@@ -265,7 +265,8 @@ class CudaProgram:
             self._gap(PAD_MM_GAP)
         enter = self._in_graph_pool(frozenset(kwargs.get("static_input_idxs", ()))) if graphs else None
         # (no grad: an op autograd records on a cuda fake tensor aborts a CPU-only torch)
-        with torch.no_grad(), without_function_modes(), as_the_gpu(self.profile, self.trace_device, enter):
+        gpu = as_the_gpu(self.profile, self.trace_device, enter)
+        with torch.no_grad(), without_function_modes(), gpu, unguarded():
             return compile_fx_inner(gm, _to_gpu(gm, example_inputs), **kwargs)
 
     def _in_graph_pool(self, static: frozenset[int]) -> Enter:
