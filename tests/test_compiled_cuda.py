@@ -115,6 +115,52 @@ class _ColumnSum(nn.Module):
         return x.sum(0)
 
 
+class _EmbeddingLoss(nn.Module):
+    """A language model's ends: token embeddings as logits over 1024 classes, and
+    ``cross_entropy`` with ``ignore_index`` (the loss computed in forward, as
+    transformers' models do)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(64, 1024)
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        logits = self.embedding(tokens).flatten(0, 1)
+        return nn.functional.cross_entropy(logits, targets.flatten(), ignore_index=0)
+
+
+def test_a_trained_embedding_and_its_loss_are_followed() -> None:
+    """A (64, 1024) fp32 embedding (256 KiB) looked up by 2 x 16 tokens, its 32 rows of
+    1024 logits (128 KiB) fed to ``cross_entropy(ignore_index=0)``; int64 tokens and
+    targets (256 bytes: a 512-byte block each).
+
+    Building the backward once failed: ``embedding_dense_backward`` decomposes to
+    ``_unsafe_masked_index_put_accumulate``, whose decomposition, run by inductor's
+    fake propagation on cuda fakes, calls ``~mask`` (a binding with a device guard;
+    see ``inductor_device.unguarded``). And the joint graph, traced on meta, lost the
+    loss's gradient (``nll_loss``; see ``compiled_cuda._autograd_as_on_cuda``).
+
+    Inductor's forward: the rows (128 KiB, saved), their max and log-sum-exp (one fp32
+    per row, saved), the loss and the count of targets not ignored (saved); the
+    log-probabilities are never written. The loss function's sum: one more scalar.
+    forward: 262144 + 2 * 512 + 131072 + 4 * 512 + 512 = 396800
+    Backward: the model's output is released, autograd's ones for the sum; the program
+    writes the logits' gradient (128 KiB) and scatters it into the weight's gradient
+    (256 KiB) while every saved tensor is held (by autograd, until the backward ends).
+    backward: 396800 - 512 + 512 + 131072 + 262144 = 790016
+    Eagerly the log-probabilities (128 KiB) are made beside the rows in forward.
+    """
+    torch.manual_seed(0)
+    model = _EmbeddingLoss()
+    tokens, targets = torch.randint(0, 64, (2, 16)), torch.randint(0, 1024, (2, 16))
+    report = tm.estimate(torch.compile(model), (tokens, targets), device="cuda")
+    assert report.unsupported == ()
+    assert (report.forward_peak, report.backward_peak) == (396800, 790016)
+    assert report.breakdown[tm.Category.GRADIENTS] == 262144
+    eager = tm.estimate(model, (tokens, targets), device="cuda")
+    assert eager.forward_peak >= 262144 + 2 * 512 + 2 * 131072
+
+
 _GUARDED_CALLS: dict[str, Callable[[torch.Tensor, torch.Tensor], object]] = {
     "~": lambda x, mask: ~mask,
     "contiguous": lambda x, mask: x.t().contiguous(),
@@ -349,6 +395,8 @@ def test_the_estimate_leaves_torch_as_it_was() -> None:
             dict(device_interface.device_interfaces),
             torch.overrides._get_current_function_mode_stack(),
             torch._decomp.decomposition_table,
+            # the Python dispatcher's resolution of the joint graph's autograd on meta
+            torch.ops.aten.nll_loss.default._dispatch_cache.get(torch._C.DispatchKey.AutogradMeta),
         )
 
     saved = state()
