@@ -161,6 +161,35 @@ def test_a_trained_embedding_and_its_loss_are_followed() -> None:
     assert eager.forward_peak >= 262144 + 2 * 512 + 2 * 131072
 
 
+_COMPOSITES: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "cross_entropy": lambda h: nn.functional.cross_entropy(h, torch.zeros(8, dtype=torch.long, device=h.device)),
+    "var": lambda h: h.var(-1, unbiased=False),
+    "where with a scalar": lambda h: torch.where(h > 0, h, 0.0),
+    "relu6": nn.functional.relu6,
+}
+
+
+class _TwoLinears(nn.Module):
+    def __init__(self, between: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        super().__init__()
+        self.first, self.second, self.between = nn.Linear(16, 16), nn.Linear(16, 16), between
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.between(self.second(self.first(x)))
+
+
+@pytest.mark.parametrize("name", list(_COMPOSITES))
+def test_a_composite_op_keeps_its_gradient(name: str) -> None:
+    """These ops run their ``CompositeImplicitAutograd`` kernel on a GPU, but have a
+    Python meta kernel: the joint graph, traced on meta, once gave them no gradient,
+    and the compiled backward made no gradient for the parameters before them."""
+    torch.manual_seed(0)
+    traced = _traced(torch.compile(_TwoLinears(_COMPOSITES[name])), torch.randn(8, 16))
+    assert traced.report.unsupported == ()  # type: ignore[attr-defined]
+    roles = traced.timeline.roles.values()  # type: ignore[attr-defined]
+    assert sum(role is tm.Category.GRADIENTS for role in roles) == 4  # both weights and biases
+
+
 _GUARDED_CALLS: dict[str, Callable[[torch.Tensor, torch.Tensor], object]] = {
     "~": lambda x, mask: ~mask,
     "contiguous": lambda x, mask: x.t().contiguous(),
