@@ -115,6 +115,134 @@ class _ColumnSum(nn.Module):
         return x.sum(0)
 
 
+class _EmbeddingLoss(nn.Module):
+    """A language model's ends: token embeddings as logits over 1024 classes, and
+    ``cross_entropy`` with ``ignore_index`` (the loss computed in forward, as
+    transformers' models do)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(64, 1024)
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        logits = self.embedding(tokens).flatten(0, 1)
+        return nn.functional.cross_entropy(logits, targets.flatten(), ignore_index=0)
+
+
+def test_a_trained_embedding_and_its_loss_are_followed() -> None:
+    """A (64, 1024) fp32 embedding (256 KiB) looked up by 2 x 16 tokens, its 32 rows of
+    1024 logits (128 KiB) fed to ``cross_entropy(ignore_index=0)``; int64 tokens and
+    targets (256 bytes: a 512-byte block each).
+
+    Building the backward once failed: ``embedding_dense_backward`` decomposes to
+    ``_unsafe_masked_index_put_accumulate``, whose decomposition, run by inductor's
+    fake propagation on cuda fakes, calls ``~mask`` (a binding with a device guard;
+    see ``inductor_device.unguarded``). And the joint graph, traced on meta, lost the
+    loss's gradient (``nll_loss``; see ``compiled_cuda._autograd_as_on_cuda``).
+
+    Inductor's forward: the rows (128 KiB, saved), their max and log-sum-exp (one fp32
+    per row, saved), the loss and the count of targets not ignored (saved); the
+    log-probabilities are never written. The loss function's sum: one more scalar.
+    forward: 262144 + 2 * 512 + 131072 + 4 * 512 + 512 = 396800
+    Backward: the model's output is released, autograd's ones for the sum; the program
+    writes the logits' gradient (128 KiB) and scatters it into the weight's gradient
+    (256 KiB) while every saved tensor is held (by autograd, until the backward ends).
+    backward: 396800 - 512 + 512 + 131072 + 262144 = 790016
+    Eagerly the log-probabilities (128 KiB) are made beside the rows in forward.
+    """
+    torch.manual_seed(0)
+    model = _EmbeddingLoss()
+    tokens, targets = torch.randint(0, 64, (2, 16)), torch.randint(0, 1024, (2, 16))
+    report = tm.estimate(torch.compile(model), (tokens, targets), device="cuda")
+    assert report.unsupported == ()
+    assert (report.forward_peak, report.backward_peak) == (396800, 790016)
+    assert report.breakdown[tm.Category.GRADIENTS] == 262144
+    eager = tm.estimate(model, (tokens, targets), device="cuda")
+    assert eager.forward_peak >= 262144 + 2 * 512 + 2 * 131072
+
+
+_COMPOSITES: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "cross_entropy": lambda h: nn.functional.cross_entropy(h, torch.zeros(8, dtype=torch.long, device=h.device)),
+    "var": lambda h: h.var(-1, unbiased=False),
+    "where with a scalar": lambda h: torch.where(h > 0, h, 0.0),
+    "relu6": nn.functional.relu6,
+}
+
+
+class _TwoLinears(nn.Module):
+    def __init__(self, between: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        super().__init__()
+        self.first, self.second, self.between = nn.Linear(16, 16), nn.Linear(16, 16), between
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.between(self.second(self.first(x)))
+
+
+@pytest.mark.parametrize("name", list(_COMPOSITES))
+def test_a_composite_op_keeps_its_gradient(name: str) -> None:
+    """These ops run their ``CompositeImplicitAutograd`` kernel on a GPU, but have a
+    Python meta kernel: the joint graph, traced on meta, once gave them no gradient,
+    and the compiled backward made no gradient for the parameters before them."""
+    torch.manual_seed(0)
+    traced = _traced(torch.compile(_TwoLinears(_COMPOSITES[name])), torch.randn(8, 16))
+    assert traced.report.unsupported == ()  # type: ignore[attr-defined]
+    roles = traced.timeline.roles.values()  # type: ignore[attr-defined]
+    assert sum(role is tm.Category.GRADIENTS for role in roles) == 4  # both weights and biases
+
+
+_GUARDED_CALLS: dict[str, Callable[[torch.Tensor, torch.Tensor], object]] = {
+    "~": lambda x, mask: ~mask,
+    "contiguous": lambda x, mask: x.t().contiguous(),
+    "copy_": lambda x, mask: x.copy_(x.t()),
+    "nonzero": lambda x, mask: mask.nonzero(),
+    "nonzero(as_tuple=True)": lambda x, mask: mask.nonzero(as_tuple=True)[0],
+}
+
+
+@pytest.mark.parametrize("name", list(_GUARDED_CALLS))
+def test_a_method_that_sets_the_device_runs_on_cuda_fakes(name: str) -> None:
+    """These Tensor methods' bindings set the tensor's device first (a CUDA device guard,
+    which a CPU-only torch does not have); while a cuda program is built they run their
+    op on fake cuda tensors without it, as the decompositions FakeTensorMode runs do."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    from pytest_torchmem.engine.tracing.inductor_device import unguarded
+
+    call = _GUARDED_CALLS[name]
+    with FakeTensorMode(shape_env=ShapeEnv()):
+        x = torch.empty(4, 4, device="cuda")
+        mask = torch.empty(4, 4, dtype=torch.bool, device="cuda")
+        if torch.version.cuda is None:  # a CPU-only torch
+            with pytest.raises(RuntimeError, match="not linked with support for cuda"):
+                call(x, mask)
+        with unguarded():
+            out = call(x, mask)
+        assert isinstance(out, torch.Tensor) and out.device == torch.device("cuda", 0)
+        assert out.dtype == {"~": torch.bool, "nonzero": torch.int64}.get(name, out.dtype)
+
+
+class _PermutedHeads(nn.Module):
+    """Attention over heads split off a fused projection by a permute."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(32, 96)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).view(x.shape[0], x.shape[1], 3, 2, 16).permute(2, 0, 3, 1, 4)
+        return nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def test_attention_over_permuted_heads_is_followed() -> None:
+    """The backward writes the three heads' gradients into one buffer; inductor's
+    ``reinplace_inplaceable_ops`` checks the scatter it rewrites with ``copy_``, a method
+    whose binding sets the device (it was listed as not followed)."""
+    torch.manual_seed(0)
+    report = tm.estimate(torch.compile(_PermutedHeads()), torch.randn(2, 16, 32), device="cuda")
+    assert not [u for u in report.unsupported if u.op.startswith("torch.compile: ")]
+
+
 @pytest.mark.parametrize(("gpu", "splits"), [("H100", 512), ("T4", 160)])
 def test_a_split_reduction_is_sized_for_the_gpu(gpu: str, splits: int) -> None:
     """``x.sum(0)`` of a (65536, 64) fp32 input (16 MiB): 64 outputs, too few to fill the
@@ -288,21 +416,21 @@ def test_the_estimate_leaves_torch_as_it_was() -> None:
     from torch._dynamo import device_interface
     from torch._inductor.runtime.hints import DeviceProperties
 
-    saved = (
-        torch.cuda.get_device_properties,
-        torch.cuda.get_device_capability,
-        DeviceProperties.__dict__["create"],
-        dict(device_interface.device_interfaces),
-        torch.overrides._get_current_function_mode_stack(),
-    )
+    def state() -> tuple[object, ...]:
+        return (
+            torch.cuda.get_device_properties,
+            torch.cuda.get_device_capability,
+            DeviceProperties.__dict__["create"],
+            dict(device_interface.device_interfaces),
+            torch.overrides._get_current_function_mode_stack(),
+            torch._decomp.decomposition_table,
+            # the Python dispatcher's resolution of the joint graph's autograd on meta
+            torch.ops.aten.nll_loss.default._dispatch_cache.get(torch._C.DispatchKey.AutogradMeta),
+        )
+
+    saved = state()
     tm.estimate(torch.compile(_SinSum()), torch.randn(1024), device="cuda", loss_fn=_loss)
-    assert saved == (
-        torch.cuda.get_device_properties,
-        torch.cuda.get_device_capability,
-        DeviceProperties.__dict__["create"],
-        dict(device_interface.device_interfaces),
-        torch.overrides._get_current_function_mode_stack(),
-    )
+    assert saved == state()
 
 
 def test_a_compiled_function_in_forward_is_still_listed_on_cuda() -> None:

@@ -4,7 +4,8 @@ On the fake ``cuda`` device a compiled module is estimated as inductor's cuda
 program runs: AOTAutograd traces and partitions the module on the trace's
 fake ``meta`` tensors (autograd on a fake ``cuda`` tensor kills a CPU-only
 torch), with the device's router active, so that the joint graph holds the
-kernels CUDA dispatch picks (the attention backend, cuDNN batch norm); then
+kernels CUDA dispatch picks (the attention backend, cuDNN batch norm) and the
+gradients autograd takes for cuda tensors (:func:`_autograd_as_on_cuda`); then
 each partitioned graph is handed to inductor with its values on ``cuda``:
 inductor lowers it, fuses and plans its buffers with its cuda backend
 (triton's scheduling, the Python wrapper's buffer reuse), the code path a GPU
@@ -37,7 +38,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
 from pytest_torchmem.engine.tracing.devices.cuda.profiles import GpuProfile
-from pytest_torchmem.engine.tracing.inductor_device import Enter, as_the_gpu
+from pytest_torchmem.engine.tracing.inductor_device import Enter, as_the_gpu, unguarded
 
 __all__ = ["CudaProgram", "Gap", "GRAPH_POOL", "without_function_modes"]
 
@@ -233,7 +234,7 @@ class CudaProgram:
             self._gap(CUDA_GRAPHS_GAP)
             options["triton.cudagraphs"] = False
         fused = counters["inductor"]["fuse_attention"]
-        with self.router(), _as_in_cuda_decompositions(), _meta_outputs_computed():
+        with self.router(), _as_in_cuda_decompositions(), _autograd_as_on_cuda(), _meta_outputs_computed():
             program = compile_fx(
                 gm,
                 example_inputs,
@@ -265,7 +266,8 @@ class CudaProgram:
             self._gap(PAD_MM_GAP)
         enter = self._in_graph_pool(frozenset(kwargs.get("static_input_idxs", ()))) if graphs else None
         # (no grad: an op autograd records on a cuda fake tensor aborts a CPU-only torch)
-        with torch.no_grad(), without_function_modes(), as_the_gpu(self.profile, self.trace_device, enter):
+        gpu = as_the_gpu(self.profile, self.trace_device, enter)
+        with torch.no_grad(), without_function_modes(), gpu, unguarded():
             return compile_fx_inner(gm, _to_gpu(gm, example_inputs), **kwargs)
 
     def _in_graph_pool(self, static: frozenset[int]) -> Enter:
@@ -352,3 +354,46 @@ def _as_in_cuda_decompositions() -> Iterator[None]:
         decomposition.is_gpu = real
 
 
+_UNCACHED: Final = object()
+
+
+@contextmanager
+def _autograd_as_on_cuda() -> Iterator[None]:
+    """The joint graph's autograd, as it is traced for cuda tensors. AOTAutograd traces
+    on the trace's ``meta`` tensors under the Python dispatcher, whose ``resolve_key``
+    (torch/_ops.py) takes an op's ``CompositeImplicitAutograd`` kernel for an autograd
+    key only where the op has no kernel of that key's backend; ``activate_meta``
+    (_meta_registrations.py) gives a Python ``Meta`` kernel to every op with a
+    decomposition, composite ones included (``nll_loss``, ``var``, ``where.ScalarOther``,
+    ``relu6``, ...). So on ``meta`` such an op skips its composite, falls to autograd's
+    fallback for a kernel with no derivative, and gives no gradient: the backward graph
+    loses every gradient behind it (a compiled model computing its loss with
+    ``cross_entropy`` would have no parameter gradients). On cuda the op has no kernel
+    of its backend, and its autograd key runs the composite. While the joint graph is
+    traced, ``AutogradMeta`` of these ops resolves to their composite (the operator's
+    dispatch cache, seeded here, restored after); an op with a derivative of its own
+    is left as it is."""
+    from torch._C import DispatchKey
+    from torch._decomp import global_decomposition_table
+    from torch._ops import OpOverload, resolve_key
+
+    composite = DispatchKey.CompositeImplicitAutograd
+    seeded: dict[OpOverload, Any] = {}
+    ops = {op for table in global_decomposition_table.values() for op in table if isinstance(op, OpOverload)}
+    for op in ops:
+        try:
+            lost = resolve_key(op, DispatchKey.AutogradMeta) == DispatchKey.AutogradMeta
+            if not (lost and resolve_key(op, DispatchKey.AutogradCUDA) == composite):
+                continue
+        except NotImplementedError:
+            continue
+        seeded[op] = op._dispatch_cache.get(DispatchKey.AutogradMeta, _UNCACHED)
+        op._dispatch_cache[DispatchKey.AutogradMeta] = op.py_kernels.get(composite, composite)
+    try:
+        yield
+    finally:
+        for op, before in seeded.items():
+            if before is _UNCACHED:
+                op._dispatch_cache.pop(DispatchKey.AutogradMeta, None)
+            else:
+                op._dispatch_cache[DispatchKey.AutogradMeta] = before

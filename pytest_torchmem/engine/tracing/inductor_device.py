@@ -7,6 +7,9 @@
   kernel is compiled, and each output module is loaded to run on the trace's
   fake tensors: its allocations through the dispatcher, its device guards and
   streams doing nothing.
+* :func:`unguarded`: meanwhile, the Tensor methods whose Python binding sets
+  the CUDA device before its op run the op without it (a CPU-only torch has
+  no CUDA device guard).
 * :func:`host_vector_isa`: the vector ISAs inductor's C++ backend may use on
   this host, read from the CPU's flags instead of compiling and loading a
   probe program per ISA (seconds each, a large part of a small program's build).
@@ -16,16 +19,19 @@ Every patch is undone when its context ends.
 
 from __future__ import annotations
 
+import functools
 import types
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, Final
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.overrides import TorchFunctionMode
 
 from pytest_torchmem.engine.tracing.devices.cuda.profiles import GpuProfile
 
-__all__ = ["Enter", "as_the_gpu", "gpu_properties", "host_vector_isa"]
+__all__ = ["Enter", "as_the_gpu", "gpu_properties", "host_vector_isa", "unguarded"]
 
 _GPU: Final = torch.device("cuda", 0)
 _MISSING: Final = object()
@@ -190,6 +196,118 @@ def as_the_gpu(
                     interfaces.pop(name, None)
                 else:
                     interfaces[name] = value
+
+
+# -- the Python bindings that set the device ------------------------------------------
+
+aten = torch.ops.aten
+
+
+def _invert(self: torch.Tensor) -> torch.Tensor:
+    # (the binding's TypeError for a float tensor comes from the binding itself)
+    if self.dtype.is_floating_point or self.dtype.is_complex:
+        return torch._C.TensorBase.__invert__(self)
+    return aten.bitwise_not.default(self)
+
+
+def _contiguous(self: torch.Tensor, *, memory_format: torch.memory_format = torch.contiguous_format) -> Any:
+    return aten.contiguous.default(self, memory_format=memory_format)
+
+
+def _copy_(self: torch.Tensor, other: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
+    return aten.copy_.default(self, other, non_blocking)
+
+
+def _nonzero(self: torch.Tensor, *, as_tuple: bool = False) -> Any:
+    return tuple(aten.nonzero_numpy.default(self)) if as_tuple else aten.nonzero.default(self)
+
+
+#: Tensor methods whose binding (python_variable_methods.cpp) sets the device of
+#: ``self`` (``OptionalDeviceGuard device_guard(device_of(self))``) before its one op
+#: (``dispatch_invert``, ``dispatch_contiguous``, ``dispatch_copy_``,
+#: ``dispatch_nonzero``/``dispatch_nonzero_numpy``), and that op without the guard.
+_GUARDED: Final[dict[Any, Callable[..., Any]]] = {
+    torch._C.TensorBase.__invert__: _invert,
+    torch._C.TensorBase.contiguous: _contiguous,
+    torch._C.TensorBase.copy_: _copy_,
+    torch._C.TensorBase.nonzero: _nonzero,
+}
+
+
+class _Unguarded(TorchFunctionMode):
+    """The Tensor methods of :data:`_GUARDED`, called on a fake ``cuda`` tensor, run
+    their op without the binding's device guard (see :func:`unguarded`); every other
+    call as it is."""
+
+    def __torch_function__(self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        unguarded = _GUARDED.get(func)
+        if unguarded is not None and args and _fake_cuda(args[0]):
+            return unguarded(*args, **kwargs)
+        return func(*args, **kwargs)
+
+
+def _fake_cuda(t: Any) -> bool:
+    return isinstance(t, FakeTensor) and t.fake_device.type == "cuda"
+
+
+class _UnguardedDecompositions(dict):  # type: ignore[type-arg]
+    """``torch._decomp.decomposition_table`` as FakeTensorMode reads it while a cuda
+    graph is built: each decomposition runs with :class:`_Unguarded` active (its name
+    and module kept: FakeTensorMode checks them, ``torch_decomp_decompositions``)."""
+
+    def __getitem__(self, op: Any) -> Callable[..., Any]:
+        return _unguarded_decomposition(super().__getitem__(op))
+
+    def get(self, op: Any, default: Any = None) -> Any:
+        return self[op] if op in self else default
+
+
+def _unguarded_decomposition(decomposition: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(decomposition)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with _Unguarded():
+            return decomposition(*args, **kwargs)
+
+    return run
+
+
+@contextmanager
+def unguarded() -> Iterator[None]:
+    """While inductor builds a graph on fake ``cuda`` tensors: the Tensor methods whose
+    Python binding sets the CUDA device before its op (:data:`_GUARDED`) run the op
+    without it, in inductor's passes and in the decompositions FakeTensorMode runs.
+
+    A CPU-only torch has no CUDA guard implementation: ``OptionalDeviceGuard`` on a
+    cuda device raises "PyTorch is not linked with support for cuda devices"
+    (``c10::impl::getDeviceGuardImpl``) before the op reaches the fake mode. Two
+    places of a cuda build call such methods on fake cuda tensors:
+
+    * inductor's own passes: ``reinplace_inplaceable_ops`` checks a scatter it
+      rewrites with ``tmp.copy_(src)`` (reinplace.py);
+    * FakeTensorMode, for an op with no meta kernel of its own, runs its Python
+      decomposition on the fake tensors themselves, whose device is ``cuda`` there
+      (``_dispatch_impl``), and some call such a method: ``_unsafe_masked_index`` and
+      ``_unsafe_masked_index_put_accumulate`` (``masked_fill(~mask, ...)``), which
+      ``embedding_dense_backward`` and ``slice_scatter`` decompose to. The fake mode
+      dispatches with the torch-function mode of the call that reached it popped,
+      so each decomposition is run with the mode entered again: FakeTensorMode reads
+      ``torch._decomp.decomposition_table`` at each dispatch, and reads this one's
+      wrapped entries while the context lasts (the table itself is not changed).
+
+    On a GPU the guard selects the tensor's device, which is the current one: the op
+    is the same. Not covered (these still raise, and the region is listed as not
+    followed): indexing (``THPVariable_getitem``/``setitem`` guard too),
+    ``new``/``new_tensor``, and the conversions to Python numbers (``item``, ``int``)."""
+    import torch._decomp as decomp
+
+    real = decomp.decomposition_table
+    decomp.decomposition_table = _UnguardedDecompositions(real)
+    try:
+        with _Unguarded():
+            yield
+    finally:
+        decomp.decomposition_table = real
 
 
 # -- the output module, run on the trace's tensors ------------------------------------
