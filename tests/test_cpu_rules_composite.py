@@ -155,3 +155,38 @@ def test_chunked_linear_cross_entropy_equals_measure(reduction: str, dtype: torc
         lambda x, w, t: torch.nn.functional.linear_cross_entropy(x, w, t, reduction=reduction, options=options)
     )
     assert_exact(model, (x, w, target))
+
+
+@pytest.mark.parametrize(
+    "window",
+    [
+        lambda: torch.hann_window(64),
+        lambda: torch.hamming_window(64, periodic=False),
+        lambda: torch.blackman_window(64),
+        lambda: torch.bartlett_window(64),
+        lambda: torch.kaiser_window(64),
+    ],
+    ids=["hann", "hamming", "blackman", "bartlett", "kaiser"],
+)
+def test_window_functions_are_followed(window: Callable[[], torch.Tensor], threads: int) -> None:
+    """The window functions' CPU kernels scale an ``arange`` in place with Python
+    numbers, each a wrapped double and its float copy (``hann_window`` within a step
+    was 4 bytes short at 2 and 4 threads, unflagged, before it was followed)."""
+    model = Lambda(lambda x: x * window())
+    x = torch.randn(8, 64, requires_grad=True)
+    estimated = tm.estimate(model, x)
+    assert estimated.unsupported == ()
+    assert estimated.phase_peaks() == tm.measure(model, x).phase_peaks()
+
+
+@pytest.mark.parametrize("periodic", [True, False])
+@pytest.mark.parametrize("length", [0, 1, 2, 64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_kaiser_window_holds_its_longer_storage(periodic: bool, length: int, dtype: torch.dtype) -> None:
+    """A periodic ``kaiser_window(n)`` is a ``narrow`` of an ``n + 1`` window, whose
+    storage it keeps: 4 bytes more than its own size in float32 (was short by them)."""
+    model = Lambda(lambda x: x.sum() * torch.kaiser_window(length, periodic, dtype=dtype))
+    x = torch.randn(8, dtype=dtype)
+    estimated = tm.estimate(model, x, train=False)
+    assert estimated.unsupported == ()
+    assert estimated.phase_peaks() == tm.measure(model, x, train=False).phase_peaks()

@@ -54,13 +54,52 @@ def follow_cpu_kernel(call: OpCall) -> Any:
 #: * ``soft_margin_loss`` / ``soft_margin_loss_backward`` (``Loss.cpp``): in-place
 #:   elementwise programs on an ``empty({0})`` result (``neg_out(...).mul_(target)
 #:   .exp_().log1p_()`` and a loss reduction; ``exp(-target * input)`` and the
-#:   gradient's ``mul_``/``add_``/``div_`` with wrapped numbers).
+#:   gradient's ``mul_``/``add_``/``div_`` with wrapped numbers);
+#: * the window functions (``TensorFactories.cpp``: ``hann_window`` is
+#:   ``hamming_window``'s ``arange``, then ``mul_``/``cos_``/``mul_``/``add_`` in place,
+#:   each scalar a wrapped double and its float copy: measured 8 + 4 bytes each;
+#:   ``blackman_window`` and ``bartlett_window`` alike; not ``kaiser_window``, whose
+#:   kernel writes through a TensorIterator kernel of its own).
+_WINDOWS: Final = tuple(
+    getattr(getattr(aten, name), overload)
+    for name in ("hann_window", "hamming_window", "blackman_window", "bartlett_window")
+    for overload in getattr(aten, name).overloads()
+    if not overload.endswith("out")
+)
 _FOLLOWED: Final = (
     aten._trilinear.default,
     aten.soft_margin_loss.default, aten.soft_margin_loss.out,
     aten.soft_margin_loss_backward.default, aten.soft_margin_loss_backward.grad_input,
+    *_WINDOWS,
 )  # fmt: skip
 CPU.composite(*_FOLLOWED)(follow_cpu_kernel)
+
+
+_KAISER: Final = tuple(
+    getattr(aten.kaiser_window, overload)
+    for overload in aten.kaiser_window.overloads()
+    if not overload.endswith("out")
+)
+
+
+@CPU.composite(*_KAISER)
+def _kaiser_window(call: OpCall) -> Any:
+    """``kaiser_window`` (``TensorFactories.cpp``), whose values come from a kernel of
+    its own: ``arange`` and ``empty`` of the length (one more when periodic, the
+    result then a ``narrow`` of it, holding the longer storage), ``arange`` freed
+    when it returns (measured: a periodic window of 64 floats holds 260 bytes)."""
+    length = call.arg(0, "window_length")
+    periodic = call.arg(1, "periodic", True)
+    options = {k: call.kwargs[k] for k in ("dtype", "layout", "device", "pin_memory") if k in call.kwargs}
+    if length <= 1:
+        factory = aten.empty.memory_format if length == 0 else aten.ones.default
+        return factory([length], **options)
+    n = length + 1 if periodic else length
+    initial = aten.arange.default(n, **options)
+    window = aten.empty.memory_format([n], **options)
+    out = aten.narrow.default(window, 0, 0, n - 1) if periodic else window
+    del initial
+    return out
 
 
 def _chunked_linear_cross_entropy() -> tuple[Any, ...]:
