@@ -12,6 +12,10 @@ eagerly and is listed in ``unsupported`` with where it is defined.
 from __future__ import annotations
 
 import inspect
+import os
+import pathlib
+import tempfile
+import warnings
 
 import pytest
 import torch
@@ -380,3 +384,55 @@ def test_compile_and_parallel_together_are_refused() -> None:
     parallel = tm.Parallel(mesh={"dp": 2}, apply=lambda model, mesh: model)
     with pytest.raises(ValueError, match="compile= and parallel= together"):
         tm.estimate(Fusable(), torch.randn(2, 32), compile=True, parallel=parallel)
+
+
+def test_an_estimate_leaves_no_file_behind(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With its caches off, inductor writes each program into a new temporary directory
+    that it never deletes; those the estimate builds are deleted when it ends."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    inductors = cache_dir()
+    before = sorted(os.listdir(inductors))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where the estimate's directory goes
+    torch.manual_seed(0)
+    report = tm.estimate(torch.compile(Fusable()), torch.randn(8, 16, 32))
+    assert report.unsupported == ()
+    assert sorted(os.listdir(inductors)) == before
+    assert os.listdir(tmp_path) == []
+
+
+def test_the_compiled_programs_buffers_are_made_at_the_users_lines() -> None:
+    """Each buffer inductor's program allocates, in forward and backward, is made at the
+    line of the user's code its graph node came from, not in inductor's output module."""
+    from pytest_torchmem.engine.timeline import Phase
+    from pytest_torchmem.engine.tracing.devices import device_model
+    from pytest_torchmem.engine.tracing.trace import trace
+
+    torch.manual_seed(0)
+    traced = trace(
+        torch.compile(Fusable()), (torch.randn(8, 16, 32),), {}, device=device_model("cpu"),
+        loss_fn=None, optimizer=None, train=True, record_frames=True,
+    )
+    lines, first = inspect.getsourcelines(Fusable.forward)
+    forward = {(inspect.getsourcefile(Fusable), number) for number in range(first, first + len(lines))}
+    made = [
+        (info.phase, info.frames[0].filename, info.frames[0].line)
+        for info in traced.timeline.storages
+        if info.frames and info.phase in (Phase.FORWARD, Phase.BACKWARD)
+    ]
+    assert {phase for phase, *where in made if tuple(where) in forward} == {Phase.FORWARD, Phase.BACKWARD}
+    # the rest: the input, the loss and its gradient, made by the test's call
+    assert {filename for _, filename, _ in made} == {inspect.getsourcefile(Fusable), __file__}
+
+
+def test_an_estimate_of_a_compiled_model_does_not_warn(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The caches the estimate turns off while it compiles are not the user's concern
+    (dynamo warned, once per process, that they turned its profile-guided shapes off)."""
+    from torch._dynamo import utils as dynamo_utils
+
+    monkeypatch.setattr(dynamo_utils, "warn_once_cache", set())
+    torch.manual_seed(0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        tm.estimate(torch.compile(Fusable()), torch.randn(8, 16, 32))
+    assert [str(w.message) for w in caught if "torch" in w.filename] == []

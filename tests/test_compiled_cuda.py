@@ -9,6 +9,7 @@ small model, against the eager estimate, and by what the report lists.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 
 import pytest
@@ -447,3 +448,26 @@ def test_each_way_of_compiling_a_module_is_followed(kind: str) -> None:
     model, _, _ = _compiled(kind)
     report = tm.estimate(model, torch.randn(4, 16), device="cuda")
     assert report.unsupported == ()
+
+
+def _line_of(function: Callable[..., object], text: str) -> str:
+    """``file:line`` of the first line of ``function``'s source that holds ``text``."""
+    lines, first = inspect.getsourcelines(function)
+    found = next(number for number, line in enumerate(lines, first) if text in line)
+    return f"{inspect.getsourcefile(function)}:{found}"
+
+
+def test_an_op_listed_in_a_compiled_program_is_located_at_the_users_line() -> None:
+    """The efficient attention's backward workspace, listed from inductor's program of two
+    blocks, is located once at the user's call of the attention (inductor's line map: a
+    backward node keeps its forward's stack), not at two lines of inductor's output
+    module, a temporary file."""
+    torch.manual_seed(0)
+    model = torch.compile(nn.Sequential(_Attention(), _Attention()))
+    report = tm.estimate(model, torch.randn(2, 16, 32), device="cuda")
+    assert [(u.op, u.location) for u in report.unsupported] == [
+        (
+            "aten._scaled_dot_product_efficient_attention_backward.default",
+            _line_of(_Attention.forward, "scaled_dot_product_attention("),
+        )
+    ]

@@ -29,12 +29,15 @@ Nothing of this may reach the user's own compiled calls:
 - inductor's caches are off while we compile (``force_disable_caches``), so
   no no-op-kernel artifact is written to or read from the FX graph, AOTAutograd
   or autotuning caches, and each output module is loaded with ``attrs`` and
-  without ``sys.modules``, which keeps it out of ``PyCodeCache``'s by-path cache.
+  without ``sys.modules``, which keeps it out of ``PyCodeCache``'s by-path cache;
+  its file is written in a directory of ours, deleted on exit (see
+  :mod:`generated_code`).
 """
 
 from __future__ import annotations
 
 import inspect
+import warnings
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
@@ -47,6 +50,7 @@ from torch import nn
 from pytest_torchmem.engine.report import Unsupported
 from pytest_torchmem.engine.timeline import Phase
 from pytest_torchmem.engine.tracing.devices.cpu.profiles import CpuProfile
+from pytest_torchmem.engine.tracing.generated_code import output_directory, remember
 from pytest_torchmem.engine.tracing.inductor_device import host_vector_isa
 
 __all__ = [
@@ -122,6 +126,7 @@ def no_kernels(loaded: list[Any], cpu: CpuProfile | None = None) -> Iterator[Non
         # real compile of the same source would be handed this no-op module
         kwargs["set_sys_modules"] = False
         module = real_load.__func__(codecache.PyCodeCache, key, path, linemap, dict(attrs or {}), **kwargs)
+        remember(path, linemap)
         for name, replacement in _DISPATCHED.items():
             if hasattr(module, name):
                 setattr(module, name, replacement)
@@ -136,9 +141,13 @@ def no_kernels(loaded: list[Any], cpu: CpuProfile | None = None) -> Iterator[Non
     try:
         with (
             inductor_config.patch(force_disable_caches=True, compile_threads=1, **for_profile(cpu)),
+            output_directory(),
             host_vector_isa(),
             _vector_isa_of(cpu),
+            warnings.catch_warnings(),
         ):
+            # dynamo warns that the caches we turned off turn its profile-guided shapes off
+            warnings.filterwarnings("ignore", message="dynamo_pgo force disabled")
             yield
     finally:
         for name, value in saved.items():

@@ -30,6 +30,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.overrides import TorchFunctionMode
 
 from pytest_torchmem.engine.tracing.devices.cuda.profiles import GpuProfile
+from pytest_torchmem.engine.tracing.generated_code import remember
 
 __all__ = ["Enter", "as_the_gpu", "gpu_properties", "host_vector_isa", "unguarded"]
 
@@ -174,6 +175,7 @@ def as_the_gpu(
     saved_interfaces = {name: interfaces.get(name) for name in ("cuda", "cuda:0")}
 
     def load(key: str, path: str, linemap: Any = None, attrs: Any = None, **kwargs: Any) -> Any:
+        remember(path, linemap)
         return _load(key, path, attrs, trace_device, enter)
 
     patches: list[tuple[Any, str, Any]] = [

@@ -38,6 +38,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from pytest_torchmem.engine.report import Category, Unsupported
 from pytest_torchmem.engine.timeline import Frame, Phase, StorageInfo, Timeline
+from pytest_torchmem.engine.tracing.generated_code import is_generated, user_frames_at
 from pytest_torchmem.engine.tracing.rules import (
     OUTPUTS,
     Alloc,
@@ -167,10 +168,15 @@ def user_frames(limit: int = 16, stop: tuple[str, ...] = ()) -> tuple[Frame, ...
         filename = code.co_filename
         if filename.startswith(stop):
             break
-        if not filename.startswith(_OWN_DIRS) and not filename.startswith("<"):
+        if is_generated(filename):
+            # a line of a compiled region's program: the user's lines its graph node came from
+            for name, line, function in user_frames_at(filename, frame.f_lineno):
+                if not name.startswith(_OWN_DIRS):
+                    frames.append(Frame(name, line, function))
+        elif not filename.startswith(_OWN_DIRS) and not filename.startswith("<"):
             frames.append(Frame(filename, frame.f_lineno, code.co_name))
         frame = frame.f_back
-    return tuple(frames)
+    return tuple(frames[:limit])
 
 
 def runner_dirs() -> tuple[str, ...]:
@@ -1368,7 +1374,11 @@ def _user_location_in(exc: BaseException) -> str:
     tb = exc.__traceback__
     while tb is not None:
         filename = tb.tb_frame.f_code.co_filename
-        if not filename.startswith(_OWN_DIRS) and not filename.startswith("<"):
+        if is_generated(filename):
+            frames = [frame for frame in user_frames_at(filename, tb.tb_lineno) if not frame[0].startswith(_OWN_DIRS)]
+            if frames:
+                found = f"{frames[0][0]}:{frames[0][1]}"
+        elif not filename.startswith(_OWN_DIRS) and not filename.startswith("<"):
             found = f"{filename}:{tb.tb_lineno}"
         tb = tb.tb_next
     return found
