@@ -111,6 +111,37 @@ def test_a_compiled_program_checked_by_hand() -> None:
     assert eager.forward_peak >= 8704 + 2 * 4096
 
 
+class _DroppedSinSum(nn.Module):
+    """``sin(dropout(x * w)).sum()``: a dropout inside the fused kernel."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(1024))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.sin(nn.functional.dropout(x * self.w, 0.5, self.training)).sum()
+
+
+def test_a_compiled_dropout_checked_by_hand() -> None:
+    """Dropout over 1024 fp32 values, compiled. Inductor replaces the joint graph's
+    ``rand`` by its own random op (``replace_random``): the forward kernel draws from
+    a seed (one int64, made by ``randint`` into a buffer of its own) and writes the
+    keep-mask (1024 bools) for backward, with no random or dropped tensor between
+    kernels. Blocks are rounded to 512 bytes.
+
+    forward: w 4096 + x 4096 + the seed 512 + the mask 1024 + the loss 512 = 10240
+    backward: the seed freed; 9728 + autograd's ones 512 + w's gradient 4096 = 14336
+    (eagerly the product, the dropped values and the sine's input are 4 KiB each)
+    """
+    torch.manual_seed(0)
+    model, x = _DroppedSinSum(), torch.randn(1024)
+    report = tm.estimate(torch.compile(model), x, device="cuda", loss_fn=_loss)
+    assert report.unsupported == ()
+    assert (report.forward_peak, report.backward_peak) == (10240, 14336)
+    eager = tm.estimate(model, x, device="cuda", loss_fn=_loss)
+    assert eager.forward_peak > 10240 + 4096
+
+
 class _ColumnSum(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x.sum(0)

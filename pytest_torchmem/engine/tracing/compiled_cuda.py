@@ -146,6 +146,40 @@ def _meta_outputs_computed() -> Iterator[None]:
         joint_graph.remove_no_ops = real_remove
 
 
+@contextmanager
+def _random_ops_replaced() -> Iterator[None]:
+    """Let inductor's ``replace_random`` pass replace the joint graph's ``aten.rand`` (a
+    dropout's mask) by its own random op, as on a GPU: its pattern matcher skips a node
+    whose values it cannot generate code for, which a ``meta`` tensor is (then inductor's
+    lowering refuses ``aten.rand``: the whole region fell back to eager figures); for
+    the GPU those values stand for, that check is told they are not ``meta``."""
+    import torch._inductor.fx_passes.joint_graph as joint_graph
+    import torch._inductor.pattern_matcher as pattern_matcher
+
+    real_pass = joint_graph.replace_random_passes
+    real_check = pattern_matcher.fallback_node_due_to_unsupported_type
+
+    def check(node: torch.fx.Node, allow_cpu_inputs: bool = True) -> bool:
+        FakeTensor.is_meta = property(lambda self: False)  # type: ignore[assignment,method-assign]
+        try:
+            return real_check(node, allow_cpu_inputs)
+        finally:
+            del FakeTensor.is_meta  # TensorBase's again
+
+    def replace_random_passes(gm: torch.fx.GraphModule) -> int:
+        pattern_matcher.fallback_node_due_to_unsupported_type = check
+        try:
+            return real_pass(gm)
+        finally:
+            pattern_matcher.fallback_node_due_to_unsupported_type = real_check
+
+    joint_graph.replace_random_passes = replace_random_passes
+    try:
+        yield
+    finally:
+        joint_graph.replace_random_passes = real_pass
+
+
 #: Inductor options whose choices are made by benchmarking on the GPU, not made here.
 _AUTOTUNING: Final = ("max_autotune", "max_autotune_gemm", "max_autotune_pointwise")
 
@@ -234,7 +268,13 @@ class CudaProgram:
             self._gap(CUDA_GRAPHS_GAP)
             options["triton.cudagraphs"] = False
         fused = counters["inductor"]["fuse_attention"]
-        with self.router(), _as_in_cuda_decompositions(), _autograd_as_on_cuda(), _meta_outputs_computed():
+        with (
+            self.router(),
+            _as_in_cuda_decompositions(),
+            _autograd_as_on_cuda(),
+            _meta_outputs_computed(),
+            _random_ops_replaced(),
+        ):
             program = compile_fx(
                 gm,
                 example_inputs,

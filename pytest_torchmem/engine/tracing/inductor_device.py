@@ -236,14 +236,32 @@ _GUARDED: Final[dict[Any, Callable[..., Any]]] = {
 }
 
 
+def _lookup_seed(seeds: torch.Tensor, index: int) -> torch.Tensor:
+    """Inductor's ``inductor_lookup_seed``: its meta kernel indexes (``seeds[index]``)."""
+    return aten.clone.default(aten.select.int(seeds, 0, index))
+
+
+@functools.cache
+def _indexing_prims() -> dict[Any, Callable[..., Any]]:
+    """Inductor's ops whose meta kernel indexes a tensor (a Tensor method whose binding
+    sets the device), and that op without the guard."""
+    import torch._inductor.inductor_prims  # noqa: F401 - registers the prims
+
+    return {torch.ops.prims.inductor_lookup_seed.default: _lookup_seed}
+
+
 class _Unguarded(TorchFunctionMode):
-    """The Tensor methods of :data:`_GUARDED`, called on a fake ``cuda`` tensor, run
-    their op without the binding's device guard (see :func:`unguarded`); every other
-    call as it is."""
+    """The Tensor methods of :data:`_GUARDED` and the ops of :func:`_indexing_prims`,
+    called on a fake ``cuda`` tensor, run their op without the binding's device guard
+    (see :func:`unguarded`); every other call as it is."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.guarded = {**_GUARDED, **_indexing_prims()}
 
     def __torch_function__(self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        unguarded = _GUARDED.get(func)
+        unguarded = self.guarded.get(func)
         if unguarded is not None and args and _fake_cuda(args[0]):
             return unguarded(*args, **kwargs)
         return func(*args, **kwargs)
@@ -282,11 +300,14 @@ def unguarded() -> Iterator[None]:
 
     A CPU-only torch has no CUDA guard implementation: ``OptionalDeviceGuard`` on a
     cuda device raises "PyTorch is not linked with support for cuda devices"
-    (``c10::impl::getDeviceGuardImpl``) before the op reaches the fake mode. Two
+    (``c10::impl::getDeviceGuardImpl``) before the op reaches the fake mode. Three
     places of a cuda build call such methods on fake cuda tensors:
 
     * inductor's own passes: ``reinplace_inplaceable_ops`` checks a scatter it
       rewrites with ``tmp.copy_(src)`` (reinplace.py);
+    * inductor's fake-value propagation of its random ops (a dropout's):
+      ``inductor_lookup_seed``'s meta kernel indexes the seeds (``seeds[index]``),
+      run here as ``select`` (:func:`_indexing_prims`);
     * FakeTensorMode, for an op with no meta kernel of its own, runs its Python
       decomposition on the fake tensors themselves, whose device is ``cuda`` there
       (``_dispatch_impl``), and some call such a method: ``_unsafe_masked_index`` and
