@@ -14,10 +14,11 @@ kernel is a no-op, and the wrapper's allocations go through the dispatcher
 tracker see them. Kernels only write into buffers the wrapper allocated; what
 they compute does not matter to memory.
 
-Only the ``cpu`` device is followed: inductor's cuda path (triton) cannot run
-on a CPU-only torch. Compiled *functions* (``torch.compile(fn)``) and regions
-with a backend other than inductor are not followed: they run eagerly and are
-listed in ``unsupported`` (see :mod:`compiled`).
+On the fake ``cuda`` device a :class:`Builder` (:mod:`compiled_cuda`) builds the
+program with inductor's cuda backend instead, for compiled modules only.
+Compiled functions and optimizer steps on cuda, and regions with a backend
+other than inductor, are not followed: they run eagerly and are listed in
+``unsupported`` (see :mod:`compiled`).
 
 Nothing of this may reach the user's own compiled calls:
 

@@ -25,7 +25,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, Final
 
-__all__ = ["output_directory", "remember", "user_frames_at"]
+__all__ = ["is_generated", "output_directory", "remember", "user_frames_at"]
 
 #: Each output module's line map: the first line of each node's code, and the
 #: node's stack trace (None: none), by file.

@@ -168,15 +168,21 @@ def user_frames(limit: int = 16, stop: tuple[str, ...] = ()) -> tuple[Frame, ...
         filename = code.co_filename
         if filename.startswith(stop):
             break
-        if is_generated(filename):
-            # a line of a compiled region's program: the user's lines its graph node came from
-            for name, line, function in user_frames_at(filename, frame.f_lineno):
-                if not name.startswith(_OWN_DIRS):
-                    frames.append(Frame(name, line, function))
-        elif not filename.startswith(_OWN_DIRS) and not filename.startswith("<"):
-            frames.append(Frame(filename, frame.f_lineno, code.co_name))
+        if not filename.startswith(_OWN_DIRS):
+            frames.extend(_users(filename, frame.f_lineno, code.co_name))
         frame = frame.f_back
     return tuple(frames[:limit])
+
+
+def _users(filename: str, line: int, function: str) -> list[Frame]:
+    """The user's frames of one frame, innermost first: itself, none (torch's or this
+    package's), or, for a line of a compiled region's program, the user's lines its
+    graph node came from."""
+    if is_generated(filename):
+        return [Frame(*frame) for frame in user_frames_at(filename, line) if not frame[0].startswith(_OWN_DIRS)]
+    if filename.startswith(_OWN_DIRS) or filename.startswith("<"):
+        return []
+    return [Frame(filename, line, function)]
 
 
 def runner_dirs() -> tuple[str, ...]:
@@ -1373,13 +1379,10 @@ def _user_location_in(exc: BaseException) -> str:
     found = ""
     tb = exc.__traceback__
     while tb is not None:
-        filename = tb.tb_frame.f_code.co_filename
-        if is_generated(filename):
-            frames = [frame for frame in user_frames_at(filename, tb.tb_lineno) if not frame[0].startswith(_OWN_DIRS)]
-            if frames:
-                found = f"{frames[0][0]}:{frames[0][1]}"
-        elif not filename.startswith(_OWN_DIRS) and not filename.startswith("<"):
-            found = f"{filename}:{tb.tb_lineno}"
+        code = tb.tb_frame.f_code
+        frames = _users(code.co_filename, tb.tb_lineno, code.co_name)
+        if frames:
+            found = f"{frames[0].filename}:{frames[0].line}"
         tb = tb.tb_next
     return found
 
