@@ -164,6 +164,18 @@ def test_inference_follows_the_compiled_program() -> None:
     assert estimated.phase_peaks() == tm.measure(model, x, train=False).phase_peaks()
 
 
+def test_a_compiled_dropout_equals_measure() -> None:
+    """Inductor draws a dropout's mask inside its fused kernel (no random tensor) and
+    saves the mask for backward: estimated as the real compiled step runs."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Dropout(0.1), nn.Linear(256, 64))
+    compiled, x = torch.compile(model), torch.randn(32, 64)
+    estimated = tm.estimate(compiled, x, cpu=None)
+    assert estimated.unsupported == ()
+    assert estimated.phase_peaks() == tm.measure(compiled, x).phase_peaks()
+    assert estimated.forward_peak < tm.estimate(model, x, cpu=None).forward_peak
+
+
 def test_the_compiled_program_beats_the_eager_one() -> None:
     """Fusion saves activations; the compiled AdamW step makes no per-parameter temporaries."""
     torch.manual_seed(0)
