@@ -400,17 +400,19 @@ def test_compile_and_parallel_together_are_refused() -> None:
 
 def test_an_estimate_leaves_no_file_behind(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """With its caches off, inductor writes each program into a new temporary directory
-    that it never deletes; those the estimate builds are deleted when it ends."""
-    from torch._inductor.runtime.cache_dir_utils import cache_dir
-
-    inductors = cache_dir()
-    before = sorted(os.listdir(inductors))
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where the estimate's directory goes
+    under its cache directory that it never deletes; those the estimate builds are
+    deleted when it ends. (Both directories are this test's own: another xdist worker's
+    real compiles write into the shared cache directory.)"""
+    inductors, temporary = tmp_path / "inductor", tmp_path / "tmp"
+    inductors.mkdir()
+    temporary.mkdir()
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(inductors))
+    monkeypatch.setattr(tempfile, "tempdir", str(temporary))  # where the estimate's directory goes
     torch.manual_seed(0)
     report = tm.estimate(torch.compile(Fusable()), torch.randn(8, 16, 32))
     assert report.unsupported == ()
-    assert sorted(os.listdir(inductors)) == before
-    assert os.listdir(tmp_path) == []
+    assert os.listdir(inductors) == []
+    assert os.listdir(temporary) == []
 
 
 def test_the_compiled_programs_buffers_are_made_at_the_users_lines() -> None:
