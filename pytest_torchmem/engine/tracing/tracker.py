@@ -12,8 +12,6 @@ run.
 from __future__ import annotations
 
 import functools
-import os
-import sys
 import threading
 import traceback
 import weakref
@@ -37,8 +35,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakIdKeyDictionary
 
 from pytest_torchmem.engine.report import Category, Unsupported
-from pytest_torchmem.engine.timeline import Frame, Phase, StorageInfo, Timeline
-from pytest_torchmem.engine.tracing.generated_code import is_generated, user_frames_at
+from pytest_torchmem.engine.timeline import Phase, StorageInfo, Timeline
 from pytest_torchmem.engine.tracing.rules import (
     OUTPUTS,
     Alloc,
@@ -57,15 +54,13 @@ from pytest_torchmem.engine.tracing.rules import (
     ScratchRule,
     TraceContext,
 )
+from pytest_torchmem.engine.tracing.user_code import location_in, runner_dirs, user_frames, user_location
 from pytest_torchmem.engine.tracing.values import KnownValues, ValueKind, value_kind
 
 __all__ = [
     "Tracker",
     "TraceAborted",
     "autograd_node",
-    "runner_dirs",
-    "user_location",
-    "user_frames",
 ]
 
 # Ops through which torch.tensor(...) hands a freshly made real tensor to the
@@ -103,10 +98,6 @@ _MAX_VIEW_CHAIN: Final = 16
 # against the real engine's in-place accumulation).
 _BUFFER_ONLY_USE_COUNT: Final = 4
 _BUFFER_ONLY_STORAGE_USE_COUNT: Final = 2
-_OWN_DIRS: Final = (
-    os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),  # pytest_torchmem/
-    os.path.dirname(os.path.abspath(torch.__file__)),
-)
 
 
 #: What fake tensors raise for an op they cannot run, where a real tensor would run it.
@@ -150,53 +141,6 @@ def fake_tensor_limit(exc: BaseException) -> bool:
         return False
     text = str(exc)
     return any(limit in text for limit in _FAKE_LIMITS)
-
-
-def user_location() -> str:
-    """``file:line`` of the innermost frame outside torch and this package."""
-    frames = user_frames(limit=1)
-    return f"{frames[0].filename}:{frames[0].line}" if frames else ""
-
-
-def user_frames(limit: int = 16, stop: tuple[str, ...] = ()) -> tuple[Frame, ...]:
-    """The frames outside torch and this package, innermost first (at most ``limit``),
-    below the first frame of a file under one of the ``stop`` directories."""
-    frames: list[Frame] = []
-    frame = sys._getframe(1)
-    while frame is not None and len(frames) < limit:
-        code = frame.f_code
-        filename = code.co_filename
-        if filename.startswith(stop):
-            break
-        if not filename.startswith(_OWN_DIRS):
-            frames.extend(_users(filename, frame.f_lineno, code.co_name))
-        frame = frame.f_back
-    return tuple(frames[:limit])
-
-
-def _users(filename: str, line: int, function: str) -> list[Frame]:
-    """The user's frames of one frame, innermost first: itself, none (torch's or this
-    package's), or, for a line of a compiled region's program, the user's lines its
-    graph node came from."""
-    if is_generated(filename):
-        return [Frame(*frame) for frame in user_frames_at(filename, line) if not frame[0].startswith(_OWN_DIRS)]
-    if filename.startswith(_OWN_DIRS) or filename.startswith("<"):
-        return []
-    return [Frame(filename, line, function)]
-
-
-def runner_dirs() -> tuple[str, ...]:
-    """The directories of the test runner's code (pytest's, pluggy's), where loaded.
-
-    The frames of a test start below them: :func:`user_frames` stops there,
-    which also spares it the walk through pytest's dozens of frames.
-    """
-    dirs = []
-    for name in ("_pytest", "pluggy"):
-        path = getattr(sys.modules.get(name), "__file__", None)
-        if path:
-            dirs.append(os.path.dirname(os.path.abspath(path)) + os.sep)
-    return tuple(dirs)
 
 
 def autograd_node() -> str:
@@ -1189,7 +1133,7 @@ class Tracker(TorchDispatchMode):
             return True
         if not isinstance(exc, Exception):
             return False
-        where = _user_location_in(exc)
+        where = location_in(exc)
         if fake_tensor_limit(exc):
             op = "Tensor.numpy" if ".numpy()" in str(exc) else "(tensor values)"
             reason = f"fake tensors cannot run it ({_first_line(exc)})"
@@ -1371,20 +1315,6 @@ def _first_line(exc: BaseException) -> str:
     """``Type: first line of the message`` (fake-tensor messages run to many lines)."""
     lines = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
-
-
-def _user_location_in(exc: BaseException) -> str:
-    """``file:line`` of the innermost frame of ``exc``'s traceback outside torch and
-    this package."""
-    found = ""
-    tb = exc.__traceback__
-    while tb is not None:
-        code = tb.tb_frame.f_code
-        frames = _users(code.co_filename, tb.tb_lineno, code.co_name)
-        if frames:
-            found = f"{frames[0].filename}:{frames[0].line}"
-        tb = tb.tb_next
-    return found
 
 
 def _saved_without_hooks(node: Any, attr: str) -> Any:
