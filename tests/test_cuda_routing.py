@@ -147,6 +147,37 @@ def test_the_cpu_device_is_not_routed() -> None:
     assert "aten.native_dropout.default" not in ops(rows)
 
 
+# -- device placement -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda x: torch.tensor([0.5] * 1000, device=x.device),
+        lambda x: torch.tensor([0.5] * 1000, device="cuda"),
+        lambda x: torch.as_tensor([0.5] * 1000, device=x.device),
+        lambda x: torch.asarray([0.5] * 1000, device=x.device),
+        lambda x: x.new_tensor([0.5] * 1000),
+    ],
+    ids=["tensor", "tensor on 'cuda'", "as_tensor", "asarray", "new_tensor"],
+)
+def test_a_tensor_made_on_the_gpu_from_python_data_is_counted(make: Any) -> None:
+    """1000 floats from a Python list onto the GPU: tensor_new.cpp makes them on the
+    host and copies them to a new 4000 B device tensor. (On the trace's meta device
+    such a tensor reached no dispatcher, and was not counted at all.)"""
+    model = Fn(lambda x: x + make(x)[:16], 16)
+    _, rows = trace(model, torch.randn(4, 16))
+    assert of(rows, "aten._to_copy.default", FWD) == [(4000, OUT)]
+
+
+def test_a_tensor_made_on_the_gpu_from_a_tensor_is_a_copy_of_it() -> None:
+    """``torch.tensor`` of a GPU tensor copies it on the GPU (``to(..., copy=True)``:
+    4 x 16 fp32 = 256 B); no host copy."""
+    model = Fn(lambda x: x + torch.tensor(x, device=x.device), 16)
+    _, rows = trace(model, torch.randn(4, 16))
+    assert of(rows, "aten._to_copy.default", FWD) == [(256, OUT)]
+
+
 # -- batch norm -------------------------------------------------------------------------
 
 

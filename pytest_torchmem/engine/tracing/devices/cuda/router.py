@@ -972,6 +972,30 @@ def _tensor_cuda(router: CudaRouter, func: Any, types_: Any, args: tuple[Any, ..
     return args[0].to(_TRACE_DEVICE, non_blocking=kwargs.get("non_blocking", False))
 
 
+@_route(torch.tensor, torch.as_tensor, torch.asarray, torch.Tensor.new_tensor)
+def _from_data(router: CudaRouter, func: Any, types_: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """A tensor made on the GPU from Python data (a list, numbers, an array): made on
+    the host and copied, as CUDA does. Made on the trace's ``meta`` device it would
+    reach no dispatcher (``torch.tensor(data, device="meta")`` makes a plain meta
+    tensor): the fake mode and the tracker would never see it, its memory uncounted."""
+    method = func is torch.Tensor.new_tensor
+    data = args[1] if method else (args[0] if args else kwargs.get("obj", kwargs.get("data")))
+    device = kwargs.get("device", args[0].device if method else None)
+    on_gpu = _names_cuda(device) or (isinstance(device, torch.device) and device == _TRACE_DEVICE)
+    if not on_gpu or isinstance(data, torch.Tensor):
+        if "device" in kwargs:
+            kwargs = {**kwargs, "device": _place(device)}
+        return func(*args, **kwargs)
+    host = {key: value for key, value in kwargs.items() if key not in ("device", "requires_grad", "pin_memory")}
+    if method:
+        host.setdefault("dtype", args[0].dtype)
+        made = torch.tensor(data, **host)
+    else:
+        made = func(*args, **host)
+    placed = made.to(_TRACE_DEVICE)
+    return placed.requires_grad_() if kwargs.get("requires_grad") else placed
+
+
 @_route(torch.Tensor.to, torch.Tensor.new_empty)
 def _tensor_to(router: CudaRouter, func: Any, types_: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     if "device" in kwargs and _names_cuda(kwargs["device"]):
