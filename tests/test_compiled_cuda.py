@@ -502,3 +502,56 @@ def test_an_op_listed_in_a_compiled_program_is_located_at_the_users_line() -> No
             _line_of(_Attention.forward, "scaled_dot_product_attention("),
         )
     ]
+
+
+class _BranchesOnTheDevice(nn.Module):
+    """A wide layer where the input is on a GPU, a narrow one elsewhere (as libraries
+    branch on ``x.is_cuda`` or ``x.device.type``); ``where`` forces a branch."""
+
+    def __init__(self, where: str | None = None) -> None:
+        super().__init__()
+        self.wide, self.narrow = nn.Linear(16, 4096), nn.Linear(16, 16)
+        self.where = where
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        on_gpu = x.is_cuda and x.device.type == "cuda" if self.where is None else self.where == "cuda"
+        return self.wide(x).sum(1) if on_gpu else self.narrow(x).sum(1)
+
+
+def test_the_compiled_modules_code_sees_the_gpu() -> None:
+    """Dynamo traces the module's code with its tensors on the trace's meta device; the
+    code is told they are on cuda, as eagerly: it takes the GPU's branch (its wide
+    layer's 8 x 4096 fp32 output, 128 KiB), not the CPU's."""
+    torch.manual_seed(0)
+    x = torch.randn(8, 16)
+    figures = {}
+    for where in (None, "cuda", "cpu"):
+        report = tm.estimate(torch.compile(_BranchesOnTheDevice(where)), x, device="cuda")
+        assert report.unsupported == ()
+        figures[where] = report.phase_peaks()
+    assert figures[None] == figures["cuda"] != figures["cpu"]
+    # the wide output against the narrow one's (8 x 16 fp32: one 512-byte block)
+    assert figures["cuda"]["forward"] - figures["cpu"]["forward"] == 8 * 4096 * 4 - 512
+
+
+class _StartsACache(nn.Module):
+    """A key-value cache as transformers' ``DynamicLayer`` starts one: an empty tensor
+    made from Python data on the input's device, then ``cat`` with the new keys."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        keys = torch.tensor([], dtype=x.dtype, device=x.device)
+        return torch.cat([keys, self.linear(x)], dim=-2)
+
+
+def test_a_cache_started_from_python_data_in_a_compiled_module_is_followed() -> None:
+    """On the trace's meta device ``torch.tensor(data, device=...)`` reaches no
+    dispatcher and makes a plain meta tensor, which dynamo's fake values refuse: the
+    region fell back to its eager figures (transformers' GPT-2 and Llama, whose
+    key-value cache starts so, did)."""
+    torch.manual_seed(0)
+    report = tm.estimate(torch.compile(_StartsACache()), torch.randn(8, 16), device="cuda")
+    assert report.unsupported == ()

@@ -304,3 +304,16 @@ def test_the_fake_cuda_device_traces_it(case: str) -> None:
     assert {entry.op for entry in report.unsupported} <= CUDA_ESTIMATED
     parameters = sum(p.numel() * p.element_size() for p in model.parameters())
     assert report.peak > 4 * parameters  # parameters, gradients and AdamW's two moments
+
+
+@pytest.mark.parametrize("case", ["gpt2", "llama"])
+def test_the_fake_cuda_device_follows_it_compiled(case: str) -> None:
+    """Compiled, inductor's cuda program is followed (its key-value cache starts from
+    ``torch.tensor([], device=...)``, and its code branches on the device): no region
+    falls back to the eager figures, which the compiled ones undercut."""
+    model, batch = _made(case)
+    compiled = tm.estimate(model, batch, device="cuda", compile=True)
+    assert {entry.op for entry in compiled.unsupported} <= CUDA_ESTIMATED
+    eager = tm.estimate(model, batch, device="cuda")
+    assert compiled.backward_peak < eager.backward_peak
+

@@ -180,6 +180,38 @@ def _random_ops_replaced() -> Iterator[None]:
         joint_graph.replace_random_passes = real_pass
 
 
+@contextmanager
+def _dynamo_sees_the_gpu(router: Callable[[], Any]) -> Iterator[None]:
+    """While dynamo traces a compiled module's code: the code sees its tensors on
+    ``cuda`` (``x.device``, ``x.is_cuda``), as on a GPU, not on the trace's ``meta``
+    device; what it makes on ``cuda`` is placed on ``meta`` by the device's router
+    while dynamo runs each op on its fake values (and while AOTAutograd traces the
+    graph: :meth:`CudaProgram.compile`)."""
+    import torch._dynamo.utils as dynamo_utils
+    from torch._dynamo.variables.tensor import TensorVariable
+
+    real_specialize = TensorVariable.__dict__["specialize"]
+    real_run_node = dynamo_utils.run_node
+
+    def specialize(value: torch.Tensor) -> dict[str, Any]:
+        props = real_specialize.__func__(value)
+        if props["device"].type == "meta":
+            props["device"] = _GPU
+        return props
+
+    def run_node(tracer: Any, node: torch.fx.Node, args: Any, kwargs: Any, nnmodule: Any) -> Any:
+        with router():
+            return real_run_node(tracer, node, args, kwargs, nnmodule)
+
+    TensorVariable.specialize = staticmethod(specialize)  # type: ignore[method-assign]
+    dynamo_utils.run_node = run_node
+    try:
+        yield
+    finally:
+        TensorVariable.specialize = real_specialize  # type: ignore[method-assign]
+        dynamo_utils.run_node = real_run_node
+
+
 #: Inductor options whose choices are made by benchmarking on the GPU, not made here.
 _AUTOTUNING: Final = ("max_autotune", "max_autotune_gemm", "max_autotune_pointwise")
 
@@ -292,7 +324,7 @@ class CudaProgram:
         device's router routes the traced step around it, not inside it."""
 
         def entered(*args: Any, **kwargs: Any) -> Any:
-            with without_function_modes():
+            with without_function_modes(), _dynamo_sees_the_gpu(self.router):
                 return call(*args, **kwargs)
 
         return entered
