@@ -555,3 +555,35 @@ def test_a_cache_started_from_python_data_in_a_compiled_module_is_followed() -> 
     torch.manual_seed(0)
     report = tm.estimate(torch.compile(_StartsACache()), torch.randn(8, 16), device="cuda")
     assert report.unsupported == ()
+
+
+class _Island(nn.Module):
+    """An fp16 autocast region around a layer, with the layer's own region enabled or
+    not (``island``: disabled, as transformers' rotary embeddings force float32)."""
+
+    def __init__(self, island: bool | None) -> None:
+        super().__init__()
+        self.linear = nn.Linear(64, 256)
+        self.island = island
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.island is None:  # no autocast at all
+            return self.linear(x).sum()
+        with torch.autocast("cuda", dtype=torch.float16):
+            with torch.autocast("cuda", enabled=not self.island):
+                return self.linear(x).float().sum()
+
+
+def test_autocast_regions_in_a_compiled_module_are_as_enabled_as_on_a_gpu() -> None:
+    """Dynamo builds the module's autocast regions itself: they enter enabled where the
+    code enables them (fp16 buffers), disabled where it disables them (the float32
+    program), not all disabled (a CPU-only torch finds no CUDA for autocast)."""
+    torch.manual_seed(0)
+    x = torch.randn(32, 64)
+    peaks = {}
+    for island in (None, True, False):
+        report = tm.estimate(torch.compile(_Island(island)), x, device="cuda", loss_fn=_loss)
+        assert report.unsupported == ()
+        peaks[island] = report.phase_peaks()
+    assert peaks[True] == peaks[None] != peaks[False]
+

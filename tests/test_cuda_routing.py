@@ -523,6 +523,40 @@ def test_autocast_casts_the_lower_precision_ops() -> None:
     assert of(rows, "aten.addmm.default", FWD)[0] == (256, OUT)
 
 
+class FloatIsland(nn.Module):
+    """An fp16 autocast region with a region inside that disables it (as transformers'
+    rotary embeddings force float32)."""
+
+    def __init__(self, body: nn.Module, island: bool = True) -> None:
+        super().__init__()
+        self.body, self.island = body, island
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cuda", dtype=torch.float16):
+            with torch.autocast("cuda", enabled=not self.island):
+                return self.body(x).float()
+
+
+def test_autocast_disabled_inside_a_region_casts_nothing() -> None:
+    """Inside ``autocast("cuda", enabled=False)`` linear runs in fp32: no cast, and
+    addmm makes 4 x 32 fp32 = 512 B (with the island enabled: the three casts and
+    4 x 32 fp16 = 256 B). On a CPU-only torch every cuda region entered disabled, so
+    the island could not be told from the region around it."""
+    _, rows = trace(FloatIsland(nn.Linear(16, 32)), torch.randn(4, 16))
+    assert of(rows, "aten._to_copy.default", FWD) == []
+    assert of(rows, "aten.addmm.default", FWD)[0] == (512, OUT)
+    _, rows = trace(FloatIsland(nn.Linear(16, 32), island=False), torch.randn(4, 16))
+    assert of(rows, "aten._to_copy.default", FWD)[:3] == [(64, OUT), (1024, OUT), (128, OUT)]
+    assert of(rows, "aten.addmm.default", FWD)[0] == (256, OUT)
+
+
+def test_bfloat16_autocast_on_a_gpu_without_it_is_refused_as_torch_refuses_it() -> None:
+    """A T4 (sm75) has no bfloat16: ``torch.autocast("cuda", dtype=torch.bfloat16)``
+    raises there, as on the GPU."""
+    with pytest.raises(RuntimeError, match="does not support bfloat16"):
+        trace(Autocast(nn.Linear(16, 16), dtype=torch.bfloat16), torch.randn(4, 16), gpu="T4")
+
+
 def test_autocast_caches_cast_weights_until_the_region_ends() -> None:
     """cached_cast: a leaf fp32 weight that requires grad is cast once per outermost
     region; using the layer twice casts the weight (16*16*2 = 512 B) once and the

@@ -37,6 +37,7 @@ from typing import Any, Final, Protocol
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
+from pytest_torchmem.engine.tracing.devices.cuda.gpu_view import autocast_opens_cuda_regions
 from pytest_torchmem.engine.tracing.devices.cuda.profiles import GpuProfile
 from pytest_torchmem.engine.tracing.inductor_device import Enter, as_the_gpu, unguarded
 
@@ -324,7 +325,7 @@ class CudaProgram:
         device's router routes the traced step around it, not inside it."""
 
         def entered(*args: Any, **kwargs: Any) -> Any:
-            with without_function_modes(), _dynamo_sees_the_gpu(self.router):
+            with without_function_modes(), _dynamo_sees_the_gpu(self.router), autocast_opens_cuda_regions(self.profile):
                 return call(*args, **kwargs)
 
         return entered

@@ -35,9 +35,10 @@ from typing import Any, Final
 import torch
 import torch.backends.cuda
 import torch.backends.cudnn
+import torch.cuda.amp.common
 from torch._subclasses.fake_tensor import FakeTensor
 
-__all__ = ["gpu_view"]
+__all__ = ["autocast_opens_cuda_regions", "gpu_view"]
 
 _CUDA: Final = torch.device("cuda", 0)
 #: Code whose callers keep seeing the trace's real devices.
@@ -126,10 +127,50 @@ def gpu_view(profile: Any) -> Iterator[None]:
     for module, name in answers:
         setattr(module, name, answering((module, name)))
     try:
-        yield
+        with autocast_opens_cuda_regions(profile):
+            yield
     finally:
         FakeTensor.device = real_device  # type: ignore[method-assign]
         del FakeTensor.is_cuda
         del FakeTensor.get_device
         for (module, name), real in saved.items():
             setattr(module, name, real)
+
+
+#: Where ``torch.autocast`` asks whether it may enter a ``cuda`` region with a dtype.
+_AUTOCAST_MODE: Final = os.path.join(_INTERNAL[0], "amp", "autocast_mode.py")
+
+
+@contextmanager
+def autocast_opens_cuda_regions(profile: Any) -> Iterator[None]:
+    """``torch.autocast("cuda", ...)`` enters enabled, as on the profile's GPU.
+
+    On a CPU-only torch it finds ``amp_definitely_not_available()``, warns and
+    enters disabled: a region the program disables
+    (``autocast("cuda", enabled=False)``) could not be told from one it
+    enables. Enabled, it sets CUDA autocast's state (which casts nothing on
+    the trace's meta tensors: the device's router casts as CUDA's autocast
+    would) and refuses bfloat16 where the profile's GPU has none. Also for
+    dynamo, which builds a compiled region's autocast in its own code.
+    """
+    common = torch.cuda.amp.common
+    real_unavailable = common.amp_definitely_not_available
+    outer_bf16 = torch.cuda.is_bf16_supported
+
+    def amp_definitely_not_available() -> bool:
+        return False
+
+    def is_bf16_supported(including_emulation: bool = True) -> bool:
+        caller = sys._getframe(1).f_code.co_filename
+        if caller == _AUTOCAST_MODE or not caller.startswith(_NOT_THE_PROGRAM):
+            return bool(profile.sm >= 80)
+        return bool(outer_bf16(including_emulation))
+
+    common.amp_definitely_not_available = amp_definitely_not_available
+    torch.cuda.is_bf16_supported = is_bf16_supported
+    try:
+        yield
+    finally:
+        common.amp_definitely_not_available = real_unavailable
+        torch.cuda.is_bf16_supported = outer_bf16
+

@@ -155,23 +155,20 @@ class CudaRouter(BodyRouting, PreDispatchTorchFunctionMode):
     """Sends calls that CUDA dispatch resolves differently to the CUDA kernels' ops.
 
     **Autocast on cuda.** On a CPU-only torch, ``torch.autocast("cuda", ...)``
-    finds ``amp_definitely_not_available()``, warns and enters *disabled*:
-    ``torch.is_autocast_enabled("cuda")`` stays False, though it still sets
-    ``torch.get_autocast_dtype("cuda")`` and increments the device-independent
-    autocast nesting level. The level alone cannot tell a CUDA region from a
-    CPU one (``torch.utils.checkpoint`` re-enters ``autocast("cpu",
-    enabled=False)`` around every recomputation), so the regions are followed
-    as they open and close: ``torch.autocast.__enter__`` / ``__exit__`` report
-    ``(device_type, dtype, enabled, cache_enabled)`` to every
-    ``PreDispatchTorchFunctionMode`` on the torch-function mode stack (the hook
-    ``torch.export`` uses to keep autocast in pre-dispatch graphs), which this
-    mode is. CUDA autocast is then active with the dtype of the innermost open
-    ``cuda`` region (CPU regions leave it alone, as they leave CUDA tensors
-    alone); on a torch with a GPU, ``is_autocast_enabled("cuda")`` is read
-    directly. Limits: the reported ``enabled`` is already False on a CPU-only
-    torch, so ``autocast("cuda", enabled=False)`` cannot be told from an
-    enabled region and counts as one; a region entered before the trace
-    starts is inferred from the nesting level (above 0 with CPU autocast off).
+    finds ``amp_definitely_not_available()``, warns and enters *disabled*;
+    within the trace it enters enabled instead, as on a GPU
+    (:func:`~pytest_torchmem.engine.tracing.devices.cuda.gpu_view.autocast_opens_cuda_regions`).
+    The regions are also followed as they open and close, for a region entered
+    disabled where that is not in force: ``torch.autocast.__enter__`` /
+    ``__exit__`` report ``(device_type, dtype, enabled, cache_enabled)`` to
+    every ``PreDispatchTorchFunctionMode`` on the torch-function mode stack (the
+    hook ``torch.export`` uses to keep autocast in pre-dispatch graphs), which
+    this mode is. CUDA autocast is then active with the dtype of the innermost
+    open ``cuda`` region, none where that region is disabled
+    (``autocast("cuda", enabled=False)``, as transformers' rotary embeddings
+    force float32); CPU regions leave it alone, as they leave CUDA tensors
+    alone. Limit: a region entered before the trace starts is inferred from
+    the nesting level (above 0 with CPU autocast off).
     The cache of cast leaf weights is dropped when the nesting level is back
     at 0, as ``torch.autocast.__exit__`` does with ``clear_autocast_cache``.
     """
@@ -227,7 +224,8 @@ class CudaRouter(BodyRouting, PreDispatchTorchFunctionMode):
         if func is _ENTER_AUTOCAST:
             device = args[0] if args else kwargs.get("device_type")
             dtype = args[1] if len(args) > 1 and args[1] is not None else torch.get_autocast_dtype(device)
-            self._regions.append((device, dtype))
+            enabled = args[2] if len(args) > 2 else kwargs.get("enabled", True)
+            self._regions.append((device, dtype if enabled else None))
         elif self._regions:
             self._regions.pop()
             if _autocast_nesting() == 0:
@@ -235,7 +233,8 @@ class CudaRouter(BodyRouting, PreDispatchTorchFunctionMode):
         return result
 
     def autocast_dtype(self) -> torch.dtype | None:
-        """The lower-precision dtype of the active CUDA autocast region, or None."""
+        """The lower-precision dtype of the active CUDA autocast region, or None (none
+        open, or the innermost one disabled)."""
         if torch.is_autocast_enabled("cuda"):
             return torch.get_autocast_dtype("cuda")
         for device, dtype in reversed(self._regions):
