@@ -586,4 +586,3 @@ def test_autocast_regions_in_a_compiled_module_are_as_enabled_as_on_a_gpu() -> N
         assert report.unsupported == ()
         peaks[island] = report.phase_peaks()
     assert peaks[True] == peaks[None] != peaks[False]
-

@@ -316,4 +316,3 @@ def test_the_fake_cuda_device_follows_it_compiled(case: str) -> None:
     assert {entry.op for entry in compiled.unsupported} <= CUDA_ESTIMATED
     eager = tm.estimate(model, batch, device="cuda")
     assert compiled.backward_peak < eager.backward_peak
-

@@ -173,4 +173,3 @@ def autocast_opens_cuda_regions(profile: Any) -> Iterator[None]:
     finally:
         common.amp_definitely_not_available = real_unavailable
         torch.cuda.is_bf16_supported = outer_bf16
-
