@@ -322,10 +322,15 @@ class CudaProgram:
     def around(self, call: Callable[..., Any]) -> Callable[..., Any]:
         """Enter the compiled module with no torch-function mode active, as in the
         warm-up that compiled it (dynamo's cache entries guard on the mode stack): the
-        device's router routes the traced step around it, not inside it."""
+        device's router routes the traced step around it, not inside it; dynamo sees
+        the module's tensors and its autocast regions as a GPU's."""
 
         def entered(*args: Any, **kwargs: Any) -> Any:
-            with without_function_modes(), _dynamo_sees_the_gpu(self.router), autocast_opens_cuda_regions(self.profile):
+            with (
+                without_function_modes(),
+                _dynamo_sees_the_gpu(self.router),
+                autocast_opens_cuda_regions(self.profile),
+            ):
                 return call(*args, **kwargs)
 
         return entered
