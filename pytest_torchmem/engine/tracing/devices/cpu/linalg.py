@@ -40,6 +40,7 @@ from pytest_torchmem.engine.tracing.rules import (
 )
 
 __all__ = [
+    "INT32",
     "all_item",
     "batch_numel",
     "check_errors",
@@ -57,7 +58,8 @@ __all__ = [
 
 aten = torch.ops.aten
 
-_INT32: Final = 4
+#: The bytes of a LAPACK integer (pivots, info codes): int32.
+INT32: Final = 4
 
 # -- layouts ------------------------------------------------------------------
 
@@ -249,7 +251,7 @@ def _cholesky(call: OpCall) -> Steps:
         return [OUTPUTS]
     batch = batch_numel(A)
     return [
-        OUTPUTS, *transpose_block(A.shape, A.stride(), A.dtype), Alloc("info", batch * _INT32),
+        OUTPUTS, *transpose_block(A.shape, A.stride(), A.dtype), Alloc("info", batch * INT32),
         *check_errors(profile_of(call).threads, batch), Free("info"),
     ]  # fmt: skip
 
@@ -261,7 +263,7 @@ def _cholesky_inverse(call: OpCall) -> Steps:
     A = call.args[0]
     infos = max(1, batch_numel(A))
     return [
-        Alloc("infos", infos * _INT32), OUTPUTS,
+        Alloc("infos", infos * INT32), OUTPUTS,
         *check_errors(profile_of(call).threads, infos), Free("infos"),
     ]  # fmt: skip
 
@@ -280,7 +282,7 @@ def _cholesky_solve(call: OpCall) -> Steps:
         OUTPUTS, *transpose_block(b_sizes, _expanded_strides(B, b_sizes), B.dtype),
         Alloc("A (column-major)", _nbytes(a_sizes, A.dtype)),
         *transpose_block(a_sizes, _expanded_strides(A, a_sizes), A.dtype),
-        Alloc("infos", count * _INT32), *check_errors(profile_of(call).threads, count, "infos"),
+        Alloc("infos", count * INT32), *check_errors(profile_of(call).threads, count, "infos"),
         Free("infos"), Free("A (column-major)"),
     ]  # fmt: skip
 
@@ -363,7 +365,7 @@ def _lu_unpack(call: OpCall) -> Steps:
     LU, pivots = call.args[0], call.args[1]
     unpack_data, unpack_pivots = arg(call, 2, "unpack_data", True), arg(call, 3, "unpack_pivots", True)
     P = call.out[0]
-    copy = 0 if pivots.is_contiguous() else pivots.numel() * _INT32
+    copy = 0 if pivots.is_contiguous() else pivots.numel() * INT32
     return [
         OUTPUTS,
         *lu_unpack_steps((LU.shape, LU.stride(), LU.dtype), copy, P, False, unpack_data, unpack_pivots),
@@ -382,7 +384,7 @@ def _lu(call: OpCall) -> Steps:
     target = L if m > n else U
     steps: list[Step] = [OUTPUTS, *_proxy(target, f_strides(target.shape), "LU (column-major)")]
     batch = batch_numel(A)
-    steps += [Alloc("pivots", batch * min(m, n) * _INT32), Alloc("info", batch * _INT32)]
+    steps += [Alloc("pivots", batch * min(m, n) * INT32), Alloc("info", batch * INT32)]
     steps.append(Free("LU (column-major)"))
     steps += lu_unpack_steps((target.shape, target.stride(), A.dtype), 0, P, m > n, True, pivot)
     return [*steps, Free("info"), Free("pivots")]
@@ -416,7 +418,7 @@ def lu_solve_steps(
         return []
     steps: list[Step] = []
     if not pivots.is_contiguous():
-        steps.append(Alloc("pivots (contiguous)", pivots.numel() * _INT32))
+        steps.append(Alloc("pivots (contiguous)", pivots.numel() * INT32))
     if not f_contiguous(LU.shape, LU.stride()):
         steps += column_major_copy(LU, "LU (column-major)")
     steps += _lu_solve_checks(threads, pivots.numel())
@@ -473,7 +475,7 @@ def _inv_ex(call: OpCall) -> Steps:
     threads = profile_of(call).threads
     pivots = math.prod(A.shape[:-1])
     steps: list[Step] = [
-        OUTPUTS, Alloc("LU", A.numel() * A.element_size()), Alloc("pivots", pivots * _INT32),
+        OUTPUTS, Alloc("LU", A.numel() * A.element_size()), Alloc("pivots", pivots * INT32),
     ]  # fmt: skip
     if inverse.numel():
         steps += _lu_solve_checks(threads, pivots)  # (the same batch: no indices)
@@ -496,7 +498,7 @@ def _det_p_steps(threads: int, pivots: torch.Tensor) -> list[Step]:
     k = pivots.shape[-1]
     batch = math.prod(pivots.shape[:-1])
     return [
-        Alloc("arange(1, k + 1)", k * _INT32), Alloc("arange != pivots", batch * k),
+        Alloc("arange(1, k + 1)", k * INT32), Alloc("arange != pivots", batch * k),
         Alloc("det_P", batch * 8), Alloc("(arange != pivots) as int64", batch * k * 8),
         *_reduce_partials(threads, batch * k, batch, torch.int64, "det_P partials"),
         Free("(arange != pivots) as int64"),
@@ -522,7 +524,7 @@ def _det(call: OpCall) -> Steps:
     k = pivots.shape[-1]
     size = A.element_size()
     return [
-        OUTPUTS, Alloc("info", batch * _INT32), Alloc("prod(diag(LU))", batch * size),
+        OUTPUTS, Alloc("info", batch * INT32), Alloc("prod(diag(LU))", batch * size),
         *_reduce_partials(threads, batch * k, batch, A.dtype, "prod partials"),
         *_det_p_steps(threads, pivots),
         Alloc("det_P as result dtype", batch * size), Free("det_P as result dtype"),
@@ -542,7 +544,7 @@ def _slogdet(call: OpCall) -> Steps:
     k = pivots.shape[-1]
     size = A.element_size()
     return [
-        *complex_gap(A), OUTPUTS, Alloc("info", batch * _INT32),
+        *complex_gap(A), OUTPUTS, Alloc("info", batch * INT32),
         *_det_p_steps(threads, pivots),
         Alloc("sgn(diag(LU))", batch * k * size), Alloc("prod(sgn)", batch * size),
         *_reduce_partials(threads, batch * k, batch, A.dtype, "prod partials"),

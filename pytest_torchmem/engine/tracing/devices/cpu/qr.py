@@ -8,13 +8,12 @@ the small tensors of their checks; see :mod:`.linalg`.
 
 from __future__ import annotations
 
-from typing import Final
-
 import torch
 
 from pytest_torchmem.engine.tracing.devices.cpu import lapack
 from pytest_torchmem.engine.tracing.devices.cpu.base import CPU, profile_of
 from pytest_torchmem.engine.tracing.devices.cpu.linalg import (
+    INT32,
     batch_numel,
     check_errors,
     column_major_copy,
@@ -32,8 +31,6 @@ from pytest_torchmem.engine.tracing.rules import OUTPUTS, Alloc, Free, OpCall, S
 __all__: list[str] = []
 
 aten = torch.ops.aten
-
-_INT32: Final = 4
 
 
 # -- QR ---------------------------------------------------------------------------------
@@ -179,6 +176,6 @@ def _ldl_solve(call: OpCall) -> Steps:
     if not f_contiguous(LD.shape, LD.stride()):
         steps += column_major_copy(LD, "LD (column-major)")
     for check in ("|pivots| >= 1", "|pivots| <= n"):
-        steps.append(Alloc(f"{check}: abs", count * _INT32))
+        steps.append(Alloc(f"{check}: abs", count * INT32))
         steps += [*compare_all(threads, count, torch.int32, check), Free(f"{check}: abs")]
     return [*steps, Free("LD (column-major)"), Free("pivots (contiguous)")]

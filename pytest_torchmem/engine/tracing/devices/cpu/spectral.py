@@ -23,6 +23,7 @@ from torch._C import DispatchKey
 from pytest_torchmem.engine.tracing.devices.cpu import lapack
 from pytest_torchmem.engine.tracing.devices.cpu.base import CPU, profile_of
 from pytest_torchmem.engine.tracing.devices.cpu.linalg import (
+    INT32,
     all_item,
     batch_numel,
     check_errors,
@@ -39,8 +40,6 @@ from pytest_torchmem.engine.tracing.rules import OUTPUTS, Alloc, Free, Inexact, 
 __all__: list[str] = []
 
 aten = torch.ops.aten
-
-_INT32: Final = 4
 
 
 # -- SVD ------------------------------------------------------------------------------
@@ -67,7 +66,7 @@ def _svd(call: OpCall) -> Steps:
         return [OUTPUTS]
     batch = batch_numel(A)
     return [
-        OUTPUTS, Alloc("info", batch * _INT32),
+        OUTPUTS, Alloc("info", batch * INT32),
         *column_major_copy(A, "A (column-major)"), Free("A (column-major)"),
         *check_errors(profile_of(call).threads, batch), Free("info"),
     ]  # fmt: skip
@@ -101,7 +100,7 @@ def _eigh(call: OpCall) -> Steps:
     steps: list[Step] = [*complex_gap(A), OUTPUTS]
     if not vectors:
         steps += column_major_copy(A, "A (column-major)")
-    steps.append(Alloc("info", batch * _INT32))
+    steps.append(Alloc("info", batch * INT32))
     sizes = lapack.syevd_lwork(vectors, n, threads)
     if sizes is None:
         steps.append(lapack_gap("?syevd", f"a {n}x{n} matrix"))
@@ -109,7 +108,7 @@ def _eigh(call: OpCall) -> Steps:
         lwork, liwork = sizes
         steps += [
             Alloc("syevd work", lapack.work_to_int(lwork, A.dtype) * A.element_size()),
-            Alloc("syevd iwork", max(1, liwork) * _INT32),
+            Alloc("syevd iwork", max(1, liwork) * INT32),
             Free("syevd iwork"), Free("syevd work"),
         ]  # fmt: skip
     return [*steps, *check_errors(threads, batch), Free("info"), Free("A (column-major)")]
@@ -163,7 +162,7 @@ def _eig(call: OpCall) -> Steps:
     threads = profile_of(call).threads
     infos = max(1, batch_numel(A))
     return [
-        *complex_gap(A), *_isfinite_all(threads, A), Alloc("infos", infos * _INT32), OUTPUTS,
+        *complex_gap(A), *_isfinite_all(threads, A), Alloc("infos", infos * INT32), OUTPUTS,
         *_eig_steps(call, vectors=True), *check_errors(threads, infos, "infos"), Free("infos"),
     ]  # fmt: skip
 
@@ -176,7 +175,7 @@ def _eigvals(call: OpCall) -> Steps:
     threads = profile_of(call).threads
     infos = max(1, batch_numel(A))
     return [
-        *complex_gap(A), Alloc("infos", infos * _INT32), OUTPUTS,
+        *complex_gap(A), Alloc("infos", infos * INT32), OUTPUTS,
         *_eig_steps(call, vectors=False), *check_errors(threads, infos, "infos"), Free("infos"),
     ]  # fmt: skip
 
