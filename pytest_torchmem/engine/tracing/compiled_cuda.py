@@ -193,6 +193,7 @@ def _dynamo_sees_the_gpu(router: Callable[[], Any]) -> Iterator[None]:
 
     real_specialize = TensorVariable.__dict__["specialize"]
     real_run_node = dynamo_utils.run_node
+    placing = router()
 
     def specialize(value: torch.Tensor) -> dict[str, Any]:
         props = real_specialize.__func__(value)
@@ -201,7 +202,7 @@ def _dynamo_sees_the_gpu(router: Callable[[], Any]) -> Iterator[None]:
         return props
 
     def run_node(tracer: Any, node: torch.fx.Node, args: Any, kwargs: Any, nnmodule: Any) -> Any:
-        with router():
+        with placing:
             return real_run_node(tracer, node, args, kwargs, nnmodule)
 
     TensorVariable.specialize = staticmethod(specialize)  # type: ignore[method-assign]

@@ -242,26 +242,21 @@ def _lookup_seed(seeds: torch.Tensor, index: int) -> torch.Tensor:
 
 
 @functools.cache
-def _indexing_prims() -> dict[Any, Callable[..., Any]]:
-    """Inductor's ops whose meta kernel indexes a tensor (a Tensor method whose binding
-    sets the device), and that op without the guard."""
+def _unguarded_calls() -> dict[Any, Callable[..., Any]]:
+    """The calls of :data:`_GUARDED`, and inductor's ops whose meta kernel indexes a
+    tensor (a Tensor method whose binding sets the device): each without the guard."""
     import torch._inductor.inductor_prims  # noqa: F401 - registers the prims
 
-    return {torch.ops.prims.inductor_lookup_seed.default: _lookup_seed}
+    return {**_GUARDED, torch.ops.prims.inductor_lookup_seed.default: _lookup_seed}
 
 
 class _Unguarded(TorchFunctionMode):
-    """The Tensor methods of :data:`_GUARDED` and the ops of :func:`_indexing_prims`,
-    called on a fake ``cuda`` tensor, run their op without the binding's device guard
-    (see :func:`unguarded`); every other call as it is."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.guarded = {**_GUARDED, **_indexing_prims()}
+    """The calls of :func:`_unguarded_calls`, on a fake ``cuda`` tensor, run their op
+    without the binding's device guard (see :func:`unguarded`); every other call as it is."""
 
     def __torch_function__(self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        unguarded = self.guarded.get(func)
+        unguarded = _unguarded_calls().get(func)
         if unguarded is not None and args and _fake_cuda(args[0]):
             return unguarded(*args, **kwargs)
         return func(*args, **kwargs)
@@ -307,7 +302,7 @@ def unguarded() -> Iterator[None]:
       rewrites with ``tmp.copy_(src)`` (reinplace.py);
     * inductor's fake-value propagation of its random ops (a dropout's):
       ``inductor_lookup_seed``'s meta kernel indexes the seeds (``seeds[index]``),
-      run here as ``select`` (:func:`_indexing_prims`);
+      run here as ``select`` (:func:`_unguarded_calls`);
     * FakeTensorMode, for an op with no meta kernel of its own, runs its Python
       decomposition on the fake tensors themselves, whose device is ``cuda`` there
       (``_dispatch_impl``), and some call such a method: ``_unsafe_masked_index`` and
