@@ -17,6 +17,7 @@ when the estimate ends (:func:`output_directory`).
 from __future__ import annotations
 
 import bisect
+import functools
 import os
 import re
 import shutil
@@ -44,18 +45,23 @@ def is_generated(path: str) -> bool:
     return path in _LINE_MAPS
 
 
-def user_frames_at(path: str, line: int) -> list[tuple[str, int, str]]:
+def user_frames_at(path: str, line: int) -> tuple[tuple[str, int, str], ...]:
     """The frames (innermost first) of the user's code that made the graph node whose
     code is at ``line`` of the output module ``path``; empty where unknown."""
     found = _LINE_MAPS.get(path)
     if found is None:
-        return []
+        return ()
     lines, traces = found
     index = bisect.bisect_right(lines, line) - 1
     trace = traces[index] if index >= 0 else None
-    if not trace:
-        return []
-    return [(name, int(number), function) for name, number, function in reversed(_FRAME.findall(trace))]
+    return _frames_of(trace) if trace else ()
+
+
+@functools.lru_cache(maxsize=1024)
+def _frames_of(trace: str) -> tuple[tuple[str, int, str], ...]:
+    """The frames of a graph node's stack trace, innermost first (read once per trace:
+    each buffer a program line makes asks again)."""
+    return tuple((name, int(number), function) for name, number, function in reversed(_FRAME.findall(trace)))
 
 
 @contextmanager
