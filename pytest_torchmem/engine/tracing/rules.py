@@ -226,12 +226,16 @@ CheckRule: TypeAlias = Callable[[OpCall], None]
 #: Runs the op's composite kernel (with the tracker active); returns the outputs.
 CompositeRule: TypeAlias = Callable[[OpCall], Any]
 
-OpLike: TypeAlias = "OpOverload | OpOverloadPacket"
+#: An op to register a rule for; None stands for an op this torch release does not
+#: have (``torch_private.private_op``), for which nothing is registered.
+OpLike: TypeAlias = "OpOverload | OpOverloadPacket | None"
 
 
 def _overloads(ops: Iterable[OpLike]) -> list[OpOverload]:
     found: list[OpOverload] = []
     for op in ops:
+        if op is None:
+            continue
         if isinstance(op, OpOverloadPacket):
             found.extend(getattr(op, name) for name in op.overloads())
         elif isinstance(op, OpOverload):

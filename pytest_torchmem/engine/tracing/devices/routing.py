@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, ClassVar, Final
 
-from torch.overrides import redispatch_function
+from pytest_torchmem.engine.torch_private import present, private
 
 __all__ = ["COMPOSITE_MODULES", "BodyRouting", "routed_recomputation"]
 
@@ -49,9 +49,46 @@ class BodyRouting:
         self._running.add(func)
         try:
             with self:  # type: ignore[attr-defined]
-                return redispatch_function(func, types_, args, kwargs)
+                return _redispatch(func, types_, args, kwargs)
         finally:
             self._running.discard(func)
+
+
+def _redispatch(func: Any, types_: Any, args: Any, kwargs: Any) -> Any:
+    """Call ``func`` skipping its own ``__torch_function__`` check (one hop), so that
+    its body runs and the ops it calls reach the active modes."""
+    if present("torch.overrides.redispatch_function"):  # 2.13 on
+        return private("torch.overrides.redispatch_function")(func, types_, args, kwargs)
+    return _without_first_hop(func)(*args, **(kwargs or {}))
+
+
+#: The names a Python-level torch function checks before it hands itself to the
+#: modes (``if has_torch_function_variadic(...): return handle_torch_function(...)``).
+_HOP_CHECKS: Final = ("has_torch_function", "has_torch_function_unary", "has_torch_function_variadic")
+_hopless: dict[Any, Any] = {}
+
+
+def _without_first_hop(func: types.FunctionType) -> types.FunctionType:
+    """``func`` whose own checks for ``__torch_function__`` answer False: what
+    ``torch.overrides.redispatch_function`` (2.13 on) does, for 2.10 to 2.12. The
+    copy reads its module's globals but for the checks; the functions it calls
+    keep theirs, so their own dispatch is untouched."""
+    copy = _hopless.get(func)
+    if copy is None:
+        module_globals = dict(func.__globals__)
+        for name in _HOP_CHECKS:
+            if name in module_globals:
+                module_globals[name] = _never
+        copy = types.FunctionType(
+            func.__code__, module_globals, func.__name__, func.__defaults__, func.__closure__
+        )
+        copy.__kwdefaults__ = func.__kwdefaults__
+        _hopless[func] = copy
+    return copy
+
+
+def _never(*args: Any) -> bool:
+    return False
 
 
 @contextmanager

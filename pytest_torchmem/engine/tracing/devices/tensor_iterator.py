@@ -10,7 +10,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-__all__ = ["coalesce_dimensions", "reorder_dimensions"]
+import torch
+
+from pytest_torchmem.engine.torch_private import private_any
+
+__all__ = ["coalesce_dimensions", "non_overlapping_and_dense", "reorder_dimensions"]
 
 
 def reorder_dimensions(
@@ -75,3 +79,23 @@ def coalesce_dimensions(
                     strides[prev] = strides[dim]
                 sizes[prev] = sizes[dim]
     return sizes[: prev + 1], [strides[: prev + 1] for strides in operands]
+
+
+def non_overlapping_and_dense(t: torch.Tensor) -> bool:
+    """``is_non_overlapping_and_dense_or_false(t)`` of torch's prims (as TensorIterator
+    and cuBLAS ask whether a tensor is dense), answered at once for the
+    common case, a contiguous strided tensor with no zero stride (the prims
+    helper takes ~14 us through its symbolic-shape guards, on every BLAS call).
+
+    Such a tensor is dense: its dimensions longer than 1 have distinct strides,
+    each the product of the sizes after it, so the prims helper's sort by stride
+    puts them back in order and its check passes. A zero stride (only on a
+    dimension of size 1 here) is left to the helper, whose comparison treats it
+    specially.
+    """
+    if t.layout == torch.strided and t.is_contiguous() and 0 not in t.stride():
+        return True
+    return private_any(
+        "torch._prims_common.is_non_overlapping_and_dense_or_false",
+        "torch._prims_common.is_non_overlapping_and_dense",  # its name until 2.11
+    )(t)

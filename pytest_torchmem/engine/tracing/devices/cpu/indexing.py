@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from torch._prims_common import is_non_overlapping_and_dense_or_false, suggest_memory_format
+from torch._prims_common import suggest_memory_format
 
 from pytest_torchmem.engine.tracing.devices.cpu.base import CPU, profile_of
 from pytest_torchmem.engine.tracing.devices.cpu.misc import (
@@ -20,6 +20,7 @@ from pytest_torchmem.engine.tracing.devices.cpu.misc import (
     scalar_comparison,
 )
 from pytest_torchmem.engine.tracing.devices.cpu.reduce import GRAIN_SIZE, sum_steps
+from pytest_torchmem.engine.tracing.devices.tensor_iterator import non_overlapping_and_dense
 from pytest_torchmem.engine.tracing.rules import (
     OUTPUTS,
     Alloc,
@@ -347,7 +348,7 @@ def _index_select(call: OpCall) -> Steps:
 def _like_is_contiguous(t: torch.Tensor) -> bool:
     """Whether ``ones_like(t)`` (``MemoryFormat::Preserve``: ``t``'s strides when it is
     dense and non-overlapping, contiguous otherwise) is contiguous."""
-    return t.is_contiguous() or not is_non_overlapping_and_dense_or_false(t)
+    return t.is_contiguous() or not non_overlapping_and_dense(t)
 
 
 # -- the masked index of inductor's decompositions (TensorAdvancedIndexing.cpp) ---------------

@@ -24,6 +24,7 @@ from typing import Final
 
 import torch
 
+from pytest_torchmem.engine.torch_private import private_op
 from pytest_torchmem.engine.tracing.devices.cpu import lapack
 from pytest_torchmem.engine.tracing.devices.cpu.base import CPU, profile_of
 from pytest_torchmem.engine.tracing.devices.cpu.blas import is_contiguous
@@ -242,7 +243,7 @@ def _cholesky_ex(call: OpCall) -> Steps:
     return steps
 
 
-@CPU.scratch(aten.cholesky.default)
+@CPU.scratch(private_op("cholesky.default"))  # removed in 2.14
 def _cholesky(call: OpCall) -> Steps:
     """``cholesky`` (deprecated): the output is ``cloneBatchedColumnMajor(self)``,
     then ``info`` (``at::empty`` of the batch shape) and its check."""

@@ -69,6 +69,7 @@ from pytest_torchmem.engine.tracing.devices.cuda.base import CUDA
 from pytest_torchmem.engine.tracing.devices.memo import BoundedMemo
 from pytest_torchmem.engine.tracing.devices.tensor_iterator import (
     coalesce_dimensions,
+    non_overlapping_and_dense,
     reorder_dimensions,
 )
 from pytest_torchmem.engine.tracing.rules import (
@@ -86,7 +87,6 @@ __all__ = [
     "ReduceConfig",
     "cast_copy_bytes",
     "max_threads_per_sm",
-    "non_overlapping_and_dense",
     "reduce_config",
     "reduction_steps",
 ]
@@ -128,22 +128,6 @@ def _sm_count(gpu: Any) -> int:
 
 def _first(out: Any) -> torch.Tensor:
     return out[0] if isinstance(out, (tuple, list)) else out
-
-
-def non_overlapping_and_dense(t: torch.Tensor) -> bool:
-    """``prims.is_non_overlapping_and_dense_or_false(t)``, answered at once for the
-    common case, a contiguous strided tensor with no zero stride (the prims
-    helper takes ~14 us through its symbolic-shape guards, on every BLAS call).
-
-    Such a tensor is dense: its dimensions longer than 1 have distinct strides,
-    each the product of the sizes after it, so the prims helper's sort by stride
-    puts them back in order and its check passes. A zero stride (only on a
-    dimension of size 1 here) is left to the helper, whose comparison treats it
-    specially.
-    """
-    if t.layout == torch.strided and t.is_contiguous() and 0 not in t.stride():
-        return True
-    return prims.is_non_overlapping_and_dense_or_false(t)
 
 
 def _itemsize(dtype: torch.dtype) -> int:

@@ -74,11 +74,9 @@ import torch
 import torch._prims_common as prims
 
 from pytest_torchmem.engine.tracing.devices.cuda.base import CUDA
-from pytest_torchmem.engine.tracing.devices.cuda.temporaries import (
-    non_overlapping_and_dense,
-    reduction_steps,
-)
+from pytest_torchmem.engine.tracing.devices.cuda.temporaries import reduction_steps
 from pytest_torchmem.engine.tracing.devices.memo import BoundedMemo
+from pytest_torchmem.engine.tracing.devices.tensor_iterator import non_overlapping_and_dense
 from pytest_torchmem.engine.tracing.rules import (
     OUTPUTS,
     Alloc,
