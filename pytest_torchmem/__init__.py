@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from pytest_torchmem.engine.api import estimate, measure
     from pytest_torchmem.engine.parallel import Parallel
     from pytest_torchmem.engine.report import Category, MemoryReport, ModulePeak, Unsupported
+    from pytest_torchmem.engine.torch_release import TorchReleaseError
     from pytest_torchmem.engine.tracing.devices.cpu.profiles import CpuProfile
     from pytest_torchmem.engine.units import format_bytes, parse_bytes
 
@@ -30,6 +31,7 @@ __all__ = [
     "ModulePeak",
     "Unsupported",
     "CpuProfile",
+    "TorchReleaseError",
     "parse_bytes",
     "format_bytes",
 ]
@@ -46,6 +48,7 @@ _LAZY: Final = {
     "ModulePeak": "pytest_torchmem.engine.report",
     "Unsupported": "pytest_torchmem.engine.report",
     "CpuProfile": "pytest_torchmem.engine.tracing.devices.cpu.profiles",
+    "TorchReleaseError": "pytest_torchmem.engine.torch_release",
     "parse_bytes": "pytest_torchmem.engine.units",
     "format_bytes": "pytest_torchmem.engine.units",
 }

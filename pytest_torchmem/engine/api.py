@@ -4,18 +4,17 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from torch import nn
-
-from pytest_torchmem.engine.parallel import Parallel
 from pytest_torchmem.engine.report import MemoryReport
-from pytest_torchmem.engine.request import as_compiled, step_request
-from pytest_torchmem.engine.step import LossFn, OptimizerFactory
-from pytest_torchmem.engine.tracing.devices import device_model
-from pytest_torchmem.engine.tracing.devices.cpu.profiles import CpuProfile, cpu_profile
-from pytest_torchmem.engine.tracing.devices.cuda.profiles import gpu_profile
-from pytest_torchmem.engine.tracing.trace import trace
+from pytest_torchmem.engine.torch_release import require_supported_torch
+
+if TYPE_CHECKING:  # imported when called, after the torch release is checked
+    from torch import nn
+
+    from pytest_torchmem.engine.parallel import Parallel
+    from pytest_torchmem.engine.step import LossFn, OptimizerFactory
+    from pytest_torchmem.engine.tracing.devices.cpu.profiles import CpuProfile
 
 __all__ = ["estimate", "measure"]
 
@@ -75,7 +74,17 @@ def estimate(
     compiled submodules and functions) is estimated as compiled without it. On
     cpu the estimate follows inductor's program; on cuda a compiled region runs
     eagerly, listed in ``unsupported``.
+
+    A torch outside the supported window raises
+    :class:`~pytest_torchmem.engine.torch_release.TorchReleaseError` at once.
     """
+    require_supported_torch()
+    from pytest_torchmem.engine.request import as_compiled, step_request
+    from pytest_torchmem.engine.tracing.devices import device_model
+    from pytest_torchmem.engine.tracing.devices.cpu.profiles import cpu_profile
+    from pytest_torchmem.engine.tracing.devices.cuda.profiles import gpu_profile
+    from pytest_torchmem.engine.tracing.trace import trace
+
     request = step_request(
         "estimate", model, inputs, device, loss_fn, optimizer, train, keep_output, compile
     )
@@ -150,7 +159,9 @@ def measure(
     in its steady state (a warm-up step compiles first); dynamo's cache
     entries of a measurement are its own, invalidated when it returns.
     """
+    require_supported_torch()
     from pytest_torchmem.engine.measuring import measure_step
+    from pytest_torchmem.engine.request import as_compiled, step_request
 
     _check_parallel(parallel)
     request = step_request(

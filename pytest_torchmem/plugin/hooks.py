@@ -196,7 +196,7 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         config.pluginmanager.unregister(run_hooks)
 
 
-def pytest_report_header(config: pytest.Config) -> str:
+def pytest_report_header(config: pytest.Config) -> list[str]:
     return _session(config).header()
 
 
@@ -257,4 +257,6 @@ def pytest_terminal_summary(
 @pytest.fixture
 def torchmem(request: pytest.FixtureRequest) -> TorchmemFixture:
     """Memory checks of this test: ``torchmem.check(model, inputs, ...)``."""
+    __tracebackhide__ = True
+    _session(request.config).require_supported_torch()
     return TorchmemFixture(_session(request.config), request.node)

@@ -16,10 +16,12 @@ check.
 from __future__ import annotations
 
 import dataclasses
+import importlib.metadata
 import json
 import os
 import platform
 import shlex
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +29,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 import pytest
 
+from pytest_torchmem.engine.torch_release import release_problem
 from pytest_torchmem.plugin.snapshots import (
     Entry,
     Key,
@@ -295,6 +298,18 @@ def _cpu_profile(name: str) -> Any:
         return cpu_profile(name)
     except ValueError as exc:  # "host" on a machine no profile describes
         pytest.fail(f"torchmem: cpu profile {name!r}: {exc}", pytrace=False)
+
+
+def _torch_version() -> str | None:
+    """The installed torch's version, read without importing torch (the header is
+    written before any test imports it); None where torch is not installed."""
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        return str(torch.__version__)
+    try:
+        return importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 def _gpu_present() -> bool:
@@ -1027,15 +1042,34 @@ class TorchmemSession:
 
     # -- reporting ------------------------------------------------------------------
 
-    def header(self) -> str:
+    def header(self) -> list[str]:
         settings = self.settings
         mode = "update" if settings.update else "compare"
-        return (
+        lines = [
             f"torchmem: {mode}, devices {','.join(settings.devices)}, {settings.tolerance}, "
             f"gpu profile {settings.gpu}, cpu profile {settings.cpu}"
             + (", keep_output" if settings.keep_output else "")
             + (", compile" if settings.compile else "")
-        )
+        ]
+        version = _torch_version()
+        problem = None if version is None else release_problem(version)
+        if problem is not None:
+            lines.append(f"torchmem: {problem}")
+        return lines
+
+    def require_supported_torch(self) -> None:
+        """Fail the test asking for the ``torchmem`` fixture (an error at setup, one line)
+        where the installed torch is outside the supported window."""
+        __tracebackhide__ = True
+        from pytest_torchmem.engine.torch_release import TorchReleaseError, require_supported_torch
+
+        try:
+            require_supported_torch()
+        except TorchReleaseError as exc:
+            problem = str(exc)
+        else:
+            return
+        pytest.fail(f"torchmem: {problem}", pytrace=False)
 
     def summary_lines(self) -> list[str]:
         """The terminal summary: the table, unused entries, files written, the totals."""
