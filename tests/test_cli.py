@@ -24,8 +24,8 @@ from torch import nn
 
 import pytest_torchmem as tm
 from pytest_torchmem.cli.diffing import FailOnError, Gate, parse_fail_on
-from pytest_torchmem.cli.saved import Saved, match
-from pytest_torchmem.plugin.snapshots import Entry, Key
+from pytest_torchmem.cli.saved import Saved, load, match
+from pytest_torchmem.plugin.snapshots import Entry, Key, write_merged
 from pytest_torchmem.plugin.verdict import Tolerance
 
 pytest_plugins = ("pytester",)
@@ -216,6 +216,50 @@ def test_modules_match_by_path_ending_and_single_modules_pair() -> None:
         ("test_a", "test_a"),
         (None, "test_b"),
     ]
+
+
+def test_entries_pair_within_their_release_where_a_side_holds_several() -> None:
+    def at(release: str, test: str = "test_a", module: str = "test_m.py") -> Saved:
+        key = Key(test, "default", "cpu")
+        return Saved(module, key, Entry(forward_peak=1), "f.json", release=release)
+
+    def pairs(old: list[Saved], new: list[Saved]) -> set[tuple[str | None, str | None]]:
+        return {(o and o.release, n and n.release) for o, n in match(old, new)}
+
+    # A suite's directories on both sides: each release with its own.
+    both = [at("2.13"), at("2.15")]
+    assert pairs(both, both) == {("2.13", "2.13"), ("2.15", "2.15")}
+    # A report (or directory) of one release against them: its release pairs, the other not.
+    assert pairs([at("2.15")], both) == {("2.15", "2.15"), (None, "2.13")}
+    # One release on each side: the releases are compared with each other.
+    assert pairs([at("2.13")], [at("2.15")]) == {("2.13", "2.15")}
+    assert pairs([at("")], [at("2.15")]) == {("", "2.15")}
+
+
+def test_a_directory_reads_the_release_directories_in_it(tmp_path: Path) -> None:
+    entry = Entry(forward_peak=64, environment={"torch": "2.13.0+cpu"})
+    key = Key("test_a", "default", "cpu")
+    folder = tmp_path / "tests" / "__torchmem__"
+    write_merged(folder / "test_m.json", {key: entry})
+    write_merged(folder / "torch-2.13" / "test_m.json", {key: entry})
+    write_merged(folder / "torch-2.15" / "test_m.json", {key: entry})
+    loaded = load(str(tmp_path / "tests"))
+    assert [(s.module, s.release) for s in loaded.entries] == [
+        ("test_m.py", ""),
+        ("test_m.py", "2.13"),
+        ("test_m.py", "2.15"),
+    ]
+    # From inside __torchmem__, and from inside one release's directory.
+    inside = load(str(folder))
+    assert [(s.module, s.release) for s in inside.entries] == [
+        (s.module, s.release) for s in loaded.entries
+    ]
+    (one,) = load(str(folder / "torch-2.15")).entries
+    assert (one.module, one.release) == ("test_m.py", "2.15")
+    assert one.title == "test_m.py::test_a (torch 2.15)"
+    (single,) = load(str(folder / "torch-2.13" / "test_m.json")).entries
+    assert single.release == "2.13"
+    assert single.origin is not None and single.origin.endswith("tests/test_m.py")
 
 
 # -- no torch ----------------------------------------------------------------------------

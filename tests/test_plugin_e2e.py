@@ -518,6 +518,7 @@ torchmem_keep_output = true
         "stale": "fail",
         "keep_output": True,
         "compile": False,
+        "per_torch": False,
         "measured_on_gpu": False,
     }
     assert (pytester.path / "__torchmem__" / "test_m.json").is_file()
@@ -975,6 +976,7 @@ def test_help_lists_every_option(pytester: pytest.Pytester) -> None:
         "--torchmem-measure-rtol=R",
         "--torchmem-gpu=NAME",
         "--torchmem-fail-on-improvement",
+        "--torchmem-per-torch",
         "--torchmem-stale=*",
     ):
         result.stdout.fnmatch_lines([f"*{option}*"])
@@ -989,6 +991,7 @@ def test_help_lists_every_option(pytester: pytest.Pytester) -> None:
         "torchmem_measure_rtol",
         "torchmem_gpu",
         "torchmem_fail_on_improvement",
+        "torchmem_per_torch",
         "torchmem_stale",
     ):
         result.stdout.fnmatch_lines([f"*{ini} (*"])

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from pytest_torchmem.engine.report import Category, MemoryReport, ModulePeak, Unsupported
+from pytest_torchmem.plugin.releases import Release, recorded_release
 from pytest_torchmem.plugin.snapshots import (
     FILE_SCHEMA,
     Entry,
@@ -18,6 +19,7 @@ from pytest_torchmem.plugin.snapshots import (
     SnapshotError,
     SnapshotFile,
     module_of,
+    release_of,
     snapshot_path,
     unused_keys,
     write_merged,
@@ -33,6 +35,45 @@ def test_snapshot_path_is_beside_the_module(tmp_path: Path) -> None:
     path = snapshot_path(module)
     assert path == tmp_path / "tests" / "__torchmem__" / "test_model.json"
     assert module_of(path) == module
+
+
+def test_a_release_has_a_directory_of_its_own_beside_the_module(tmp_path: Path) -> None:
+    module = tmp_path / "tests" / "test_model.py"
+    path = snapshot_path(module, Release(2, 13))
+    assert path == tmp_path / "tests" / "__torchmem__" / "torch-2.13" / "test_model.json"
+    assert module_of(path) == module
+    assert release_of(path) == Release(2, 13)
+    assert release_of(snapshot_path(module)) is None
+    # Only a directory in __torchmem__ is a release's.
+    assert release_of(tmp_path / "torch-2.13" / "test_model.json") is None
+    assert release_of(tmp_path / "__torchmem__" / "torch-x" / "test_model.json") is None
+
+
+@pytest.mark.parametrize(
+    ("version", "release"),
+    [
+        ("2.13.0+cpu", Release(2, 13)),
+        ("2.14.1+cu130", Release(2, 14)),
+        ("2.15.0.dev20260101", Release(2, 15)),
+        ("2.10", Release(2, 10)),
+        ("nightly", None),
+        (None, None),
+        (213, None),
+    ],
+)
+def test_the_release_of_a_torch_version(version: object, release: Release | None) -> None:
+    assert Release.of_version(version) == release
+    assert recorded_release({"torch": version}) == release
+
+
+def test_releases_name_their_directories_and_sort() -> None:
+    assert str(Release(2, 13)) == "2.13"
+    assert Release(2, 13).directory == "torch-2.13"
+    assert Release.of_directory("torch-2.13") == Release(2, 13)
+    assert Release.of_directory("torch-2.13.0") is None
+    assert Release.of_directory("torch-2.13 ") is None
+    assert Release(2, 9) < Release(2, 10) < Release(2, 15)
+    assert recorded_release({}) is None
 
 
 def test_entry_from_report_records_peaks_breakdown_modules_and_environment() -> None:

@@ -116,6 +116,7 @@ def _saved_json(saved: Saved) -> dict[str, Any]:
         "test": saved.key.test,
         "name": saved.key.name,
         "device": saved.key.device,
+        "release": saved.release or None,
         "file": saved.file,
         "status": saved.status,
         "figures": _figures_json(entry),
@@ -128,8 +129,10 @@ def _saved_json(saved: Saved) -> dict[str, Any]:
 
 
 def _where(saved: Saved, style: Style) -> str:
-    """``tests/test_m.py::test_a [default] on cpu``."""
-    return f"{style.code(saved.label)} [{saved.key.name}] on {saved.key.device}"
+    """``tests/test_m.py::test_a [default] on cpu`` (``(torch 2.13)`` after the test where
+    the entry is in a per-release directory)."""
+    release = f" (torch {saved.release})" if saved.release else ""
+    return f"{style.code(saved.label)}{release} [{saved.key.name}] on {saved.key.device}"
 
 
 def _input_json(loaded: Loaded) -> dict[str, Any]:
@@ -163,7 +166,7 @@ def show_text(loaded: Sequence[Loaded], entries: Sequence[Sequence[Saved]], styl
         rows = []
         for saved in shown:
             entry = saved.entry
-            row = [saved.label, saved.key.name, saved.key.device]
+            row = [saved.title, saved.key.name, saved.key.device]
             row += [style.size(entry.forward_peak), style.size(entry.backward_peak)]
             row += [style.size(entry.step_peak), style.size(entry.peak)]
             row += [style.size(entry.reserved_peak)] * reserved
@@ -227,7 +230,7 @@ def _change_table(rows: Sequence[Row], style: Style) -> str | None:
             limit = None if row.stale else allowed.get(figure)
             table.append(
                 [
-                    row.saved.label,
+                    row.saved.title,
                     row.key.name,
                     row.key.device,
                     figure,
@@ -352,6 +355,7 @@ def diff_json(old: Loaded, new: Loaded, rows: Sequence[Row], gate: Gate) -> dict
         entries.append(
             {
                 "module": row.saved.module,
+                "release": row.saved.release or None,
                 "test": row.key.test,
                 "name": row.key.name,
                 "device": row.key.device,

@@ -63,9 +63,12 @@ _MAIN_HELP: Final = f"""\
 Show saved pytest-torchmem results, or compare two of them and gate CI on the change.
 
 An input is a snapshot file (tests/__torchmem__/test_x.json), a directory (all
-the snapshot files under it: tests/, or a __torchmem__ directory), or a JSON
+the snapshot files under it, those of per-release directories such as
+__torchmem__/torch-2.13/ too: tests/, or a __torchmem__ directory), or a JSON
 report written by `pytest --torchmem-json PATH`. Files are told apart by their
-content. This command does not import torch.
+content. An entry of a per-release directory is shown with its release, and
+pairs with the same release's entry where an input holds several releases.
+This command does not import torch.
 
 examples:
   {PROG} show tests/

@@ -1,11 +1,13 @@
 """Saved results, read back outside pytest: snapshot files, directories of them, JSON reports.
 
 An input is a snapshot file (``__torchmem__/test_x.json``), a directory (every
-snapshot file in a ``__torchmem__`` directory under it; failing that, the
-``*.json`` files in it), or a report written by ``pytest --torchmem-json``.
+snapshot file in a ``__torchmem__`` directory under it, and in its per-release
+directories, ``__torchmem__/torch-2.13/``; failing that, the ``*.json`` files
+in it), or a report written by ``pytest --torchmem-json``.
 Files are told apart by their content. Every entry is named by its test
 module, as a path relative to the directory given (or, in a report, as
-pytest's node id names it), and its :class:`~pytest_torchmem.plugin.snapshots.Key`.
+pytest's node id names it), its :class:`~pytest_torchmem.plugin.snapshots.Key`, and
+the torch release whose directory holds it, if any (``torchmem_per_torch``).
 
 Nothing here imports torch or pytest: ``python -m pytest_torchmem`` starts fast.
 """
@@ -19,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any, Final
 
+from pytest_torchmem.plugin.releases import Release
 from pytest_torchmem.plugin.snapshots import (
     SNAPSHOT_DIR,
     Entry,
@@ -26,6 +29,7 @@ from pytest_torchmem.plugin.snapshots import (
     SnapshotError,
     SnapshotFile,
     module_of,
+    release_of,
 )
 from pytest_torchmem.plugin.summary import REPORT_SCHEMA
 
@@ -56,11 +60,19 @@ class Saved:
     #: directory), as an absolute POSIX path: it tells apart modules of the
     #: same name in other directories when entries are paired.
     origin: str | None = field(default=None, compare=False)
+    #: The torch release whose snapshot directory holds it (``"2.13"``: read from
+    #: ``__torchmem__/torch-2.13/``, or a report's check that used one); ``""`` for none.
+    release: str = ""
 
     @property
     def label(self) -> str:
         """``tests/test_m.py::test_a``: the test as pytest names it."""
         return f"{self.module}::{self.key.test}"
+
+    @property
+    def title(self) -> str:
+        """The label, and the release of its directory: ``tests/test_m.py::test_a (torch 2.13)``."""
+        return f"{self.label} (torch {self.release})" if self.release else self.label
 
 
 @dataclass(frozen=True)
@@ -105,21 +117,22 @@ def _load_directory(argument: str, root: Path) -> Loaded:
         files = sorted(p for p in root.glob("*.json") if p.is_file() and not _hidden(p.name))
     if not files:
         raise InputError(
-            f"{argument}: no snapshot files in it (looked for __torchmem__/*.json under it, "
-            "then *.json in it); name a snapshot file or a JSON report instead"
+            f"{argument}: no snapshot files in it (looked for __torchmem__/*.json and "
+            "__torchmem__/torch-*/*.json under it, then *.json in it); name a snapshot file or "
+            "a JSON report instead"
         )
-    entries: dict[tuple[str, Key], Saved] = {}
+    entries: dict[tuple[str, str, Key], Saved] = {}
     for path in files:
         shown = _shown(argument, root, path)
         _, found = _load_file(path, shown, module=_module_in(root, path))
         for saved in found:
-            twin = entries.get((saved.module, saved.key))
+            twin = entries.get((saved.module, saved.release, saved.key))
             if twin is not None:
                 raise InputError(
-                    f"{argument}: {saved.label} [{saved.key.name}] on {saved.key.device} is "
+                    f"{argument}: {saved.title} [{saved.key.name}] on {saved.key.device} is "
                     f"both in {twin.file} and in {saved.file}; name one of them"
                 )
-            entries[saved.module, saved.key] = saved
+            entries[saved.module, saved.release, saved.key] = saved
     return Loaded(
         argument,
         "directory",
@@ -133,21 +146,29 @@ def _hidden(name: str) -> bool:
 
 
 def _snapshot_files(root: Path) -> list[Path]:
-    """Every ``*.json`` in a ``__torchmem__`` directory under ``root`` (``root`` included)."""
+    """Every ``*.json`` in a ``__torchmem__`` directory under ``root`` (``root`` included),
+    and in the per-release directories in it (``__torchmem__/torch-2.13/``)."""
     found: list[Path] = []
-    for folder, dirs, names in os.walk(root):
+    for folder, dirs, names in os.walk(os.path.abspath(root)):
         dirs[:] = sorted(d for d in dirs if not _hidden(d) and d not in _SKIPPED_DIRS)
-        if Path(folder).name == SNAPSHOT_DIR:
+        if _in_snapshot_dir(Path(folder, "x.json")):
             found += [Path(folder, n) for n in names if n.endswith(".json") and not _hidden(n)]
-    return sorted(found)
+    return sorted(root / path.relative_to(os.path.abspath(root)) for path in found)
+
+
+def _in_snapshot_dir(path: Path) -> bool:
+    """Whether ``path`` is in a ``__torchmem__`` directory or in a per-release one in it."""
+    return path.parent.name == SNAPSHOT_DIR or release_of(path) is not None
 
 
 def _module_in(root: Path, path: Path) -> str:
     """The test module of the snapshot file ``path``, relative to ``root``."""
-    folder = path.parent.relative_to(root)
-    if path.parent.name == SNAPSHOT_DIR and folder.parts:
-        folder = folder.parent
-    return PurePosixPath(*folder.parts, f"{path.stem}.py").as_posix()
+    parts = list(path.parent.relative_to(root).parts)
+    if parts and release_of(path.absolute()) is not None:
+        parts.pop()  # torch-2.13
+    if parts and parts[-1] == SNAPSHOT_DIR:
+        parts.pop()
+    return PurePosixPath(*parts, f"{path.stem}.py").as_posix()
 
 
 def _shown(argument: str, root: Path, path: Path) -> str:
@@ -166,10 +187,11 @@ def _load_file(path: Path, shown: str, module: str | None) -> tuple[str, list[Sa
             raise InputError(str(exc)) from None
         name = module or f"{path.stem}.py"
         origin = None
-        if path.parent.name == SNAPSHOT_DIR:
+        if _in_snapshot_dir(path.absolute()):
             origin = PurePosixPath(*module_of(path.absolute()).parts).as_posix()
+        release = release_of(path.absolute())
         return "snapshot file", [
-            Saved(name, key, entry, shown, origin=origin)
+            Saved(name, key, entry, shown, origin=origin, release=_release_text(release))
             for key, entry in snapshot.entries.items()
         ]
     raise InputError(
@@ -236,12 +258,23 @@ def _report_entries(data: Mapping[str, Any], shown: str) -> list[Saved]:
             )
             key = Key(test, str(result["name"]), str(result["device"]))
             status = result.get("status")
+            # The release of the snapshot directory the check used (torchmem_per_torch).
+            release = _release_text(Release.of_version(result.get("torch_release")))
         except (AttributeError, KeyError, TypeError, ValueError) as exc:
             raise InputError(
                 f"{shown}: result {number} of the JSON report is malformed ({exc!r}); "
                 f"{_REPORT_HINT}"
             ) from None
-        found.append(Saved(module, key, entry, shown, None if status is None else str(status)))
+        found.append(
+            Saved(
+                module,
+                key,
+                entry,
+                shown,
+                None if status is None else str(status),
+                release=release,
+            )
+        )
     seen: set[tuple[str, Key]] = set()
     for saved in found:
         if (saved.module, saved.key) in seen:
@@ -253,11 +286,16 @@ def _report_entries(data: Mapping[str, Any], shown: str) -> list[Saved]:
     return found
 
 
+def _release_text(release: Release | None) -> str:
+    return "" if release is None else str(release)
+
+
 # -- matching two inputs ----------------------------------------------------------------
 
 
 def match(old: Sequence[Saved], new: Sequence[Saved]) -> list[tuple[Saved | None, Saved | None]]:
-    """Pair the entries of two inputs by test module, test id, check name and device.
+    """Pair the entries of two inputs by test module, test id, check name and device,
+    and torch release where either side holds several releases' directories.
 
     Modules pair by name; else when one path ends with the other
     (``tests/test_m.py`` and ``test_m.py``: a report beside a snapshot
@@ -267,11 +305,22 @@ def match(old: Sequence[Saved], new: Sequence[Saved]) -> list[tuple[Saved | None
     a snapshot directory against ``tests/a/test_same.py`` and
     ``tests/b/test_same.py`` of a report), the snapshot file's place on disk
     picks the one. Unpaired entries come with None on the other side.
+
+    Where each side holds one release at most (``__torchmem__/torch-2.13`` against
+    ``__torchmem__/torch-2.15``, a directory against a report), releases are not
+    compared: that is how two releases' figures are diffed. Where a side holds
+    several (``tests/`` of a suite with ``torchmem_per_torch``), each entry pairs
+    with the entry of its own release only.
     """
     origins = {s.module: s.origin for s in (*old, *new) if s.origin is not None}
     modules = _pair_modules({s.module for s in old}, {s.module for s in new}, origins)
-    olds = {(modules.get(s.module, s.module), s.key): s for s in old}
-    news = {(s.module, s.key): s for s in new}
+    by_release = max(len({s.release for s in old}), len({s.release for s in new})) > 1
+
+    def release(saved: Saved) -> str:
+        return saved.release if by_release else ""
+
+    olds = {(modules.get(s.module, s.module), release(s), s.key): s for s in old}
+    news = {(s.module, release(s), s.key): s for s in new}
     return [(olds.get(where), news.get(where)) for where in sorted(set(olds) | set(news))]
 
 

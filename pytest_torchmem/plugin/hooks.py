@@ -161,6 +161,14 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
     _option(
         parser,
+        "per-torch",
+        "Keep one snapshot directory per torch minor release (__torchmem__/torch-2.13/), for a "
+        "suite whose CI runs several releases: each release compares with, updates and prunes "
+        "its own entries only.",
+        "bool",
+    )
+    _option(
+        parser,
         "stale",
         "What a snapshot entry recorded in another environment (torch version, CPU or GPU "
         "profile) does: warn (default: reported, not compared) or fail.",

@@ -16,12 +16,10 @@ check.
 from __future__ import annotations
 
 import dataclasses
-import importlib.metadata
 import json
 import os
 import platform
 import shlex
-import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,7 +28,10 @@ from typing import TYPE_CHECKING, Any, Final
 import pytest
 
 from pytest_torchmem.engine.torch_release import release_problem
+from pytest_torchmem.plugin import releases
+from pytest_torchmem.plugin.releases import Release
 from pytest_torchmem.plugin.snapshots import (
+    SNAPSHOT_DIR,
     Entry,
     Key,
     SnapshotError,
@@ -144,7 +145,13 @@ def _option(config: pytest.Config, name: str) -> tuple[Any, str]:
 
 #: The options that are flags (``--torchmem-update``): their ini twins are booleans.
 _FLAGS: Final = frozenset(
-    {"torchmem_update", "torchmem_fail_on_improvement", "torchmem_keep_output", "torchmem_compile"}
+    {
+        "torchmem_update",
+        "torchmem_fail_on_improvement",
+        "torchmem_keep_output",
+        "torchmem_compile",
+        "torchmem_per_torch",
+    }
 )
 
 
@@ -194,6 +201,11 @@ class Settings:
     keep_output: bool = False
     #: ``--torchmem-compile``: check models as ``torch.compile(model)`` runs them by default.
     compile: bool = False
+    #: ``--torchmem-per-torch``: one snapshot directory per torch release.
+    per_torch: bool = False
+    #: True when ``--torchmem-per-torch`` was given on the command line (not the ini file):
+    #: the command that accepts a change must say it too.
+    per_torch_given: bool = False
 
     @classmethod
     def from_config(cls, config: pytest.Config) -> Settings:
@@ -204,6 +216,9 @@ class Settings:
             values["fail_on_improvement"] = bool(_option(config, "torchmem_fail_on_improvement")[0])
             values["keep_output"] = bool(_option(config, "torchmem_keep_output")[0])
             values["compile"] = bool(_option(config, "torchmem_compile")[0])
+            per_torch, source = _option(config, "torchmem_per_torch")
+            values["per_torch"] = bool(per_torch)
+            values["per_torch_given"] = bool(per_torch) and source.startswith("--")
             devices, source = _option(config, "torchmem_devices")
             if devices is not None:
                 values["devices"] = parse_devices(devices, known_devices(), source)
@@ -272,6 +287,7 @@ class Settings:
             "stale": self.stale,
             "keep_output": self.keep_output,
             "compile": self.compile,
+            "per_torch": self.per_torch,
         }
 
 
@@ -298,18 +314,6 @@ def _cpu_profile(name: str) -> Any:
         return cpu_profile(name)
     except ValueError as exc:  # "host" on a machine no profile describes
         pytest.fail(f"torchmem: cpu profile {name!r}: {exc}", pytrace=False)
-
-
-def _torch_version() -> str | None:
-    """The installed torch's version, read without importing torch (the header is
-    written before any test imports it); None where torch is not installed."""
-    torch = sys.modules.get("torch")
-    if torch is not None:
-        return str(torch.__version__)
-    try:
-        return importlib.metadata.version("torch")
-    except importlib.metadata.PackageNotFoundError:
-        return None
 
 
 def _gpu_present() -> bool:
@@ -369,9 +373,7 @@ def device_environment(
     default stay as they were): an entry made with the other setting measured
     another step, and is never compared with this one.
     """
-    import torch
-
-    environment: dict[str, Any] = {"torch": torch.__version__}
+    environment: dict[str, Any] = {"torch": releases.torch_version()}
     if keep_output:
         environment["keep_output"] = True
     if device.startswith("cuda"):
@@ -413,6 +415,8 @@ class TorchmemSession:
         self.views: list[dict[str, Any]] = []
         self._targets = self._node_targets(config)
         self._snapshots: dict[Path, SnapshotFile] = {}
+        #: The release whose snapshot directory this run uses (read at its first use).
+        self._release: Release | None = None
         self._rules: dict[tuple[str, tuple[int, ...]], RuleSet] = {}
         self._names: dict[str, set[str]] = {}
         #: Tests that made a ``torchmem`` fixture.
@@ -556,8 +560,9 @@ class TorchmemSession:
                 self.restarted.add(item.nodeid)
 
     def _forget(self, nodeids: set[str]) -> None:
+        root = self.config.rootpath
         dropped = {
-            (str(snapshot_path(self.config.rootpath / result.nodeid.split("::", 1)[0])), result.key)
+            (str(self.snapshot_file(root / result.nodeid.split("::", 1)[0])), result.key)
             for result in self.results
             if result.nodeid in nodeids
         }
@@ -611,6 +616,25 @@ class TorchmemSession:
             self._measuring = mode == "on" or (mode == "auto" and _gpu_present())
         return self._measuring
 
+    def release(self) -> Release | None:
+        """The torch release whose snapshot directory this run reads and writes
+        (``torchmem_per_torch``), or None: one directory for every release."""
+        if not self.settings.per_torch:
+            return None
+        if self._release is None:
+            release = releases.running_release()
+            if release is None:
+                raise pytest.UsageError(
+                    f"--torchmem-per-torch (ini torchmem_per_torch): cannot tell the release of "
+                    f"the installed torch ({releases.torch_version()!r})"
+                )
+            self._release = release
+        return self._release
+
+    def snapshot_file(self, module: Path) -> Path:
+        """The snapshot file this run uses for the test module at ``module``."""
+        return snapshot_path(module, self.release())
+
     def _snapshot(self, path: Path) -> SnapshotFile:
         snapshot = self._snapshots.get(path)
         if snapshot is None:
@@ -641,7 +665,9 @@ class TorchmemSession:
         target = self.display(item.path)
         if "::" in item.nodeid:
             target += "::" + module_test_id(item)
-        return f"pytest --torchmem-update {_quote(target)}"
+        # Where the entry goes: an update without the option would write another file.
+        per_torch = " --torchmem-per-torch" if self.settings.per_torch_given else ""
+        return f"pytest --torchmem-update{per_torch} {_quote(target)}"
 
     def _estimate(
         self,
@@ -739,7 +765,7 @@ class TorchmemSession:
         devices = spec.devices or self.settings.devices
         gpu = spec.gpu or self.settings.gpu
         cpu = _cpu_profile(spec.cpu or self.settings.cpu)
-        path = snapshot_path(item.path)
+        path = self.snapshot_file(item.path)
         snapshot = self._snapshot_to_check(path)
         if isinstance(snapshot, str):  # failed outside the except: no chained traceback
             pytest.fail(snapshot, pytrace=False)
@@ -770,6 +796,7 @@ class TorchmemSession:
                 fail_on_improvement=self.settings.fail_on_improvement,
                 measure_rtol=self.settings.measure_rtol,
                 fail_on_stale=self.settings.stale == "fail",
+                release=self.release(),
             )
             self.results.append(result)
             self.used.add((str(path), key))
@@ -891,7 +918,8 @@ class TorchmemSession:
     def _snapshot_files(self) -> set[Path]:
         """The files to judge: those of collected modules, and orphans beside them."""
         modules = set(self.known) | {module for module, _ in self.completed}
-        files = {snapshot_path(Path(module)) for module in modules}
+        # Only this run's directory: another release's files are that release's to judge.
+        files = {self.snapshot_file(Path(module)) for module in modules}
         for folder in {path.parent for path in files}:
             if folder.is_dir():
                 files.update(path for path in folder.glob("*.json") if not module_of(path).exists())
@@ -997,7 +1025,7 @@ class TorchmemSession:
 
         return {
             "pytest_torchmem": __version__,
-            "torch": torch.__version__,
+            "torch": releases.torch_version(),
             "python": platform.python_version(),
             "platform": platform.platform(),
             "gpu_profile": self.settings.gpu,
@@ -1050,12 +1078,20 @@ class TorchmemSession:
             f"gpu profile {settings.gpu}, cpu profile {settings.cpu}"
             + (", keep_output" if settings.keep_output else "")
             + (", compile" if settings.compile else "")
+            + (self._per_torch_header() if settings.per_torch else "")
         ]
-        version = _torch_version()
+        version = releases.torch_version()
         problem = None if version is None else release_problem(version)
         if problem is not None:
             lines.append(f"torchmem: {problem}")
         return lines
+
+    def _per_torch_header(self) -> str:
+        """``, snapshots of torch 2.13 (__torchmem__/torch-2.13)``: where this run's entries are."""
+        release = releases.running_release()
+        if release is None:
+            return ""
+        return f", snapshots of torch {release} ({SNAPSHOT_DIR}/{release.directory})"
 
     def require_supported_torch(self) -> None:
         """Fail the test asking for the ``torchmem`` fixture (an error at setup, one line)

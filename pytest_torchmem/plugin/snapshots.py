@@ -1,6 +1,8 @@
 """Snapshot files: load, look up, merge and write them atomically; find unused entries.
 
-Each test module ``tests/test_x.py`` has one file ``tests/__torchmem__/test_x.json``::
+Each test module ``tests/test_x.py`` has one file ``tests/__torchmem__/test_x.json``
+(or, where the suite keeps one snapshot directory per torch release,
+``torchmem_per_torch``, one per release: ``tests/__torchmem__/torch-2.13/test_x.json``)::
 
     {
       "schema": 2,
@@ -29,6 +31,11 @@ Schema 2 records the CPU profile of a ``cpu`` entry (``"environment": {"cpu":
 their ``cpu`` entries were estimated for the host they were recorded on, which
 :func:`legacy_cpu` names, so they are stale until re-recorded; the next write
 of the file upgrades it to schema 2.
+
+Every entry records the torch it was made on (``"environment": {"torch":
+"2.13.0+cpu", ...}``), in both schemas: a per-release directory changes where a
+file is, not what it holds, so it needs no new schema (an older pytest-torchmem
+reads such files as they are).
 """
 
 from __future__ import annotations
@@ -45,6 +52,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
+from pytest_torchmem.plugin.releases import Release
+
 if TYPE_CHECKING:
     from pytest_torchmem.engine.report import MemoryReport
 
@@ -60,6 +69,7 @@ __all__ = [
     "DEVICE_KEYS",
     "snapshot_path",
     "module_of",
+    "release_of",
     "write_merged",
     "atomic_write",
     "unused_keys",
@@ -296,18 +306,33 @@ def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return data
 
 
+def release_of(snapshot: Path) -> Release | None:
+    """The torch release whose directory holds the snapshot file ``snapshot``
+    (``__torchmem__/torch-2.13/test_x.json``: 2.13), or None for a file of all releases."""
+    if snapshot.parent.parent.name != SNAPSHOT_DIR:
+        return None
+    return Release.of_directory(snapshot.parent.name)
+
+
 def module_of(snapshot: Path) -> Path:
     """The test module a snapshot file belongs to."""
-    return snapshot.parent.parent / f"{snapshot.stem}.py"
+    folder = snapshot.parent.parent
+    if release_of(snapshot) is not None:
+        folder = folder.parent
+    return folder / f"{snapshot.stem}.py"
 
 
-def snapshot_path(module: Path) -> Path:
-    """The snapshot file of the test module at ``module``."""
-    path = module.parent / SNAPSHOT_DIR / f"{module.stem}.json"
+def snapshot_path(module: Path, release: Release | None = None) -> Path:
+    """The snapshot file of the test module at ``module``: of every torch release, or
+    of ``release`` alone (``torchmem_per_torch``)."""
+    folder = module.parent / SNAPSHOT_DIR
+    if release is not None:
+        folder /= release.directory
+    path = folder / f"{module.stem}.json"
     # A module name cannot hold a separator, but refuse anything that would
     # put the file outside the directory beside the module.
-    if path.parent != module.parent / SNAPSHOT_DIR:  # pragma: no cover - defensive
-        raise SnapshotError(f"refusing snapshot path {path} outside {module.parent / SNAPSHOT_DIR}")
+    if path.parent != folder:  # pragma: no cover - defensive
+        raise SnapshotError(f"refusing snapshot path {path} outside {folder}")
     return path
 
 

@@ -15,7 +15,13 @@ from tabulate import tabulate
 
 from pytest_torchmem.engine.units import format_bytes, format_delta
 from pytest_torchmem.plugin.snapshots import Key, legacy_cpu
-from pytest_torchmem.plugin.verdict import Result, Status, stale_reason
+from pytest_torchmem.plugin.verdict import (
+    PER_TORCH_HINT,
+    Result,
+    Status,
+    release_change,
+    stale_reason,
+)
 
 __all__ = [
     "Unused",
@@ -178,6 +184,18 @@ def stale_lines(results: Sequence[Result], *, mode: str) -> list[str]:
             "(--torchmem-stale=warn; budgets still apply)"
         )
     lines.append(f"{count} {verdict}")
+    releases = [
+        change
+        for change in (release_change(result.stale) for result in stale if result.release is None)
+        if change is not None
+    ]
+    if releases:
+        made = ", ".join(str(then) for then in sorted({then for then, _ in releases}))
+        one = len(releases) == 1
+        lines.append(
+            f"{len(releases)} stale snapshot entr{'y was' if one else 'ies were'} made on torch "
+            f"{made}, and this is torch {releases[0][1]}; {PER_TORCH_HINT}"
+        )
     legacy = sum(
         any(change.name == "cpu" and legacy_cpu(change.snapshot) for change in result.stale)
         for result in stale
@@ -220,6 +238,8 @@ def _result_json(result: Result) -> dict[str, Any]:
         "status": result.status.value,
         "failed": result.failed,
         "snapshot_file": result.file,
+        # The torch release whose snapshot directory holds the entry (torchmem_per_torch).
+        "torch_release": result.release,
         "estimate": estimate,
         "snapshot": snapshot,
         "delta": delta,

@@ -16,6 +16,7 @@ from typing import Any, Final, Literal
 from pytest_torchmem.engine.compiling import CompileOptions, compile_options
 from pytest_torchmem.engine.report import ROOT_NAME
 from pytest_torchmem.engine.units import format_bytes, format_delta, parse_bytes
+from pytest_torchmem.plugin.releases import Release
 from pytest_torchmem.plugin.snapshots import Entry, Key
 
 __all__ = [
@@ -36,6 +37,8 @@ __all__ = [
     "STEP_SETTINGS",
     "environment_changes",
     "stale_reason",
+    "release_change",
+    "PER_TORCH_HINT",
     "FIGURES",
     "figures_of",
     "compare",
@@ -390,6 +393,25 @@ def environment_changes(snapshot: Entry, current: Entry) -> tuple[EnvChange, ...
     )
 
 
+#: What a suite run on several torch releases can do (said where an entry of another
+#: release was met).
+PER_TORCH_HINT: Final = (
+    "a suite run on several torch releases can keep one snapshot directory per release: "
+    "torchmem_per_torch = true (--torchmem-per-torch)"
+)
+
+
+def release_change(stale: Iterable[EnvChange]) -> tuple[Release, Release] | None:
+    """The torch release an entry was made on and this run's, where ``stale`` says they
+    differ (another minor release, not only another patch or build); else None."""
+    for change in stale:
+        if change.name == "torch":
+            then, now = Release.of_version(change.snapshot), Release.of_version(change.current)
+            if then is not None and now is not None and then != now:
+                return then, now
+    return None
+
+
 #: Every figure of an entry that can be compared, in the order they are shown.
 FIGURES: Final = ("forward", "backward", "step", "peak", "reserved")
 #: The figures the plugin compares with the snapshot (``peak`` is the largest of the phases).
@@ -467,6 +489,9 @@ class Result:
     strict: bool = False
     #: True under ``--torchmem-update``: the estimate is written as the new entry.
     update: bool = False
+    #: The torch release whose snapshot directory holds the entry (``torchmem_per_torch``:
+    #: ``"2.15"``); None where one file serves every release.
+    release: str | None = None
 
     @property
     def acceptable(self) -> bool:
@@ -520,6 +545,7 @@ class Result:
             "stale": [vars(change) for change in self.stale],
             "strict": self.strict,
             "update": self.update,
+            "release": self.release,
         }
 
     @classmethod
@@ -542,6 +568,7 @@ class Result:
             stale=tuple(EnvChange(**change) for change in data.get("stale", ())),
             strict=data["strict"],
             update=data["update"],
+            release=data.get("release"),
         )
 
 
@@ -590,6 +617,7 @@ def judge(
     fail_on_improvement: bool,
     measure_rtol: float = 0.05,
     fail_on_stale: bool = False,
+    release: Release | None = None,
 ) -> Result:
     """The verdict of one check on one device.
 
@@ -602,6 +630,8 @@ def judge(
     settings (``keep_output``) is stale too, and always fails: the test changed
     what it measures. Where the entry holds a real
     measurement, each phase must agree with the estimate within ``measure_rtol``.
+    ``release``: the torch release whose snapshot directory ``snapshot`` was looked
+    up in (``torchmem_per_torch``), named by the message of a missing entry.
     """
     stale: tuple[EnvChange, ...] = ()
     if snapshot is not None and not update:
@@ -681,6 +711,7 @@ def judge(
         stale=stale,
         strict=fail_on_improvement,
         update=update,
+        release=None if release is None else str(release),
     )
 
 
@@ -830,9 +861,14 @@ def _problems(result: Result, verbosity: int) -> list[str]:
             f"{format_bytes(breach.value - breach.limit)} over"
         )
     if result.snapshot is None and not result.update:
-        lines.append(
-            f"{device}: no snapshot entry (estimate: peak {format_bytes(result.estimate.peak)})"
-        )
+        estimate = f"estimate: peak {format_bytes(result.estimate.peak)}"
+        if result.release is None:
+            lines.append(f"{device}: no snapshot entry ({estimate})")
+        else:
+            lines.append(
+                f"{device}: no snapshot entry for torch {result.release} in {result.file} "
+                f"(one snapshot directory per torch release: torchmem_per_torch; {estimate})"
+            )
     if result.stale:
         lines.append(_stale_line(result))
     grew = shrank = []
@@ -869,6 +905,15 @@ def failure_message(results: Sequence[Result], verbosity: int = 0) -> str:
     lines = [f"torchmem: {statuses}: {first.nodeid} [{first.key.name}]"]
     for result in failed:
         lines.extend(_problems(result, verbosity))
+    # An entry of one file for every release, made on another: say what a matrix can do.
+    changes = (release_change(result.stale) for result in failed if result.release is None)
+    change = next((change for change in changes if change is not None), None)
+    if change is not None:
+        then, now = change
+        lines.append(
+            f"the snapshot entry was made on torch {then}, and this is torch {now}; "
+            f"{PER_TORCH_HINT}"
+        )
     if verbosity >= 0:
         for result in failed:
             if result.update:
@@ -880,6 +925,8 @@ def failure_message(results: Sequence[Result], verbosity: int = 0) -> str:
     if acceptable:
         if all(r.snapshot is None for r in acceptable):
             verb = "create the entry"
+            if first.release is not None:
+                verb += f" for torch {first.release}"
         elif all(r.step_changed for r in acceptable):
             verb = "re-record the entry with its new settings"
         elif all(r.stale for r in acceptable):
