@@ -26,6 +26,7 @@ def _capped_inductor_cache() -> None:
 _capped_inductor_cache()
 
 from collections.abc import Iterator  # noqa: E402
+from typing import Final  # noqa: E402
 
 import pytest  # noqa: E402
 from exactness import intra_op_threads  # noqa: E402
@@ -36,3 +37,40 @@ def threads(request: pytest.FixtureRequest) -> Iterator[int]:
     """Run the test at 1, 2 and 4 intra-op threads (CPU kernels' buffers depend on it)."""
     with intra_op_threads(request.param) as n:
         yield n
+
+
+#: Verification that only CI runs (``.ci/run``: ``python -m pytest -n 2 --exhaustive -m
+#: exhaustive``), kept out of the README's test command so that it stays within minutes
+#: on a busy 2-core machine: each repeats, over CPU levels and thread counts in capped
+#: subprocesses or at 7B scale, what a quicker test of the same property checks once.
+EXHAUSTIVE: Final = (
+    # the 10 compiled families x 3 capped levels x 3 thread counts (test_the_estimate_follows_the_compiled_program: the host)
+    "tests/test_compiled.py::test_the_estimate_under_a_named_profile_is_that_cpus",
+    # the accuracy families on every level at 1 and 4 threads (test_accuracy_cpu.py: the host)
+    "tests/test_accuracy_profiles.py::test_every_family_is_exact_on_the_level",
+    # 10 capped processes (test_the_host_level_follows_the_caps_of_the_process: one)
+    "tests/test_cpu_profiles.py::test_a_named_profile_gives_the_same_bytes_under_any_caps_and_thread_count",
+    # Llama 7B under FSDP2 at 8 and 64 ranks (test_parallel.py: small models against gloo ranks)
+    "tests/test_scale.py::test_llama_7b_fsdp2_per_rank_hand_count_on_cuda",
+)
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--exhaustive",
+        action="store_true",
+        help="also run the exhaustive verification that .ci/run runs (tests/conftest.py: EXHAUSTIVE)",
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "exhaustive: verification only CI runs (--exhaustive)")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    exhaustive = [item for item in items if item.nodeid.split("[")[0] in EXHAUSTIVE]
+    for item in exhaustive:
+        item.add_marker(pytest.mark.exhaustive)
+    if not config.getoption("--exhaustive") and exhaustive:
+        config.hook.pytest_deselected(items=exhaustive)
+        items[:] = [item for item in items if item.nodeid.split("[")[0] not in EXHAUSTIVE]
