@@ -92,6 +92,10 @@ class Parallel:
                 f"ranks run from 0 to {self.world - 1}"
             )
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # the mesh is a read-only view, which does not pickle (spawned ranks get a copy)
+        return (Parallel, (dict(self._shape), self.apply, self.rank))
+
     @property
     def world(self) -> int:
         """The number of ranks."""
