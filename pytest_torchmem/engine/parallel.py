@@ -162,6 +162,26 @@ def fake_world(
         dist.destroy_process_group()
 
 
+class _MetaStream(torch.cpu.Stream):
+    """The CPU's stream (its waits and events do nothing), told apart as ``meta``'s.
+
+    torch 2.15's FSDP2 records a reduce-scatter's output on the stream that
+    reads it, by the stream's id, device index and device type
+    (``record_grad_output_stream`` in
+    ``torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py``, for every
+    buffer not on the CPU; the op does nothing but where a backend registers
+    it, and none registers ``meta``); the CPU's stream has none of the three.
+    2.10 to 2.14 record no stream there.
+    """
+
+    def __init__(self, priority: int = -1) -> None:
+        super().__init__(priority)
+        meta = torch.Stream(device="meta")
+        self.stream_id = meta.stream_id
+        self.device_index = meta.device_index
+        self.device_type = meta.device_type
+
+
 class _MetaDeviceHandle(types.ModuleType):
     """``torch.meta`` for the block: the device module FSDP2 asks the mesh's device type for.
 
@@ -175,20 +195,21 @@ class _MetaDeviceHandle(types.ModuleType):
     caching allocator is listed in ``unsupported`` (NCCL).
     """
 
-    Stream = torch.cpu.Stream
+    Stream = _MetaStream
     Event = torch.cpu.Event
     StreamContext = torch.cpu.StreamContext
 
     def __init__(self) -> None:
         super().__init__("torch.meta")
+        self._default = _MetaStream()
 
     @staticmethod
     def current_device() -> None:
         return None
 
-    @staticmethod
-    def current_stream(device: Any = None) -> Any:
-        return torch.cpu.current_stream(device)
+    def current_stream(self, device: Any = None) -> Any:
+        current = torch.cpu.current_stream(device)
+        return current if isinstance(current, _MetaStream) else self._default
 
     @staticmethod
     def stream(stream: Any) -> Any:
