@@ -295,7 +295,9 @@ def _let_go_by_gloo(tensors: list[torch.Tensor], counts: list[int]) -> None:
 
 
 def _completed_here(collective: Callable[..., Any]) -> Callable[..., Any]:
-    from torch._C._distributed_c10d import _create_work_from_future
+    from pytest_torchmem.engine.torch_private import private
+
+    _create_work_from_future = private("torch._C._distributed_c10d._create_work_from_future")
 
     @functools.wraps(collective)
     def run(*args: Any, **kwargs: Any) -> Any:
