@@ -79,14 +79,12 @@ def estimate(
     :class:`~pytest_torchmem.engine.torch_release.TorchReleaseError` at once.
     """
     require_supported_torch()
-    from pytest_torchmem.engine.distributed import settle_autograd_threads
     from pytest_torchmem.engine.request import as_compiled, step_request
     from pytest_torchmem.engine.tracing.devices import device_model
     from pytest_torchmem.engine.tracing.devices.cpu.profiles import cpu_profile
     from pytest_torchmem.engine.tracing.devices.cuda.profiles import gpu_profile
     from pytest_torchmem.engine.tracing.trace import trace
 
-    settle_autograd_threads()  # before any fake mode: measure(parallel=...)'s forked ranks can run backward
     request = step_request(
         "estimate", model, inputs, device, loss_fn, optimizer, train, keep_output, compile
     )
