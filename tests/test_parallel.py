@@ -11,6 +11,7 @@ threads free it when they will): see :func:`_a_real_run_equal_to`.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 import pytest
@@ -272,3 +273,74 @@ def test_cuda_lists_nccl_as_not_modelled() -> None:
     )
     assert [entry.op for entry in report.unsupported] == ["parallel= on cuda: NCCL"]
     assert tm.estimate(_blocks(1), torch.randn(8, 64), device="cuda").unsupported == ()
+
+
+_AFTER_SOMEONE_ELSES_BACKWARD = '''
+import functools, json
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+
+def ddp(model, mesh, **options):
+    return DDP(model, process_group=mesh.get_group(), **options)
+
+
+def adamw(params):
+    return torch.optim.AdamW(params, lr=1e-3)
+
+
+if __name__ == "__main__":
+    # a fake mode and a backward before the first check (on a CUDA build: autograd's
+    # device threads start, for the eight devices of the fake CUDA guard)
+    with FakeTensorMode():
+        torch.ones(2, requires_grad=True).sum().backward()
+    import os
+    import pytest_torchmem as tm
+
+    started = any(
+        open(f"/proc/self/task/{task}/comm").read().startswith("pt_autograd_")
+        for task in os.listdir("/proc/self/task")
+    )
+    torch.manual_seed(0)
+    model, x = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 64)), torch.randn(8, 64)
+    parallel = tm.Parallel({"dp": 2}, functools.partial(ddp, gradient_as_bucket_view=True), rank=1)
+    estimated = tm.estimate(model, x, optimizer=adamw, parallel=parallel)
+    measured = tm.measure(model, x, optimizer=adamw, parallel=parallel)
+    try:
+        tm.measure(model, x, optimizer=lambda params: torch.optim.SGD(params, lr=0.1), parallel=parallel)
+        refused = ""
+    except RuntimeError as exc:
+        refused = str(exc)
+    print(json.dumps([started, estimated.phase_peaks(), measured.phase_peaks(), refused]))
+'''
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads thread names from /proc")
+def test_ranks_start_fresh_where_autograd_can_no_longer_fork(tmp_path) -> None:
+    """A process whose autograd started its device threads (a GPU; on a CUDA build, a
+    backward after someone else's FakeTensorMode) cannot fork a rank that runs
+    backward: the ranks are spawned, the step's arguments pickled, and a lambda is
+    refused with the reason and the fix."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = tmp_path / "after_backward.py"
+    script.write_text(_AFTER_SOMEONE_ELSES_BACKWARD)
+    root = str(Path(tm.__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=600, check=False
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    started, estimated, measured, refused = json.loads(done.stdout.strip().splitlines()[-1])
+    assert measured == estimated
+    if torch.version.cuda is None:  # a CPU build installs no fake CUDA guard: the ranks fork
+        assert not started and refused == ""
+    else:
+        assert started
+        assert "travel pickled, and they do not pickle" in refused
+        assert "Define the functions at module level" in refused

@@ -160,9 +160,11 @@ def measure(
     entries of a measurement are its own, invalidated when it returns.
     """
     require_supported_torch()
+    from pytest_torchmem.engine.distributed import settle_autograd_threads
     from pytest_torchmem.engine.measuring import measure_step
     from pytest_torchmem.engine.request import as_compiled, step_request
 
+    settle_autograd_threads()  # before any fake mode: forked ranks can run backward
     _check_parallel(parallel)
     request = step_request(
         "measure", model, inputs, device, loss_fn, optimizer, train, keep_output, compile

@@ -1,4 +1,4 @@
-"""Real ranks on this machine: forked gloo processes that each run one function.
+"""Real ranks on this machine: gloo processes that each run one function.
 
 ``measure(parallel=...)`` is the ground truth for the estimate of a rank, so
 the ranks are real processes talking through gloo. They are forked from the
@@ -6,6 +6,21 @@ calling process: nothing is pickled (the model, the inputs and a closure
 ``apply`` reach every rank as they are) and no interpreter starts again, which
 keeps a measurement's start cheap. Each rank leaves with ``os._exit``, so the
 parent's pytest session, atexit hooks and buffers are never run twice.
+
+A forked process cannot run ``backward()`` once its parent has started
+autograd's device threads (``torch/csrc/autograd/engine.cpp``,
+``Engine::start_device_threads`` registers a fork handler that marks every
+child; its ``initialize_device_threads_pool`` then refuses each backward with
+"Unable to handle autograd's threading in combination with fork-based
+multiprocessing", in every release 2.10 to 2.15). They start at a process's
+first backward when a device other than the CPU reports devices: a GPU, or, on
+a CUDA build of torch with no GPU, the fake CUDA device guard that
+``FakeTensorMode.__enter__`` installs (``torch._C._ensureCUDADeviceGuardSet``,
+eight devices). :func:`settle_autograd_threads` runs the process's first
+backward before any fake mode, so that on a machine without a GPU they never
+start; where they have started all the same (a GPU, a backward after someone
+else's fake mode), the ranks start as fresh interpreters (``spawn``) and the
+step's arguments travel pickled.
 """
 
 from __future__ import annotations
@@ -25,7 +40,13 @@ from torch.utils._pytree import tree_leaves
 
 from pytest_torchmem.engine.parallel import Parallel
 
-__all__ = ["MAX_REAL_RANKS", "FreedOnThisThread", "collectives_completed_here", "run_ranks"]
+__all__ = [
+    "MAX_REAL_RANKS",
+    "FreedOnThisThread",
+    "collectives_completed_here",
+    "run_ranks",
+    "settle_autograd_threads",
+]
 
 #: The most processes ``measure(parallel=...)`` starts on one machine.
 MAX_REAL_RANKS: Final = 4
@@ -52,8 +73,42 @@ _COLLECTIVES: Final = (
 )
 
 
+#: The refusal a forked process meets in ``backward()`` once its parent started autograd's
+#: device threads (``Engine::initialize_device_threads_pool``, engine.cpp).
+_FORKED_AUTOGRAD: Final = "autograd's threading in combination with fork-based multiprocessing"
+
+_settled = False
+
+
+def settle_autograd_threads() -> None:
+    """Run this process's first ``backward()`` now, on one CPU element, if none ran yet.
+
+    Autograd starts its device threads once, at a process's first backward, for
+    the devices that report a count then (``Engine::start_device_threads``,
+    engine.cpp); from then on a forked child cannot run backward. On a
+    machine without a GPU only the fake CUDA guard that ``FakeTensorMode``
+    installs on a CUDA build reports devices: run before any fake mode (the
+    estimate's, dynamo's), this first backward finds none, and the forked
+    ranks of a later ``measure(parallel=...)`` run their backward. Where a GPU
+    reports devices, the threads start here as they would at the first
+    backward anyway.
+    """
+    global _settled
+    if _settled:
+        return
+    _settled = True
+    one = torch.zeros((), requires_grad=True)
+    with torch.enable_grad():
+        (one * 1).backward()
+
+
 def run_ranks(parallel: Parallel, body: Callable[[Any], str]) -> list[str]:
-    """Run ``body(mesh)`` on every rank of ``parallel`` as a gloo process; their results by rank."""
+    """Run ``body(mesh)`` on every rank of ``parallel`` as a gloo process; their results by rank.
+
+    The ranks are forked; where this process's autograd can no longer fork
+    (see the module's docstring) they are spawned, and ``body`` (with all it
+    holds) must pickle.
+    """
     import multiprocessing
 
     import torch.distributed as dist
@@ -67,9 +122,34 @@ def run_ranks(parallel: Parallel, body: Callable[[Any], str]) -> list[str]:
         )
     if not dist.is_available() or not dist.is_gloo_available():
         raise RuntimeError("measure(parallel=...) needs torch.distributed with gloo, which this torch lacks")
-    if "fork" not in multiprocessing.get_all_start_methods():
-        raise RuntimeError("measure(parallel=...) forks its ranks, and this platform cannot fork")
-    context = multiprocessing.get_context("fork")
+    methods = multiprocessing.get_all_start_methods()
+    if "fork" in methods:
+        results, exitcodes = _started(multiprocessing.get_context("fork"), parallel, body)
+        if not any(result is not None and result[0] == "forked-autograd" for result in results):
+            return _collected(results, exitcodes)
+    try:
+        import pickle
+
+        pickle.dumps(body)
+    except Exception as exc:
+        raise RuntimeError(
+            "measure(parallel=...) starts its ranks as fresh processes here: this process has "
+            "started autograd's device threads (a backward with a GPU present, or after a "
+            "FakeTensorMode on a CUDA build of torch), and a forked process cannot run "
+            "backward after that. The model, the inputs, loss_fn, optimizer and apply then "
+            f"travel pickled, and they do not pickle: {type(exc).__name__}: {exc}. Define the "
+            "functions at module level (functools.partial binds their options), or call "
+            "measure(parallel=...) before any backward in this process"
+        ) from exc
+    results, exitcodes = _started(multiprocessing.get_context("spawn"), parallel, body)
+    return _collected(results, exitcodes)
+
+
+def _started(
+    context: Any, parallel: Parallel, body: Callable[[Any], str]
+) -> tuple[list[tuple[str, str] | None], list[int | None]]:
+    """Start the ranks in ``context`` and wait for them: each one's result and exit code."""
+    world = parallel.world
     with tempfile.TemporaryDirectory(prefix="torchmem-ranks-") as tmp:
         store = os.path.join(tmp, "store")
         pipes = []
@@ -91,18 +171,23 @@ def run_ranks(parallel: Parallel, body: Callable[[Any], str]) -> list[str]:
                         results[rank] = receive.recv()
                     except EOFError:
                         results[rank] = None
+                if results[rank] is not None and results[rank][0] == "forked-autograd":  # type: ignore[index]
+                    break  # every rank meets it before it joins the group: none waits for another
         finally:
             for process in processes:
                 process.join(5)
                 if process.is_alive():
                     process.kill()
                     process.join()
+    return results, [process.exitcode for process in processes]
+
+
+def _collected(results: list[tuple[str, str] | None], exitcodes: list[int | None]) -> list[str]:
     failures = []
     for rank, result in enumerate(results):
         if result is None:
-            code = processes[rank].exitcode
-            failures.append(f"rank {rank}: the process ended with no result (exit code {code})")
-        elif result[0] == "error":
+            failures.append(f"rank {rank}: the process ended with no result (exit code {exitcodes[rank]})")
+        elif result[0] != "ok":
             failures.append(f"rank {rank}:\n{result[1]}")
     if failures:
         raise RuntimeError("measure(parallel=...) failed on a rank:\n" + "\n".join(failures))
@@ -115,13 +200,24 @@ def _rank_main(parallel: Parallel, rank: int, store: str, body: Callable[[Any], 
     The rank runs its kernels on one thread: a forked child cannot use the
     OpenMP thread pool of a parent that ran parallel regions (GNU OpenMP then
     waits forever for threads the child does not have), and every rank of a
-    real launch is its own fresh process anyway.
+    real launch is its own fresh process anyway. Before it joins the group it
+    runs one backward: a forked rank whose parent's autograd cannot fork says
+    so (``"forked-autograd"``), and is started again fresh.
     """
     code = 0
     try:
         import torch
 
         torch.set_num_threads(1)
+        try:
+            one = torch.zeros((), requires_grad=True)
+            with torch.enable_grad():
+                (one * 1).backward()
+        except RuntimeError as exc:
+            if _FORKED_AUTOGRAD not in str(exc):
+                raise
+            send.send(("forked-autograd", str(exc)))
+            return
         from datetime import timedelta
 
         import torch.distributed as dist
@@ -146,7 +242,6 @@ def _rank_main(parallel: Parallel, rank: int, store: str, body: Callable[[Any], 
     finally:
         send.close()
         os._exit(code)
-
 
 
 class FreedOnThisThread(TorchDispatchMode):
@@ -200,7 +295,9 @@ def _let_go_by_gloo(tensors: list[torch.Tensor], counts: list[int]) -> None:
 
 
 def _completed_here(collective: Callable[..., Any]) -> Callable[..., Any]:
-    from torch._C._distributed_c10d import _create_work_from_future
+    from pytest_torchmem.engine.torch_private import private
+
+    _create_work_from_future = private("torch._C._distributed_c10d._create_work_from_future")
 
     @functools.wraps(collective)
     def run(*args: Any, **kwargs: Any) -> Any:

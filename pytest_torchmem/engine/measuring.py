@@ -14,6 +14,7 @@ each phase boundary.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import gc
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -160,7 +161,7 @@ def measure_step(request: StepRequest) -> MemoryReport:
     compiled_ran = False
     with CacheRegions(_MEASURED_REGION) as cache, watch_compiled(seen.noted, isolated):
         if request.parallel is not None:
-            report = _measure_ranks(request, hook_failed)
+            report = _measure_ranks(request)
         elif request.device == "cuda":
             report = _measure_cuda(request, hook_failed)
         else:
@@ -706,13 +707,15 @@ class _CudaPeakProbe(QuietProbe):
         self.phase = phase
 
 
-def _measure_ranks(request: StepRequest, on_hook_error: HookError | None = None) -> MemoryReport:
+def _measure_ranks(request: StepRequest) -> MemoryReport:
     """Run every rank of ``request.parallel`` as a real gloo process on this machine.
 
     The ranks are forked from this process (so the model, the inputs and
-    ``apply`` reach them as they are, closures included), meet through a
-    file store, and each measures its own step as ``measure`` does; the report
-    is the asked rank's (``"max"``: the one with the highest peak).
+    ``apply`` reach them as they are, closures included; see
+    :mod:`~pytest_torchmem.engine.distributed` for where they are spawned
+    instead), meet through a file store, and each measures its own step as
+    ``measure`` does; the report is the asked rank's (``"max"``: the one with
+    the highest peak).
     """
     from pytest_torchmem.engine.distributed import run_ranks
 
@@ -723,8 +726,24 @@ def _measure_ranks(request: StepRequest, on_hook_error: HookError | None = None)
             "measure(parallel=...) runs the ranks as gloo processes on the CPU; "
             f"device={request.device!r} is not supported, use device='cpu'"
         )
-    reports = run_ranks(parallel, lambda mesh: _measure_cpu(request, on_hook_error, mesh)[0].to_json())
+    reports = run_ranks(parallel, functools.partial(_rank_report, request))
     parsed = [MemoryReport.from_json(text) for text in reports]
     if parallel.rank == "max":
         return max(parsed, key=lambda report: report.peak)
     return parsed[int(parallel.rank)]
+
+
+def _rank_report(request: StepRequest, mesh: Any) -> str:
+    """One rank's report, as JSON: its step measured on ``mesh``, the hooks that failed
+    in it listed in ``unsupported`` (a module-level function: it pickles, for spawned ranks)."""
+    hooks: list[Unsupported] = []
+
+    def hook_failed(hook: Any, exc: Exception) -> None:
+        entry = hook_failure(hook, exc)
+        if entry not in hooks:
+            hooks.append(entry)
+
+    report = _measure_cpu(request, hook_failed, mesh)[0]
+    if hooks:
+        report = dataclasses.replace(report, unsupported=(*report.unsupported, *hooks))
+    return report.to_json()

@@ -92,6 +92,10 @@ class Parallel:
                 f"ranks run from 0 to {self.world - 1}"
             )
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # the mesh is a read-only view, which does not pickle (spawned ranks get a copy)
+        return (Parallel, (dict(self._shape), self.apply, self.rank))
+
     @property
     def world(self) -> int:
         """The number of ranks."""
@@ -139,7 +143,8 @@ def fake_world(
     """
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from pytest_torchmem.engine.torch_private import private
 
     if not dist.is_available():
         raise RuntimeError("parallel= needs torch.distributed, which this build of torch lacks")
@@ -149,13 +154,34 @@ def fake_world(
             "process already has a default process group; call it from a process that "
             "has not called torch.distributed.init_process_group()"
         )
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=parallel.world)
+    fake_store = private("torch.testing._internal.distributed.fake_pg.FakeStore")
+    dist.init_process_group("fake", store=fake_store(), rank=rank, world_size=parallel.world)
     try:
         mesh = init_device_mesh(device_type, parallel.sizes, mesh_dim_names=parallel.names)
         with _fake_tensor_checks_skipped(), _storage_resizes_seen(resized), _device_handle(device_type):
             yield mesh
     finally:
         dist.destroy_process_group()
+
+
+class _MetaStream(torch.cpu.Stream):
+    """The CPU's stream (its waits and events do nothing), told apart as ``meta``'s.
+
+    torch 2.15's FSDP2 records a reduce-scatter's output on the stream that
+    reads it, by the stream's id, device index and device type
+    (``record_grad_output_stream`` in
+    ``torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py``, for every
+    buffer not on the CPU; the op does nothing but where a backend registers
+    it, and none registers ``meta``); the CPU's stream has none of the three.
+    2.10 to 2.14 record no stream there.
+    """
+
+    def __init__(self, priority: int = -1) -> None:
+        super().__init__(priority)
+        meta = torch.Stream(device="meta")
+        self.stream_id = meta.stream_id
+        self.device_index = meta.device_index
+        self.device_type = meta.device_type
 
 
 class _MetaDeviceHandle(types.ModuleType):
@@ -171,20 +197,21 @@ class _MetaDeviceHandle(types.ModuleType):
     caching allocator is listed in ``unsupported`` (NCCL).
     """
 
-    Stream = torch.cpu.Stream
+    Stream = _MetaStream
     Event = torch.cpu.Event
     StreamContext = torch.cpu.StreamContext
 
     def __init__(self) -> None:
         super().__init__("torch.meta")
+        self._default = _MetaStream()
 
     @staticmethod
     def current_device() -> None:
         return None
 
-    @staticmethod
-    def current_stream(device: Any = None) -> Any:
-        return torch.cpu.current_stream(device)
+    def current_stream(self, device: Any = None) -> Any:
+        current = torch.cpu.current_stream(device)
+        return current if isinstance(current, _MetaStream) else self._default
 
     @staticmethod
     def stream(stream: Any) -> Any:
@@ -214,17 +241,17 @@ def _device_handle(device_type: str) -> Iterator[None]:
     if device_type != "meta" or hasattr(torch, "meta"):
         yield
         return
-    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+    from pytest_torchmem.engine.torch_private import replacing
 
     # the traced tensors are on meta: FSDP2 takes them for parameters not yet materialized
-    validate = FSDPParamGroup._validate_no_meta_params
-    FSDPParamGroup._validate_no_meta_params = lambda self: None  # type: ignore[method-assign]
-    torch.meta = _MetaDeviceHandle()  # type: ignore[attr-defined]
-    try:
-        yield
-    finally:
-        del torch.meta  # type: ignore[attr-defined]
-        FSDPParamGroup._validate_no_meta_params = validate  # type: ignore[method-assign]
+    validate = "torch.distributed.fsdp._fully_shard._fsdp_param_group.FSDPParamGroup._validate_no_meta_params"
+    with replacing(validate, lambda self: None):
+        # torch has no attribute meta to replace (so no table entry): added for the block
+        torch.meta = _MetaDeviceHandle()  # type: ignore[attr-defined]
+        try:
+            yield
+        finally:
+            del torch.meta  # type: ignore[attr-defined]
 
 
 @contextmanager
@@ -238,24 +265,19 @@ def _fake_tensor_checks_skipped() -> Iterator[None]:
     active: on a rank that costs no memory, so it runs under a fake mode of
     its own, out of the tracker's sight.
     """
-    from torch.distributed.tensor._sharding_prop import ShardingPropagator
-    from torch.nn.parallel import distributed
-    from torch.utils._python_dispatch import _disable_current_modes
+    from pytest_torchmem.engine.torch_private import private, replacing
 
-    verify = distributed._verify_param_shape_across_processes
-    propagate = ShardingPropagator._propagate_tensor_meta_non_cached
+    disabled = private("torch.utils._python_dispatch._disable_current_modes")
+    verify = "torch.nn.parallel.distributed._verify_param_shape_across_processes"
+    propagate = "torch.distributed.tensor._sharding_prop.ShardingPropagator._propagate_tensor_meta_non_cached"
+    propagated = private(propagate)
 
     def unseen(self: Any, op_schema: Any) -> Any:
-        with _disable_current_modes():
-            return propagate(self, op_schema)
+        with disabled():
+            return propagated(self, op_schema)
 
-    distributed._verify_param_shape_across_processes = lambda *args, **kwargs: None
-    ShardingPropagator._propagate_tensor_meta_non_cached = unseen  # type: ignore[method-assign]
-    try:
+    with replacing(verify, lambda *args, **kwargs: None), replacing(propagate, unseen):
         yield
-    finally:
-        distributed._verify_param_shape_across_processes = verify
-        ShardingPropagator._propagate_tensor_meta_non_cached = propagate  # type: ignore[method-assign]
 
 
 @contextmanager
@@ -263,9 +285,11 @@ def _storage_resizes_seen(resized: Callable[[torch.Tensor], None]) -> Iterator[N
     """FSDP2 frees an unsharded parameter with ``storage.resize_(0)`` and makes it
     again with ``storage.resize_(nbytes)``: storage methods, not ops, so they are
     reported to ``resized`` as they happen."""
-    from torch.distributed.fsdp._fully_shard import _fsdp_param, _fsdp_param_group
+    from pytest_torchmem.engine.torch_private import private, replacing
 
-    free, alloc = _fsdp_param.free_storage, _fsdp_param.alloc_storage
+    fsdp = "torch.distributed.fsdp._fully_shard."
+    free = private(fsdp + "_fsdp_param.free_storage")
+    alloc = private(fsdp + "_fsdp_param.alloc_storage")
 
     def free_storage(tensor: torch.Tensor) -> None:
         free(tensor)
@@ -275,13 +299,12 @@ def _storage_resizes_seen(resized: Callable[[torch.Tensor], None]) -> Iterator[N
         alloc(tensor)
         resized(tensor)
 
-    _fsdp_param.free_storage = free_storage
-    _fsdp_param.alloc_storage = _fsdp_param_group.alloc_storage = alloc_storage
-    try:
+    with (
+        replacing(fsdp + "_fsdp_param.free_storage", free_storage),
+        replacing(fsdp + "_fsdp_param.alloc_storage", alloc_storage),
+        replacing(fsdp + "_fsdp_param_group.alloc_storage", alloc_storage),
+    ):
         yield
-    finally:
-        _fsdp_param.free_storage = free
-        _fsdp_param.alloc_storage = _fsdp_param_group.alloc_storage = alloc
 
 
 def model_copy(model: nn.Module, model_tensors: ModelTensors, standins: Mapping[int, torch.Tensor]) -> nn.Module:

@@ -119,6 +119,51 @@ PRIVATE: Final = _entries(
         "earlier releases run a copy of the body whose own check answers no",
         since=(2, 13),
     ),
+    # -- parallel (DDP, FSDP2, DTensor) -----------------------------------------------
+    Private(
+        "torch.testing._internal.distributed.fake_pg.FakeStore",
+        "the store of the fake process group the estimate's ranks join (parallel.py)",
+    ),
+    Private(
+        "torch.nn.parallel.distributed._verify_param_shape_across_processes",
+        "DDP reads every rank's parameter shapes as data, which fake tensors have none of: "
+        "skipped under the fake process group",
+        replaced=True,
+    ),
+    Private(
+        "torch.distributed.tensor._sharding_prop.ShardingPropagator._propagate_tensor_meta_non_cached",
+        "DTensor runs each op on fake tensors of the global shapes to derive its output's: "
+        "run out of the tracker's sight (a rank allocates nothing for it)",
+        replaced=True,
+    ),
+    Private(
+        "torch.distributed.fsdp._fully_shard._fsdp_param_group.FSDPParamGroup._validate_no_meta_params",
+        "FSDP2 refuses parameters on meta, where the fake cuda device traces: lifted for the trace",
+        replaced=True,
+    ),
+    Private(
+        "torch.distributed.fsdp._fully_shard._fsdp_param.free_storage",
+        "FSDP2 frees an unsharded parameter with storage.resize_(0), which no dispatch mode sees",
+        replaced=True,
+    ),
+    Private(
+        "torch.distributed.fsdp._fully_shard._fsdp_param.alloc_storage",
+        "FSDP2 makes an unsharded parameter again with storage.resize_(nbytes), unseen as its free",
+        replaced=True,
+    ),
+    Private(
+        "torch.distributed.fsdp._fully_shard._fsdp_param_group.alloc_storage",
+        "the same function as _fsdp_param.alloc_storage, imported by name into the group's module",
+        replaced=True,
+    ),
+    Private(
+        "torch._C._distributed_c10d._create_work_from_future",
+        "a completed work item, returned by a collective that measure(parallel=...) ran to its end",
+    ),
+    Private(
+        "torch.utils._python_dispatch._disable_current_modes",
+        "DTensor's sharding propagation runs with the tracker's modes off",
+    ),
 )
 
 

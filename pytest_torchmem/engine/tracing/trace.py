@@ -96,6 +96,9 @@ def trace(
     optimizer step, as for compiled modules; a compiled optimizer step alone is
     compiled where it runs (its optimizer is new in each step).
     """
+    from pytest_torchmem.engine.distributed import settle_autograd_threads
+
+    settle_autograd_threads()  # before the first fake mode: measure(parallel=...)'s ranks fork
     # compiled modules run inductor's program (on cuda: built by inductor's cuda backend);
     # compiled functions and optimizer steps are followed on cpu
     found = compiled_modules(model) if parallel is None else CompiledModules()
