@@ -25,9 +25,14 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Final
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from pytest_torchmem.engine.torch_private import private
 
 __all__ = ["map_tensors", "tensors_in"]
+
+# torch's private names (engine/torch_private.py)
+tree_flatten: Final = private("torch.utils._pytree.tree_flatten")
+tree_unflatten: Final = private("torch.utils._pytree.tree_unflatten")
 
 #: A dataclass field without a value.
 _UNSET: Final = object()

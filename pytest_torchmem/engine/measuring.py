@@ -38,6 +38,7 @@ from pytest_torchmem.engine.parallel import applied, local_tensors, model_copy
 from pytest_torchmem.engine.report import Category, MemoryReport, Unsupported
 from pytest_torchmem.engine.step import ModuleTracker, NoModules, QuietProbe, run_step
 from pytest_torchmem.engine.timeline import FREE, Phase, StorageInfo, Timeline, analyze
+from pytest_torchmem.engine.torch_private import private
 from pytest_torchmem.engine.tracing.compiled import (
     MEASURED_EAGER_REASON,
     CacheRegions,
@@ -60,7 +61,9 @@ _COMPILED_REGION: Final = "Torch-Compiled Region"
 _MEASURED_REGION: Final = "pytest-torchmem: compiled for one measurement"
 #: The profiler's name for dynamo's compile of one frame (``dynamo_timed``).
 _FRAME_COMPILE: Final = "_compile.compile_inner (dynamo_timed)"
-_Allocation = torch._C._profiler._ExtraFields_Allocation
+# The profiler's event tree and its allocator events (engine/torch_private.py lists
+# the fields read on each event: ptr, alloc_size, extra_fields, children, ...).
+_Allocation = private("torch._C._profiler._ExtraFields_Allocation")
 
 
 @dataclass
@@ -598,7 +601,7 @@ def _is_composite(name: str) -> bool:
 def _has_composite_kernel(name: str) -> bool | None:
     """None when there is no operator ``name``."""
     try:
-        return torch._C._dispatch_has_kernel_for_dispatch_key(name, "CompositeImplicitAutograd")
+        return private("torch._C._dispatch_has_kernel_for_dispatch_key")(name, "CompositeImplicitAutograd")
     except RuntimeError:
         return None
 
@@ -661,7 +664,7 @@ def _measure_cuda(request: StepRequest, on_hook_error: HookError | None = None) 
     device = torch.device("cuda", torch.cuda.current_device())
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
-    torch._C._cuda_clearCublasWorkspaces()
+    private("torch._C._cuda_clearCublasWorkspaces")()
     held_allocated = torch.cuda.memory_allocated(device)
     held_reserved = torch.cuda.memory_reserved(device)
     model_tensors = collect(request.model)

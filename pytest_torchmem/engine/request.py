@@ -6,15 +6,19 @@ from __future__ import annotations
 from collections.abc import Mapping
 import dataclasses
 from dataclasses import dataclass, is_dataclass
-from typing import Any
+from typing import Any, Final
 
 import torch
 from torch import nn
 
 from pytest_torchmem.engine.compiling import CompileOptions, compile_options
 from pytest_torchmem.engine.step import LossFn, OptimizerFactory
+from pytest_torchmem.engine.torch_private import private, private_name
 
 __all__ = ["StepRequest", "step_request", "as_compiled", "has_compiled_modules"]
+
+#: What ``module.compile()`` sets on a module (engine/torch_private.py).
+_COMPILED_CALL: Final = private_name("torch.nn.Module._compiled_call_impl")
 
 
 @dataclass(frozen=True)
@@ -104,10 +108,9 @@ def step_request(
 def has_compiled_modules(model: nn.Module) -> bool:
     """Whether ``model`` or one of its submodules is compiled as a module
     (``torch.compile(module)``, ``module.compile()``)."""
-    from torch._dynamo.eval_frame import OptimizedModule
-
+    optimized_module = private("torch._dynamo.eval_frame.OptimizedModule")  # imports dynamo: here
     return any(
-        isinstance(module, OptimizedModule) or getattr(module, "_compiled_call_impl", None) is not None
+        isinstance(module, optimized_module) or getattr(module, _COMPILED_CALL, None) is not None
         for module in model.modules()
     )
 

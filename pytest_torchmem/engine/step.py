@@ -10,18 +10,22 @@ up as gradients and optimizer state).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any, Protocol
+from typing import Any, Final, Protocol
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_leaves
 
 from pytest_torchmem.engine.containers import tensors_in
 from pytest_torchmem.engine.parallel import local_tensors
 from pytest_torchmem.engine.report import ROOT_NAME, Category
 from pytest_torchmem.engine.timeline import Phase
+from pytest_torchmem.engine.torch_private import private
 
 __all__ = ["Probe", "QuietProbe", "NoModules", "ModuleTracker", "run_step", "default_loss", "LossFn", "OptimizerFactory"]
+
+# torch's private names (engine/torch_private.py), bound once: the module hooks run at every call.
+tree_leaves: Final = private("torch.utils._pytree.tree_leaves")
+_DisableTorchFunction: Final = private("torch._C.DisableTorchFunction")
 
 LossFn = Callable[[Any], torch.Tensor]
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
@@ -147,7 +151,7 @@ class ModuleTracker:
         index = self._index.get(id(module))
         if index is None:
             return
-        with torch._C.DisableTorchFunction():
+        with _DisableTorchFunction():
             self.probe.enter_module(index)
             if torch.is_grad_enabled():
                 _hook_once(args, self.probe.exit_module, index)
@@ -156,7 +160,7 @@ class ModuleTracker:
         index = self._index.get(id(module))
         if index is None:
             return
-        with torch._C.DisableTorchFunction():
+        with _DisableTorchFunction():
             self.probe.exit_module(index)
             if torch.is_grad_enabled():
                 _hook_once(output, self.probe.enter_module, index)
@@ -177,7 +181,7 @@ class _Once:
         fn = self.fn
         if fn is not None:
             self.fn = None
-            with torch._C.DisableTorchFunction():
+            with _DisableTorchFunction():
                 fn(self.index)
 
 

@@ -39,6 +39,7 @@ __all__ = [
     "present",
     "private",
     "private_any",
+    "private_name",
     "private_op",
     "replacing",
 ]
@@ -54,16 +55,27 @@ class TorchPrivateError(TorchReleaseError):
 class Private:
     """One private torch name: its dotted ``path``, ``why`` the engine uses it,
     the releases that have it as used (``since``/``until``, both included;
-    None: the whole window), and whether the engine replaces it at run time."""
+    None: the whole window), whether the engine replaces it at run time, and
+    whether only CUDA builds of torch have it (``cuda_only``: a binding that a
+    CPU-only build does not compile)."""
 
     path: str
     why: str
     since: Release | None = None
     until: Release | None = None
     replaced: bool = False
+    cuda_only: bool = False
 
-    def expected(self, release: Release) -> bool:
-        """Whether torch ``release`` (major, minor) has this name as used."""
+    def expected(self, release: Release, cuda_build: bool | None = None) -> bool:
+        """Whether torch ``release`` (major, minor) has this name as used; ``cuda_build``:
+        whether that torch is a CUDA build (None: as the running torch is)."""
+        if self.cuda_only:
+            if cuda_build is None:
+                import torch
+
+                cuda_build = torch.version.cuda is not None
+            if not cuda_build:
+                return False
         return (self.since is None or release >= self.since) and (
             self.until is None or release <= self.until
         )
@@ -164,6 +176,235 @@ PRIVATE: Final = _entries(
         "torch.utils._python_dispatch._disable_current_modes",
         "DTensor's sharding propagation runs with the tracker's modes off",
     ),
+    # -- core: the tracer, the trace, the step, measure (tracker.py, trace.py, values.py,
+    # -- rules.py, rng_states.py, routing.py, step.py, containers.py, request.py, measuring.py)
+    Private(
+        "torch._subclasses.fake_tensor.FakeTensor",
+        "the fake tensors every traced value is (isinstance checks, stand-ins made "
+        "without a dispatch: trace.fake_empty)",
+    ),
+    Private(
+        "torch._subclasses.fake_tensor.FakeTensorMode",
+        "the dispatch mode under the tracker that runs every op on fake tensors",
+    ),
+    Private(
+        "torch._subclasses.fake_tensor.DataDependentOutputException",
+        "what a fake tensor raises where only values answer (item(), nonzero sizes): "
+        "the op is listed in unsupported",
+    ),
+    Private(
+        "torch._subclasses.fake_tensor.DynamicOutputShapeException",
+        "what a fake tensor raises for an output shape that depends on values: "
+        "the op is listed in unsupported",
+    ),
+    Private(
+        "torch._subclasses.fake_tensor.UnsupportedOperatorException",
+        "what a fake tensor raises for an op it cannot run: the op is listed in unsupported",
+    ),
+    Private(
+        "torch._subclasses.fake_tensor.UnsupportedFakeTensorException",
+        "what a fake tensor raises for an argument it cannot fake: the op is listed in unsupported",
+    ),
+    Private(
+        "torch._subclasses.fake_tensor.UnsupportedMutationAliasingException",
+        "what a fake tensor raises for a custom op's undeclared aliasing: the op is "
+        "listed in unsupported",
+    ),
+    Private(
+        "torch.utils._python_dispatch.TorchDispatchMode",
+        "the base class of the tracker, the dispatch mode that records every storage",
+    ),
+    Private(
+        "torch.utils._python_dispatch._get_current_dispatch_mode_stack",
+        "whether the trace's modes are on the stack where dynamo popped them (trace._visible)",
+    ),
+    Private(
+        "torch.utils._mode_utils.no_dispatch",
+        "makes a stand-in's meta tensor without the trip through the fake mode (trace.fake_empty)",
+    ),
+    Private(
+        "torch._C._TorchDispatchModeKey.FAKE",
+        "the key of the fake mode in the dispatch mode stack (tracker, rng_states)",
+    ),
+    Private(
+        "torch._C._get_dispatch_mode",
+        "whether a fake mode is active (rng_states: dynamo saves the real RNG state)",
+    ),
+    Private(
+        "torch._C._set_dispatch_mode",
+        "puts the fake mode back after the tracker called its dispatch directly",
+    ),
+    Private(
+        "torch._C._unset_dispatch_mode",
+        "takes the fake mode off the stack while the tracker calls its dispatch directly, "
+        "as the C++ dispatcher does",
+    ),
+    Private(
+        "torch._C._len_torch_dispatch_stack",
+        "whether the fake mode alone is under the tracker (its dispatch is then called directly)",
+    ),
+    Private(
+        "torch._C._len_torch_function_stack",
+        "the router's place on the torch-function mode stack (it steps aside for dynamo)",
+    ),
+    Private(
+        "torch._C._get_function_stack_at",
+        "whether the top torch-function mode is the router (it steps aside for dynamo)",
+    ),
+    Private(
+        "torch._C._pop_torch_function_stack",
+        "takes the router off the torch-function mode stack before dynamo traces an optimizer step",
+    ),
+    Private(
+        "torch._C._push_on_torch_function_stack",
+        "puts the router back on the torch-function mode stack",
+    ),
+    Private(
+        "torch._C.DisableTorchFunction",
+        "runs the package's own hooks and bookkeeping without the torch-function modes "
+        "(a device router would see their tensor queries)",
+    ),
+    Private(
+        "torch._C._DisableTorchDispatch",
+        "reads a real tensor's values without the trace's dispatch modes (known values)",
+    ),
+    Private(
+        "torch._C._current_autograd_node",
+        "the backward node whose formula is running (backward attribution, replaced formulas)",
+    ),
+    Private(
+        "torch._C._storage_Use_Count",
+        "how many references hold a storage (whether autograd's input buffer alone holds "
+        "a gradient, accumulated in place)",
+    ),
+    Private(
+        "torch._C._autograd.SavedTensor",
+        "a backward node's saved tensor, read raw to find the storage it keeps alive",
+    ),
+    Private(
+        "torch._C._dispatch_has_kernel_for_dispatch_key",
+        "whether an op is a composite (CompositeImplicitAutograd) whose ops are charged "
+        "themselves (tracker, measure's kernel attribution)",
+    ),
+    Private(
+        "torch._C._dynamo.eval_frame.set_eval_frame",
+        "turns dynamo's frame callback off while the tracker records (its own frames)",
+    ),
+    Private(
+        "torch._dynamo.decorators.skip",
+        "has dynamo's frame callback pass over the tracker's __torch_dispatch__",
+    ),
+    Private(
+        "torch._dynamo.eval_frame.OptimizedModule",
+        "a torch.compile'd module (request: compiled models are followed as compiled)",
+    ),
+    Private(
+        "torch.nn.Module._compiled_call_impl",
+        "what module.compile() sets: a model holding compiled modules (request.py)",
+    ),
+    Private(
+        "torch._ops.OpOverload",
+        "the type of an aten overload: the key of the rule registries and of known values",
+    ),
+    Private(
+        "torch._ops.OpOverloadPacket",
+        "the type of an aten op's packet: a rule registered for every overload",
+    ),
+    Private(
+        "torch.utils._pytree.tree_flatten",
+        "one level of a container the user passes (containers.py)",
+    ),
+    Private(
+        "torch.utils._pytree.tree_unflatten",
+        "a container the user passes, rebuilt with stand-ins (containers.py)",
+    ),
+    Private(
+        "torch.utils._pytree.tree_leaves",
+        "the tensors of a module's arguments and output (step.py's module hooks)",
+    ),
+    Private(
+        "torch.utils.checkpoint._recomputation_hook",
+        "non-reentrant checkpointing's recomputation re-enters the device router "
+        "(routing.routed_recomputation)",
+        replaced=True,
+    ),
+    Private(
+        "torch.get_rng_state",
+        "a checkpointed region's copy of the CPU RNG state, charged as a fake tensor of its size "
+        "(rng_states.charged_rng_states)",
+        replaced=True,
+    ),
+    Private(
+        "torch.set_rng_state",
+        "setting a fake RNG state copy does nothing (rng_states.charged_rng_states)",
+        replaced=True,
+    ),
+    Private(
+        "torch.random.get_rng_state",
+        "as torch.get_rng_state, by the name torch.utils.checkpoint calls",
+        replaced=True,
+    ),
+    Private(
+        "torch.random.set_rng_state",
+        "as torch.set_rng_state, by the name torch.utils.checkpoint calls",
+        replaced=True,
+    ),
+    Private(
+        "torch.nn.parameter._ParameterMeta.__instancecheck__",
+        "isinstance(t, nn.Parameter) holds for a tensor whose _is_param is set: stand-in "
+        "parameters are marked so, without Parameter's detach() (trace._fake_parameter)",
+    ),
+    # measure(device="cpu") reads the profiler's event tree (torch/csrc/profiler/python/init.cpp)
+    Private(
+        "torch._C._autograd._ProfilerResult.experimental_event_tree",
+        "the profiler's event tree measure(device='cpu') reads its allocations from",
+    ),
+    Private(
+        "torch._C._profiler._ExtraFields_Allocation",
+        "an allocator event of the profiler (measure(device='cpu'))",
+    ),
+    Private(
+        "torch._C._profiler._ExtraFields_Allocation.ptr",
+        "the address an allocator event allocates or frees (read on each event)",
+    ),
+    Private(
+        "torch._C._profiler._ExtraFields_Allocation.alloc_size",
+        "the bytes of an allocator event, negative for a free (read on each event)",
+    ),
+    Private(
+        "torch._C._profiler._ProfilerEvent.extra_fields",
+        "an event's kind and fields (allocation, op) (read on each event)",
+    ),
+    Private(
+        "torch._C._profiler._ProfilerEvent.children",
+        "the events inside an event (read on each event)",
+    ),
+    Private(
+        "torch._C._profiler._ProfilerEvent.parent",
+        "the op an allocator event happened in (read on each event)",
+    ),
+    Private(
+        "torch._C._profiler._ProfilerEvent.name",
+        "an op event's name: measure's marks, compiled regions (read on each event)",
+    ),
+    Private(
+        "torch._C._profiler._ProfilerEvent.start_tid",
+        "the thread of an event: the step's own (read on each event)",
+    ),
+    Private(
+        "torch._C._profiler._ProfilerEvent.start_time_ns",
+        "the order of events (read on each event)",
+    ),
+    Private(
+        "torch._C._profiler._ProfilerEvent.end_time_ns",
+        "when an op event ends (read on each event)",
+    ),
+    Private(
+        "torch._C._cuda_clearCublasWorkspaces",
+        "measure(device='cuda') starts with no cuBLAS workspace, as the estimate does "
+        "(a CUDA build's binding only)",
+        cuda_only=True,
+    ),
 )
 
 
@@ -200,11 +441,23 @@ _resolved: dict[str, Any] = {}
 def _missing(path: str, cause: BaseException) -> TorchPrivateError:
     import torch
 
-    why = entry(path).why
+    found = entry(path)
+    releases = _releases(found)
+    detail = " ".join(str(cause).split())  # one line, whatever the cause wrote
     return TorchPrivateError(
-        f"torch {torch.__version__} has no {path} ({why}; {type(cause).__name__}: {cause}); "
-        f"pytest-torchmem supports torch {supported_range()}"
+        f"torch {torch.__version__} has no {path} ({found.why}; expected in torch {releases}; "
+        f"{type(cause).__name__}: {detail}); pytest-torchmem supports torch {supported_range()}"
     )
+
+
+def _releases(found: Private) -> str:
+    """The releases an entry names, in words: ``"2.12 on"``, ``"2.10 to 2.11"``, ``"2.10 to 2.15"``."""
+    first, last = SUPPORTED
+    since, until = found.since or first, found.until or last
+    words = f"{since[0]}.{since[1]} to {until[0]}.{until[1]}"
+    if found.until is None and found.since is not None:
+        words = f"{since[0]}.{since[1]} on"
+    return words + (", CUDA builds" if found.cuda_only else "")
 
 
 def private(path: str) -> Any:
@@ -223,6 +476,14 @@ def private(path: str) -> Any:
         raise _missing(path, exc) from None
     _resolved[path] = value
     return value
+
+
+def private_name(path: str) -> str:
+    """The attribute name that ends ``path`` (an entry of :data:`PRIVATE`), for
+    reading it on instances (``getattr(module, private_name(...))``), once the
+    running torch is checked to have it (on the class)."""
+    private(path)
+    return path.rpartition(".")[2]
 
 
 def private_any(*paths: str) -> Any:
@@ -263,8 +524,13 @@ def replacing(path: str, value: Any) -> Iterator[Any]:
     owner_path, _, name = path.rpartition(".")
     if not entry(path).replaced:
         raise ValueError(f"{path} is not marked replaced=True in PRIVATE")
-    original = private(path)
-    owner = _resolve(owner_path)
+    try:
+        # what is there now (not the value private() keeps): a replacement
+        # nested in another's wraps and restores the one it found
+        owner = _resolve(owner_path)
+        original = getattr(owner, name)
+    except (ImportError, AttributeError) as exc:
+        raise _missing(path, exc) from None
     had_own = name in getattr(owner, "__dict__", {})
     own = owner.__dict__[name] if had_own else None
     setattr(owner, name, value)

@@ -14,13 +14,22 @@ does nothing (fake tensors draw no random numbers).
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
-from typing import Any
+from contextlib import ExitStack, contextmanager
+from typing import Any, Final
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor
+
+from pytest_torchmem.engine.torch_private import private, replacing
 
 __all__ = ["charged_rng_states"]
+
+# torch's private names (engine/torch_private.py)
+_FakeTensor: Final = private("torch._subclasses.fake_tensor.FakeTensor")
+_get_dispatch_mode: Final = private("torch._C._get_dispatch_mode")
+_FAKE_KEY: Final = private("torch._C._TorchDispatchModeKey.FAKE")
+#: The names a step reads the CPU generator's state by (torch.utils.checkpoint: torch.random's).
+_GETTERS: Final = ("torch.get_rng_state", "torch.random.get_rng_state")
+_SETTERS: Final = ("torch.set_rng_state", "torch.random.set_rng_state")
 
 
 @contextmanager
@@ -30,23 +39,18 @@ def charged_rng_states() -> Iterator[None]:
     nbytes = real_get().numel()
 
     def get_rng_state() -> torch.Tensor:
-        if torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is None:
+        if _get_dispatch_mode(_FAKE_KEY) is None:
             # dynamo, compiling with every mode popped, saves and restores the real state
             return real_get()
         return torch.empty(nbytes, dtype=torch.uint8, device="cpu")
 
     def set_rng_state(new_state: Any) -> None:
-        if not isinstance(new_state, FakeTensor):
+        if not isinstance(new_state, _FakeTensor):
             real_set(new_state)
 
-    names = ((torch, "get_rng_state", get_rng_state), (torch, "set_rng_state", set_rng_state))
-    names += ((torch.random, "get_rng_state", get_rng_state),)
-    names += ((torch.random, "set_rng_state", set_rng_state),)
-    saved = [(owner, name, getattr(owner, name)) for owner, name, _ in names]
-    for owner, name, replacement in names:
-        setattr(owner, name, replacement)
-    try:
+    with ExitStack() as replaced:
+        for path in _GETTERS:
+            replaced.enter_context(replacing(path, get_rng_state))
+        for path in _SETTERS:
+            replaced.enter_context(replacing(path, set_rng_state))
         yield
-    finally:
-        for owner, name, value in saved:
-            setattr(owner, name, value)

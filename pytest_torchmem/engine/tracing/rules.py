@@ -45,7 +45,8 @@ from dataclasses import dataclass, field
 from typing import Any, Final, TypeAlias
 
 import torch
-from torch._ops import OpOverload, OpOverloadPacket
+
+from pytest_torchmem.engine.torch_private import private
 
 __all__ = [
     "Alloc",
@@ -67,6 +68,10 @@ __all__ = [
     "REPLICA",
     "Steps",
 ]
+
+# torch's private names (engine/torch_private.py)
+OpOverload: Final = private("torch._ops.OpOverload")
+OpOverloadPacket: Final = private("torch._ops.OpOverloadPacket")
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,8 +9,6 @@ from typing import Any, Final
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
-from torch.utils._mode_utils import no_dispatch
 
 from pytest_torchmem.engine.model_state import (
     Converted,
@@ -31,6 +29,7 @@ from pytest_torchmem.engine.step import (
     run_step,
 )
 from pytest_torchmem.engine.timeline import Analysis, Phase, Timeline, analyze
+from pytest_torchmem.engine.torch_private import private
 from pytest_torchmem.engine.tracing.compiled import watch_compiled
 from pytest_torchmem.engine.tracing.compiled_program import (
     CompiledModules,
@@ -49,6 +48,18 @@ from pytest_torchmem.engine.tracing.rules import TraceContext
 from pytest_torchmem.engine.tracing.tracker import Tracker
 
 __all__ = ["Trace", "adopt", "fake_empty", "fake_standins", "trace"]
+
+# torch's private names (engine/torch_private.py)
+FakeTensor: Final = private("torch._subclasses.fake_tensor.FakeTensor")
+FakeTensorMode: Final = private("torch._subclasses.fake_tensor.FakeTensorMode")
+no_dispatch: Final = private("torch.utils._mode_utils.no_dispatch")
+_get_current_dispatch_mode_stack: Final = private(
+    "torch.utils._python_dispatch._get_current_dispatch_mode_stack"
+)
+_len_torch_function_stack: Final = private("torch._C._len_torch_function_stack")
+_get_function_stack_at: Final = private("torch._C._get_function_stack_at")
+_pop_torch_function_stack: Final = private("torch._C._pop_torch_function_stack")
+_push_on_torch_function_stack: Final = private("torch._C._push_on_torch_function_stack")
 
 
 @dataclass(frozen=True)
@@ -316,14 +327,14 @@ class _Routing:
         return self
 
     def step_aside(self) -> None:
-        stack = torch._C._len_torch_function_stack()
-        if not self.aside and stack and torch._C._get_function_stack_at(stack - 1) is self.router:
-            torch._C._pop_torch_function_stack()
+        stack = _len_torch_function_stack()
+        if not self.aside and stack and _get_function_stack_at(stack - 1) is self.router:
+            _pop_torch_function_stack()
             self.aside = True
 
     def __exit__(self, *exc: object) -> Any:
         if self.aside:
-            torch._C._push_on_torch_function_stack(self.router)
+            _push_on_torch_function_stack(self.router)
             self.aside = False
         return self.router.__exit__(*exc)
 
@@ -331,8 +342,6 @@ class _Routing:
 @contextmanager
 def _visible(fake_mode: FakeTensorMode, tracker: Tracker) -> Iterator[None]:
     """The trace's modes again where dynamo popped them (else nothing changes)."""
-    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
-
     if any(mode is tracker for mode in _get_current_dispatch_mode_stack()):
         yield
         return
@@ -445,6 +454,8 @@ def _fake_parameter(t: torch.Tensor, requires_grad: bool) -> torch.Tensor:
     """Mark a fresh fake tensor as a parameter, as ``nn.Parameter`` does for tensor
     subclasses (``isinstance(t, nn.Parameter)`` holds), without its ``detach()``."""
     t.requires_grad_(requires_grad)
+    # nn.Parameter's isinstance check reads _is_param (engine/torch_private.py:
+    # torch.nn.parameter._ParameterMeta.__instancecheck__)
     t._is_param = True  # type: ignore[attr-defined]
     return t
 

@@ -21,21 +21,11 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 import torch
-from torch._C import DisableTorchFunction as _DisableTorchFunction
-from torch._C._dynamo.eval_frame import set_eval_frame as _set_eval_frame
-from torch._subclasses import fake_tensor as _fake_tensor
-from torch._subclasses.fake_tensor import (
-    DataDependentOutputException,
-    DynamicOutputShapeException,
-    FakeTensor,
-    FakeTensorMode,
-    UnsupportedOperatorException,
-)
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakIdKeyDictionary
 
 from pytest_torchmem.engine.report import Category, Unsupported
 from pytest_torchmem.engine.timeline import Phase, StorageInfo, Timeline
+from pytest_torchmem.engine.torch_private import private
 from pytest_torchmem.engine.tracing.rules import (
     OUTPUTS,
     Alloc,
@@ -63,6 +53,22 @@ __all__ = [
     "autograd_node",
 ]
 
+# torch's private names (engine/torch_private.py), bound once: the dispatch reads them per op.
+_DisableTorchFunction: Final = private("torch._C.DisableTorchFunction")
+_DisableTorchDispatch: Final = private("torch._C._DisableTorchDispatch")
+_set_eval_frame: Final = private("torch._C._dynamo.eval_frame.set_eval_frame")
+_current_autograd_node: Final = private("torch._C._current_autograd_node")
+_len_torch_dispatch_stack: Final = private("torch._C._len_torch_dispatch_stack")
+_unset_dispatch_mode: Final = private("torch._C._unset_dispatch_mode")
+_set_dispatch_mode: Final = private("torch._C._set_dispatch_mode")
+_storage_use_count: Final = private("torch._C._storage_Use_Count")
+_SavedTensor: Final = private("torch._C._autograd.SavedTensor")
+_has_kernel_for: Final = private("torch._C._dispatch_has_kernel_for_dispatch_key")
+FakeTensor: Final = private("torch._subclasses.fake_tensor.FakeTensor")
+FakeTensorMode: Final = private("torch._subclasses.fake_tensor.FakeTensorMode")
+UnsupportedOperatorException: Final = private("torch._subclasses.fake_tensor.UnsupportedOperatorException")
+TorchDispatchMode: Final = private("torch.utils._python_dispatch.TorchDispatchMode")
+
 # Ops through which torch.tensor(...) hands a freshly made real tensor to the
 # fake mode, which turns it into a fake constant (its value stays known).
 _LIFTS: Final = frozenset(
@@ -73,7 +79,7 @@ _PRIM_DEVICE: Final = torch.ops.prim.device.default
 _WRAPPED_TAG: Final = "<wrapped scalars>"
 _ADD: Final = torch.ops.aten.add.Tensor
 _BACKWARD: Final = Phase.BACKWARD
-_FAKE_KEY: Final = torch._C._TorchDispatchModeKey.FAKE
+_FAKE_KEY: Final = private("torch._C._TorchDispatchModeKey.FAKE")
 #: The tensor types the fake mode is told an op has (it reads the arguments themselves).
 _FAKE_TYPES: Final = (FakeTensor,)
 #: Marks (in ``Node.metadata``) a replayed view node given the as_strided_backward hook.
@@ -101,19 +107,18 @@ _BUFFER_ONLY_STORAGE_USE_COUNT: Final = 2
 
 
 #: What fake tensors raise for an op they cannot run, where a real tensor would run it.
-_CANNOT_RUN: Final = tuple(
-    getattr(_fake_tensor, name)
-    for name in (
-        "UnsupportedOperatorException",
-        "UnsupportedFakeTensorException",
-        "UnsupportedMutationAliasingException",
-    )
-    if hasattr(_fake_tensor, name)
+_CANNOT_RUN: Final = (
+    UnsupportedOperatorException,
+    private("torch._subclasses.fake_tensor.UnsupportedFakeTensorException"),
+    private("torch._subclasses.fake_tensor.UnsupportedMutationAliasingException"),
 )
-#: What fake tensors raise where the program asks a question only values answer.
 #: Tensor types the tracker handles itself; other subclasses (DTensor) dispatch first.
 _PLAIN_TYPES: Final = frozenset({torch.Tensor, FakeTensor, torch.nn.Parameter})
-_NEEDS_VALUES: Final = (DataDependentOutputException, DynamicOutputShapeException)
+#: What fake tensors raise where the program asks a question only values answer.
+_NEEDS_VALUES: Final = (
+    private("torch._subclasses.fake_tensor.DataDependentOutputException"),
+    private("torch._subclasses.fake_tensor.DynamicOutputShapeException"),
+)
 # Messages of the errors a fake tensor raises where a real one has no reason to:
 # C++ code reading its values (c10's TensorImpl and StorageImpl), Tensor.numpy(),
 # an op with no fake or meta kernel (torch.library's custom ops, the dispatcher).
@@ -145,7 +150,7 @@ def fake_tensor_limit(exc: BaseException) -> bool:
 
 def autograd_node() -> str:
     """The name of the autograd node being run (``MmBackward0``), or ``""`` outside backward."""
-    node = torch._C._current_autograd_node()
+    node = _current_autograd_node()
     return "" if node is None else node.name()
 
 
@@ -217,8 +222,7 @@ def _skipped_by_dynamo() -> None:
     """Have dynamo's frame callback pass over ``Tracker.__torch_dispatch__`` (once)."""
     dispatch = Tracker.__torch_dispatch__
     if not getattr(dispatch, "_torchdynamo_disable", False):
-        from torch._dynamo.decorators import skip
-
+        skip = private("torch._dynamo.decorators.skip")  # imports dynamo: at first use
         skip(dispatch)
 
 
@@ -603,17 +607,17 @@ class Tracker(TorchDispatchMode):
         user's dispatch mode active, or a tensor subclass the fake mode refuses)
         the op is called as usual.
         """
-        if torch._C._len_torch_dispatch_stack() == 1:  # the fake mode alone
-            mode = torch._C._unset_dispatch_mode(_FAKE_KEY)
+        if _len_torch_dispatch_stack() == 1:  # the fake mode alone
+            mode = _unset_dispatch_mode(_FAKE_KEY)
             if mode is self.fake_mode:
                 try:
                     out = mode.dispatch(func, _FAKE_TYPES, args, kwargs)
                 finally:
-                    torch._C._set_dispatch_mode(mode)
+                    _set_dispatch_mode(mode)
                 if out is not NotImplemented:
                     return out
             elif mode is not None:
-                torch._C._set_dispatch_mode(mode)
+                _set_dispatch_mode(mode)
         return func(*args, **kwargs)
 
     def _note_running_node(self) -> None:
@@ -629,7 +633,7 @@ class Tracker(TorchDispatchMode):
         whose ``apply`` dispatched no other op before an ``add`` is not known, and
         the use counts decide as before.
         """
-        node = torch._C._current_autograd_node()
+        node = _current_autograd_node()
         if node is None:
             return
         meta = node.metadata
@@ -659,7 +663,7 @@ class Tracker(TorchDispatchMode):
         if kwargs or len(args) != 2 or torch.is_grad_enabled() or self.phase != Phase.BACKWARD:
             return False
         old, new = args
-        node = torch._C._current_autograd_node()
+        node = _current_autograd_node()
         if (
             type(old) is not FakeTensor
             or type(new) is not FakeTensor
@@ -672,7 +676,7 @@ class Tracker(TorchDispatchMode):
             return False
         return (
             old._use_count() == _BUFFER_ONLY_USE_COUNT
-            and torch._C._storage_Use_Count(old.untyped_storage()._cdata)
+            and _storage_use_count(old.untyped_storage()._cdata)
             == _BUFFER_ONLY_STORAGE_USE_COUNT
         )
 
@@ -717,7 +721,7 @@ class Tracker(TorchDispatchMode):
     # gradients replacing the node's.
 
     def _in_silent_node(self) -> bool:
-        node = torch._C._current_autograd_node()
+        node = _current_autograd_node()
         return node is not None and node.metadata.get(_SILENT, False)
 
     def _settle_formulas(self) -> None:
@@ -740,7 +744,7 @@ class Tracker(TorchDispatchMode):
         # closures would make a cycle that keeps its saved tensors until a collection)
         def started(grads: Any) -> None:
             meta[_RUNNING] = True
-            node = torch._C._current_autograd_node()
+            node = _current_autograd_node()
             call = FormulaCall(node, tuple(grads), (), self.context)
             if all(_saved_without_hooks(node, f"_saved_{name}") is not None for name in formula.saved):
                 if formula.applies(call):
@@ -755,7 +759,7 @@ class Tracker(TorchDispatchMode):
             self._silent -= 1
             needed = tuple(g is not None for g in grad_inputs)
             meta[REPLICA] = True
-            node = torch._C._current_autograd_node()
+            node = _current_autograd_node()
             try:
                 replaced = formula.backward(FormulaCall(node, tuple(grads), needed, self.context))
             finally:
@@ -775,7 +779,7 @@ class Tracker(TorchDispatchMode):
 
     def _fresh_numbers(self, numbers: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
         """``numbers`` less those the running backward node unpacked from its saved ones."""
-        node = torch._C._current_autograd_node()
+        node = _current_autograd_node()
         if node is None:
             return numbers
         # (CopySlices runs the node of an in-place op on a view, which saved these)
@@ -784,7 +788,7 @@ class Tracker(TorchDispatchMode):
             if attr.startswith("_saved_"):
                 value = _saved_without_hooks(node, attr)
                 if isinstance(value, torch.Tensor) and value._cdata in self._saved_numbers:
-                    with torch._C._DisableTorchDispatch():  # a real tensor: read it directly
+                    with _DisableTorchDispatch():  # a real tensor: read it directly
                         saved.append(value.item())
         fresh = []
         for name, value in numbers:
@@ -1324,7 +1328,7 @@ def _saved_without_hooks(node: Any, attr: str) -> Any:
     recomputes its forward there. Wrapped numbers are saved without hooks.
     """
     raw = getattr(node, "_raw" + attr, None)
-    if not isinstance(raw, torch._C._autograd.SavedTensor):
+    if not isinstance(raw, _SavedTensor):
         return None
     try:
         if raw.unpack_hook is not None:
@@ -1358,7 +1362,7 @@ def _number_nbytes(value: Any) -> int:
 @functools.cache
 def _composite(func: Any) -> bool:
     """Whether ``func`` has a ``CompositeImplicitAutograd`` kernel."""
-    return torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), "CompositeImplicitAutograd")
+    return _has_kernel_for(func.name(), "CompositeImplicitAutograd")
 
 
 def _tensors_in(values: Any) -> Iterable[Any]:

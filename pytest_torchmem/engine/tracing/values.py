@@ -36,8 +36,8 @@ from enum import IntEnum
 from typing import Any, Final
 
 import torch
-from torch._C import _DisableTorchDispatch
-from torch._subclasses.fake_tensor import FakeTensor
+
+from pytest_torchmem.engine.torch_private import private
 
 __all__ = [
     "KnownValues",
@@ -49,6 +49,11 @@ __all__ = [
     "on_values",
     "value_kind",
 ]
+
+# torch's private names (engine/torch_private.py), bound once: read per op.
+FakeTensor: Final = private("torch._subclasses.fake_tensor.FakeTensor")
+_DisableTorchDispatch: Final = private("torch._C._DisableTorchDispatch")
+_OpOverload: Final = private("torch._ops.OpOverload")
 
 aten = torch.ops.aten
 
@@ -146,7 +151,7 @@ def value_kind(func: Any) -> ValueKind:
     """The :class:`ValueKind` of ``func``."""
     if func in _FACTORIES or func in _FILLS or func in LIFTS:
         return ValueKind.MADE
-    if func in _OPAQUE or not isinstance(func, torch._ops.OpOverload):
+    if func in _OPAQUE or not isinstance(func, _OpOverload):
         return ValueKind.OPAQUE
     if func.namespace not in ("aten", "prims") or torch.Tag.nondeterministic_seeded in func.tags:
         return ValueKind.OPAQUE

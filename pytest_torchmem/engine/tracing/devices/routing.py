@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, ClassVar, Final
 
-from pytest_torchmem.engine.torch_private import present, private
+from pytest_torchmem.engine.torch_private import present, private, replacing
 
 __all__ = ["COMPOSITE_MODULES", "BodyRouting", "routed_recomputation"]
 
@@ -104,17 +104,12 @@ def routed_recomputation(mode: Any) -> Iterator[None]:
     The recomputation opens ``torch.utils.checkpoint._recomputation_hook``;
     while this context is active, that also re-enters ``mode``.
     """
-    import torch.utils.checkpoint as checkpoint
-
-    real = checkpoint._recomputation_hook
+    real: Any = None
 
     @contextmanager
     def recomputing(*args: Any, **kwargs: Any) -> Iterator[Any]:
         with real(*args, **kwargs) as hook, mode:
             yield hook
 
-    checkpoint._recomputation_hook = recomputing  # type: ignore[assignment,misc]
-    try:
+    with replacing("torch.utils.checkpoint._recomputation_hook", recomputing) as real:
         yield
-    finally:
-        checkpoint._recomputation_hook = real  # type: ignore[misc]
