@@ -116,13 +116,14 @@ PRIVATE: Final = _entries(
     Private(
         "torch._prims_common.is_non_overlapping_and_dense_or_false",
         "whether a tensor is dense, as TensorIterator and cuBLAS ask (indexing, BLAS rules); "
-        "earlier releases name it is_non_overlapping_and_dense",
-        since=(2, 12),
+        "2.10 names it is_non_overlapping_and_dense (torch/_prims_common/__init__.py: "
+        "2.10.0 line 521, 2.11.0 line 524)",
+        since=(2, 11),
     ),
     Private(
         "torch._prims_common.is_non_overlapping_and_dense",
         "the earlier name of is_non_overlapping_and_dense_or_false",
-        until=(2, 11),
+        until=(2, 10),
     ),
     # -- torch-function modes --------------------------------------------------------
     Private(

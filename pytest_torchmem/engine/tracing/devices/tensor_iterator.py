@@ -97,5 +97,5 @@ def non_overlapping_and_dense(t: torch.Tensor) -> bool:
         return True
     return private_any(
         "torch._prims_common.is_non_overlapping_and_dense_or_false",
-        "torch._prims_common.is_non_overlapping_and_dense",  # its name until 2.11
+        "torch._prims_common.is_non_overlapping_and_dense",  # its name in 2.10
     )(t)
