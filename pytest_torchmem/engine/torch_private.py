@@ -355,6 +355,20 @@ PRIVATE: Final = _entries(
         "isinstance(t, nn.Parameter) holds for a tensor whose _is_param is set: stand-in "
         "parameters are marked so, without Parameter's detach() (trace._fake_parameter)",
     ),
+    # read by name on each tensor or storage (the dispatch's hot path: written as
+    # attributes there, checked here)
+    Private(
+        "torch.Tensor._base",
+        "the base a view shares its storage with (in-place writes to views, the tracker)",
+    ),
+    Private(
+        "torch.Tensor._is_view",
+        "whether a fake tensor is a view (in-place writes to views, the tracker)",
+    ),
+    Private(
+        "torch.UntypedStorage._cdata",
+        "a storage's identity, the key of every storage the tracker and measure follow",
+    ),
     # measure(device="cpu") reads the profiler's event tree (torch/csrc/profiler/python/init.cpp)
     Private(
         "torch._C._autograd._ProfilerResult.experimental_event_tree",
