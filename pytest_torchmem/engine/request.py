@@ -104,8 +104,9 @@ def step_request(
 def has_compiled_modules(model: nn.Module) -> bool:
     """Whether ``model`` or one of its submodules is compiled as a module
     (``torch.compile(module)``, ``module.compile()``)."""
-    from torch._dynamo.eval_frame import OptimizedModule
+    from pytest_torchmem.engine.torch_private import private
 
+    OptimizedModule = private("torch._dynamo.eval_frame.OptimizedModule")
     return any(
         isinstance(module, OptimizedModule) or getattr(module, "_compiled_call_impl", None) is not None
         for module in model.modules()

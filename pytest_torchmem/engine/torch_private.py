@@ -119,6 +119,47 @@ PRIVATE: Final = _entries(
         "earlier releases run a copy of the body whose own check answers no",
         since=(2, 13),
     ),
+    # -- compiled models (torch.compile) ------------------------------------------------
+    Private(
+        "torch._dynamo.eval_frame._maybe_set_eval_frame",
+        "the call by which dynamo's compile_wrapper enters a compiled region: the watch of "
+        "compiled regions sees each one there and runs it followed, or eagerly and flagged",
+        replaced=True,
+    ),
+    Private(
+        "torch._dynamo.eval_frame.OptimizedModule",
+        "a module compiled with torch.compile(module) (module.compile() sets _compiled_call_impl)",
+    ),
+    Private(
+        "torch._TorchCompileInductorWrapper",
+        "torch.compile's inductor backend: the regions whose programs are followed",
+    ),
+    Private(
+        "torch._dynamo.eval_frame._next_isolate_recompiles_id",
+        "a dynamo cache region of our own (torch._dynamo.optimize(isolate_recompiles=True), "
+        "torch 2.13): our compiles never count against the user's recompile_limit; earlier "
+        "releases have one cache per code object, so compiled regions are not followed there "
+        "and are listed in unsupported",
+        since=(2, 13),
+    ),
+    Private(
+        "torch._C._dynamo.eval_frame.set_eval_frame_isolate_recompiles_id",
+        "enters our cache region for a compiled function the user's compile_wrapper entered",
+        since=(2, 13),
+    ),
+    Private(
+        "torch._dynamo.eval_frame._get_cache_entries_for_region",
+        "the cache entries of our cache regions, invalidated when the estimate or measurement ends",
+        since=(2, 13),
+    ),
+    Private(
+        "torch._dynamo.convert_frame.input_codes",
+        "every code object dynamo compiled: where our cache regions' entries are",
+    ),
+    Private(
+        "torch._dynamo.guards.DeletedGuardManagerWrapper",
+        "invalidates one of our cache entries (no guard passes it; dynamo drops its program)",
+    ),
 )
 
 
