@@ -16,15 +16,17 @@ dynamo's frame callback; :func:`watch_compiled` notices that call.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import sys
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, Final
 
 from torch import nn
 
-from pytest_torchmem.engine.torch_private import present, private, replacing
+from pytest_torchmem.engine.torch_private import COMPILED_ENTRIES, entry, present, private, replacing
 
 __all__ = [
     "EAGER_REASON",
@@ -33,6 +35,7 @@ __all__ = [
     "Redirect",
     "CacheRegions",
     "eager_reason",
+    "following_blocked",
     "invalidate_regions",
     "isolating",
     "measured_eager_reason",
@@ -74,6 +77,7 @@ _ISOLATION: Final = (
 )
 
 
+@functools.cache
 def isolating() -> bool:
     """Whether this torch's dynamo keeps our compiles in cache regions of their own. Where
     it does not (before 2.13), no compiled region is followed or run compiled by the engine:
@@ -81,9 +85,26 @@ def isolating() -> bool:
     return all(present(path) for path in _ISOLATION)
 
 
+@functools.cache
+def following_blocked() -> str | None:
+    """The first private torch name that following a compiled program needs and this torch
+    lacks (:data:`~pytest_torchmem.engine.torch_private.COMPILED_ENTRIES`), or None. Where
+    one is missing no compiled region is followed: each runs eagerly, listed with its name."""
+    return next((e.path for e in COMPILED_ENTRIES if not present(e.path)), None)
+
+
 def eager_reason() -> str:
     """What an estimate's report says of a compiled region that ran eagerly."""
-    return EAGER_REASON if isolating() else UNISOLATED_REASON
+    missing = following_blocked()
+    if missing is None:
+        return EAGER_REASON
+    if not isolating():
+        return UNISOLATED_REASON
+    return (
+        f"compiled with torch.compile: this torch has no {missing} ({entry(missing).why}), "
+        "which following the compiled program needs; the region ran eagerly, so these "
+        "figures are the eager ones"
+    )
 
 
 def measured_eager_reason() -> str:
@@ -146,7 +167,11 @@ def watch_compiled(on_region: Callable[[str, str], None], redirect: Redirect | N
                 return real(None)
         return real(callback)
 
-    with replacing("torch._dynamo.eval_frame._maybe_set_eval_frame", noticing):
+    with replacing("torch._dynamo.eval_frame._maybe_set_eval_frame", noticing), warnings.catch_warnings():
+        # a compiled module run eagerly here meets the trace's own global module hooks, of
+        # which OptimizedModule.__call__ warns (torch/_dynamo/eval_frame.py, 2.10 on): not
+        # the user's concern
+        warnings.filterwarnings("ignore", message=r"Using `torch.compile\(module\)` when there are global hooks")
         yield
 
 

@@ -473,12 +473,13 @@ class Following:
 
 def followable(context: Any) -> Any:
     """The inductor wrapper of a dynamo context the trace can follow (inductor's, without
-    ``cpp_wrapper``), or None. None on a torch whose dynamo has no cache regions of our own
-    (before 2.13, see :func:`~pytest_torchmem.engine.tracing.compiled.isolating`): our
-    compiles would go to the user's own cache; the region runs eagerly, flagged."""
-    from pytest_torchmem.engine.tracing.compiled import isolating
+    ``cpp_wrapper``), or None. None on a torch that lacks a private name following needs
+    (:func:`~pytest_torchmem.engine.tracing.compiled.following_blocked`): dynamo's cache
+    regions of our own before 2.13, without which our compiles would go to the user's own
+    cache; the region runs eagerly, flagged."""
+    from pytest_torchmem.engine.tracing.compiled import following_blocked
 
-    if not isolating():
+    if following_blocked() is not None:
         return None
     wrapper = _inductor_wrapper(context) if context is not None and hasattr(context, "callback") else None
     if wrapper is None or wrapper.config.get("cpp_wrapper"):
