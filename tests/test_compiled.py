@@ -25,7 +25,12 @@ from profiled import as_measured_here, measure_compiled, reachable
 from torch import nn
 
 import pytest_torchmem as tm
-from pytest_torchmem.engine.tracing.compiled import UNISOLATED_REASON, eager_reason, isolating
+from pytest_torchmem.engine.tracing.compiled import (
+    UNISOLATED_REASON,
+    eager_reason,
+    following_blocked,
+    isolating,
+)
 from pytest_torchmem.engine.tracing.devices.cpu.profiles import CpuProfile, host_profile
 
 
@@ -61,6 +66,19 @@ def test_a_compiled_function_on_cuda_is_listed_as_traced_eagerly() -> None:
         ("torch.compile: _scaled_gelu", eager_reason(), _where(_scaled_gelu))
     ]
     assert not report.complete
+
+
+def test_the_private_names_of_compiled_models_are_where_the_table_says() -> None:
+    """Each private dynamo and inductor name of compiled models is present in exactly the
+    releases its entry names (since/until): following is blocked nowhere it need not be."""
+    from pytest_torchmem.engine.torch_private import COMPILED_ENTRIES, present
+    from pytest_torchmem.engine.torch_release import installed_release
+
+    release = installed_release()[:2]
+    assert {e.path: present(e.path) for e in COMPILED_ENTRIES} == {
+        e.path: e.expected(release) for e in COMPILED_ENTRIES
+    }
+    assert (following_blocked() is None) == (release >= (2, 13))
 
 
 def test_the_watch_is_gone_after_the_trace() -> None:
