@@ -127,7 +127,8 @@ COMPILED_ENTRIES: Final = (
     ),
     Private(
         "torch._dynamo.optimize",
-        "builds our dynamo context for a compiled region: the fake inductor backend, the user's fullgraph and dynamic, isolate_recompiles",
+        "builds our dynamo context for a compiled region: the fake inductor backend, the "
+        "user's fullgraph and dynamic, isolate_recompiles",
     ),
     Private(
         "torch._dynamo.external_utils.wrap_inline",
@@ -143,7 +144,8 @@ COMPILED_ENTRIES: Final = (
     ),
     Private(
         "torch._dynamo.utils.counters",
-        "inductor's count of autotuned kernel choices (select_algorithm_autotune): autotuning is listed",
+        "inductor's count of autotuned kernel choices (select_algorithm_autotune): "
+        "autotuning is listed",
     ),
     Private(
         "torch._inductor.async_compile.AsyncCompile.cpp",
@@ -167,7 +169,8 @@ COMPILED_ENTRIES: Final = (
     ),
     Private(
         "torch._inductor.codecache.PyCodeCache.load_by_key_path",
-        "loads an output module: ours run their allocations through the dispatcher, kept out of the by-path cache",
+        "loads an output module: ours run their allocations through the dispatcher, kept "
+        "out of the by-path cache",
         replaced=True,
     ),
     Private(
@@ -225,7 +228,8 @@ COMPILED_ENTRIES: Final = (
     ),
     Private(
         "torch._inductor.compile_fx.with_fresh_cache_if_config",
-        "where inductor writes an output module with its caches off: a directory of ours, deleted on exit",
+        "where inductor writes an output module with its caches off: a directory of "
+        "ours, deleted on exit",
         replaced=True,
     ),
     Private(
@@ -264,7 +268,8 @@ COMPILED_ENTRIES: Final = (
     ),
     Private(
         "torch._inductor.fx_passes.joint_graph.remove_no_ops",
-        "keeps the joint graph's computations on the fake cuda device (meta values read as cuda there)",
+        "keeps the joint graph's computations on the fake cuda device (meta values read "
+        "as cuda there)",
         replaced=True,
     ),
     Private(

@@ -167,11 +167,16 @@ def watch_compiled(on_region: Callable[[str, str], None], redirect: Redirect | N
                 return real(None)
         return real(callback)
 
-    with replacing("torch._dynamo.eval_frame._maybe_set_eval_frame", noticing), warnings.catch_warnings():
+    with (
+        replacing("torch._dynamo.eval_frame._maybe_set_eval_frame", noticing),
+        warnings.catch_warnings(),
+    ):
         # a compiled module run eagerly here meets the trace's own global module hooks, of
         # which OptimizedModule.__call__ warns (torch/_dynamo/eval_frame.py, 2.10 on): not
         # the user's concern
-        warnings.filterwarnings("ignore", message=r"Using `torch.compile\(module\)` when there are global hooks")
+        warnings.filterwarnings(
+            "ignore", message=r"Using `torch.compile\(module\)` when there are global hooks"
+        )
         yield
 
 
