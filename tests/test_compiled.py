@@ -20,11 +20,17 @@ import warnings
 import pytest
 import torch
 from compiled_zoo import FAMILIES, Attention, Fusable, adamw, compiled_adamw
+from following import follows_compiled
 from profiled import as_measured_here, measure_compiled, reachable
 from torch import nn
 
 import pytest_torchmem as tm
-from pytest_torchmem.engine.tracing.compiled import EAGER_REASON
+from pytest_torchmem.engine.tracing.compiled import (
+    UNISOLATED_REASON,
+    eager_reason,
+    following_blocked,
+    isolating,
+)
 from pytest_torchmem.engine.tracing.devices.cpu.profiles import CpuProfile, host_profile
 
 
@@ -57,9 +63,22 @@ def test_a_compiled_function_on_cuda_is_listed_as_traced_eagerly() -> None:
     report = tm.estimate(_CallsCompiledFunction(), torch.randn(4, 16), device="cuda")
     compiled = [entry for entry in report.unsupported if entry.op.startswith("torch.compile")]
     assert [(entry.op, entry.reason, entry.location) for entry in compiled] == [
-        ("torch.compile: _scaled_gelu", EAGER_REASON, _where(_scaled_gelu))
+        ("torch.compile: _scaled_gelu", eager_reason(), _where(_scaled_gelu))
     ]
     assert not report.complete
+
+
+def test_the_private_names_of_compiled_models_are_where_the_table_says() -> None:
+    """Each private dynamo and inductor name of compiled models is present in exactly the
+    releases its entry names (since/until): following is blocked nowhere it need not be."""
+    from pytest_torchmem.engine.torch_private import COMPILED_ENTRIES, present
+    from pytest_torchmem.engine.torch_release import installed_release
+
+    release = installed_release()[:2]
+    assert {e.path: present(e.path) for e in COMPILED_ENTRIES} == {
+        e.path: e.expected(release) for e in COMPILED_ENTRIES
+    }
+    assert (following_blocked() is None) == (release >= (2, 13))
 
 
 def test_the_watch_is_gone_after_the_trace() -> None:
@@ -83,6 +102,7 @@ def _figures(name: str, compiled: bool, cpu: object = None) -> list[dict[str, in
     return [report.phase_peaks() for report in reports]
 
 
+@follows_compiled
 @pytest.mark.parametrize("name", list(FAMILIES))
 def test_the_estimate_follows_the_compiled_program(name: str) -> None:
     """Byte for byte what measure sees of the real compiled step, in every phase, at this
@@ -109,6 +129,7 @@ LOWER = {
 }
 
 
+@follows_compiled
 @pytest.mark.parametrize("profile", list(LOWER), ids=str)
 def test_the_estimate_under_a_named_profile_is_that_cpus(profile: CpuProfile) -> None:
     """Under a named profile inductor builds for that CPU (its vector width and threads),
@@ -141,6 +162,7 @@ class _ScatterSum(nn.Module):
         return out.sigmoid()
 
 
+@follows_compiled
 def test_the_program_is_built_for_the_profiles_threads() -> None:
     """The plan depends on the thread count here (1 thread: a smaller forward); the
     estimate follows the profile's threads, not this process's."""
@@ -162,6 +184,7 @@ def test_the_program_is_built_for_the_profiles_threads() -> None:
             assert report.phase_peaks() == measured[threads]
 
 
+@follows_compiled
 def test_inference_follows_the_compiled_program() -> None:
     torch.manual_seed(0)
     model, x = torch.compile(Fusable()), torch.randn(8, 16, 32)
@@ -170,6 +193,7 @@ def test_inference_follows_the_compiled_program() -> None:
     assert estimated.phase_peaks() == tm.measure(model, x, train=False).phase_peaks()
 
 
+@follows_compiled
 def test_a_compiled_dropout_equals_measure() -> None:
     """Inductor draws a dropout's mask inside its fused kernel (no random tensor) and
     saves the mask for backward: estimated as the real compiled step runs."""
@@ -182,6 +206,7 @@ def test_a_compiled_dropout_equals_measure() -> None:
     assert estimated.forward_peak < tm.estimate(model, x, cpu=None).forward_peak
 
 
+@follows_compiled
 def test_the_compiled_program_beats_the_eager_one() -> None:
     """Fusion saves activations; the compiled AdamW step makes no per-parameter temporaries."""
     torch.manual_seed(0)
@@ -193,6 +218,7 @@ def test_the_compiled_program_beats_the_eager_one() -> None:
     assert compiled.step_peak < plain.step_peak
 
 
+@follows_compiled
 def test_the_compiled_optimizer_state_is_optimizer_state() -> None:
     """Dynamo makes the state while it compiles the step (it calls ``_init_group`` itself):
     the estimate sees it made there, charged as optimizer state at the step's peak."""
@@ -205,6 +231,7 @@ def test_the_compiled_optimizer_state_is_optimizer_state() -> None:
     assert report.breakdown[tm.Category.OPTIMIZER_STATE] == 2 * params + steps
 
 
+@follows_compiled
 def test_an_eager_adamw_step_after_a_compiled_model() -> None:
     """The optimizer step itself is not compiled here: it runs eagerly in both."""
     torch.manual_seed(0)
@@ -214,6 +241,7 @@ def test_an_eager_adamw_step_after_a_compiled_model() -> None:
     assert estimated.phase_peaks() == tm.measure(model, x, optimizer=adamw).phase_peaks()
 
 
+@follows_compiled
 def test_measure_runs_a_compiled_module_in_its_steady_state() -> None:
     """One warm-up step compiles; the measured step runs the compiled code (checked in the
     profiler's events), whose saved activations are fewer than eager's."""
@@ -229,6 +257,7 @@ def test_measure_runs_a_compiled_module_in_its_steady_state() -> None:
     assert tm.measure(model, x).phase_peaks() == eager.phase_peaks()
 
 
+@follows_compiled
 def test_measures_never_use_up_the_users_recompile_limit() -> None:
     """Each measurement compiles in a dynamo cache region of its own: a compiled optimizer
     step compiles once per optimizer, and dynamo counts invalidated entries against the
@@ -258,6 +287,7 @@ def _seen_codes() -> list[object]:
     return [code for ref in list(input_codes.seen) if (code := ref()) is not None]
 
 
+@follows_compiled
 def test_an_estimate_leaves_the_users_compiled_model_as_it_was() -> None:
     """After estimates and measurements the model's real compiled calls run real compiled
     code (not the estimate's no-op kernels) and compute the eager values; our cache entries
@@ -281,6 +311,45 @@ def test_an_estimate_leaves_the_users_compiled_model_as_it_was() -> None:
         assert torch.allclose(model(x), eager(x), atol=1e-5)
     assert _compiled_code_ran(model, x)
     assert {c: len(_get_cache_entries_for_region(c, -1)) for c in codes} == users  # no recompile
+
+
+def _cache_entries() -> int:
+    """How many dynamo cache entries the code objects dynamo has seen hold (every region)."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    return sum(len(_debug_get_cache_entry_list(code)) for code in _seen_codes())
+
+
+@pytest.mark.skipif(isolating(), reason="torch 2.13 on: compiled regions are followed (the tests above)")
+def test_compiled_regions_are_listed_where_dynamo_cannot_isolate_them() -> None:
+    """Before torch 2.13 dynamo has one cache per code object, shared by every backend and
+    counted against ``recompile_limit``, with no cache region of our own: the engine
+    compiles nothing there. A compiled module and a compiled function run eagerly in
+    estimate and measure, each listed with why (never an eager figure in silence); the
+    figures are the eager model's; the user's cache is as it was and their compiled code
+    still runs."""
+    torch.manual_seed(0)
+    eager, x = Fusable(), torch.randn(8, 16, 32)
+    model = torch.compile(eager)
+    with torch.no_grad():
+        model(x)  # the user's own compile
+    entries = _cache_entries()
+    calls = _CallsCompiledFunction()
+    cases = [
+        (model, eager, "Fusable.forward", _where(Fusable.forward)),
+        (calls, calls, "_scaled_gelu", _where(_scaled_gelu)),
+    ]
+    for compiled, plain, name, where in cases:
+        inputs = torch.randn(4, 16) if compiled is calls else x
+        for run in (tm.estimate, tm.measure):
+            report = run(compiled, inputs)
+            listed = [(u.op, u.reason, u.location) for u in report.unsupported]
+            assert listed == [(f"torch.compile: {name}", UNISOLATED_REASON, where)], run.__name__
+            if compiled is not calls:  # the same model, eager
+                assert report.phase_peaks() == run(plain, inputs).phase_peaks(), run.__name__
+    assert _cache_entries() == entries
+    assert _compiled_code_ran(model, x)
+    assert _cache_entries() == entries  # no recompile
 
 
 @pytest.mark.parametrize(
@@ -327,6 +396,7 @@ def test_an_optimizer_step_that_cannot_be_built_is_listed(monkeypatch: pytest.Mo
 # -- compile=: an eager model checked as compiled ------------------------------------
 
 
+@follows_compiled
 def test_compile_checks_an_eager_model_as_compiled() -> None:
     """``compile=True`` is ``torch.compile(model)``'s figures, in estimate and measure; the
     model is not compiled, and its eager figures stay as they were."""
@@ -343,6 +413,7 @@ def test_compile_checks_an_eager_model_as_compiled() -> None:
     assert estimated.phase_peaks() == tm.estimate(torch.compile(model), x, cpu=None).phase_peaks()
 
 
+@follows_compiled
 def test_compile_options_reach_torch_compile() -> None:
     """Inductor's options change its program (without buffer reuse, another backward
     plan here): the estimate is ``torch.compile``'s with them, as the measurement is."""
@@ -356,6 +427,7 @@ def test_compile_options_reach_torch_compile() -> None:
     assert estimated.phase_peaks() == tm.estimate(compiled, x, cpu=None).phase_peaks()
 
 
+@follows_compiled
 def test_autotuning_is_listed(monkeypatch: pytest.MonkeyPatch) -> None:
     """Where inductor benchmarks kernel choices (max-autotune), the estimate's candidates
     are no-op kernels: its choice may not be a real compile's, and the report says so.
@@ -404,6 +476,7 @@ def test_compile_and_parallel_together_are_refused() -> None:
         tm.estimate(Fusable(), torch.randn(2, 32), compile=True, parallel=parallel)
 
 
+@follows_compiled
 def test_an_estimate_leaves_no_file_behind(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """With its caches off, inductor writes each program into a new temporary directory
     under its cache directory that it never deletes; those the estimate builds are
@@ -421,6 +494,7 @@ def test_an_estimate_leaves_no_file_behind(tmp_path: pathlib.Path, monkeypatch: 
     assert os.listdir(temporary) == []
 
 
+@follows_compiled
 def test_the_compiled_programs_buffers_are_made_at_the_users_lines() -> None:
     """Each buffer inductor's program allocates, in forward and backward, is made at the
     line of the user's code its graph node came from, not in inductor's output module."""

@@ -26,6 +26,7 @@ from pytest_torchmem.engine.tracing.devices import device_model
 from pytest_torchmem.engine.tracing.devices.cuda.profiles import gpu_profile
 from pytest_torchmem.engine.tracing.trace import trace
 from compiled_zoo import FAMILIES
+from following import follows_compiled
 from compiled_zoo import Attention as _Attention
 from compiled_zoo import Fusable as _Fusable
 from test_compiled import _block, _CallsCompiledFunction, _scaled_gelu, _where
@@ -84,6 +85,7 @@ def _loss(out: torch.Tensor) -> torch.Tensor:
     return out
 
 
+@follows_compiled
 def test_a_compiled_program_checked_by_hand() -> None:
     """``sin(x * w).sum()`` over 1024 fp32 values (4 KiB each for x and w).
 
@@ -122,6 +124,7 @@ class _DroppedSinSum(nn.Module):
         return torch.sin(nn.functional.dropout(x * self.w, 0.5, self.training)).sum()
 
 
+@follows_compiled
 def test_a_compiled_dropout_checked_by_hand() -> None:
     """Dropout over 1024 fp32 values, compiled. Inductor replaces the joint graph's
     ``rand`` by its own random op (``replace_random``): the forward kernel draws from
@@ -161,6 +164,7 @@ class _EmbeddingLoss(nn.Module):
         return nn.functional.cross_entropy(logits, targets.flatten(), ignore_index=0)
 
 
+@follows_compiled
 def test_a_trained_embedding_and_its_loss_are_followed() -> None:
     """A (64, 1024) fp32 embedding (256 KiB) looked up by 2 x 16 tokens, its 32 rows of
     1024 logits (128 KiB) fed to ``cross_entropy(ignore_index=0)``; int64 tokens and
@@ -211,6 +215,7 @@ class _TwoLinears(nn.Module):
 
 
 @pytest.mark.parametrize("name", list(_COMPOSITES))
+@follows_compiled
 def test_a_composite_op_keeps_its_gradient(name: str) -> None:
     """These ops run their ``CompositeImplicitAutograd`` kernel on a GPU, but have a
     Python meta kernel: the joint graph, traced on meta, once gave them no gradient,
@@ -232,6 +237,7 @@ _GUARDED_CALLS: dict[str, Callable[[torch.Tensor, torch.Tensor], object]] = {
 
 
 @pytest.mark.parametrize("name", list(_GUARDED_CALLS))
+@follows_compiled
 def test_a_method_that_sets_the_device_runs_on_cuda_fakes(name: str) -> None:
     """These Tensor methods' bindings set the tensor's device first (a CUDA device guard,
     which a CPU-only torch does not have); while a cuda program is built they run their
@@ -266,6 +272,7 @@ class _PermutedHeads(nn.Module):
         return nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
+@follows_compiled
 def test_attention_over_permuted_heads_is_followed() -> None:
     """The backward writes the three heads' gradients into one buffer; inductor's
     ``reinplace_inplaceable_ops`` checks the scatter it rewrites with ``copy_``, a method
@@ -276,6 +283,7 @@ def test_attention_over_permuted_heads_is_followed() -> None:
 
 
 @pytest.mark.parametrize(("gpu", "splits"), [("H100", 512), ("T4", 160)])
+@follows_compiled
 def test_a_split_reduction_is_sized_for_the_gpu(gpu: str, splits: int) -> None:
     """``x.sum(0)`` of a (65536, 64) fp32 input (16 MiB): 64 outputs, too few to fill the
     GPU, so inductor splits the outer reduction in two kernels with a (splits, 64) fp32
@@ -295,6 +303,7 @@ def test_a_split_reduction_is_sized_for_the_gpu(gpu: str, splits: int) -> None:
     assert report.forward_peak == 16 * MiB + splits * 64 * 4 + 512
 
 
+@follows_compiled
 def test_reduce_overhead_checked_by_hand() -> None:
     """CUDA graphs: the program of the default mode, its allocations in a private pool.
 
@@ -317,6 +326,7 @@ def test_reduce_overhead_checked_by_hand() -> None:
     assert report.reserved_peak == 2 * SMALL_SEGMENT
 
 
+@follows_compiled
 def test_reduce_overhead_on_cpu_is_the_default_program() -> None:
     """Inductor skips CUDA graphs for a cpu graph: the program is the default mode's."""
     torch.manual_seed(0)
@@ -362,6 +372,7 @@ CUDA_FAMILIES = {
 
 
 @pytest.mark.parametrize("family", list(CUDA_FAMILIES))
+@follows_compiled
 def test_the_cuda_program_is_followed(family: str) -> None:
     """Each family runs inductor's cuda program in the traced step (its buffers are the
     wrapper's ``empty_strided`` calls), nothing is listed, and the figures are not the
@@ -379,6 +390,7 @@ def test_the_cuda_program_is_followed(family: str) -> None:
         assert eager.phase_peaks() != report.phase_peaks()
 
 
+@follows_compiled
 def test_attention_takes_the_gpus_kernel() -> None:
     """The joint graph is traced under the device's router: the compiled program calls
     the attention kernel the GPU picks (flash on an A100 in bf16), as eagerly."""
@@ -390,6 +402,7 @@ def test_attention_takes_the_gpus_kernel() -> None:
     assert "aten._scaled_dot_product_flash_attention_backward.default" in ops
 
 
+@follows_compiled
 def test_the_bias_gradient_of_a_convolution_is_a_reduction_on_cuda() -> None:
     """Inductor decomposes ``convolution_backward``'s bias gradient into a sum for a
     GPU (decomposition.py); the joint graph, traced on meta, is decomposed as for cuda:
@@ -403,6 +416,7 @@ def test_the_bias_gradient_of_a_convolution_is_a_reduction_on_cuda() -> None:
 
 
 @pytest.mark.parametrize("batch", [4, 8])
+@follows_compiled
 def test_dynamic_shapes(batch: int) -> None:
     torch.manual_seed(0)
     model, x = torch.compile(_Fusable(), dynamic=True), torch.randn(batch, 16, 32)
@@ -412,6 +426,7 @@ def test_dynamic_shapes(batch: int) -> None:
     assert report.phase_peaks() == static.phase_peaks()
 
 
+@follows_compiled
 def test_an_adamw_step_after_a_compiled_model() -> None:
     """The optimizer step runs eagerly (foreach, as on a GPU) after the compiled
     backward; its figures are the eager model's, whose parameters and gradients match."""
@@ -426,6 +441,7 @@ def test_an_adamw_step_after_a_compiled_model() -> None:
     assert report.step_peak == tm.estimate(eager, x, device="cuda", optimizer=adamw).step_peak
 
 
+@follows_compiled
 def test_max_autotune_is_listed() -> None:
     torch.manual_seed(0)
     model = torch.compile(_Fusable(), mode="max-autotune-no-cudagraphs")
@@ -435,6 +451,7 @@ def test_max_autotune_is_listed() -> None:
     ]
 
 
+@follows_compiled
 def test_a_matmul_that_pad_mm_may_pad_is_listed() -> None:
     """A bf16 linear with 30 input features (not a multiple of 8)."""
     torch.manual_seed(0)
@@ -443,6 +460,7 @@ def test_a_matmul_that_pad_mm_may_pad_is_listed() -> None:
     assert [u.op for u in report.unsupported] == [f"torch.compile on cuda: {PAD_MM_GAP.what}"]
 
 
+@follows_compiled
 def test_the_estimate_leaves_torch_as_it_was() -> None:
     """The device queries answered as the GPU's while inductor compiles are put back."""
     from torch._dynamo import device_interface
@@ -474,6 +492,7 @@ def test_a_compiled_function_in_forward_is_still_listed_on_cuda() -> None:
 
 
 @pytest.mark.parametrize("kind", [kind for kind in KINDS if kind != "compiled function in forward"])
+@follows_compiled
 def test_each_way_of_compiling_a_module_is_followed(kind: str) -> None:
     """``torch.compile(model)``, ``model.compile()`` and regional compilation."""
     model, _, _ = _compiled(kind)
@@ -488,6 +507,7 @@ def _line_of(function: Callable[..., object], text: str) -> str:
     return f"{inspect.getsourcefile(function)}:{found}"
 
 
+@follows_compiled
 def test_an_op_listed_in_a_compiled_program_is_located_at_the_users_line() -> None:
     """The efficient attention's backward workspace, listed from inductor's program of two
     blocks, is located once at the user's call of the attention (inductor's line map: a
@@ -518,6 +538,7 @@ class _BranchesOnTheDevice(nn.Module):
         return self.wide(x).sum(1) if on_gpu else self.narrow(x).sum(1)
 
 
+@follows_compiled
 def test_the_compiled_modules_code_sees_the_gpu() -> None:
     """Dynamo traces the module's code with its tensors on the trace's meta device; the
     code is told they are on cuda, as eagerly: it takes the GPU's branch (its wide
@@ -547,6 +568,7 @@ class _StartsACache(nn.Module):
         return torch.cat([keys, self.linear(x)], dim=-2)
 
 
+@follows_compiled
 def test_a_cache_started_from_python_data_in_a_compiled_module_is_followed() -> None:
     """On the trace's meta device ``torch.tensor(data, device=...)`` reaches no
     dispatcher and makes a plain meta tensor, which dynamo's fake values refuse: the
@@ -574,6 +596,7 @@ class _Island(nn.Module):
                 return self.linear(x).float().sum()
 
 
+@follows_compiled
 def test_autocast_regions_in_a_compiled_module_are_as_enabled_as_on_a_gpu() -> None:
     """Dynamo builds the module's autocast regions itself: they enter enabled where the
     code enables them (fp16 buffers), disabled where it disables them (the float32

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import torch
 from compiled_zoo import Fusable
+from following import follows_compiled
 
 import pytest_torchmem as tm
 
@@ -79,6 +80,7 @@ def _compiled_figures() -> dict[str, int]:
     return {"forward_peak": report.forward_peak, "backward_peak": report.backward_peak}
 
 
+@follows_compiled
 def test_eager_and_compiled_entries_side_by_side(pytester: pytest.Pytester) -> None:
     """Recorded under their own keys (the plugin's default avx2:4 profile: the compiled
     program is built for it, nothing flagged), then compared, each with its own entry."""
@@ -102,6 +104,7 @@ def test_eager_and_compiled_entries_side_by_side(pytester: pytest.Pytester) -> N
     result.assert_outcomes(passed=3)
 
 
+@follows_compiled
 def test_a_regression_of_the_compiled_figure_is_reported(pytester: pytest.Pytester) -> None:
     """A wider block: the compiled entry fails on its own, named by its key, with the
     command that accepts it."""

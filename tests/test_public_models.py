@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 import torch
+from following import follows_compiled
 from exactness import skip_where_native
 from torch import nn
 
@@ -306,6 +307,7 @@ def test_the_fake_cuda_device_traces_it(case: str) -> None:
     assert report.peak > 4 * parameters  # parameters, gradients and AdamW's two moments
 
 
+@follows_compiled
 def test_the_fake_cuda_device_follows_it_compiled() -> None:
     """Compiled, inductor's cuda program is followed (GPT-2's key-value cache starts
     from ``torch.tensor([], device=...)``, as Llama's does): no region falls back to

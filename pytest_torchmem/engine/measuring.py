@@ -40,8 +40,9 @@ from pytest_torchmem.engine.step import ModuleTracker, NoModules, QuietProbe, ru
 from pytest_torchmem.engine.timeline import FREE, Phase, StorageInfo, Timeline, analyze
 from pytest_torchmem.engine.torch_private import private
 from pytest_torchmem.engine.tracing.compiled import (
-    MEASURED_EAGER_REASON,
     CacheRegions,
+    isolating,
+    measured_eager_reason,
     region_of,
     watch_compiled,
 )
@@ -154,8 +155,13 @@ def measure_step(request: StepRequest) -> MemoryReport:
             hooks.append(entry)
 
     def isolated(callback: Any, wrapper_frame: Any) -> Any:
-        from torch._C._dynamo.eval_frame import set_eval_frame_isolate_recompiles_id
-
+        if not isolating():
+            # no cache region of our own (before torch 2.13): compiled here, the region would
+            # add to the user's own cache; it runs eagerly, listed (the watch notes it)
+            return None
+        set_eval_frame_isolate_recompiles_id = private(
+            "torch._C._dynamo.eval_frame.set_eval_frame_isolate_recompiles_id"
+        )
         seen.noted(*region_of(wrapper_frame))
         # compile_wrapper set the user's region and puts back the one before it on exit
         set_eval_frame_isolate_recompiles_id(cache.current)
@@ -195,7 +201,7 @@ class _Seen:
     phase: Phase | None = None
 
     def noted(self, name: str, location: str) -> None:
-        entry = Unsupported(f"torch.compile: {name}", MEASURED_EAGER_REASON, location)
+        entry = Unsupported(f"torch.compile: {name}", measured_eager_reason(), location)
         if entry not in self.regions:
             self.regions.append(entry)
         if self.phase != Phase.STEP:

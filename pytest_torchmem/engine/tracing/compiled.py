@@ -16,20 +16,29 @@ dynamo's frame callback; :func:`watch_compiled` notices that call.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import sys
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, Final
 
 from torch import nn
 
+from pytest_torchmem.engine.torch_private import COMPILED_ENTRIES, entry, present, private, replacing
+
 __all__ = [
     "EAGER_REASON",
     "MEASURED_EAGER_REASON",
+    "UNISOLATED_REASON",
     "Redirect",
     "CacheRegions",
+    "eager_reason",
+    "following_blocked",
     "invalidate_regions",
+    "isolating",
+    "measured_eager_reason",
     "region_of",
     "watch_compiled",
 ]
@@ -46,6 +55,61 @@ MEASURED_EAGER_REASON: Final = (
     "compiled with torch.compile: measure() does not yet run the compiled program's "
     "warm-up and steady state, so these figures may be the eager program's"
 )
+
+
+#: What both say of a compiled region on a torch without dynamo cache regions of our own.
+UNISOLATED_REASON: Final = (
+    "compiled with torch.compile: this torch's dynamo has no cache region of our own "
+    "(isolate_recompiles, torch 2.13), and compiling here would add entries to the model's "
+    "own dynamo cache and count against its recompile_limit; the region ran eagerly, so "
+    "these figures are the eager ones"
+)
+
+#: Dynamo's names for cache regions of our own (torch 2.13: ``_next_isolate_recompiles_id``
+#: in torch/_dynamo/eval_frame.py, ``set_eval_frame_isolate_recompiles_id`` in
+#: torch/csrc/dynamo/eval_frame.c, ``_get_cache_entries_for_region``); 2.10 to 2.12 keep one
+#: cache per code object, shared by every backend and counted against ``recompile_limit``
+#: (torch/_dynamo/cache_size.py), with no way to remove an entry.
+_ISOLATION: Final = (
+    "torch._dynamo.eval_frame._next_isolate_recompiles_id",
+    "torch._C._dynamo.eval_frame.set_eval_frame_isolate_recompiles_id",
+    "torch._dynamo.eval_frame._get_cache_entries_for_region",
+)
+
+
+@functools.cache
+def isolating() -> bool:
+    """Whether this torch's dynamo keeps our compiles in cache regions of their own. Where
+    it does not (before 2.13), no compiled region is followed or run compiled by the engine:
+    each runs eagerly and is listed in ``unsupported``, and the user's caches are untouched."""
+    return all(present(path) for path in _ISOLATION)
+
+
+@functools.cache
+def following_blocked() -> str | None:
+    """The first private torch name that following a compiled program needs and this torch
+    lacks (:data:`~pytest_torchmem.engine.torch_private.COMPILED_ENTRIES`), or None. Where
+    one is missing no compiled region is followed: each runs eagerly, listed with its name."""
+    return next((e.path for e in COMPILED_ENTRIES if not present(e.path)), None)
+
+
+def eager_reason() -> str:
+    """What an estimate's report says of a compiled region that ran eagerly."""
+    missing = following_blocked()
+    if missing is None:
+        return EAGER_REASON
+    if not isolating():
+        return UNISOLATED_REASON
+    return (
+        f"compiled with torch.compile: this torch has no {missing} ({entry(missing).why}), "
+        "which following the compiled program needs; the region ran eagerly, so these "
+        "figures are the eager ones"
+    )
+
+
+def measured_eager_reason() -> str:
+    """What a measurement's report says of a compiled region whose compiled code did not run."""
+    return MEASURED_EAGER_REASON if isolating() else UNISOLATED_REASON
 
 
 def region_of(wrapper_frame: Any) -> tuple[str, str]:
@@ -87,12 +151,7 @@ def watch_compiled(on_region: Callable[[str, str], None], redirect: Redirect | N
     later real calls eager. Without ``redirect`` every region runs as compiled
     and ``on_region`` is told of each.
     """
-    try:
-        import torch._dynamo.eval_frame as eval_frame
-    except ImportError:  # pragma: no cover - a torch without dynamo
-        yield
-        return
-    real = eval_frame._maybe_set_eval_frame
+    real = private("torch._dynamo.eval_frame._maybe_set_eval_frame")
 
     def noticing(callback: Any) -> Any:
         if callback is not None and callback is not False:
@@ -108,11 +167,17 @@ def watch_compiled(on_region: Callable[[str, str], None], redirect: Redirect | N
                 return real(None)
         return real(callback)
 
-    eval_frame._maybe_set_eval_frame = noticing
-    try:
+    with (
+        replacing("torch._dynamo.eval_frame._maybe_set_eval_frame", noticing),
+        warnings.catch_warnings(),
+    ):
+        # a compiled module run eagerly here meets the trace's own global module hooks, of
+        # which OptimizedModule.__call__ warns (torch/_dynamo/eval_frame.py, 2.10 on): not
+        # the user's concern
+        warnings.filterwarnings(
+            "ignore", message=r"Using `torch.compile\(module\)` when there are global hooks"
+        )
         yield
-    finally:
-        eval_frame._maybe_set_eval_frame = real
 
 
 class CacheRegions:
@@ -120,7 +185,8 @@ class CacheRegions:
     compiled in them never counts against the user's ``recompile_limit``, which dynamo
     counts in cache entries, invalidated ones too (a compiled optimizer step compiles once
     per optimizer). :meth:`new` opens another one (:attr:`current`); all are invalidated
-    on exit, with ``reason``."""
+    on exit, with ``reason``. Where dynamo has none (:func:`isolating`), none is opened
+    (:attr:`current` stays -1) and there is nothing to invalidate."""
 
     def __init__(self, reason: str) -> None:
         self.reason = reason
@@ -128,9 +194,9 @@ class CacheRegions:
         self.current = -1
 
     def new(self) -> int:
-        import torch._dynamo.eval_frame as eval_frame
-
-        self.current = next(eval_frame._next_isolate_recompiles_id)
+        if not isolating():
+            return self.current
+        self.current = next(private("torch._dynamo.eval_frame._next_isolate_recompiles_id"))
         self.opened.append(self.current)
         return self.current
 
@@ -145,10 +211,11 @@ class CacheRegions:
 def invalidate_regions(regions: list[int], reason: str) -> None:
     """Invalidate the cache entries of ``regions`` on every code object dynamo saw (dynamo
     keeps an invalidated entry, which no guard passes, and drops its code and program)."""
-    from torch._dynamo.convert_frame import input_codes
-    from torch._dynamo.eval_frame import _get_cache_entries_for_region
-    from torch._dynamo.guards import DeletedGuardManagerWrapper
-
+    if not regions:
+        return
+    input_codes = private("torch._dynamo.convert_frame.input_codes")
+    _get_cache_entries_for_region = private("torch._dynamo.eval_frame._get_cache_entries_for_region")
+    DeletedGuardManagerWrapper = private("torch._dynamo.guards.DeletedGuardManagerWrapper")
     for ref in list(input_codes.seen):
         code = ref()
         if code is None:

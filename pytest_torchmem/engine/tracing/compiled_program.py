@@ -50,6 +50,7 @@ from torch import nn
 
 from pytest_torchmem.engine.report import Unsupported
 from pytest_torchmem.engine.timeline import Phase
+from pytest_torchmem.engine.torch_private import private
 from pytest_torchmem.engine.tracing.devices.cpu.profiles import CpuProfile
 from pytest_torchmem.engine.tracing.generated_code import output_directory, remember
 from pytest_torchmem.engine.tracing.inductor_device import host_vector_isa
@@ -205,7 +206,7 @@ def _inductor_wrapper(context: Any) -> Any:
     backend = getattr(context.callback, "_torchdynamo_orig_backend", None)
     seen = 0
     while backend is not None and seen < 8:
-        if isinstance(backend, torch._TorchCompileInductorWrapper):
+        if isinstance(backend, private("torch._TorchCompileInductorWrapper")):
             return backend
         backend = getattr(backend, "_torchdynamo_orig_backend", None)
         seen += 1
@@ -235,8 +236,7 @@ class CompiledModules:
 
 def compiled_modules(model: nn.Module) -> CompiledModules:
     """The model's compiled modules: those compiled with inductor are followed."""
-    from torch._dynamo.eval_frame import OptimizedModule
-
+    OptimizedModule = private("torch._dynamo.eval_frame.OptimizedModule")
     found = CompiledModules()
     for module in model.modules():
         if isinstance(module, OptimizedModule):
@@ -399,8 +399,9 @@ class Following:
             self.functions[id(context)] = (context, region)
         else:
             region = known[1]
-        from torch._C._dynamo.eval_frame import set_eval_frame_isolate_recompiles_id
-
+        set_eval_frame_isolate_recompiles_id = private(
+            "torch._C._dynamo.eval_frame.set_eval_frame_isolate_recompiles_id"
+        )
         self.entering()
         # compile_wrapper set the user's region and puts back the one before it on exit
         set_eval_frame_isolate_recompiles_id(region.region)
@@ -472,7 +473,14 @@ class Following:
 
 def followable(context: Any) -> Any:
     """The inductor wrapper of a dynamo context the trace can follow (inductor's, without
-    ``cpp_wrapper``), or None."""
+    ``cpp_wrapper``), or None. None on a torch that lacks a private name following needs
+    (:func:`~pytest_torchmem.engine.tracing.compiled.following_blocked`): dynamo's cache
+    regions of our own before 2.13, without which our compiles would go to the user's own
+    cache; the region runs eagerly, flagged."""
+    from pytest_torchmem.engine.tracing.compiled import following_blocked
+
+    if following_blocked() is not None:
+        return None
     wrapper = _inductor_wrapper(context) if context is not None and hasattr(context, "callback") else None
     if wrapper is None or wrapper.config.get("cpp_wrapper"):
         return None

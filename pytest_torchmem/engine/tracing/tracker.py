@@ -1038,9 +1038,9 @@ class Tracker(TorchDispatchMode):
 
     def compiled_region(self, name: str, location: str) -> None:
         """The step entered ``name``, compiled with torch.compile, which ran eagerly here."""
-        from pytest_torchmem.engine.tracing.compiled import EAGER_REASON
+        from pytest_torchmem.engine.tracing.compiled import eager_reason
 
-        self.flag(Unsupported(f"torch.compile: {name}", EAGER_REASON, location))
+        self.flag(Unsupported(f"torch.compile: {name}", eager_reason(), location))
 
     def flag(self, entry: Unsupported) -> None:
         """List ``entry`` in ``unsupported``, once."""
