@@ -213,9 +213,7 @@ NOT_YET_CONVERTED: frozenset[str] = frozenset(
         # parallel
         "engine/distributed.py",
         "engine/tracing/devices/collectives.py",
-        # compiled (measuring.py: its compiled part, set_eval_frame_isolate_recompiles_id)
-        "engine/measuring.py",
-        "engine/tracing/compiled.py",
+        # compiled
         "engine/tracing/compiled_cuda.py",
         "engine/tracing/compiled_program.py",
         "engine/tracing/generated_code.py",
