@@ -72,6 +72,7 @@ from torch.overrides import TorchFunctionMode
 
 from pytest_torchmem.engine.tracing.devices.routing import BodyRouting
 from pytest_torchmem.engine.tracing.rules import TraceContext
+from pytest_torchmem.engine.torch_release import installed_release
 
 __all__ = ["CUDNN_VERSION", "CudaRouter", "SDPBackend", "autocast_policy", "select_sdp_backend"]
 
@@ -83,10 +84,36 @@ _EXIT_AUTOCAST: Final = torch.amp.autocast_mode._exit_autocast
 _FLOATS: Final = (torch.float16, torch.bfloat16, torch.float32)
 _HALVES: Final = (torch.float16, torch.bfloat16)
 
-#: The cuDNN version modelled (``cudnnGetVersion()``): the CUDA 12.8 / 13.0 wheels
-#: of torch 2.13/2.14 ship cuDNN 9.1x; 9.15 is taken (>= 9.14, so dropout in cuDNN
-#: attention is allowed; >= 9.10, so head dims up to 256 on sm90).
-CUDNN_VERSION: Final = 91500
+#: The cuDNN each torch release's PyPI CUDA wheel installs (``cudnnGetVersion()``,
+#: read as ``torch.backends.cudnn.version()`` in each: nvidia-cudnn 9.10.2 for
+#: 2.10.0+cu128, 9.19 for 2.11.0+cu130, 9.20 for 2.12.1 and 2.13.0, 9.24 for
+#: 2.14.1, 9.26 for 2.15.0+cu132); a CPU build models the CUDA wheel of its release.
+_CUDNN_OF_RELEASE: Final = {
+    (2, 10): 91002,
+    (2, 11): 91900,
+    (2, 12): 92000,
+    (2, 13): 92000,
+    (2, 14): 92400,
+    (2, 15): 92600,
+}
+
+
+def _release() -> tuple[int, int]:
+    major, minor, _ = installed_release()
+    return major, minor
+
+
+def cudnn_version(release: tuple[int, int] | None = None) -> int:
+    """The cuDNN version modelled for torch ``release`` (the installed one by default);
+    outside the window, that of the nearest release of it."""
+    release = _release() if release is None else release
+    known = sorted(_CUDNN_OF_RELEASE)
+    release = min(max(release, known[0]), known[-1])
+    return _CUDNN_OF_RELEASE[release]
+
+
+#: The cuDNN version modelled for the installed torch (see :func:`cudnn_version`).
+CUDNN_VERSION: Final = cudnn_version()
 #: ``CUDNN_BN_MIN_EPSILON`` of cuDNN >= 7.5 (``cudnn.h``).
 _CUDNN_BN_MIN_EPSILON: Final = 0.0
 
@@ -410,12 +437,16 @@ def _sm_in(cc: tuple[int, int], low: tuple[int, int], high: tuple[int, int]) -> 
 
 
 def _prefer_cudnn_attention(cc: tuple[int, int]) -> bool:
-    """``check_prefer_cudnn_attention`` (sdp_utils.cpp): unless
-    ``TORCH_CUDNN_SDPA_PREFERRED`` says no, cuDNN >= 9.9 on sm90 / sm100 (minor 0)."""
-    env = os.environ.get("TORCH_CUDNN_SDPA_PREFERRED")
-    if env is not None and env.strip().upper() in ("0", "OFF", "NO", "FALSE", "N"):
+    """``check_prefer_cudnn_attention`` (sdp_utils.cpp, read from each release's
+    ``libtorch_cuda.so``): unless ``TORCH_CUDNN_SDPA_DEPRIORITIZED=1``, a cuDNN
+    newer than 9.15.0 (``cudnn_version > 91500``) on compute capability 9.x or
+    10.x; 2.10 to 2.12 also ask for minor 0 or 3 (sm90, sm100, sm103), 2.13 on
+    any minor. With 2.10's cuDNN 9.10 it is never preferred."""
+    if os.environ.get("TORCH_CUDNN_SDPA_DEPRIORITIZED") == "1":
         return False
-    return CUDNN_VERSION >= 90900 and cc[0] in (9, 10) and cc[1] == 0
+    if CUDNN_VERSION <= 91500 or cc[0] not in (9, 10):
+        return False
+    return _release() >= (2, 13) or cc[1] in (0, 3)
 
 
 def _priority_order(cc: tuple[int, int]) -> list[int]:
