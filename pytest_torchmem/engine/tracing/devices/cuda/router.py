@@ -919,6 +919,11 @@ _FP32_OPS: Final = (
     "_upsample_nearest_exact2d upsample_nearest3d _upsample_nearest_exact3d upsample_linear1d "
     "upsample_bilinear2d _upsample_bilinear2d_aa upsample_trilinear3d upsample_bicubic2d _upsample_bicubic2d_aa"
 )
+#: fp32-list entries of some releases only (each release's AutocastCUDA kernels, as
+#: ``torch._C._dispatch_has_kernel_for_dispatch_key(op, "AutocastCUDA")`` lists them):
+#: ``rms_norm`` from 2.12 (beside ``native_layer_norm`` in ``AT_FORALL_FP32``),
+#: ``linalg_matrix_sqrth`` from 2.14 (new then; it refuses half types).
+_FP32_OPS_SINCE: Final = {"rms_norm": (2, 12), "linalg_matrix_sqrth": (2, 14)}
 _FP32_SET_OPT_DTYPE_OPS: Final = (
     "prod softmax log_softmax cumprod cumsum linalg_vector_norm linalg_matrix_norm sum norm"
 )
@@ -947,6 +952,7 @@ def _table() -> dict[Any, Policy]:
     for names, policy in (
         (_LOWER_PRECISION_OPS, _lower_precision),
         (_FP32_OPS, _fp32),
+        (" ".join(n for n, since in _FP32_OPS_SINCE.items() if _release() >= since), _fp32),
         (_FP32_SET_OPT_DTYPE_OPS, _fp32_set_opt_dtype),
         (_PROMOTE_OPS, _promote),
         ("binary_cross_entropy", _banned),
