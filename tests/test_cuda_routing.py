@@ -297,6 +297,20 @@ def test_sdpa_backend_causal_gqa_and_sequence_lengths() -> None:
     assert backend(q, meta(2, 8, 1, 64, dtype=H), gpu="H100") == SDPBackend.FLASH  # cuDNN: no s_kv = 1
 
 
+def test_sdpa_mem_efficient_needs_aligned_storage_offsets_from_2_13() -> None:
+    """check_data_ptr_alignment_mem_efficient (torch 2.13+): on sm80+ an fp32 query
+    starting 2 elements (8 bytes) into its storage is not 16-byte aligned, and the
+    memory-efficient kernel is not taken (flash needs 16-bit types): math. An
+    offset of 4 elements is aligned. Before 2.13 the offset is not checked."""
+    n = 2 * 4 * 32 * 16
+    storage = torch.empty(n + 4, device="meta")
+    unaligned, aligned = storage[2 : n + 2].view(2, 4, 32, 16), storage[4:].view(2, 4, 32, 16)
+    assert backend(aligned, gpu="A100") == SDPBackend.EFFICIENT
+    checked = installed_release()[:2] >= (2, 13)
+    assert backend(unaligned, gpu="A100") == (SDPBackend.MATH if checked else SDPBackend.EFFICIENT)
+    assert backend(unaligned, gpu="T4") == SDPBackend.EFFICIENT  # sm75: no check
+
+
 def test_sdpa_backend_gradient_limits_on_sm89() -> None:
     """Flash on sm86-89 cannot train with head dim in (192, 224]."""
     assert backend(meta(2, 4, 32, 208, dtype=H), gpu="RTX4090") == SDPBackend.FLASH

@@ -544,7 +544,20 @@ def _can_use_mem_efficient(q, k, v, mask, dropout_p, is_causal, enable_gqa, cc) 
     if not _dense_checks(q, k, v, mask, False, enable_gqa, False):
         return False
     allowed = _FLOATS if cc[0] >= 8 else (torch.float16, torch.float32)
-    return q.dtype in allowed
+    return q.dtype in allowed and _offsets_aligned_mem_efficient(q, k, v, cc)
+
+
+def _offsets_aligned_mem_efficient(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cc: tuple[int, int]) -> bool:
+    """``check_data_ptr_alignment_mem_efficient`` (sdp_utils.cpp, from torch 2.13; read
+    from its ``libtorch_cuda.so``): on sm80+ each of q, k, v starts
+    ``storage_offset * element_size`` bytes into its storage, which must be a
+    multiple of ``element_size * (8 for fp16/bf16, else 4)`` (16 bytes for fp16,
+    bf16 and fp32): q, k, v split from a fused projection at an offset that is not
+    a multiple of 8 half elements go to another backend."""
+    if _release() < (2, 13) or cc[0] < 8:
+        return True
+    per = 8 if q.dtype in _HALVES else 4
+    return all(t.storage_offset() % per == 0 for t in (q, k, v))
 
 
 def _can_use_cudnn(q, k, v, mask, dropout_p, is_causal, enable_gqa, cc) -> bool:  # type: ignore[no-untyped-def]
