@@ -311,6 +311,20 @@ def test_sdpa_mem_efficient_needs_aligned_storage_offsets_from_2_13() -> None:
     assert backend(unaligned, gpu="T4") == SDPBackend.EFFICIENT  # sm75: no check
 
 
+def test_sdpa_cudnn_backward_head_dims_from_2_14() -> None:
+    """check_cudnn_d256_bprop_head_dim (torch 2.14+): training on sm90, cuDNN's
+    backward takes head dims up to 128, (192, 128) or 256 only: head dim 160 goes
+    to flash there, and to cuDNN before 2.14 (where cuDNN is first: 2.11+).
+    Without a gradient, cuDNN takes it on every release where it is first."""
+    first = SDPBackend.CUDNN if CUDNN_FIRST else SDPBackend.FLASH
+    assert backend(meta(2, 4, 32, 160, dtype=H), gpu="H100") == first
+    with torch.enable_grad():
+        q160 = meta(2, 4, 32, 160, dtype=H, grad=True)
+        checked = installed_release()[:2] >= (2, 14)
+        assert backend(q160, gpu="H100") == (SDPBackend.FLASH if checked else first)
+        assert backend(meta(2, 4, 32, 256, dtype=H, grad=True), gpu="H100") == first
+
+
 def test_sdpa_backend_gradient_limits_on_sm89() -> None:
     """Flash on sm86-89 cannot train with head dim in (192, 224]."""
     assert backend(meta(2, 4, 32, 208, dtype=H), gpu="RTX4090") == SDPBackend.FLASH

@@ -582,7 +582,23 @@ def _can_use_cudnn(q, k, v, mask, dropout_p, is_causal, enable_gqa, cc) -> bool:
     if d_qk > head_limit or d_v > head_limit or d_qk % 8 or d_v % 8:
         return False
     # cuDNN takes no key/value of length 1, nor a query of length 1 with dropout
-    return s_k != 1 and not (s_q == 1 and dropout_p != 0.0)
+    if s_k == 1 or (s_q == 1 and dropout_p != 0.0):
+        return False
+    return _cudnn_bprop_head_dims_ok(q, k, v, cc)
+
+
+def _cudnn_bprop_head_dims_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cc: tuple[int, int]) -> bool:
+    """``check_cudnn_d256_bprop_head_dim`` (sdp_utils.cpp from torch 2.14, read from its
+    ``libtorch_cuda.so``): when a gradient is needed, on sm90 (compute capability
+    (9, 0)) or 10.x (but (10, 7) with a cuDNN up to 9.25) with a cuDNN newer than
+    9.22, cuDNN's backward takes head dims (d_qk, d_v) of at most (128, 128),
+    (192, 128) or (256, 256) only."""
+    if _release() < (2, 14) or not _requires_grad(q, k, v) or CUDNN_VERSION <= 92200:
+        return True
+    if not (cc == (9, 0) or (cc[0] == 10 and (CUDNN_VERSION > 92500 or cc != (10, 7)))):
+        return True
+    d_qk, d_v = q.size(3), v.size(3)
+    return (d_qk <= 128 and d_v <= 128) or (d_qk, d_v) in ((192, 128), (256, 256))
 
 
 def select_sdp_backend(
