@@ -27,7 +27,7 @@ import pytest_torchmem.engine.tracing.trace as trace_module
 from pytest_torchmem.engine.report import Category
 from pytest_torchmem.engine.timeline import ALLOC, PHASE
 from pytest_torchmem.engine.torch_release import installed_release
-from pytest_torchmem.engine.tracing.devices.cuda import prepare_optimizer
+from pytest_torchmem.engine.tracing.devices.cuda import CUDA, prepare_optimizer
 from pytest_torchmem.engine.tracing.devices.cuda.kernels import flash_num_splits
 from pytest_torchmem.engine.tracing.devices.cuda.profiles import gpu_profile
 from pytest_torchmem.engine.tracing.devices.cuda.router import (
@@ -35,7 +35,7 @@ from pytest_torchmem.engine.tracing.devices.cuda.router import (
     autocast_policy,
     select_sdp_backend,
 )
-from pytest_torchmem.engine.tracing.rules import TraceContext
+from pytest_torchmem.engine.tracing.rules import Inexact, OpCall, TraceContext
 
 FWD, BWD, STEP = 0, 1, 2
 OUT, SCRATCH = "out", "scratch"
@@ -250,6 +250,7 @@ def backend(q: torch.Tensor, k: torch.Tensor | None = None, v: torch.Tensor | No
 
 
 H = torch.float16
+aten = torch.ops.aten
 
 
 #: ``check_prefer_cudnn_attention`` asks for a cuDNN newer than 9.15: 2.10's wheel
@@ -458,6 +459,26 @@ def test_cudnn_attention_outputs_and_backward_workspace() -> None:
     with sdpa_kernel(Backend.CUDNN_ATTENTION):
         _, rows = trace(sdpa(), qkv(2, 4, 128, 64, H), train=False)
     assert of(rows, fwd) == [(131072, OUT), (0, OUT), (8, OUT), (8, OUT)]
+
+
+def test_cudnn_attention_decode_on_sm100_is_listed_on_2_14() -> None:
+    """Torch 2.14 (cuDNN 9.24.0) may disable cuDNN decode on compute capability 10.x
+    (is_cudnn_attention_decode_disabled): a query of length 1 on B200 is listed
+    in ``unsupported`` there; a longer query, an H100 or another release is not."""
+    rule = CUDA.scratch_rule(aten._scaled_dot_product_cudnn_attention.default)
+    assert rule is not None
+    kv = meta(1, 4, 16, 64, dtype=H)
+
+    def steps(q: torch.Tensor, gpu: str) -> list[Any]:
+        args = (q, kv, kv, None, False, 0.0, False, False)
+        return list(rule(OpCall(aten._scaled_dot_product_cudnn_attention.default, args, {}, None,
+                                TraceContext("cuda", gpu=gpu_profile(gpu)))))
+
+    decode = steps(meta(1, 4, 1, 64, dtype=H), "B200")
+    listed = installed_release()[:2] == (2, 14)
+    assert any(isinstance(s, Inexact) and "decode" in s.reason for s in decode) == listed
+    assert steps(meta(1, 4, 1, 64, dtype=H), "H100") == []
+    assert steps(meta(1, 4, 2, 64, dtype=H), "B200") == []
 
 
 def test_math_attention_with_dropout_uses_the_fused_dropout() -> None:
