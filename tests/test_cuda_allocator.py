@@ -32,8 +32,10 @@ def blocks_of(block: Block) -> list[tuple[int, bool]]:
     return [(b.size, b.allocated) for b in block.segment.blocks() if b.mapped]
 
 
-def make(text: str = "", capacity: int | None = None) -> CachingAllocator:
-    return CachingAllocator(AllocatorConfig.parse(text), capacity=capacity)
+def make(
+    text: str = "", capacity: int | None = None, release: tuple[int, int] | None = None
+) -> CachingAllocator:
+    return CachingAllocator(AllocatorConfig.parse(text, release), capacity=capacity)
 
 
 # ------------------------------------------------------------ default pools
@@ -501,15 +503,37 @@ def test_expandable_segments_partial_pages_stay_mapped() -> None:
 def test_large_segment_size_mb() -> None:
     """large_segment_size_mb:32 replaces the 20 MiB segment (and expandable
     page) of requests below 10 MiB, and raises the floor of max_split_size_mb."""
-    alloc = make("large_segment_size_mb:32")
+    alloc = make("large_segment_size_mb:32", release=(2, 11))
     alloc.malloc(5 * MiB)
     assert alloc.reserved == 32 * MiB
-    expandable = make("large_segment_size_mb:32,expandable_segments:True")
+    expandable = make("large_segment_size_mb:32,expandable_segments:True", release=(2, 11))
     expandable.malloc(40 * MiB)
     assert expandable.reserved == 64 * MiB
     with pytest.raises(ValueError, match="max_split_size_mb too small, must be >= 32"):
-        AllocatorConfig.parse("max_split_size_mb:24,large_segment_size_mb:32")
-    assert AllocatorConfig.parse("large_segment_size_mb:32").max_non_split_rounding_size == 32 * MiB
+        AllocatorConfig.parse("max_split_size_mb:24,large_segment_size_mb:32", (2, 11))
+    config = AllocatorConfig.parse("large_segment_size_mb:32", (2, 11))
+    assert config.max_non_split_rounding_size == 32 * MiB
+
+
+@pytest.mark.parametrize(
+    ("key", "since"),
+    [
+        ("large_segment_size_mb:32", (2, 11)),
+        ("throw_on_cudamalloc_oom:False", (2, 12)),
+        ("pinned_free_catch_all:True", (2, 12)),
+        ("pinned_max_cached_size_mb:64", (2, 13)),
+        ("pinned_max_round_threshold_mb:64", (2, 13)),
+        ("expandable_segments_reserve:1", (2, 15)),
+        ("expandable_segments_reserve_by_class:[serving:0.25]", (2, 15)),
+    ],
+)
+def test_keys_newer_than_the_release_are_unrecognized_there(key: str, since: tuple[int, int]) -> None:
+    """Each release's libc10 parses the keys it knows and stops at the others with
+    "Unrecognized key": the release before ``since`` refuses the key, ``since`` takes it."""
+    AllocatorConfig.parse(key, since)
+    before = (since[0], since[1] - 1)
+    with pytest.raises(ValueError, match=f"Unrecognized key '{key.split(':')[0]}'"):
+        AllocatorConfig.parse(key, before)
 
 
 # ------------------------------------------------------- streams and stats
@@ -593,7 +617,8 @@ def test_parse_the_documented_example() -> None:
         "backend:native,pinned_use_cuda_host_register:True,pinned_num_register_threads:8,"
         "release_lock_on_cudamalloc:True,graph_capture_record_stream_reuse:False,"
         "pinned_use_background_threads:True,throw_on_cudamalloc_oom:False,"
-        "expandable_segments_reserve_by_class:[serving:0.25]"
+        "expandable_segments_reserve_by_class:[serving:0.25]",
+        (2, 15),
     ) == AllocatorConfig()
 
 
@@ -605,7 +630,7 @@ def test_parse_the_documented_example() -> None:
         ("backend:jemalloc", "Unknown allocator backend 'jemalloc'"),
         ("max_split_size_mb:10", "max_split_size_mb too small, must be >= 20"),
         ("max_non_split_rounding_mb:19", "max_non_split_rounding_mb too small"),
-        ("large_segment_size_mb:10", "large_segment_size_mb must be > 10"),
+
         ("roundup_power2_divisions:3", "divisions has to be power of 2"),
         ("roundup_power2_divisions:[64:3]", "power of 2 or 0"),
         ("roundup_power2_divisions:[60:4]", "intervals have to be power of 2"),
@@ -622,12 +647,14 @@ def test_parse_the_documented_example() -> None:
 def test_parse_errors_name_the_problem(text: str, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         AllocatorConfig.parse(text)
+    with pytest.raises(ValueError, match="large_segment_size_mb must be > 10"):
+        AllocatorConfig.parse("large_segment_size_mb:10", (2, 11))
 
 
 @pytest.mark.parametrize("text", ["backend:cudaMallocAsync", "throw_on_cudamalloc_oom:True"])
 def test_unmodelled_settings_are_refused(text: str) -> None:
     with pytest.raises(NotImplementedError, match="not modelled"):
-        AllocatorConfig.parse(text)
+        AllocatorConfig.parse(text, (2, 15))
 
 
 def test_from_env(monkeypatch: pytest.MonkeyPatch) -> None:

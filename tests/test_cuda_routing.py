@@ -26,7 +26,8 @@ import pytest_torchmem as tm
 import pytest_torchmem.engine.tracing.trace as trace_module
 from pytest_torchmem.engine.report import Category
 from pytest_torchmem.engine.timeline import ALLOC, PHASE
-from pytest_torchmem.engine.tracing.devices.cuda import prepare_optimizer
+from pytest_torchmem.engine.torch_release import installed_release
+from pytest_torchmem.engine.tracing.devices.cuda import CUDA, prepare_optimizer
 from pytest_torchmem.engine.tracing.devices.cuda.kernels import flash_num_splits
 from pytest_torchmem.engine.tracing.devices.cuda.profiles import gpu_profile
 from pytest_torchmem.engine.tracing.devices.cuda.router import (
@@ -34,7 +35,7 @@ from pytest_torchmem.engine.tracing.devices.cuda.router import (
     autocast_policy,
     select_sdp_backend,
 )
-from pytest_torchmem.engine.tracing.rules import TraceContext
+from pytest_torchmem.engine.tracing.rules import Inexact, OpCall, TraceContext
 
 FWD, BWD, STEP = 0, 1, 2
 OUT, SCRATCH = "out", "scratch"
@@ -249,17 +250,24 @@ def backend(q: torch.Tensor, k: torch.Tensor | None = None, v: torch.Tensor | No
 
 
 H = torch.float16
+aten = torch.ops.aten
+
+
+#: ``check_prefer_cudnn_attention`` asks for a cuDNN newer than 9.15: 2.10's wheel
+#: has cuDNN 9.10, so there cuDNN attention stays last (flash, efficient, math, cuDNN).
+CUDNN_FIRST = installed_release()[:2] >= (2, 11)
 
 
 def test_sdpa_backend_priority_by_architecture() -> None:
-    """sdp_utils.cpp: cuDNN attention first on sm90 (``check_prefer_cudnn_attention``),
-    else flash, then memory-efficient, then math."""
+    """sdp_utils.cpp: cuDNN attention first on sm90/sm100 (``check_prefer_cudnn_attention``,
+    cuDNN > 9.15), else flash, then memory-efficient, then math."""
     q = meta(2, 4, 128, 64, dtype=H)
-    assert backend(q, gpu="H100") == SDPBackend.CUDNN
-    assert backend(q, gpu="B200") == SDPBackend.CUDNN
+    first = SDPBackend.CUDNN if CUDNN_FIRST else SDPBackend.FLASH
+    assert backend(q, gpu="H100") == first
+    assert backend(q, gpu="B200") == first
     assert backend(q, gpu="A100") == SDPBackend.FLASH
     assert backend(q, gpu="L4") == SDPBackend.FLASH
-    with env("TORCH_CUDNN_SDPA_PREFERRED", "0"):
+    with env("TORCH_CUDNN_SDPA_DEPRIORITIZED", "1"):
         assert backend(q, gpu="H100") == SDPBackend.FLASH
     assert backend(q, gpu="T4") == SDPBackend.EFFICIENT  # flash and cuDNN need sm80+
     assert backend(meta(2, 4, 128, 64, dtype=torch.bfloat16), gpu="T4") == SDPBackend.MATH
@@ -274,7 +282,8 @@ def test_sdpa_backend_by_dtype_head_dim_and_mask() -> None:
     q = meta(2, 4, 32, 64, dtype=H)
     float_mask = meta(32, 32, dtype=H)
     assert backend(q, gpu="A100", mask=float_mask) == SDPBackend.EFFICIENT  # flash takes no mask
-    assert backend(q, gpu="H100", mask=float_mask) == SDPBackend.CUDNN
+    masked = SDPBackend.CUDNN if CUDNN_FIRST else SDPBackend.EFFICIENT
+    assert backend(q, gpu="H100", mask=float_mask) == masked
     assert backend(q, gpu="H100", mask=meta(3, 32, 32, dtype=H)) == SDPBackend.EFFICIENT  # 3-D mask: not cuDNN
     assert backend(meta(2, 4, 32, 288, dtype=H), gpu="H100") == SDPBackend.EFFICIENT  # > 256: neither
 
@@ -287,6 +296,34 @@ def test_sdpa_backend_causal_gqa_and_sequence_lengths() -> None:
     assert backend(q, kv, gpu="A100", gqa=True) == SDPBackend.FLASH
     assert backend(q, kv, gpu="A100", gqa=True, mask=meta(16, 16, dtype=H)) == SDPBackend.MATH
     assert backend(q, meta(2, 8, 1, 64, dtype=H), gpu="H100") == SDPBackend.FLASH  # cuDNN: no s_kv = 1
+
+
+def test_sdpa_mem_efficient_needs_aligned_storage_offsets_from_2_13() -> None:
+    """check_data_ptr_alignment_mem_efficient (torch 2.13+): on sm80+ an fp32 query
+    starting 2 elements (8 bytes) into its storage is not 16-byte aligned, and the
+    memory-efficient kernel is not taken (flash needs 16-bit types): math. An
+    offset of 4 elements is aligned. Before 2.13 the offset is not checked."""
+    n = 2 * 4 * 32 * 16
+    storage = torch.empty(n + 4, device="meta")
+    unaligned, aligned = storage[2 : n + 2].view(2, 4, 32, 16), storage[4:].view(2, 4, 32, 16)
+    assert backend(aligned, gpu="A100") == SDPBackend.EFFICIENT
+    checked = installed_release()[:2] >= (2, 13)
+    assert backend(unaligned, gpu="A100") == (SDPBackend.MATH if checked else SDPBackend.EFFICIENT)
+    assert backend(unaligned, gpu="T4") == SDPBackend.EFFICIENT  # sm75: no check
+
+
+def test_sdpa_cudnn_backward_head_dims_from_2_14() -> None:
+    """check_cudnn_d256_bprop_head_dim (torch 2.14+): training on sm90, cuDNN's
+    backward takes head dims up to 128, (192, 128) or 256 only: head dim 160 goes
+    to flash there, and to cuDNN before 2.14 (where cuDNN is first: 2.11+).
+    Without a gradient, cuDNN takes it on every release where it is first."""
+    first = SDPBackend.CUDNN if CUDNN_FIRST else SDPBackend.FLASH
+    assert backend(meta(2, 4, 32, 160, dtype=H), gpu="H100") == first
+    with torch.enable_grad():
+        q160 = meta(2, 4, 32, 160, dtype=H, grad=True)
+        checked = installed_release()[:2] >= (2, 14)
+        assert backend(q160, gpu="H100") == (SDPBackend.FLASH if checked else first)
+        assert backend(meta(2, 4, 32, 256, dtype=H, grad=True), gpu="H100") == first
 
 
 def test_sdpa_backend_gradient_limits_on_sm89() -> None:
@@ -410,15 +447,38 @@ def test_cudnn_attention_outputs_and_backward_workspace() -> None:
     """H100, fp16 (2, 4, 128, 64): out 131072 B, softmax stats (2, 4, 128, 1) fp32 =
     4096 B (only when a gradient is needed), seed and offset int64 on the device.
     Backward: dq, dk, dv 131072 B each and the frontend workspace: softmax_sum
-    2*4*128*4 = 4096 B + dQ_accum 2*4*128*64*4 = 262144 B."""
-    report, rows = trace(sdpa(), qkv(2, 4, 128, 64, H))
+    2*4*128*4 = 4096 B + dQ_accum 2*4*128*64*4 = 262144 B. (cuDNN alone is
+    enabled: on 2.10 it is not first, see :data:`CUDNN_FIRST`.)"""
+    with sdpa_kernel(Backend.CUDNN_ATTENTION):
+        report, rows = trace(sdpa(), qkv(2, 4, 128, 64, H))
     fwd = "aten._scaled_dot_product_cudnn_attention.default"
     assert of(rows, fwd) == [(131072, OUT), (4096, OUT), (8, OUT), (8, OUT)]
     bwd = "aten._scaled_dot_product_cudnn_attention_backward.default"
     assert of(rows, bwd) == [(131072, OUT), (131072, OUT), (131072, OUT), (266240, SCRATCH)]
     assert any("cuDNN attention backward" in u.reason for u in report.unsupported)
-    _, rows = trace(sdpa(), qkv(2, 4, 128, 64, H), train=False)
+    with sdpa_kernel(Backend.CUDNN_ATTENTION):
+        _, rows = trace(sdpa(), qkv(2, 4, 128, 64, H), train=False)
     assert of(rows, fwd) == [(131072, OUT), (0, OUT), (8, OUT), (8, OUT)]
+
+
+def test_cudnn_attention_decode_on_sm100_is_listed_on_2_14() -> None:
+    """Torch 2.14 (cuDNN 9.24.0) may disable cuDNN decode on compute capability 10.x
+    (is_cudnn_attention_decode_disabled): a query of length 1 on B200 is listed
+    in ``unsupported`` there; a longer query, an H100 or another release is not."""
+    rule = CUDA.scratch_rule(aten._scaled_dot_product_cudnn_attention.default)
+    assert rule is not None
+    kv = meta(1, 4, 16, 64, dtype=H)
+
+    def steps(q: torch.Tensor, gpu: str) -> list[Any]:
+        args = (q, kv, kv, None, False, 0.0, False, False)
+        return list(rule(OpCall(aten._scaled_dot_product_cudnn_attention.default, args, {}, None,
+                                TraceContext("cuda", gpu=gpu_profile(gpu)))))
+
+    decode = steps(meta(1, 4, 1, 64, dtype=H), "B200")
+    listed = installed_release()[:2] == (2, 14)
+    assert any(isinstance(s, Inexact) and "decode" in s.reason for s in decode) == listed
+    assert steps(meta(1, 4, 1, 64, dtype=H), "H100") == []
+    assert steps(meta(1, 4, 2, 64, dtype=H), "B200") == []
 
 
 def test_math_attention_with_dropout_uses_the_fused_dropout() -> None:
@@ -583,6 +643,17 @@ def test_autocast_policies() -> None:
     assert autocast_policy(torch.relu) is None
 
 
+def test_autocast_fp32_list_of_the_release() -> None:
+    """``rms_norm`` has an AutocastCUDA kernel (fp32) from torch 2.12, the new
+    ``linalg_matrix_sqrth`` from 2.14; before, ``rms_norm`` is not on any list."""
+    release = installed_release()[:2]
+    assert autocast_policy(torch.rms_norm) == ("fp32" if release >= (2, 12) else None)
+    sqrth = getattr(torch._C._linalg, "linalg_matrix_sqrth", None)
+    assert (sqrth is not None) == (release >= (2, 14))
+    if sqrth is not None:
+        assert autocast_policy(sqrth) == "fp32"
+
+
 def test_autocast_fp32_ops_and_softmax_dtype() -> None:
     """In fp16 autocast, ``layer_norm`` runs in fp32: its fp16 input (4 x 16) is cast
     back (256 B) and it makes a 256 B fp32 output; ``softmax`` of an fp16 tensor is
@@ -690,9 +761,11 @@ def test_optimizer_foreach_defaults_follow_torch_optim() -> None:
     ],
     ids=["sgd-momentum", "adam", "adamw"],
 )
-def test_optimizer_state_bytes(factory: Any, expected: int) -> None:
+def test_optimizer_state_bytes(factory: Any, expected: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """Linear(64, 64): weight 64*64*4 = 16384 B (a multiple of 512), bias 256 B (a
-    512 B block)."""
+    512 B block). (Cached cuBLAS workspaces, as torch 2.15 keeps them only when
+    asked: the peak is then the optimizer step's, where the state is.)"""
+    monkeypatch.setenv("TORCH_CUBLAS_WORKSPACE_CACHE", "1")
     report = tm.estimate(nn.Linear(64, 64), torch.randn(8, 64), device="cuda", optimizer=factory)
     assert report.breakdown[Category.OPTIMIZER_STATE] == expected
 

@@ -14,6 +14,8 @@ from torch import nn
 import pytest_torchmem as tm
 from pytest_torchmem.engine.tracing.devices.cuda import CUDA
 from pytest_torchmem.engine.tracing.devices.cuda.profiles import gpu_profile
+from pytest_torchmem.engine.torch_release import installed_release
+from pytest_torchmem.engine.tracing.devices.cuda import workspaces
 from pytest_torchmem.engine.tracing.devices.cuda.workspaces import (
     ConvWorkspacePolicy,
     conv_workspace_policy,
@@ -46,8 +48,14 @@ _ENV = (
 
 @pytest.fixture(autouse=True)
 def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Cached, unified workspaces, which every release gives when asked (2.15 caches
+    only with TORCH_CUBLAS_WORKSPACE_CACHE=1, 2.10-2.11 unify only with
+    TORCH_CUBLASLT_UNIFIED_WORKSPACE=1): the figures below follow them on every
+    release; the releases' own defaults are tested apart (``test_release_defaults*``)."""
     for name in _ENV:
         monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("TORCH_CUBLAS_WORKSPACE_CACHE", "1")
+    monkeypatch.setenv("TORCH_CUBLASLT_UNIFIED_WORKSPACE", "1")
 
 
 def meta(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -67,11 +75,88 @@ def run_rule(
 
 
 def test_default_cublas_workspace_by_architecture() -> None:
-    """parseChosenWorkspaceSize: 32 MiB on compute capability 9.x-12.x, else :4096:2:16:8."""
+    """parseChosenWorkspaceSize: 32 MiB on sm90 (and on compute capability 10.x
+    from 2.12), else :4096:2:16:8."""
     assert cublas_workspace_size(gpu_profile("H100")) == 33_554_432
-    assert cublas_workspace_size(gpu_profile("B200")) == 33_554_432
+    b200 = 33_554_432 if installed_release()[:2] >= (2, 12) else 8_519_680
+    assert cublas_workspace_size(gpu_profile("B200")) == b200
     for name in ("V100", "T4", "A100", "A10G", "L4"):
         assert cublas_workspace_size(gpu_profile(name)) == 8_519_680
+
+
+@pytest.mark.parametrize(
+    ("release", "big"),
+    [
+        ((2, 10), {(9, 0)}),
+        ((2, 11), {(9, 0)}),
+        ((2, 12), {(9, 0), (9, 1), (10, 0), (10, 3), (12, 0), (12, 1)}),
+        ((2, 13), {(9, 0), (9, 1), (10, 0), (10, 3), (12, 0), (12, 1)}),
+        ((2, 14), {(9, 0), (9, 1), (10, 0), (10, 3), (11, 0), (12, 0), (12, 1)}),
+        ((2, 15), {(9, 0), (9, 1), (10, 0), (10, 3), (11, 0), (12, 0), (12, 1)}),
+    ],
+)
+def test_release_defaults_of_the_cublas_workspace_size(
+    release: tuple[int, int], big: set[tuple[int, int]]
+) -> None:
+    """The architectures each release's parseChosenWorkspaceSize gives 32 MiB
+    (libtorch_cuda.so: 2.10-2.11 compare (major, minor) with (9, 0), 2.12-2.13 take
+    major 9, 10 or 12, 2.14-2.15 major 9 to 12)."""
+    for cc in [(7, 0), (8, 0), (8, 9), (9, 0), (9, 1), (10, 0), (10, 3), (11, 0), (12, 0), (12, 1), (13, 0)]:
+        assert workspaces._big_default_workspace(cc, release) == (cc in big), (release, cc)
+
+
+@pytest.mark.parametrize(
+    ("release", "caching", "unified", "lt_size"),
+    [
+        ((2, 10), True, False, 64 * MiB),
+        ((2, 11), True, False, H100_WS),
+        ((2, 12), True, True, H100_WS),
+        ((2, 13), True, True, H100_WS),
+        ((2, 14), True, True, H100_WS),
+        ((2, 15), False, False, 64 * MiB),
+    ],
+)
+def test_release_defaults_of_caching_and_unified_workspaces(
+    release: tuple[int, int], caching: bool, unified: bool, lt_size: int,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With neither variable set: 2.15 keeps no cuBLAS workspace
+    (isCUDABlasWorkspaceCachingEnabled: check_env("TORCH_CUBLAS_WORKSPACE_CACHE") == true);
+    cuBLASLt shares it from 2.12 (unified_cublas_and_lt_workspaces, on unless 0),
+    not on 2.10-2.11 (getCUDABlasLtWorkspace: check_env(...) == true); a 64 MiB
+    CUBLASLT_WORKSPACE_SIZE is capped at the cuBLAS size where unified, and on
+    2.11 also by default (its size function reads the variable as on unless 0)."""
+    monkeypatch.delenv("TORCH_CUBLAS_WORKSPACE_CACHE")
+    monkeypatch.delenv("TORCH_CUBLASLT_UNIFIED_WORKSPACE")
+    monkeypatch.setenv("CUBLASLT_WORKSPACE_SIZE", "65536")
+    monkeypatch.setattr(workspaces, "_release", lambda: release)
+    assert workspaces.workspace_caching() is caching
+    assert workspaces.unified_workspaces() is unified
+    assert cublaslt_workspace_size(gpu_profile("H100")) == lt_size
+    monkeypatch.setenv("TORCH_CUBLAS_WORKSPACE_CACHE", "1")
+    monkeypatch.setenv("TORCH_CUBLASLT_UNIFIED_WORKSPACE", "1")
+    assert workspaces.workspace_caching() and workspaces.unified_workspaces()
+
+
+def test_release_2_15_takes_a_cublas_workspace_per_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch 2.15 by default: gemm takes getChosenWorkspaceSize() bytes for the call
+    (getCurrentCUDABlasHandleWithWorkspace, freed by ~CUDABlasHandleWithWorkspace),
+    between the operand copies; dot takes none."""
+    monkeypatch.delenv("TORCH_CUBLAS_WORKSPACE_CACHE")
+    monkeypatch.setattr(workspaces, "_release", lambda: (2, 15))
+    grad = meta(1, 1).expand(32, 64)
+    steps = run_rule(aten.mm.default, (grad, meta(128, 64).t()), meta(32, 128))
+    tag = "cublas workspace (this call)"
+    assert steps == [OUTPUTS, Alloc("mat_b", 8192), Alloc(tag, H100_WS), Free(tag), Free("mat_b")]
+    # a second call takes it again
+    assert run_rule(aten.mm.default, (meta(8, 64), meta(64, 8)), meta(8, 8)) == [
+        OUTPUTS, Alloc(tag, H100_WS), Free(tag)
+    ]
+    assert run_rule(aten.dot.default, (meta(8), meta(8)), meta()) == [OUTPUTS]
+    model = nn.Linear(64, 64, bias=False)
+    report = tm.estimate(model, torch.randn(8, 64), device="cuda", train=False)
+    assert report.breakdown[tm.Category.WORKSPACE] == H100_WS  # at the peak, in the call
+    assert report.forward_peak == 64 * 64 * 4 + 2048 + 2048 + H100_WS
 
 
 def test_cublas_workspace_config(monkeypatch: pytest.MonkeyPatch) -> None:

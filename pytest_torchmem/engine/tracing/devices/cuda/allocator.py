@@ -168,7 +168,7 @@ class AllocatorConfig:
             raise ValueError("per_process_memory_fraction must be in [0.0, 1.0]")
 
     @classmethod
-    def parse(cls, text: str) -> AllocatorConfig:
+    def parse(cls, text: str, release: tuple[int, int] | None = None) -> AllocatorConfig:
         """Parse a ``PYTORCH_CUDA_ALLOC_CONF`` string, e.g. ``"expandable_segments:True"``.
 
         Follows ``AcceleratorAllocatorConfig::parseArgs`` (with its first pass
@@ -180,9 +180,13 @@ class AllocatorConfig:
         (they do not change the figures modelled here); an unknown key raises
         :class:`ValueError` naming it; settings the simulator does not model
         (``backend:cudaMallocAsync``, ``throw_on_cudamalloc_oom:True``) raise
-        :class:`NotImplementedError`.
+        :class:`NotImplementedError`. A key newer than torch ``release`` (the
+        installed one by default) is unknown there: ``large_segment_size_mb``
+        came in 2.11, ``throw_on_cudamalloc_oom`` and ``pinned_free_catch_all``
+        in 2.12, ``pinned_max_*`` in 2.13, ``expandable_segments_reserve[_by_class]``
+        in 2.15.
         """
-        return _Parser(text).parse()
+        return _Parser(text, release).parse()
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> AllocatorConfig:
@@ -258,11 +262,32 @@ _IGNORED_KEYS: Final[Mapping[str, str]] = {
     "pinned_free_catch_all": "bool",
     "pinned_num_register_threads": "threads",
     "pinned_reserve_segment_size_mb": "positive",
-    # Newer than 2.13: the virtual address range of expandable segments, which
-    # only matters when a request outgrows it (their values are not checked).
+    # 2.15: the virtual address range of expandable segments, which only
+    # matters when a request outgrows it (their values are not checked).
     "expandable_segments_reserve": "any",
     "expandable_segments_reserve_by_class": "any",
 }
+#: Keys that not every release of the window parses: key -> the first release that
+#: does (read from each release's ``libc10.so``/``libc10_cuda.so``); an earlier
+#: release stops at them with "Unrecognized key", and so does :meth:`AllocatorConfig.parse`.
+_KEY_SINCE: Final[Mapping[str, tuple[int, int]]] = {
+    "large_segment_size_mb": (2, 11),
+    "throw_on_cudamalloc_oom": (2, 12),
+    "pinned_free_catch_all": (2, 12),
+    "pinned_max_round_threshold_mb": (2, 13),
+    "pinned_max_cached_size_mb": (2, 13),
+    "expandable_segments_reserve": (2, 15),
+    "expandable_segments_reserve_by_class": (2, 15),
+}
+
+
+def _installed_release() -> tuple[int, int]:
+    from pytest_torchmem.engine.torch_release import installed_release
+
+    major, minor, _ = installed_release()
+    return major, minor
+
+
 _MODELLED_KEYS: Final = frozenset(
     {
         "large_segment_size_mb",
@@ -298,9 +323,24 @@ def _tokenize(text: str) -> list[str]:
 class _Parser:
     """One parse of a configuration string; see :meth:`AllocatorConfig.parse`."""
 
-    def __init__(self, text: str) -> None:
+    def __init__(self, text: str, release: tuple[int, int] | None = None) -> None:
         self.text = text
         self.tokens = _tokenize(text)
+        self.release = release
+
+    def check_release(self) -> None:
+        """Refuse a key the release does not parse yet (:data:`_KEY_SINCE`), as it does."""
+        keys = [t for t in self.tokens if t in _KEY_SINCE]
+        if not keys:
+            return
+        release = _installed_release() if self.release is None else self.release
+        for key in keys:
+            if release < _KEY_SINCE[key]:
+                major, minor = release
+                raise self.error(
+                    f"Unrecognized key {key!r} in CUDA allocator config "
+                    f"(torch {major}.{minor} does not know it)"
+                )
 
     def error(self, message: str) -> ValueError:
         return ValueError(f"PYTORCH_CUDA_ALLOC_CONF={self.text!r}: {message}")
@@ -344,6 +384,7 @@ class _Parser:
         return i
 
     def parse(self) -> AllocatorConfig:
+        self.check_release()
         tokens = self.tokens
         # First pass, as in AcceleratorAllocatorConfig::parseArgs: the large
         # segment size bounds max_split_size_mb and max_non_split_rounding_mb

@@ -31,6 +31,7 @@ import torch
 
 from pytest_torchmem.engine.tracing.devices.cpu.blas import grouped_mm_output
 from pytest_torchmem.engine.tracing.devices.cuda.base import CUDA
+from pytest_torchmem.engine.torch_release import installed_release
 from pytest_torchmem.engine.tracing.rules import OUTPUTS, Alloc, Free, Inexact, OpCall, Steps
 
 __all__ = [
@@ -270,6 +271,27 @@ def _cudnn_attention_outputs(call: OpCall) -> Any:
     if not call.arg(4, "compute_log_sumexp", False):
         out[1] = out[1].new_empty((0,))
     return tuple(out)
+
+
+@CUDA.scratch(aten._scaled_dot_product_cudnn_attention.default)
+def _cudnn_attention_decode(call: OpCall) -> Steps:
+    """Torch 2.14 disables cuDNN attention for decoding (a query of length 1) on
+    compute capability 10.x and 11.x with cuDNN 9.19 to 9.25.0 except 9.24.1
+    (``is_cudnn_attention_decode_disabled``; its wheel has cuDNN 9.24.0), under
+    conditions read at run time that the router does not follow: such a call is
+    listed as possibly another backend's."""
+    gpu = call.context.gpu if call.context is not None else None
+    major = getattr(gpu, "compute_capability", (9, 0))[0]
+    if installed_release()[:2] != (2, 14) or major not in (10, 11) or call.args[0].size(2) != 1:
+        return ()
+    return [OUTPUTS, Inexact(_CUDNN_DECODE)]
+
+
+_CUDNN_DECODE: Final = (
+    "cuDNN attention decode (query length 1) on compute capability 10.x/11.x: torch 2.14 "
+    "with cuDNN 9.24.0 may disable it (is_cudnn_attention_decode_disabled) and run "
+    "another backend"
+)
 
 
 @CUDA.scratch(aten._scaled_dot_product_cudnn_attention_backward.default)

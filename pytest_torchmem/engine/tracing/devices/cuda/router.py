@@ -72,6 +72,7 @@ from torch.overrides import TorchFunctionMode
 
 from pytest_torchmem.engine.tracing.devices.routing import BodyRouting
 from pytest_torchmem.engine.tracing.rules import TraceContext
+from pytest_torchmem.engine.torch_release import installed_release
 
 __all__ = ["CUDNN_VERSION", "CudaRouter", "SDPBackend", "autocast_policy", "select_sdp_backend"]
 
@@ -83,10 +84,36 @@ _EXIT_AUTOCAST: Final = torch.amp.autocast_mode._exit_autocast
 _FLOATS: Final = (torch.float16, torch.bfloat16, torch.float32)
 _HALVES: Final = (torch.float16, torch.bfloat16)
 
-#: The cuDNN version modelled (``cudnnGetVersion()``): the CUDA 12.8 / 13.0 wheels
-#: of torch 2.13/2.14 ship cuDNN 9.1x; 9.15 is taken (>= 9.14, so dropout in cuDNN
-#: attention is allowed; >= 9.10, so head dims up to 256 on sm90).
-CUDNN_VERSION: Final = 91500
+#: The cuDNN each torch release's PyPI CUDA wheel installs (``cudnnGetVersion()``,
+#: read as ``torch.backends.cudnn.version()`` in each: nvidia-cudnn 9.10.2 for
+#: 2.10.0+cu128, 9.19 for 2.11.0+cu130, 9.20 for 2.12.1 and 2.13.0, 9.24 for
+#: 2.14.1, 9.26 for 2.15.0+cu132); a CPU build models the CUDA wheel of its release.
+_CUDNN_OF_RELEASE: Final = {
+    (2, 10): 91002,
+    (2, 11): 91900,
+    (2, 12): 92000,
+    (2, 13): 92000,
+    (2, 14): 92400,
+    (2, 15): 92600,
+}
+
+
+def _release() -> tuple[int, int]:
+    major, minor, _ = installed_release()
+    return major, minor
+
+
+def cudnn_version(release: tuple[int, int] | None = None) -> int:
+    """The cuDNN version modelled for torch ``release`` (the installed one by default);
+    outside the window, that of the nearest release of it."""
+    release = _release() if release is None else release
+    known = sorted(_CUDNN_OF_RELEASE)
+    release = min(max(release, known[0]), known[-1])
+    return _CUDNN_OF_RELEASE[release]
+
+
+#: The cuDNN version modelled for the installed torch (see :func:`cudnn_version`).
+CUDNN_VERSION: Final = cudnn_version()
 #: ``CUDNN_BN_MIN_EPSILON`` of cuDNN >= 7.5 (``cudnn.h``).
 _CUDNN_BN_MIN_EPSILON: Final = 0.0
 
@@ -410,12 +437,16 @@ def _sm_in(cc: tuple[int, int], low: tuple[int, int], high: tuple[int, int]) -> 
 
 
 def _prefer_cudnn_attention(cc: tuple[int, int]) -> bool:
-    """``check_prefer_cudnn_attention`` (sdp_utils.cpp): unless
-    ``TORCH_CUDNN_SDPA_PREFERRED`` says no, cuDNN >= 9.9 on sm90 / sm100 (minor 0)."""
-    env = os.environ.get("TORCH_CUDNN_SDPA_PREFERRED")
-    if env is not None and env.strip().upper() in ("0", "OFF", "NO", "FALSE", "N"):
+    """``check_prefer_cudnn_attention`` (sdp_utils.cpp, read from each release's
+    ``libtorch_cuda.so``): unless ``TORCH_CUDNN_SDPA_DEPRIORITIZED=1``, a cuDNN
+    newer than 9.15.0 (``cudnn_version > 91500``) on compute capability 9.x or
+    10.x; 2.10 to 2.12 also ask for minor 0 or 3 (sm90, sm100, sm103), 2.13 on
+    any minor. With 2.10's cuDNN 9.10 it is never preferred."""
+    if os.environ.get("TORCH_CUDNN_SDPA_DEPRIORITIZED") == "1":
         return False
-    return CUDNN_VERSION >= 90900 and cc[0] in (9, 10) and cc[1] == 0
+    if CUDNN_VERSION <= 91500 or cc[0] not in (9, 10):
+        return False
+    return _release() >= (2, 13) or cc[1] in (0, 3)
 
 
 def _priority_order(cc: tuple[int, int]) -> list[int]:
@@ -513,7 +544,20 @@ def _can_use_mem_efficient(q, k, v, mask, dropout_p, is_causal, enable_gqa, cc) 
     if not _dense_checks(q, k, v, mask, False, enable_gqa, False):
         return False
     allowed = _FLOATS if cc[0] >= 8 else (torch.float16, torch.float32)
-    return q.dtype in allowed
+    return q.dtype in allowed and _offsets_aligned_mem_efficient(q, k, v, cc)
+
+
+def _offsets_aligned_mem_efficient(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cc: tuple[int, int]) -> bool:
+    """``check_data_ptr_alignment_mem_efficient`` (sdp_utils.cpp, from torch 2.13; read
+    from its ``libtorch_cuda.so``): on sm80+ each of q, k, v starts
+    ``storage_offset * element_size`` bytes into its storage, which must be a
+    multiple of ``element_size * (8 for fp16/bf16, else 4)`` (16 bytes for fp16,
+    bf16 and fp32): q, k, v split from a fused projection at an offset that is not
+    a multiple of 8 half elements go to another backend."""
+    if _release() < (2, 13) or cc[0] < 8:
+        return True
+    per = 8 if q.dtype in _HALVES else 4
+    return all(t.storage_offset() % per == 0 for t in (q, k, v))
 
 
 def _can_use_cudnn(q, k, v, mask, dropout_p, is_causal, enable_gqa, cc) -> bool:  # type: ignore[no-untyped-def]
@@ -538,7 +582,23 @@ def _can_use_cudnn(q, k, v, mask, dropout_p, is_causal, enable_gqa, cc) -> bool:
     if d_qk > head_limit or d_v > head_limit or d_qk % 8 or d_v % 8:
         return False
     # cuDNN takes no key/value of length 1, nor a query of length 1 with dropout
-    return s_k != 1 and not (s_q == 1 and dropout_p != 0.0)
+    if s_k == 1 or (s_q == 1 and dropout_p != 0.0):
+        return False
+    return _cudnn_bprop_head_dims_ok(q, k, v, cc)
+
+
+def _cudnn_bprop_head_dims_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cc: tuple[int, int]) -> bool:
+    """``check_cudnn_d256_bprop_head_dim`` (sdp_utils.cpp from torch 2.14, read from its
+    ``libtorch_cuda.so``): when a gradient is needed, on sm90 (compute capability
+    (9, 0)) or 10.x (but (10, 7) with a cuDNN up to 9.25) with a cuDNN newer than
+    9.22, cuDNN's backward takes head dims (d_qk, d_v) of at most (128, 128),
+    (192, 128) or (256, 256) only."""
+    if _release() < (2, 14) or not _requires_grad(q, k, v) or CUDNN_VERSION <= 92200:
+        return True
+    if not (cc == (9, 0) or (cc[0] == 10 and (CUDNN_VERSION > 92500 or cc != (10, 7)))):
+        return True
+    d_qk, d_v = q.size(3), v.size(3)
+    return (d_qk <= 128 and d_v <= 128) or (d_qk, d_v) in ((192, 128), (256, 256))
 
 
 def select_sdp_backend(
@@ -888,6 +948,11 @@ _FP32_OPS: Final = (
     "_upsample_nearest_exact2d upsample_nearest3d _upsample_nearest_exact3d upsample_linear1d "
     "upsample_bilinear2d _upsample_bilinear2d_aa upsample_trilinear3d upsample_bicubic2d _upsample_bicubic2d_aa"
 )
+#: fp32-list entries of some releases only (each release's AutocastCUDA kernels, as
+#: ``torch._C._dispatch_has_kernel_for_dispatch_key(op, "AutocastCUDA")`` lists them):
+#: ``rms_norm`` from 2.12 (beside ``native_layer_norm`` in ``AT_FORALL_FP32``),
+#: ``linalg_matrix_sqrth`` from 2.14 (new then; it refuses half types).
+_FP32_OPS_SINCE: Final = {"rms_norm": (2, 12), "linalg_matrix_sqrth": (2, 14)}
 _FP32_SET_OPT_DTYPE_OPS: Final = (
     "prod softmax log_softmax cumprod cumsum linalg_vector_norm linalg_matrix_norm sum norm"
 )
@@ -916,6 +981,7 @@ def _table() -> dict[Any, Policy]:
     for names, policy in (
         (_LOWER_PRECISION_OPS, _lower_precision),
         (_FP32_OPS, _fp32),
+        (" ".join(n for n, since in _FP32_OPS_SINCE.items() if _release() >= since), _fp32),
         (_FP32_SET_OPT_DTYPE_OPS, _fp32_set_opt_dtype),
         (_PROMOTE_OPS, _promote),
         ("binary_cross_entropy", _banned),

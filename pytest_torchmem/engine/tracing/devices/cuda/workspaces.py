@@ -29,10 +29,13 @@ logic below was read from the torch 2.14.1 CUDA wheel's
   and the first matmul of the backward (the first one inside an autograd node)
   another. Both stay allocated to the end of the step (``Keep``).
 
-Only torch 2.13/2.14 are modelled. Older sources differ: a CublasHandlePool.cpp
-of an earlier development branch (in the source index) gave 32 MiB to
-compute capability 9.0 alone and kept cuBLASLt's workspace (1 MiB, capped
-at the cuBLAS size) in its own map unless ``TORCH_CUBLASLT_UNIFIED_WORKSPACE=1``.
+Per release (each read from that release's PyPI CUDA wheel, ``libtorch_cuda.so``;
+docs/explanation/torch-releases.md lists them): the architectures that get the
+32 MiB default (:func:`_big_default_workspace`), the default of
+``TORCH_CUBLASLT_UNIFIED_WORKSPACE`` (off on 2.10-2.11, :func:`unified_workspaces`),
+and torch 2.15's uncached workspaces (:func:`workspace_caching`): there each
+gemm and gemv takes its workspace for the call alone and cuBLASLt keeps its own,
+unless ``TORCH_CUBLAS_WORKSPACE_CACHE=1``.
 
 ``measure(device="cuda")`` starts from ``empty_cache()``, no cuBLAS workspaces
 (``torch._C._cuda_clearCublasWorkspaces()``) and reset peak statistics, then
@@ -88,6 +91,7 @@ from pytest_torchmem.engine.tracing.rules import (
     TraceContext,
     nbytes_of,
 )
+from pytest_torchmem.engine.torch_release import installed_release
 from pytest_torchmem.engine.units import parse_bytes
 
 __all__ = [
@@ -98,6 +102,7 @@ __all__ = [
     "cublas_workspace_size",
     "cublaslt_workspace_size",
     "unified_workspaces",
+    "workspace_caching",
 ]
 
 aten = torch.ops.aten
@@ -108,16 +113,38 @@ _MiB: Final = 1024 * 1024
 # -- cuBLAS / cuBLASLt workspaces ------------------------------------------------------
 
 
-def _major(gpu: Any) -> int:
-    """The compute capability's major version of the profiled GPU (9 when unknown)."""
-    major, _minor = getattr(gpu, "compute_capability", (9, 0))
-    return int(major)
+def _cc(gpu: Any) -> tuple[int, int]:
+    """The compute capability of the profiled GPU ((9, 0) when unknown)."""
+    major, minor = getattr(gpu, "compute_capability", (9, 0))
+    return int(major), int(minor)
+
+
+def _release() -> tuple[int, int]:
+    major, minor, _ = installed_release()
+    return major, minor
+
+
+def _big_default_workspace(cc: tuple[int, int], release: tuple[int, int]) -> bool:
+    """Whether ``parseChosenWorkspaceSize`` gives compute capability ``cc`` the
+    32 MiB default on torch ``release`` (read from each release's CUDA wheel,
+    ``libtorch_cuda.so``; the test is on ``cudaDeviceProp::major``/``minor``):
+
+    * 2.10, 2.11: ``major == 9 && minor == 0`` (sm90 alone; B200 gets the small size);
+    * 2.12, 2.13: ``major`` 9, 10 or 12 (not 11);
+    * 2.14, 2.15: ``major`` 9 to 12.
+    """
+    major, minor = cc
+    if release <= (2, 11):
+        return cc == (9, 0)
+    if release <= (2, 13):
+        return major in (9, 10, 12)
+    return 9 <= major <= 12
 
 
 def _default_cublas_size(gpu: Any) -> int:
-    """``parseChosenWorkspaceSize`` without ``CUBLAS_WORKSPACE_CONFIG``: 32 MiB when
-    ``major`` is 9, 10, 11 or 12, else ``:4096:2:16:8``."""
-    if _major(gpu) in (9, 10, 11, 12):
+    """``parseChosenWorkspaceSize`` without ``CUBLAS_WORKSPACE_CONFIG``: 32 MiB where
+    :func:`_big_default_workspace` says so, else ``:4096:2:16:8``."""
+    if _big_default_workspace(_cc(gpu), _release()):
         return 4096 * 8 * _KiB
     return 4096 * _KiB * 2 + 16 * _KiB * 8
 
@@ -145,9 +172,41 @@ def _check_env(name: str) -> bool | None:
     return None
 
 
+def workspace_caching() -> bool:
+    """``isCUDABlasWorkspaceCachingEnabled()`` (torch 2.15, ``TORCH_CUBLAS_WORKSPACE_CACHE``,
+    off unless set to 1): whether cuBLAS keeps one workspace per (handle, stream).
+    Off, each gemm/gemv takes ``getChosenWorkspaceSize()`` bytes from the caching
+    allocator for the call (``getCurrentCUDABlasHandleWithWorkspace``) and gives it
+    back after. Releases before 2.15 always cache."""
+    if _release() < (2, 15):
+        return True
+    return _check_env("TORCH_CUBLAS_WORKSPACE_CACHE") is True
+
+
 def unified_workspaces() -> bool:
-    """``unified_cublas_and_lt_workspaces()``: on unless ``TORCH_CUBLASLT_UNIFIED_WORKSPACE=0``."""
+    """Whether cuBLASLt calls run in the cuBLAS workspace of their (handle, stream)
+    (``getCUDABlasLtWorkspace``): ``TORCH_CUBLASLT_UNIFIED_WORKSPACE`` read by
+    ``check_env``, whose default changed:
+
+    * 2.10, 2.11: on only when set to 1 (``check_env(...) == true``);
+    * 2.12 to 2.15: on unless set to 0 (``unified_cublas_and_lt_workspaces()``);
+    * 2.15 without :func:`workspace_caching`: never (cuBLASLt keeps its own map).
+    """
+    if not workspace_caching():
+        return False
+    if _release() <= (2, 11):
+        return _check_env("TORCH_CUBLASLT_UNIFIED_WORKSPACE") is True
     return _check_env("TORCH_CUBLASLT_UNIFIED_WORKSPACE") is not False
+
+
+def _lt_size_capped() -> bool:
+    """Whether ``getCUDABlasLtWorkspaceSize`` caps cuBLASLt's size at the cuBLAS one:
+    where the workspaces are unified, and on 2.11 also by default (its size
+    function reads the variable as on unless 0, its workspace function as off
+    unless 1)."""
+    if _release() == (2, 11):
+        return _check_env("TORCH_CUBLASLT_UNIFIED_WORKSPACE") is not False
+    return unified_workspaces()
 
 
 def _stoi(value: str) -> int | None:
@@ -162,7 +221,7 @@ def _stoi(value: str) -> int | None:
 
 def cublaslt_workspace_size(gpu: Any = None) -> int:
     """``getCUDABlasLtWorkspaceSize()``: ``CUBLASLT_WORKSPACE_SIZE`` KiB (default
-    1024), capped at the cuBLAS size when the workspaces are unified."""
+    1024), capped at the cuBLAS size when :func:`_lt_size_capped`."""
     kib = 1024
     value = os.environ.get("CUBLASLT_WORKSPACE_SIZE")
     if value is not None:
@@ -170,7 +229,7 @@ def cublaslt_workspace_size(gpu: Any = None) -> int:
         if parsed is not None and parsed >= 0:
             kib = parsed
     size = kib * _KiB
-    if unified_workspaces():
+    if _lt_size_capped():
         size = min(size, cublas_workspace_size(gpu))
     return size
 
@@ -186,6 +245,13 @@ def blas_workspace_steps(call: OpCall, *, lt: bool) -> list[Step]:
     has none yet in this trace (remembered in ``call.context.memo``)."""
     context = call.context
     gpu = context.gpu if context is not None else None
+    if not lt and not workspace_caching():
+        # torch 2.15 by default: a workspace for the call alone; dot/vdot take the
+        # handle with no workspace (getCurrentCUDABlasHandle, no allocation)
+        if call.func in (aten.dot.default, aten.vdot.default):
+            return []
+        size = cublas_workspace_size(gpu)
+        return [Alloc("cublas workspace (this call)", size), Free("cublas workspace (this call)")]
     library = "cublaslt" if lt and not unified_workspaces() else "cublas"
     key = (library, _thread())
     if context is not None:
@@ -617,7 +683,7 @@ def _use_cudnn(c: _Conv, gpu: Any, out_per_sample: int) -> bool:
         return False
     if not torch.backends.cudnn.enabled:
         return False
-    if torch.bfloat16 in (c.input.dtype, c.weight.dtype) and _major(gpu) < 8:
+    if torch.bfloat16 in (c.input.dtype, c.weight.dtype) and _cc(gpu)[0] < 8:
         return False  # supportsBFloat16ConvolutionWithCuDNNv8
     if (
         _cudnn_format(c.input, c.weight) == torch.contiguous_format
