@@ -18,6 +18,7 @@ from typing import Any, Final
 import torch
 from torch._prims_common import suggest_memory_format
 
+from pytest_torchmem.engine.torch_release import installed_release
 from pytest_torchmem.engine.tracing.devices.cpu.base import CPU, profile_of
 from pytest_torchmem.engine.tracing.devices.cpu.misc import arg, itemsize
 from pytest_torchmem.engine.tracing.devices.cpu.reduce import (
@@ -26,7 +27,7 @@ from pytest_torchmem.engine.tracing.devices.cpu.reduce import (
     sum_steps,
     uses_acc_buffer,
 )
-from pytest_torchmem.engine.tracing.rules import OUTPUTS, Alloc, Free, OpCall, Output, Steps
+from pytest_torchmem.engine.tracing.rules import OUTPUTS, Alloc, Free, OpCall, Output, Steps, nbytes_of
 
 aten = torch.ops.aten
 
@@ -408,7 +409,14 @@ def _group_norm_backward(call: OpCall) -> Steps:
     if x.numel() == 0:
         return [OUTPUTS]
     opmath = itemsize(_opmath(x.dtype))
-    steps: list[Any] = [OUTPUTS, Alloc("ds", n * c * opmath), Alloc("db", n * c * opmath)]
+    steps: list[Any] = []
+    dy = arg(call, 0, "grad_out")
+    if installed_release()[:2] >= (2, 14) and not dy.is_contiguous(memory_format=_suggest_memory_format(x)):
+        # From 2.14 the kernel makes dY contiguous in X's format itself (the profiler's op
+        # events of 2.14.1/2.15.0: contiguous inside native_group_norm_backward); up to 2.13
+        # the autograd formula did, before the op (a copy the trace sees).
+        steps.append(Alloc("dY.contiguous()", nbytes_of(dy)))
+    steps += [OUTPUTS, Alloc("ds", n * c * opmath), Alloc("db", n * c * opmath)]
     if _suggest_memory_format(x) != torch.contiguous_format and hxw >= 2048:
         steps += [
             Alloc("per-thread gradients", profile_of(call).threads * n * 2 * c * opmath),
