@@ -378,6 +378,17 @@ def _group_norm_dims(call: OpCall, first: int) -> tuple[int, int, int, int]:
     return n, c, hxw, group
 
 
+def _input_contiguous(x: torch.Tensor) -> list[Any]:
+    """From torch 2.14 ``native_group_norm`` and its backward make ``X`` contiguous in
+    its suggested format inside the CPU kernel, after (forward) or before (backward)
+    their outputs: a scratch copy where ``X`` is not (the profiler's op events of 2.14.1
+    and 2.15.0). Up to 2.13 the composite ``group_norm`` made ``input.contiguous()``
+    before the op, which saved that copy for backward (a tensor the trace sees)."""
+    if installed_release()[:2] < (2, 14) or x.is_contiguous(memory_format=_suggest_memory_format(x)):
+        return []
+    return [Alloc("X.contiguous()", nbytes_of(x))]
+
+
 @CPU.scratch(aten.native_group_norm.default)
 def _group_norm(call: OpCall) -> Steps:
     """``GroupNormKernelImplChannelsLastInternal`` (``cpu/group_norm_kernel.cpp``):
@@ -387,7 +398,7 @@ def _group_norm(call: OpCall) -> Steps:
     x = arg(call, 0, "input")
     n, c, hxw, group = _group_norm_dims(call, 3)
     if _suggest_memory_format(x) == torch.contiguous_format or x.numel() == 0:
-        return [OUTPUTS]
+        return [OUTPUTS, *_input_contiguous(x)]
     opmath = itemsize(_opmath(x.dtype))
     if hxw < 1024:
         return [OUTPUTS, Alloc("scale/bias", n * 2 * c * opmath)]
@@ -416,7 +427,7 @@ def _group_norm_backward(call: OpCall) -> Steps:
         # events of 2.14.1/2.15.0: contiguous inside native_group_norm_backward); up to 2.13
         # the autograd formula did, before the op (a copy the trace sees).
         steps.append(Alloc("dY.contiguous()", nbytes_of(dy)))
-    steps += [OUTPUTS, Alloc("ds", n * c * opmath), Alloc("db", n * c * opmath)]
+    steps += [*_input_contiguous(x), OUTPUTS, Alloc("ds", n * c * opmath), Alloc("db", n * c * opmath)]
     if _suggest_memory_format(x) != torch.contiguous_format and hxw >= 2048:
         steps += [
             Alloc("per-thread gradients", profile_of(call).threads * n * 2 * c * opmath),
