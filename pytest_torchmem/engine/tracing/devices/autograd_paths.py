@@ -18,7 +18,12 @@ device. Formulas (torch 2.13):
 * ``index_backward`` (``FunctionsManual.cpp``, ``x[idx]``):
   ``at::_index_put_impl_(zeros, indices, grad, accumulate=true, unsafe=true)``;
 * ``clamp_backward`` and ``clamp_backward_min_max`` with tensor bounds
-  (``FunctionsManual.cpp``): ``logical_and_`` / ``logical_or_`` on a comparison's result.
+  (``FunctionsManual.cpp``): up to torch 2.13, ``logical_and_`` / ``logical_or_`` on a
+  comparison's result; from 2.14 (the formula rewritten: ties at a bound halve the
+  gradient, ``min > max`` handled) the masks are built out of place and the result of
+  ``where`` is zeroed with ``masked_fill_`` (seen in the profiler's op events of 2.10.0,
+  2.13.0, 2.14.1 and 2.15.0: ``ge, le, logical_and_, where`` against ``lt, eq, eq,
+  logical_or, logical_and, lt, gt, logical_or, div, where, masked_fill_``).
 * ``trace_backward_symint`` (``FunctionsManual.cpp``): ``index_fill_`` of the
   diagonal's flat indices;
 * ``take_backward`` (``FunctionsManual.cpp``): ``zeros_like(input).put_(index, grad, true)``;
@@ -44,6 +49,7 @@ from typing import Any, Final
 
 import torch
 
+from pytest_torchmem.engine.torch_release import installed_release
 from pytest_torchmem.engine.tracing.rules import OpCall, RuleSet
 
 __all__ = ["EAGER_IN_PLACE", "EAGER_IN_PLACE_BINARY", "in_place_twin", "register_eager_in_place"]
@@ -87,8 +93,14 @@ EAGER_IN_PLACE: Final[dict[Any, tuple[Callable[..., Any], frozenset[str]]]] = {
     ),
     aten.index_add.default: (aten.index_add_.default, frozenset({"IndexSelectBackward0"})),
     aten.index_put.default: (_index_put, frozenset({"IndexBackward0"})),
-    aten.logical_and.default: (aten.logical_and_.default, frozenset({"ClampBackward0"})),
-    aten.logical_or.default: (aten.logical_or_.default, frozenset({"ClampBackward0"})),
+    **(
+        {
+            aten.logical_and.default: (aten.logical_and_.default, frozenset({"ClampBackward0"})),
+            aten.logical_or.default: (aten.logical_or_.default, frozenset({"ClampBackward0"})),
+        }
+        if installed_release()[:2] <= (2, 13)
+        else {aten.masked_fill.Scalar: (aten.masked_fill_.Scalar, frozenset({"ClampBackward0"}))}
+    ),
     aten.index_fill.int_Tensor: (aten.index_fill_.int_Tensor, frozenset({"TraceBackward0"})),
     aten.put.default: (aten.put_.default, frozenset({"TakeBackward0"})),
     aten.diagonal_scatter.default: (

@@ -17,6 +17,7 @@ from typing import Any, Final
 
 import torch
 
+from pytest_torchmem.engine.torch_release import installed_release
 from pytest_torchmem.engine.tracing.rules import OpCall, RuleSet
 
 __all__ = ["register_checks"]
@@ -73,10 +74,17 @@ def _tensors(call: OpCall, count: int) -> tuple[Any, ...] | None:
     return found
 
 
-def _shapes(mat1: torch.Tensor, mat2: torch.Tensor) -> None:
+def _shapes(op: str, mat1: torch.Tensor, mat2: torch.Tensor) -> None:
+    """The shape check of ATen's ``mm``/``addmm`` meta functions.
+
+    From torch 2.15 the message starts with the op's name ("addmm: mat1 and
+    mat2 shapes cannot be multiplied (2x5 and 4x2)", "mm: ..."), read from the
+    eager kernels of each release 2.10.0 to 2.15.0; before, it has no prefix.
+    """
     if mat1.dim() == 2 and mat2.dim() == 2 and mat1.shape[1] != mat2.shape[0]:
+        prefix = f"{op}: " if installed_release()[:2] >= (2, 15) else ""
         raise RuntimeError(
-            f"mat1 and mat2 shapes cannot be multiplied ({mat1.shape[0]}x{mat1.shape[1]} "
+            f"{prefix}mat1 and mat2 shapes cannot be multiplied ({mat1.shape[0]}x{mat1.shape[1]} "
             f"and {mat2.shape[0]}x{mat2.shape[1]})"
         )
 
@@ -86,7 +94,7 @@ def _mm(call: OpCall) -> None:
     if tensors is None:
         return
     mat1, mat2 = tensors
-    _shapes(mat1, mat2)
+    _shapes("mm", mat1, mat2)
     if mat1.dtype != mat2.dtype:
         raise RuntimeError(
             "expected m1 and m2 to have the same dtype, but got: "
@@ -109,7 +117,7 @@ def _addmm(call: OpCall) -> None:
             "mat1 and mat2 must have the same dtype, but got "
             f"{_scalar(mat1.dtype)} and {_scalar(mat2.dtype)}"
         )
-    _shapes(mat1, mat2)
+    _shapes("addmm", mat1, mat2)
 
 
 def _batch_shapes(batch1: torch.Tensor, batch2: torch.Tensor) -> None:

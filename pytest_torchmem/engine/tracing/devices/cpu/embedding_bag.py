@@ -18,7 +18,7 @@ scratch of its own:
 
 The reduction then takes a ``float`` buffer for ``bfloat16``/``half`` tables off
 the fast path, the ``float`` per-sample weights on it, and for ``mean`` the
-divisor ``at::max(bag_size, ones_like(bag_size)).to(dtype)``. The meta kernel gives ``offset2bag`` and
+divisor ``at::max(bag_size, ones_like(bag_size)).to(dtype)`` (``clamp_min`` from 2.15). The meta kernel gives ``offset2bag`` and
 ``bag_size`` the sizes of the tensors, not of their storages (and treats a
 ``bfloat16`` table as off the fast path): an implementation rule makes them as
 the kernel does.
@@ -30,6 +30,7 @@ from typing import Any, Final
 
 import torch
 
+from pytest_torchmem.engine.torch_release import installed_release
 from pytest_torchmem.engine.tracing.devices.cpu.base import CPU
 from pytest_torchmem.engine.tracing.devices.cpu.misc import arg, itemsize, promotion_casts
 from pytest_torchmem.engine.tracing.rules import (
@@ -175,15 +176,25 @@ def _embedding_bag(call: OpCall) -> Steps:
     steps.append(Output(3))
     steps += _reduction_buffers(bag)
     if bag.mode == MEAN:
-        steps += [
-            Alloc("ones_like(bag_size)", bag.bags * bag.isz),
-            Alloc("max(bag_size, ones)", bag.bags * bag.isz),
-            Alloc("bag_size as output dtype", bag.bags * bag.weight.element_size()),
-            Free("ones_like(bag_size)"),
-            Free("max(bag_size, ones)"),
-            Free("bag_size as output dtype"),
-        ]
+        steps += _mean_divisor(bag)
     return steps
+
+
+def _mean_divisor(bag: _Bag) -> list[Any]:
+    """``mean``'s divisor: up to torch 2.14 ``at::max(bag_size, ones_like(bag_size))``
+    then ``.to(dtype)``; from 2.15 ``bag_size.clamp_min(1).to(dtype)``, without the
+    ``ones_like`` (the profiler's op events of 2.14.1: ``ones_like, max, to``; of 2.15.0:
+    ``clamp_min, to``)."""
+    divisor = ("bag_size as output dtype", bag.bags * bag.weight.element_size())
+    if installed_release()[:2] >= (2, 15):
+        made = [("clamp_min(bag_size, 1)", bag.bags * bag.isz), divisor]
+    else:
+        made = [
+            ("ones_like(bag_size)", bag.bags * bag.isz),
+            ("max(bag_size, ones)", bag.bags * bag.isz),
+            divisor,
+        ]
+    return [*(Alloc(tag, n) for tag, n in made), *(Free(tag) for tag, _ in made)]
 
 
 def _reduction_buffers(bag: _Bag) -> list[Any]:

@@ -18,6 +18,7 @@ from typing import Any, Final
 import torch
 from torch._prims_common import suggest_memory_format
 
+from pytest_torchmem.engine.torch_release import installed_release
 from pytest_torchmem.engine.tracing.devices.cpu.base import CPU, profile_of
 from pytest_torchmem.engine.tracing.devices.cpu.misc import arg, itemsize
 from pytest_torchmem.engine.tracing.devices.cpu.reduce import (
@@ -26,7 +27,7 @@ from pytest_torchmem.engine.tracing.devices.cpu.reduce import (
     sum_steps,
     uses_acc_buffer,
 )
-from pytest_torchmem.engine.tracing.rules import OUTPUTS, Alloc, Free, OpCall, Output, Steps
+from pytest_torchmem.engine.tracing.rules import OUTPUTS, Alloc, Free, OpCall, Output, Steps, nbytes_of
 
 aten = torch.ops.aten
 
@@ -377,6 +378,17 @@ def _group_norm_dims(call: OpCall, first: int) -> tuple[int, int, int, int]:
     return n, c, hxw, group
 
 
+def _input_contiguous(x: torch.Tensor) -> list[Any]:
+    """From torch 2.14 ``native_group_norm`` and its backward make ``X`` contiguous in
+    its suggested format inside the CPU kernel, after (forward) or before (backward)
+    their outputs: a scratch copy where ``X`` is not (the profiler's op events of 2.14.1
+    and 2.15.0). Up to 2.13 the composite ``group_norm`` made ``input.contiguous()``
+    before the op, which saved that copy for backward (a tensor the trace sees)."""
+    if installed_release()[:2] < (2, 14) or x.is_contiguous(memory_format=_suggest_memory_format(x)):
+        return []
+    return [Alloc("X.contiguous()", nbytes_of(x))]
+
+
 @CPU.scratch(aten.native_group_norm.default)
 def _group_norm(call: OpCall) -> Steps:
     """``GroupNormKernelImplChannelsLastInternal`` (``cpu/group_norm_kernel.cpp``):
@@ -386,7 +398,7 @@ def _group_norm(call: OpCall) -> Steps:
     x = arg(call, 0, "input")
     n, c, hxw, group = _group_norm_dims(call, 3)
     if _suggest_memory_format(x) == torch.contiguous_format or x.numel() == 0:
-        return [OUTPUTS]
+        return [OUTPUTS, *_input_contiguous(x)]
     opmath = itemsize(_opmath(x.dtype))
     if hxw < 1024:
         return [OUTPUTS, Alloc("scale/bias", n * 2 * c * opmath)]
@@ -408,7 +420,14 @@ def _group_norm_backward(call: OpCall) -> Steps:
     if x.numel() == 0:
         return [OUTPUTS]
     opmath = itemsize(_opmath(x.dtype))
-    steps: list[Any] = [OUTPUTS, Alloc("ds", n * c * opmath), Alloc("db", n * c * opmath)]
+    steps: list[Any] = []
+    dy = arg(call, 0, "grad_out")
+    if installed_release()[:2] >= (2, 14) and not dy.is_contiguous(memory_format=_suggest_memory_format(x)):
+        # From 2.14 the kernel makes dY contiguous in X's format itself (the profiler's op
+        # events of 2.14.1/2.15.0: contiguous inside native_group_norm_backward); up to 2.13
+        # the autograd formula did, before the op (a copy the trace sees).
+        steps.append(Alloc("dY.contiguous()", nbytes_of(dy)))
+    steps += [*_input_contiguous(x), OUTPUTS, Alloc("ds", n * c * opmath), Alloc("db", n * c * opmath)]
     if _suggest_memory_format(x) != torch.contiguous_format and hxw >= 2048:
         steps += [
             Alloc("per-thread gradients", profile_of(call).threads * n * 2 * c * opmath),
