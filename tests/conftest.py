@@ -25,6 +25,19 @@ def _capped_inductor_cache() -> None:
 
 _capped_inductor_cache()
 
+
+def _settle_autograd_threads() -> None:
+    """Each test process runs its first backward before any test's fake mode: on a CUDA
+    build a backward under a fake mode starts autograd's device threads, after which
+    measure(parallel=...) must spawn its ranks (pickling the test's local functions)
+    instead of forking them; which test ran first would decide it."""
+    from pytest_torchmem.engine.distributed import settle_autograd_threads
+
+    settle_autograd_threads()
+
+
+_settle_autograd_threads()
+
 from collections.abc import Iterator  # noqa: E402
 from typing import Final  # noqa: E402
 
