@@ -24,6 +24,12 @@ device. Formulas (torch 2.13):
   ``where`` is zeroed with ``masked_fill_`` (seen in the profiler's op events of 2.10.0,
   2.13.0, 2.14.1 and 2.15.0: ``ge, le, logical_and_, where`` against ``lt, eq, eq,
   logical_or, logical_and, lt, gt, logical_or, div, where, masked_fill_``).
+* ``maximum``/``minimum`` backward (``MaximumBackward0``/``MinimumBackward0``, the
+  ties-halving ``where(a == b, grad / 2, grad).masked_fill_(...)`` formula): up to 2.13
+  a dispatch mode sees ``masked_fill_.Scalar`` itself; from 2.14 it sees
+  ``masked_fill.Scalar`` while the eager run still zeroes in place (the measured
+  peak is the same on 2.13.0, 2.14.1 and 2.15.0: 81928 B for
+  ``test_mixed_dtypes_exact``), so from 2.14 these nodes share clamp's entry;
 * ``trace_backward_symint`` (``FunctionsManual.cpp``): ``index_fill_`` of the
   diagonal's flat indices;
 * ``take_backward`` (``FunctionsManual.cpp``): ``zeros_like(input).put_(index, grad, true)``;
@@ -99,7 +105,12 @@ EAGER_IN_PLACE: Final[dict[Any, tuple[Callable[..., Any], frozenset[str]]]] = {
             aten.logical_or.default: (aten.logical_or_.default, frozenset({"ClampBackward0"})),
         }
         if installed_release()[:2] <= (2, 13)
-        else {aten.masked_fill.Scalar: (aten.masked_fill_.Scalar, frozenset({"ClampBackward0"}))}
+        else {
+            aten.masked_fill.Scalar: (
+                aten.masked_fill_.Scalar,
+                frozenset({"ClampBackward0", "MaximumBackward0", "MinimumBackward0"}),
+            )
+        }
     ),
     aten.index_fill.int_Tensor: (aten.index_fill_.int_Tensor, frozenset({"TraceBackward0"})),
     aten.put.default: (aten.put_.default, frozenset({"TakeBackward0"})),
