@@ -386,10 +386,17 @@ def environment_changes(snapshot: Entry, current: Entry) -> tuple[EnvChange, ...
     def value(environment: Mapping[str, Any], name: str) -> Any:
         return environment.get(name, STEP_SETTINGS.get(name))
 
+    def differs(name: str) -> bool:
+        if name == "torch":  # figures are a minor release's: 2.13.0+cpu compares with 2.13.1+cu130
+            releases = Release.of_version(value(then, name)), Release.of_version(value(now, name))
+            if None not in releases:
+                return releases[0] != releases[1]
+        return bool(value(then, name) != value(now, name))
+
     return tuple(
         EnvChange(name, value(then, name), value(now, name))
         for name in sorted(set(then) | set(now))
-        if value(then, name) != value(now, name)
+        if differs(name)
     )
 
 
