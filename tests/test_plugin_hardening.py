@@ -651,6 +651,9 @@ def test_sigint_during_an_update_run_writes_nothing(pytester: pytest.Pytester) -
         cwd=pytester.path,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
+        # Ctrl-C's default in the child whatever this worker's disposition is (an
+        # inherited SIG_IGN keeps Python from installing its KeyboardInterrupt handler)
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     try:
         deadline = time.monotonic() + 120
