@@ -28,7 +28,6 @@ from typing import Any, Final
 from pytest_torchmem.engine.torch_release import (
     SUPPORTED,
     TorchReleaseError,
-    installed_release,
     supported_range,
 )
 
@@ -668,11 +667,6 @@ PRIVATE: Final = _entries(
     # -- compiled models (torch.compile): COMPILED, below ------------------------------
     *COMPILED_ENTRIES,
 )
-
-
-def _release() -> Release:
-    major, minor, _ = installed_release()
-    return major, minor
 
 
 def entry(path: str) -> Private:
