@@ -744,11 +744,14 @@ def private_name(path: str) -> str:
 
 def private_any(*paths: str) -> Any:
     """The first of ``paths`` (entries of :data:`PRIVATE`: one name as releases
-    spell it) that the running torch has."""
-    for path in paths[:-1]:
-        if present(path):
-            return private(path)
-    return private(paths[-1])
+    spell it) that the running torch has, chosen once."""
+    try:
+        return _resolved[paths]  # type: ignore[index]
+    except KeyError:
+        pass
+    found = next((path for path in paths[:-1] if present(path)), paths[-1])
+    _resolved[paths] = value = private(found)  # type: ignore[index]
+    return value
 
 
 def present(path: str) -> bool:

@@ -24,6 +24,7 @@ __all__ = [
     "release_problem",
     "require_supported_torch",
     "supported_range",
+    "torch_minor",
 ]
 
 #: The first and the last supported minor release of torch (both included).
@@ -57,6 +58,14 @@ def installed_release() -> tuple[int, int, int]:
     import torch
 
     return _parse(torch.__version__)
+
+
+@cache
+def torch_minor() -> tuple[int, int]:
+    """``(major, minor)`` of the installed torch, parsed once: the release the rules
+    follow (asked on every op that differs between releases)."""
+    major, minor, _ = installed_release()
+    return major, minor
 
 
 def release_problem(version: str) -> str | None:

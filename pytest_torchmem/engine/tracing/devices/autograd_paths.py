@@ -55,7 +55,7 @@ from typing import Any, Final
 
 import torch
 
-from pytest_torchmem.engine.torch_release import installed_release
+from pytest_torchmem.engine.torch_release import torch_minor
 from pytest_torchmem.engine.tracing.rules import OpCall, RuleSet
 
 __all__ = ["EAGER_IN_PLACE", "EAGER_IN_PLACE_BINARY", "in_place_twin", "register_eager_in_place"]
@@ -104,7 +104,7 @@ EAGER_IN_PLACE: Final[dict[Any, tuple[Callable[..., Any], frozenset[str]]]] = {
             aten.logical_and.default: (aten.logical_and_.default, frozenset({"ClampBackward0"})),
             aten.logical_or.default: (aten.logical_or_.default, frozenset({"ClampBackward0"})),
         }
-        if installed_release()[:2] <= (2, 13)
+        if torch_minor() <= (2, 13)
         else {
             aten.masked_fill.Scalar: (
                 aten.masked_fill_.Scalar,

@@ -17,7 +17,7 @@ from typing import Any, Final
 
 import torch
 
-from pytest_torchmem.engine.torch_release import installed_release
+from pytest_torchmem.engine.torch_release import torch_minor
 from pytest_torchmem.engine.tracing.rules import OpCall, RuleSet
 
 __all__ = ["register_checks"]
@@ -82,7 +82,7 @@ def _shapes(op: str, mat1: torch.Tensor, mat2: torch.Tensor) -> None:
     eager kernels of each release 2.10.0 to 2.15.0; before, it has no prefix.
     """
     if mat1.dim() == 2 and mat2.dim() == 2 and mat1.shape[1] != mat2.shape[0]:
-        prefix = f"{op}: " if installed_release()[:2] >= (2, 15) else ""
+        prefix = f"{op}: " if torch_minor() >= (2, 15) else ""
         raise RuntimeError(
             f"{prefix}mat1 and mat2 shapes cannot be multiplied ({mat1.shape[0]}x{mat1.shape[1]} "
             f"and {mat2.shape[0]}x{mat2.shape[1]})"

@@ -30,7 +30,7 @@ from typing import Any, Final
 
 import torch
 
-from pytest_torchmem.engine.torch_release import installed_release
+from pytest_torchmem.engine.torch_release import torch_minor
 from pytest_torchmem.engine.tracing.devices.cpu.base import CPU
 from pytest_torchmem.engine.tracing.devices.cpu.misc import arg, itemsize, promotion_casts
 from pytest_torchmem.engine.tracing.rules import (
@@ -186,7 +186,7 @@ def _mean_divisor(bag: _Bag) -> list[Any]:
     ``ones_like`` (the profiler's op events of 2.14.1: ``ones_like, max, to``; of 2.15.0:
     ``clamp_min, to``)."""
     divisor = ("bag_size as output dtype", bag.bags * bag.weight.element_size())
-    if installed_release()[:2] >= (2, 15):
+    if torch_minor() >= (2, 15):
         made = [("clamp_min(bag_size, 1)", bag.bags * bag.isz), divisor]
     else:
         made = [

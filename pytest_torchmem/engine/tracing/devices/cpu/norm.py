@@ -18,7 +18,7 @@ from typing import Any, Final
 import torch
 from torch._prims_common import suggest_memory_format
 
-from pytest_torchmem.engine.torch_release import installed_release
+from pytest_torchmem.engine.torch_release import torch_minor
 from pytest_torchmem.engine.tracing.devices.cpu.base import CPU, profile_of
 from pytest_torchmem.engine.tracing.devices.cpu.misc import arg, itemsize
 from pytest_torchmem.engine.tracing.devices.cpu.reduce import (
@@ -384,7 +384,7 @@ def _input_contiguous(x: torch.Tensor) -> list[Any]:
     their outputs: a scratch copy where ``X`` is not (the profiler's op events of 2.14.1
     and 2.15.0). Up to 2.13 the composite ``group_norm`` made ``input.contiguous()``
     before the op, which saved that copy for backward (a tensor the trace sees)."""
-    if installed_release()[:2] < (2, 14) or x.is_contiguous(memory_format=_suggest_memory_format(x)):
+    if torch_minor() < (2, 14) or x.is_contiguous(memory_format=_suggest_memory_format(x)):
         return []
     return [Alloc("X.contiguous()", nbytes_of(x))]
 
@@ -422,7 +422,7 @@ def _group_norm_backward(call: OpCall) -> Steps:
     opmath = itemsize(_opmath(x.dtype))
     steps: list[Any] = []
     dy = arg(call, 0, "grad_out")
-    if installed_release()[:2] >= (2, 14) and not dy.is_contiguous(memory_format=_suggest_memory_format(x)):
+    if torch_minor() >= (2, 14) and not dy.is_contiguous(memory_format=_suggest_memory_format(x)):
         # From 2.14 the kernel makes dY contiguous in X's format itself (the profiler's op
         # events of 2.14.1/2.15.0: contiguous inside native_group_norm_backward); up to 2.13
         # the autograd formula did, before the op (a copy the trace sees).

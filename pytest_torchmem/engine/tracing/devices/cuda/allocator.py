@@ -54,6 +54,8 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Final
 
+from pytest_torchmem.engine.torch_release import torch_minor
+
 __all__ = [
     "AllocatorConfig",
     "Block",
@@ -281,13 +283,6 @@ _KEY_SINCE: Final[Mapping[str, tuple[int, int]]] = {
 }
 
 
-def _installed_release() -> tuple[int, int]:
-    from pytest_torchmem.engine.torch_release import installed_release
-
-    major, minor, _ = installed_release()
-    return major, minor
-
-
 _MODELLED_KEYS: Final = frozenset(
     {
         "large_segment_size_mb",
@@ -333,7 +328,7 @@ class _Parser:
         keys = [t for t in self.tokens if t in _KEY_SINCE]
         if not keys:
             return
-        release = _installed_release() if self.release is None else self.release
+        release = torch_minor() if self.release is None else self.release
         for key in keys:
             if release < _KEY_SINCE[key]:
                 major, minor = release

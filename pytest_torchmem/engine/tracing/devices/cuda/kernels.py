@@ -31,7 +31,7 @@ import torch
 
 from pytest_torchmem.engine.tracing.devices.cpu.blas import grouped_mm_output
 from pytest_torchmem.engine.tracing.devices.cuda.base import CUDA
-from pytest_torchmem.engine.torch_release import installed_release
+from pytest_torchmem.engine.torch_release import torch_minor
 from pytest_torchmem.engine.tracing.rules import OUTPUTS, Alloc, Free, Inexact, OpCall, Steps
 
 __all__ = [
@@ -282,7 +282,7 @@ def _cudnn_attention_decode(call: OpCall) -> Steps:
     listed as possibly another backend's."""
     gpu = call.context.gpu if call.context is not None else None
     major = getattr(gpu, "compute_capability", (9, 0))[0]
-    if installed_release()[:2] != (2, 14) or major not in (10, 11) or call.args[0].size(2) != 1:
+    if torch_minor() != (2, 14) or major not in (10, 11) or call.args[0].size(2) != 1:
         return ()
     return [OUTPUTS, Inexact(_CUDNN_DECODE)]
 

@@ -72,7 +72,7 @@ from torch.overrides import TorchFunctionMode
 
 from pytest_torchmem.engine.tracing.devices.routing import BodyRouting
 from pytest_torchmem.engine.tracing.rules import TraceContext
-from pytest_torchmem.engine.torch_release import installed_release
+from pytest_torchmem.engine.torch_release import torch_minor as _release
 
 __all__ = ["CUDNN_VERSION", "CudaRouter", "SDPBackend", "autocast_policy", "select_sdp_backend"]
 
@@ -96,11 +96,6 @@ _CUDNN_OF_RELEASE: Final = {
     (2, 14): 92400,
     (2, 15): 92600,
 }
-
-
-def _release() -> tuple[int, int]:
-    major, minor, _ = installed_release()
-    return major, minor
 
 
 def cudnn_version(release: tuple[int, int] | None = None) -> int:

@@ -91,7 +91,7 @@ from pytest_torchmem.engine.tracing.rules import (
     TraceContext,
     nbytes_of,
 )
-from pytest_torchmem.engine.torch_release import installed_release
+from pytest_torchmem.engine.torch_release import torch_minor as _release
 from pytest_torchmem.engine.units import parse_bytes
 
 __all__ = [
@@ -117,11 +117,6 @@ def _cc(gpu: Any) -> tuple[int, int]:
     """The compute capability of the profiled GPU ((9, 0) when unknown)."""
     major, minor = getattr(gpu, "compute_capability", (9, 0))
     return int(major), int(minor)
-
-
-def _release() -> tuple[int, int]:
-    major, minor, _ = installed_release()
-    return major, minor
 
 
 def _big_default_workspace(cc: tuple[int, int], release: tuple[int, int]) -> bool:
