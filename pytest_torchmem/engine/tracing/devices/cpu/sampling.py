@@ -1,5 +1,5 @@
 """CPU rules: the random samplers ``multinomial`` and ``normal``
-(``aten/src/ATen/native/Distributions.cpp``, ``DistributionTemplates.h``), torch 2.13.
+(``aten/src/ATen/native/Distributions.cpp``, ``DistributionTemplates.h``), torch 2.10 to 2.15.
 
 Their draws change values, never sizes: what they allocate follows from the
 shapes, including the checks on the probabilities and standard deviations
@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from pytest_torchmem.engine.torch_release import torch_minor
 from pytest_torchmem.engine.tracing.devices.cpu.base import CPU, profile_of
 from pytest_torchmem.engine.tracing.devices.cpu.misc import arg, promotion_casts
 from pytest_torchmem.engine.tracing.devices.cpu.reduce import sum_steps
@@ -41,10 +42,10 @@ def _multinomial(call: OpCall) -> Steps:
     """``multinomial_out``: the output; with replacement and more than one sample,
     ``multinomial_with_replacement`` keeps a cumulative distribution of one row
     (``float``, ``double`` for a ``double`` input). Otherwise the Gumbel-max path:
-    ``aminmax`` checked ``min >= 0 & max < inf`` (the ``&`` kept to the end),
+    the probabilities checked ``min >= 0 & max < inf`` (:func:`_valid_probabilities`),
     ``sum == 0`` over the last dim (``any`` of it for rows, kept to the end, and its
     negation), then ``q = empty_like(self)`` and, for several samples, ``topk``'s
-    values beside the output; ``aminmax``'s two results freed last."""
+    values beside the output; what the check kept freed last."""
     self, n_sample = arg(call, 0, "self"), arg(call, 1, "num_samples")
     replacement = arg(call, 2, "replacement", False)
     if call.out.numel() == 0:
@@ -56,13 +57,7 @@ def _multinomial(call: OpCall) -> Steps:
     rows = self.shape[0] if self.dim() == 2 else 1
     steps: list[Any] = [
         OUTPUTS,
-        Alloc("aminmax: min", isz),
-        Alloc("aminmax: max", isz),
-        *_compare(self, 0, "min >= 0"),
-        *_compare(self, math.inf, "max < inf"),
-        Alloc("&", 1),
-        Free("min >= 0"),
-        Free("max < inf"),
+        *_valid_probabilities(self),
         Alloc("sum", rows * isz),
         *sum_steps(threads, self, rows, self.dtype, "sum"),
         *_compare(self, 0, "sum == 0", rows),
@@ -77,6 +72,35 @@ def _multinomial(call: OpCall) -> Steps:
     if n_sample != 1:
         steps += [Alloc("topk values", call.out.numel() * isz), Free("topk values")]
     return [*steps, Free("q")]
+
+
+def _valid_probabilities(self: torch.Tensor) -> list[Alloc | Free]:
+    """The check ``min >= 0 & max < inf`` of the probabilities, its ``&`` kept to the
+    end. From torch 2.12 one ``aminmax``, whose two results live to the end; up to 2.11
+    ``(self.min() >= 0) & (self.max() < inf)``, whose temporaries but the ``&`` go
+    with the expression, last made first freed (the profiler's order on 2.10 and 2.11)."""
+    isz = self.element_size()
+    if torch_minor() < (2, 12):
+        return [
+            Alloc("min", isz),
+            *_compare(self, 0, "min >= 0"),
+            Alloc("max", isz),
+            *_compare(self, math.inf, "max < inf"),
+            Alloc("&", 1),
+            Free("max < inf"),
+            Free("max"),
+            Free("min >= 0"),
+            Free("min"),
+        ]
+    return [
+        Alloc("aminmax: min", isz),
+        Alloc("aminmax: max", isz),
+        *_compare(self, 0, "min >= 0"),
+        *_compare(self, math.inf, "max < inf"),
+        Alloc("&", 1),
+        Free("min >= 0"),
+        Free("max < inf"),
+    ]
 
 
 def _std_check(std: torch.Tensor, tag: str) -> list[Alloc | Free]:
