@@ -1,5 +1,5 @@
 """CPU rules: reflection and replication padding
-(``aten/src/ATen/native/cpu/PaddingKernel.cpp``, torch 2.13).
+(``aten/src/ATen/native/cpu/PaddingKernel.cpp``, torch 2.10 to 2.15).
 
 Every kernel runs on ``.contiguous(fmt)`` copies of its operands (given back
 when it returns, a copied output copied back first): ``cpu_padding`` /
@@ -11,11 +11,12 @@ gradient, suggests it (``suggest_memory_format``; a 4-d input of a 3-d op is
 an unbatched CDHW, always contiguous); 1-d ops always use the contiguous
 kernel. The outputs come first (structured kernels).
 
-The outputs' layouts: the 3-d forward and every 2-d and 3-d backward lay their
-result out in the input's suggested memory format (``padding_memory_format_3d``;
-``grad_input`` resized to ``input.suggest_memory_format()``), where the fake
-kernels make contiguous tensors: a channels-last input gets a channels-last
-result (which changes the copies above, and the next kernels' paths).
+The outputs' layouts: every 2-d and 3-d forward and backward lays its result
+out in the input's suggested memory format (``padding_memory_format_3d``;
+``grad_input`` resized to ``input.suggest_memory_format()``), where some fake
+kernels make contiguous tensors (the 2-d forward up to torch 2.12, the 3-d
+forward and the backward on every release): a channels-last input gets a
+channels-last result (which changes the copies above, and the next kernels' paths).
 """
 
 from __future__ import annotations
@@ -72,10 +73,15 @@ def _laid_out(out: torch.Tensor, fmt: torch.memory_format) -> torch.Tensor:
     return torch.empty_like(out, memory_format=fmt)
 
 
-@CPU.implementation(aten.reflection_pad3d.default, aten.replication_pad3d.default)
-def _pad3d_layout(call: OpCall) -> Any:
-    """``padding_memory_format_3d(input)``: a channels-last-3d input, a channels-last-3d result."""
-    return _laid_out(call.default(), _format(call.args[0], 3))
+@CPU.implementation(
+    aten.reflection_pad2d.default, aten.replication_pad2d.default,
+    aten.reflection_pad3d.default, aten.replication_pad3d.default,
+)  # fmt: skip
+def _pad_layout(call: OpCall) -> Any:
+    """A channels-last input, a channels-last result (``padding_memory_format_3d`` and
+    the 2-d kernels' ``suggest_memory_format``). The fake 2-d kernels lay it out so
+    from torch 2.13 on, contiguously before; the 3-d ones contiguously on every release."""
+    return _laid_out(call.default(), _format(call.args[0], _FORWARD[call.func.overloadpacket]))
 
 
 @CPU.implementation(
