@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from pytest_torchmem.engine.torch_release import torch_minor
 from pytest_torchmem.engine.tracing.devices.cpu import lapack
 from pytest_torchmem.engine.tracing.devices.cpu.base import CPU, profile_of
 from pytest_torchmem.engine.tracing.devices.cpu.linalg import (
@@ -165,8 +166,9 @@ def _ldl_factor_ex(call: OpCall) -> Steps:
 @CPU.scratch(aten.linalg_ldl_solve.default)
 def _ldl_solve(call: OpCall) -> Steps:
     """``linalg_ldl_solve_out``: ``pivots`` contiguous and ``LD`` column-major (copies
-    if not), then the kernel's checks of the pivots: ``pivots.abs() >= 1`` and
-    ``pivots.abs() <= n``, each through the absolute values."""
+    if not), then, from torch 2.13, the kernel's checks of the pivots:
+    ``pivots.abs() >= 1`` and ``pivots.abs() <= n``, each through the absolute
+    values (2.10 to 2.12 check nothing)."""
     LD, pivots = call.args[0], call.args[1]
     if LD.numel() == 0 or pivots.numel() == 0:
         return [OUTPUTS]
@@ -175,7 +177,7 @@ def _ldl_solve(call: OpCall) -> Steps:
     steps: list[Step] = [*complex_gap(LD), OUTPUTS, *_contiguous_copy(pivots, "pivots (contiguous)")]
     if not f_contiguous(LD.shape, LD.stride()):
         steps += column_major_copy(LD, "LD (column-major)")
-    for check in ("|pivots| >= 1", "|pivots| <= n"):
+    for check in ("|pivots| >= 1", "|pivots| <= n") if torch_minor() >= (2, 13) else ():
         steps.append(Alloc(f"{check}: abs", count * INT32))
         steps += [*compare_all(threads, count, torch.int32, check), Free(f"{check}: abs")]
     return [*steps, Free("LD (column-major)"), Free("pivots (contiguous)")]
