@@ -45,6 +45,7 @@ from typing import Any, Final
 
 import torch
 
+from pytest_torchmem.engine.torch_release import torch_minor
 from pytest_torchmem.engine.tracing.devices.cpu.base import CPU
 from pytest_torchmem.engine.tracing.rules import (
     OUTPUTS,
@@ -65,6 +66,8 @@ _HOUSEHOLDER: Final = "householder_product_backward"
 _TRACED_ONLY: Final = {
     aten.isnan.default: dict.fromkeys(_EVENLY, "evenly_distribute_backward"),
     aten.bitwise_not.default: {"CumprodBackward0": "cumprod_backward"},
+    # torch 2.10, 2.11: the composite cumprod_backward is the O(n^2) loop, joined by stack
+    aten.stack.default: {"CumprodBackward0": "cumprod_backward"},
     aten.cat.default: {
         "ProdBackward0": "prod_backward",
         "ProdBackward1": "prod_backward",
@@ -81,7 +84,8 @@ def _traced_only(call: OpCall) -> Steps:
     if node is None or node.metadata.get(REPLICA, False):
         return [OUTPUTS]
     formula = _TRACED_ONLY[call.func].get(node.name())
-    if formula is None:
+    if formula is None or (call.func is aten.stack.default and torch.is_grad_enabled()):
+        # with grad mode on (double backward) eager takes that loop too
         return [OUTPUTS]
     why = (
         "keeps every column's gradient for a cat where the eager CPU step writes them into "
@@ -153,8 +157,11 @@ def _cumprod(call: FormulaCall) -> Sequence[Any]:
     if aten.any.default(is_zero).item() == 0:
         return (_reversed_cumsum(w, dim).div(input),)
     # with zeros (grad mode off): the masked O(n) algorithm; torch 2.13 writes each
-    # part with at::where into a new grad_input. Statement by statement, as its
-    # allocations and frees show (ReduceOps.cpp's comments explain the algebra).
+    # part with at::where into a new grad_input, 2.10 to 2.12 scatter each part into
+    # it in place (masked_scatter_ of a masked_select). Statement by statement, as
+    # its allocations and frees show (ReduceOps.cpp's comments explain the algebra).
+    if torch_minor() < (2, 12):
+        return (_cumprod_zeros_scattered(input, output, grad, w, is_zero, dim),)
     grad_input = torch.zeros(input.shape, dtype=grad.dtype, device=grad.device)
     cumsum = is_zero.cumsum(dim)
     # case k < z1: everything before the first zero
@@ -185,6 +192,41 @@ def _cumprod(call: FormulaCall) -> Sequence[Any]:
     del grad_after
     grad_input = torch.where(first_zero_mask, sums, grad_input)
     return (grad_input,)
+
+
+def _cumprod_zeros_scattered(
+    input: torch.Tensor, output: torch.Tensor, grad: torch.Tensor, w: torch.Tensor, is_zero: torch.Tensor, dim: int
+) -> torch.Tensor:
+    """``cumprod_backward`` with zeros up to torch 2.11: each part ``masked_select``-ed
+    and ``masked_scatter_``-ed into ``grad_input``, every temporary of the statement
+    held until it ends."""
+    grad_input = torch.zeros(input.shape, dtype=grad.dtype, device=grad.device)
+    cumsum = is_zero.cumsum(dim)
+    # case k < z1: everything before the first zero
+    mask = aten.eq.Scalar(cumsum, 0)
+    outside = ~mask
+    masked = w.masked_fill(outside, 0.0)
+    before_zero = _reversed_cumsum(masked, dim).div_(input)
+    selected = before_zero.masked_select(mask)
+    grad_input.masked_scatter_(mask, selected)
+    del outside, masked, before_zero, selected
+    # case k = z1: the first zero
+    mask = aten.eq.Scalar(cumsum, 1)
+    first_zero_index = mask.max(dim, keepdim=True)[1]
+    first_zero_mask = torch.zeros_like(mask).scatter_(dim, first_zero_index, 1).logical_and_(mask)
+    mask &= ~first_zero_mask
+    outside = ~mask
+    filled = input.masked_fill(outside, 1.0)
+    products = filled.cumprod(dim)
+    other = aten.ne.Scalar(cumsum, 1)
+    grad_after = grad.masked_fill(other, 0.0)
+    sums = products.mul_(grad_after).sum(dim, keepdim=True)
+    before = aten.sub.Scalar(first_zero_index, 1).relu_()
+    gathered = torch.gather(output, dim, before)
+    at_start = aten.eq.Scalar(first_zero_index, 0)
+    selected = sums.mul_(gathered.masked_fill_(at_start, 1.0)).masked_select(first_zero_mask)
+    grad_input.masked_scatter_(first_zero_mask, selected)
+    return grad_input
 
 
 # -- prod_backward --------------------------------------------------------------------------
