@@ -233,9 +233,10 @@ def test_estimate_leaves_the_inputs_alone() -> None:
 
 def test_unknown_formula_values_are_flagged() -> None:
     """Above the limit the replica still runs eager's algorithm; its ``.item()`` gets a
-    stand-in and is listed."""
-    x = torch.randn(MAX_NUMEL + 1, requires_grad=True)
-    flagged = _flagged(lambda x: x.cumprod(0), x)
+    stand-in and is listed. (Short rows: on torch 2.10 and 2.11 the node's own formula,
+    which runs unrecorded beside the replica, loops over the cumulated dim in O(n^2) ops.)"""
+    x = torch.randn(MAX_NUMEL // 4 + 1, 4, requires_grad=True)
+    flagged = _flagged(lambda x: x.cumprod(1), x)
     assert any("_local_scalar_dense" in u for u in flagged), flagged
 
 
