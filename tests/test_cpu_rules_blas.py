@@ -21,6 +21,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from zoo import CASES
 
 import pytest_torchmem as tm
+from pytest_torchmem.engine.torch_release import torch_minor
 from pytest_torchmem.engine.tracing.devices.cpu import CPU
 from pytest_torchmem.engine.tracing.devices.cpu.blas import onednn_gemm_accumulator_bytes
 from pytest_torchmem.engine.tracing.rules import OpCall
@@ -199,6 +200,27 @@ def test_bmm_and_baddbmm(threads: int, dtype: torch.dtype, shape: tuple[int, int
               torch.randn(m, b, k, dtype=dtype, requires_grad=True),
               torch.randn(b, m, k, dtype=dtype, requires_grad=True))
     assert_exact(model, inputs)
+
+
+def test_addmv_into_a_self_of_another_dtype_follows_the_release() -> None:
+    """torch 2.10 and 2.11 add a float64 ``self`` into a float32 result (the matrix's
+    dtype: 256 B, where the fake kernel would make 512 B); 2.12 on refuse it, and so
+    does the estimate, in the kernel's words."""
+
+    def f(s: Fn, x: torch.Tensor) -> torch.Tensor:
+        return torch.addmv(s.c, x, s.v)
+
+    model = Fn(f, c=torch.randn(64, dtype=torch.float64), v=torch.randn(32))
+    x = torch.randn(64, 32)
+    if torch_minor() >= (2, 12):
+        with pytest.raises(RuntimeError, match="addmv input tensors must have the same dtype") as real:
+            model(x)
+        with pytest.raises(RuntimeError, match="addmv input tensors must have the same dtype") as fake:
+            tm.estimate(model, x, train=False)
+        assert str(fake.value) == str(real.value)
+        return
+    assert model(x).dtype == torch.float32
+    assert tm.estimate(model, x, train=False).forward_peak == tm.measure(model, x, train=False).forward_peak
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, BF16], ids=str)

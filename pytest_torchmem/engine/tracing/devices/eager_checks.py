@@ -161,6 +161,12 @@ def _baddbmm(call: OpCall) -> None:
 
 
 def _addmv_dtypes(result: torch.Tensor, mat: torch.Tensor, vec: torch.Tensor) -> None:
+    """From torch 2.12 the three dtypes must agree; 2.10 and 2.11 check the matrix
+    against the vector only (the kernel's ``expected scalar type`` check)."""
+    if torch_minor() < (2, 12):
+        if mat.dtype != vec.dtype:
+            raise RuntimeError(f"expected scalar type {_scalar(mat.dtype)} but found {_scalar(vec.dtype)}")
+        return
     if not result.dtype == mat.dtype == vec.dtype:
         names = [_scalar(t.dtype) for t in (result, mat, vec)]
         raise RuntimeError(

@@ -34,6 +34,7 @@ from typing import Any, Final
 import torch
 from torch._subclasses.fake_tensor import DataDependentOutputException
 
+from pytest_torchmem.engine.torch_release import torch_minor
 from pytest_torchmem.engine.tracing.devices.cpu.base import CPU, native_kernel_gap, profile_of
 from pytest_torchmem.engine.tracing.devices.cpu.profiles import CpuProfile
 from pytest_torchmem.engine.tracing.devices.memo import BoundedMemo
@@ -429,6 +430,18 @@ def _addmv(call: OpCall) -> Steps:
     """``addmv_out_cpu``."""
     alpha = call.arg(4, "alpha", 1)
     return [*_native_gap(call), OUTPUTS, *_addmv_steps(profile_of(call), _result(call), call.args[1], call.args[2], alpha)]
+
+
+@CPU.implementation(aten.addmv.default)
+def _addmv_result(call: OpCall) -> Any:
+    """Up to torch 2.11 ``addmv`` accepts a ``self`` of another dtype than the matrix
+    and the vector, and its result takes the matrix's dtype (the fake kernel promotes
+    it with ``self``'s); from 2.12 the three must agree (``eager_checks``)."""
+    out = call.default()
+    mat = call.args[1]
+    if torch_minor() < (2, 12) and out.dtype != mat.dtype:
+        return torch.empty_like(out, dtype=mat.dtype)
+    return out
 
 
 @CPU.scratch(aten.dot.default, aten.vdot.default)
