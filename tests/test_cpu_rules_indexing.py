@@ -642,6 +642,30 @@ def test_unsafe_masked_index_equals_measure(fn: Callable[..., Any], int32: bool,
     assert_exact(model, x)
 
 
+# -- nonzero_static --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("size", [2, 7, 20])
+@pytest.mark.parametrize("shape", [(12,), (3, 4)], ids=str)
+def test_nonzero_static_holds_the_whole_nonzero_beside_its_output(size: int, shape: tuple[int, ...]) -> None:
+    """``nonzero_static`` (which ``combinations`` calls from torch 2.14) computes all of
+    ``nonzero(self)`` and copies its first ``size`` rows into the output: 8 of 12
+    elements set, 8 * dim int64 beside the output, whatever ``size`` is."""
+    x = torch.tensor([1.0, -1, 2, 3, 0, 5, -2, 1, 1, 1, 1, -1]).view(shape)
+    model = Lambda(lambda x: torch.nonzero_static(x > 0, size=size, fill_value=-1).float().sum() + x.sum())
+    estimated, measured = tm.estimate(model, x, train=False), tm.measure(model, x, train=False)
+    assert estimated.unsupported == ()
+    assert estimated.forward_peak == measured.forward_peak
+
+
+def test_nonzero_static_of_unknown_values_takes_every_element_and_says_so() -> None:
+    x = torch.randn(3, 4)
+    model = Lambda(lambda x: torch.nonzero_static(x + torch.rand_like(x) > 1, size=2).float().sum())
+    estimated = tm.estimate(model, x, train=False)
+    assert [u.op for u in estimated.unsupported] == ["aten.nonzero_static.default"]
+    assert estimated.forward_peak >= tm.measure(model, x, train=False).forward_peak
+
+
 # -- masked_scatter's backward --------------------------------------------------------------------
 
 

@@ -168,6 +168,7 @@ _EXACT = (
     "normal.number_mean",
     # value-dependent: exact on the values the trace knows (values.py)
     "nonzero",
+    "nonzero_static",
     "argwhere",
     "masked_select",
     "combinations",

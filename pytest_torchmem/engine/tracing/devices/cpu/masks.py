@@ -7,7 +7,8 @@ these rules add what the kernel takes beside them, counted from the values.
 Where the values are unknown, the fallback has already listed the op in
 ``unsupported`` and the rules count the largest case (every element selected).
 Kernels in ``aten/src/ATen/native`` (torch 2.13): ``TensorAdvancedIndexing.cpp``
-(``masked_select``, ``masked_scatter_``, ``index``/``index_put_`` with masks),
+(``masked_select``, ``masked_scatter_``, ``index``/``index_put_`` with masks,
+``nonzero_static``),
 ``Unique.cpp``.
 """
 
@@ -20,7 +21,7 @@ import torch
 from pytest_torchmem.engine.tracing.devices.cpu.base import CPU, profile_of
 from pytest_torchmem.engine.tracing.devices.cpu.misc import arg, index_long_copies
 from pytest_torchmem.engine.tracing.devices.cpu.reduce import GRAIN_SIZE, sum_steps
-from pytest_torchmem.engine.tracing.rules import OUTPUTS, Alloc, Free, OpCall, Steps
+from pytest_torchmem.engine.tracing.rules import OUTPUTS, Alloc, Free, Inexact, OpCall, Steps
 from pytest_torchmem.engine.tracing.values import count_nonzero
 
 __all__ = ["mask_nonzero_steps"]
@@ -53,6 +54,21 @@ def _index_with_masks(call: OpCall) -> Steps:
     before the output is made (:func:`~.misc.index_long_copies`, measured)."""
     steps = mask_nonzero_steps(call, call.args[1]) or index_long_copies(call.args[1])
     return [*steps, OUTPUTS]
+
+
+@CPU.scratch(aten.nonzero_static.default)
+def _nonzero_static(call: OpCall) -> Steps:
+    """``nonzero_static_out_cpu``: the output (``size`` rows), then ``nonzero(self)``
+    whole, an ``(n, self.dim())`` int64 tensor whose first rows are copied in, freed
+    at once. ``n`` is counted from the values; where they are unknown, every
+    element (listed: the output's size is fixed, so no fallback did)."""
+    self = arg(call, 0, "self")
+    selected = count_nonzero(call.value(self))
+    gap: list[Any] = []
+    if selected is None:
+        selected = self.numel()
+        gap = [Inexact("nonzero_static's scratch, all of nonzero(self), depends on tensor values; every element was taken")]
+    return [*gap, OUTPUTS, Alloc("nonzero(self)", selected * self.dim() * 8), Free("nonzero(self)")]
 
 
 @CPU.scratch(aten.masked_select.default)
