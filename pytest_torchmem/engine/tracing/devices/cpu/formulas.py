@@ -173,13 +173,8 @@ def _cumprod(call: FormulaCall) -> Sequence[Any]:
     grad_input = torch.where(mask, before_zero.div_(input), grad_input)
     # case k = z1: the first zero
     mask = aten.eq.Scalar(cumsum, 1)
-    first_zero_index = mask.max(dim, keepdim=True)[1]
-    first_zero_mask = torch.zeros_like(mask).scatter_(dim, first_zero_index, 1).logical_and_(mask)
-    mask &= ~first_zero_mask
-    outside = ~mask
-    filled = input.masked_fill(outside, 1.0)
-    products = filled.cumprod(dim)
-    del outside, filled
+    first_zero_index, first_zero_mask, products, held = _first_zero_products(input, mask, dim)
+    del held
     other = aten.ne.Scalar(cumsum, 1)
     grad_after = grad.masked_fill(other, 0.0)
     del other
@@ -192,6 +187,22 @@ def _cumprod(call: FormulaCall) -> Sequence[Any]:
     del grad_after
     grad_input = torch.where(first_zero_mask, sums, grad_input)
     return (grad_input,)
+
+
+def _first_zero_products(
+    input: torch.Tensor, mask: torch.Tensor, dim: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]]:
+    """Case k = z1 of ``cumprod_backward``, alike in every release, given ``mask =
+    cumsum == 1``: the first zero's index and mask (taken out of ``mask`` in place),
+    and the cumulative products of ``input`` with every element outside ``mask`` set
+    to 1. The statement's temporaries still held come back too, for the caller to
+    free where its release does."""
+    first_zero_index = mask.max(dim, keepdim=True)[1]
+    first_zero_mask = torch.zeros_like(mask).scatter_(dim, first_zero_index, 1).logical_and_(mask)
+    mask &= ~first_zero_mask
+    outside = ~mask
+    filled = input.masked_fill(outside, 1.0)
+    return first_zero_index, first_zero_mask, filled.cumprod(dim), (outside, filled)
 
 
 def _cumprod_zeros_scattered(
@@ -212,12 +223,7 @@ def _cumprod_zeros_scattered(
     del outside, masked, before_zero, selected
     # case k = z1: the first zero
     mask = aten.eq.Scalar(cumsum, 1)
-    first_zero_index = mask.max(dim, keepdim=True)[1]
-    first_zero_mask = torch.zeros_like(mask).scatter_(dim, first_zero_index, 1).logical_and_(mask)
-    mask &= ~first_zero_mask
-    outside = ~mask
-    filled = input.masked_fill(outside, 1.0)
-    products = filled.cumprod(dim)
+    first_zero_index, first_zero_mask, products, held = _first_zero_products(input, mask, dim)
     other = aten.ne.Scalar(cumsum, 1)
     grad_after = grad.masked_fill(other, 0.0)
     sums = products.mul_(grad_after).sum(dim, keepdim=True)
