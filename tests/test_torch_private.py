@@ -210,32 +210,11 @@ def test_private_name_is_the_attribute_once_present() -> None:
 #: shrinks. Nothing is ever added to it.
 NOT_YET_CONVERTED: frozenset[str] = frozenset(
     {
-        # parallel
-        "engine/distributed.py",
-        "engine/tracing/devices/collectives.py",
         # compiled
         "engine/tracing/compiled_cuda.py",
         "engine/tracing/compiled_program.py",
         "engine/tracing/generated_code.py",
         "engine/tracing/inductor_device.py",
-        # CPU and CUDA rules
-        "engine/tracing/devices/autograd_paths.py",
-        "engine/tracing/devices/cpu/blas.py",
-        "engine/tracing/devices/cpu/composite.py",
-        "engine/tracing/devices/cpu/conv.py",
-        "engine/tracing/devices/cpu/fft.py",
-        "engine/tracing/devices/cpu/formulas.py",
-        "engine/tracing/devices/cpu/indexing.py",
-        "engine/tracing/devices/cpu/misc.py",
-        "engine/tracing/devices/cpu/norm.py",
-        "engine/tracing/devices/cpu/padding.py",
-        "engine/tracing/devices/cpu/pool.py",
-        "engine/tracing/devices/cpu/profiles.py",
-        "engine/tracing/devices/cpu/spectral.py",
-        "engine/tracing/devices/cuda/gpu_view.py",
-        "engine/tracing/devices/cuda/router.py",
-        "engine/tracing/devices/cuda/temporaries.py",
-        "engine/tracing/devices/cuda/workspaces.py",
     }
 )
 THE_TABLE = "engine/torch_private.py"

@@ -35,10 +35,9 @@ from collections.abc import Callable, Iterator
 from typing import Any, Final
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 from pytest_torchmem.engine.parallel import Parallel
+from pytest_torchmem.engine.torch_private import private
 
 __all__ = [
     "MAX_REAL_RANKS",
@@ -47,6 +46,10 @@ __all__ = [
     "run_ranks",
     "settle_autograd_threads",
 ]
+
+# torch's private names (engine/torch_private.py)
+TorchDispatchMode: Final = private("torch.utils._python_dispatch.TorchDispatchMode")
+tree_leaves: Final = private("torch.utils._pytree.tree_leaves")
 
 #: The most processes ``measure(parallel=...)`` starts on one machine.
 MAX_REAL_RANKS: Final = 4
@@ -295,8 +298,6 @@ def _let_go_by_gloo(tensors: list[torch.Tensor], counts: list[int]) -> None:
 
 
 def _completed_here(collective: Callable[..., Any]) -> Callable[..., Any]:
-    from pytest_torchmem.engine.torch_private import private
-
     _create_work_from_future = private("torch._C._distributed_c10d._create_work_from_future")
 
     @functools.wraps(collective)

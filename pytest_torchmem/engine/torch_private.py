@@ -373,6 +373,67 @@ PRIVATE: Final = _entries(
         "the earlier name of is_non_overlapping_and_dense_or_false",
         until=(2, 10),
     ),
+    # -- the build, the host and the dispatcher, as the rules ask them ----------------
+    Private(
+        "torch._C.DispatchKey",
+        "a dispatcher slot: the CPU kernel a composite op follows (composite rules), the "
+        "composite kernel linalg_pinv runs through (spectral rules)",
+    ),
+    Private(
+        "torch._C.DispatchKeySet",
+        "the set of one dispatcher slot a kernel is looked up by (composite rules)",
+    ),
+    Private(
+        "torch._C._get_nnpack_enabled",
+        "whether NNPACK convolutions are on (torch.backends.nnpack has no public getter): "
+        "the CPU convolution's backend (conv rules)",
+    ),
+    *(
+        Private(f"torch.cpu._is_{isa}_supported", "the host's ISA level as oneDNN finds it (CPU profiles)")
+        for isa in ("amx_tile", "avx512_bf16", "avx512", "avx2")
+    ),
+    Private(
+        "torch._inductor.runtime.cache_dir_utils.default_cache_dir",
+        "inductor's cache directory, beside which each capped CPU level gets one of its own (CPU profiles)",
+    ),
+    *(
+        Private(
+            f"torch._subclasses.fake_tensor.FakeTensor.{name}",
+            "what the model's code reads of a fake cuda tensor: cuda:0 (gpu_view.py)",
+            replaced=True,
+        )
+        for name in ("device", "is_cuda", "get_device")
+    ),
+    # -- the fake cuda device's router (cuda/router.py) --------------------------------
+    *(
+        Private(
+            f"torch._C.{home}",
+            f"the C bindings of {what}: the torch functions the cuda router and autocast's "
+            "table of ops know an op by",
+        )
+        for home, what in (
+            ("_VariableFunctions", "torch's functions"),
+            ("_nn", "torch.nn.functional's"),
+            ("_linalg", "torch.linalg's"),
+            ("TensorBase", "the tensor methods"),
+        )
+    ),
+    Private(
+        "torch.amp.autocast_mode._enter_autocast",
+        "how torch.autocast enters a region inside a traced program: the router records it",
+    ),
+    Private(
+        "torch.amp.autocast_mode._exit_autocast",
+        "how torch.autocast leaves a region inside a traced program: the router records it",
+    ),
+    Private(
+        "torch.overrides._get_current_function_mode_stack",
+        "whether the router is on the torch-function mode stack (autocast's entry seen twice)",
+    ),
+    Private(
+        "torch._C._get_sdp_priority_order",
+        "the order in which scaled_dot_product_attention tries its backends (no public getter)",
+    ),
     # -- torch-function modes --------------------------------------------------------
     Private(
         "torch.overrides.redispatch_function",

@@ -55,10 +55,14 @@ from typing import Any, Final
 
 import torch
 
+from pytest_torchmem.engine.torch_private import private
 from pytest_torchmem.engine.torch_release import torch_minor
 from pytest_torchmem.engine.tracing.rules import OpCall, RuleSet
 
 __all__ = ["EAGER_IN_PLACE", "EAGER_IN_PLACE_BINARY", "in_place_twin", "register_eager_in_place"]
+
+# torch's private names (engine/torch_private.py)
+_current_autograd_node: Final = private("torch._C._current_autograd_node")
 
 aten = torch.ops.aten
 
@@ -138,7 +142,7 @@ def in_place_twin(call: OpCall) -> Callable[..., Any] | None:
     if entry is None:
         return None
     in_place, nodes = entry
-    node = torch._C._current_autograd_node()
+    node = _current_autograd_node()
     return in_place if node is not None and node.name() in nodes else None
 
 

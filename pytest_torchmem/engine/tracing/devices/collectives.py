@@ -20,6 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from pytest_torchmem.engine.torch_private import private
 from pytest_torchmem.engine.tracing.rules import OpCall, RuleSet
 
 __all__ = ["register_collectives"]
@@ -27,8 +28,7 @@ __all__ = ["register_collectives"]
 
 def _done(value: Any) -> Any:
     """A completed work item whose future holds ``value``, boxed as c10d ops return it."""
-    from torch._C._distributed_c10d import _create_work_from_future
-
+    _create_work_from_future = private("torch._C._distributed_c10d._create_work_from_future")
     future: torch.futures.Future[Any] = torch.futures.Future()
     future.set_result(value)
     return _create_work_from_future(future).boxed()

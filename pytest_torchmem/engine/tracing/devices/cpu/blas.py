@@ -32,8 +32,8 @@ from collections.abc import Sequence
 from typing import Any, Final
 
 import torch
-from torch._subclasses.fake_tensor import DataDependentOutputException
 
+from pytest_torchmem.engine.torch_private import private
 from pytest_torchmem.engine.torch_release import torch_minor
 from pytest_torchmem.engine.tracing.devices.cpu.base import CPU, native_kernel_gap, profile_of
 from pytest_torchmem.engine.tracing.devices.cpu.profiles import CpuProfile
@@ -41,6 +41,9 @@ from pytest_torchmem.engine.tracing.devices.memo import BoundedMemo
 from pytest_torchmem.engine.tracing.rules import OUTPUTS, Alloc, Inexact, OpCall, Step, Steps, nbytes_of
 
 __all__ = ["is_contiguous", "onednn_gemm_accumulator_bytes", "onednn_gemm_bytes"]
+
+# torch's private names (engine/torch_private.py)
+DataDependentOutputException: Final = private("torch._subclasses.fake_tensor.DataDependentOutputException")
 
 aten = torch.ops.aten
 
@@ -353,7 +356,7 @@ def _bmm_steps(
     if inner * rows * cols < _BMM_SMALL:
         return []  # baddbmm_cpu_kernel: no scratch
     if (
-        torch._C.has_mkl
+        torch.backends.mkl.is_available()
         and (dtype.is_complex or (dtype.is_floating_point and dtype not in (torch.bfloat16, torch.float16)))
         and _items_contiguous_or_transposed(batch1)
         and _items_contiguous_or_transposed(batch2)

@@ -20,6 +20,7 @@ from typing import Any, Final
 
 import torch
 
+from pytest_torchmem.engine.torch_private import private
 from pytest_torchmem.engine.tracing.devices.cpu.base import CPU, profile_of
 from pytest_torchmem.engine.tracing.devices.cpu.misc import arg, itemsize
 from pytest_torchmem.engine.tracing.devices.cpu.reduce import (
@@ -29,12 +30,16 @@ from pytest_torchmem.engine.tracing.devices.cpu.reduce import (
 )
 from pytest_torchmem.engine.tracing.rules import OUTPUTS, Alloc, Free, Inexact, OpCall, Steps
 
+# torch's private names (engine/torch_private.py)
+DispatchKey: Final = private("torch._C.DispatchKey")
+DispatchKeySet: Final = private("torch._C.DispatchKeySet")
+
 aten = torch.ops.aten
 
 _DOUBLE = 8
 
 #: The CPU kernel's slot of the dispatcher (where a composite kernel is registered too).
-_CPU_KERNEL: Final = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
+_CPU_KERNEL: Final = DispatchKeySet(DispatchKey.CPU)
 
 
 def follow_cpu_kernel(call: OpCall) -> Any:

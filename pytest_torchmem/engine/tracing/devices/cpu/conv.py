@@ -33,8 +33,8 @@ from dataclasses import dataclass, replace
 from typing import Any, Final
 
 import torch
-import torch._prims_common
 
+from pytest_torchmem.engine.torch_private import private
 from pytest_torchmem.engine.tracing.devices.cpu.base import CPU, profile_of
 from pytest_torchmem.engine.tracing.devices.cpu.misc import meta_tensor
 from pytest_torchmem.engine.tracing.devices.cpu.onednn import conv_list
@@ -51,6 +51,13 @@ from pytest_torchmem.engine.tracing.rules import (
     Step,
     nbytes_of,
 )
+
+# torch's private names (engine/torch_private.py)
+suggest_memory_format: Final = private("torch._prims_common.suggest_memory_format")
+are_strides_like_channels_last_or_false: Final = private("torch._prims_common.are_strides_like_channels_last_or_false")
+make_channels_last_strides_for: Final = private("torch._prims_common.make_channels_last_strides_for")
+make_contiguous_strides_for: Final = private("torch._prims_common.make_contiguous_strides_for")
+_get_nnpack_enabled: Final = private("torch._C._get_nnpack_enabled")
 
 aten = torch.ops.aten
 
@@ -110,7 +117,7 @@ def _conv(input: torch.Tensor, weight: torch.Tensor, bias: bool, args: Sequence[
 
 
 def _mkldnn_enabled() -> bool:
-    return torch.backends.mkldnn.is_available() and torch._C._get_mkldnn_enabled()
+    return torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled
 
 
 def _backend(c: _Conv, cpu: CpuProfile) -> str:
@@ -154,7 +161,7 @@ def _backend(c: _Conv, cpu: CpuProfile) -> str:
 def _nnpack(c: _Conv, x: tuple[int, ...], w: tuple[int, ...]) -> bool:
     """``ConvParams::use_nnpack`` (reached only when oneDNN is off)."""
     return (
-        torch._C._get_nnpack_enabled() and torch._nnpack_available() and c.input.dtype == torch.float32
+        _get_nnpack_enabled() and torch.backends.nnpack.is_available() and c.input.dtype == torch.float32
         and w[2] < 17 and w[3] < 17 and c.padding[0] < w[2] and c.padding[1] < w[3] and x[0] >= 16
     )
 
@@ -163,7 +170,7 @@ def _suggests_cl(t: torch.Tensor) -> bool:
     """``Tensor::suggest_memory_format()`` is channels-last (2-d or 3-d)."""
     if t.dim() not in (4, 5):
         return False
-    fmt = torch._prims_common.suggest_memory_format(t)
+    fmt = suggest_memory_format(t)
     return fmt in (torch.channels_last, torch.channels_last_3d)
 
 
@@ -175,7 +182,7 @@ def _view4d_suggests_cl(t: torch.Tensor) -> bool:
     shape = tuple(t.shape)
     strides = tuple(t.stride()) if t.is_contiguous() else (shape[1] * shape[2], shape[2], 1)
     shape4, strides4 = (shape[0], shape[1], 1, shape[2]), (strides[0], strides[1], shape[2] * strides[2], strides[2])
-    return torch._prims_common.are_strides_like_channels_last_or_false(shape4, strides4)
+    return are_strides_like_channels_last_or_false(shape4, strides4)
 
 
 def _channels_last(c: _Conv, backend: str) -> bool:
@@ -508,8 +515,8 @@ def _subtensor_copy(t: torch.Tensor, groups: int) -> int:
 
 def _format_strides(shape: Sequence[int], channels_last: bool) -> tuple[int, ...]:
     if channels_last and len(shape) in (4, 5):
-        return tuple(torch._prims_common.make_channels_last_strides_for(shape))
-    return tuple(torch._prims_common.make_contiguous_strides_for(shape))
+        return tuple(make_channels_last_strides_for(shape))
+    return tuple(make_contiguous_strides_for(shape))
 
 
 def _relaid(t: torch.Tensor, groups: int, channels_last: bool) -> bool:

@@ -30,11 +30,14 @@ from collections.abc import Sequence
 from typing import Final
 
 import torch
-from torch._prims_common import make_contiguous_strides_for
 
+from pytest_torchmem.engine.torch_private import private
 from pytest_torchmem.engine.tracing.devices.cpu.base import CPU
 from pytest_torchmem.engine.tracing.devices.cpu.misc import arg, view_strides
 from pytest_torchmem.engine.tracing.rules import OUTPUTS, Alloc, Free, OpCall, Steps, nbytes_of
+
+# torch's private names (engine/torch_private.py)
+make_contiguous_strides_for: Final = private("torch._prims_common.make_contiguous_strides_for")
 
 aten = torch.ops.aten
 

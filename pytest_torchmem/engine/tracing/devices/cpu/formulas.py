@@ -45,6 +45,7 @@ from typing import Any, Final
 
 import torch
 
+from pytest_torchmem.engine.torch_private import private
 from pytest_torchmem.engine.torch_release import torch_minor
 from pytest_torchmem.engine.tracing.devices.cpu.base import CPU
 from pytest_torchmem.engine.tracing.rules import (
@@ -55,6 +56,9 @@ from pytest_torchmem.engine.tracing.rules import (
     OpCall,
     Steps,
 )
+
+# torch's private names (engine/torch_private.py)
+_current_autograd_node: Final = private("torch._C._current_autograd_node")
 
 aten = torch.ops.aten
 
@@ -80,7 +84,7 @@ _TRACED_ONLY: Final = {
 
 @CPU.scratch(*_TRACED_ONLY)
 def _traced_only(call: OpCall) -> Steps:
-    node = torch._C._current_autograd_node()
+    node = _current_autograd_node()
     if node is None or node.metadata.get(REPLICA, False):
         return [OUTPUTS]
     formula = _TRACED_ONLY[call.func].get(node.name())

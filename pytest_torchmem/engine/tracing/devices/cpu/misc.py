@@ -31,8 +31,8 @@ from collections.abc import Iterable, Sequence
 from typing import Any, Final
 
 import torch
-from torch._prims_common import compute_elementwise_output_strides
 
+from pytest_torchmem.engine.torch_private import private
 from pytest_torchmem.engine.tracing.devices.autograd_paths import in_place_twin
 from pytest_torchmem.engine.tracing.devices.cpu.base import CPU, profile_of
 from pytest_torchmem.engine.tracing.devices.cpu.profiles import CpuProfile
@@ -51,6 +51,10 @@ __all__ = [
     "broadcast_shape",
     "index_long_copies",
 ]
+
+# torch's private names (engine/torch_private.py)
+compute_elementwise_output_strides: Final = private("torch._prims_common.compute_elementwise_output_strides")
+_DisableTorchDispatch: Final = private("torch._C._DisableTorchDispatch")
 
 aten = torch.ops.aten
 
@@ -92,7 +96,7 @@ def meta_tensor(
     """A meta tensor that stands for an operand a kernel makes (a 0-dim constant, a
     view, a copy), to read its dtype promotion or layout from; made outside the
     trace's dispatch modes, which would otherwise track it."""
-    with torch._C._DisableTorchDispatch():
+    with _DisableTorchDispatch():
         if strides is None:
             return torch.empty(tuple(shape), dtype=dtype, device="meta")
         return torch.empty_strided(tuple(shape), tuple(strides), dtype=dtype, device="meta")
@@ -113,7 +117,7 @@ def _common_dtype(inputs: Sequence[Any], *, int_to_float: bool) -> torch.dtype |
     try:
         # Read from the dtypes alone: without the trace's dispatch modes, which
         # would otherwise hash the fake arguments for their cache on every call.
-        with torch._C._DisableTorchDispatch():
+        with _DisableTorchDispatch():
             dtype = torch.result_type(inputs[0], inputs[1])
     except (RuntimeError, TypeError):
         return None

@@ -16,8 +16,8 @@ from __future__ import annotations
 from typing import Any, Final
 
 import torch
-from torch._prims_common import suggest_memory_format
 
+from pytest_torchmem.engine.torch_private import private
 from pytest_torchmem.engine.torch_release import torch_minor
 from pytest_torchmem.engine.tracing.devices.cpu.base import CPU, profile_of
 from pytest_torchmem.engine.tracing.devices.cpu.misc import arg, itemsize
@@ -28,6 +28,9 @@ from pytest_torchmem.engine.tracing.devices.cpu.reduce import (
     uses_acc_buffer,
 )
 from pytest_torchmem.engine.tracing.rules import OUTPUTS, Alloc, Free, OpCall, Output, Steps, nbytes_of
+
+# torch's private names (engine/torch_private.py)
+suggest_memory_format: Final = private("torch._prims_common.suggest_memory_format")
 
 aten = torch.ops.aten
 

@@ -25,10 +25,13 @@ from collections.abc import Sequence
 from typing import Any, Final
 
 import torch
-from torch._prims_common import suggest_memory_format
 
+from pytest_torchmem.engine.torch_private import private
 from pytest_torchmem.engine.tracing.devices.cpu.base import CPU
 from pytest_torchmem.engine.tracing.rules import OUTPUTS, Alloc, OpCall, Steps
+
+# torch's private names (engine/torch_private.py)
+suggest_memory_format: Final = private("torch._prims_common.suggest_memory_format")
 
 aten = torch.ops.aten
 

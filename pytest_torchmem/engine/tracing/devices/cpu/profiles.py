@@ -40,6 +40,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final
 
+from pytest_torchmem.engine.torch_private import private
+
 __all__ = [
     "CpuProfile",
     "ISA_LEVELS",
@@ -268,15 +270,13 @@ def _onednn_level() -> str:
     """The level of the oneDNN kernels this process may use: the CPU's, capped by
     ``ONEDNN_MAX_CPU_ISA`` (or its older name ``DNNL_MAX_CPU_ISA``); ``"avx"``
     for AVX without AVX2, which no level models."""
-    import torch
-
-    if torch.cpu._is_amx_tile_supported():
+    if private("torch.cpu._is_amx_tile_supported")():
         level = "amx"
-    elif torch.cpu._is_avx512_bf16_supported():
+    elif private("torch.cpu._is_avx512_bf16_supported")():
         level = "avx512_bf16"
-    elif torch.cpu._is_avx512_supported():
+    elif private("torch.cpu._is_avx512_supported")():
         level = "avx512"
-    elif torch.cpu._is_avx2_supported():
+    elif private("torch.cpu._is_avx2_supported")():
         level = "avx2"
     else:
         level = "default"
@@ -355,8 +355,6 @@ def capped_inductor_cache(isa: str) -> str:
     beside the one in use (``TORCHINDUCTOR_CACHE_DIR`` or inductor's default)."""
     base = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     if base is None:
-        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
-
-        base = default_cache_dir()
+        base = private("torch._inductor.runtime.cache_dir_utils.default_cache_dir")()
     base = base.split(_CAPPED_CACHE)[0]
     return f"{base}{_CAPPED_CACHE}{isa}"

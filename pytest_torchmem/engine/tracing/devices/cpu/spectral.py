@@ -18,8 +18,8 @@ from __future__ import annotations
 from typing import Any, Final
 
 import torch
-from torch._C import DispatchKey
 
+from pytest_torchmem.engine.torch_private import private
 from pytest_torchmem.engine.tracing.devices.cpu import lapack
 from pytest_torchmem.engine.tracing.devices.cpu.base import CPU, profile_of
 from pytest_torchmem.engine.tracing.devices.cpu.linalg import (
@@ -38,6 +38,9 @@ from pytest_torchmem.engine.tracing.devices.cpu.misc import arg
 from pytest_torchmem.engine.tracing.rules import OUTPUTS, Alloc, Free, Inexact, OpCall, Step, Steps
 
 __all__: list[str] = []
+
+# torch's private names (engine/torch_private.py)
+DispatchKey: Final = private("torch._C.DispatchKey")
 
 aten = torch.ops.aten
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
 from typing import Any, Final
@@ -36,9 +36,14 @@ import torch
 import torch.backends.cuda
 import torch.backends.cudnn
 import torch.cuda.amp.common
-from torch._subclasses.fake_tensor import FakeTensor
+
+from pytest_torchmem.engine.torch_private import private, replacing
 
 __all__ = ["autocast_opens_cuda_regions", "gpu_view"]
+
+# torch's private names (engine/torch_private.py)
+_FAKE_TENSOR: Final = "torch._subclasses.fake_tensor.FakeTensor"
+FakeTensor: Final = private(_FAKE_TENSOR)
 
 _CUDA: Final = torch.device("cuda", 0)
 #: Code whose callers keep seeing the trace's real devices.
@@ -61,17 +66,16 @@ def _from_the_program() -> bool:
 @contextmanager
 def gpu_view(profile: Any) -> Iterator[None]:
     """Within a fake cuda trace: the program sees the GPU ``profile`` describes."""
-    real_device = FakeTensor.device
-    real_device_of = real_device.fget  # type: ignore[attr-defined]
-    real_is_cuda = torch._C.TensorBase.is_cuda
-    real_get_device = torch._C.TensorBase.get_device
+    real_device_of: Callable[[Any], torch.device]  # FakeTensor.device's getter, bound below
+    real_is_cuda = torch.Tensor.is_cuda
+    real_get_device = torch.Tensor.get_device
     getframe = sys._getframe
 
     def device(self: FakeTensor) -> torch.device:
         # Asked thousands of times a step, mostly by torch's fake-tensor cache: the
         # caller's frame is read first, here, without _from_the_program's call.
         if getframe(1).f_code.co_filename.startswith(_NOT_THE_PROGRAM):
-            return real_device_of(self)  # type: ignore[no-any-return]
+            return real_device_of(self)
         seen = real_device_of(self)
         return _CUDA if seen.type == "meta" else seen
 
@@ -121,20 +125,18 @@ def gpu_view(profile: Any) -> Iterator[None]:
         query.__doc__ = real.__doc__
         return query
 
-    FakeTensor.device = property(device)  # type: ignore[assignment,method-assign]
-    FakeTensor.is_cuda = property(is_cuda)  # type: ignore[assignment,method-assign]
-    FakeTensor.get_device = get_device  # type: ignore[method-assign]
-    for module, name in answers:
-        setattr(module, name, answering((module, name)))
-    try:
-        with autocast_opens_cuda_regions(profile):
-            yield
-    finally:
-        FakeTensor.device = real_device  # type: ignore[method-assign]
-        del FakeTensor.is_cuda
-        del FakeTensor.get_device
-        for (module, name), real in saved.items():
-            setattr(module, name, real)
+    with ExitStack() as replaced:
+        real_device_of = replaced.enter_context(replacing(f"{_FAKE_TENSOR}.device", property(device))).fget
+        replaced.enter_context(replacing(f"{_FAKE_TENSOR}.is_cuda", property(is_cuda)))
+        replaced.enter_context(replacing(f"{_FAKE_TENSOR}.get_device", get_device))
+        for module, name in answers:
+            setattr(module, name, answering((module, name)))
+        try:
+            with autocast_opens_cuda_regions(profile):
+                yield
+        finally:
+            for (module, name), real in saved.items():
+                setattr(module, name, real)
 
 
 #: Where ``torch.autocast`` asks whether it may enter a ``cuda`` region with a dtype.

@@ -70,17 +70,27 @@ import torch
 from torch.fx.experimental.proxy_tensor import PreDispatchTorchFunctionMode
 from torch.overrides import TorchFunctionMode
 
+from pytest_torchmem.engine.torch_private import private
+from pytest_torchmem.engine.torch_release import torch_minor as _release
 from pytest_torchmem.engine.tracing.devices.routing import BodyRouting
 from pytest_torchmem.engine.tracing.rules import TraceContext
-from pytest_torchmem.engine.torch_release import torch_minor as _release
 
 __all__ = ["CUDNN_VERSION", "CudaRouter", "SDPBackend", "autocast_policy", "select_sdp_backend"]
 
 aten = torch.ops.aten
 
 _TRACE_DEVICE: Final = torch.device("meta")
-_ENTER_AUTOCAST: Final = torch.amp.autocast_mode._enter_autocast
-_EXIT_AUTOCAST: Final = torch.amp.autocast_mode._exit_autocast
+# torch's private names (engine/torch_private.py): the C bindings the router's keys are,
+# autocast's entry points, the torch-function mode stack, the SDPA backends' order
+_VariableFunctions: Final = private("torch._C._VariableFunctions")
+_nn: Final = private("torch._C._nn")
+_linalg: Final = private("torch._C._linalg")
+TensorBase: Final = private("torch._C.TensorBase")
+_ENTER_AUTOCAST: Final = private("torch.amp.autocast_mode._enter_autocast")
+_EXIT_AUTOCAST: Final = private("torch.amp.autocast_mode._exit_autocast")
+_get_current_function_mode_stack: Final = private("torch.overrides._get_current_function_mode_stack")
+_get_sdp_priority_order: Final = private("torch._C._get_sdp_priority_order")
+
 _FLOATS: Final = (torch.float16, torch.bfloat16, torch.float32)
 _HALVES: Final = (torch.float16, torch.bfloat16)
 
@@ -241,7 +251,7 @@ class CudaRouter(BodyRouting, PreDispatchTorchFunctionMode):
         ``torch.amp._enter_autocast``/``_exit_autocast`` (this mode popped), enter
         or leave it too.
         """
-        notified = self in torch.overrides._get_current_function_mode_stack()
+        notified = self in _get_current_function_mode_stack()
         result = None if notified else func(*args, **kwargs)
         if func is _ENTER_AUTOCAST:
             device = args[0] if args else kwargs.get("device_type")
@@ -301,7 +311,7 @@ def _eligible(t: Any) -> bool:
 # -- dropout --------------------------------------------------------------------
 
 
-@_route(torch._C._VariableFunctions.dropout)
+@_route(_VariableFunctions.dropout)
 def _dropout(router: CudaRouter, func: Any, types_: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """``at::native::dropout``: the fused ``native_dropout`` when
     ``is_fused_kernel_acceptable(input, p)`` and ``train``."""
@@ -374,7 +384,7 @@ def _cudnn_batch_norm(
     return out[0]
 
 
-@_route(torch._C._VariableFunctions.batch_norm)
+@_route(_VariableFunctions.batch_norm)
 def _batch_norm(router: CudaRouter, func: Any, types_: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """``at::batch_norm`` -> ``_batch_norm_impl_index``: cuDNN when it may, else the
     native kernel (the same ops as on meta)."""
@@ -385,7 +395,7 @@ def _batch_norm(router: CudaRouter, func: Any, types_: Any, args: tuple[Any, ...
     return func(*args, **kwargs)
 
 
-@_route(torch._C._VariableFunctions.instance_norm)
+@_route(_VariableFunctions.instance_norm)
 def _instance_norm(router: CudaRouter, func: Any, types_: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """``at::instance_norm`` (Normalization.cpp): the input viewed as ``(1, b*c, ...)``
     through ``batch_norm`` with repeated affine parameters and running stats,
@@ -447,7 +457,7 @@ def _prefer_cudnn_attention(cc: tuple[int, int]) -> bool:
 def _priority_order(cc: tuple[int, int]) -> list[int]:
     """``priority_order``: the context's order, which the first CUDA call sets to
     cuDNN-first where cuDNN attention is preferred (unless the user set one)."""
-    order = list(torch._C._get_sdp_priority_order())
+    order = list(_get_sdp_priority_order())
     default = [SDPBackend.FLASH, SDPBackend.EFFICIENT, SDPBackend.MATH, SDPBackend.CUDNN, SDPBackend.OVERRIDEABLE]
     if order == default and _prefer_cudnn_attention(cc):
         return [SDPBackend.CUDNN, SDPBackend.FLASH, SDPBackend.EFFICIENT, SDPBackend.MATH]
@@ -502,7 +512,7 @@ def _attn_mask_shape_ok(q: torch.Tensor, k: torch.Tensor, mask: Any) -> bool:
 
 def _can_use_flash(q, k, v, mask, dropout_p, is_causal, enable_gqa, cc) -> bool:  # type: ignore[no-untyped-def]
     """``can_use_flash_attention`` (sdp_utils.cpp)."""
-    if not torch._C._get_flash_sdp_enabled():
+    if not torch.backends.cuda.flash_sdp_enabled():
         return False
     if not (q.dim() == k.dim() == v.dim() == 4) or mask is not None:
         return False
@@ -523,7 +533,7 @@ def _can_use_flash(q, k, v, mask, dropout_p, is_causal, enable_gqa, cc) -> bool:
 
 def _can_use_mem_efficient(q, k, v, mask, dropout_p, is_causal, enable_gqa, cc) -> bool:  # type: ignore[no-untyped-def]
     """``can_use_mem_efficient_attention`` (sdp_utils.cpp)."""
-    if not torch._C._get_mem_efficient_sdp_enabled():
+    if not torch.backends.cuda.mem_efficient_sdp_enabled():
         return False
     if not _sm_in(cc, (5, 0), (12, 1)):
         return False
@@ -559,7 +569,7 @@ def _can_use_cudnn(q, k, v, mask, dropout_p, is_causal, enable_gqa, cc) -> bool:
     """``can_use_cudnn_attention`` (sdp_utils.cpp), for the cuDNN of :data:`CUDNN_VERSION`."""
     if dropout_p > 0.0 and 91100 < CUDNN_VERSION < 91400:
         return False
-    if not torch._C._get_cudnn_sdp_enabled():
+    if not torch.backends.cuda.cudnn_sdp_enabled():
         return False
     if not (q.dim() == k.dim() == v.dim() == 4):
         return False
@@ -609,10 +619,10 @@ def select_sdp_backend(
     """``sdp::select_sdp_backend`` (sdp_utils.cpp) for a GPU of compute capability ``cc``."""
     if not any(
         (
-            torch._C._get_math_sdp_enabled(),
-            torch._C._get_flash_sdp_enabled(),
-            torch._C._get_mem_efficient_sdp_enabled(),
-            torch._C._get_cudnn_sdp_enabled(),
+            torch.backends.cuda.math_sdp_enabled(),
+            torch.backends.cuda.flash_sdp_enabled(),
+            torch.backends.cuda.mem_efficient_sdp_enabled(),
+            torch.backends.cuda.cudnn_sdp_enabled(),
         )
     ):
         return SDPBackend.ERROR
@@ -626,7 +636,7 @@ def select_sdp_backend(
         if check is not None:
             if check(q, k, v, mask, dropout_p, is_causal, enable_gqa, cc):
                 return backend
-        elif backend == SDPBackend.MATH and torch._C._get_math_sdp_enabled():
+        elif backend == SDPBackend.MATH and torch.backends.cuda.math_sdp_enabled():
             return SDPBackend.MATH
     return SDPBackend.ERROR
 
@@ -668,7 +678,7 @@ def _sdpa_math(q, k, v, mask, dropout_p, is_causal, scale, enable_gqa):  # type:
     (``native_dropout``); used when dropout is on, where meta's composite
     would take the bernoulli path."""
     origin = q.dtype
-    reduce_low = torch._C._get_math_sdp_allow_fp16_bf16_reduction()
+    reduce_low = torch.backends.cuda.fp16_bf16_reduction_math_sdp_allowed()
 
     def acc(t: torch.Tensor) -> torch.Tensor:
         return t.to(torch.float32) if (not reduce_low and t.dtype in _HALVES and not t.is_nested) else t
@@ -697,7 +707,7 @@ def _sdpa_math(q, k, v, mask, dropout_p, is_causal, scale, enable_gqa):  # type:
     return out
 
 
-@_route(torch._C._nn.scaled_dot_product_attention)
+@_route(_nn.scaled_dot_product_attention)
 def _sdpa(router: CudaRouter, func: Any, types_: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """``at::native::scaled_dot_product_attention``: the backend
     :func:`select_sdp_backend` picks for the trace's GPU, called as the composite does."""
@@ -768,8 +778,8 @@ def _softmax_handler(op: Any) -> Handler:
     return handler
 
 
-_route(torch._C._VariableFunctions.softmax, torch._C.TensorBase.softmax)(_softmax_handler(aten._softmax.default))
-_route(torch._C._VariableFunctions.log_softmax, torch._C.TensorBase.log_softmax)(
+_route(_VariableFunctions.softmax, TensorBase.softmax)(_softmax_handler(aten._softmax.default))
+_route(_VariableFunctions.log_softmax, TensorBase.log_softmax)(
     _softmax_handler(aten._log_softmax.default)
 )
 
@@ -829,15 +839,15 @@ def _rnn_handler(mode: int) -> Handler:
 
 
 for _mode, _funcs in (
-    (LSTM, (torch._C._VariableFunctions.lstm,)),
-    (GRU, (torch._C._VariableFunctions.gru,)),
-    (RNN_TANH, (torch._C._VariableFunctions.rnn_tanh,)),
-    (RNN_RELU, (torch._C._VariableFunctions.rnn_relu,)),
+    (LSTM, (_VariableFunctions.lstm,)),
+    (GRU, (_VariableFunctions.gru,)),
+    (RNN_TANH, (_VariableFunctions.rnn_tanh,)),
+    (RNN_RELU, (_VariableFunctions.rnn_relu,)),
 ):
     _route(*_funcs)(_rnn_handler(_mode))
 
 
-@_route(torch._C._VariableFunctions.lstm_cell)
+@_route(_VariableFunctions.lstm_cell)
 def _lstm_cell(router: CudaRouter, func: Any, types_: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """``lstm_cell`` -> ``LSTMCell<CellParams>`` (RNN.cpp): on CUDA the gates are two
     matmuls and ``_thnn_fused_lstm_cell`` (hy, cy and a (n, 4h) workspace saved for
@@ -851,7 +861,7 @@ def _lstm_cell(router: CudaRouter, func: Any, types_: Any, args: tuple[Any, ...]
     return hy, cy
 
 
-@_route(torch._C._VariableFunctions.gru_cell)
+@_route(_VariableFunctions.gru_cell)
 def _gru_cell(router: CudaRouter, func: Any, types_: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """``gru_cell`` -> ``GRUCell<CellParams>`` (RNN.cpp): on CUDA two matmuls and
     ``_thnn_fused_gru_cell`` (hy and a (n, 5h) workspace saved for backward)."""
@@ -958,12 +968,12 @@ def _bindings(name: str) -> list[Any]:
     """The C-level callables that are bindings of the aten op ``name``."""
     found = []
     homes: list[tuple[Any, str]] = [
-        (torch._C._VariableFunctions, name),
-        (torch._C._nn, name),
-        (torch._C.TensorBase, name),
+        (_VariableFunctions, name),
+        (_nn, name),
+        (TensorBase, name),
     ]
     if name.startswith("linalg_"):
-        homes.append((torch._C._linalg, name))
+        homes.append((_linalg, name))
     for home, attr in homes:
         func = getattr(home, attr, None)
         if func is not None and type(func) is not types.FunctionType and func not in found:
@@ -997,7 +1007,7 @@ def autocast_policy(func: Any) -> str | None:
     return None if policy is None else policy.__name__.lstrip("_")
 
 
-@_route(torch._C._nn.cross_entropy_loss)
+@_route(_nn.cross_entropy_loss)
 def _cross_entropy(router: CudaRouter, func: Any, types_: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """``cross_entropy_loss`` (LossNLL.cpp) under CUDA autocast: the composite calls
     ``log_softmax(self, 1, self.scalar_type())`` (its dtype given, so it stays in
@@ -1021,7 +1031,7 @@ def _cross_entropy(router: CudaRouter, func: Any, types_: Any, args: tuple[Any, 
     logp = torch.log_softmax(input, class_dim, dtype=input.dtype)
     logp = router.cast(logp, torch.float32, lower)
     weight = router.cast(weight, torch.float32, lower)
-    return torch._C._nn.nll_loss_nd(logp, target, weight, reduction, ignore_index)
+    return _nn.nll_loss_nd(logp, target, weight, reduction, ignore_index)
 
 
 # -- device placement handlers ----------------------------------------------------

@@ -63,8 +63,8 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 import torch
-import torch._prims_common as prims
 
+from pytest_torchmem.engine.torch_private import private
 from pytest_torchmem.engine.tracing.devices.cuda.base import CUDA
 from pytest_torchmem.engine.tracing.devices.memo import BoundedMemo
 from pytest_torchmem.engine.tracing.devices.tensor_iterator import (
@@ -90,6 +90,9 @@ __all__ = [
     "reduce_config",
     "reduction_steps",
 ]
+
+# torch's private names (engine/torch_private.py)
+make_contiguous_strides_for: Final = private("torch._prims_common.make_contiguous_strides_for")
 
 aten = torch.ops.aten
 
@@ -435,7 +438,7 @@ def _input_layout(self: torch.Tensor, in_dtype: torch.dtype) -> tuple[list[int],
     isz = _itemsize(in_dtype)
     if non_overlapping_and_dense(self):
         return [s * isz for s in self.stride()], 0
-    return [s * isz for s in prims.make_contiguous_strides_for(self.shape)], 0
+    return [s * isz for s in make_contiguous_strides_for(self.shape)], 0
 
 
 def reduction_steps(

@@ -74,8 +74,8 @@ from collections.abc import Sequence
 from typing import Any, Final, Literal
 
 import torch
-import torch._prims_common as prims
 
+from pytest_torchmem.engine.torch_private import private
 from pytest_torchmem.engine.tracing.devices.cuda.base import CUDA
 from pytest_torchmem.engine.tracing.devices.cuda.temporaries import reduction_steps
 from pytest_torchmem.engine.tracing.devices.memo import BoundedMemo
@@ -104,6 +104,10 @@ __all__ = [
     "unified_workspaces",
     "workspace_caching",
 ]
+
+# torch's private names (engine/torch_private.py)
+suggest_memory_format: Final = private("torch._prims_common.suggest_memory_format")
+_current_autograd_node: Final = private("torch._C._current_autograd_node")
 
 aten = torch.ops.aten
 
@@ -232,7 +236,7 @@ def cublaslt_workspace_size(gpu: Any = None) -> int:
 def _thread() -> str:
     """Which thread a real GPU runs this op on: the autograd engine's device thread
     inside a backward node, else the calling thread."""
-    return "autograd" if torch._C._current_autograd_node() is not None else "main"
+    return "autograd" if _current_autograd_node() is not None else "main"
 
 
 def blas_workspace_steps(call: OpCall, *, lt: bool) -> list[Step]:
@@ -265,10 +269,7 @@ def blas_workspace_steps(call: OpCall, *, lt: bool) -> list[Step]:
 def _prefers_cublaslt() -> bool:
     """``at::globalContext().blasPreferredBackend() == BlasBackend::Cublaslt``
     (``TORCH_BLAS_PREFER_CUBLASLT=1`` or ``torch.backends.cuda.preferred_blas_library``)."""
-    try:
-        return torch._C._get_blas_preferred_backend() == torch._C._BlasBackend.Cublaslt
-    except (AttributeError, RuntimeError):  # pragma: no cover - older builds
-        return _check_env("TORCH_BLAS_PREFER_CUBLASLT") is True
+    return torch.backends.cuda.preferred_blas_library().name == "Cublaslt"
 
 
 # -- operand copies ---------------------------------------------------------------------
@@ -633,7 +634,7 @@ def _conv(input: torch.Tensor, weight: torch.Tensor, args: Any) -> _Conv:
 
 def _suggest(t: torch.Tensor) -> torch.memory_format:
     """``Tensor::suggest_memory_format()``."""
-    return prims.suggest_memory_format(t)
+    return suggest_memory_format(t)
 
 
 def _cudnn_format(x: torch.Tensor, w: torch.Tensor) -> torch.memory_format:
