@@ -7,7 +7,7 @@ Three guards, run on every release of the window (``.ci/torch-venv``):
 - ``private``/``replacing`` refuse a name missing from the table, explain a name
   missing from torch in one line, and always put a replaced attribute back;
 - no module of the package names a private torch name outside the table (an AST
-  scan), but for :data:`NOT_YET_CONVERTED`, a to-do list that only shrinks.
+  scan).
 """
 
 from __future__ import annotations
@@ -203,20 +203,6 @@ def test_private_name_is_the_attribute_once_present() -> None:
 
 # -- (c) no private torch name outside the table ---------------------------------------
 
-#: TO-DO LIST, NOT AN EXCEPTION LIST: the modules that still name private torch
-#: names outside engine/torch_private.py, each converted in its own area of issue 24
-#: (CPU and CUDA rules, parallel, compiled). Remove a module once it is converted;
-#: the test fails while a listed module no longer needs its place, so the list only
-#: shrinks. Nothing is ever added to it.
-NOT_YET_CONVERTED: frozenset[str] = frozenset(
-    {
-        # compiled
-        "engine/tracing/compiled_cuda.py",
-        "engine/tracing/compiled_program.py",
-        "engine/tracing/generated_code.py",
-        "engine/tracing/inductor_device.py",
-    }
-)
 THE_TABLE = "engine/torch_private.py"
 
 
@@ -292,18 +278,11 @@ def test_no_module_names_a_private_torch_name_outside_the_table() -> None:
     strays = {
         module: names
         for module, names in _names_by_module().items()
-        if module != THE_TABLE and module not in NOT_YET_CONVERTED
+        if module != THE_TABLE
     }
     assert not strays, "private torch names outside engine/torch_private.py:\n" + "\n".join(
         f"  pytest_torchmem/{module}:{line}: {name}" for module, names in strays.items() for line, name in names
     )
-
-
-def test_the_to_do_list_only_shrinks() -> None:
-    """A converted module leaves NOT_YET_CONVERTED (and a module gone from the tree too)."""
-    needing = set(_names_by_module())
-    done = sorted(NOT_YET_CONVERTED - needing)
-    assert not done, f"converted: remove from NOT_YET_CONVERTED: {', '.join(done)}"
 
 
 def test_the_scan_sees_every_spelling() -> None:

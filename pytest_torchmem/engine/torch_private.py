@@ -189,6 +189,18 @@ COMPILED_ENTRIES: Final = (
         "every output module loaded: ours are dropped from it on exit",
     ),
     Private(
+        "torch._inductor.config",
+        "inductor's configuration: the options an estimate's compile sets (each tabled below)",
+    ),
+    Private(
+        "torch._dynamo.config",
+        "dynamo's configuration: the options an estimate's compile reads (each tabled)",
+    ),
+    Private(
+        "torch._inductor.codecache.PyCodeCache",
+        "inductor's cache of output modules: ours are dropped from its modules on exit",
+    ),
+    Private(
         "torch._inductor.config.force_disable_caches",
         "no FX graph, AOTAutograd or autotuning cache read or written while the estimate compiles",
     ),
@@ -304,10 +316,16 @@ COMPILED_ENTRIES: Final = (
     Private(
         "torch._inductor.decomposition.is_gpu",
         "whether inductor decomposes for a GPU: the fake cuda device is one",
+        replaced=True,
     ),
     Private(
         "torch._inductor.inductor_prims",
         "registers inductor's prims before the fake cuda device's rules read them",
+    ),
+    Private(
+        "torch._subclasses.fake_tensor.FakeTensor.is_meta",
+        "the check replace_random_passes makes of a value: a fake cuda tensor is not meta there",
+        replaced=True,
     ),
     Private(
         "torch._dynamo.variables.tensor.TensorVariable.specialize",
@@ -326,6 +344,17 @@ COMPILED_ENTRIES: Final = (
     Private(
         "torch._guards.detect_fake_mode",
         "the fake mode of the graph inductor compiles for cuda",
+    ),
+    Private(
+        "torch._decomp.decomposition_table",
+        "the decompositions FakeTensorMode reads at each dispatch: wrapped while a cuda "
+        "program runs so that each runs without the binding's device guard",
+        replaced=True,
+    ),
+    Private(
+        "torch.utils._triton.triton_hash_with_backend",
+        "the triton version inductor keys a cuda program by; no triton kernel is built",
+        replaced=True,
     ),
     Private(
         "torch._decomp.global_decomposition_table",

@@ -35,13 +35,20 @@ from dataclasses import dataclass, field
 from typing import Any, Final, Protocol
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor
 
+from pytest_torchmem.engine.torch_private import private, replacing
 from pytest_torchmem.engine.tracing.devices.cuda.gpu_view import autocast_opens_cuda_regions
 from pytest_torchmem.engine.tracing.devices.cuda.profiles import GpuProfile
 from pytest_torchmem.engine.tracing.inductor_device import Enter, as_the_gpu, unguarded
 
 __all__ = ["CudaProgram", "Gap", "GRAPH_POOL", "without_function_modes"]
+
+# torch's private names (engine/torch_private.py)
+_FAKE_TENSOR: Final = "torch._subclasses.fake_tensor.FakeTensor"
+FakeTensor: Final = private(_FAKE_TENSOR)
+_len_torch_function_stack: Final = private("torch._C._len_torch_function_stack")
+_pop_torch_function_stack: Final = private("torch._C._pop_torch_function_stack")
+_push_on_torch_function_stack: Final = private("torch._C._push_on_torch_function_stack")
 
 _GPU: Final = torch.device("cuda", 0)
 
@@ -86,9 +93,9 @@ class _ToGpu:
 def _to_gpu(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> list[Any]:
     """Move a partitioned graph and its example inputs from the trace's ``meta`` to
     ``cuda``: the values of its nodes and the devices its nodes name."""
-    from torch._guards import TracingContext, detect_fake_mode
-
-    fake_mode = detect_fake_mode(example_inputs) or TracingContext.get().fake_mode
+    fake_mode = (
+        private("torch._guards.detect_fake_mode")(example_inputs) or private("torch._guards.TracingContext").get().fake_mode
+    )
     move = _ToGpu(fake_mode)
     for node in gm.graph.nodes:
         if "val" in node.meta:
@@ -104,13 +111,13 @@ def without_function_modes() -> Iterator[None]:
     """No torch-function mode active (the router's placement would send inductor's
     own cuda tensors to the trace device)."""
     modes = []
-    while torch._C._len_torch_function_stack() > 0:
-        modes.append(torch._C._pop_torch_function_stack())
+    while _len_torch_function_stack() > 0:
+        modes.append(_pop_torch_function_stack())
     try:
         yield
     finally:
         for mode in reversed(modes):
-            torch._C._push_on_torch_function_stack(mode)
+            _push_on_torch_function_stack(mode)
 
 
 @contextmanager
@@ -120,11 +127,7 @@ def _meta_outputs_computed() -> Iterator[None]:
     (a meta tensor has no data); for the GPU they stand for, the visit that does it
     is told that they are on ``cuda`` (only that visit: everything else in the joint
     passes sees ``meta``)."""
-    import torch._inductor.fx_passes.joint_graph as joint_graph
-
-    real_remove = joint_graph.remove_no_ops
-    real_device = FakeTensor.device
-    device_of = real_device.fget  # type: ignore[attr-defined]
+    device_of = FakeTensor.device.fget
     visit = "remove_no_ops.<locals>.visit"
 
     def device(self: FakeTensor) -> torch.device:
@@ -134,17 +137,11 @@ def _meta_outputs_computed() -> Iterator[None]:
         return seen
 
     def remove_no_ops(*args: Any, **kwargs: Any) -> Any:
-        FakeTensor.device = property(device)  # type: ignore[assignment,method-assign]
-        try:
+        with replacing(f"{_FAKE_TENSOR}.device", property(device)):
             return real_remove(*args, **kwargs)
-        finally:
-            FakeTensor.device = real_device  # type: ignore[method-assign]
 
-    joint_graph.remove_no_ops = remove_no_ops
-    try:
+    with replacing("torch._inductor.fx_passes.joint_graph.remove_no_ops", remove_no_ops) as real_remove:
         yield
-    finally:
-        joint_graph.remove_no_ops = real_remove
 
 
 @contextmanager
@@ -154,31 +151,19 @@ def _random_ops_replaced() -> Iterator[None]:
     whose values it cannot generate code for, which a ``meta`` tensor is (then inductor's
     lowering refuses ``aten.rand``: the whole region fell back to eager figures); for
     the GPU those values stand for, that check is told they are not ``meta``."""
-    import torch._inductor.fx_passes.joint_graph as joint_graph
-    import torch._inductor.pattern_matcher as pattern_matcher
-
-    real_pass = joint_graph.replace_random_passes
-    real_check = pattern_matcher.fallback_node_due_to_unsupported_type
+    real_check: Callable[..., bool]  # fallback_node_due_to_unsupported_type, bound below
 
     def check(node: torch.fx.Node, allow_cpu_inputs: bool = True) -> bool:
-        FakeTensor.is_meta = property(lambda self: False)  # type: ignore[assignment,method-assign]
-        try:
+        with replacing(f"{_FAKE_TENSOR}.is_meta", property(lambda self: False)):
             return real_check(node, allow_cpu_inputs)
-        finally:
-            del FakeTensor.is_meta  # TensorBase's again
 
     def replace_random_passes(gm: torch.fx.GraphModule) -> int:
-        pattern_matcher.fallback_node_due_to_unsupported_type = check
-        try:
+        nonlocal real_check
+        with replacing("torch._inductor.pattern_matcher.fallback_node_due_to_unsupported_type", check) as real_check:
             return real_pass(gm)
-        finally:
-            pattern_matcher.fallback_node_due_to_unsupported_type = real_check
 
-    joint_graph.replace_random_passes = replace_random_passes
-    try:
+    with replacing("torch._inductor.fx_passes.joint_graph.replace_random_passes", replace_random_passes) as real_pass:
         yield
-    finally:
-        joint_graph.replace_random_passes = real_pass
 
 
 @contextmanager
@@ -188,15 +173,10 @@ def _dynamo_sees_the_gpu(router: Callable[[], Any]) -> Iterator[None]:
     device; what it makes on ``cuda`` is placed on ``meta`` by the device's router
     while dynamo runs each op on its fake values (and while AOTAutograd traces the
     graph: :meth:`CudaProgram.compile`)."""
-    import torch._dynamo.utils as dynamo_utils
-    from torch._dynamo.variables.tensor import TensorVariable
-
-    real_specialize = TensorVariable.__dict__["specialize"]
-    real_run_node = dynamo_utils.run_node
     placing = router()
 
     def specialize(value: torch.Tensor) -> dict[str, Any]:
-        props = real_specialize.__func__(value)
+        props = real_specialize(value)
         if props["device"].type == "meta":
             props["device"] = _GPU
         return props
@@ -205,13 +185,11 @@ def _dynamo_sees_the_gpu(router: Callable[[], Any]) -> Iterator[None]:
         with placing:
             return real_run_node(tracer, node, args, kwargs, nnmodule)
 
-    TensorVariable.specialize = staticmethod(specialize)  # type: ignore[method-assign]
-    dynamo_utils.run_node = run_node
-    try:
+    with (
+        replacing("torch._dynamo.variables.tensor.TensorVariable.specialize", staticmethod(specialize)) as real_specialize,
+        replacing("torch._dynamo.utils.run_node", run_node) as real_run_node,
+    ):
         yield
-    finally:
-        TensorVariable.specialize = real_specialize  # type: ignore[method-assign]
-        dynamo_utils.run_node = real_run_node
 
 
 #: Inductor options whose choices are made by benchmarking on the GPU, not made here.
@@ -289,9 +267,8 @@ class CudaProgram:
     def compile(self, wrapper: Any, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
         """``wrapper(gm, example_inputs)`` (the user's inductor options), with
         AOTAutograd on the trace's device under the router and inductor for cuda."""
-        from torch._dynamo.utils import counters
-        from torch._inductor.compile_fx import compile_fx
-
+        counters = private("torch._dynamo.utils.counters")
+        compile_fx = private("torch._inductor.compile_fx.compile_fx")
         options = dict(wrapper.config)
         if any(options.get(name) for name in _AUTOTUNING):
             self._gap(AUTOTUNE_GAP)
@@ -339,8 +316,7 @@ class CudaProgram:
     def _inner(
         self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, graphs: bool, **kwargs: Any
     ) -> Any:
-        from torch._inductor.compile_fx import compile_fx_inner
-
+        compile_fx_inner = private("torch._inductor.compile_fx.compile_fx_inner")
         if any(_may_pad(node) for node in gm.graph.nodes):
             self._gap(PAD_MM_GAP)
         enter = self._in_graph_pool(frozenset(kwargs.get("static_input_idxs", ()))) if graphs else None
@@ -394,11 +370,8 @@ def _may_pad(node: torch.fx.Node) -> bool:
     """Whether ``pad_mm`` could pad this matmul on a GPU (``can_pad``, pad_mm.py: float
     operands with a static dimension, not a multiple of the dtype's alignment, other
     than 1); whether it does is the GPU's benchmark's say."""
-    from torch._inductor import config
-    from torch._inductor.fx_passes.pad_mm import get_alignment_size, get_padded_length
-
     positions = _MATMULS.get(node.target) if node.op == "call_function" else None
-    if positions is None or not config.shape_padding:
+    if positions is None or not private("torch._inductor.config").shape_padding:
         return False
     mat1, mat2 = (node.args[i].meta.get("val") for i in positions)  # type: ignore[union-attr]
     if not (isinstance(mat1, torch.Tensor) and isinstance(mat2, torch.Tensor)):
@@ -409,6 +382,8 @@ def _may_pad(node: torch.fx.Node) -> bool:
     m, k, n = mat1.shape[batch], mat1.shape[batch + 1], mat2.shape[batch + 1]
     if any(isinstance(d, int) and d == 0 for d in (m, k, n)):
         return False
+    get_alignment_size = private("torch._inductor.fx_passes.pad_mm.get_alignment_size")
+    get_padded_length = private("torch._inductor.fx_passes.pad_mm.get_padded_length")
     return any(
         get_padded_length(d, get_alignment_size(t)) != 0 for d, t in ((m, mat1), (k, mat1), (n, mat2))
     )
@@ -419,18 +394,13 @@ def _as_in_cuda_decompositions() -> Iterator[None]:
     """Inductor's decompositions, as they run for cuda tensors: the joint graph is
     traced on the trace's ``meta`` tensors, which ``convolution_backward``'s
     decomposition (a GPU's bias gradient is a reduction of its own) asks about."""
-    import torch._inductor.decomposition as decomposition
-
-    real = decomposition.is_gpu
+    real: Callable[[str | None], bool]  # decomposition.is_gpu, bound below
 
     def is_gpu(device: str | None) -> bool:
         return device == "meta" or real(device)
 
-    decomposition.is_gpu = is_gpu
-    try:
+    with replacing("torch._inductor.decomposition.is_gpu", is_gpu) as real:
         yield
-    finally:
-        decomposition.is_gpu = real
 
 
 _UNCACHED: Final = object()
@@ -452,10 +422,10 @@ def _autograd_as_on_cuda() -> Iterator[None]:
     traced, ``AutogradMeta`` of these ops resolves to their composite (the operator's
     dispatch cache, seeded here, restored after); an op with a derivative of its own
     is left as it is."""
-    from torch._C import DispatchKey
-    from torch._decomp import global_decomposition_table
-    from torch._ops import OpOverload, resolve_key
-
+    DispatchKey = private("torch._C.DispatchKey")
+    OpOverload = private("torch._ops.OpOverload")
+    resolve_key = private("torch._ops.resolve_key")
+    global_decomposition_table = private("torch._decomp.global_decomposition_table")
     composite = DispatchKey.CompositeImplicitAutograd
     seeded: dict[OpOverload, Any] = {}
     ops = {op for table in global_decomposition_table.values() for op in table if isinstance(op, OpOverload)}

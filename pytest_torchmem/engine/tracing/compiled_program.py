@@ -50,7 +50,7 @@ from torch import nn
 
 from pytest_torchmem.engine.report import Unsupported
 from pytest_torchmem.engine.timeline import Phase
-from pytest_torchmem.engine.torch_private import private
+from pytest_torchmem.engine.torch_private import private, replacing
 from pytest_torchmem.engine.tracing.devices.cpu.profiles import CpuProfile
 from pytest_torchmem.engine.tracing.generated_code import output_directory, remember
 from pytest_torchmem.engine.tracing.inductor_device import host_vector_isa
@@ -115,19 +115,13 @@ def no_kernels(loaded: list[Any], cpu: CpuProfile | None = None) -> Iterator[Non
     through the dispatcher, and no cache is read or written (``loaded`` gets each
     output module, to be dropped from ``PyCodeCache`` afterwards); inductor builds
     for ``cpu`` (its vector width and threads), not for this host."""
-    import torch._inductor.async_compile as async_compile
-    import torch._inductor.config as inductor_config
-    from torch._inductor import codecache
-
-    compiler = async_compile.AsyncCompile
-    saved = {name: compiler.__dict__[name] for name in ("cpp", "cpp_pybinding", "wait")}
-    real_load = codecache.PyCodeCache.__dict__["load_by_key_path"]
+    real_load: Callable[..., Any]  # PyCodeCache.load_by_key_path, bound below
 
     def load(key: str, path: str, linemap: Any = None, attrs: Any = None, **kwargs: Any) -> Any:
         # attrs (never None): PyCodeCache keeps modules loaded without attrs by path, and a
         # real compile of the same source would be handed this no-op module
         kwargs["set_sys_modules"] = False
-        module = real_load.__func__(codecache.PyCodeCache, key, path, linemap, dict(attrs or {}), **kwargs)
+        module = real_load(key, path, linemap, dict(attrs or {}), **kwargs)
         remember(path, linemap)
         for name, replacement in _DISPATCHED.items():
             if hasattr(module, name):
@@ -135,26 +129,23 @@ def no_kernels(loaded: list[Any], cpu: CpuProfile | None = None) -> Iterator[Non
         loaded.append(module)
         return module
 
-    # the kernels compile at module load (cpp, cpp_pybinding) and are awaited by wait
-    compiler.cpp = lambda self, *args, **kwargs: _noop_kernel()  # type: ignore[method-assign]
-    compiler.cpp_pybinding = lambda self, *args, **kwargs: _noop_kernel()  # type: ignore[method-assign]
-    compiler.wait = lambda self, scope: None  # type: ignore[method-assign]
-    codecache.PyCodeCache.load_by_key_path = staticmethod(load)  # type: ignore[method-assign,assignment]
-    try:
-        with (
-            inductor_config.patch(force_disable_caches=True, compile_threads=1, **for_profile(cpu)),
-            output_directory(),
-            host_vector_isa(),
-            _vector_isa_of(cpu),
-            warnings.catch_warnings(),
-        ):
-            # dynamo warns that the caches we turned off turn its profile-guided shapes off
-            warnings.filterwarnings("ignore", message="dynamo_pgo force disabled")
-            yield
-    finally:
-        for name, value in saved.items():
-            setattr(compiler, name, value)
-        codecache.PyCodeCache.load_by_key_path = real_load  # type: ignore[method-assign]
+    compiler = "torch._inductor.async_compile.AsyncCompile"
+    inductor_config = private("torch._inductor.config")
+    with (
+        # the kernels compile at module load (cpp, cpp_pybinding) and are awaited by wait
+        replacing(f"{compiler}.cpp", lambda self, *args, **kwargs: _noop_kernel()),
+        replacing(f"{compiler}.cpp_pybinding", lambda self, *args, **kwargs: _noop_kernel()),
+        replacing(f"{compiler}.wait", lambda self, scope: None),
+        replacing("torch._inductor.codecache.PyCodeCache.load_by_key_path", staticmethod(load)) as real_load,
+        inductor_config.patch(force_disable_caches=True, compile_threads=1, **for_profile(cpu)),
+        output_directory(),
+        host_vector_isa(),
+        _vector_isa_of(cpu),
+        warnings.catch_warnings(),
+    ):
+        # dynamo warns that the caches we turned off turn its profile-guided shapes off
+        warnings.filterwarnings("ignore", message="dynamo_pgo force disabled")
+        yield
 
 
 def for_profile(cpu: CpuProfile | None) -> dict[str, int]:
@@ -188,16 +179,10 @@ def _vector_isa_of(cpu: CpuProfile | None) -> Iterator[None]:
     if cpu is None:
         yield
         return
-    from torch._inductor import cpu_vec_isa
-
     name = _VECTOR_ISA.get(cpu.isa)
-    isas = [getattr(cpu_vec_isa, name)()] if name is not None else []
-    real = cpu_vec_isa.valid_vec_isa_list
-    cpu_vec_isa.valid_vec_isa_list = lambda: list(isas)  # type: ignore[assignment]
-    try:
+    isas = [private(f"torch._inductor.cpu_vec_isa.{name}")()] if name is not None else []
+    with replacing("torch._inductor.cpu_vec_isa.valid_vec_isa_list", lambda: list(isas)):
         yield
-    finally:
-        cpu_vec_isa.valid_vec_isa_list = real
 
 
 def _inductor_wrapper(context: Any) -> Any:
@@ -409,7 +394,7 @@ class Following:
 
     def _follow(self, context: Any, wrapper: Any, place: tuple[str, str]) -> tuple[Any, _Region]:
         backend = _FakeInductor(wrapper, self.builder, fallback=self.warmed)
-        ours = torch._dynamo.optimize(
+        ours = private("torch._dynamo.optimize")(
             backend,
             nopython=bool(context.fullgraph),
             dynamic=context._dynamic,
@@ -503,9 +488,7 @@ def following_compiled(
     the fake inductor backend (whose programs ``builder`` builds and enters, if given),
     and follow the compiled functions the step calls (on cpu: built for ``cpu``); on
     exit put the user's callables back and drop our cache entries."""
-    from torch._dynamo import external_utils, trace_rules
-    from torch._dynamo import config as dynamo_config
-
+    dynamo_config = private("torch._dynamo.config")
     following = Following(builder=builder, autotuned=_autotuned())
     loaded: list[Any] = []
     with ExitStack() as restore:
@@ -530,9 +513,9 @@ def following_compiled(
             inner = module._orig_mod
             forward = inner.forward
             if dynamo_config.wrap_top_frame or (
-                isinstance(forward, type(inner.__init__)) and trace_rules.check(forward)
+                isinstance(forward, type(inner.__init__)) and private("torch._dynamo.trace_rules.check")(forward)
             ):
-                module.__dict__["forward"] = ours(external_utils.wrap_inline(inner))
+                module.__dict__["forward"] = ours(private("torch._dynamo.external_utils.wrap_inline")(inner))
             else:
                 module.__dict__["forward"] = ours(inner.__call__)
             if hasattr(inner, "_initialize_hook"):
@@ -543,9 +526,7 @@ def following_compiled(
 
 def _autotuned() -> int:
     """How many times inductor has benchmarked kernel choices in this process."""
-    from torch._dynamo.utils import counters
-
-    return counters["inductor"]["select_algorithm_autotune"]
+    return private("torch._dynamo.utils.counters")["inductor"]["select_algorithm_autotune"]
 
 
 def _put_back(compiled: _Compiled) -> None:
@@ -565,8 +546,7 @@ def _invalidate(following: Following) -> None:
 
 def _drop_loaded(loaded: list[Any]) -> None:
     """Forget our output modules in ``PyCodeCache`` (it keeps every module it loaded)."""
-    from torch._inductor import codecache
-
     ours = {id(module) for module in loaded}
-    codecache.PyCodeCache.modules[:] = [m for m in codecache.PyCodeCache.modules if id(m) not in ours]
+    modules = private("torch._inductor.codecache.PyCodeCache").modules
+    modules[:] = [m for m in modules if id(m) not in ours]
     loaded.clear()

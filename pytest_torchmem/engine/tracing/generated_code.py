@@ -26,6 +26,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, Final
 
+from pytest_torchmem.engine.torch_private import private, replacing
+
 __all__ = ["is_generated", "output_directory", "remember", "user_frames_at"]
 
 #: Each output module's line map: the first line of each node's code, and the
@@ -68,25 +70,22 @@ def _frames_of(trace: str) -> tuple[tuple[str, int, str], ...]:
 def output_directory() -> Iterator[None]:
     """While inductor compiles for an estimate, its output modules are written under a
     temporary directory of ours, deleted (with their line maps) on exit."""
-    import torch._inductor.compile_fx as compile_fx
-    from torch._inductor.utils import fresh_cache
-
+    config = private("torch._inductor.config")
+    fresh_cache = private("torch._inductor.utils.fresh_cache")
     root = tempfile.mkdtemp(prefix="pytest-torchmem-inductor-")
-    real = compile_fx.__dict__["with_fresh_cache_if_config"]
 
     @contextmanager
     def fresh_if_config() -> Iterator[None]:
-        if not compile_fx.config.force_disable_caches:
+        if not config.force_disable_caches:
             yield
             return
         with fresh_cache(dir=root, delete=False):
             yield
 
-    compile_fx.with_fresh_cache_if_config = fresh_if_config
     try:
-        yield
+        with replacing("torch._inductor.compile_fx.with_fresh_cache_if_config", fresh_if_config):
+            yield
     finally:
-        compile_fx.with_fresh_cache_if_config = real
         prefix = root + os.sep
         for path in [path for path in _LINE_MAPS if path.startswith(prefix)]:
             del _LINE_MAPS[path]

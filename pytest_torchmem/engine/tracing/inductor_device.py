@@ -22,17 +22,20 @@ from __future__ import annotations
 import functools
 import types
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from typing import Any, Final
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor
 from torch.overrides import TorchFunctionMode
 
+from pytest_torchmem.engine.torch_private import private, replacing
 from pytest_torchmem.engine.tracing.devices.cuda.profiles import GpuProfile
 from pytest_torchmem.engine.tracing.generated_code import remember
 
 __all__ = ["Enter", "as_the_gpu", "gpu_properties", "host_vector_isa", "unguarded"]
+
+# torch's private names (engine/torch_private.py)
+FakeTensor: Final = private("torch._subclasses.fake_tensor.FakeTensor")
 
 _GPU: Final = torch.device("cuda", 0)
 _MISSING: Final = object()
@@ -73,8 +76,7 @@ def gpu_properties(profile: GpuProfile) -> types.SimpleNamespace:
 def _interface(profile: GpuProfile) -> type:
     """Dynamo's ``CudaInterface`` for the profile's GPU (device 0, available, triton
     capable): the device queries of inductor's lowering and scheduling."""
-    from torch._dynamo.device_interface import CudaInterface
-
+    CudaInterface = private("torch._dynamo.device_interface.CudaInterface")
     props = gpu_properties(profile)
     capability = props.major * 10 + props.minor
 
@@ -144,20 +146,13 @@ def as_the_gpu(
     answer as the profile's GPU, no triton kernel is compiled, and each output module
     is loaded to run on the trace's fake tensors (see :func:`_load`; ``enter`` wraps
     its ``call``)."""
-    import torch._inductor.async_compile as async_compile
-    import torch._inductor.scheduler as scheduler
-    import torch.utils._triton as triton_utils
-    from torch._dynamo import device_interface
-    from torch._inductor import codecache
-    from torch._inductor.runtime.hints import DeviceProperties
-
     props = gpu_properties(profile)
     interface = _interface(profile)
-    real_create = DeviceProperties.__dict__["create"].__func__
+    real_create: Any  # DeviceProperties.create, bound below
 
-    def create(cls: type, device: torch.device) -> DeviceProperties:
+    def create(cls: type, device: torch.device) -> Any:
         if device.type != "cuda":
-            return real_create(cls, device)
+            return real_create.__func__(cls, device)
         return cls(
             type="cuda",
             index=0,
@@ -170,8 +165,8 @@ def as_the_gpu(
             warp_size=props.warp_size,
         )
 
-    device_interface.get_interface_for_device("cpu")  # registers the built-in interfaces first
-    interfaces = device_interface.device_interfaces
+    private("torch._dynamo.device_interface.get_interface_for_device")("cpu")  # registers the built-in ones first
+    interfaces = private("torch._dynamo.device_interface.device_interfaces")
     saved_interfaces = {name: interfaces.get(name) for name in ("cuda", "cuda:0")}
 
     def load(key: str, path: str, linemap: Any = None, attrs: Any = None, **kwargs: Any) -> Any:
@@ -179,16 +174,22 @@ def as_the_gpu(
         return _load(key, path, attrs, trace_device, enter)
 
     patches: list[tuple[Any, str, Any]] = [
-        (DeviceProperties, "create", classmethod(create)),
         (torch.cuda, "get_device_properties", lambda device=None: props),
         (torch.cuda, "get_device_capability", lambda device=None: (props.major, props.minor)),
-        # the scheduler refuses a cuda graph without triton; no triton kernel is compiled here
-        (scheduler, "has_triton", lambda: True),
-        (triton_utils, "triton_hash_with_backend", lambda: "0" * 64),
-        (async_compile.AsyncCompile, "triton", lambda self, *args, **kwargs: _NoKernel()),
-        (codecache.PyCodeCache, "load_by_key_path", staticmethod(load)),
     ]
-    with _setattrs(patches):
+    with ExitStack() as replaced:
+        real_create = replaced.enter_context(
+            replacing("torch._inductor.runtime.hints.DeviceProperties.create", classmethod(create))
+        )
+        replaced.enter_context(_setattrs(patches))
+        for path, value in (
+            # the scheduler refuses a cuda graph without triton; no triton kernel is compiled here
+            ("torch._inductor.scheduler.has_triton", lambda: True),
+            ("torch.utils._triton.triton_hash_with_backend", lambda: "0" * 64),
+            ("torch._inductor.async_compile.AsyncCompile.triton", lambda self, *args, **kwargs: _NoKernel()),
+            ("torch._inductor.codecache.PyCodeCache.load_by_key_path", staticmethod(load)),
+        ):
+            replaced.enter_context(replacing(path, value))
         interfaces["cuda"] = interfaces["cuda:0"] = interface
         try:
             yield
@@ -208,7 +209,7 @@ aten = torch.ops.aten
 def _invert(self: torch.Tensor) -> torch.Tensor:
     # (the binding's TypeError for a float tensor comes from the binding itself)
     if self.dtype.is_floating_point or self.dtype.is_complex:
-        return torch._C.TensorBase.__invert__(self)
+        return torch.Tensor.__invert__(self)
     return aten.bitwise_not.default(self)
 
 
@@ -229,10 +230,10 @@ def _nonzero(self: torch.Tensor, *, as_tuple: bool = False) -> Any:
 #: (``dispatch_invert``, ``dispatch_contiguous``, ``dispatch_copy_``,
 #: ``dispatch_nonzero``/``dispatch_nonzero_numpy``), and that op without the guard.
 _GUARDED: Final[dict[Any, Callable[..., Any]]] = {
-    torch._C.TensorBase.__invert__: _invert,
-    torch._C.TensorBase.contiguous: _contiguous,
-    torch._C.TensorBase.copy_: _copy_,
-    torch._C.TensorBase.nonzero: _nonzero,
+    torch.Tensor.__invert__: _invert,
+    torch.Tensor.contiguous: _contiguous,
+    torch.Tensor.copy_: _copy_,
+    torch.Tensor.nonzero: _nonzero,
 }
 
 
@@ -245,7 +246,7 @@ def _lookup_seed(seeds: torch.Tensor, index: int) -> torch.Tensor:
 def _unguarded_calls() -> dict[Any, Callable[..., Any]]:
     """The calls of :data:`_GUARDED`, and inductor's ops whose meta kernel indexes a
     tensor (a Tensor method whose binding sets the device): each without the guard."""
-    import torch._inductor.inductor_prims  # noqa: F401 - registers the prims
+    private("torch._inductor.inductor_prims")  # registers the prims
 
     return {**_GUARDED, torch.ops.prims.inductor_lookup_seed.default: _lookup_seed}
 
@@ -317,15 +318,9 @@ def unguarded() -> Iterator[None]:
     is the same. Not covered (these still raise, and the region is listed as not
     followed): indexing (``THPVariable_getitem``/``setitem`` guard too),
     ``new``/``new_tensor``, and the conversions to Python numbers (``item``, ``int``)."""
-    import torch._decomp as decomp
-
-    real = decomp.decomposition_table
-    decomp.decomposition_table = _UnguardedDecompositions(real)
-    try:
-        with _Unguarded():
-            yield
-    finally:
-        decomp.decomposition_table = real
+    real = private("torch._decomp.decomposition_table")
+    with replacing("torch._decomp.decomposition_table", _UnguardedDecompositions(real)), _Unguarded():
+        yield
 
 
 # -- the output module, run on the trace's tensors ------------------------------------
@@ -438,21 +433,18 @@ def host_vector_isa() -> Iterator[None]:
     after the estimate probes as it would have."""
     import platform
 
-    import torch._inductor.config as inductor_config
-    from torch._inductor import cpu_vec_isa
-
-    real = cpu_vec_isa.valid_vec_isa_list
+    real: Any  # cpu_vec_isa.valid_vec_isa_list, bound below
 
     def valid_vec_isa_list() -> list[Any]:
         if real.cache_info().currsize or platform.machine() not in ("x86_64", "AMD64"):
             return real()
-        flags = cpu_vec_isa.x86_isa_checker()
+        flags = private("torch._inductor.cpu_vec_isa.x86_isa_checker")()
         return [
             isa
-            for isa in cpu_vec_isa.supported_vec_isa_list
+            for isa in private("torch._inductor.cpu_vec_isa.supported_vec_isa_list")
             if all(flag in flags for flag in str(isa).split())
         ]
 
-    with _setattrs([(cpu_vec_isa, "valid_vec_isa_list", valid_vec_isa_list)]):
-        with inductor_config.patch({"cpp.vec_isa_ok": True}):
+    with replacing("torch._inductor.cpu_vec_isa.valid_vec_isa_list", valid_vec_isa_list) as real:
+        with private("torch._inductor.config").patch({"cpp.vec_isa_ok": True}):
             yield
