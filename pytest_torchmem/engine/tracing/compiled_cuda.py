@@ -93,9 +93,8 @@ class _ToGpu:
 def _to_gpu(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> list[Any]:
     """Move a partitioned graph and its example inputs from the trace's ``meta`` to
     ``cuda``: the values of its nodes and the devices its nodes name."""
-    fake_mode = (
-        private("torch._guards.detect_fake_mode")(example_inputs) or private("torch._guards.TracingContext").get().fake_mode
-    )
+    detect_fake_mode = private("torch._guards.detect_fake_mode")
+    fake_mode = detect_fake_mode(example_inputs) or private("torch._guards.TracingContext").get().fake_mode
     move = _ToGpu(fake_mode)
     for node in gm.graph.nodes:
         if "val" in node.meta:
@@ -185,8 +184,9 @@ def _dynamo_sees_the_gpu(router: Callable[[], Any]) -> Iterator[None]:
         with placing:
             return real_run_node(tracer, node, args, kwargs, nnmodule)
 
+    specializing = "torch._dynamo.variables.tensor.TensorVariable.specialize"
     with (
-        replacing("torch._dynamo.variables.tensor.TensorVariable.specialize", staticmethod(specialize)) as real_specialize,
+        replacing(specializing, staticmethod(specialize)) as real_specialize,
         replacing("torch._dynamo.utils.run_node", run_node) as real_run_node,
     ):
         yield
