@@ -25,7 +25,7 @@ import pytest_torchmem as tm
 from pytest_torchmem.engine.torch_release import torch_minor
 from pytest_torchmem.engine.tracing.devices.cpu import CPU
 from pytest_torchmem.engine.tracing.devices.cpu.profiles import host_profile
-from pytest_torchmem.engine.tracing.rules import OUTPUTS, Alloc, Free, OpCall
+from pytest_torchmem.engine.tracing.rules import OUTPUTS, Alloc, Free, Inexact, OpCall
 
 aten = torch.ops.aten
 PAGE = 4096
@@ -268,6 +268,8 @@ def test_backward_bf16_copies_gradients_to_f32_and_clones_a_shared_cx() -> None:
         args = list(layer_args(3, 2, 5, 7, torch.bfloat16))
         args[6] = args[5]  # cx is hx: the kernel clones cx
         _, steps = backward(tuple(args), torch.empty(3, 2, 7, dtype=torch.bfloat16), None, None)
+    # (on torch 2.10 the layer is listed first: test_the_lstm_of_torch_2_10_is_listed_...)
+    steps = [step for step in steps if not isinstance(step, Inexact)]
     assert steps[:5] == [
         Alloc("grad_hy zeros", 2 * 7 * 2),
         Alloc("grad_cy zeros", 2 * 7 * 2),
