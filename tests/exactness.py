@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any, Final
 
 import pytest
@@ -13,6 +14,7 @@ from torch import nn
 import pytest_torchmem as tm
 from pytest_torchmem.engine.tracing.devices.cpu import CPU
 from pytest_torchmem.engine.tracing.devices.cpu.base import NATIVE_INSTRUCTIONS
+from pytest_torchmem.engine.torch_release import torch_minor
 from pytest_torchmem.engine.tracing.rules import Alloc, OpCall, RuleSet
 
 
@@ -116,3 +118,23 @@ def assert_fn_exact(
     """:func:`assert_exact` for ``fn(*params, *inputs, *buffers)``."""
     torch.manual_seed(0)
     assert_exact(Lambda(fn, params, buffers), inputs, **options)
+
+
+def _release_gaps() -> dict[str, tuple[frozenset[str], str]]:
+    """tests/release_gaps.txt: ``nodeid<TAB>releases<TAB>why`` per line."""
+    gaps: dict[str, tuple[frozenset[str], str]] = {}
+    for line in Path(__file__).with_name("release_gaps.txt").read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            nodeid, releases, why = line.split("\t")
+            gaps[nodeid] = (frozenset(releases.split(",")), why)
+    return gaps
+
+
+_RELEASE_GAPS: Final = _release_gaps()
+
+
+def release_gap(nodeid: str) -> str | None:
+    """Why the test ``nodeid`` is a known gap of the running torch release
+    (tests/release_gaps.txt), or None where it is not one."""
+    releases, why = _RELEASE_GAPS.get(nodeid, (frozenset(), ""))
+    return why if "{}.{}".format(*torch_minor()) in releases else None

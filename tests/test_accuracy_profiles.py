@@ -12,7 +12,7 @@ process (at the process's thread count) by ``test_accuracy_cpu.py``.
 from __future__ import annotations
 
 import pytest
-from exactness import flagged_native
+from exactness import flagged_native, release_gap
 from profiled import as_measured_here, measure_zoo, reachable
 from test_accuracy_cpu import TOLERANCES
 from zoo import CASES
@@ -40,6 +40,10 @@ def test_every_family_is_exact_on_the_level(profile: CpuProfile) -> None:
         estimated = tm.estimate(model, inputs, cpu=here, **case.options)
         if flagged_native(estimated):
             continue  # the level computes its dtype natively: said in unsupported
+        if release_gap(f"tests/test_accuracy_cpu.py::test_estimate_equals_measure[{case.name}]"):
+            # a known gap of this torch release (tests/release_gaps.txt): said in unsupported
+            assert estimated.unsupported, f"{case.name}: a listed gap of this release, not flagged"
+            continue
         tolerance = TOLERANCES.get(case.name, (0, ""))[0]
         real = measured[case.name]
         errors = {phase: estimated.phase_peaks()[phase] - real[phase] for phase in real}
