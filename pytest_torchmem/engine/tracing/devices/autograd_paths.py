@@ -57,6 +57,7 @@ import torch
 
 from pytest_torchmem.engine.torch_private import private
 from pytest_torchmem.engine.torch_release import torch_minor
+from pytest_torchmem.engine.tracing.devices.meta_kernels import laid_out_as_cloned
 from pytest_torchmem.engine.tracing.rules import OpCall, RuleSet
 
 __all__ = ["EAGER_IN_PLACE", "EAGER_IN_PLACE_BINARY", "in_place_twin", "register_eager_in_place"]
@@ -149,7 +150,7 @@ def in_place_twin(call: OpCall) -> Callable[..., Any] | None:
 def _eager_in_place(call: OpCall) -> Any:
     """The out-of-place op, or its in-place twin inside the formulas above."""
     twin = in_place_twin(call)
-    return twin(*call.args, **call.kwargs) if twin is not None else call.default()
+    return twin(*call.args, **call.kwargs) if twin is not None else laid_out_as_cloned(call, call.default())
 
 
 def register_eager_in_place(rules: RuleSet, table: dict[Any, Any] = EAGER_IN_PLACE) -> None:

@@ -16,15 +16,19 @@ concern (``cpu/pool.py``, ``cpu/losses.py``). Ops with a CPU kernel alone
 
 from __future__ import annotations
 
-from typing import Final
+from typing import Any, Final
 
 import torch
 
+from pytest_torchmem.engine.torch_private import private
 from pytest_torchmem.engine.torch_release import torch_minor
 from pytest_torchmem.engine.tracing.devices.tensor_iterator import non_overlapping_and_dense
 from pytest_torchmem.engine.tracing.rules import OpCall, RuleSet
 
-__all__ = ["register_meta_kernels"]
+__all__ = ["laid_out_as_cloned", "register_meta_kernels"]
+
+# torch's private names (engine/torch_private.py)
+suggest_memory_format: Final = private("torch._prims_common.suggest_memory_format")
 
 aten = torch.ops.aten
 
@@ -48,20 +52,44 @@ def _grad_input_like_self(call: OpCall) -> torch.Tensor:
     return torch.empty(self.shape, dtype=self.dtype, device=self.device)
 
 
-def _index_fill_like_its_clone(call: OpCall) -> torch.Tensor:
-    """``index_fill`` is ``self.clone(preserve_format).index_fill_(...)``: a dense
-    ``self`` keeps its strides, a size-1 dim's stride 0 too (the incoming gradient of
-    a sum, expanded). The fake kernels of torch 2.10 and 2.11 make such a result
-    contiguous, and autograd's accumulation of it would then steal it where the real
-    one copies it."""
-    out = call.default()
+#: Ops made as ``self.clone()`` (preserve_format) then written into, and the last torch
+#: release whose fake kernel lays their output out otherwise: ``index_fill`` made a
+#: dense ``self``'s result contiguous (a size-1 dim's stride 0 too: the incoming
+#: gradient of a sum, expanded, which autograd's accumulation would then steal where
+#: the real one copies it); the scatters kept an expanded ``self``'s stride 0 (the
+#: values copied into such an output overlap).
+_CLONE_LAYOUT_FAKED_UNTIL: Final = {
+    aten.index_fill.int_Scalar: (2, 11),
+    aten.select_scatter.default: (2, 11),
+    aten.slice_scatter.default: (2, 11),
+    aten.diagonal_scatter.default: (2, 12),
+}
+
+
+def _like_its_clone(call: OpCall) -> torch.Tensor:
+    return laid_out_as_cloned(call, call.default())
+
+
+def laid_out_as_cloned(call: OpCall, out: Any) -> Any:
+    """``out`` of an op of :data:`_CLONE_LAYOUT_FAKED_UNTIL`, laid out as ``self.clone()``
+    is where its fake kernel does not: a non-overlapping and dense ``self``'s strides,
+    else contiguous in its suggested memory format (``out`` itself for any other op)."""
+    until = _CLONE_LAYOUT_FAKED_UNTIL.get(call.func)
+    if until is None or torch_minor() > until:
+        return out
     self = call.args[0]
-    if torch_minor() < (2, 12) and out.stride() != self.stride() and non_overlapping_and_dense(self):
-        return out.new_empty_strided(self.shape, self.stride())
-    return out
+    if non_overlapping_and_dense(self):
+        strides = self.stride()
+    else:
+        strides = torch.empty(self.shape, device="meta", memory_format=suggest_memory_format(self)).stride()
+    return out if out.stride() == strides else out.new_empty_strided(self.shape, strides)
 
 
 def register_meta_kernels(rules: RuleSet) -> None:
     """Register the implementations above on ``rules``."""
     rules.implementation(*_GRAD_INPUT_LIKE_SELF)(_grad_input_like_self)
-    rules.implementation(aten.index_fill.int_Scalar)(_index_fill_like_its_clone)
+    # (an op with an implementation already, an eager in-place one of autograd_paths,
+    # lays its out-of-place result out so itself)
+    rules.implementation(*(op for op in _CLONE_LAYOUT_FAKED_UNTIL if rules.implementation_rule(op) is None))(
+        _like_its_clone
+    )
