@@ -19,7 +19,7 @@ from exactness import Lambda, assert_exact
 
 import pytest_torchmem as tm
 from pytest_torchmem.engine.tracing.devices.cpu import CPU, lapack
-from pytest_torchmem.engine.torch_release import installed_release
+from pytest_torchmem.engine.torch_release import installed_release, torch_minor
 from pytest_torchmem.engine.tracing.rules import Alloc, OpCall
 
 F32, I32, I64 = 4, 4, 8
@@ -295,3 +295,16 @@ def test_workspace_formulas_hold_on_lower_isas(isa: str) -> None:
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip().splitlines()[-1] == "[]"
+
+
+@pytest.mark.skipif(torch_minor() < (2, 14), reason="linalg.matrix_sqrth and linalg.polar are new in torch 2.14")
+@pytest.mark.parametrize("fn", ["matrix_sqrth", "polar"])
+def test_the_kernels_new_in_torch_2_14_are_listed_not_silently_low(fn: str) -> None:
+    """Their CPU kernels decompose the input inside, which the rules do not model: the
+    estimate lists them (the real forward peak is above the outputs the trace counts)."""
+    a = torch.randn(4, 4)
+    spd = a @ a.mT + 4 * torch.eye(4)
+    model = Lambda(lambda x: getattr(torch.linalg, fn)(x))
+    estimated = tm.estimate(model, spd, train=False)
+    assert [u.op for u in estimated.unsupported] == [f"aten.linalg_{fn}.default"]
+    assert estimated.forward_peak < tm.measure(model, spd, train=False).forward_peak

@@ -81,6 +81,11 @@ _EXACT = (
     "cumsum",
     "where",
     "clamp",
+    # their backward's masked_fill_ in place from torch 2.14 (autograd_paths)
+    "clamp_max",
+    "clamp_min",
+    "fmax",
+    "fmin",
     "tril",
     # backward formulas that scatter into zeros in place (autograd_paths)
     "max.reduction_with_dim",

@@ -113,7 +113,12 @@ EAGER_IN_PLACE: Final[dict[Any, tuple[Callable[..., Any], frozenset[str]]]] = {
         else {
             aten.masked_fill.Scalar: (
                 aten.masked_fill_.Scalar,
-                frozenset({"ClampBackward0", "MaximumBackward0", "MinimumBackward0"}),
+                frozenset(
+                    {
+                        "ClampBackward0", "ClampMaxBackward1", "ClampMinBackward1",
+                        "MaximumBackward0", "MinimumBackward0", "FmaxBackward0", "FminBackward0",
+                    }
+                ),  # fmt: skip
             )
         }
     ),
