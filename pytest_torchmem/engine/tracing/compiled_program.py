@@ -129,13 +129,13 @@ def no_kernels(loaded: list[Any], cpu: CpuProfile | None = None) -> Iterator[Non
         loaded.append(module)
         return module
 
-    compiler = "torch._inductor.async_compile.AsyncCompile"
+    async_compile = "torch._inductor.async_compile.AsyncCompile"
     inductor_config = private("torch._inductor.config")
     with (
         # the kernels compile at module load (cpp, cpp_pybinding) and are awaited by wait
-        replacing(f"{compiler}.cpp", lambda self, *args, **kwargs: _noop_kernel()),
-        replacing(f"{compiler}.cpp_pybinding", lambda self, *args, **kwargs: _noop_kernel()),
-        replacing(f"{compiler}.wait", lambda self, scope: None),
+        replacing(f"{async_compile}.cpp", lambda self, *args, **kwargs: _noop_kernel()),
+        replacing(f"{async_compile}.cpp_pybinding", lambda self, *args, **kwargs: _noop_kernel()),
+        replacing(f"{async_compile}.wait", lambda self, scope: None),
         replacing("torch._inductor.codecache.PyCodeCache.load_by_key_path", staticmethod(load)) as real_load,
         inductor_config.patch(force_disable_caches=True, compile_threads=1, **for_profile(cpu)),
         output_directory(),

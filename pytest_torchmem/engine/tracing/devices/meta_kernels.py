@@ -79,10 +79,9 @@ def laid_out_as_cloned(call: OpCall, out: Any) -> Any:
         return out
     self = call.args[0]
     if non_overlapping_and_dense(self):
-        strides = self.stride()
-    else:
-        strides = torch.empty(self.shape, device="meta", memory_format=suggest_memory_format(self)).stride()
-    return out if out.stride() == strides else out.new_empty_strided(self.shape, strides)
+        return out if out.stride() == self.stride() else out.new_empty_strided(self.shape, self.stride())
+    fmt = suggest_memory_format(self)
+    return out if out.is_contiguous(memory_format=fmt) else torch.empty_like(out, memory_format=fmt)
 
 
 def register_meta_kernels(rules: RuleSet) -> None:
