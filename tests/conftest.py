@@ -11,6 +11,25 @@ from torchvision_import import import_torchvision  # noqa: E402
 import_torchvision()
 
 
+def _own_inductor_cache() -> None:
+    """The suite compiles into an inductor cache of this checkout's own (unless
+    ``TORCHINDUCTOR_CACHE_DIR`` says where): two suites of two checkouts sharing
+    inductor's default cache compiled one kernel at once, and one of them loaded the
+    other's half-written library ("main.so: file too short")."""
+    import hashlib
+    import os
+    import tempfile
+
+    if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+        checkout = hashlib.sha256(str(Path(__file__).resolve().parent).encode()).hexdigest()[:12]
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(
+            tempfile.gettempdir(), f"torchinductor-pytest-torchmem-{checkout}"
+        )
+
+
+_own_inductor_cache()
+
+
 def _capped_inductor_cache() -> None:
     """A run capped below this host's level (``ATEN_CPU_CAPABILITY``, as ``.ci/run``
     does) compiles into an inductor cache of its level's own: inductor's cache keys
