@@ -17,7 +17,13 @@ from typing import TYPE_CHECKING, Any, Final
 if TYPE_CHECKING:
     from pytest_torchmem.engine.api import estimate, measure
     from pytest_torchmem.engine.parallel import Parallel
-    from pytest_torchmem.engine.report import Category, MemoryReport, ModulePeak, Unsupported
+    from pytest_torchmem.engine.report import (
+        Category,
+        MemoryReport,
+        ModulePeak,
+        StepPeaks,
+        Unsupported,
+    )
     from pytest_torchmem.engine.torch_release import TorchReleaseError
     from pytest_torchmem.engine.tracing.devices.cpu.profiles import CpuProfile
     from pytest_torchmem.engine.units import format_bytes, parse_bytes
@@ -29,6 +35,7 @@ __all__ = [
     "Parallel",
     "Category",
     "ModulePeak",
+    "StepPeaks",
     "Unsupported",
     "CpuProfile",
     "TorchReleaseError",
@@ -46,6 +53,7 @@ _LAZY: Final = {
     "Parallel": "pytest_torchmem.engine.parallel",
     "Category": "pytest_torchmem.engine.report",
     "ModulePeak": "pytest_torchmem.engine.report",
+    "StepPeaks": "pytest_torchmem.engine.report",
     "Unsupported": "pytest_torchmem.engine.report",
     "CpuProfile": "pytest_torchmem.engine.tracing.devices.cpu.profiles",
     "TorchReleaseError": "pytest_torchmem.engine.torch_release",

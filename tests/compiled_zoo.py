@@ -197,6 +197,8 @@ FAMILIES: dict[str, Family] = {
 
 def measure_families(threads: int, names: list[str]) -> dict[str, list[dict[str, int]]]:
     """``measure`` of each family (every shape) in this process at ``threads`` threads."""
+    from profiled import every_peak
+
     import pytest_torchmem as tm
 
     torch.set_num_threads(threads)
@@ -204,9 +206,9 @@ def measure_families(threads: int, names: list[str]) -> dict[str, list[dict[str,
     for name in names or list(FAMILIES):
         family = FAMILIES[name]
         model, x, options = family.make(compiled=True)
-        figures = [tm.measure(model, x, **options).phase_peaks()]
+        figures = [every_peak(tm.measure(model, x, **options))]
         for shape in family.more_shapes:
-            figures.append(tm.measure(model, torch.randn(*shape), **options).phase_peaks())
+            figures.append(every_peak(tm.measure(model, torch.randn(*shape), **options)))
         out[name] = figures
     return out
 

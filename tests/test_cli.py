@@ -141,7 +141,7 @@ def params(width: int, *, block: int = 0) -> int:
         ("reserved:512B", [("reserved",)], [Tolerance(atol=512)]),
         (
             "any:1%",
-            [("forward", "backward", "step", "peak", "reserved")],
+            [("forward", "backward", "step", "first_step", "peak", "reserved")],
             [Tolerance(rtol=0.01)],
         ),
         (
@@ -293,8 +293,8 @@ def test_help_has_examples_and_exit_codes_and_version(saved: Path) -> None:
     show = cli("show", "--help", cwd=saved)
     assert "python -m pytest_torchmem show tests/ --device cuda --sort peak" in show.stdout
     diff = cli("diff", "--help", cwd=saved)
-    assert "Without --fail-on, diff judges the forward, backward and step peaks" in diff.stdout
-    assert "reports, and\nexits 0." in diff.stdout
+    assert "Without --fail-on, diff judges the forward, backward and step peaks, a" in diff.stdout
+    assert "reports, and exits 0." in diff.stdout
     assert "0  success; for diff: no entry fails (always so without --fail-on" in diff.stdout
     assert "1  diff: an entry fails a --fail-on limit" in diff.stdout
     assert "2  a malformed command line, or an input that cannot be read" in diff.stdout
@@ -655,7 +655,7 @@ def test_diff_json_and_markdown(saved: Path) -> None:
             "cannot read bad.json:2:1: it holds git conflict markers",
         ),
         ("[1, 2]\n", "bad.json is neither a pytest-torchmem snapshot file"),
-        ('{"schema": 3, "tests": {}}', "bad.json has schema 3"),
+        ('{"schema": 4, "tests": {}}', "bad.json has schema 4"),
         ('{"schema": 1, "tests": {"t": {"default": {"cpu": {"step_peak": 1}}}}}', "forward_peak"),
         ('{"schema": 9, "results": []}', "bad.json is a JSON report of schema 9"),
         (

@@ -390,6 +390,31 @@ def test_report_json_round_trip() -> None:
     assert again == report
     assert list(again.breakdown) == list(tm.Category)
     assert again.modules["(model)"] == report.modules["(model)"]
+    assert again.first_step == report.first_step is not None
+    # a report written before the training loop (schema 1) reads as one with no first step
+    old = json.loads(text)
+    old.update(schema=1, peak=report.step_peak)
+    del old["first_step"]
+    assert tm.MemoryReport.from_dict(old).first_step is None
+
+
+def test_a_training_step_runs_as_a_loop_whose_first_step_is_beside_it() -> None:
+    """SGD with momentum: the momentum buffers (one per parameter) are made by the first
+    step and alive through the loop's forward and backward; without an optimizer the step
+    runs once."""
+    model, x = _linear()
+    sgd = lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9)  # noqa: E731
+    report = tm.estimate(model, x, optimizer=sgd)
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert report.first_step is not None
+    assert report.forward_peak - report.first_step.forward == params
+    assert report.breakdown[tm.Category.OPTIMIZER_STATE] == params
+    assert report.peak == max(report.phase_peaks().values())
+    assert report.phase_peaks()["first_step"] == report.first_step.peak
+    measured = tm.measure(model, x, optimizer=sgd)
+    assert (measured.phase_peaks(), measured.first_step) == (report.phase_peaks(), report.first_step)
+    assert measured.breakdown == report.breakdown
+    assert tm.estimate(model, x).first_step is None
 
 
 def test_module_peaks_cover_forward_and_backward() -> None:

@@ -648,6 +648,8 @@ def test_hovering_the_peak_reads_out_its_bytes_by_category(
         }
         assert {k: v for k, v in readout.items() if k != "total"} == at_peak
         phase = {"step": "optimizer step"}.get(view["peak"]["phase"], view["peak"]["phase"])
+        if view["peak"]["first_step"]:  # the peak of a training loop's first step
+            phase = f"first {phase}"
         assert tip.find("div", "head")[0].text() == f"{phase} \u00b7 event {view['peak']['x'] - 1}"
 
 

@@ -229,15 +229,25 @@ def _fsdp(reshard_after_forward: bool = True, bf16: bool = False):
     ids=["w2-reshard", "w2-keep-bf16", "w4-reshard-bf16", "w4-keep"],
 )
 def test_fsdp2_forward_equals_gloo_ranks(world: int, reshard: bool, bf16: bool) -> None:
-    # FSDP2's forward repeats exactly run to run: its all-gathers complete
-    # before the block that needs them runs.
+    # FSDP2's first forward repeats exactly run to run: its all-gathers complete
+    # before the block that needs them runs. The loop's forward does too, but where
+    # a gloo thread held a buffer of the first step's backward late (then it is
+    # higher: see test_fsdp2_backward_and_step_inside_five_real_runs).
     model, x = _blocks(4), torch.randn(8, 64)
     parallel = tm.Parallel(mesh={"dp": world}, apply=_fsdp(reshard, bf16), rank=world - 1)
     estimated = tm.estimate(model, x, optimizer=_adamw, parallel=parallel)
     skip_where_native(estimated)
-    measured = tm.measure(model, x, optimizer=_adamw, parallel=parallel)
-    assert estimated.unsupported == ()
-    assert estimated.forward_peak == measured.forward_peak
+    assert estimated.unsupported == () and estimated.first_step is not None
+    loop = []
+    for _ in range(3):
+        measured = tm.measure(model, x, optimizer=_adamw, parallel=parallel)
+        assert measured.first_step is not None
+        assert estimated.first_step.forward == measured.first_step.forward
+        loop.append(measured.forward_peak)
+        assert estimated.forward_peak <= measured.forward_peak
+        if estimated.forward_peak == measured.forward_peak:
+            break
+    assert estimated.forward_peak in loop, (estimated.forward_peak, loop)
 
 
 def test_fsdp2_shards_parameters_by_world() -> None:
@@ -256,15 +266,22 @@ def test_fsdp2_backward_and_step_inside_five_real_runs() -> None:
     # FSDP2's backward and step peaks depend on when gloo's threads let go of a
     # collective's buffers; the estimate's schedule (every collective complete
     # when issued, its buffers dropped as soon as the program drops them) is the
-    # lowest any run shows. Checked at world 2, 4 blocks, AdamW.
+    # lowest any run shows. Checked at world 2, 4 blocks, AdamW. A buffer held
+    # late in the first step's backward can live into the loop's forward (seen:
+    # one block's unsharded parameters, 66,304 B, in about one run in six): only
+    # the first step's forward is the same in every run.
     model, x = _blocks(4), torch.randn(8, 64)
     parallel = tm.Parallel(mesh={"dp": 2}, apply=_fsdp())
     estimated = tm.estimate(model, x, optimizer=_adamw, parallel=parallel)
     runs = [tm.measure(model, x, optimizer=_adamw, parallel=parallel) for _ in range(5)]
-    assert {run.forward_peak for run in runs} == {estimated.forward_peak}
-    for phase in ("backward_peak", "step_peak"):
+    assert estimated.first_step is not None
+    assert {run.first_step.forward for run in runs if run.first_step} == {estimated.first_step.forward}
+    for phase in ("forward_peak", "backward_peak", "step_peak"):
         real = [getattr(run, phase) for run in runs]
         assert min(real) <= getattr(estimated, phase) <= max(real), (phase, real)
+    for phase in ("backward", "step"):
+        real = [getattr(run.first_step, phase) for run in runs if run.first_step]
+        assert min(real) <= getattr(estimated.first_step, phase) <= max(real), (phase, real)
 
 
 def test_cuda_lists_nccl_as_not_modelled() -> None:

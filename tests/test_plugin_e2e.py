@@ -13,6 +13,7 @@ from torch import nn
 
 import pytest_torchmem as tm
 from pytest_torchmem.engine.tracing.devices.cpu import CPU
+from pytest_torchmem.plugin.snapshots import FILE_SCHEMA
 
 pytest_plugins = ("pytester",)
 
@@ -118,7 +119,7 @@ class TestModels:
     text = path.read_text()
     data = json.loads(text)
     assert text == json.dumps(data, indent=2, sort_keys=True, ensure_ascii=False) + "\n"
-    assert data["schema"] == 2
+    assert data["schema"] == FILE_SCHEMA
     assert sorted(data["tests"]) == [
         "TestModels::test_a",
         "TestModels::test_b[4]",
@@ -149,6 +150,70 @@ class TestModels:
     changed = [i for i, (x, y) in enumerate(zip(lines, new_lines, strict=True)) if x != y]
     block = text[: text.index('"TestModels::test_b[4]"')].count("\n")
     assert changed and max(changed) < block
+
+
+def test_a_training_loop_records_its_first_step_beside_the_loops_figures(
+    pytester: pytest.Pytester,
+) -> None:
+    """A check with an optimizer records the loop's figures (its later steps: Adam's state
+    alive through forward and backward) and the first step's beside them, as estimate
+    reports them; an entry recorded before the loop (one step's figures, no ``figures``
+    in its environment) is not compared with them: the check fails with the command that
+    re-records it. The entry of a step without an optimizer stays as it was."""
+    body = """
+@pytest.mark.memory_budget(devices=["cpu"])
+def test_adam(torchmem):
+    torch.manual_seed(0)
+    torchmem.check(nn.Linear(64, 64), torch.randn(8, 64), optimizer=torch.optim.Adam)
+
+@pytest.mark.memory_budget(devices=["cpu"])
+def test_plain(torchmem):
+    torchmem.check(nn.Linear(64, 64), torch.randn(8, 64))
+"""
+    make(pytester, body)
+    assert pytester.runpytest("--torchmem-update").ret == 0
+    data = snapshot(pytester)
+    adam = data["tests"]["test_adam"]["default"]["cpu"]
+    report = tm.estimate(
+        nn.Linear(64, 64), torch.randn(8, 64), optimizer=torch.optim.Adam, cpu="avx2:4"
+    )
+    assert report.first_step is not None
+    assert adam["first_step"] == report.first_step.to_dict()
+    assert (adam["forward_peak"], adam["backward_peak"], adam["step_peak"]) == (
+        report.forward_peak,
+        report.backward_peak,
+        report.step_peak,
+    )
+    # Adam's two states (2 x 16,640 B) and its step counts (2 x 4 B) are alive in the
+    # loop's forward, not in the first step's
+    assert adam["forward_peak"] - adam["first_step"]["forward_peak"] == 2 * 16_640 + 2 * 4
+    assert adam["peak"] == report.peak == max(*report.phase_peaks().values())
+    assert adam["environment"]["figures"] == "training loop"
+    plain = data["tests"]["test_plain"]["default"]["cpu"]
+    assert "first_step" not in plain and "figures" not in plain["environment"]
+    assert pytester.runpytest().ret == 0
+
+    # the file as a version before the loop wrote it: one step's figures
+    old = json.loads(json.dumps(data))
+    old["schema"] = 2
+    first = old["tests"]["test_adam"]["default"]["cpu"].pop("first_step")
+    old_adam = old["tests"]["test_adam"]["default"]["cpu"]
+    old_adam.update(first, peak=max(first.values()))
+    del old_adam["environment"]["figures"]
+    (pytester.path / "__torchmem__" / "test_m.json").write_text(json.dumps(old))
+    result = pytester.runpytest()
+    assert result.ret == pytest.ExitCode.TESTS_FAILED
+    result.assert_outcomes(passed=1, failed=1)
+    result.stdout.fnmatch_lines(
+        [
+            "*cpu: the snapshot entry was recorded with other step settings "
+            "(figures one step -> training loop)*",
+            're-record the entry with its new settings with: pytest --torchmem-update '
+            '"test_m.py::test_adam"',
+        ]
+    )
+    assert pytester.runpytest("--torchmem-update").ret == 0
+    assert snapshot(pytester) == data
 
 
 def test_unreadable_snapshot_file_fails_the_check_with_its_name(pytester: pytest.Pytester) -> None:

@@ -30,7 +30,7 @@ from torch import nn
 import pytest_torchmem as tm
 from pytest_torchmem.engine.tracing.devices import DEVICES
 from pytest_torchmem.engine.tracing.devices.cuda.profiles import PROFILES
-from pytest_torchmem.plugin.snapshots import DEVICE_KEYS, Key, SnapshotFile
+from pytest_torchmem.plugin.snapshots import DEVICE_KEYS, FILE_SCHEMA, Key, SnapshotFile
 
 pytest_plugins = ("pytester",)
 
@@ -443,7 +443,8 @@ def test_a_newer_schema_is_never_overwritten(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(test_m=HEADER + LINEAR.format(out=4))
     path = snapshot_dir(pytester) / "test_m.json"
     path.parent.mkdir()
-    path.write_bytes(edited(lambda d: d.update(schema=3))(good_text()))
+    newer = FILE_SCHEMA + 1
+    path.write_bytes(edited(lambda d: d.update(schema=newer))(good_text()))
     before = path.read_bytes()
     for args in ([], ["--torchmem-update"]):
         result = pytester.runpytest(*args)
@@ -452,9 +453,10 @@ def test_a_newer_schema_is_never_overwritten(pytester: pytest.Pytester) -> None:
         result.stdout.fnmatch_lines(
             [
                 (
-                    "snapshot file */__torchmem__/test_m.json has schema 3: it was written by a newer "
-                    "pytest-torchmem (this version reads and writes schema 2); upgrade pytest-torchmem "
-                    "to use it (--torchmem-update does not overwrite it with an older schema)"
+                    f"snapshot file */__torchmem__/test_m.json has schema {newer}: it was written by a "
+                    f"newer pytest-torchmem (this version reads and writes schema {FILE_SCHEMA}); upgrade "
+                    "pytest-torchmem to use it (--torchmem-update does not overwrite it with an older "
+                    "schema)"
                 )
             ]
         )

@@ -53,6 +53,7 @@ def test_public_names_are_the_defining_modules() -> None:
             "Parallel",
             "Category",
             "ModulePeak",
+            "StepPeaks",
             "Unsupported",
             "CpuProfile",
             "TorchReleaseError",

@@ -20,6 +20,7 @@ from torch import nn
 
 import pytest_torchmem as tm
 from pytest_torchmem.cli.main import main
+from pytest_torchmem.plugin.snapshots import FILE_SCHEMA
 
 pytest_plugins = ("pytester",)
 
@@ -120,7 +121,7 @@ def test_an_update_on_each_release_writes_its_own_directory_and_keeps_the_others
     assert not snapshot_file(pytester, None).exists()
     for release, version in (("2.13", "2.13.0+cpu"), ("2.15", "2.15.0+cpu")):
         path = snapshot_file(pytester, release)
-        assert json.loads(path.read_text())["schema"] == 2
+        assert json.loads(path.read_text())["schema"] == FILE_SCHEMA
         tests = entries_of(path)
         assert sorted(tests) == ["test_a", "test_b"]
         # Each entry records the torch it was made on.
@@ -275,7 +276,7 @@ def test_a_file_made_before_per_release_directories_stays_as_it_is(
     as_release(pytester, "2.13.0+cpu")
     assert pytester.runpytest("--torchmem-update").ret == 0
     flat = snapshot_file(pytester, None).read_text()
-    assert json.loads(flat)["schema"] == 2
+    assert json.loads(flat)["schema"] == FILE_SCHEMA
 
     suite(pytester, per_torch=True)
     result = pytester.runpytest()

@@ -120,7 +120,7 @@ def test_file_format_is_sorted_indented_versioned(tmp_path: Path) -> None:
     assert list(data["tests"]) == ["test_a", "test_b"]
     assert text == json.dumps(data, indent=2, sort_keys=True) + "\n"
     assert text.startswith(
-        '{\n  "schema": 2,\n  "tests": {\n    "test_a": {\n      "eval": {\n        "cpu": {'
+        '{\n  "schema": 3,\n  "tests": {\n    "test_a": {\n      "eval": {\n        "cpu": {'
     )
 
 

@@ -47,6 +47,45 @@ def test_phase_peaks_breakdown_and_modules() -> None:
     assert result.modules == {"(model)": ModulePeak(190, 0), "fc": ModulePeak(190, 260)}
 
 
+def test_a_loop_reports_its_last_iteration_and_its_first_beside() -> None:
+    """Two iterations: the phase peaks are the second's (the state the first step made
+    alive from its start), the first's are ``first_step``; the breakdown is at the larger."""
+    tl, baseline = _timeline()
+    state = None
+    for iteration in (1, 2):
+        tl.phase(Phase.FORWARD, iteration)
+        act = tl.new_storage(StorageInfo(50, phase=Phase.FORWARD))
+        tl.alloc(act)  # forward: 160, then 160 + 20 of state
+        tl.phase(Phase.BACKWARD, iteration)
+        grad = tl.new_storage(StorageInfo(100, phase=Phase.BACKWARD))
+        tl.alloc(grad)  # backward: 260, then 280
+        tl.free(act)
+        tl.assign_role(grad, Category.GRADIENTS)
+        tl.phase(Phase.STEP, iteration)
+        if state is None:
+            state = tl.new_storage(StorageInfo(20, phase=Phase.STEP))
+            tl.alloc(state)
+            tl.assign_role(state, Category.OPTIMIZER_STATE)
+        tmp = tl.new_storage(StorageInfo(40, phase=Phase.STEP))
+        tl.alloc(tmp)  # step: 270 both times
+        tl.free(tmp)
+        tl.free(grad)  # zero_grad(set_to_none=True)
+    tl.phase(None)
+
+    result = analyze(tl, baseline)
+    assert result.first_step == (160, 260, 270)
+    assert result.phase_peaks == (180, 280, 270)
+    assert result.breakdown[Category.OPTIMIZER_STATE] == 20
+    assert sum(result.breakdown.values()) == 280
+
+
+def test_one_iteration_has_no_first_step() -> None:
+    tl, baseline = _timeline()
+    tl.phase(Phase.FORWARD)
+    tl.phase(None)
+    assert analyze(tl, baseline).first_step is None
+
+
 def test_resize_counts_both_blocks_while_copying() -> None:
     tl, baseline = _timeline()
     tl.phase(Phase.FORWARD)

@@ -48,6 +48,8 @@ PHASE_ALIASES: Final[Mapping[str, tuple[str, ...]]] = {
     "bwd": ("backward",),
     "backward": ("backward",),
     "step": ("step",),
+    "first": ("first_step",),
+    "first_step": ("first_step",),
     "peak": ("peak",),
     "reserved": ("reserved",),
     "any": FIGURES,
@@ -56,15 +58,16 @@ PHASE_ALIASES: Final[Mapping[str, tuple[str, ...]]] = {
 REMOVED: Final = "removed"
 ADDED: Final = "added"
 _FAIL_ON_FORM: Final = (
-    "expected PHASE:LIMIT, e.g. bwd:5% or fwd:10MiB, where PHASE is fwd, bwd, step, peak, "
-    "reserved or any (also forward, backward) and LIMIT a percentage of the OLD figure "
+    "expected PHASE:LIMIT, e.g. bwd:5% or fwd:10MiB, where PHASE is fwd, bwd, step, first "
+    "(a training loop's first step), peak, reserved or any (also forward, backward, "
+    "first_step) and LIMIT a percentage of the OLD figure "
     "(5%) or a byte size (10MiB, 1.5 GB, 0)"
 )
 _NUMBER: Final = r"([0-9]+(?:\.[0-9]*)?|\.[0-9]+)"
 _PERCENT: Final = re.compile(rf"^{_NUMBER}\s*%$")
 _BARE: Final = re.compile(rf"^{_NUMBER}$")
 #: The figures the plugin compares with a snapshot (peak is the largest of the phases).
-_PLUGIN_FIGURES: Final = ("forward", "backward", "step", "reserved")
+_PLUGIN_FIGURES: Final = ("forward", "backward", "step", "first_step", "reserved")
 
 
 # -- --fail-on ---------------------------------------------------------------------------

@@ -92,7 +92,7 @@ def environment_summary(environment: Mapping[str, Any]) -> str:
         value = environment[name]
         if name == "torch":
             parts.append(f"torch {value}")
-        elif name in ("gpu", "cpu_isa"):
+        elif name in ("gpu", "cpu_isa", "figures"):
             parts.append(str(value))
         elif name == "cpu_threads":
             parts.append(f"{value} thread{'' if value == 1 else 's'}")
@@ -104,7 +104,7 @@ def environment_summary(environment: Mapping[str, Any]) -> str:
 
 
 def _figures_json(entry: Entry) -> dict[str, int | None]:
-    figures: dict[str, int | None] = {"reserved": None}
+    figures: dict[str, int | None] = {"first_step": None, "reserved": None}
     figures.update(figures_of(entry))
     return {name: figures[name] for name in FIGURES}
 
@@ -160,19 +160,24 @@ def show_text(loaded: Sequence[Loaded], entries: Sequence[Sequence[Saved]], styl
             blocks.append("\n".join(lines))
             continue
         reserved = any(s.entry.reserved_peak is not None for s in shown)
+        looped = any(s.entry.first_step is not None for s in shown)
         status = any(s.status is not None for s in shown)
-        headers = ["test", "name", "device", "forward", "backward", "step", "peak"]
+        headers = ["test", "name", "device", "forward", "backward", "step"]
+        headers += ["first step"] * looped + ["peak"]
         headers += ["reserved"] * reserved + ["status"] * status + ["environment"]
         rows = []
         for saved in shown:
             entry = saved.entry
             row = [saved.title, saved.key.name, saved.key.device]
             row += [style.size(entry.forward_peak), style.size(entry.backward_peak)]
-            row += [style.size(entry.step_peak), style.size(entry.peak)]
+            row += [style.size(entry.step_peak)]
+            first = None if entry.first_step is None else max(entry.first_step)
+            row += [style.size(first)] * looped
+            row += [style.size(entry.peak)]
             row += [style.size(entry.reserved_peak)] * reserved
             row += [saved.status or "-"] * status
             rows.append([*row, environment_summary(entry.environment)])
-        lines += ["", style.table(headers, rows, right=range(3, 8 if reserved else 7))]
+        lines += ["", style.table(headers, rows, right=range(3, 7 + looped + reserved))]
         incomplete = [s for s in shown if s.entry.unsupported]
         if incomplete:
             lines.append("")
@@ -233,7 +238,7 @@ def _change_table(rows: Sequence[Row], style: Style) -> str | None:
                     row.saved.title,
                     row.key.name,
                     row.key.device,
-                    figure,
+                    figure.replace("_", " "),
                     style.size(before[figure]),
                     style.size(value),
                     style.delta(value, before[figure]),

@@ -98,14 +98,15 @@ and modules that moved most; the entries only in OLD or only in NEW; and the
 entries recorded in another environment (torch version, CPU threads or ISA,
 GPU profile), which are stale and not compared.
 
-Without --fail-on, diff judges the forward, backward and step peaks and the
-reserved peak with no tolerance (as the plugin does by default), reports, and
-exits 0.
+Without --fail-on, diff judges the forward, backward and step peaks, a training
+loop's first-step peak and the reserved peak with no tolerance (as the plugin
+does by default), reports, and exits 0.
 
 Each --fail-on PHASE:LIMIT gates the figures of PHASE: an entry fails when one
 grew by more than LIMIT from OLD to NEW (a figure may move exactly LIMIT), and
 the other figures are shown but not gated. PHASE is fwd (forward), bwd
-(backward), step, peak, reserved, or any (all of them); LIMIT is a percentage of
+(backward), step, first (a training loop's first step), peak, reserved, or any
+(all of them); LIMIT is a percentage of
 the OLD figure (5%) or a byte size with its unit (10MiB, 1.5GB; 0 for none).
 Give several rules comma-separated or in several --fail-on options; where two
 name the same figure, the stricter limit holds.

@@ -254,6 +254,8 @@ def _report_entries(data: Mapping[str, Any], shown: str) -> list[Saved]:
                     "unsupported": result.get("unsupported", ()),
                     "environment": result.get("environment", {}),
                     "measured": result.get("measured"),
+                    # reports made before the training loop have none
+                    "first_step": result.get("first_step"),
                 }
             )
             key = Key(test, str(result["name"]), str(result["device"]))

@@ -35,7 +35,7 @@ from pytest_torchmem.engine.model_state import (
 )
 from pytest_torchmem.engine.distributed import FreedOnThisThread, collectives_completed_here
 from pytest_torchmem.engine.parallel import applied, local_tensors, model_copy
-from pytest_torchmem.engine.report import Category, MemoryReport, Unsupported
+from pytest_torchmem.engine.report import Category, MemoryReport, StepPeaks, Unsupported
 from pytest_torchmem.engine.step import ModuleTracker, NoModules, QuietProbe, run_step
 from pytest_torchmem.engine.timeline import FREE, Phase, StorageInfo, Timeline, analyze
 from pytest_torchmem.engine.torch_private import private
@@ -80,10 +80,10 @@ class _MarkingProbe:
         with record_function(_MARK + text):
             pass
 
-    def set_phase(self, phase: Phase | None) -> None:
+    def set_phase(self, phase: Phase | None, iteration: int = 1) -> None:
         if self.seen is not None:
             self.seen.phase = phase
-        self._mark(f"phase:{-1 if phase is None else int(phase)}")
+        self._mark(f"phase:{-1 if phase is None else int(phase)}:{iteration}")
 
     def enter_module(self, index: int) -> None:
         self._mark(f"enter:{index}")
@@ -248,6 +248,7 @@ def _measure_cpu(
         breakdown=analysis.breakdown,
         modules=analysis.modules,
         profile=profile,
+        first_step=None if analysis.first_step is None else StepPeaks(*analysis.first_step),
     ), _ran_compiled_code(prof)
 
 
@@ -421,11 +422,12 @@ def _read_events(prof: Any, timeline: Timeline, by_ptr: dict[int, int], probe: _
         if not isinstance(fields, _Allocation):
             step_thread = node.start_tid
             kind, _, value = node.name[len(_MARK) :].partition(":")
+            value, _, iteration = value.partition(":")
             number = int(value)
             if kind == "phase":
                 started = True
                 phase = None if number < 0 else Phase(number)
-                timeline.phase(phase)
+                timeline.phase(phase, int(iteration))
             elif kind == "enter":
                 module = number
                 timeline.enter(number)
@@ -687,13 +689,18 @@ def _measure_cuda(request: StepRequest, on_hook_error: HookError | None = None) 
     def own(nbytes: int) -> int:
         return max(nbytes - held_allocated, 0) if nbytes else 0
 
+    forward, backward, step = (own(nbytes) for nbytes in probe.iteration_peaks(probe.iterations))
+    first = None
+    if probe.iterations > 1:
+        first = StepPeaks(*(own(nbytes) for nbytes in probe.iteration_peaks(1)))
     return MemoryReport(
         device="cuda",
-        forward_peak=own(probe.peaks[Phase.FORWARD]),
-        backward_peak=own(probe.peaks[Phase.BACKWARD]),
-        step_peak=own(probe.peaks[Phase.STEP]),
+        forward_peak=forward,
+        backward_peak=backward,
+        step_peak=step,
         reserved_peak=max(probe.reserved - held_reserved, 0),
         profile=torch.cuda.get_device_name(device),
+        first_step=first,
     )
 
 
@@ -703,17 +710,30 @@ class _CudaPeakProbe(QuietProbe):
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self.phase: Phase | None = None
-        self.peaks = {phase: 0 for phase in Phase}
+        self.phase: tuple[Phase, int] | None = None
+        #: each iteration's peak of each phase, by (phase, iteration)
+        self.peaks: dict[tuple[Phase, int], int] = {}
         self.reserved = 0
 
-    def set_phase(self, phase: Phase | None) -> None:
+    def set_phase(self, phase: Phase | None, iteration: int = 1) -> None:
         torch.cuda.synchronize(self.device)
         if self.phase is not None:
             self.peaks[self.phase] = torch.cuda.max_memory_allocated(self.device)
         self.reserved = max(self.reserved, torch.cuda.max_memory_reserved(self.device))
         torch.cuda.reset_peak_memory_stats(self.device)
-        self.phase = phase
+        self.phase = None if phase is None else (phase, iteration)
+
+    def iteration_peaks(self, iteration: int) -> tuple[int, int, int]:
+        """The forward, backward and step peaks of one iteration of the loop."""
+        return (
+            self.peaks.get((Phase.FORWARD, iteration), 0),
+            self.peaks.get((Phase.BACKWARD, iteration), 0),
+            self.peaks.get((Phase.STEP, iteration), 0),
+        )
+
+    @property
+    def iterations(self) -> int:
+        return max((iteration for _, iteration in self.peaks), default=1)
 
 
 def _measure_ranks(request: StepRequest) -> MemoryReport:

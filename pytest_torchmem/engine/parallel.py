@@ -29,6 +29,8 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 from torch import nn
 
+from pytest_torchmem.engine.torch_private import private
+
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
@@ -144,8 +146,6 @@ def fake_world(
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from pytest_torchmem.engine.torch_private import private
-
     if not dist.is_available():
         raise RuntimeError("parallel= needs torch.distributed, which this build of torch lacks")
     if dist.is_initialized():
@@ -158,7 +158,12 @@ def fake_world(
     dist.init_process_group("fake", store=fake_store(), rank=rank, world_size=parallel.world)
     try:
         mesh = init_device_mesh(device_type, parallel.sizes, mesh_dim_names=parallel.names)
-        with _fake_tensor_checks_skipped(), _storage_resizes_seen(resized), _device_handle(device_type):
+        with (
+            _fake_tensor_checks_skipped(),
+            _storage_resizes_seen(resized),
+            _device_handle(device_type),
+            _bucket_rebuild_indices_real(),
+        ):
             yield mesh
     finally:
         dist.destroy_process_group()
@@ -265,7 +270,7 @@ def _fake_tensor_checks_skipped() -> Iterator[None]:
     active: on a rank that costs no memory, so it runs under a fake mode of
     its own, out of the tracker's sight.
     """
-    from pytest_torchmem.engine.torch_private import private, replacing
+    from pytest_torchmem.engine.torch_private import replacing
 
     disabled = private("torch.utils._python_dispatch._disable_current_modes")
     verify = "torch.nn.parallel.distributed._verify_param_shape_across_processes"
@@ -280,12 +285,47 @@ def _fake_tensor_checks_skipped() -> Iterator[None]:
         yield
 
 
+class _RealIndexTensors(private("torch.utils._python_dispatch.TorchDispatchMode")):  # type: ignore[misc]
+    """Small integer tensors made with ``empty`` are real, made with every mode off
+    (what DDP's reducer writes its new bucket order into while it rebuilds its buckets);
+    every other op goes on to the modes below."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        dtype = kwargs.get("dtype")
+        if func is torch.ops.aten.empty.memory_format and dtype is not None and not dtype.is_floating_point:
+            with private("torch.utils._python_dispatch._disable_current_modes")():
+                return func(*args, **{**kwargs, "device": "cpu"})
+        return func(*args, **kwargs)
+
+
+@contextmanager
+def _bucket_rebuild_indices_real() -> Iterator[None]:
+    """DDP rebuilds its gradient buckets in the first forward of a training loop's
+    second step, in the order the gradients became ready (``Reducer._rebuild_buckets``):
+    C++ writes the new bucket indices and sizes into integer tensors it makes for the
+    purpose and broadcasts from rank 0, which fake tensors (no data) cannot hold; they
+    are made real (a few bytes each: the parameters' count), and the new buckets, fake
+    as the old ones were, are charged when they are made, the old ones freed."""
+    from pytest_torchmem.engine.torch_private import replacing
+
+    path = "torch._C._distributed_c10d.Reducer._rebuild_buckets"
+    rebuild = private(path)
+
+    def rebuild_buckets(reducer: Any) -> bool:
+        with _RealIndexTensors():
+            return bool(rebuild(reducer))
+
+    with replacing(path, rebuild_buckets):
+        yield
+
+
 @contextmanager
 def _storage_resizes_seen(resized: Callable[[torch.Tensor], None]) -> Iterator[None]:
     """FSDP2 frees an unsharded parameter with ``storage.resize_(0)`` and makes it
     again with ``storage.resize_(nbytes)``: storage methods, not ops, so they are
     reported to ``resized`` as they happen."""
-    from pytest_torchmem.engine.torch_private import private, replacing
+    from pytest_torchmem.engine.torch_private import replacing
 
     fsdp = "torch.distributed.fsdp._fully_shard."
     free = private(fsdp + "_fsdp_param.free_storage")

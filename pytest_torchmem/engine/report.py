@@ -9,10 +9,12 @@ from enum import Enum
 from types import MappingProxyType
 from typing import Any, Final
 
-__all__ = ["Category", "ModulePeak", "Unsupported", "MemoryReport", "SCHEMA_VERSION"]
+__all__ = ["Category", "ModulePeak", "StepPeaks", "Unsupported", "MemoryReport", "SCHEMA_VERSION"]
 
-#: Version of the report's JSON form; bumped on any incompatible change.
-SCHEMA_VERSION: Final = 1
+#: Version of the report's JSON form; bumped on any incompatible change. Schema 2: a
+#: training step's figures are its loop's, the first step beside them (``first_step``);
+#: schema-1 reports (written before) are read as reports with no first step.
+SCHEMA_VERSION: Final = 2
 
 
 #: The name of the whole model in a report's ``modules``.
@@ -59,6 +61,34 @@ class ModulePeak:
 
 
 @dataclass(frozen=True, slots=True)
+class StepPeaks:
+    """Peak live bytes of each phase of one iteration of a training loop."""
+
+    forward: int
+    backward: int = 0
+    step: int = 0
+
+    @property
+    def peak(self) -> int:
+        return max(self.forward, self.backward, self.step)
+
+    def to_dict(self) -> dict[str, int]:
+        return {
+            "forward_peak": self.forward,
+            "backward_peak": self.backward,
+            "step_peak": self.step,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> StepPeaks:
+        return cls(
+            int(data["forward_peak"]),
+            int(data.get("backward_peak", 0)),
+            int(data.get("step_peak", 0)),
+        )
+
+
+@dataclass(frozen=True, slots=True)
 class Unsupported:
     """An op that could not be traced faithfully, and where the user's code called it."""
 
@@ -81,6 +111,12 @@ class MemoryReport:
 
     Produced by :func:`pytest_torchmem.estimate` and :func:`pytest_torchmem.measure`;
     see the design notes for the exact meaning of each figure.
+
+    A step with an optimizer runs as a training loop does: ``forward_peak``,
+    ``backward_peak`` and ``step_peak`` are the loop's from its second iteration on
+    (the optimizer's state alive through forward and backward), and ``first_step``
+    the first iteration's, which creates that state (None for a step without an
+    optimizer, which runs once). ``peak`` is the largest of them all.
     """
 
     device: str
@@ -94,6 +130,8 @@ class MemoryReport:
     #: The machine the figures are for: the CPU profile (``"avx2:4"``) on cpu, the
     #: GPU (``"H100"``) on cuda; for :func:`~pytest_torchmem.measure`, the host's.
     profile: str | None = None
+    #: The first iteration of the loop (a step with an optimizer), else None.
+    first_step: StepPeaks | None = None
 
     def __post_init__(self) -> None:
         breakdown = {Category(key): int(value) for key, value in self.breakdown.items()}
@@ -104,8 +142,9 @@ class MemoryReport:
 
     @property
     def peak(self) -> int:
-        """The largest of the three phase peaks."""
-        return max(self.forward_peak, self.backward_peak, self.step_peak)
+        """The largest of the phase peaks, the first step's included."""
+        loop = max(self.forward_peak, self.backward_peak, self.step_peak)
+        return loop if self.first_step is None else max(loop, self.first_step.peak)
 
     @property
     def complete(self) -> bool:
@@ -113,13 +152,18 @@ class MemoryReport:
         return not self.unsupported
 
     def phase_peaks(self) -> dict[str, int]:
-        """``{"forward": ..., "backward": ..., "step": ..., "peak": ...}``."""
-        return {
+        """``{"forward": ..., "backward": ..., "step": ..., "peak": ...}``, and the first
+        step's peak (``"first_step"``: :attr:`first_step`'s largest phase) where the step
+        ran as a training loop."""
+        peaks = {
             "forward": self.forward_peak,
             "backward": self.backward_peak,
             "step": self.step_peak,
             "peak": self.peak,
         }
+        if self.first_step is not None:
+            peaks["first_step"] = self.first_step.peak
+        return peaks
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict; :meth:`from_dict` gives back an equal report."""
@@ -141,16 +185,19 @@ class MemoryReport:
                 for entry in self.unsupported
             ],
             "profile": self.profile,
+            "first_step": None if self.first_step is None else self.first_step.to_dict(),
         }
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> MemoryReport:
         """Rebuild a report from :meth:`to_dict` output."""
         schema = data.get("schema", SCHEMA_VERSION)
-        if schema != SCHEMA_VERSION:
+        if schema not in (1, SCHEMA_VERSION):
             raise ValueError(
-                f"report schema {schema!r} is not supported (this version reads {SCHEMA_VERSION})"
+                f"report schema {schema!r} is not supported "
+                f"(this version reads 1 to {SCHEMA_VERSION})"
             )
+        first = data.get("first_step")
         return cls(
             device=data["device"],
             forward_peak=int(data["forward_peak"]),
@@ -164,6 +211,7 @@ class MemoryReport:
             },
             unsupported=tuple(Unsupported(**entry) for entry in data.get("unsupported", ())),
             profile=data.get("profile"),
+            first_step=None if first is None else StepPeaks.from_dict(first),
         )
 
     def to_json(self, **kwargs: Any) -> str:

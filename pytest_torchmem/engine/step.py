@@ -36,7 +36,7 @@ OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 class Probe(Protocol):
     """What the step reports as it runs."""
 
-    def set_phase(self, phase: Phase | None) -> None: ...
+    def set_phase(self, phase: Phase | None, iteration: int = 1) -> None: ...
 
     def enter_module(self, index: int) -> None: ...
 
@@ -50,7 +50,7 @@ class Probe(Protocol):
 class QuietProbe:
     """A probe that listens to nothing (a step run only for its side effects: a warm-up)."""
 
-    def set_phase(self, phase: Phase | None) -> None:
+    def set_phase(self, phase: Phase | None, iteration: int = 1) -> None:
         pass
 
     def enter_module(self, index: int) -> None:
@@ -225,6 +225,7 @@ def run_step(
     probe: Probe,
     keep_output: bool = False,
     hook_optimizers: Sequence[torch.optim.Optimizer] = (),
+    loop: bool | None = None,
 ) -> None:
     """Run one step of ``model`` and report its progress to ``probe``.
 
@@ -235,6 +236,15 @@ def run_step(
     the loss is taken from it, before backward. ``hook_optimizers`` are stepped
     by parameter hooks during backward (an optimizer step fused into it): their
     state is optimizer state.
+
+    A training step with an optimizer (``optimizer``, or ``hook_optimizers``) runs
+    as a loop of :data:`LOOP_ITERATIONS` iterations on the same inputs, each one the
+    step as a ``train_step(batch)`` function runs it (what an iteration made and did
+    not hand to the model or the optimizer is released when it ends): the first
+    creates the optimizer's state, the second is the loop's steady state, which
+    every later iteration repeats. ``probe`` is told each phase's iteration.
+    ``loop`` says whether to loop regardless (a warm-up step that compiles, without
+    the optimizer, runs the compiled code as often as the traced step will).
     """
     if not train:
         probe.set_phase(Phase.FORWARD)
@@ -257,14 +267,60 @@ def run_step(
             )
         probe.prepare_optimizer(opt)
 
-    probe.set_phase(Phase.FORWARD)
+    if loop is None:
+        loop = opt is not None or bool(hook_optimizers)
+    # each iteration's batch comes with the gradients the inputs had (none, as a rule):
+    # the gradient of an input that requires grad is the batch's, not the loop's
+    batch_grads = [t.grad for t in inputs] if loop else []
+    for iteration in range(1, (LOOP_ITERATIONS if loop else 1) + 1):
+        if iteration > 1:
+            for t, grad in zip(inputs, batch_grads):
+                t.grad = grad
+        _train_iteration(
+            model,
+            args,
+            kwargs,
+            trainable,
+            inputs,
+            loss_fn,
+            opt,
+            hook_optimizers,
+            probe,
+            keep_output,
+            iteration,
+        )
+    probe.set_phase(None)
+    del opt, batch_grads
+
+
+#: The iterations of a training loop a step with an optimizer runs: the first (which
+#: creates the optimizer's state) and the steady state.
+LOOP_ITERATIONS: Final = 2
+
+
+def _train_iteration(
+    model: nn.Module,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    trainable: list[torch.Tensor],
+    inputs: list[torch.Tensor],
+    loss_fn: LossFn | None,
+    opt: torch.optim.Optimizer | None,
+    hook_optimizers: Sequence[torch.optim.Optimizer],
+    probe: Probe,
+    keep_output: bool,
+    iteration: int,
+) -> None:
+    """One iteration of the training loop: forward, loss, backward, the optimizer step and
+    ``zero_grad(set_to_none=True)``; its locals (the loss, the output it holds) die on return."""
+    probe.set_phase(Phase.FORWARD, iteration)
     output = _call(model, args, kwargs)
     loss = (loss_fn or default_loss)(output)
     held = output if keep_output else None
     del output
     _check_loss(loss)
 
-    probe.set_phase(Phase.BACKWARD)
+    probe.set_phase(Phase.BACKWARD, iteration)
     loss.backward()
     probe.assign_role(
         Category.GRADIENTS,
@@ -273,12 +329,11 @@ def run_step(
     _assign_optimizer_state(probe, hook_optimizers)
 
     if opt is not None:
-        probe.set_phase(Phase.STEP)
+        probe.set_phase(Phase.STEP, iteration)
         opt.step()
         _assign_optimizer_state(probe, [opt])
         opt.zero_grad(set_to_none=True)
-    probe.set_phase(None)
-    del loss, opt, held
+    del loss, held
 
 
 def _assign_optimizer_state(probe: Probe, optimizers: Sequence[torch.optim.Optimizer]) -> None:

@@ -42,7 +42,7 @@ class Phase(IntEnum):
 ALLOC: Final = 0  # (ALLOC, sid, nbytes)
 FREE: Final = 1  # (FREE, sid, 0)
 RESIZE: Final = 2  # (RESIZE, sid, new nbytes): a new block, a copy, the old block freed
-PHASE: Final = 3  # (PHASE, phase, 0); phase -1 ends the step
+PHASE: Final = 3  # (PHASE, phase, iteration); phase -1 ends the step
 ENTER: Final = 4  # (ENTER, module index, 0)
 EXIT: Final = 5  # (EXIT, module index, 0)
 
@@ -111,8 +111,9 @@ class Timeline:
     def resize(self, sid: int, nbytes: int) -> None:
         self.events.append((RESIZE, sid, nbytes))
 
-    def phase(self, phase: Phase | None) -> None:
-        self.events.append((PHASE, -1 if phase is None else int(phase), 0))
+    def phase(self, phase: Phase | None, iteration: int = 1) -> None:
+        """``phase`` of the loop's ``iteration`` (from 1) begins; None: the step ends."""
+        self.events.append((PHASE, -1 if phase is None else int(phase), iteration))
 
     def enter(self, module: int) -> None:
         self.events.append((ENTER, module, 0))
@@ -142,6 +143,8 @@ class Timeline:
 class Analysis:
     """Figures read from a timeline."""
 
+    #: Forward, backward and step peaks of the loop: its last iteration's (the only one's,
+    #: where the step ran once).
     phase_peaks: tuple[int, int, int]
     breakdown: dict[Category, int]
     modules: dict[str, ModulePeak]
@@ -151,6 +154,9 @@ class Analysis:
     peak_event: int
     #: The allocator's reserved-bytes peak, when one was simulated.
     reserved_peak: int | None = None
+    #: The first iteration's forward, backward and step peaks, where the step ran as a
+    #: loop of several (None where it ran once).
+    first_step: tuple[int, int, int] | None = None
 
 
 class Allocator(Protocol):
@@ -198,7 +204,9 @@ def analyze(timeline: Timeline, baseline: list[int], allocator: Allocator | None
         live += charged
     base = live
 
-    peaks = [0, 0, 0]
+    # the phase peaks of each iteration of the loop (one: the step ran once)
+    iterations: list[list[int]] = [[0, 0, 0]]
+    peaks = iterations[0]
     phase = -1
     best = -1
     best_cat = list(by_cat)
@@ -251,6 +259,10 @@ def analyze(timeline: Timeline, baseline: list[int], allocator: Allocator | None
                 depth[module] = 0
             active.clear()
             phase = a
+            while len(iterations) < b:
+                iterations.append([0, 0, 0])
+            if b > 0:
+                peaks = iterations[b - 1]
             if phase >= 0 and live > peaks[phase]:
                 peaks[phase] = live
             if phase >= 0 and live > best:
@@ -278,13 +290,15 @@ def analyze(timeline: Timeline, baseline: list[int], allocator: Allocator | None
         if fwd_peak[i] or bwd_peak[i]
     }
     breakdown = {category: best_cat[i] for i, category in enumerate(_CATEGORY_ORDER)}
+    first, last = iterations[0], iterations[-1]
     return Analysis(
-        phase_peaks=(peaks[0], peaks[1], peaks[2]),
+        phase_peaks=(last[0], last[1], last[2]),
         breakdown=breakdown,
         modules=modules,
         baseline=base,
         peak_event=peak_event,
         reserved_peak=None if allocator is None else allocator.peak_reserved,
+        first_step=(first[0], first[1], first[2]) if len(iterations) > 1 else None,
     )
 
 

@@ -512,6 +512,12 @@ PRIVATE: Final = _entries(
         "a completed work item, returned by a collective that measure(parallel=...) ran to its end",
     ),
     Private(
+        "torch._C._distributed_c10d.Reducer._rebuild_buckets",
+        "DDP rebuilds its buckets in a loop's second step, writing the new order into integer "
+        "tensors that must hold data: they are made real while it runs",
+        replaced=True,
+    ),
+    Private(
         "torch.utils._python_dispatch._disable_current_modes",
         "DTensor's sharding propagation runs with the tracker's modes off",
     ),

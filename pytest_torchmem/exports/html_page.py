@@ -45,6 +45,7 @@ _FIGURE_LABELS: Final = {
     "forward": "forward peak",
     "backward": "backward peak",
     "step": "step peak",
+    "first_step": "first-step peak",
     "peak": "peak",
     "reserved": "reserved peak",
 }
@@ -256,6 +257,15 @@ class _Axis:
         return self.segments[-1][3]
 
 
+def _phase_label(phase: Mapping[str, Any]) -> tuple[str, str]:
+    """A phase's label and its short form: ``"first forward"`` in a training loop's
+    first step."""
+    label, short = _PHASE_LABELS.get(phase["phase"], (phase["phase"], ""))
+    if phase.get("first_step"):
+        return f"first {label}", f"1st {short}" if short else ""
+    return label, short
+
+
 def _chart(view: Mapping[str, Any], index: int) -> str:
     series = view["series"]
     sx = _Axis(view, _LEFT, _RIGHT)
@@ -265,7 +275,15 @@ def _chart(view: Mapping[str, Any], index: int) -> str:
     data_max = max([view["peak"]["bytes"], *totals, 1])
 
     references: list[tuple[str, int, int, int, str]] = []  # kind, value, x0, x1, title
-    spans = {phase["phase"]: (phase["start"], phase["end"]) for phase in sx.phases}
+    # the loop's figures are its later steps' phases, the first step's its own phases
+    spans = {
+        phase["phase"]: (phase["start"], phase["end"])
+        for phase in sx.phases
+        if not phase.get("first_step")
+    }
+    first = [phase for phase in sx.phases if phase.get("first_step")]
+    if first:
+        spans["first_step"] = (first[0]["start"], first[-1]["end"])
     budgets_off: list[str] = []
     for row in view["figures"]:
         figure = row["figure"]
@@ -295,7 +313,7 @@ def _chart(view: Mapping[str, Any], index: int) -> str:
     parts.append('<g class="bands">')
     for phase in sx.phases:
         x0, x1 = sx(phase["start"]), sx(phase["end"])
-        label, short = _PHASE_LABELS.get(phase["phase"], (phase["phase"], ""))
+        label, short = _phase_label(phase)
         parts.append(
             f'<rect class="band band-{escape(phase["phase"])}" x="{_num(x0)}" y="{_TOP}" '
             f'width="{_num(x1 - x0)}" height="{_BOTTOM - _TOP}"/>'
@@ -351,7 +369,7 @@ def _chart(view: Mapping[str, Any], index: int) -> str:
     # the peak
     peak = view["peak"]
     peak_px, peak_py = sx(peak["x"]), sy(peak["bytes"])
-    phase = _PHASE_LABELS.get(peak["phase"], (peak["phase"], ""))[0]
+    phase = _phase_label(peak)[0] if peak["phase"] else ""
     label = f"peak {format_bytes(peak['bytes'])}" + (f" \u00b7 {phase}" if phase else "")
     right = peak_px > (_LEFT + _RIGHT) / 2
     parts.append(
@@ -843,7 +861,9 @@ _JS: Final = r"""
     function hide() { cursor.style.display = "none"; tip.style.display = "none"; }
     function phaseAt(x) {
       for (var i = data.phases.length - 1; i >= 0; i--) {
-        if (data.phases[i].start <= x) return data.phases[i].phase;
+        var phase = data.phases[i];
+        if (phase.start > x) continue;
+        return phase.first_step ? "first " + (PHASES[phase.phase] || phase.phase) : phase.phase;
       }
       return "";
     }

@@ -225,8 +225,8 @@ def _series(
                 text += f" in {module}"
         label.append(texts.setdefault(text, len(texts)))
     boundaries = [
-        (index + 1, phase)
-        for index, (kind, phase, _) in enumerate(timeline.events)
+        (index + 1, phase, iteration)
+        for index, (kind, phase, iteration) in enumerate(timeline.events)
         if kind == PHASE
     ]
     series = {
@@ -243,13 +243,14 @@ def _series(
     return series, at_peak, boundaries
 
 
-def _phase_at(boundaries: list[tuple[int, int]], x: int) -> int:
-    phase = -1
-    for start, value in boundaries:
+def _phase_at(boundaries: list[tuple[int, int, int]], x: int) -> tuple[int, int]:
+    """The phase at event ``x`` and its iteration of the loop."""
+    phase, iteration = -1, 1
+    for start, value, number in boundaries:
         if start > x:
             break
-        phase = value
-    return phase
+        phase, iteration = value, number
+    return phase, iteration
 
 
 def _tensors(
@@ -306,6 +307,8 @@ def _figures(result: Result) -> list[dict[str, Any]]:
             name: estimate.measured.get(f"{name}_peak", 0)
             for name in ("forward", "backward", "step")
         }
+        if estimate.measured.get("first_step_peak") is not None:
+            measured["first_step"] = estimate.measured["first_step_peak"]
         measured["peak"] = max(measured.values())
         if estimate.measured.get("reserved_peak") is not None:
             measured["reserved"] = estimate.measured["reserved_peak"]
@@ -372,11 +375,12 @@ def check_view(
     """
     series, at_peak, boundaries = _series(traced, buckets)
     analysis = traced.analysis
-    peak_bytes = max(analysis.phase_peaks)
+    first = analysis.first_step
+    peak_bytes = max(*analysis.phase_peaks, *(first or ()))
     peak_x = analysis.peak_event + 1
-    peak_phase = _phase_at(boundaries, peak_x)
+    peak_phase, peak_iteration = _phase_at(boundaries, peak_x)
     phases = []
-    for n, (start, phase) in enumerate(boundaries):
+    for n, (start, phase, iteration) in enumerate(boundaries):
         end = boundaries[n + 1][0] if n + 1 < len(boundaries) else series["span"]
         if end > start or phase >= 0:
             phases.append(
@@ -384,6 +388,9 @@ def check_view(
                     "phase": _PHASE_NAMES.get(phase, str(phase)),
                     "start": start,
                     "end": end,
+                    # a phase of a training loop's first step (the loop's figures are
+                    # its later steps')
+                    "first_step": first is not None and phase >= 0 and iteration == 1,
                 }
             )
     estimate, snapshot = result.estimate, result.snapshot
@@ -436,8 +443,10 @@ def check_view(
             "x": peak_x,
             "bytes": peak_bytes,
             "phase": _PHASE_NAMES.get(peak_phase, ""),
+            "first_step": first is not None and peak_phase >= 0 and peak_iteration == 1,
         },
         "phase_peaks": dict(zip(("forward", "backward", "step"), analysis.phase_peaks)),
+        "first_step": None if first is None else dict(zip(("forward", "backward", "step"), first)),
         "tensors": _tensors(traced, at_peak, top, root),
         "alive": {"count": len(at_peak), "bytes": sum(at_peak.values())},
     }

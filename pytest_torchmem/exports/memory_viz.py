@@ -142,6 +142,8 @@ def trace_snapshot(traced: Trace, *, nodeid: str = "", name: str = "") -> dict[s
         "forward_peak": report.forward_peak,
         "backward_peak": report.backward_peak,
         "step_peak": report.step_peak,
+        # the first step of a training loop (whose later steps the three peaks are)
+        "first_step": None if report.first_step is None else report.first_step.to_dict(),
         "peak": report.peak,
         "reserved_peak": report.reserved_peak,
     }

@@ -361,7 +361,7 @@ def _marked_parallel(item: pytest.Item, spec: MarkerSpec, parallel: Parallel | N
 
 
 def device_environment(
-    device: str, gpu: str, cpu: str, keep_output: bool = False
+    device: str, gpu: str, cpu: str, keep_output: bool = False, loop: bool = False
 ) -> dict[str, Any]:
     """What the figures of ``device`` depend on besides the model: recorded in each entry.
 
@@ -371,11 +371,14 @@ def device_environment(
     recorded where any of these differ is stale: its bytes are not compared.
     ``keep_output=True`` is recorded too (only then, so that entries made with the
     default stay as they were): an entry made with the other setting measured
-    another step, and is never compared with this one.
+    another step, and is never compared with this one. So is ``loop``: the figures are
+    a training loop's (``"figures": "training loop"``), which one step's are not.
     """
     environment: dict[str, Any] = {"torch": releases.torch_version()}
     if keep_output:
         environment["keep_output"] = True
+    if loop:
+        environment["figures"] = "training loop"
     if device.startswith("cuda"):
         environment["gpu"] = gpu
         alloc_conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "").strip()
@@ -780,7 +783,9 @@ class TorchmemSession:
                 from pytest_torchmem.engine.measuring import measure_step
 
                 measured = measure_step(dataclasses.replace(request, device="cuda"))
-            environment = device_environment(device, gpu, str(cpu), request.keep_output)
+            environment = device_environment(
+                device, gpu, str(cpu), request.keep_output, loop=report.first_step is not None
+            )
             entry = Entry.from_report(report, environment, measured)
             key = Key(module_test_id(item), entry_name, device)
             result = judge(
@@ -1171,6 +1176,14 @@ def _whole_bytes(report: MemoryReport) -> MemoryReport:
             )
             for name, peak in report.modules.items()
         },
+        first_step=None
+        if report.first_step is None
+        else dataclasses.replace(
+            report.first_step,
+            forward=whole(report.first_step.forward, "first_step.forward"),
+            backward=whole(report.first_step.backward, "first_step.backward"),
+            step=whole(report.first_step.step, "first_step.step"),
+        ),
     )
 
 
@@ -1184,6 +1197,8 @@ def _record_properties(item: pytest.Item, result: Result) -> None:
         ("step_peak", entry.step_peak),
         ("peak", entry.peak),
     ]
+    if entry.first_step is not None:
+        figures.append(("first_step_peak", max(entry.first_step)))
     if entry.reserved_peak is not None:
         figures.append(("reserved_peak", entry.reserved_peak))
     if result.snapshot is not None:

@@ -79,7 +79,9 @@ __all__ = [
 #: Name of the directory beside a test module that holds its snapshot file.
 SNAPSHOT_DIR: Final = "__torchmem__"
 #: Version of the snapshot file format written; older ones are read, newer ones refused.
-FILE_SCHEMA: Final = 2
+#: Schema 3: an entry of a training loop holds its first step (``first_step``), which
+#: may be its peak.
+FILE_SCHEMA: Final = 3
 #: The oldest version read.
 _OLDEST_SCHEMA: Final = 1
 #: How a schema-1 ``cpu`` entry's environment names the CPU: the host it was recorded on.
@@ -145,18 +147,25 @@ class Entry:
     environment: Mapping[str, Any] = field(default_factory=dict)
     #: Peaks measured on a real GPU (``forward_peak``...), when the run measured.
     measured: Mapping[str, int] | None = None
+    #: The first step's (forward, backward, step) peaks, where the step ran as a
+    #: training loop (whose steady state the three phase peaks are), else None.
+    first_step: tuple[int, int, int] | None = None
 
     @property
     def peak(self) -> int:
-        return max(self.forward_peak, self.backward_peak, self.step_peak)
+        loop = max(self.forward_peak, self.backward_peak, self.step_peak)
+        return loop if self.first_step is None else max(loop, *self.first_step)
 
     def figures(self) -> dict[str, int]:
-        """The compared figures: the three phase peaks, and ``reserved`` when known."""
+        """The compared figures: the three phase peaks, the first step's peak where the
+        step ran as a loop, and ``reserved`` when known."""
         figures = {
             "forward": self.forward_peak,
             "backward": self.backward_peak,
             "step": self.step_peak,
         }
+        if self.first_step is not None:
+            figures["first_step"] = max(self.first_step)
         if self.reserved_peak is not None:
             figures["reserved"] = self.reserved_peak
         return figures
@@ -166,6 +175,11 @@ class Entry:
             "forward_peak": self.forward_peak,
             "backward_peak": self.backward_peak,
             "step_peak": self.step_peak,
+            **(
+                {}
+                if self.first_step is None
+                else {"first_step": dict(zip(_PEAK_FIELDS, self.first_step, strict=True))}
+            ),
             "peak": self.peak,
             "breakdown": dict(self.breakdown),
             "modules": {
@@ -206,31 +220,42 @@ class Entry:
                 "step_peak": measured.step_peak,
                 **(
                     {}
+                    if measured.first_step is None
+                    else {"first_step_peak": measured.first_step.peak}
+                ),
+                **(
+                    {}
                     if measured.reserved_peak is None
                     else {"reserved_peak": measured.reserved_peak}
                 ),
             },
+            first_step=None
+            if report.first_step is None
+            else (report.first_step.forward, report.first_step.backward, report.first_step.step),
         )
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> Entry:
         """The entry ``to_json`` wrote; a bad field raises ``TypeError`` or ``ValueError``.
 
-        The three phase peaks are required; every byte count must be an integer
-        >= 0 (not a string, a float or a bool). Unknown fields are ignored.
+        The three phase peaks are required (and the first step's three, where it
+        has one); every byte count must be an integer >= 0 (not a string, a float
+        or a bool). Unknown fields are ignored.
         """
         if not isinstance(data, Mapping):
             raise TypeError(f"an entry must be a JSON object, got {_shown(data)}")
-        for name in ("forward_peak", "backward_peak", "step_peak"):
-            if name not in data:
-                raise ValueError(f"the field {name!r} is missing")
-        forward, backward, step = (
-            _nbytes(data[name], name) for name in ("forward_peak", "backward_peak", "step_peak")
-        )
-        if "peak" in data and _nbytes(data["peak"], "peak") != max(forward, backward, step):
+        forward, backward, step = _peaks(data, "")
+        first = None
+        if data.get("first_step") is not None:
+            first = _peaks(_object(data["first_step"], "first_step"), "first_step.")
+        largest = max(forward, backward, step, *(first or ()))
+        if "peak" in data and _nbytes(data["peak"], "peak") != largest:
+            fields = "forward_peak, backward_peak and step_peak"
+            if first is not None:
+                fields = "forward_peak, backward_peak, step_peak and first_step's peaks"
             raise ValueError(
-                f"peak is {data['peak']}, not the largest of forward_peak, backward_peak "
-                f"and step_peak ({max(forward, backward, step)}): was it edited by hand?"
+                f"peak is {data['peak']}, not the largest of {fields} ({largest}): "
+                "was it edited by hand?"
             )
         reserved = data.get("reserved_peak")
         measured = data.get("measured")
@@ -263,7 +288,21 @@ class Entry:
                 name: _nbytes(nbytes, f"measured[{name!r}]")
                 for name, nbytes in _object(measured, "measured").items()
             },
+            first_step=first,
         )
+
+
+#: The fields of an entry's (and its first step's) three phase peaks.
+_PEAK_FIELDS: Final = ("forward_peak", "backward_peak", "step_peak")
+
+
+def _peaks(data: Mapping[str, Any], where: str) -> tuple[int, int, int]:
+    """The three phase peaks of an entry (``where``: the prefix of their fields' names)."""
+    for name in _PEAK_FIELDS:
+        if name not in data:
+            raise ValueError(f"the field {where + name!r} is missing")
+    forward, backward, step = (_nbytes(data[name], where + name) for name in _PEAK_FIELDS)
+    return forward, backward, step
 
 
 def _shown(value: Any) -> str:

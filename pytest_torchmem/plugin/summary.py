@@ -102,14 +102,16 @@ def _status(result: Result) -> str:
 def table_lines(results: Sequence[Result], *, verbosity: int = 0) -> list[str]:
     """A row per test, check and device: the peaks, the largest change, the status.
 
-    A ``reserved`` column (the caching allocator's segments) appears when a
-    ``cuda`` check is among the rows. Under ``-q`` (``verbosity < 0``) only the
-    rows that are not plain passes.
+    A ``first step`` column (the first step's peak, beside a training loop's phases)
+    appears when a check of a training loop is among the rows, a ``reserved`` column
+    (the caching allocator's segments) when a ``cuda`` check is. Under ``-q``
+    (``verbosity < 0``) only the rows that are not plain passes.
     """
     shown = [result for result in results if not (verbosity < 0 and result.status is Status.PASSED)]
     if not shown:
         return []
     reserved = any(result.estimate.reserved_peak is not None for result in shown)
+    looped = any(result.estimate.first_step is not None for result in shown)
     rows = []
     for result in shown:
         estimate = result.estimate
@@ -119,14 +121,19 @@ def table_lines(results: Sequence[Result], *, verbosity: int = 0) -> list[str]:
             format_bytes(estimate.forward_peak),
             format_bytes(estimate.backward_peak),
             format_bytes(estimate.step_peak),
-            format_bytes(estimate.peak),
         ]
+        if looped:
+            first = estimate.first_step
+            row.append("-" if first is None else format_bytes(max(first)))
+        row.append(format_bytes(estimate.peak))
         if reserved:
             row.append(
                 "-" if estimate.reserved_peak is None else format_bytes(estimate.reserved_peak)
             )
         rows.append((*row, _change(result), _status(result)))
-    headers = ["test", "device", "forward", "backward", "step", "peak"]
+    headers = ["test", "device", "forward", "backward", "step"]
+    headers += ["first step"] if looped else []
+    headers += ["peak"]
     headers += ["reserved"] if reserved else []
     headers += ["change", "status"]
     return tabulate(rows, headers=headers, tablefmt="simple", disable_numparse=True).splitlines()
@@ -215,6 +222,7 @@ def _figures(entry: Any) -> dict[str, int | None]:
         "forward": entry.forward_peak,
         "backward": entry.backward_peak,
         "step": entry.step_peak,
+        "first_step": None if entry.first_step is None else max(entry.first_step),
         "peak": entry.peak,
         "reserved": entry.reserved_peak,
     }
@@ -247,6 +255,8 @@ def _result_json(result: Result) -> dict[str, Any]:
         "tolerance": {"rtol": result.tolerance.rtol, "atol": result.tolerance.atol},
         "allowed": {change.figure: change.allowed for change in result.changes},
         "budgets": dict(result.budgets),
+        # the first step's three phases, where the check is of a training loop
+        "first_step": result.estimate.to_json().get("first_step"),
         "breakdown": dict(result.estimate.breakdown),
         "modules": {
             name: {"forward": fwd, "backward": bwd}

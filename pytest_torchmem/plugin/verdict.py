@@ -376,7 +376,11 @@ class EnvChange:
 #: an entry that does not record one was made with. They come from the test, not the
 #: machine: a check whose entry was made with another value is never compared with
 #: it, and fails (``judge``); ``diff`` of two snapshot files reports it as stale.
-STEP_SETTINGS: Final[Mapping[str, Any]] = {"keep_output": False}
+#: ``figures``: what the figures are of, recorded for a training loop only (the step ran
+#: with an optimizer: its figures are the loop's, the first step beside them); an entry
+#: that does not record it holds one step's figures (made before the loop, or a step
+#: without an optimizer).
+STEP_SETTINGS: Final[Mapping[str, Any]] = {"keep_output": False, "figures": "one step"}
 
 
 def environment_changes(snapshot: Entry, current: Entry) -> tuple[EnvChange, ...]:
@@ -420,9 +424,10 @@ def release_change(stale: Iterable[EnvChange]) -> tuple[Release, Release] | None
 
 
 #: Every figure of an entry that can be compared, in the order they are shown.
-FIGURES: Final = ("forward", "backward", "step", "peak", "reserved")
-#: The figures the plugin compares with the snapshot (``peak`` is the largest of the phases).
-_SNAPSHOT_FIGURES: Final = ("forward", "backward", "step", "reserved")
+FIGURES: Final = ("forward", "backward", "step", "first_step", "peak", "reserved")
+#: The figures the plugin compares with the snapshot (``peak`` is the largest of the
+#: others; ``first_step``: the first step's peak, where the step ran as a training loop).
+_SNAPSHOT_FIGURES: Final = ("forward", "backward", "step", "first_step", "reserved")
 
 
 def figures_of(entry: Entry) -> dict[str, int]:
@@ -515,7 +520,8 @@ class Result:
 
     @property
     def step_changed(self) -> bool:
-        """True when the snapshot entry was made with other step settings (``keep_output``)."""
+        """True when the snapshot entry was made with other step settings (``keep_output``,
+        one step's figures where the step is now a training loop's)."""
         return any(change.name in STEP_SETTINGS for change in self.stale)
 
     def moved(self, how: str) -> list[Change]:
@@ -604,6 +610,8 @@ def _measured_figures(measured: Mapping[str, int]) -> dict[str, int]:
         "backward": measured.get("backward_peak", 0),
         "step": measured.get("step_peak", 0),
     }
+    if measured.get("first_step_peak") is not None:
+        figures["first_step"] = measured["first_step_peak"]
     figures["peak"] = max(figures.values())
     if measured.get("reserved_peak") is not None:
         figures["reserved"] = measured["reserved_peak"]
@@ -634,9 +642,10 @@ def judge(
     (torch version, CPU threads or ISA, GPU profile: the entries'
     ``environment``) is stale: its bytes are not compared, and it fails only
     when ``fail_on_stale``; budgets still apply. An entry made with other step
-    settings (``keep_output``) is stale too, and always fails: the test changed
-    what it measures. Where the entry holds a real
-    measurement, each phase must agree with the estimate within ``measure_rtol``.
+    settings (``keep_output``; one step's figures where the step is now a training
+    loop's) is stale too, and always fails: the test changed what it measures. Where
+    the entry holds a real measurement, each phase must agree with the estimate within
+    ``measure_rtol``.
     ``release``: the torch release whose snapshot directory ``snapshot`` was looked
     up in (``torchmem_per_torch``), named by the message of a missing entry.
     """
@@ -729,9 +738,12 @@ _MODULE_PHASE: Final = {"forward": 0, "backward": 1}
 
 
 def figure_name(figure: str) -> str:
-    """``"backward peak"``, ``"reserved peak"``, ``"peak"``: a figure as messages name it."""
+    """``"backward peak"``, ``"reserved peak"``, ``"first-step peak"``, ``"peak"``: a
+    figure as messages name it."""
     if figure == "peak":
         return "peak"
+    if figure == "first_step":
+        return "first-step peak"
     return "reserved peak" if figure == "reserved" else f"{figure} peak"
 
 

@@ -19,7 +19,7 @@ from pytest_torchmem.engine.model_state import (
     substituted,
 )
 from pytest_torchmem.engine.parallel import Parallel, applied, fake_world, local_tensors, model_copy
-from pytest_torchmem.engine.report import Category, MemoryReport, Unsupported
+from pytest_torchmem.engine.report import Category, MemoryReport, StepPeaks, Unsupported
 from pytest_torchmem.engine.step import (
     LossFn,
     ModuleTracker,
@@ -238,6 +238,7 @@ def _trace(
                     loss_fn=loss_fn,
                     train=train,
                     keep_output=keep_output,
+                    looped=optimizer is not None or bool(standins.hook_optimizers),
                 )
             except Exception:
                 # inductor or dynamo could not build the program (or the model failed, which
@@ -309,6 +310,7 @@ def _trace(
         modules=analysis.modules,
         unsupported=(*tracker.unsupported, *_parallel_gaps(device.name, parallel)),
         profile=_profile_name(device.name, gpu, cpu),
+        first_step=None if analysis.first_step is None else StepPeaks(*analysis.first_step),
     )
     return Trace(report, tracker.timeline, baseline, analysis, device, context), following.met
 
@@ -361,11 +363,13 @@ def _warm_up(
     loss_fn: LossFn | None,
     train: bool,
     keep_output: bool,
+    looped: bool,
 ) -> None:
     """One untracked step on fresh fake stand-ins, in which dynamo and our backend
     compile the followed modules and the compiled functions the step calls (the
     optimizer is left out: the traced step makes a new one, whose compiled step is
-    compiled anew)."""
+    compiled anew). ``looped``: the traced step runs as a training loop, and so does
+    this one, running the compiled code as often."""
     with fake_mode:
         copies = convert(model_tensors, args, kwargs, fake_standins(where, fake_mode))
     with (
@@ -384,6 +388,7 @@ def _warm_up(
             train=train,
             probe=QuietProbe(),
             keep_output=keep_output,
+            loop=looped,
         )
 
 

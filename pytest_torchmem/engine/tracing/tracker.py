@@ -387,14 +387,14 @@ class Tracker(TorchDispatchMode):
 
     # -- the step's progress (the Probe protocol of pytest_torchmem.engine.step) ----
 
-    def set_phase(self, phase: Phase | None) -> None:
+    def set_phase(self, phase: Phase | None, iteration: int = 1) -> None:
         self._settle_numbers(final=True)
         self._settle_views()
         self._settle_formulas()
         self.phase = phase
         self._modules.clear()
         self.module = -1
-        self.timeline.phase(phase)
+        self.timeline.phase(phase, iteration)
 
     def enter_module(self, index: int) -> None:
         self._settle_pending()
