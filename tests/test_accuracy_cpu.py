@@ -95,3 +95,20 @@ def test_checkpointing_charges_each_regions_rng_stash(reentrant: bool) -> None:
         assert peaks[preserve] == _peaks(tm.measure(model, x))
     assert _RNG_STATE == torch.get_rng_state().numel()
     assert peaks[True][0] - peaks[False][0] == 3 * _RNG_STATE  # three regions hold theirs
+
+
+@pytest.mark.parametrize(
+    "case", [case for case in CASES if "optimizer" in case.options], ids=lambda case: case.name
+)
+def test_the_loops_figures_are_its_steady_state(case: Case, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A real loop's third step repeats its second: ``measure`` run for three steps (its
+    figures then the third's) equals the estimate's loop, the first step's included."""
+    from pytest_torchmem.engine import step
+
+    model, inputs = case.make()
+    estimated = tm.estimate(model, inputs, **case.options)
+    skip_where_native(estimated)
+    monkeypatch.setattr(step, "LOOP_ITERATIONS", 3)
+    measured = tm.measure(model, inputs, **case.options)
+    assert estimated.first_step is not None
+    assert _peaks(measured) == _peaks(estimated)
