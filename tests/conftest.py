@@ -4,18 +4,13 @@ from pathlib import Path
 # The model zoo (tests/zoo.py) is shared by the test suite and the benchmarks.
 sys.path.insert(0, str(Path(__file__).parent))
 
-# Before any test module (and transformers, which imports torchvision when it is
-# installed): torchvision's wheel needs the CUDA build of torch to import as is.
-from torchvision_import import import_torchvision  # noqa: E402
-
-import_torchvision()
-
 
 def _own_inductor_cache() -> None:
     """The suite compiles into an inductor cache of this checkout's own (unless
     ``TORCHINDUCTOR_CACHE_DIR`` says where): two suites of two checkouts sharing
     inductor's default cache compiled one kernel at once, and one of them loaded the
-    other's half-written library ("main.so: file too short")."""
+    other's half-written library ("main.so: file too short"). Before torch is imported:
+    inductor writes its default into the variable the first time it asks."""
     import hashlib
     import os
     import tempfile
@@ -28,6 +23,12 @@ def _own_inductor_cache() -> None:
 
 
 _own_inductor_cache()
+
+# Before any test module (and transformers, which imports torchvision when it is
+# installed): torchvision's wheel needs the CUDA build of torch to import as is.
+from torchvision_import import import_torchvision  # noqa: E402
+
+import_torchvision()
 
 
 def _capped_inductor_cache() -> None:
