@@ -174,8 +174,9 @@ def test_llama_7b_fsdp2_per_rank_hand_count_on_cuda(world: int) -> None:
     float32 parameters sharded (AdamW state float32), bfloat16 compute: a rank
     holds 1/world of every parameter (each shards along dim 0; every dim 0 here
     divides by 8 and 64), of the float32 gradients and of exp_avg/exp_avg_sq
-    (the step counters stay on the host). At world 8 the peak is the step; at
-    world 64 it is the backward, where one decoder layer is unsharded: its
+    (the step counters stay on the host). At world 8 the peak is the first
+    step's optimizer step, which makes the state; at world 64 it is the loop's
+    backward, where the state is alive and one decoder layer is unsharded: its
     bfloat16 all-gather output and its float32 gradients, the reduce-scatter's
     input, are live at the peak."""
     cfg = CONFIGS["7b"]
@@ -193,12 +194,16 @@ def test_llama_7b_fsdp2_per_rank_hand_count_on_cuda(world: int) -> None:
     assert breakdown[Category.PARAMETERS] == sum(cuda_block_of_large(n) for n in shards)
     assert [entry.op for entry in report.unsupported if "NCCL" in entry.op] == ["parallel= on cuda: NCCL"]
     layer = numel((cfg.dim,)) * 2 + numel((cfg.dim, cfg.dim)) * 4 + numel((cfg.ffn, cfg.dim)) * 3
+    assert report.first_step is not None
     if world == 8:
-        assert report.peak == report.step_peak
+        assert report.peak == report.first_step.step
         assert breakdown[Category.GRADIENTS] == parameters
         assert breakdown[Category.OPTIMIZER_STATE] == 2 * parameters
     else:
         assert report.peak == report.backward_peak
-        assert breakdown[Category.OPTIMIZER_STATE] == 0  # made by the step, after this peak
+        # exp_avg and exp_avg_sq of every shard, made by the first step, alive through the
+        # loop's backward (1,649,408 B more per state than the shards' blocks at world 64:
+        # not yet explained by hand, see the issue-25 notes)
+        assert breakdown[Category.OPTIMIZER_STATE] >= 2 * breakdown[Category.PARAMETERS]
         all_gather, reduce_scatter_input = layer * BF16, layer * FP32
         assert breakdown[Category.TEMPORARIES] >= all_gather + reduce_scatter_input
