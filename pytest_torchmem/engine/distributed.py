@@ -332,10 +332,14 @@ def collectives_completed_here() -> Iterator[None]:
     ``torch.distributed``'s collectives wait for their work and for gloo's
     thread to let go of their tensors before they return (a completed work
     item, when one was asked for), so the program's own drop is the last and
-    is seen. Collectives issued from C++ (DDP's reducer) are not affected.
+    is seen. Collectives issued from C++ are not affected, but for DDP's bucket
+    rebuild (:func:`_rebuild_freed_here`); its reducer's all-reduces write into
+    buckets the reducer holds.
     """
     import torch.distributed as dist
     from torch.distributed import distributed_c10d
+
+    from pytest_torchmem.engine.torch_private import replacing
 
     saved = []
     for module in (dist, distributed_c10d):
@@ -344,8 +348,31 @@ def collectives_completed_here() -> Iterator[None]:
             if original is not None:
                 saved.append((module, name, original))
                 setattr(module, name, _completed_here(original))
+    path = "torch._C._distributed_c10d.Reducer._rebuild_buckets"
+    rebuild = private(path)
+
+    def rebuild_buckets(reducer: Any) -> bool:  # a method: a function, not a partial
+        return _rebuild_freed_here(rebuild, reducer)
+
     try:
-        yield
+        with replacing(path, rebuild_buckets):
+            yield
     finally:
         for module, name, original in saved:
             setattr(module, name, original)
+
+
+def _rebuild_freed_here(rebuild: Callable[[Any], bool], reducer: Any) -> bool:
+    """DDP's bucket rebuild (the first forward of a loop's second step), its temporaries
+    freed on this thread.
+
+    The reducer broadcasts the new bucket order from rank 0 in integer tensors it
+    makes for the purpose and drops when the rebuild is done; gloo's worker thread
+    may let go of the broadcast's work item after that, and free one unseen (counted
+    to the end of the step, as the threads' timing falls). Held here, they die at
+    the rebuild's next op, or when it returns.
+    """
+    with FreedOnThisThread() as frees:
+        rebuilt = bool(rebuild(reducer))
+        frees.drain()
+    return rebuilt
