@@ -37,6 +37,7 @@ Nothing of this may reach the user's own compiled calls:
 
 from __future__ import annotations
 
+import gc
 import inspect
 import warnings
 import weakref
@@ -316,6 +317,34 @@ class _Region:
     region: int
     place: tuple[str, str]
     warm: tuple[int, int] | None = None
+    #: the callback the region's frames run with (:func:`_collected_after_compile`)
+    entered: Any = None
+
+    def __post_init__(self) -> None:
+        if self.entered is None:
+            self.entered = _collected_after_compile(self.callback, self.backend)
+
+
+def _collected_after_compile(callback: Any, backend: _FakeInductor) -> Callable[..., Any]:
+    """Dynamo's ``callback``, with the garbage of each compile of ``backend`` collected once
+    the compile is done.
+
+    Dynamo's compile of a frame leaves its translators and output graph in reference
+    cycles that hold the frame's locals (torch 2.15: the optimizer step's ``grads``), and
+    collects the young generations when the compile is done (``run_gc_after_compile``).
+    A compile the trace follows allocates more than a real one, so those cycles can be
+    older by then, and would hold the step's gradients past ``zero_grad`` into the next
+    iteration of the loop; here they are collected in full, as a real compile leaves them.
+    """
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        compiled = backend.compiled
+        result = callback(*args, **kwargs)
+        if backend.compiled != compiled:
+            gc.collect()
+        return result
+
+    return run
 
 
 @dataclass
@@ -354,14 +383,12 @@ class Following:
     #: inductor's count of autotuned kernel choices when following began
     autotuned: int = 0
 
-    def is_ours(self, callback: Any) -> bool:
-        return any(callback is region.callback for region in self.regions)
-
     def redirect(self, callback: Any, wrapper_frame: Any) -> Any:
         """The callback a compiled region entered through ``wrapper_frame`` (dynamo's
         ``compile_wrapper``) runs with: ours, or None (eagerly, flagged)."""
-        if self.is_ours(callback):
-            return callback
+        for region in self.regions:
+            if callback is region.callback:
+                return region.entered
         context = wrapper_frame.f_locals.get("self")
         wrapper = followable(context)
         if wrapper is None or self.builder is not None:
@@ -390,7 +417,7 @@ class Following:
         self.entering()
         # compile_wrapper set the user's region and puts back the one before it on exit
         set_eval_frame_isolate_recompiles_id(region.region)
-        return region.callback
+        return region.entered
 
     def _follow(self, context: Any, wrapper: Any, place: tuple[str, str]) -> tuple[Any, _Region]:
         backend = _FakeInductor(wrapper, self.builder, fallback=self.warmed)
