@@ -58,20 +58,24 @@ def _walk(value: Any, active: set[int]) -> Iterator[torch.Tensor]:
     active.discard(id(value))
 
 
-def map_tensors(fn: Callable[[torch.Tensor], Any], value: Any) -> Any:
-    """``value`` with each tensor ``t`` in it replaced by ``fn(t)``, in :func:`tensors_in` order.
+def map_tensors(
+    fn: Callable[[torch.Tensor], Any], value: Any, others: Callable[[Any], Any] | None = None
+) -> Any:
+    """``value`` with each tensor ``t`` in it replaced by ``fn(t)``, in :func:`tensors_in` order
+    (and each other value that is no container by ``others(value)``, where given).
 
     Containers that hold tensors are rebuilt, never changed in place; a
     container met twice is rebuilt once (the copy keeps the sharing). Raises
     ``ValueError`` for a container that holds itself, and ``TypeError`` for a
     ``Mapping`` or dataclass holding tensors that cannot be rebuilt.
     """
-    return _Mapper(fn).map(value)
+    return _Mapper(fn, others).map(value)
 
 
 class _Mapper:
-    def __init__(self, fn: Callable[[torch.Tensor], Any]) -> None:
+    def __init__(self, fn: Callable[[torch.Tensor], Any], others: Callable[[Any], Any] | None = None) -> None:
         self.fn = fn
+        self.others = others
         self.done: dict[int, Any] = {}
         self.active: set[int] = set()
         # Containers seen are kept alive, so that their ids stay theirs while mapping.
@@ -85,7 +89,7 @@ class _Mapper:
             return self.done[key]
         children = _children(value)
         if children is None:
-            return value
+            return value if self.others is None else self.others(value)
         if key in self.active:
             raise ValueError(_cycle(value))
         self.active.add(key)

@@ -11,7 +11,6 @@ whatever happens inside. The user's model ends as it began.
 
 from __future__ import annotations
 
-from collections import defaultdict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -21,7 +20,8 @@ import torch
 from torch import nn
 
 from pytest_torchmem.engine.containers import map_tensors
-from pytest_torchmem.engine.report import Unsupported
+from pytest_torchmem.engine.report import Category, Unsupported
+from pytest_torchmem.engine.twins import Twins, twin
 
 __all__ = [
     "Slot",
@@ -206,7 +206,7 @@ class _KeyedByParameter:
             twins = self.twins.setdefault(id(standin), [])
             for table in _tables_of(hook, original):
                 if not any(table is seen for seen, _ in twins):
-                    twins.append((table, _twin(table[original], convert)))
+                    twins.append((table, twin(table[original], convert)))
         self.pending.clear()
 
     def optimizers(self) -> list[torch.optim.Optimizer]:
@@ -230,27 +230,6 @@ class _KeyedByParameter:
         finally:
             for table in added:
                 table.pop(standin, None)
-
-
-def _twin(value: Any, convert: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-    """``value`` as the step's stand-ins see it (see :class:`_KeyedByParameter`)."""
-    if isinstance(value, torch.Tensor):
-        return convert(value)
-    if not isinstance(value, torch.optim.Optimizer):
-        return value
-    twin = type(value).__new__(type(value))
-    twin.__dict__.update(value.__dict__)
-    twin.param_groups = [
-        {**group, "params": [convert(p) for p in group["params"]]} for group in value.param_groups
-    ]
-    state: defaultdict[torch.Tensor, dict[str, Any]] = defaultdict(dict)
-    for parameter, entries in value.state.items():
-        state[convert(parameter)] = {
-            key: convert(entry) if isinstance(entry, torch.Tensor) else entry
-            for key, entry in entries.items()
-        }
-    twin.state = state
-    return twin
 
 
 def _carry_hooks(
@@ -320,10 +299,30 @@ class Converted:
     hook_optimizers: list[torch.optim.Optimizer] = field(default_factory=list)
     #: id(stand-in) -> the tensor it stands in for.
     originals: dict[int, torch.Tensor] = field(default_factory=dict)
+    #: Twins of the optimizers among the inputs (a step function's), stepping the stand-ins.
+    optimizers: list[torch.optim.Optimizer] = field(default_factory=list)
 
     @property
     def gradients(self) -> list[torch.Tensor]:
         return [t.grad for t in self.parameters + self.inputs if t.grad is not None]
+
+    def baseline_groups(self) -> tuple[tuple[Category, list[torch.Tensor]], ...]:
+        """The tensors live before the step, by category (a storage in several counts in
+        the first)."""
+        state = [
+            value
+            for optimizer in self.optimizers
+            for entries in optimizer.state.values()
+            for value in entries.values()
+            if isinstance(value, torch.Tensor)
+        ]
+        return (
+            (Category.PARAMETERS, self.parameters),
+            (Category.BUFFERS, self.buffers + self.attributes),
+            (Category.INPUTS, self.inputs),
+            (Category.GRADIENTS, self.gradients),
+            (Category.OPTIMIZER_STATE, state),
+        )
 
 
 def convert(
@@ -348,9 +347,12 @@ def convert(
         inputs.append(new)
         return new
 
+    twins = Twins(convert_one, convert_input, parameters)
+
     # Every tensor in the inputs' containers (dicts, BatchEncodings, dataclasses,
-    # named tuples, ...), in copies of those containers: the user's stay as they are.
-    new_args, new_kwargs = map_tensors(convert_input, (args, kwargs))
+    # named tuples, ...), in copies of those containers: the user's stay as they are;
+    # an optimizer among them (a step function's) is a twin that steps the stand-ins.
+    new_args, new_kwargs = map_tensors(convert_input, (args, kwargs), twins)
     convert_one.gradients()
     convert_one.keyed.prepare(convert_one)
     return Converted(
@@ -363,6 +365,7 @@ def convert(
         inputs=inputs,
         hook_optimizers=convert_one.keyed.optimizers(),
         originals=convert_one.originals,
+        optimizers=twins.optimizers(),
     )
 
 
