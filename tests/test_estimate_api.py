@@ -270,7 +270,7 @@ def test_forward_that_raises_gives_the_users_exception_and_restores_the_model() 
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [
-        ({"model": lambda x: x}, TypeError, "needs an nn.Module as model, got function"),
+        ({"model": 3}, TypeError, "needs an nn.Module or a step function as model, got int"),
         ({"inputs": [torch.randn(2, 4)]}, TypeError, "pass a tuple for positional arguments"),
         ({"inputs": 3}, TypeError, "inputs must be a tensor, a tuple .* got int"),
         ({"inputs": {1: torch.randn(2, 4)}}, TypeError, "string keys"),

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from pytest_torchmem.engine.report import MemoryReport
@@ -20,7 +20,7 @@ __all__ = ["estimate", "measure"]
 
 
 def estimate(
-    model: nn.Module,
+    model: nn.Module | Callable[..., Any],
     inputs: Any,
     *,
     device: str = "cpu",
@@ -75,6 +75,15 @@ def estimate(
     cpu the estimate follows inductor's program; on cuda a compiled region runs
     eagerly, listed in ``unsupported``.
 
+    ``model`` may also be a step function (any callable that is not a module):
+    ``estimate(train_step, (model, batch, opt))`` runs ``train_step(model, batch,
+    opt)`` with the modules, tensors, optimizers, LR schedulers and grad scalers
+    among its arguments as stand-ins (left as they were); its forward, backward
+    and optimizer steps are recognised where they run, and each phase's figure is
+    the highest of its iterations (:mod:`~pytest_torchmem.engine.step_function`).
+    ``loss_fn``, ``optimizer``, ``train``, ``keep_output``, ``compile`` and
+    ``parallel`` are the built-in step's, and do not apply to it.
+
     A torch outside the supported window raises
     :class:`~pytest_torchmem.engine.torch_release.TorchReleaseError` at once.
     """
@@ -92,7 +101,7 @@ def estimate(
         raise ValueError(f"gpu={gpu!r} applies to device='cuda' only, not {device!r}")
     if cpu is not None and request.device != "cpu":
         raise ValueError(f"cpu={cpu!r} applies to device='cpu' only, not {device!r}")
-    _check_parallel(parallel)
+    _check_parallel(parallel, request.model)
     request = as_compiled(request, parallel)
     reports = [
         trace(
@@ -119,18 +128,24 @@ def highest(reports: list[MemoryReport]) -> MemoryReport:
     return max(reports, key=lambda report: report.peak)
 
 
-def _check_parallel(parallel: Any) -> None:
+def _check_parallel(parallel: Any, model: Any = None) -> None:
     from pytest_torchmem.engine.parallel import Parallel
+    from pytest_torchmem.engine.step_function import StepFunction
 
     if parallel is not None and not isinstance(parallel, Parallel):
         raise TypeError(
             "parallel must be a pytest_torchmem.Parallel, e.g. "
             f"parallel=tm.Parallel(mesh={{'dp': 8}}, apply=fn), got {type(parallel).__name__}"
         )
+    if parallel is not None and isinstance(model, StepFunction):
+        raise ValueError(
+            "parallel= checks a model's built-in step on one rank; a step function with "
+            "parallel= is not supported yet: check the rank's model with the built-in step"
+        )
 
 
 def measure(
-    model: nn.Module,
+    model: nn.Module | Callable[..., Any],
     inputs: Any,
     *,
     device: str = "cpu",
@@ -155,6 +170,9 @@ def measure(
     machine over gloo (world size at most 4), each measured as above; the
     report is the memory of ``parallel.rank``.
 
+    A step function (``estimate``'s) runs for real on copies of its arguments'
+    tensors, with twins of its optimizers, schedulers and scalers.
+
     ``compile`` (``estimate``'s): the step of ``torch.compile(model, **compile)``,
     in its steady state (a warm-up step compiles first); dynamo's cache
     entries of a measurement are its own, invalidated when it returns.
@@ -165,10 +183,10 @@ def measure(
     from pytest_torchmem.engine.request import as_compiled, step_request
 
     settle_autograd_threads()  # before any fake mode: forked ranks can run backward
-    _check_parallel(parallel)
     request = step_request(
         "measure", model, inputs, device, loss_fn, optimizer, train, keep_output, compile
     )
+    _check_parallel(parallel, request.model)
     return measure_step(as_compiled(dataclasses.replace(request, parallel=parallel)))
 
 

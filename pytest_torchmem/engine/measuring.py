@@ -36,6 +36,7 @@ from pytest_torchmem.engine.model_state import (
 from pytest_torchmem.engine.distributed import FreedOnThisThread, collectives_completed_here
 from pytest_torchmem.engine.parallel import applied, local_tensors, model_copy
 from pytest_torchmem.engine.report import Category, MemoryReport, StepPeaks, Unsupported
+from pytest_torchmem.engine.step_function import StepFunction
 from pytest_torchmem.engine.step import ModuleTracker, NoModules, QuietProbe, run_step
 from pytest_torchmem.engine.timeline import FREE, Phase, StorageInfo, Timeline, analyze
 from pytest_torchmem.engine.torch_private import private
@@ -208,15 +209,6 @@ class _Seen:
             self.before_step = True
 
 
-def _baseline_groups(standins: Converted) -> tuple[tuple[Category, list[torch.Tensor]], ...]:
-    return (
-        (Category.PARAMETERS, standins.parameters),
-        (Category.BUFFERS, standins.buffers + standins.attributes),
-        (Category.INPUTS, standins.inputs),
-        (Category.GRADIENTS, standins.gradients),
-    )
-
-
 def _host_profile_name() -> str | None:
     """This host's CPU profile (``"avx2:2"``), or None where it is no level the
     rules model (a non-x86 CPU, ATen and oneDNN capped to different levels)."""
@@ -239,6 +231,8 @@ def _measure_cpu(
     profile = _host_profile_name()
     prof, timeline, baseline = profile_cpu_step(request, on_hook_error, mesh, warm=warm, seen=seen)
     analysis = analyze(timeline, baseline)
+    if isinstance(request.model, StepFunction):
+        analysis = analysis.over_the_call()
     forward, backward, step = analysis.phase_peaks
     return MemoryReport(
         device="cpu",
@@ -290,7 +284,7 @@ def profile_cpu_step(
     timeline = Timeline()
     by_ptr: dict[int, int] = {}
     baseline: list[int] = []
-    for category, tensors in _baseline_groups(standins):
+    for category, tensors in standins.baseline_groups():
         for t in tensors:
             storage = t.untyped_storage()
             if storage.data_ptr() in by_ptr or storage.nbytes() == 0:
@@ -332,6 +326,7 @@ def profile_cpu_step(
                 parameters=parameters,
                 inputs=standins.inputs,
                 hook_optimizers=standins.hook_optimizers,
+                optimizers=standins.optimizers,
                 loss_fn=request.loss_fn,
                 optimizer=request.optimizer,
                 train=request.train,
@@ -355,6 +350,7 @@ def _run(request: StepRequest, standins: Converted, probe: Any) -> None:
         parameters=standins.parameters,
         inputs=standins.inputs,
         hook_optimizers=standins.hook_optimizers,
+        optimizers=standins.optimizers,
         loss_fn=request.loss_fn,
         optimizer=request.optimizer,
         train=request.train,
@@ -691,7 +687,12 @@ def _measure_cuda(request: StepRequest, on_hook_error: HookError | None = None) 
 
     forward, backward, step = (own(nbytes) for nbytes in probe.iteration_peaks(probe.iterations))
     first = None
-    if probe.iterations > 1:
+    if isinstance(request.model, StepFunction):  # its call's highest of each phase
+        forward, backward, step = (
+            own(max(probe.iteration_peaks(i)[phase] for i in range(1, probe.iterations + 1)))
+            for phase in range(3)
+        )
+    elif probe.iterations > 1:
         first = StepPeaks(*(own(nbytes) for nbytes in probe.iteration_peaks(1)))
     return MemoryReport(
         device="cuda",
@@ -717,8 +718,9 @@ class _CudaPeakProbe(QuietProbe):
 
     def set_phase(self, phase: Phase | None, iteration: int = 1) -> None:
         torch.cuda.synchronize(self.device)
-        if self.phase is not None:
-            self.peaks[self.phase] = torch.cuda.max_memory_allocated(self.device)
+        if self.phase is not None:  # a phase met again in its iteration keeps its highest
+            reading = torch.cuda.max_memory_allocated(self.device)
+            self.peaks[self.phase] = max(self.peaks.get(self.phase, 0), reading)
         self.reserved = max(self.reserved, torch.cuda.max_memory_reserved(self.device))
         torch.cuda.reset_peak_memory_stats(self.device)
         self.phase = None if phase is None else (phase, iteration)

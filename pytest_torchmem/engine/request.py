@@ -13,6 +13,7 @@ from torch import nn
 
 from pytest_torchmem.engine.compiling import CompileOptions, compile_options
 from pytest_torchmem.engine.step import LossFn, OptimizerFactory
+from pytest_torchmem.engine.step_function import step_function
 from pytest_torchmem.engine.torch_private import private, private_name
 
 __all__ = ["StepRequest", "step_request", "as_compiled", "has_compiled_modules"]
@@ -51,10 +52,10 @@ def step_request(
     keep_output: Any = False,
     compile: Any = None,
 ) -> StepRequest:
-    if not isinstance(model, nn.Module):
+    if not isinstance(model, nn.Module) and not callable(model):
         raise TypeError(
-            f"{entry}() needs an nn.Module as model, got {type(model).__name__}; "
-            "wrap a function in an nn.Module whose forward calls it"
+            f"{entry}() needs an nn.Module or a step function as model, got "
+            f"{type(model).__name__}"
         )
     if isinstance(inputs, torch.Tensor):
         args, kwargs = (inputs,), {}
@@ -95,6 +96,9 @@ def step_request(
         raise TypeError(f"train must be True or False, got {train!r}")
     if not isinstance(keep_output, bool):
         raise TypeError(f"keep_output must be True or False, got {keep_output!r}")
+    if not isinstance(model, nn.Module):
+        _check_function_options(entry, loss_fn, optimizer, train, keep_output, compile)
+        return StepRequest(step_function(model, args, kwargs), args, kwargs, kind, None, None, True)
     compiled = compile_options(compile)
     if compiled is not None and has_compiled_modules(model):
         raise ValueError(
@@ -103,6 +107,28 @@ def step_request(
             ".compile()); pass it without compile=, or pass the eager model"
         )
     return StepRequest(model, args, kwargs, kind, loss_fn, optimizer, train, keep_output, compile=compiled)
+
+
+def _check_function_options(entry: str, loss_fn: Any, optimizer: Any, train: Any, keep_output: Any, compile: Any) -> None:
+    """A step function runs as written: the options of the built-in step do not apply."""
+    given = [
+        name
+        for name, value, default in (
+            ("loss_fn", loss_fn, None),
+            ("optimizer", optimizer, None),
+            ("train", train, True),
+            ("keep_output", keep_output, False),
+            ("compile", compile, None),
+        )
+        if value is not default
+    ]
+    if given:
+        raise TypeError(
+            f"{entry}() of a step function runs the function as written, so "
+            f"{', '.join(given)}= (options of a model's built-in step) do not apply; compute "
+            "the loss, step the optimizer (passed as an argument) and hold what you like in "
+            "the function itself"
+        )
 
 
 def has_compiled_modules(model: nn.Module) -> bool:

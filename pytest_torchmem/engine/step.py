@@ -18,6 +18,7 @@ from torch import nn
 from pytest_torchmem.engine.containers import tensors_in
 from pytest_torchmem.engine.parallel import local_tensors
 from pytest_torchmem.engine.report import ROOT_NAME, Category
+from pytest_torchmem.engine.step_function import StepFunction, run_function
 from pytest_torchmem.engine.timeline import Phase
 from pytest_torchmem.engine.torch_private import private
 
@@ -226,6 +227,7 @@ def run_step(
     keep_output: bool = False,
     hook_optimizers: Sequence[torch.optim.Optimizer] = (),
     loop: bool | None = None,
+    optimizers: Sequence[torch.optim.Optimizer] = (),
 ) -> None:
     """Run one step of ``model`` and report its progress to ``probe``.
 
@@ -245,7 +247,14 @@ def run_step(
     every later iteration repeats. ``probe`` is told each phase's iteration.
     ``loop`` says whether to loop regardless (a warm-up step that compiles, without
     the optimizer, runs the compiled code as often as the traced step will).
+
+    A :class:`~pytest_torchmem.engine.step_function.StepFunction` is the user's own
+    step: its function runs on ``args`` and ``kwargs`` (``optimizers``: the twins of
+    those among them), its phases recognised as they come.
     """
+    if isinstance(model, StepFunction):
+        run_function(model, args, kwargs, leaves=[*parameters, *inputs], optimizers=optimizers, probe=probe)
+        return
     if not train:
         probe.set_phase(Phase.FORWARD)
         with torch.no_grad():

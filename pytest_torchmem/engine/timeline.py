@@ -10,6 +10,7 @@ by the same code.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from enum import IntEnum
@@ -157,6 +158,14 @@ class Analysis:
     #: The first iteration's forward, backward and step peaks, where the step ran as a
     #: loop of several (None where it ran once).
     first_step: tuple[int, int, int] | None = None
+    #: Every iteration's forward, backward and step peaks, in order.
+    iterations: tuple[tuple[int, int, int], ...] = ()
+
+    def over_the_call(self) -> Analysis:
+        """The figures of a step function: each phase's peak is the highest of its
+        iterations (the function's call is one step, whatever it repeats)."""
+        peaks = tuple(max((it[phase] for it in self.iterations), default=0) for phase in range(3))
+        return dataclasses.replace(self, phase_peaks=peaks, first_step=None)  # type: ignore[arg-type]
 
 
 class Allocator(Protocol):
@@ -299,6 +308,7 @@ def analyze(timeline: Timeline, baseline: list[int], allocator: Allocator | None
         peak_event=peak_event,
         reserved_peak=None if allocator is None else allocator.peak_reserved,
         first_step=(first[0], first[1], first[2]) if len(iterations) > 1 else None,
+        iterations=tuple((it[0], it[1], it[2]) for it in iterations),
     )
 
 

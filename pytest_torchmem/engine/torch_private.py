@@ -512,6 +512,18 @@ PRIVATE: Final = _entries(
         "a completed work item, returned by a collective that measure(parallel=...) ran to its end",
     ),
     Private(
+        "torch.autograd.backward",
+        "a step function's backward begins where it is called (Tensor.backward calls it by "
+        "this name): public, replaced while a step function runs",
+        replaced=True,
+    ),
+    Private(
+        "torch.autograd.grad",
+        "a step function's backward begins where it is called: public, replaced while a step "
+        "function runs",
+        replaced=True,
+    ),
+    Private(
         "torch._C._distributed_c10d.Reducer._rebuild_buckets",
         "DDP rebuilds its buckets in a loop's second step, writing the new order into integer "
         "tensors that must hold data: they are made real while it runs",

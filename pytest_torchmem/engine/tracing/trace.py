@@ -28,6 +28,7 @@ from pytest_torchmem.engine.step import (
     QuietProbe,
     run_step,
 )
+from pytest_torchmem.engine.step_function import StepFunction
 from pytest_torchmem.engine.timeline import Analysis, Phase, Timeline, analyze
 from pytest_torchmem.engine.torch_private import private
 from pytest_torchmem.engine.tracing.compiled import watch_compiled
@@ -279,6 +280,7 @@ def _trace(
                     parameters=parameters,
                     inputs=standins.inputs,
                     hook_optimizers=standins.hook_optimizers,
+                    optimizers=standins.optimizers,
                     loss_fn=loss_fn,
                     optimizer=optimizer,
                     train=train,
@@ -299,6 +301,8 @@ def _trace(
 
     allocator = device.allocator(context) if device.allocator is not None else None
     analysis = analyze(tracker.timeline, baseline, allocator)
+    if isinstance(model, StepFunction):
+        analysis = analysis.over_the_call()
     forward, backward, step = analysis.phase_peaks
     report = MemoryReport(
         device=device.name,
@@ -389,6 +393,7 @@ def _warm_up(
             probe=QuietProbe(),
             keep_output=keep_output,
             loop=looped,
+            optimizers=copies.optimizers,
         )
 
 
@@ -489,13 +494,7 @@ def adopt(tracker: Tracker, standins: Converted) -> list[int]:
     """Register the storages live before the step; return them, each once."""
     baseline: list[int] = []
     seen: set[int] = set()
-    groups = (
-        (Category.PARAMETERS, standins.parameters),
-        (Category.BUFFERS, standins.buffers + standins.attributes),
-        (Category.INPUTS, standins.inputs),
-        (Category.GRADIENTS, standins.gradients),
-    )
-    for category, tensors in groups:
+    for category, tensors in standins.baseline_groups():
         for t in tensors:
             sid = tracker.adopt(t, category)
             if sid is not None and sid not in seen:

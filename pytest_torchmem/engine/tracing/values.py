@@ -147,6 +147,13 @@ _FILLS: Final[dict[Any, _Fill]] = {
 }
 
 
+#: Ops that write a flag only where the data they check is not finite, by the index of
+#: that flag among their arguments: the trace takes the data to be finite (the flag keeps
+#: its value), as the step it models is one that is taken (``GradScaler.step`` reads the
+#: flag that its ``unscale_`` wrote, and steps the optimizer where it is 0).
+_FINITE_ASSUMED: Final[dict[Any, int]] = {aten._amp_foreach_non_finite_check_and_unscale_.default: 1}
+
+
 def value_kind(func: Any) -> ValueKind:
     """The :class:`ValueKind` of ``func``."""
     if func in _FACTORIES or func in _FILLS or func in LIFTS:
@@ -413,8 +420,11 @@ class KnownValues:
         if real_out is None:
             real_out = self._compute(func, kind, args, kwargs, out)
             if real_out is None:
+                flag = _FINITE_ASSUMED.get(func)
+                kept = args[flag] if flag is not None and len(args) > flag else None
                 for t in written:
-                    self.forget(t)
+                    if t is not kept:
+                        self.forget(t)
                 return
         self._attach(out, real_out)
         for t in written:
