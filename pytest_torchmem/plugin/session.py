@@ -745,19 +745,25 @@ class TorchmemSession:
         parallel: Parallel | None = None,
     ) -> dict[str, MemoryReport]:
         __tracebackhide__ = True
+        from torch import nn
+
         from pytest_torchmem.engine.api import _check_parallel
         from pytest_torchmem.engine.request import as_compiled, step_request
 
         spec = self.spec(item)
         _check_parallel(parallel)
         parallel = _marked_parallel(item, spec, parallel)
+        # the settings' keep_output and compile are the built-in step's: a step function
+        # runs as written
+        builtin = isinstance(model, nn.Module)
         if keep_output is None:
-            keep_output = self.settings.keep_output if spec.keep_output is None else spec.keep_output
-        if compile is None:
+            keep_output = spec.keep_output if spec.keep_output is not None else builtin and self.settings.keep_output
+        if compile is None and builtin:
             compile = self.settings.compile if spec.compile is None else spec.compile
         request = step_request(
             "torchmem.check", model, inputs, "cpu", loss_fn, optimizer, train, keep_output, compile
         )
+        _check_parallel(parallel, request.model)
         # a compiled check has an entry of its own, beside the eager one of the same name
         compiled = "" if request.compile is None else f" @ {request.compile.key}"
         name = self._claim(item, name, compiled)
