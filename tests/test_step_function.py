@@ -1,0 +1,404 @@
+"""A step the user wrote (issue 25): ``tm.estimate(fn, (model, batch, opt))``.
+
+The modules, tensors, optimizers and grad scalers among the function's arguments
+become stand-ins and twins, and are left as they were; forward, backward and
+optimizer steps are recognised wherever the function runs them; each phase's
+figure is the highest of its repeats. On cpu the estimate equals ``measure`` of the
+same function byte for byte, on each family of training loop as written.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from following import follows_compiled
+from profiled import every_peak
+from torch import nn
+
+import pytest_torchmem as tm
+
+pytest_plugins = ("pytester",)
+
+
+def _mlp(width: int = 64) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(32, width), nn.GELU(), nn.Linear(width, 8))
+
+
+def _adamw(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+
+# -- the families: a training loop as users write it -----------------------------------
+
+
+def loop_of_three(model: nn.Module, x: torch.Tensor, opt: torch.optim.Optimizer) -> None:
+    for _ in range(3):
+        loss = model(x).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def accumulation(model: nn.Module, x: torch.Tensor, opt: torch.optim.Optimizer) -> None:
+    for micro in x.chunk(4):
+        loss = model(micro).square().mean() / 4
+        loss.backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def zero_grad_kept(model: nn.Module, x: torch.Tensor, opt: torch.optim.Optimizer) -> None:
+    for _ in range(2):
+        model(x).square().mean().backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+
+
+def retained_backward(model: nn.Module, x: torch.Tensor) -> None:
+    """A kernel benchmark's protocol: one forward, ten backwards through the kept graph."""
+    y = model(x)
+    dy = torch.randn_like(y)
+    for _ in range(10):
+        y.backward(dy, retain_graph=True)
+
+
+def ema(model: nn.Module, average: nn.Module, x: torch.Tensor, opt: torch.optim.Optimizer) -> None:
+    for _ in range(2):
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        with torch.no_grad():
+            for kept, now in zip(average.parameters(), model.parameters()):
+                kept.lerp_(now, 0.01)
+
+
+def gan(
+    g: nn.Module,
+    d: nn.Module,
+    z: torch.Tensor,
+    real: torch.Tensor,
+    opt_g: torch.optim.Optimizer,
+    opt_d: torch.optim.Optimizer,
+) -> None:
+    for _ in range(2):
+        fake = g(z)
+        loss_d = d(real).square().mean() + d(fake.detach()).mean()
+        loss_d.backward()
+        opt_d.step()
+        opt_d.zero_grad()
+        loss_g = -d(fake).mean()
+        loss_g.backward()
+        opt_g.step()
+        opt_g.zero_grad()
+
+
+def autocast_scaled(
+    model: nn.Module, x: torch.Tensor, opt: torch.optim.Optimizer, scaler: torch.amp.GradScaler
+) -> None:
+    for _ in range(2):
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = model(x).float().square().mean()
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+
+
+def scheduled(model: nn.Module, x: torch.Tensor, opt: torch.optim.Optimizer, schedule: Any) -> None:
+    for _ in range(3):
+        model(x).square().mean().backward()
+        opt.step()
+        schedule.step()
+        opt.zero_grad()
+
+
+class Lit(nn.Module):
+    """A Lightning-style module: the loop calls its ``training_step``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = _mlp()
+
+    def training_step(self, batch: torch.Tensor) -> torch.Tensor:
+        return self.net(batch).square().mean()
+
+
+def lightning_loop(lit: Lit, batches: list[torch.Tensor], opt: torch.optim.Optimizer) -> None:
+    for batch in batches:
+        loss = lit.training_step(batch)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _families() -> dict[str, tuple[Callable[..., Any], Callable[[], tuple[Any, ...]]]]:
+    def plain() -> tuple[Any, ...]:
+        model = _mlp()
+        return model, torch.randn(16, 32), _adamw(model)
+
+    def with_average() -> tuple[Any, ...]:
+        model = _mlp()
+        return model, copy.deepcopy(model), torch.randn(16, 32), _adamw(model)
+
+    def two_models() -> tuple[Any, ...]:
+        torch.manual_seed(0)
+        g = nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 32))
+        d = nn.Sequential(nn.Linear(32, 64), nn.LeakyReLU(), nn.Linear(64, 1))
+        z, real = torch.randn(16, 8), torch.randn(16, 32)
+        return g, d, z, real, torch.optim.Adam(g.parameters()), torch.optim.Adam(d.parameters())
+
+    def scaled() -> tuple[Any, ...]:
+        model = _mlp()
+        return model, torch.randn(16, 32), _adamw(model), torch.amp.GradScaler("cpu")
+
+    def lit() -> tuple[Any, ...]:
+        module = Lit()
+        return module, [torch.randn(16, 32) for _ in range(3)], torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9)
+
+    def with_schedule() -> tuple[Any, ...]:
+        model, x, opt = plain()
+        return model, x, opt, torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)
+
+    return {
+        "loop of three": (loop_of_three, plain),
+        "learning-rate scheduler": (scheduled, with_schedule),
+        "gradient accumulation": (accumulation, plain),
+        "zero_grad(set_to_none=False)": (zero_grad_kept, plain),
+        "backward(dy, retain_graph=True) x10": (retained_backward, lambda: (_mlp(), torch.randn(16, 32))),
+        "ema": (ema, with_average),
+        "gan": (gan, two_models),
+        "autocast + GradScaler": (autocast_scaled, scaled),
+        "lightning-style training_step": (lightning_loop, lit),
+    }
+
+
+FAMILIES = _families()
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_the_estimate_of_a_step_function_is_measure(name: str) -> None:
+    """Byte for byte what the real function allocates on this CPU, every phase."""
+    fn, make = FAMILIES[name]
+    arguments = make()
+    estimated = tm.estimate(fn, arguments)
+    measured = tm.measure(fn, arguments)
+    assert estimated.unsupported == ()
+    assert every_peak(estimated) == every_peak(measured)
+    assert estimated.breakdown == measured.breakdown
+
+
+@follows_compiled
+def test_a_compiled_model_in_a_step_function_is_followed() -> None:
+    """``torch.compile(model)`` passed to the function: its compiled program (warmed up by
+    a run of the whole function) is what the estimate traces, equal to measure's steady
+    state, and not the eager program's figures."""
+    torch.manual_seed(0)
+    eager = nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 64))
+    model = torch.compile(eager)
+    x = torch.randn(32, 64)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    estimated = tm.estimate(loop_of_three, (model, x, opt))
+    assert estimated.unsupported == ()
+    assert every_peak(estimated) == every_peak(tm.measure(loop_of_three, (model, x, opt)))
+    assert every_peak(estimated) != every_peak(tm.estimate(loop_of_three, (eager, x, opt)))
+
+
+def test_what_the_function_is_given_is_left_as_it_was() -> None:
+    """Parameters, gradients, optimizer state and the scaler: the same objects, the same
+    values, after an estimate and after a measurement."""
+    model = _mlp()
+    x = torch.randn(16, 32)
+    opt = _adamw(model)
+    scaler = torch.amp.GradScaler("cpu")
+    autocast_scaled(model, x, opt, scaler)  # real state to keep: Adam's, the scaler's, .grad
+    model(x).sum().backward()
+    params = list(model.parameters())
+    before = copy.deepcopy((model.state_dict(), [p.grad for p in params], opt.state_dict(), scaler.state_dict()))
+    for run in (tm.estimate, tm.measure):
+        run(autocast_scaled, (model, x, opt, scaler))
+        assert list(model.parameters()) == params
+        after = (model.state_dict(), [p.grad for p in params], opt.state_dict(), scaler.state_dict())
+        torch.testing.assert_close(after, before, rtol=0, atol=0)
+        assert all(opt.state[p]["exp_avg"].device.type == "cpu" for p in params)
+
+
+def test_a_scheduler_schedules_the_stand_ins_optimizer() -> None:
+    """The scheduler and its optimizer are twinned together: the user's learning rate and
+    the scheduler's count are as they were (the optimizer's step counted by the scheduler
+    is the twin's)."""
+    model = _mlp()
+    opt = _adamw(model)
+    schedule = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)
+    for run in (tm.estimate, tm.measure):
+        run(scheduled, (model, torch.randn(4, 32), opt, schedule))
+        assert opt.param_groups[0]["lr"] == 1e-3
+        assert schedule.last_epoch == 0 and schedule.get_last_lr() == [1e-3]
+        assert opt.state == {}
+
+
+def test_an_optimizer_whose_step_wraps_the_users_object_is_refused() -> None:
+    """``opt.step = torch.compile(opt.step)`` wraps the user's own bound method: a twin
+    would step the real parameters, so the check says so instead."""
+    model = _mlp()
+    opt = _adamw(model)
+    step = opt.step
+    opt.step = lambda *args, **kwargs: step(*args, **kwargs)  # type: ignore[method-assign]
+    opt.step.__wrapped__ = step  # type: ignore[attr-defined]
+    with pytest.raises(TypeError, match=r"AdamW.step is replaced by a wrapper of the user's own bound method"):
+        tm.estimate(loop_of_three, (model, torch.randn(4, 32), opt))
+
+
+def _builtin_twin(model: nn.Module, x: torch.Tensor, opt: torch.optim.Optimizer) -> None:
+    """The built-in step's first iteration, written as a function: forward, default loss
+    (the output's sum), the output dropped, backward, step, zero_grad."""
+    output = model(x)
+    loss = output.sum()
+    del output
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    del loss
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_a_function_that_is_the_builtin_step_has_its_first_step_figures(device: str) -> None:
+    """Two drivers, one program: the phases recognised in the function are the built-in
+    step's, to the byte, on both fake devices."""
+    model = _mlp(256)
+    x = torch.randn(64, 32)
+    function = tm.estimate(_builtin_twin, (model, x, _adamw(model)), device=device)
+    builtin = tm.estimate(model, x, optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3), device=device)
+    assert builtin.first_step is not None
+    assert (function.forward_peak, function.backward_peak, function.step_peak) == (
+        builtin.first_step.forward,
+        builtin.first_step.backward,
+        builtin.first_step.step,
+    )
+    assert function.first_step is None
+
+
+def test_each_phase_is_the_highest_of_its_repeats() -> None:
+    """Iterations that start alike (``zero_grad`` frees the gradients) on a small and a
+    large batch: each phase's figure is the large one's, whichever comes first."""
+
+    def iterations(model: nn.Module, first: torch.Tensor, second: torch.Tensor) -> None:
+        for x in (first, second):
+            model(x).sum().backward()
+            model.zero_grad(set_to_none=True)
+
+    model = _mlp()
+    small, large = torch.randn(4, 32), torch.randn(256, 32)
+    ascending = tm.estimate(iterations, (model, small, large))
+    descending = tm.estimate(iterations, (model, large, small))
+    assert ascending.phase_peaks() == descending.phase_peaks()
+    smaller = tm.estimate(iterations, (model, small, small))
+    assert ascending.forward_peak > smaller.forward_peak + large.nbytes
+    assert ascending.backward_peak > smaller.backward_peak + large.nbytes
+
+
+def test_modules_the_function_reads_from_outside_are_stand_ins_too() -> None:
+    """A model in the closure, or ``self`` of a bound method: swapped like an argument's."""
+    model = _mlp()
+    x = torch.randn(16, 32)
+
+    def closure(x: torch.Tensor) -> None:
+        model(x).sum().backward()
+
+    lit = Lit()
+    assert every_peak(tm.estimate(closure, (x,))) == every_peak(tm.measure(closure, (x,)))
+    assert all(p.grad is None for p in model.parameters())
+    estimated = tm.estimate(lit.training_step, (x,))
+    assert estimated.breakdown[tm.Category.PARAMETERS] == sum(p.nbytes for p in lit.parameters())
+
+
+def test_an_optimizer_from_outside_the_arguments_is_refused() -> None:
+    model = _mlp()
+    opt = _adamw(model)
+
+    def step(x: torch.Tensor) -> None:
+        model(x).sum().backward()
+        opt.step()
+
+    with pytest.raises(TypeError, match=r"reads the optimizer 'opt' from outside its arguments.*pass it as an argument"):
+        tm.estimate(step, (torch.randn(2, 32),))
+
+
+@pytest.mark.parametrize(
+    "option", [{"loss_fn": lambda out: out.sum()}, {"optimizer": _adamw}, {"train": False}, {"keep_output": True}]
+)
+def test_the_builtin_steps_options_are_refused_for_a_function(option: dict[str, Any]) -> None:
+    (name,) = option
+    with pytest.raises(TypeError, match=rf"runs the function as written, so {name}= "):
+        tm.estimate(loop_of_three, (_mlp(), torch.randn(2, 32), None), **option)
+
+
+def test_parallel_is_refused_for_a_function() -> None:
+    parallel = tm.Parallel(mesh={"dp": 2}, apply=lambda model, mesh: model)
+    with pytest.raises(ValueError, match="step function with parallel= is not supported"):
+        tm.estimate(retained_backward, (_mlp(), torch.randn(2, 32)), parallel=parallel)
+
+
+def test_a_function_on_the_fake_cuda_device_needs_no_gpu() -> None:
+    """The families run on the fake cuda device too (figures are the caching allocator's)."""
+    fn, make = FAMILIES["gan"]
+    report = tm.estimate(fn, make(), device="cuda")
+    assert report.unsupported == ()
+    assert report.step_peak > 0 and report.peak == max(report.phase_peaks().values())
+
+
+# -- in pytest: torchmem.check of a step function, end to end ---------------------------
+
+STEP_TEST = """
+import torch
+from torch import nn
+
+
+def train_step(model, x, opt):
+    for _ in range(2):
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def test_loop(torchmem):
+    torch.manual_seed(0)
+    model = nn.Linear(32, 32)
+    x = torch.randn({batch}, 32)
+    torchmem.check(train_step, (model, x, torch.optim.AdamW(model.parameters())))
+"""
+
+
+def test_a_step_function_check_is_snapshotted_and_gated(pytester: pytest.Pytester) -> None:
+    """``--torchmem-update`` writes its entries; the same function passes; a larger batch
+    in it regresses, and the failure names the phase and the command that accepts it."""
+    pytester.makepyfile(test_m=STEP_TEST.format(batch=8))
+    result = pytester.runpytest("--torchmem-update", "-p", "no:cacheprovider")
+    assert result.ret == pytest.ExitCode.OK
+    written = json.loads((pytester.path / "__torchmem__" / "test_m.json").read_text())
+    entry = written["tests"]["test_loop"]["default"]["cpu"]
+    assert entry["step_peak"] == tm.estimate(_plugin_step, _plugin_arguments(8), cpu="avx2:4").step_peak
+    assert pytester.runpytest("-p", "no:cacheprovider").ret == pytest.ExitCode.OK
+    pytester.makepyfile(test_m=STEP_TEST.format(batch=512))
+    result = pytester.runpytest("-p", "no:cacheprovider")
+    assert result.ret == pytest.ExitCode.TESTS_FAILED
+    result.stdout.fnmatch_lines(["*forward*", '*pytest --torchmem-update "test_m.py::test_loop"*'])
+
+
+def _plugin_step(model: nn.Module, x: torch.Tensor, opt: torch.optim.Optimizer) -> None:
+    for _ in range(2):
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _plugin_arguments(batch: int) -> tuple[Any, ...]:
+    torch.manual_seed(0)
+    model = nn.Linear(32, 32)
+    return model, torch.randn(batch, 32), torch.optim.AdamW(model.parameters())
