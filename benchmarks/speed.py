@@ -21,7 +21,10 @@ every contender alike):
 * ``estimate`` at batch 1 and at batch 64: tracing cost must not grow with
   the tensors' sizes;
 * ``both devices`` -- what one ``torchmem.check`` traces: ``estimate`` on the
-  fake ``cpu`` and on the fake ``cuda`` device, one after the other.
+  fake ``cpu`` and on the fake ``cuda`` device, one after the other;
+* ``step function`` -- ``estimate`` of the same step written as a function
+  (``model(tokens).sum().backward()``): recognising its phases costs nothing
+  the built-in step does not pay.
 
 Each contender runs once to warm up (FakeTensorMode's dispatch cache is shared
 by all of them), then ``--repeats`` times; the table shows medians. The ratios
@@ -34,7 +37,8 @@ it with real, initialised parameters (~500 MB) instead.
 
 ``--check`` exits 1 when a target is missed:
 estimate / plain fake <= 1.2, estimate / MemTracker <= 0.25,
-estimate@64 / estimate@1 <= 1.2, both devices / plain fake <= 2.2. ``--profile`` adds a cProfile of one
+estimate@64 / estimate@1 <= 1.2, both devices / plain fake <= 2.2,
+step function / estimate <= 1.1. ``--profile`` adds a cProfile of one
 ``estimate`` call on ``--device``, summarised by where the time goes.
 """
 
@@ -69,6 +73,7 @@ TARGETS = {
     "estimate / plain fake": 1.2,
     "estimate / MemTracker": 0.25,
     "estimate@64 / estimate@1": 1.2,
+    "step function / estimate": 1.1,
     "both devices / plain fake": 2.2,
 }
 MiB = 2**20
@@ -94,6 +99,11 @@ def _fake_parameters(model: nn.Module) -> None:
                 data = torch.empty_strided(p.shape, p.stride(), dtype=p.dtype, device="cpu")
                 new = made[id(p)] = nn.Parameter(data, requires_grad=p.requires_grad)
             module._parameters[name] = new
+
+
+def _forward_backward(model: nn.Module, tokens: torch.Tensor) -> None:
+    """The built-in step (forward, the output's sum, backward), written as a step function."""
+    model(tokens).sum().backward()
 
 
 def plain_fake(model: nn.Module, tokens: torch.Tensor) -> None:
@@ -250,7 +260,12 @@ def main(argv: list[str] | None = None) -> int:
         lambda: None,
         lambda _: [tm.estimate(model, tokens[args.batch], device=d) for d in ("cpu", "cuda")][-1],
     )
-    contenders = [est, plain, tracker, est1, est64, both]
+    function = Contender(
+        "step function",
+        lambda: None,
+        lambda _: tm.estimate(_forward_backward, (model, tokens[args.batch]), device=args.device),
+    )
+    contenders = [est, plain, tracker, est1, est64, both, function]
 
     print(
         f"{'transformers GPT2LMHeadModel' if args.transformers else 'GPT-2-shaped model'}: "
@@ -280,6 +295,7 @@ def main(argv: list[str] | None = None) -> int:
         "estimate / MemTracker": (est.name, tracker.name),
         "estimate@64 / estimate@1": (est64.name, est1.name),
         "both devices / plain fake": (both.name, plain.name),
+        "step function / estimate": (function.name, est.name),
     }
     rows, missed = [], []
     for label, (a, b) in pairs.items():

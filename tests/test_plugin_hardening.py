@@ -800,8 +800,8 @@ def test_inputs_array(torchmem):
 def test_inputs_dict_with_int_keys(torchmem):
     torchmem.check(nn.Linear(8, 4), {0: x})
 
-def test_model_a_function(torchmem):
-    torchmem.check(lambda t: t * 2, x)
+def test_model_a_number(torchmem):
+    torchmem.check(3, x)
 
 def test_train_a_string(torchmem):
     torchmem.check(nn.Linear(8, 4), x, train="no")
@@ -843,10 +843,7 @@ def test_bad_arguments_to_check_fail_that_test_with_the_fix(pytester: pytest.Pyt
             "dict, a BatchEncoding) of keyword arguments, got ndarray"
         ),
         "TypeError: keyword inputs need string keys, got 0",
-        (
-            "TypeError: torchmem.check() needs an nn.Module as model, got function; wrap a function "
-            "in an nn.Module whose forward calls it"
-        ),
+        "TypeError: torchmem.check() needs an nn.Module or a step function as model, got int",
         "TypeError: train must be True or False, got 'no'",
         "TypeError: torchmem.check(name=...) must be a non-empty string, got 3",
     ):
