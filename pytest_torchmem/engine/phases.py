@@ -49,10 +49,11 @@ class PhaseWatch:
     """Tells ``probe`` the phases of a step function while it runs (see the module).
 
     ``modules``: those the function reaches, whose calls begin a forward (see
-    :func:`hooked_modules`); ``leaves`` are the tensors whose ``.grad`` are gradients (the stand-ins of the
-    parameters and of the inputs); ``optimizers`` those the function was given
-    (twins stepping the stand-ins). After each backward their gradients, and after
-    each optimizer step that optimizer's state, are told to ``probe``.
+    :func:`hooked_modules`); ``leaves``: the tensors whose ``.grad`` are gradients
+    (the stand-ins of the parameters and of the inputs); ``optimizers``: those the
+    function was given (twins stepping the stand-ins). After each backward the
+    gradients, and after each optimizer step that optimizer's state, are told to
+    ``probe``.
     """
 
     def __init__(

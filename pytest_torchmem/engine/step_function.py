@@ -7,9 +7,10 @@ modules the function is given (among its arguments, nested in lists, tuples
 and dicts, as ``self`` of a bound method, or read from its closure and the
 globals it names), so that the engine finds their tensors and swaps them for
 stand-ins as it does a model's, and puts them back after. The tensors among
-the arguments become stand-ins as inputs do, and each optimizer among them a
-twin that steps the stand-ins (:func:`~pytest_torchmem.engine.model_state.convert`):
-the user's modules, tensors and optimizers are left as they were.
+the arguments become stand-ins as inputs do, and each optimizer, LR scheduler
+and grad scaler among them a twin that acts on the stand-ins
+(:mod:`~pytest_torchmem.engine.twins`): what the function is given is left as
+it was.
 :func:`run_function` calls it, its phases told to the probe by
 :class:`~pytest_torchmem.engine.phases.PhaseWatch`.
 """
@@ -36,10 +37,6 @@ class StepFunction(nn.Module):
         self.__dict__["function"] = function  # a bound method of a module is no child
         for name, module in modules.items():
             self.add_module(name, module)
-
-    @property
-    def name(self) -> str:
-        return getattr(self.function, "__qualname__", type(self.function).__name__)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:  # the engine calls run_function
         return self.function(*args, **kwargs)
