@@ -209,6 +209,24 @@ def test_a_failing_rank_reports_its_error() -> None:
         tm.measure(_blocks(1), torch.randn(2, 64), parallel=tm.Parallel({"dp": 2}, broken))
 
 
+def _gloo_workers(mesh: object) -> str:
+    import torch.distributed as dist
+
+    groups = [dist.group.WORLD, *(mesh.get_group(name) for name in mesh.mesh_dim_names)]
+    return ",".join(str(group._get_backend(torch.device("cpu")).options._threads) for group in groups)
+
+
+def test_ranks_run_gloo_work_on_one_thread_each() -> None:
+    """Each gloo group of a measured rank runs its work items on one worker thread, so a
+    work item is let go of before the next runs: DDP's rebuild drops the first step's
+    bucket on the rank's thread, seen (with gloo's two workers, a busy machine's
+    descheduled worker freed it unseen and the loop read 66,304 B high)."""
+    from pytest_torchmem.engine.distributed import run_ranks
+
+    parallel = tm.Parallel({"dp": 2, "tp": 2}, lambda model, mesh: model)
+    assert run_ranks(parallel, _gloo_workers) == ["1,1,1"] * 4
+
+
 def _fsdp(reshard_after_forward: bool = True, bf16: bool = False):
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 

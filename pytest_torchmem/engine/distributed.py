@@ -59,7 +59,7 @@ TIMEOUT: Final = 600
 COLLECTIVE_TIMEOUT: Final = 120
 #: Seconds :meth:`FreedOnThisThread.drain` and :func:`collectives_completed_here` wait
 #: for gloo's threads to let go of a tensor.
-DRAIN_TIMEOUT: Final = 1.0
+DRAIN_TIMEOUT: Final = 10.0
 #: The collectives of ``torch.distributed`` that Python code (FSDP2, user code) calls.
 _COLLECTIVES: Final = (
     "all_gather",
@@ -226,18 +226,19 @@ def _rank_main(parallel: Parallel, rank: int, store: str, body: Callable[[Any], 
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
 
-        dist.init_process_group(
-            "gloo",
-            store=dist.FileStore(store, parallel.world),
-            rank=rank,
-            world_size=parallel.world,
-            timeout=timedelta(seconds=COLLECTIVE_TIMEOUT),
-        )
-        try:
-            mesh = init_device_mesh("cpu", parallel.sizes, mesh_dim_names=parallel.names)
-            send.send(("ok", body(mesh)))
-        finally:
-            dist.destroy_process_group()
+        with _one_gloo_worker():
+            dist.init_process_group(
+                "gloo",
+                store=dist.FileStore(store, parallel.world),
+                rank=rank,
+                world_size=parallel.world,
+                timeout=timedelta(seconds=COLLECTIVE_TIMEOUT),
+            )
+            try:
+                mesh = init_device_mesh("cpu", parallel.sizes, mesh_dim_names=parallel.names)
+                send.send(("ok", body(mesh)))
+            finally:
+                dist.destroy_process_group()
     except BaseException:  # noqa: BLE001 (everything goes back to the parent; nothing escapes the fork)
         code = 1
         with contextlib.suppress(Exception):  # the parent reports the missing result
@@ -245,6 +246,43 @@ def _rank_main(parallel: Parallel, rank: int, store: str, body: Callable[[Any], 
     finally:
         send.close()
         os._exit(code)
+
+
+@contextlib.contextmanager
+def _one_gloo_worker() -> Iterator[None]:
+    """Every gloo group made in the block runs its work items on one worker thread.
+
+    A gloo worker completes a work item's future, then lets go of the item (and
+    of the tensors it holds) and only then takes the next one from the queue
+    (``ProcessGroupGloo::runLoop``). With two workers (gloo's default) the rank's
+    thread can go on from a completed all-reduce while the worker that ran it,
+    descheduled on a busy machine, still holds it: when DDP's bucket rebuild
+    then drops the first step's bucket, the worker frees it later, unseen by
+    the profiler (its memory reporting is per thread), and the measured loop
+    counts the bucket to the end of the step (66,304 B high on a 2-core CI
+    runner). With one worker, the rebuild's own broadcast of the new bucket
+    order runs after that worker let go of every earlier item, so the bucket's
+    last reference is the reducer's, dropped on the rank's thread, seen. Work
+    items from one thread run in the order they were issued either way.
+    """
+    from datetime import timedelta
+
+    from pytest_torchmem.engine.torch_private import replacing
+
+    gloo = private("torch.distributed.distributed_c10d.ProcessGroupGloo")
+
+    class OneWorker(gloo):  # type: ignore[misc,valid-type]  # isinstance checks still hold
+        def __init__(self, store: Any, rank: int, size: int, timeout: Any = timedelta(minutes=30), **_: Any) -> None:
+            options = gloo._Options()
+            options._devices = [gloo.create_default_device()]
+            options._threads = 1
+            options._timeout = timeout
+            if _.get("enable_reconfigure"):  # torch 2.15's reconfigurable groups
+                options.enable_reconfigure = True
+            super().__init__(store, rank, size, options)
+
+    with replacing("torch.distributed.distributed_c10d.ProcessGroupGloo", OneWorker):
+        yield
 
 
 class FreedOnThisThread(TorchDispatchMode):

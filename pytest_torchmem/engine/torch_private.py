@@ -524,6 +524,12 @@ PRIVATE: Final = _entries(
         replaced=True,
     ),
     Private(
+        "torch.distributed.distributed_c10d.ProcessGroupGloo",
+        "measure(parallel=...)'s ranks make their gloo groups with one worker thread (works run "
+        "in order, each let go of before the next starts)",
+        replaced=True,
+    ),
+    Private(
         "torch._C._distributed_c10d.Reducer._rebuild_buckets",
         "DDP rebuilds its buckets in a loop's second step, writing the new order into integer "
         "tensors that must hold data: they are made real while it runs",
