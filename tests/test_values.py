@@ -255,3 +255,51 @@ def test_shadows_respect_the_per_tensor_limit_and_the_total_cap() -> None:
     assert [values.of(f) is not None for f in fakes] == [False, True, True, False]
     assert values.nbytes == 800
     assert MAX_BYTES == 16 * 2**20 and MAX_NUMEL == 2**15
+
+
+# -- an argument that decides the output: known whatever the other holds ------------------
+
+
+def _decided(combine: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> list[str]:
+    """What the trace lists for ``bool(combine(known, unknown).any())``: the unknown
+    operand is drawn at random (values the trace never has), the known one is made from
+    the inputs' shape."""
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        unknown = torch.rand(x.shape[0]) > 0.5
+        if bool(combine(x[:, 0] == x[:, 0], unknown).any()):  # the known one: all True
+            return x * 2
+        return x * 3
+
+    return _flagged(fn, _x(4, 3))
+
+
+@pytest.mark.parametrize(
+    "combine",
+    [
+        lambda done, unknown: done | unknown,
+        lambda done, unknown: torch.logical_or(unknown, done),
+        lambda done, unknown: unknown & ~done,
+        lambda done, unknown: torch.logical_and(~done, unknown),
+        lambda done, unknown: unknown.long() & (~done).long(),
+    ],
+    ids=["true | ?", "logical_or(?, true)", "? & false", "logical_and(false, ?)", "int ? & 0"],
+)
+def test_an_absorbing_operand_decides_an_unknown_one(combine: Callable[..., torch.Tensor]) -> None:
+    """``stop_at_max_length | stop_at_eos`` is known once the first is all True (a
+    generation loop's end), ``x & 0`` is 0: nothing is listed."""
+    assert _decided(combine) == []
+
+
+@pytest.mark.parametrize(
+    "combine",
+    [
+        lambda done, unknown: ~done | unknown,  # false | ?: the unknown decides
+        lambda done, unknown: done & unknown,  # true & ?
+        lambda done, unknown: unknown.long() | done.long(),  # an integer's or: 1 | ? is not 1
+    ],
+    ids=["false | ?", "true & ?", "int ? | 1"],
+)
+def test_an_operand_that_does_not_decide_leaves_it_unknown(combine: Callable[..., torch.Tensor]) -> None:
+    flagged = _decided(combine)
+    assert len(flagged) == 1 and "the Python value of a tensor is not known" in flagged[0], flagged

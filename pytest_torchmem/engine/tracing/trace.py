@@ -44,6 +44,7 @@ from pytest_torchmem.engine.tracing.compiled_cuda import CudaProgram
 from pytest_torchmem.engine.tracing.devices.cuda.gpu_view import gpu_view
 from pytest_torchmem.engine.tracing.devices.cuda.profiles import GpuProfile, gpu_profile
 from pytest_torchmem.engine.tracing.devices.routing import routed_recomputation
+from pytest_torchmem.engine.tracing.generation import beams_run_on
 from pytest_torchmem.engine.tracing.rng_states import charged_rng_states
 from pytest_torchmem.engine.tracing.rules import TraceContext
 from pytest_torchmem.engine.tracing.tracker import Tracker
@@ -269,6 +270,7 @@ def _trace(
                 recomputation,
                 rng_states,
                 seen_as_gpu,
+                beams_run_on(tracker),
             ):
                 parameters = standins.parameters
                 if parallel is not None:

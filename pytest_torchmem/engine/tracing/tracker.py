@@ -45,7 +45,7 @@ from pytest_torchmem.engine.tracing.rules import (
     TraceContext,
 )
 from pytest_torchmem.engine.tracing.user_code import location_in, runner_dirs, user_frames, user_location
-from pytest_torchmem.engine.tracing.values import KnownValues, ValueKind, value_kind
+from pytest_torchmem.engine.tracing.values import ABSORBING, KnownValues, ValueKind, value_kind
 
 __all__ = [
     "Tracker",
@@ -589,6 +589,7 @@ class Tracker(TorchDispatchMode):
                         and (not args or type(args[0]) is not FakeTensor or id(args[0]) in known)
                         and values.all_known(args, kwargs)
                     )
+                    or func in ABSORBING  # one known argument may decide it
                 )
             )
         ):

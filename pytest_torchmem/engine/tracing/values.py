@@ -40,6 +40,7 @@ import torch
 from pytest_torchmem.engine.torch_private import private
 
 __all__ = [
+    "ABSORBING",
     "KnownValues",
     "LIFTS",
     "MAX_BYTES",
@@ -144,6 +145,19 @@ _FILLS: Final[dict[Any, _Fill]] = {
     aten.new_zeros.default: _filled(None, 0),
     aten.new_ones.default: _filled(None, 1),
     aten.new_full.default: _filled(2),
+}
+
+
+#: Binary ops with an absorbing value: an argument all ``True`` (``or``, of booleans) or
+#: all zero (``and``) decides every element of the output, whatever the other argument
+#: holds; by op, the output's value then (see :meth:`KnownValues._absorbed`).
+ABSORBING: Final[dict[Any, bool]] = {
+    aten.bitwise_or.Tensor: True,
+    aten.bitwise_or.Scalar: True,
+    aten.logical_or.default: True,
+    aten.bitwise_and.Tensor: False,
+    aten.bitwise_and.Scalar: False,
+    aten.logical_and.default: False,
 }
 
 
@@ -359,6 +373,14 @@ class KnownValues:
                 del self._storages[entry.key]
                 self.nbytes -= storage.nbytes
 
+    def assume(self, t: Any, value: Any) -> None:
+        """Know every element of the fake tensor ``t`` to be ``value`` (a decision the
+        trace cannot compute, taken as the caller's model of the program says)."""
+        if self.of(t) is None:
+            real = self._fill(t, value)
+            if real is not None:
+                self._attach(t, real)
+
     def forget(self, t: Any) -> None:
         """``t``'s storage was written with unknown values: forget every view of it."""
         if isinstance(t, (list, tuple)):
@@ -455,7 +477,7 @@ class KnownValues:
         if kind == ValueKind.OPAQUE:
             return None
         if kind == ValueKind.COMPUTED and not self.all_known(args, kwargs):
-            return None
+            return self._absorbed(func, args, out)
         fill = _FILLS.get(func)
         if fill is not None:
             return self._fill(out, fill(args, kwargs))
@@ -476,6 +498,34 @@ class KnownValues:
                 return func(*real_args, **dict(real_kwargs))
         except Exception:  # noqa: BLE001 - a kernel the CPU lacks, or a check of its own
             return None
+
+    def _absorbed(self, func: Any, args: tuple[Any, ...], out: Any) -> Any:
+        """The value of a binary op one of whose arguments is known and decides every
+        element whatever the other holds (``done | unknown`` where ``done`` is all
+        ``True``; ``x & unknown`` where ``x`` is all zero), else ``None``.
+
+        A generation loop stops on ``stop_at_max_length | stop_at_eos``: the first is
+        known, the second depends on the generated tokens (values the trace does not
+        have), and the loop ends when the first is all ``True``."""
+        absorbing = ABSORBING.get(func)
+        if absorbing is None or type(out) is not FakeTensor or len(args) < 2 or not self._small(out):
+            return None
+        for arg in args[:2]:
+            with on_values():
+                if isinstance(arg, FakeTensor):
+                    value = self.of(arg)
+                elif isinstance(arg, int):  # a Python bool or int (a Scalar overload's)
+                    value = torch.tensor(arg)
+                else:
+                    value = None
+                if value is None or value.dtype.is_floating_point or value.dtype.is_complex:
+                    continue
+                if absorbing and value.dtype != torch.bool and func is not aten.logical_or.default:
+                    continue  # an integer's bitwise or: no single absorbing value
+                decides = bool(value.all()) if absorbing else not bool(value.any())
+            if decides:
+                return self._fill(out, absorbing)
+        return None
 
     def _small(self, out: Any) -> bool:
         if isinstance(out, torch.Tensor):

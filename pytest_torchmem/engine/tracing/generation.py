@@ -1,0 +1,73 @@
+"""Hugging Face transformers' generation loop under the trace: beams go on to the end.
+
+``model.generate(...)`` decides when to stop from values: a greedy or sampling
+loop from ``unfinished_sequences.max() == 0``, a beam search from
+``_beam_search_has_unfinished_sequences`` (can a running beam still beat the
+finished ones, is a beam still open, can one continue). The trace knows the
+values that follow from the prompt and the lengths (``values.py``: the
+max-length criterion, and through an absorbing ``|`` or ``&`` the decisions it
+settles), not the ones that follow from the logits: the generated tokens, the
+beams' scores. For the greedy loop the unknown decision is read as "not
+finished" (``.item()`` of an unknown boolean is ``False``), and it runs on
+until the max-length criterion settles it. A beam search asks the opposite
+question ("still unfinished?"), and ``False`` would end it after one token;
+under :func:`beams_run_on` an undecided answer is taken as ``True``: the beams
+run on until the stopping criteria say every one must stop, the length a beam
+search reaches when no sequence ends early, the most memory it can take.
+
+Where a criterion depends on the generated tokens (an end-of-sequence token is
+set), a real run may end earlier: the estimate is then an upper bound, and
+says so in ``unsupported``. Without one (``eos_token_id=None``), the run's
+length is the max length and the estimate is exact.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any, Final
+
+import torch
+
+from pytest_torchmem.engine.report import Unsupported
+
+__all__ = ["beams_run_on"]
+
+_MODULE: Final = "transformers.generation.utils"
+_DECISION: Final = "_beam_search_has_unfinished_sequences"
+_RUNS_ON: Final = Unsupported(
+    f"transformers: GenerationMixin.{_DECISION}",
+    "whether a beam search stops before its max length depends on the generated tokens "
+    "(an end-of-sequence token is set): the beams were taken to run to the max length, "
+    "an upper bound",
+)
+
+
+@contextmanager
+def beams_run_on(tracker: Any) -> Iterator[None]:
+    """Within the block, a beam search of transformers (where it is imported) whose
+    stop the trace cannot decide goes on (see the module's docstring)."""
+    utils = sys.modules.get(_MODULE)
+    mixin = getattr(utils, "GenerationMixin", None) if utils is not None else None
+    original = getattr(mixin, "__dict__", {}).get(_DECISION)
+    if not isinstance(original, staticmethod):
+        yield  # not imported, or a release whose beam search decides elsewhere
+        return
+    decide = original.__func__
+
+    def has_unfinished(*args: Any, **kwargs: Any) -> Any:
+        answer = decide(*args, **kwargs)
+        values = tracker.values
+        if isinstance(answer, torch.Tensor) and values.of(answer) is None:
+            values.assume(answer, True)
+            hits = args[2] if len(args) > 2 else kwargs.get("next_token_hits_stopping_criteria")
+            if values.of(hits) is None:
+                tracker.flag(_RUNS_ON)
+        return answer
+
+    setattr(mixin, _DECISION, staticmethod(has_unfinished))
+    try:
+        yield
+    finally:
+        setattr(mixin, _DECISION, original)
