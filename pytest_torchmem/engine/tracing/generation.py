@@ -23,18 +23,17 @@ length is the max length and the estimate is exact.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from typing import Any, Final
 
 import torch
+from torch import nn
 
 from pytest_torchmem.engine.report import Unsupported
 
 __all__ = ["beams_run_on"]
 
-_MODULE: Final = "transformers.generation.utils"
 _DECISION: Final = "_beam_search_has_unfinished_sequences"
 _RUNS_ON: Final = Unsupported(
     f"transformers: GenerationMixin.{_DECISION}",
@@ -45,15 +44,26 @@ _RUNS_ON: Final = Unsupported(
 
 
 @contextmanager
-def beams_run_on(tracker: Any) -> Iterator[None]:
-    """Within the block, a beam search of transformers (where it is imported) whose
-    stop the trace cannot decide goes on (see the module's docstring)."""
-    utils = sys.modules.get(_MODULE)
-    mixin = getattr(utils, "GenerationMixin", None) if utils is not None else None
-    original = getattr(mixin, "__dict__", {}).get(_DECISION)
-    if not isinstance(original, staticmethod):
-        yield  # not imported, or a release whose beam search decides elsewhere
-        return
+def beams_run_on(tracker: Any, model: nn.Module) -> Iterator[None]:
+    """Within the block, a beam search of transformers whose stop the trace cannot
+    decide goes on (see the module's docstring): for the generation classes of
+    ``model``'s modules (found through their classes, not by import: a test run may
+    hold two copies of transformers' modules)."""
+    owners = {
+        owner
+        for module in model.modules()
+        for owner in type(module).__mro__
+        if isinstance(owner.__dict__.get(_DECISION), staticmethod)
+    }
+    with ExitStack() as stack:
+        for owner in owners:
+            stack.enter_context(_going_on(tracker, owner))
+        yield
+
+
+@contextmanager
+def _going_on(tracker: Any, owner: type) -> Iterator[None]:
+    original = owner.__dict__[_DECISION]
     decide = original.__func__
 
     def has_unfinished(*args: Any, **kwargs: Any) -> Any:
@@ -66,8 +76,8 @@ def beams_run_on(tracker: Any) -> Iterator[None]:
                 tracker.flag(_RUNS_ON)
         return answer
 
-    setattr(mixin, _DECISION, staticmethod(has_unfinished))
+    setattr(owner, _DECISION, staticmethod(has_unfinished))
     try:
         yield
     finally:
-        setattr(mixin, _DECISION, original)
+        setattr(owner, _DECISION, original)

@@ -270,7 +270,7 @@ def _trace(
                 recomputation,
                 rng_states,
                 seen_as_gpu,
-                beams_run_on(tracker),
+                beams_run_on(tracker, step_model),
             ):
                 parameters = standins.parameters
                 if parallel is not None:
