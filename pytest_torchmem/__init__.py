@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Final
 if TYPE_CHECKING:
     from pytest_torchmem.engine.api import estimate, measure
     from pytest_torchmem.engine.parallel import Parallel
+    from pytest_torchmem.engine.phases import phase
     from pytest_torchmem.engine.report import (
         Category,
         MemoryReport,
@@ -31,6 +32,7 @@ if TYPE_CHECKING:
 __all__ = [
     "estimate",
     "measure",
+    "phase",
     "MemoryReport",
     "Parallel",
     "Category",
@@ -51,6 +53,7 @@ _LAZY: Final = {
     "measure": "pytest_torchmem.engine.api",
     "MemoryReport": "pytest_torchmem.engine.report",
     "Parallel": "pytest_torchmem.engine.parallel",
+    "phase": "pytest_torchmem.engine.phases",
     "Category": "pytest_torchmem.engine.report",
     "ModulePeak": "pytest_torchmem.engine.report",
     "StepPeaks": "pytest_torchmem.engine.report",

@@ -402,3 +402,62 @@ def _plugin_arguments(batch: int) -> tuple[Any, ...]:
     torch.manual_seed(0)
     model = nn.Linear(32, 32)
     return model, torch.randn(batch, 32), torch.optim.AdamW(model.parameters())
+
+
+# -- the user's own phases: tm.phase(name) ------------------------------------------------
+
+
+def _named_phases(model: nn.Module, x: torch.Tensor, opt: torch.optim.Optimizer) -> None:
+    with tm.phase("train"):
+        for _ in range(2):
+            with tm.phase("forward and backward"):
+                model(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+    with tm.phase("eval"), torch.no_grad():
+        model(x)
+
+
+def test_named_phases_are_measure_byte_for_byte() -> None:
+    """Each named block's peak, the highest of its runs, equals measure's; the block
+    around the whole loop reaches the call's peak, the forward and backward inside it
+    the backward's, the inference after it the forward's."""
+    model, x = _mlp(), torch.randn(16, 32)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    estimated = tm.estimate(_named_phases, (model, x, opt))
+    measured = tm.measure(_named_phases, (model, x, opt))
+    assert list(estimated.phases) == ["train", "forward and backward", "eval"]
+    assert estimated.phases == measured.phases
+    assert estimated.phases["train"] == estimated.peak
+    assert estimated.phases["forward and backward"] == estimated.backward_peak
+    assert estimated.phases["eval"] < estimated.phases["forward and backward"]
+    on_cuda = tm.estimate(_named_phases, (model, x, opt), device="cuda")
+    assert on_cuda.phases["train"] == on_cuda.peak
+    assert tm.MemoryReport.from_dict(estimated.to_dict()) == estimated
+
+
+def test_a_phase_named_inside_a_model_counts_in_the_built_in_step() -> None:
+    class Named(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body, self.head = nn.Linear(32, 128), nn.Linear(128, 32)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            with tm.phase("body"):
+                h = self.body(x).relu()
+            return self.head(h)
+
+    model, x = Named(), torch.randn(8, 32)
+    estimated = tm.estimate(model, x)
+    assert estimated.phases == tm.measure(model, x).phases
+    assert 0 < estimated.phases["body"] <= estimated.forward_peak
+
+
+def test_a_phase_outside_a_check_does_nothing_and_a_bad_name_is_refused() -> None:
+    with tm.phase("serving"):
+        assert torch.ones(2).sum().item() == 2
+    for bad in ("", "  ", None, 3):
+        with pytest.raises(ValueError, match="a non-empty string"):
+            with tm.phase(bad):  # type: ignore[arg-type]
+                pass
+    assert tm.estimate(nn.Linear(4, 4), torch.randn(2, 4)).phases == {}

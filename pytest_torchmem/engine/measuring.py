@@ -73,6 +73,8 @@ class _MarkingProbe:
     """Marks the step's progress in the profiler's event tree."""
 
     roles: list[tuple[Category, list[int]]] = field(default_factory=list)
+    #: the names of the user's phases (tm.phase), by their marks' index
+    names: list[str] = field(default_factory=list)
     #: told the phase too (which compiled regions a step enters where)
     seen: _Seen | None = None
 
@@ -91,6 +93,11 @@ class _MarkingProbe:
 
     def exit_module(self, index: int) -> None:
         self._mark(f"exit:{index}")
+
+    def name_phase(self, name: str, begin: bool) -> None:
+        if name not in self.names:
+            self.names.append(name)
+        self._mark(f"named:{self.names.index(name)}:{int(begin)}")
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         pass
@@ -243,6 +250,7 @@ def _measure_cpu(
         modules=analysis.modules,
         profile=profile,
         first_step=None if analysis.first_step is None else StepPeaks(*analysis.first_step),
+        phases=analysis.named,
     ), _ran_compiled_code(prof)
 
 
@@ -429,6 +437,8 @@ def _read_events(prof: Any, timeline: Timeline, by_ptr: dict[int, int], probe: _
                 timeline.enter(number)
             elif kind == "exit":
                 timeline.exit(number)
+            elif kind == "named":
+                timeline.named(probe.names[number], iteration == "1")
             elif kind == "settle":
                 settled = (len(timeline.events), set(by_ptr.values()))
                 for sid in by_ptr.values():

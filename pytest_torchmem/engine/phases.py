@@ -22,10 +22,14 @@ backward; ``zero_grad`` after ``step()`` to the step. The function's call
 begins in a forward. A forward that begins after a backward or a step of the
 same iteration begins the next iteration, so a loop of steps, or gradient
 accumulation over micro-batches, is numbered as it ran.
+
+The user names phases of their own with :func:`phase` (``with
+tm.phase("generate"): ...``): each gets its peak, beside these.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from typing import Any, Final
@@ -39,7 +43,7 @@ from pytest_torchmem.engine.report import Category
 from pytest_torchmem.engine.timeline import Phase
 from pytest_torchmem.engine.torch_private import private, private_name, replacing
 
-__all__ = ["PhaseWatch", "hooked_modules"]
+__all__ = ["PhaseWatch", "hooked_modules", "naming_phases", "phase"]
 
 # torch's private names (engine/torch_private.py)
 _DisableTorchFunction: Final = private("torch._C.DisableTorchFunction")
@@ -175,3 +179,47 @@ def hooked_modules(modules: Sequence[nn.Module]) -> list[nn.Module]:
         if not isinstance(module, optimized):
             stack.extend(reversed(list(module.children())))
     return found
+
+
+_naming = threading.local()  # .probes: the probes of the steps running on this thread
+
+
+@contextmanager
+def phase(name: str) -> Iterator[None]:
+    """Name a phase of your own step: ``with tm.phase("generate"): ...``.
+
+    While :func:`~pytest_torchmem.estimate` or :func:`~pytest_torchmem.measure` runs
+    the step, the report's ``phases[name]`` is the highest memory reached inside the
+    block (the live bytes when it begins included): the highest of its runs where
+    the block runs several times, and the outermost where blocks of one name nest.
+    Phases of different names may nest or overlap; the forward, backward and step
+    phases go on being recognised inside them. Outside a check, it does nothing:
+    the code that names its phases runs as it did.
+    """
+    if not isinstance(name, str) or not name.strip():
+        raise ValueError(f"tm.phase() takes the phase's name, a non-empty string; got {name!r}")
+    probes = getattr(_naming, "probes", None)
+    probe = probes[-1] if probes else None
+    if probe is None:
+        yield
+        return
+    with _DisableTorchFunction():
+        probe.name_phase(name, True)
+    try:
+        yield
+    finally:
+        with _DisableTorchFunction():
+            probe.name_phase(name, False)
+
+
+@contextmanager
+def naming_phases(probe: Any) -> Iterator[None]:
+    """:func:`phase` tells ``probe`` within the block (on this thread)."""
+    probes = getattr(_naming, "probes", None)
+    if probes is None:
+        probes = _naming.probes = []
+    probes.append(probe)
+    try:
+        yield
+    finally:
+        probes.pop()

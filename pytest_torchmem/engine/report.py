@@ -132,12 +132,16 @@ class MemoryReport:
     profile: str | None = None
     #: The first iteration of the loop (a step with an optimizer), else None.
     first_step: StepPeaks | None = None
+    #: The peak of each of the user's own phases (``with tm.phase("generate"): ...``),
+    #: by name, in the order first met: the highest live bytes while it lasted.
+    phases: Mapping[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         breakdown = {Category(key): int(value) for key, value in self.breakdown.items()}
         ordered = {category: breakdown.get(category, 0) for category in Category}
         object.__setattr__(self, "breakdown", _frozen(ordered))
         object.__setattr__(self, "modules", _frozen(self.modules))
+        object.__setattr__(self, "phases", _frozen({str(k): int(v) for k, v in self.phases.items()}))
         object.__setattr__(self, "unsupported", tuple(self.unsupported))
 
     @property
@@ -186,6 +190,7 @@ class MemoryReport:
             ],
             "profile": self.profile,
             "first_step": None if self.first_step is None else self.first_step.to_dict(),
+            "phases": dict(self.phases),
         }
 
     @classmethod
@@ -212,6 +217,7 @@ class MemoryReport:
             unsupported=tuple(Unsupported(**entry) for entry in data.get("unsupported", ())),
             profile=data.get("profile"),
             first_step=None if first is None else StepPeaks.from_dict(first),
+            phases=data.get("phases", {}),
         )
 
     def to_json(self, **kwargs: Any) -> str:

@@ -17,6 +17,7 @@ from torch import nn
 
 from pytest_torchmem.engine.containers import tensors_in
 from pytest_torchmem.engine.parallel import local_tensors
+from pytest_torchmem.engine.phases import naming_phases
 from pytest_torchmem.engine.report import ROOT_NAME, Category
 from pytest_torchmem.engine.step_function import StepFunction, run_function
 from pytest_torchmem.engine.timeline import Phase
@@ -43,6 +44,8 @@ class Probe(Protocol):
 
     def exit_module(self, index: int) -> None: ...
 
+    def name_phase(self, name: str, begin: bool) -> None: ...
+
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> None: ...
 
     def assign_role(self, category: Category, tensors: Iterable[torch.Tensor]) -> None: ...
@@ -58,6 +61,9 @@ class QuietProbe:
         pass
 
     def exit_module(self, index: int) -> None:
+        pass
+
+    def name_phase(self, name: str, begin: bool) -> None:
         pass
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
@@ -213,7 +219,14 @@ def _call(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> An
     return model(*args, **kwargs)
 
 
-def run_step(
+def run_step(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], *, probe: Probe, **options: Any) -> None:
+    """Run one step of ``model`` and report its progress to ``probe`` (see :func:`_run_step`
+    for the options); the user's own phases (``tm.phase(name)``) are told to it too."""
+    with naming_phases(probe):
+        _run_step(model, args, kwargs, probe=probe, **options)
+
+
+def _run_step(
     model: nn.Module,
     args: tuple[Any, ...],
     kwargs: dict[str, Any],

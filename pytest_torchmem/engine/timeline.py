@@ -46,6 +46,7 @@ RESIZE: Final = 2  # (RESIZE, sid, new nbytes): a new block, a copy, the old blo
 PHASE: Final = 3  # (PHASE, phase, iteration); phase -1 ends the step
 ENTER: Final = 4  # (ENTER, module index, 0)
 EXIT: Final = 5  # (EXIT, module index, 0)
+NAMED: Final = 6  # (NAMED, index into Timeline.phase_names, 1 begins / 0 ends): tm.phase(name)
 
 _CATEGORY_ORDER: Final = tuple(Category)
 
@@ -90,6 +91,8 @@ class Timeline:
     module_names: list[str] = field(default_factory=list)
     #: Storages that end up as ``.grad`` of a leaf, or in ``optimizer.state``.
     roles: dict[int, Category] = field(default_factory=dict)
+    #: The names of the user's own phases (``tm.phase(name)``), in the order first met.
+    phase_names: list[str] = field(default_factory=list)
 
     def new_storage(self, info: StorageInfo) -> int:
         self.storages.append(info)
@@ -121,6 +124,12 @@ class Timeline:
 
     def exit(self, module: int) -> None:
         self.events.append((EXIT, module, 0))
+
+    def named(self, name: str, begin: bool) -> None:
+        """The user's phase ``name`` (``tm.phase(name)``) begins, or ends."""
+        if name not in self.phase_names:
+            self.phase_names.append(name)
+        self.events.append((NAMED, self.phase_names.index(name), int(begin)))
 
     def assign_role(self, sid: int, category: Category) -> None:
         """Record the role a storage ends up in (gradient, optimizer state)."""
@@ -160,6 +169,9 @@ class Analysis:
     first_step: tuple[int, int, int] | None = None
     #: Every iteration's forward, backward and step peaks, in order.
     iterations: tuple[tuple[int, int, int], ...] = ()
+    #: The peak of each of the user's own phases (``tm.phase(name)``): the live bytes
+    #: when it begins and at every allocation while it lasts, the highest of its runs.
+    named: dict[str, int] = field(default_factory=dict)
 
     def over_the_call(self) -> Analysis:
         """The figures of a step function: each phase's peak is the highest of its
@@ -225,6 +237,9 @@ def analyze(timeline: Timeline, baseline: list[int], allocator: Allocator | None
     bwd_peak = [0] * n_modules
     depth = [0] * n_modules
     active: list[int] = []  # modules with depth > 0, in the current phase
+    named_peak = [0] * len(timeline.phase_names)
+    named_depth = [0] * len(timeline.phase_names)
+    named_open: list[int] = []  # the user's phases under way
 
     for index, (kind, a, b) in enumerate(timeline.events):
         if kind == ALLOC or kind == RESIZE:
@@ -249,6 +264,9 @@ def analyze(timeline: Timeline, baseline: list[int], allocator: Allocator | None
                     for module in active:
                         if live > table[module]:
                             table[module] = live
+                for name in named_open:
+                    if live > named_peak[name]:
+                        named_peak[name] = live
             size[a] = charged
             if old:
                 live -= old
@@ -290,6 +308,17 @@ def analyze(timeline: Timeline, baseline: list[int], allocator: Allocator | None
                 depth[a] -= 1
                 if depth[a] == 0:
                     active.remove(a)
+        elif kind == NAMED:
+            if b:
+                if named_depth[a] == 0:
+                    named_open.append(a)
+                    if live > named_peak[a]:
+                        named_peak[a] = live
+                named_depth[a] += 1
+            elif named_depth[a] > 0:
+                named_depth[a] -= 1
+                if named_depth[a] == 0:
+                    named_open.remove(a)
 
     if best < 0:  # no phase ever started
         best_cat = list(by_cat)
@@ -309,6 +338,7 @@ def analyze(timeline: Timeline, baseline: list[int], allocator: Allocator | None
         reserved_peak=None if allocator is None else allocator.peak_reserved,
         first_step=(first[0], first[1], first[2]) if len(iterations) > 1 else None,
         iterations=tuple((it[0], it[1], it[2]) for it in iterations),
+        named=dict(zip(timeline.phase_names, named_peak)),
     )
 
 

@@ -317,6 +317,7 @@ def _trace(
         unsupported=(*tracker.unsupported, *_parallel_gaps(device.name, parallel)),
         profile=_profile_name(device.name, gpu, cpu),
         first_step=None if analysis.first_step is None else StepPeaks(*analysis.first_step),
+        phases=analysis.named,
     )
     return Trace(report, tracker.timeline, baseline, analysis, device, context), following.met
 

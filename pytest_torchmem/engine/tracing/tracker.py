@@ -411,6 +411,10 @@ class Tracker(TorchDispatchMode):
         self.module = self._modules[-1] if self._modules else -1
         self.timeline.exit(index)
 
+    def name_phase(self, name: str, begin: bool) -> None:
+        self._settle_pending()
+        self.timeline.named(name, begin)
+
     def _settle_pending(self) -> None:
         # (on each module entry and exit, forward and backward: mostly nothing is pending)
         if self._pending_numbers:
