@@ -461,3 +461,32 @@ def test_a_phase_outside_a_check_does_nothing_and_a_bad_name_is_refused() -> Non
             with tm.phase(bad):  # type: ignore[arg-type]
                 pass
     assert tm.estimate(nn.Linear(4, 4), torch.randn(2, 4)).phases == {}
+
+
+def _reset_run_read(x: torch.Tensor, dy: torch.Tensor, runs: int = 10) -> None:
+    """A kernel benchmark's protocol: reset the peak, run ``y = f(x); y.backward(dy,
+    retain_graph=True)``, read ``max_memory_allocated()``; ten times. Each named phase
+    is one reading (the live bytes at the reset included, as the reading's are)."""
+    for run in range(1, runs + 1):
+        with tm.phase(f"run {run}"):  # torch.cuda.reset_peak_memory_stats()
+            y = x.sin()
+            y.backward(dy, retain_graph=True)
+        # torch.cuda.max_memory_allocated(): phases[f"run {run}"]
+
+
+def test_the_reset_run_read_protocol_through_the_public_api() -> None:
+    """Counted by hand (1024 float32 elements, 4 KiB each; on cuda each a 4 KiB block):
+    run 1 starts with x and dy (8 KiB), adds y, cos(x) and the gradient dy * cos(x)
+    (20 KiB), which becomes x.grad; every later run starts with x, dy, x.grad and the
+    last run's y (16 KiB), makes the new y before the old one goes, and adds cos(x)
+    and the new gradient before it is accumulated into x.grad (24 KiB)."""
+    x, dy = torch.randn(1024, requires_grad=True), torch.randn(1024)
+    by_hand = [20 * 1024] + [24 * 1024] * 9
+    for report in (
+        tm.estimate(_reset_run_read, (x, dy)),
+        tm.measure(_reset_run_read, (x, dy)),
+        tm.estimate(_reset_run_read, (x, dy), device="cuda"),
+    ):
+        assert list(report.phases.values()) == by_hand, (report.device, report.phases)
+        assert report.unsupported == ()
+    assert x.grad is None  # the user's tensor never had a backward
