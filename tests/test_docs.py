@@ -80,10 +80,13 @@ def test_the_documentation_has_examples() -> None:
 
 @pytest.mark.parametrize(("where", "code"), BLOCKS, ids=[where for where, _ in BLOCKS])
 def test_an_example_of_the_documentation_runs(
-    where: str, code: str, pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+    where: str, code: str, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     kind = _kind(code)
     if kind == "script":
+        # run here, without pytester: its teardown drops the modules imported since its
+        # setup, and a later import makes second copies (transformers' models a script
+        # imports: dynamo then guards a compiled model's globals on the other copy)
         if "build_vit()" in code:
             pytest.skip("an illustration: build_vit stands for the user's model")
         torch.manual_seed(0)
@@ -92,6 +95,7 @@ def test_an_example_of_the_documentation_runs(
         for line, expression, value in _claims(code):
             assert eval(expression, namespace) == value, f"{where}, line {line}: {expression}"  # noqa: S307
         return
+    pytester: pytest.Pytester = request.getfixturevalue("pytester")
     monkeypatch.setenv("PYTEST_ADDOPTS", "-p no:hypothesispytest -p no:randomly")
     if kind == "conftest":
         pytester.makeconftest(code)
