@@ -490,3 +490,25 @@ def test_the_reset_run_read_protocol_through_the_public_api() -> None:
         assert list(report.phases.values()) == by_hand, (report.device, report.phases)
         assert report.unsupported == ()
     assert x.grad is None  # the user's tensor never had a backward
+
+
+def test_the_report_numbers_the_iterations_of_a_function() -> None:
+    """Each iteration's phases, in order: the first step of a loop of three makes AdamW's
+    state, the second and third hold it through forward and backward and are equal; the
+    report's three peaks are the highest of them, on cpu as measured."""
+    model, x = _mlp(), torch.randn(16, 32)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def loop(model: nn.Module, x: torch.Tensor, opt: torch.optim.Optimizer) -> None:
+        for _ in range(3):
+            model(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+
+    estimated = tm.estimate(loop, (model, x, opt))
+    first, second, third = estimated.iterations
+    assert second == third and first.forward < second.forward and first.backward < second.backward
+    assert (estimated.forward_peak, estimated.backward_peak) == (second.forward, second.backward)
+    assert estimated.iterations == tm.measure(loop, (model, x, opt)).iterations
+    assert tm.MemoryReport.from_dict(estimated.to_dict()) == estimated
+    assert tm.estimate(model, x, optimizer=lambda p: torch.optim.AdamW(p)).iterations == ()

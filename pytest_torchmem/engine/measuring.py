@@ -251,6 +251,7 @@ def _measure_cpu(
         profile=profile,
         first_step=None if analysis.first_step is None else StepPeaks(*analysis.first_step),
         phases=analysis.named,
+        iterations=analysis.iterations if isinstance(request.model, StepFunction) else (),
     ), _ran_compiled_code(prof)
 
 
@@ -697,10 +698,13 @@ def _measure_cuda(request: StepRequest, on_hook_error: HookError | None = None) 
 
     forward, backward, step = (own(nbytes) for nbytes in probe.iteration_peaks(probe.iterations))
     first = None
+    iterations: tuple[StepPeaks, ...] = ()
     if isinstance(request.model, StepFunction):  # its call's highest of each phase
+        iterations = tuple(
+            StepPeaks(*(own(nbytes) for nbytes in probe.iteration_peaks(i))) for i in range(1, probe.iterations + 1)
+        )
         forward, backward, step = (
-            own(max(probe.iteration_peaks(i)[phase] for i in range(1, probe.iterations + 1)))
-            for phase in range(3)
+            max(getattr(it, phase) for it in iterations) for phase in ("forward", "backward", "step")
         )
     elif probe.iterations > 1:
         first = StepPeaks(*(own(nbytes) for nbytes in probe.iteration_peaks(1)))
@@ -712,6 +716,7 @@ def _measure_cuda(request: StepRequest, on_hook_error: HookError | None = None) 
         reserved_peak=max(probe.reserved - held_reserved, 0),
         profile=torch.cuda.get_device_name(device),
         first_step=first,
+        iterations=iterations,
     )
 
 

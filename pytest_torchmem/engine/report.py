@@ -135,6 +135,11 @@ class MemoryReport:
     #: The peak of each of the user's own phases (``with tm.phase("generate"): ...``),
     #: by name, in the order first met: the highest live bytes while it lasted.
     phases: Mapping[str, int] = field(default_factory=dict)
+    #: A step function's iterations in order (a forward after a backward or a step
+    #: begins the next), each one's forward, backward and step peaks; the three peaks
+    #: above are the highest of them. Empty for the built-in step (its loop is
+    #: :attr:`first_step` and the three peaks).
+    iterations: tuple[StepPeaks, ...] = ()
 
     def __post_init__(self) -> None:
         breakdown = {Category(key): int(value) for key, value in self.breakdown.items()}
@@ -143,6 +148,8 @@ class MemoryReport:
         object.__setattr__(self, "modules", _frozen(self.modules))
         object.__setattr__(self, "phases", _frozen({str(k): int(v) for k, v in self.phases.items()}))
         object.__setattr__(self, "unsupported", tuple(self.unsupported))
+        iterations = tuple(it if isinstance(it, StepPeaks) else StepPeaks(*it) for it in self.iterations)
+        object.__setattr__(self, "iterations", iterations)
 
     @property
     def peak(self) -> int:
@@ -191,6 +198,7 @@ class MemoryReport:
             "profile": self.profile,
             "first_step": None if self.first_step is None else self.first_step.to_dict(),
             "phases": dict(self.phases),
+            "iterations": [it.to_dict() for it in self.iterations],
         }
 
     @classmethod
@@ -218,6 +226,7 @@ class MemoryReport:
             profile=data.get("profile"),
             first_step=None if first is None else StepPeaks.from_dict(first),
             phases=data.get("phases", {}),
+            iterations=tuple(StepPeaks.from_dict(it) for it in data.get("iterations", ())),
         )
 
     def to_json(self, **kwargs: Any) -> str:

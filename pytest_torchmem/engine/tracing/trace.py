@@ -318,6 +318,7 @@ def _trace(
         profile=_profile_name(device.name, gpu, cpu),
         first_step=None if analysis.first_step is None else StepPeaks(*analysis.first_step),
         phases=analysis.named,
+        iterations=analysis.iterations if isinstance(model, StepFunction) else (),
     )
     return Trace(report, tracker.timeline, baseline, analysis, device, context), following.met
 
