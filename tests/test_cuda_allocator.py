@@ -640,6 +640,8 @@ def test_parse_the_documented_example() -> None:
         ("expandable_segments:true", "expects 'True' or 'False'"),
         ("max_split_size_mb", "unexpected end"),
         ("max_split_size_mb:lots", "expects a non-negative integer"),
+        ("max_split_size_mb:²", "expects a non-negative integer"),  # a digit, not a decimal one
+        ("roundup_power2_divisions:[²:4]", "intervals have to be power of 2"),
         ("max_split_size_mb:128;expandable_segments:True", "expects a non-negative integer"),
         ("pinned_num_register_threads:3", "power of 2"),
     ],

@@ -41,6 +41,7 @@ def test_linear(torchmem):
 """
 FIX = "fix it, or rewrite it by rerunning all the tests of its module with --torchmem-update"
 UNITS = "use B, kB, MB, GB, TB, KiB, MiB, GiB or TiB"
+CPU_FIX = "write '<level>:<threads>' such as 'avx2:4' (levels: default, avx2, avx512, avx512_bf16, amx), or 'host' for this machine"
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -165,6 +166,7 @@ MARKERS: list[tuple[str, str]] = [
             f"known profiles: {', '.join(PROFILES)}"
         ),
     ),
+    ('cpu="avx2:²"', f"memory_budget(cpu='avx2:²'): cannot read 'avx2:²' as a CPU profile; {CPU_FIX}"),
     (
         'gpu="Z9"',
         f"memory_budget(gpu='Z9'): unknown GPU profile 'Z9'; known profiles: {', '.join(PROFILES)}",
@@ -216,6 +218,9 @@ OPTIONS: list[tuple[str, str, str]] = [
     ("devices", "cpu,tpu", "device 'tpu' is not modelled; use one of: cpu, cuda"),
     ("devices", ",", "devices must name at least one device, got ','"),
     ("gpu", "H1000", f"unknown GPU profile 'H1000'; known profiles: {', '.join(PROFILES)}"),
+    # a digit that is no decimal digit ('²'.isdigit() is True, int('²') raises): it was
+    # an INTERNALERROR
+    ("cpu", "avx2:²", f"cannot read 'avx2:²' as a CPU profile; {CPU_FIX}"),
 ]
 
 

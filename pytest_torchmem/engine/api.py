@@ -72,8 +72,10 @@ def estimate(
     ``torch.compile(model, **compile)`` runs it (``model`` itself is not
     compiled); a compiled model (``torch.compile(model)``, ``model.compile()``,
     compiled submodules and functions) is estimated as compiled without it. On
-    cpu the estimate follows inductor's program; on cuda a compiled region runs
-    eagerly, listed in ``unsupported``.
+    both devices the estimate follows the program inductor builds (on cuda its
+    triton kernels' buffers and the wrapper's reuse, without a GPU); what it
+    cannot follow (torch 2.10 to 2.12, a region dynamo gives up on) runs eagerly
+    and is listed in ``unsupported``, never an eager figure in silence.
 
     ``model`` may also be a step function (any callable that is not a module):
     ``estimate(train_step, (model, batch, opt))`` runs ``train_step(model, batch,

@@ -81,7 +81,7 @@ def step_request(
     if not isinstance(device, str):
         raise TypeError(f"device must be 'cpu' or 'cuda', got {device!r}")
     kind, _, index = device.partition(":")
-    if kind not in ("cpu", "cuda") or (index and (kind == "cpu" or not index.isdigit())):
+    if kind not in ("cpu", "cuda") or (index and (kind == "cpu" or not index.isdecimal())):
         raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}")
     if isinstance(optimizer, torch.optim.Optimizer):  # it would hold the model's real parameters
         raise TypeError(

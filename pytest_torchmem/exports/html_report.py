@@ -131,7 +131,7 @@ def _inside(path: str, folder: str) -> bool:
 def _location(location: str, root: str | os.PathLike[str] | None) -> str:
     """``file:line`` with the file as :func:`display_path` shows it."""
     filename, _, line = location.rpartition(":")
-    if not filename or not line.isdigit():
+    if not filename or not line.isdecimal():
         return location
     return f"{display_path(filename, root)}:{line}"
 

@@ -186,7 +186,7 @@ def parse_cpu(value: Any, where: str) -> str:
         return text
     level, sep, threads = text.partition(":")
     level, threads = level.strip(), threads.strip()
-    if not sep or level not in CPU_ISA_LEVELS or not threads.isdigit() or int(threads) < 1:
+    if not sep or level not in CPU_ISA_LEVELS or not threads.isdecimal() or int(threads) < 1:
         raise MarkerError(f"{where}: cannot read {value!r} as a CPU profile; {fix}")
     return f"{level}:{int(threads)}"
 

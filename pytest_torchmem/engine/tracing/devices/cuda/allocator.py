@@ -351,7 +351,7 @@ class _Parser:
 
     def size(self, i: int, key: str) -> int:
         token = self.token(i)
-        if not token.isdigit():
+        if not token.isdecimal():
             raise self.error(f"{key} expects a non-negative integer, got {token!r}")
         return int(token)
 
@@ -534,7 +534,7 @@ class _Parser:
             if boundary == ">":
                 divisions[last_index + 1 :] = [value] * (_ROUNDUP_INTERVALS - last_index - 1)
             else:
-                if not boundary.isdigit() or not _is_power_of_2(int(boundary)):
+                if not boundary.isdecimal() or not _is_power_of_2(int(boundary)):
                     raise self.error(
                         f"For roundups, the intervals have to be power of 2, got {boundary!r}"
                     )

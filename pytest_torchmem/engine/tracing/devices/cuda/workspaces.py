@@ -551,7 +551,7 @@ def _parse_policy(value: Any) -> ConvWorkspacePolicy:
         return ConvWorkspacePolicy("none")
     if text == "max":
         cap = os.environ.get("CUDNN_CONV_WSCAP_DBG")
-        if cap is None or not cap.strip().isdigit():
+        if cap is None or not cap.strip().isdecimal():
             raise ValueError(
                 "the cuDNN workspace policy 'max' charges the cap CUDNN_CONV_WSCAP_DBG (MiB) "
                 "sets; set it, or give a byte size such as '64 MiB'"
