@@ -110,3 +110,14 @@ def test_an_example_of_the_documentation_runs(
     assert "INTERNALERROR" not in update.stdout.str()
     compare = pytester.runpytest()
     assert compare.ret == 0, compare.stdout.str()
+
+
+def test_the_hooks_conftest_loads_with_the_plugin_disabled(pytester: pytest.Pytester) -> None:
+    """The hooks how-to's ``conftest.py`` marks its hooks optional: ``pytest -p no:torchmem``
+    runs the tests instead of stopping at "unknown hook"."""
+    (code,) = [code for where, code in BLOCKS if where.startswith("docs/howto/hooks.md") and _kind(code) == "conftest"]
+    pytester.makeconftest(code)
+    pytester.makepyfile(test_plain="def test_plain():\n    assert True\n")
+    result = pytester.runpytest("-p", "no:torchmem")
+    assert result.ret == 0, result.stdout.str()
+    result.assert_outcomes(passed=1)

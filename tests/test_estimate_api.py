@@ -586,3 +586,15 @@ def test_stand_ins_are_what_the_fake_mode_makes(where: str) -> None:
             made = fake_empty(mode, t.shape, t.stride(), t.dtype, device)
             expected = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device)
             assert attributes(made) == attributes(expected), (tuple(t.shape), t.stride(), t.dtype)
+
+
+def test_a_lazy_module_not_yet_run_is_refused_with_the_fix() -> None:
+    """``nn.LazyLinear`` makes its parameters at its first forward: before it, the
+    check names the parameter and says to run the model once (it was torch's
+    ``UninitializedParameter`` error from inside the conversion); after it, exact."""
+    model = nn.Sequential(nn.LazyLinear(4), nn.ReLU())
+    for check in (tm.estimate, tm.measure):
+        with pytest.raises(ValueError, match=r"parameter 0\.weight \(LazyLinear\) is not initialized yet.*model\(batch\)"):
+            check(model, torch.randn(2, 3))
+    model(torch.randn(2, 3))
+    assert tm.estimate(model, torch.randn(2, 3)).phase_peaks() == tm.measure(model, torch.randn(2, 3)).phase_peaks()

@@ -66,8 +66,15 @@ class ModelTensors:
 def collect(model: nn.Module) -> ModelTensors:
     """Find the tensors ``model`` holds, tied ones once per slot."""
     found = ModelTensors()
-    for module in model.modules():
+    for path, module in model.named_modules():
         for name, param in module._parameters.items():
+            if isinstance(param, nn.parameter.UninitializedParameter):
+                where = f"{path}.{name}" if path else name
+                raise ValueError(
+                    f"the model's parameter {where} ({type(module).__name__}) is not initialized yet: "
+                    "a lazy module makes its parameters at its first forward; run the model once "
+                    "on a sample batch (model(batch)) before checking it"
+                )
             if param is not None:
                 found.slots.append(Slot(module, "parameter", name, param))
         for name, buf in module._buffers.items():
