@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 if TYPE_CHECKING:
     from pytest_torchmem.engine.api import estimate, measure
+    from pytest_torchmem.engine.fitting import Fit, GpuRoom, Probe, fit, rank_gpus
     from pytest_torchmem.engine.parallel import Parallel
     from pytest_torchmem.engine.phases import phase
     from pytest_torchmem.engine.report import (
@@ -33,6 +34,11 @@ __all__ = [
     "estimate",
     "measure",
     "phase",
+    "fit",
+    "rank_gpus",
+    "Fit",
+    "GpuRoom",
+    "Probe",
     "MemoryReport",
     "Parallel",
     "Category",
@@ -51,6 +57,11 @@ __version__ = "0.1.0"
 _LAZY: Final = {
     "estimate": "pytest_torchmem.engine.api",
     "measure": "pytest_torchmem.engine.api",
+    "fit": "pytest_torchmem.engine.fitting",
+    "rank_gpus": "pytest_torchmem.engine.fitting",
+    "Fit": "pytest_torchmem.engine.fitting",
+    "GpuRoom": "pytest_torchmem.engine.fitting",
+    "Probe": "pytest_torchmem.engine.fitting",
     "MemoryReport": "pytest_torchmem.engine.report",
     "Parallel": "pytest_torchmem.engine.parallel",
     "phase": "pytest_torchmem.engine.phases",

@@ -43,13 +43,18 @@ def test_public_names_are_the_defining_modules() -> None:
     run_python(
         """
         import pytest_torchmem as tm
-        from pytest_torchmem.engine import api, parallel, phases, report, torch_release, units
+        from pytest_torchmem.engine import api, fitting, parallel, phases, report, torch_release, units
         from pytest_torchmem.engine.tracing.devices.cpu import profiles
 
         assert tm.__all__ == [
             "estimate",
             "measure",
             "phase",
+            "fit",
+            "rank_gpus",
+            "Fit",
+            "GpuRoom",
+            "Probe",
             "MemoryReport",
             "Parallel",
             "Category",
@@ -61,7 +66,7 @@ def test_public_names_are_the_defining_modules() -> None:
             "parse_bytes",
             "format_bytes",
         ], tm.__all__
-        modules = (torch_release, api, parallel, phases, report, units, profiles)
+        modules = (torch_release, api, fitting, parallel, phases, report, units, profiles)
         for name in tm.__all__:
             defining = next(m for m in modules if hasattr(m, name))
             assert getattr(tm, name) is getattr(defining, name), name
