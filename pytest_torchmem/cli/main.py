@@ -1,9 +1,12 @@
-"""``python -m pytest_torchmem``: show saved results, and diff two of them for CI.
+"""``python -m pytest_torchmem``: show saved results, diff two of them for CI, and
+find what fits.
 
 ``show`` prints snapshot files, directories of them or ``--torchmem-json``
 reports as tables; ``diff`` compares two of them entry by entry with the
 plugin's own comparison, and exits 1 when a change goes beyond a
-``--fail-on`` limit. Nothing here imports torch or pytest: it starts fast.
+``--fail-on`` limit. Nothing of these imports torch or pytest: they start fast.
+``fit`` and ``rank`` (:mod:`pytest_torchmem.cli.fitting`) estimate steps, and
+import torch when they run.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from typing import Final, TextIO
 
 from pytest_torchmem import __version__
 from pytest_torchmem.cli.diffing import FailOn, FailOnError, Gate, diff_rows, parse_fail_on
+from pytest_torchmem.cli.fitting import FactoryError, add_commands, fit_command, rank_command
 from pytest_torchmem.cli.listing import (
     SORT_KEYS,
     Style,
@@ -60,7 +64,8 @@ exit codes:
   {EXIT_USAGE}  a malformed command line, or an input that cannot be read"""
 
 _MAIN_HELP: Final = f"""\
-Show saved pytest-torchmem results, or compare two of them and gate CI on the change.
+Show saved pytest-torchmem results, or compare two of them and gate CI on the change;
+find the largest size whose step fits a GPU, and rank GPUs by the room a step leaves.
 
 An input is a snapshot file (tests/__torchmem__/test_x.json), a directory (all
 the snapshot files under it, those of per-release directories such as
@@ -68,11 +73,12 @@ __torchmem__/torch-2.13/ too: tests/, or a __torchmem__ directory), or a JSON
 report written by `pytest --torchmem-json PATH`. Files are told apart by their
 content. An entry of a per-release directory is shown with its release, and
 pairs with the same release's entry where an input holds several releases.
-This command does not import torch.
+show and diff do not import torch.
 
 examples:
   {PROG} show tests/
   {PROG} diff base-report.json report.json --fail-on bwd:5%
+  {PROG} fit train.py:factory --gpu A100-40GB --name batch
 
 {_EXIT_CODES}"""
 
@@ -210,6 +216,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="also fail when an entry was recorded in another environment (not compared)",
     )
     _common(diff)
+    add_commands(commands, formatter, _EXIT_CODES, PROG)
     return parser
 
 
@@ -275,8 +282,13 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)  # exits 2 on a malformed command line
     try:
-        text, code = _show(args) if args.command == "show" else _diff(args)
-    except (InputError, UsageError) as exc:
+        if args.command == "fit":
+            text, code = fit_command(args, sys.stderr)
+        elif args.command == "rank":
+            text, code = rank_command(args)
+        else:
+            text, code = _show(args) if args.command == "show" else _diff(args)
+    except (InputError, UsageError, FactoryError) as exc:
         print(f"{PROG} {args.command}: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     out = sys.stdout if out is None else out

@@ -1,0 +1,376 @@
+"""``python -m pytest_torchmem fit`` and ``rank``: what fits, from the command line.
+
+Both name a factory, ``module:function`` or ``path/to/file.py:function``, that
+takes no argument and returns ``(model, inputs_for)`` or ``(model, inputs_for,
+options)``: the model (or a step function), a function from a size to its inputs,
+and :func:`~pytest_torchmem.estimate`'s keyword options (``optimizer``,
+``loss_fn``, ``keep_output``, ...). ``fit`` searches the largest size that fits
+each GPU or the budget (:func:`~pytest_torchmem.fit`), printing a progress line
+per estimate to stderr; ``rank`` estimates one size on each GPU and ranks them by
+headroom (:func:`~pytest_torchmem.rank_gpus`). torch is imported only here, when
+one of them runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import json
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, Final, TextIO
+
+from tabulate import tabulate
+
+from pytest_torchmem.engine.units import format_bytes, parse_bytes
+
+__all__ = ["FactoryError", "add_commands", "fit_command", "rank_command"]
+
+
+class FactoryError(Exception):
+    """The factory cannot be loaded, or returned something else than it should."""
+
+
+_FACTORY_HELP: Final = (
+    "module:function or path/to/file.py:function; the function takes no argument and "
+    "returns (model, inputs_for) or (model, inputs_for, options): inputs_for(size) builds "
+    "the inputs of one size, options are estimate()'s keyword arguments"
+)
+
+
+def add_commands(commands: Any, formatter: type[argparse.HelpFormatter], exit_codes: str, prog: str) -> None:
+    """The ``fit`` and ``rank`` subcommands, on ``commands`` (the main parser's subparsers)."""
+    fit = commands.add_parser(
+        "fit",
+        help="the largest size (batch, sequence length, ...) whose step fits a GPU or a budget",
+        description=_fit_help(prog, exit_codes),
+        formatter_class=formatter,
+    )
+    fit.add_argument("factory", metavar="FACTORY", help=_FACTORY_HELP)
+    _targets(fit)
+    fit.add_argument(
+        "--budget",
+        metavar="BYTES",
+        help="a byte budget (40GiB, 1.5GB) for the step's peak, instead of or on the --gpu",
+    )
+    fit.add_argument(
+        "--sizes",
+        default="1:4096",
+        metavar="FIRST:LAST[:STEP]",
+        help="the sizes to search, both ends included (default 1:4096; 8:4096:8 for multiples of 8)",
+    )
+    fit.add_argument("--name", default="size", help="what the size is, for the output (batch, length, ...)")
+    fit.add_argument(
+        "--device",
+        choices=("cuda", "cpu"),
+        default="cuda",
+        help="the fake device (default cuda); cpu needs --budget",
+    )
+    fit.add_argument(
+        "--figure",
+        choices=("peak", "reserved"),
+        help="what must fit: the reserved peak (default against a GPU) or the peak (default against a budget)",
+    )
+    fit.add_argument(
+        "--at-least",
+        type=int,
+        metavar="SIZE",
+        help="exit 1 when the largest size that fits a target is below SIZE (a CI gate)",
+    )
+    fit.add_argument("-q", "--quiet", action="store_true", help="no progress lines on stderr")
+    _output(fit)
+    rank = commands.add_parser(
+        "rank",
+        help="estimate one size on several GPUs and rank them by the room the step leaves",
+        description=_rank_help(prog, exit_codes),
+        formatter_class=formatter,
+    )
+    rank.add_argument("factory", metavar="FACTORY", help=_FACTORY_HELP)
+    rank.add_argument("--size", type=int, required=True, help="the size to estimate")
+    _targets(rank)
+    _output(rank)
+
+
+def _fit_help(prog: str, exit_codes: str) -> str:
+    return f"""\
+Search the largest size whose step fits each --gpu (its reserved peak within the
+GPU's usable memory: its memory less the 512 MiB of the CUDA context) or a
+--budget (its peak), by estimates on the fake device: four or five estimates for
+sizes 1 to 4096 where the step's memory grows in a straight line (a batch), never
+more than 19. The size found and the next one were both
+estimated. The step's memory must not shrink as the size grows.
+
+FACTORY is a function of no argument returning (model, inputs_for) or (model,
+inputs_for, options), e.g. in train.py:
+
+    def factory():
+        model = build_model()                 # on the meta device: no memory
+        inputs = lambda batch: torch.randint(0, 50257, (batch, 1024))
+        return model, inputs, {{"optimizer": lambda p: torch.optim.AdamW(p)}}
+
+examples:
+  {prog} fit train.py:factory --gpu A100-40GB --name batch
+  {prog} fit mypkg.memory:gpt2 --gpu T4 --gpu L4 --gpu A100-40GB --sizes 8:4096:8
+  {prog} fit train.py:factory --budget 20GiB --device cpu --at-least 16
+
+{exit_codes}
+  (fit: 1 also when a target's size is below --at-least)"""
+
+
+def _rank_help(prog: str, exit_codes: str) -> str:
+    return f"""\
+Estimate the step at one --size on each --gpu (default: every named GPU profile)
+and rank them: those it fits first, the most room first, then those it does not
+fit, the closest first. Headroom is the GPU's usable memory (its memory less the
+512 MiB of the CUDA context) less the step's reserved peak.
+
+examples:
+  {prog} rank train.py:factory --size 16
+  {prog} rank train.py:factory --size 16 --gpu T4,L4,A100-40GB --format markdown
+
+{exit_codes}"""
+
+
+def _targets(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--gpu",
+        dest="gpus",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="a GPU profile (A100-40GB, H100, ...); repeat or separate with commas",
+    )
+
+
+def _output(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--format",
+        choices=("table", "json", "markdown"),
+        default="table",
+        help="table (default), json (machine-readable), or markdown",
+    )
+    parser.add_argument("--bytes", action="store_true", help="exact byte counts instead of sizes such as 1.50 GiB")
+
+
+# -- fit --------------------------------------------------------------------------------------
+
+
+def fit_command(args: argparse.Namespace, err: TextIO) -> tuple[str, int]:
+    """Run ``fit``; return its output and exit code."""
+    from pytest_torchmem.engine.fitting import fit
+
+    sizes = _sizes(args.sizes)
+    gpus = _names(args.gpus)
+    budget = None if args.budget is None else _budget(args.budget)
+    if budget is None and not gpus:
+        raise FactoryError("fit needs a target: --gpu NAME (repeatable) or --budget BYTES")
+    if args.device == "cpu" and gpus:
+        raise FactoryError("--gpu is for --device cuda; on cpu give --budget")
+    _check_gpus(gpus)
+    model, inputs_for, options = _load(args.factory)
+    progress = _Progress(err, quiet=args.quiet)
+    progress.name = args.name
+    found = []
+    for gpu in gpus or [None]:
+        progress.target = gpu or f"budget {format_bytes(budget or 0)}"
+        found.append(
+            fit(
+                model,
+                inputs_for,
+                sizes=sizes,
+                budget=budget,
+                gpu=gpu,
+                device=args.device,
+                figure=args.figure,
+                size_name=args.name,
+                progress=progress,
+                **options,
+            )
+        )
+        progress.done()
+    short = [one for one in found if args.at_least is not None and (one.size or 0) < args.at_least]
+    code = 1 if short else 0
+    if args.format == "json":
+        return json.dumps([_fit_json(one) for one in found], indent=2, sort_keys=True), code
+    text = _fit_table(found, args)
+    for one in short:
+        text += f"\n{one.target}: the largest {one.size_name} that fits is {one.size}, below --at-least {args.at_least}"
+    return text, code
+
+
+def _fit_json(found: Any) -> dict[str, Any]:
+    return {
+        "target": found.target,
+        "limit": found.limit,
+        "figure": found.figure,
+        "size_name": found.size_name,
+        "size": found.size,
+        "nbytes": found.nbytes,
+        "headroom": found.headroom,
+        "next_size": found.next_size,
+        "next_nbytes": found.next_nbytes,
+        "estimates": [{"size": p.size, "nbytes": p.nbytes, "fits": p.fits} for p in found.probes],
+    }
+
+
+def _fit_table(found: Sequence[Any], args: argparse.Namespace) -> str:
+    size = _bytes_formatter(args.bytes)
+    name = found[0].size_name
+    rows = [
+        [
+            one.target,
+            size(one.limit),
+            "none" if one.size is None else one.size,
+            "-" if one.nbytes is None else size(one.nbytes),
+            "-" if one.headroom is None else size(one.headroom),
+            "-" if one.next_size is None else one.next_size,
+            "-" if one.next_nbytes is None else size(one.next_nbytes),
+            len(one.probes),
+        ]
+        for one in sorted(found, key=lambda one: -(one.size or 0))
+    ]
+    figure = found[0].figure
+    headers = ["target", "usable" if args.gpus and args.budget is None else "limit", name, figure, "to spare", f"next {name}", "needs", "estimates"]
+    return tabulate(rows, headers=headers, tablefmt="github" if args.format == "markdown" else "simple", disable_numparse=True)
+
+
+# -- rank ---------------------------------------------------------------------------------------
+
+
+def rank_command(args: argparse.Namespace) -> tuple[str, int]:
+    """Run ``rank``; return its output and exit code."""
+    from pytest_torchmem.engine.fitting import rank_gpus
+
+    if args.size < 1:
+        raise FactoryError(f"--size must be a positive integer, got {args.size}")
+    _check_gpus(_names(args.gpus))
+    model, inputs_for, options = _load(args.factory)
+    rooms = rank_gpus(model, inputs_for(args.size), _names(args.gpus) or None, **options)
+    if args.format == "json":
+        rows = [
+            {
+                "gpu": room.gpu,
+                "fits": room.fits,
+                "usable": room.usable,
+                "reserved_peak": room.reserved_peak,
+                "peak": room.peak,
+                "headroom": room.headroom,
+            }
+            for room in rooms
+        ]
+        return json.dumps(rows, indent=2, sort_keys=True), 0
+    size = _bytes_formatter(args.bytes)
+    table = [
+        [room.gpu, "yes" if room.fits else "no", size(room.usable), size(room.reserved_peak), size(room.peak), size(room.headroom)]
+        for room in rooms
+    ]
+    headers = ["gpu", "fits", "usable", "reserved", "peak", "headroom"]
+    return tabulate(table, headers=headers, tablefmt="github" if args.format == "markdown" else "simple", disable_numparse=True), 0
+
+
+# -- shared -------------------------------------------------------------------------------------
+
+
+class _Progress:
+    """One line per estimate on stderr; on a terminal, one line rewritten in place."""
+
+    def __init__(self, err: TextIO, *, quiet: bool) -> None:
+        self.err, self.quiet = err, quiet
+        self.live = not quiet and err.isatty()
+        self.target = ""
+        self.name = "size"
+        self.count = 0
+
+    def __call__(self, probe: Any) -> None:
+        self.count += 1
+        if self.quiet:
+            return
+        verdict = "fits" if probe.fits else "does not fit"
+        line = f"fit {self.target}: estimate {self.count}, {self.name} {probe.size}: {format_bytes(probe.nbytes)}, {verdict}"
+        if self.live:
+            self.err.write("\r\033[K" + line)
+        else:
+            self.err.write(line + "\n")
+        self.err.flush()
+
+    def done(self) -> None:
+        if self.live and self.count:
+            self.err.write("\n")
+            self.err.flush()
+        self.count = 0
+
+
+def _bytes_formatter(exact: bool) -> Callable[[int], str]:
+    return (lambda n: f"{n:,}") if exact else format_bytes
+
+
+def _names(values: Sequence[str]) -> list[str]:
+    return [name.strip() for value in values for name in value.split(",") if name.strip()]
+
+
+def _check_gpus(names: Sequence[str]) -> None:
+    from pytest_torchmem.engine.tracing.devices.cuda.profiles import gpu_profile
+
+    for name in names:
+        try:
+            gpu_profile(name)
+        except ValueError as exc:
+            raise FactoryError(f"--gpu: {exc}") from None
+
+
+def _budget(text: str) -> int:
+    try:
+        return parse_bytes(text)
+    except (TypeError, ValueError) as exc:
+        raise FactoryError(f"--budget: {exc}") from None
+
+
+def _sizes(text: str) -> range:
+    parts = text.split(":")
+    if len(parts) not in (2, 3) or not all(part.strip().isdecimal() for part in parts):
+        raise FactoryError(f"--sizes must be FIRST:LAST or FIRST:LAST:STEP in positive integers, got {text!r}")
+    first, last, *step = (int(part) for part in parts)
+    if first < 1 or last < first or (step and step[0] < 1):
+        raise FactoryError(f"--sizes {text!r}: give 1 <= FIRST <= LAST and a positive STEP")
+    return range(first, last + 1, step[0] if step else 1)
+
+
+def _load(spec: str) -> tuple[Any, Callable[[int], Any], dict[str, Any]]:
+    """The factory ``spec`` names, called: ``(model, inputs_for, options)``."""
+    where, sep, name = spec.rpartition(":")
+    if not sep or not where or not name.isidentifier():
+        raise FactoryError(f"FACTORY must be module:function or path/to/file.py:function, got {spec!r}")
+    if where.endswith(".py") or "/" in where or "\\" in where:
+        path = Path(where).resolve()
+        if not path.is_file():
+            raise FactoryError(f"no such file: {where}")
+        sys.path.insert(0, str(path.parent))  # its sibling modules import as when it runs
+        module_spec = importlib.util.spec_from_file_location(path.stem, path)
+        assert module_spec is not None and module_spec.loader is not None
+        module = importlib.util.module_from_spec(module_spec)
+        sys.modules[path.stem] = module
+        module_spec.loader.exec_module(module)
+    else:
+        sys.path.insert(0, str(Path.cwd()))
+        try:
+            module = importlib.import_module(where)
+        except ModuleNotFoundError as exc:
+            raise FactoryError(f"cannot import {where!r}: {exc}") from None
+    factory = getattr(module, name, None)
+    if not callable(factory):
+        raise FactoryError(f"{where} has no function {name!r}")
+    made = factory()
+    if not isinstance(made, tuple) or len(made) not in (2, 3):
+        raise FactoryError(
+            f"{spec} must return (model, inputs_for) or (model, inputs_for, options), "
+            f"got {type(made).__name__}"
+        )
+    model, inputs_for, *rest = made
+    options = rest[0] if rest else {}
+    if not callable(inputs_for):
+        raise FactoryError(f"{spec}: inputs_for must be a function of the size, got {type(inputs_for).__name__}")
+    if not isinstance(options, dict):
+        raise FactoryError(f"{spec}: options must be a dict of estimate()'s keyword arguments, got {type(options).__name__}")
+    return model, inputs_for, options

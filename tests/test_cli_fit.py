@@ -1,0 +1,122 @@
+"""``python -m pytest_torchmem fit`` and ``rank`` (issue 26): real subprocesses on a
+factory file, as a user writes one."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import pytest_torchmem as tm
+
+FACTORY = """
+import torch
+from torch import nn
+
+
+def factory():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 10))
+    return model, lambda batch: torch.randn(batch, 64), {"optimizer": lambda p: torch.optim.AdamW(p)}
+
+
+def big():
+    with torch.device("meta"):
+        model = nn.Linear(65536, 65536, bias=False)
+    return model, lambda rows: torch.randn(rows, 65536, device="meta"), {"train": False}
+
+
+def not_a_pair():
+    return 3
+"""
+
+
+def _factory_model() -> tuple[nn.Module, dict[str, object]]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 10))
+    return model, {"optimizer": lambda p: torch.optim.AdamW(p)}
+
+
+def _run(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    (tmp_path / "train.py").write_text(FACTORY)
+    return subprocess.run(
+        [sys.executable, "-m", "pytest_torchmem", *args],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+
+
+def test_fit_names_the_size_and_prints_its_progress(tmp_path: Path) -> None:
+    """The table's size is tm.fit's, with the same estimates; one progress line per
+    estimate on stderr (not a terminal: no carriage returns)."""
+    model, options = _factory_model()
+    budget = tm.estimate(model, torch.randn(300, 64), device="cpu", **options).peak
+    result = _run(tmp_path, "fit", "train.py:factory", "--budget", str(budget), "--device", "cpu",
+                  "--name", "batch", "--sizes", "1:1000", "--format", "json")
+    assert result.returncode == 0, result.stderr
+    (found,) = json.loads(result.stdout)
+    expected = tm.fit(model, lambda b: torch.randn(b, 64), sizes=range(1, 1001), budget=budget, device="cpu", **options)
+    assert (found["size"], found["nbytes"], found["next_size"], found["next_nbytes"]) == (
+        expected.size, expected.nbytes, expected.next_size, expected.next_nbytes
+    )
+    assert found["size"] >= 300
+    lines = result.stderr.splitlines()
+    assert len(lines) == len(found["estimates"]) and "\r" not in result.stderr
+    assert lines[0].startswith(f"fit budget {tm.format_bytes(budget)}: estimate 1, batch 1: ")
+
+
+def test_fit_over_several_gpus_is_a_table_largest_first(tmp_path: Path) -> None:
+    result = _run(tmp_path, "fit", "train.py:big", "--gpu", "T4,A100-40GB", "--gpu", "H100", "--name", "rows",
+                  "--sizes", "1:200000", "-q")
+    assert result.returncode == 0, result.stderr
+    assert result.stderr == ""
+    header, rule, *rows = result.stdout.splitlines()
+    assert header.split()[:3] == ["target", "usable", "rows"]
+    assert [row.split()[0] for row in rows] == ["H100", "A100-40GB", "T4"]
+    assert rows[2].split()[3] == "none"  # 16 GiB of weight does not fit a T4
+
+
+def test_at_least_gates_ci(tmp_path: Path) -> None:
+    result = _run(tmp_path, "fit", "train.py:big", "--gpu", "A100-40GB", "--sizes", "1:64", "--at-least", "65", "-q")
+    assert result.returncode == 1
+    assert "A100-40GB: the largest size that fits is 64, below --at-least 65" in result.stdout
+    assert _run(tmp_path, "fit", "train.py:big", "--gpu", "A100-40GB", "--sizes", "1:64", "--at-least", "64", "-q").returncode == 0
+
+
+def test_rank_orders_the_gpus_by_headroom(tmp_path: Path) -> None:
+    result = _run(tmp_path, "rank", "train.py:big", "--size", "1", "--gpu", "T4,H100,A100-40GB", "--format", "json")
+    assert result.returncode == 0, result.stderr
+    rows = json.loads(result.stdout)
+    assert [(row["gpu"], row["fits"]) for row in rows] == [("H100", True), ("A100-40GB", True), ("T4", False)]
+    assert all(row["headroom"] == row["usable"] - row["reserved_peak"] for row in rows)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["fit", "train.py:factory"], "fit needs a target: --gpu NAME"),
+        (["fit", "train.py:factory", "--gpu", "GTX9999"], "--gpu: unknown GPU 'GTX9999'"),
+        (["fit", "train.py:factory", "--budget", "lots"], "--budget: cannot read 'lots'"),
+        (["fit", "train.py:factory", "--budget", "1GiB", "--sizes", "9:3"], "--sizes '9:3': give 1 <= FIRST <= LAST"),
+        (["fit", "train.py:factory", "--budget", "1GiB", "--sizes", "a"], "--sizes must be FIRST:LAST"),
+        (["fit", "train.py:factory", "--gpu", "T4", "--device", "cpu"], "--gpu is for --device cuda"),
+        (["fit", "train", "--budget", "1GiB"], "FACTORY must be module:function"),
+        (["fit", "nowhere.py:factory", "--budget", "1GiB"], "no such file: nowhere.py"),
+        (["fit", "no_such_module:factory", "--budget", "1GiB"], "cannot import 'no_such_module'"),
+        (["fit", "train.py:missing", "--budget", "1GiB"], "train.py has no function 'missing'"),
+        (["fit", "train.py:not_a_pair", "--budget", "1GiB"], "must return (model, inputs_for) or (model, inputs_for, options), got int"),
+        (["rank", "train.py:factory", "--size", "0"], "--size must be a positive integer"),
+    ],
+)
+def test_bad_command_lines_are_one_line_and_exit_2(tmp_path: Path, args: list[str], message: str) -> None:
+    result = _run(tmp_path, *args)
+    assert result.returncode == 2, (result.stdout, result.stderr)
+    assert message in result.stderr and "Traceback" not in result.stderr
+    assert result.stderr.startswith(f"python -m pytest_torchmem {args[0]}: error: ")
