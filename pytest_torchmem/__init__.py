@@ -15,6 +15,7 @@ from importlib import import_module
 from typing import TYPE_CHECKING, Any, Final
 
 if TYPE_CHECKING:
+    from pytest_torchmem.engine.advice import Advice, Suggestion, advise
     from pytest_torchmem.engine.api import estimate, measure
     from pytest_torchmem.engine.fitting import Fit, GpuRoom, Probe, fit, rank_gpus
     from pytest_torchmem.engine.parallel import Parallel
@@ -36,9 +37,12 @@ __all__ = [
     "phase",
     "fit",
     "rank_gpus",
+    "advise",
     "Fit",
     "GpuRoom",
     "Probe",
+    "Advice",
+    "Suggestion",
     "MemoryReport",
     "Parallel",
     "Category",
@@ -62,6 +66,9 @@ _LAZY: Final = {
     "Fit": "pytest_torchmem.engine.fitting",
     "GpuRoom": "pytest_torchmem.engine.fitting",
     "Probe": "pytest_torchmem.engine.fitting",
+    "advise": "pytest_torchmem.engine.advice",
+    "Advice": "pytest_torchmem.engine.advice",
+    "Suggestion": "pytest_torchmem.engine.advice",
     "MemoryReport": "pytest_torchmem.engine.report",
     "Parallel": "pytest_torchmem.engine.parallel",
     "phase": "pytest_torchmem.engine.phases",

@@ -43,7 +43,7 @@ def test_public_names_are_the_defining_modules() -> None:
     run_python(
         """
         import pytest_torchmem as tm
-        from pytest_torchmem.engine import api, fitting, parallel, phases, report, torch_release, units
+        from pytest_torchmem.engine import advice, api, fitting, parallel, phases, report, torch_release, units
         from pytest_torchmem.engine.tracing.devices.cpu import profiles
 
         assert tm.__all__ == [
@@ -52,9 +52,12 @@ def test_public_names_are_the_defining_modules() -> None:
             "phase",
             "fit",
             "rank_gpus",
+            "advise",
             "Fit",
             "GpuRoom",
             "Probe",
+            "Advice",
+            "Suggestion",
             "MemoryReport",
             "Parallel",
             "Category",
@@ -66,7 +69,7 @@ def test_public_names_are_the_defining_modules() -> None:
             "parse_bytes",
             "format_bytes",
         ], tm.__all__
-        modules = (torch_release, api, fitting, parallel, phases, report, units, profiles)
+        modules = (torch_release, api, advice, fitting, parallel, phases, report, units, profiles)
         for name in tm.__all__:
             defining = next(m for m in modules if hasattr(m, name))
             assert getattr(tm, name) is getattr(defining, name), name
