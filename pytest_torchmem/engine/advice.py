@@ -8,12 +8,13 @@ changed steps and says what each would take:
   candidates are the blocks of the model: the children of the model and of its
   ``ModuleList``/``ModuleDict``/``Sequential`` containers that hold parameters.
   Blocks alike (same container, class and parameter shapes) save alike, so one
-  estimate per kind of block gives its saving; the fewest blocks whose savings
-  cover the excess are chosen greedily (the largest saving first, no block inside
-  another), and the choice is then estimated as a whole, blocks added until it
-  fits or none is left. This is the knapsack of PyTorch's
-  ``torch/distributed/_tools/sac_ilp.py`` at module granularity, solved greedily:
-  exact for one kind of block (a transformer's), where the savings add up;
+  estimate per kind of block gives its saving; the fewest blocks of the one kind
+  whose savings cover the excess are chosen (or, where no kind alone covers it,
+  blocks of every kind, no block inside another), and the choice is then
+  estimated as a whole, blocks added until it fits or none is left. This is the
+  knapsack of PyTorch's ``torch/distributed/_tools/sac_ilp.py`` at module
+  granularity, solved greedily: exact for one kind of block (a transformer's),
+  where the savings add up;
 - **releasing the output** before ``backward()`` (``keep_output=False``), where it
   was kept;
 - **another optimizer implementation**: without ``foreach`` (no multi-tensor
@@ -302,27 +303,51 @@ def _checkpointing(
             kinds.append(_Kind(kind.names, kind.label, saving))
     if not kinds:
         return None
-    kinds.sort(key=lambda kind: -kind.saving)
     every = [name for kind in kinds for name in kind.names]
     chosen: list[str] = []
     excess = nbytes - limit
+    report = None
     for _ in range(MAX_CHOICE_ROUNDS):
-        covered = 0
-        for kind in kinds:
-            for name in kind.names:
-                if covered >= excess:
-                    break
-                if name in chosen or any(_nested(name, other) for other in chosen):
-                    continue
-                chosen.append(name)
-                covered += kind.saving
+        added = _choose(kinds, chosen, excess)
+        if not added:
+            break
+        chosen += added
         report = run(_checkpointed(model, chosen))
         now = figure_of(report)
-        if now <= limit or all(name in chosen or any(_nested(name, o) for o in chosen) for name in every):
+        if now <= limit:
             break
         excess = now - limit
+    if report is None:
+        return None
     chosen.sort(key=every.index)
     return _describe(chosen, kinds), tuple(chosen), report
+
+
+def _choose(kinds: Sequence[_Kind], chosen: Sequence[str], excess: int) -> list[str]:
+    """Blocks to add to ``chosen`` whose savings (as estimated, one of a kind at a time)
+    cover ``excess``: from the one kind that covers it with the fewest blocks, or else
+    from every kind, the largest in all first; no block inside or around a chosen one."""
+
+    def free(kind: _Kind, taken: Sequence[str]) -> list[str]:
+        return [n for n in kind.names if n not in taken and not any(_nested(n, o) for o in taken)]
+
+    alone = [
+        (-(-excess // kind.saving), -kind.saving, index)
+        for index, kind in enumerate(kinds)
+        if kind.saving * len(free(kind, chosen)) >= excess
+    ]
+    if alone:
+        count, _, index = min(alone)
+        return free(kinds[index], chosen)[:count]
+    added: list[str] = []
+    covered = 0
+    for kind in sorted(kinds, key=lambda kind: -kind.saving * len(kind.names)):
+        for name in free(kind, [*chosen, *added]):
+            if covered >= excess:
+                return added
+            added.append(name)
+            covered += kind.saving
+    return added
 
 
 def _nested(one: str, other: str) -> bool:
