@@ -8,8 +8,9 @@ changed steps and says what each would take:
   candidates are the blocks of the model: the children of the model and of its
   ``ModuleList``/``ModuleDict``/``Sequential`` containers that hold parameters.
   Blocks alike (same container, class and parameter shapes) save alike, so one
-  estimate per kind of block gives its saving; the fewest blocks of the one kind
-  whose savings cover the excess are chosen (or, where no kind alone covers it,
+  estimate per kind of block gives its saving; the blocks of the one kind whose
+  savings cover the excess recomputing the fewest parameters are chosen (a proxy
+  for the recomputation's FLOPs; or, where no kind alone covers it,
   blocks of every kind, no block inside another), and the choice is then
   estimated as a whole, blocks added until it fits or none is left. This is the
   knapsack of PyTorch's ``torch/distributed/_tools/sac_ilp.py`` at module
@@ -227,6 +228,8 @@ class _Kind:
 
     names: tuple[str, ...]
     label: str
+    #: Parameters of one block: what recomputing it costs, as a proxy for its FLOPs.
+    parameters: int
     saving: int = 0
 
 
@@ -251,7 +254,7 @@ def _blocks(model: nn.Module) -> list[_Kind]:
         labels[key] = type(module).__name__
         sizes[key] = sum(p.numel() for p in module.parameters())
     ordered = sorted(kinds, key=lambda key: -sizes[key] * len(kinds[key]))
-    return [_Kind(tuple(kinds[key]), labels[key]) for key in ordered]
+    return [_Kind(tuple(kinds[key]), labels[key], sizes[key]) for key in ordered]
 
 
 def _checkpointed(model: nn.Module, names: Sequence[str]) -> nn.Module:
@@ -300,7 +303,7 @@ def _checkpointing(
     for kind in _blocks(model)[:MAX_BLOCK_KINDS]:
         saving = nbytes - figure_of(run(_checkpointed(model, kind.names[:1])))
         if saving > 0:
-            kinds.append(_Kind(kind.names, kind.label, saving))
+            kinds.append(_Kind(kind.names, kind.label, kind.parameters, saving))
     if not kinds:
         return None
     every = [name for kind in kinds for name in kind.names]
@@ -325,19 +328,21 @@ def _checkpointing(
 
 def _choose(kinds: Sequence[_Kind], chosen: Sequence[str], excess: int) -> list[str]:
     """Blocks to add to ``chosen`` whose savings (as estimated, one of a kind at a time)
-    cover ``excess``: from the one kind that covers it with the fewest blocks, or else
-    from every kind, the largest in all first; no block inside or around a chosen one."""
+    cover ``excess``: from the one kind that covers it recomputing the fewest parameters
+    (a proxy for the forward's FLOPs), or else from every kind, the largest in all
+    first; no block inside or around a chosen one."""
 
     def free(kind: _Kind, taken: Sequence[str]) -> list[str]:
         return [n for n in kind.names if n not in taken and not any(_nested(n, o) for o in taken)]
 
     alone = [
-        (-(-excess // kind.saving), -kind.saving, index)
+        (-(-excess // kind.saving) * kind.parameters, -kind.saving, index)
         for index, kind in enumerate(kinds)
         if kind.saving * len(free(kind, chosen)) >= excess
     ]
     if alone:
-        count, _, index = min(alone)
+        _, _, index = min(alone)
+        count = -(-excess // kinds[index].saving)
         return free(kinds[index], chosen)[:count]
     added: list[str] = []
     covered = 0
