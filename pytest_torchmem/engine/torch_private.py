@@ -103,6 +103,14 @@ COMPILED_ENTRIES: Final = (
         replaced=True,
     ),
     Private(
+        "torch._dynamo.eval_frame.set_fullgraph_compiled_frame_count",
+        "fullgraph=True counts the frames dynamo compiled in a call and refuses a call that "
+        "compiled none ('found no compiled frames'): a region the watch runs eagerly on "
+        "purpose, flagged, is read back as one",
+        since=(2, 12),
+        replaced=True,
+    ),
+    Private(
         "torch._dynamo.eval_frame.OptimizedModule",
         "a module compiled with torch.compile(module) (module.compile() sets _compiled_call_impl)",
     ),

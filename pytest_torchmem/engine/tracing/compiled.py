@@ -21,7 +21,7 @@ import inspect
 import sys
 import warnings
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any, Final
 
 from torch import nn
@@ -152,6 +152,7 @@ def watch_compiled(on_region: Callable[[str, str], None], redirect: Redirect | N
     and ``on_region`` is told of each.
     """
     real = private("torch._dynamo.eval_frame._maybe_set_eval_frame")
+    ran_eagerly: list[bool] = []
 
     def noticing(callback: Any) -> Any:
         if callback is not None and callback is not False:
@@ -164,11 +165,15 @@ def watch_compiled(on_region: Callable[[str, str], None], redirect: Redirect | N
                 if followed is not None:
                     return real(followed)
                 on_region(*region_of(caller))
+                ran_eagerly.append(True)
                 return real(None)
         return real(callback)
 
     with (
         replacing("torch._dynamo.eval_frame._maybe_set_eval_frame", noticing),
+        replacing(_FULLGRAPH_COUNT, _counting_eager_regions(ran_eagerly))
+        if present(_FULLGRAPH_COUNT)
+        else nullcontext(),
         warnings.catch_warnings(),
     ):
         # a compiled module run eagerly here meets the trace's own global module hooks, of
@@ -178,6 +183,28 @@ def watch_compiled(on_region: Callable[[str, str], None], redirect: Redirect | N
             "ignore", message=r"Using `torch.compile\(module\)` when there are global hooks"
         )
         yield
+
+
+_FULLGRAPH_COUNT: Final = "torch._dynamo.eval_frame.set_fullgraph_compiled_frame_count"
+
+
+def _counting_eager_regions(ran_eagerly: list[bool]) -> Any:
+    """``fullgraph=True``'s count of the frames dynamo compiled in a call (torch 2.12 on):
+    compile_wrapper sets it to 0 before the call, reads it back (setting -1) after, and
+    refuses a call that compiled none ("found no compiled frames"). A region the watch
+    ran eagerly on purpose (flagged) is read back as one frame."""
+    real = private(_FULLGRAPH_COUNT)
+
+    def counting(count: int) -> int:
+        before = real(count)
+        if count == 0:
+            ran_eagerly.clear()
+        elif count < 0 and ran_eagerly:
+            ran_eagerly.clear()
+            return max(before, 1)
+        return before  # type: ignore[no-any-return]
+
+    return counting
 
 
 class CacheRegions:
