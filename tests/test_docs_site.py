@@ -60,8 +60,11 @@ window.addEventListener("load", function () {
     });
     var nav = Array.prototype.map.call(doc.querySelectorAll(".bd-header .navbar-nav a.nav-link"),
                                        function (a) { return a.textContent.trim(); });
+    var cut = Array.prototype.filter.call(doc.querySelectorAll(".prev-next-area a"),
+                                          function (a) { return a.scrollWidth > a.clientWidth; });
     pages.push({page: frame.getAttribute("src"), blocks: blocks, tables: tables, nav: nav,
-                width: doc.documentElement.scrollWidth, viewport: win.innerWidth});
+                width: doc.documentElement.scrollWidth, viewport: win.innerWidth,
+                cut: cut.map(function (a) { return a.textContent.replace(/\\s+/g, " ").trim(); })});
   });
   document.documentElement.setAttribute("data-probe", JSON.stringify(pages));
 });
@@ -133,10 +136,13 @@ def test_on_a_laptop_code_blocks_hold_their_lines(
 
 
 def test_on_a_phone_only_code_blocks_scroll_sideways(site: Path, tmp_path: Path) -> None:
-    """At 390 px the page fits the screen; a long line scrolls inside its own block."""
+    """At 390 px the page fits the screen; a long line scrolls inside its own block; the
+    links to the previous and next pages show their whole titles (the theme cut those
+    with code: "Generation: t")."""
     for page in probe(site, tmp_path, 390, 844):
         assert page["width"] <= page["viewport"] == 390, f"{page['page']} scrolls sideways"
         assert {b["scrolls"] for b in page["blocks"]} <= {"auto", "scroll"}, page["page"]
+        assert page["cut"] == [], page["page"]
 
 
 def test_missing_docs_tools_skip_or_fail_as_asked(monkeypatch: pytest.MonkeyPatch) -> None:
