@@ -6,13 +6,17 @@ A block that defines the plugin's hooks is a ``conftest.py``: a test that
 checks memory runs beside it. Any other block is a script: it is run, and
 each line that ends with a comment holding a Python value
 (``tm.format_bytes(cpu.peak)  # '160.34 MiB'``) is checked: the expression
-must give that value. So the documentation cannot drift from the code.
+must give that value. The console transcripts of pytest runs of the tutorial's
+test (the tutorial's, the budgets and profile how-tos') are replayed, and each
+output compared with the transcript line for line. So the documentation cannot
+drift from the code.
 """
 
 from __future__ import annotations
 
 import ast
 import re
+import shlex
 from pathlib import Path
 
 import pytest
@@ -121,3 +125,115 @@ def test_the_hooks_conftest_loads_with_the_plugin_disabled(pytester: pytest.Pyte
     result = pytester.runpytest("-p", "no:torchmem")
     assert result.ret == 0, result.stdout.str()
     result.assert_outcomes(passed=1)
+
+
+# -- the transcripts of pytest runs ------------------------------------------------------
+
+TUTORIAL = ROOT / "docs" / "tutorial.md"
+_FENCE = re.compile(r"^```(\w*)\n(.*?)^```$", re.S | re.M)
+#: the lines of pytest's header that describe the machine and the directory, not the plugin
+_MACHINE = ("platform ", "rootdir: ", "configfile: ", "plugins: ")
+
+
+def _commands(block: str) -> list[tuple[str, list[str]]]:
+    """A console block's ``(command, output lines)``, in order."""
+    found: list[tuple[str, list[str]]] = []
+    for line in block.splitlines():
+        if line.startswith("$ "):
+            found.append((line[2:], []))
+        else:
+            found[-1][1].append(line)
+    return found
+
+
+def _normalised(lines: list[str]) -> list[str]:
+    """pytest's output without the machine's lines and with the duration as ``N.NNs`` (the
+    summary line's ``=`` padding follows its length)."""
+    kept = []
+    for line in lines:
+        if line.startswith(_MACHINE):
+            continue
+        timed = re.fullmatch(r"(=+ )?(.*) in \d+\.\d+s(?: \([\d:]+\))?( =+)?", line)
+        if timed:
+            line = f"{'== ' if timed[1] else ''}{timed[2]} in N.NNs{' ==' if timed[3] else ''}"
+        kept.append(line.rstrip())
+    return kept
+
+
+def _replay(pytester: pytest.Pytester, block: str, where: str) -> int:
+    """Run a console block's ``pytest`` commands, compare each output with the block's, and
+    each ``echo $?`` with the exit code; return how many ran. The block shows the reader's
+    project, never a temporary directory."""
+    ran: list[str] = []
+    ret = None
+    for command, documented in _commands(block):
+        if command == "echo $?":
+            assert documented == [str(ret)], f"{where}: the exit code of {ran[-1]!r}"
+        elif command.startswith("pytest"):
+            result = pytester.runpytest(*shlex.split(command)[1:])
+            ret = int(result.ret)
+            assert _normalised(result.outlines) == _normalised(documented), f"{where}: {command}"
+            ran.append(command)
+        for line in documented:
+            assert not re.match(r"rootdir: (/tmp|/var/tmp|/private/var|/var/folders)/", line), (where, line)
+    return len(ran)
+
+
+@pytest.fixture
+def project(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The tutorial's project: its test file, ``tests/test_model.py``; an 80-column terminal."""
+    monkeypatch.setenv("PYTEST_ADDOPTS", "-p no:hypothesispytest -p no:randomly")
+    monkeypatch.setenv("COLUMNS", "80")
+    if not torch.__version__.startswith("2.13."):
+        pytest.skip(f"the transcripts' figures are torch 2.13's (the README's), not {torch.__version__}'s")
+    text = TUTORIAL.read_text(encoding="utf-8")
+    test_file = pytester.mkdir("tests") / "test_model.py"
+    test_file.write_text(next(m[2] for m in _FENCE.finditer(text) if m[1] == "python"), encoding="utf-8")
+    return test_file
+
+
+def _hidden(test_file: Path, width: int) -> None:
+    source = test_file.read_text(encoding="utf-8")
+    assert len(re.findall(r"hidden: int = \d+", source)) == 1
+    test_file.write_text(re.sub(r"hidden: int = \d+", f"hidden: int = {width}", source), encoding="utf-8")
+
+
+def test_the_tutorials_transcripts_are_what_pytest_prints(pytester: pytest.Pytester, project: Path) -> None:
+    """The tutorial's console blocks, replayed in order: its test file written as shown, the
+    hidden layer widened where the text says so, every ``pytest`` command run and its output
+    compared line for line (all but the header's platform, rootdir, configfile and plugins
+    lines, and the durations), every ``echo $?`` with the exit code. (The ``git diff`` shows
+    the reader's repository.)"""
+    text = TUTORIAL.read_text(encoding="utf-8")
+    position, ran = 0, 0
+    for fence in _FENCE.finditer(text):
+        if "`hidden: int = 512`" in text[position : fence.start()]:
+            _hidden(project, 512)
+        position = fence.end()
+        if fence[1] == "console":
+            ran += _replay(pytester, fence[2], "docs/tutorial.md")
+    assert ran == 7
+
+
+TUTORIAL_TEST = "tests/test_model.py::test_training_step_memory"
+#: The how-tos' runs of the tutorial's test: the page, its block's command, the hidden width
+#: its snapshot was recorded with, and the width it runs with.
+HOWTO_RUNS = [
+    ("docs/howto/gpu-profiles.md", "pytest --torchmem-gpu A100", 512, 512),
+    ("docs/howto/cpu-profiles.md", "pytest --torchmem-cpu avx512:8", 256, 256),
+    ("docs/howto/budgets.md", f'pytest --torchmem-update "{TUTORIAL_TEST}"', 512, 4096),
+]
+
+
+@pytest.mark.parametrize(("page", "command", "recorded", "width"), HOWTO_RUNS, ids=[r[0] for r in HOWTO_RUNS])
+def test_the_how_tos_transcripts_are_what_pytest_prints(
+    pytester: pytest.Pytester, project: Path, page: str, command: str, recorded: int, width: int
+) -> None:
+    """A how-to's run of the tutorial's test, from the snapshot the tutorial left
+    (recorded with ``hidden: int = recorded``), replayed as the tutorial's are."""
+    fences = _FENCE.finditer((ROOT / page).read_text(encoding="utf-8"))
+    (block,) = [m[2] for m in fences if m[1] == "console" and m[2].startswith(f"$ {command}\n")]
+    _hidden(project, recorded)
+    assert pytester.runpytest("--torchmem-update").ret == 0
+    _hidden(project, width)
+    assert _replay(pytester, block, page) == 1
