@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from pytest_torchmem.engine.advice import Advice, Suggestion, advise
     from pytest_torchmem.engine.api import estimate, measure
     from pytest_torchmem.engine.fitting import Fit, GpuRoom, Probe, fit, rank_gpus
+    from pytest_torchmem.engine.gpu_profiles import GpuProfile
     from pytest_torchmem.engine.parallel import Parallel
     from pytest_torchmem.engine.phases import phase
     from pytest_torchmem.engine.report import (
@@ -50,6 +51,7 @@ __all__ = [
     "StepPeaks",
     "Unsupported",
     "CpuProfile",
+    "GpuProfile",
     "TorchReleaseError",
     "parse_bytes",
     "format_bytes",
@@ -77,6 +79,7 @@ _LAZY: Final = {
     "StepPeaks": "pytest_torchmem.engine.report",
     "Unsupported": "pytest_torchmem.engine.report",
     "CpuProfile": "pytest_torchmem.engine.tracing.devices.cpu.profiles",
+    "GpuProfile": "pytest_torchmem.engine.gpu_profiles",
     "TorchReleaseError": "pytest_torchmem.engine.torch_release",
     "parse_bytes": "pytest_torchmem.engine.units",
     "format_bytes": "pytest_torchmem.engine.units",

@@ -143,11 +143,9 @@ def test_a_step_that_fits_needs_no_advice() -> None:
 
 
 def test_on_a_gpu_the_reserved_peak_decides() -> None:
-    from pytest_torchmem.engine.tracing.devices.cuda.profiles import GpuProfile
-
     model, x = _tower(), _x(4096)
     report = tm.estimate(model, x, device="cuda", gpu="T4", optimizer=_adamw)
-    small = GpuProfile("T4-small", (7, 5), 40, report.reserved_peak + (512 << 20) - (64 << 20))
+    small = tm.GpuProfile("T4-small", memory=report.reserved_peak + (512 << 20) - (64 << 20), compute_capability=(7, 5), sm_count=40)
     advice = tm.advise(model, x, gpu=small, optimizer=_adamw)
     assert advice.figure == "reserved" and advice.nbytes == report.reserved_peak and not advice.fits
     assert any(s.fits for s in advice.suggestions)

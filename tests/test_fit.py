@@ -20,7 +20,7 @@ from torch import nn
 
 import pytest_torchmem as tm
 from pytest_torchmem.engine.fitting import CUDA_CONTEXT, _search, usable_memory
-from pytest_torchmem.engine.tracing.devices.cuda.profiles import PROFILES
+from pytest_torchmem.engine.gpu_profiles import PROFILES
 
 _MiB = 1 << 20
 _GiB = 1 << 30
@@ -211,9 +211,7 @@ def test_the_headroom_and_the_ranking_counted_by_hand() -> None:
 def test_fit_on_a_gpu_is_decided_by_the_reserved_peak() -> None:
     """Rows of the 16 GiB layer's input on a T4 with 2 GiB more memory (a GPU of our own):
     the largest row count whose reserved peak stays within the usable memory."""
-    from pytest_torchmem.engine.tracing.devices.cuda.profiles import GpuProfile
-
-    gpu = GpuProfile("T4-18GB", (7, 5), 40, 18 * _GiB)
+    gpu = tm.GpuProfile("T4-18GB", memory=18 * _GiB, compute_capability=(7, 5), sm_count=40)
     found = tm.fit(_big_linear(), lambda rows: torch.randn(rows, 65536), gpu=gpu, train=False, size_name="rows")
     assert found.figure == "reserved" and found.limit == 18 * _GiB - CUDA_CONTEXT
     assert found.report is not None and found.nbytes == found.report.reserved_peak <= found.limit

@@ -29,7 +29,7 @@ from torch import nn
 
 import pytest_torchmem as tm
 from pytest_torchmem.engine.tracing.devices import DEVICES
-from pytest_torchmem.engine.tracing.devices.cuda.profiles import PROFILES
+from pytest_torchmem.engine.gpu_profiles import PROFILES
 from pytest_torchmem.plugin.snapshots import DEVICE_KEYS, FILE_SCHEMA, Key, SnapshotFile
 
 pytest_plugins = ("pytester",)
@@ -42,6 +42,10 @@ def test_linear(torchmem):
 FIX = "fix it, or rewrite it by rerunning all the tests of its module with --torchmem-update"
 UNITS = "use B, kB, MB, GB, TB, KiB, MiB, GiB or TiB"
 CPU_FIX = "write '<level>:<threads>' such as 'avx2:4' (levels: default, avx2, avx512, avx512_bf16, amx), or 'host' for this machine"
+GPU_FIX = (
+    "describe another in the ini option torchmem_gpus (NAME: memory=16GiB cc=8.9 sms=66), "
+    "or use 'current' for this machine's GPU"
+)
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -162,18 +166,18 @@ MARKERS: list[tuple[str, str]] = [
     (
         "gpu=100",
         (
-            "memory_budget(gpu=100): a GPU profile is a name such as 'A100', got 100; "
-            f"known profiles: {', '.join(PROFILES)}"
+            "memory_budget(gpu=100): a GPU profile is a name such as 'A100' or a tm.GpuProfile, "
+            f"got 100; known profiles: {', '.join(PROFILES)}"
         ),
     ),
     ('cpu="avx2:²"', f"memory_budget(cpu='avx2:²'): cannot read 'avx2:²' as a CPU profile; {CPU_FIX}"),
     (
         'gpu="Z9"',
-        f"memory_budget(gpu='Z9'): unknown GPU profile 'Z9'; known profiles: {', '.join(PROFILES)}",
+        f"memory_budget(gpu='Z9'): unknown GPU profile 'Z9'; known profiles: {', '.join(PROFILES)}; {GPU_FIX}",
     ),
     (
         'gpu=""',
-        f"memory_budget(gpu=''): unknown GPU profile ''; known profiles: {', '.join(PROFILES)}",
+        f"memory_budget(gpu=''): unknown GPU profile ''; known profiles: {', '.join(PROFILES)}; {GPU_FIX}",
     ),
 ]
 
@@ -217,7 +221,7 @@ OPTIONS: list[tuple[str, str, str]] = [
     ("measure-rtol", "nan", "a relative tolerance must be a number such as 0.02, got nan"),
     ("devices", "cpu,tpu", "device 'tpu' is not modelled; use one of: cpu, cuda"),
     ("devices", ",", "devices must name at least one device, got ','"),
-    ("gpu", "H1000", f"unknown GPU profile 'H1000'; known profiles: {', '.join(PROFILES)}"),
+    ("gpu", "H1000", f"unknown GPU profile 'H1000'; known profiles: {', '.join(PROFILES)}; {GPU_FIX}"),
     # a digit that is no decimal digit ('²'.isdigit() is True, int('²') raises): it was
     # an INTERNALERROR
     ("cpu", "avx2:²", f"cannot read 'avx2:²' as a CPU profile; {CPU_FIX}"),

@@ -33,6 +33,8 @@ def test_importing_the_plugin_does_not_import_torch() -> None:
         assert tm.__version__ == "0.1.0"
         assert tm.parse_bytes("1 KiB") == 1024 and tm.format_bytes(1024) == "1.00 KiB"
         assert "torch" not in sys.modules, "the units imported torch"
+        assert tm.GpuProfile("G", memory="16 GiB", compute_capability="8.9", sm_count=66).sm == 89
+        assert "torch" not in sys.modules, "the GPU profiles imported torch"
         """
     )
 
@@ -43,7 +45,7 @@ def test_public_names_are_the_defining_modules() -> None:
     run_python(
         """
         import pytest_torchmem as tm
-        from pytest_torchmem.engine import advice, api, fitting, parallel, phases, report, torch_release, units
+        from pytest_torchmem.engine import advice, api, fitting, gpu_profiles, parallel, phases, report, torch_release, units
         from pytest_torchmem.engine.tracing.devices.cpu import profiles
 
         assert tm.__all__ == [
@@ -65,11 +67,12 @@ def test_public_names_are_the_defining_modules() -> None:
             "StepPeaks",
             "Unsupported",
             "CpuProfile",
+            "GpuProfile",
             "TorchReleaseError",
             "parse_bytes",
             "format_bytes",
         ], tm.__all__
-        modules = (torch_release, api, advice, fitting, parallel, phases, report, units, profiles)
+        modules = (torch_release, api, advice, fitting, parallel, phases, report, units, profiles, gpu_profiles)
         for name in tm.__all__:
             defining = next(m for m in modules if hasattr(m, name))
             assert getattr(tm, name) is getattr(defining, name), name
@@ -117,7 +120,7 @@ def test_a_suite_that_checks_no_memory_never_imports_torch(pytester: pytest.Pyte
 
 
 def test_the_plugins_default_gpu_is_the_device_models() -> None:
-    from pytest_torchmem.engine.tracing.devices.cuda import profiles
+    from pytest_torchmem.engine import gpu_profiles as profiles
     from pytest_torchmem.plugin.session import DEFAULT_GPU, known_devices
 
     assert DEFAULT_GPU == profiles.DEFAULT_GPU

@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 
+from pytest_torchmem.engine.gpu_profiles import PROFILES, GpuProfile
 from pytest_torchmem.plugin.snapshots import Entry, Key
 from pytest_torchmem.plugin.verdict import (
     EnvChange,
@@ -284,12 +285,25 @@ def test_update_rewrites_a_stale_entry() -> None:
 
 
 def test_marker_gpu_is_checked_against_the_known_profiles() -> None:
-    gpus = ("V100", "A100", "H100")
-    assert parse_marker([mark(gpu="a100")], DEVICES, gpus).gpu == "A100"
-    assert parse_marker([mark(gpu="A100"), mark(gpu="V100")], DEVICES, gpus).gpu == "A100"
-    assert parse_marker([mark(peak=1)], DEVICES, gpus).gpu is None
+    custom = {"RTX4070TiS": GpuProfile("RTX4070TiS", memory="16 GiB", compute_capability="8.9", sm_count=66)}
+    assert parse_marker([mark(gpu="a100")], DEVICES).gpu == PROFILES["A100"]
+    assert parse_marker([mark(gpu="A100"), mark(gpu="V100")], DEVICES).gpu == PROFILES["A100"]
+    assert parse_marker([mark(peak=1)], DEVICES).gpu is None
+    # a name of the ini table (case-insensitive), a profile line, a GpuProfile
+    assert parse_marker([mark(gpu="rtx4070tis")], DEVICES, custom).gpu is custom["RTX4070TiS"]
+    written = parse_marker([mark(gpu="Mine: memory=12GiB cc=8.6 sms=28")], DEVICES).gpu
+    assert written == GpuProfile("Mine", memory=12 << 30, compute_capability=(8, 6), sm_count=28)
+    assert parse_marker([mark(gpu=custom["RTX4070TiS"])], DEVICES).gpu is custom["RTX4070TiS"]
     with pytest.raises(MarkerError) as error:
-        parse_marker([mark(gpu="TPUv5")], DEVICES, gpus)
+        parse_marker([mark(gpu="TPUv5")], DEVICES, custom)
     assert str(error.value) == (
-        "memory_budget(gpu='TPUv5'): unknown GPU profile 'TPUv5'; known profiles: V100, A100, H100"
+        f"memory_budget(gpu='TPUv5'): unknown GPU profile 'TPUv5'; known profiles: "
+        f"{', '.join(PROFILES)}, RTX4070TiS; describe another in the ini option torchmem_gpus "
+        "(NAME: memory=16GiB cc=8.9 sms=66), or use 'current' for this machine's GPU"
+    )
+    with pytest.raises(MarkerError) as error:
+        parse_marker([mark(gpu="Mine: memory=12GiB cc=8.6")], DEVICES)
+    assert str(error.value) == (
+        "memory_budget(gpu='Mine: memory=12GiB cc=8.6'): GPU profile 'Mine': missing sms=; a "
+        "profile needs memory, cc and sms, e.g. 'RTX4070TiS: memory=16GiB cc=8.9 sms=66'"
     )

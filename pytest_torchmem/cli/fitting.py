@@ -311,7 +311,7 @@ def _names(values: Sequence[str]) -> list[str]:
 
 
 def _check_gpus(names: Sequence[str]) -> None:
-    from pytest_torchmem.engine.tracing.devices.cuda.profiles import gpu_profile
+    from pytest_torchmem.engine.gpu_profiles import gpu_profile
 
     for name in names:
         try:

@@ -32,7 +32,21 @@ OUTPUT_SCHEMA: Final = 1
 #: What ``show --sort`` takes: the test, or a figure (largest first).
 SORT_KEYS: Final = ("test", *FIGURES)
 #: Environment facts, in the order ``show`` summarises them.
-_ENV_ORDER: Final = ("torch", "gpu", "cpu", "cpu_threads", "cpu_isa", "cuda_alloc_conf")
+_ENV_ORDER: Final = (
+    "torch",
+    "gpu",
+    "gpu_memory",
+    "gpu_cc",
+    "gpu_sms",
+    "gpu_threads_per_sm",
+    "gpu_shared_per_block",
+    "cpu",
+    "cpu_threads",
+    "cpu_isa",
+    "cuda_alloc_conf",
+)
+#: The properties an entry made with a GPU profile of the user's own records.
+_GPU_PROPERTIES: Final = frozenset(name for name in _ENV_ORDER if name.startswith("gpu_"))
 #: ``diff`` exits with this when an entry fails (the command line's ``EXIT_FAILED``).
 _EXIT_FAILED: Final = 1
 
@@ -84,14 +98,21 @@ class Style:
 
 
 def environment_summary(environment: Mapping[str, Any]) -> str:
-    """``torch 2.13.0+cpu, cpu avx2:4`` or ``torch 2.13.0+cpu, H100`` (files of version 0.1:
+    """``torch 2.13.0+cpu, cpu avx2:4`` or ``torch 2.13.0+cpu, H100`` (a GPU profile of the
+    ini table: ``RTX4070TiS (memory=16GiB cc=8.9 sms=66 ...)``; files of version 0.1:
     ``torch 2.13.0+cpu, 2 threads, AVX512``)."""
     names = sorted(environment, key=lambda n: (_ENV_ORDER.index(n) if n in _ENV_ORDER else 99, n))
+    # a GPU profile of the user's own: its properties beside its name
+    properties = [f"{name[4:]}={environment[name]}" for name in names if name in _GPU_PROPERTIES]
     parts = []
     for name in names:
         value = environment[name]
         if name == "torch":
             parts.append(f"torch {value}")
+        elif name == "gpu" and properties:
+            parts.append(f"{value} ({' '.join(properties)})")
+        elif name in _GPU_PROPERTIES:
+            continue
         elif name in ("gpu", "cpu_isa", "figures"):
             parts.append(str(value))
         elif name == "cpu_threads":

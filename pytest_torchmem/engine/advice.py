@@ -134,7 +134,7 @@ def advise(
     """
     from pytest_torchmem.engine.api import estimate
     from pytest_torchmem.engine.fitting import _fit_device
-    from pytest_torchmem.engine.tracing.devices.cuda.profiles import gpu_profile
+    from pytest_torchmem.engine.gpu_profiles import gpu_profile
 
     if not isinstance(model, nn.Module):
         raise TypeError(

@@ -6,6 +6,7 @@ import dataclasses
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
+from pytest_torchmem.engine.gpu_profiles import GpuProfile, gpu_profile
 from pytest_torchmem.engine.report import MemoryReport
 from pytest_torchmem.engine.torch_release import require_supported_torch
 
@@ -28,7 +29,7 @@ def estimate(
     optimizer: OptimizerFactory | None = None,
     train: bool = True,
     keep_output: bool = False,
-    gpu: str | None = None,
+    gpu: str | GpuProfile | None = None,
     cpu: str | CpuProfile | None = None,
     compile: bool | Mapping[str, Any] | None = None,
     parallel: Parallel | None = None,
@@ -56,10 +57,12 @@ def estimate(
     ``out = model(**batch); out.loss.backward(); opt.step()`` does.
 
     ``device="cuda"`` needs no GPU: the step is traced on fake tensors and
-    charged through a model of CUDA's caching allocator, following the
-    architecture of ``gpu`` (a name from
-    :data:`pytest_torchmem.engine.tracing.devices.cuda.profiles.PROFILES`, default
-    ``"H100"``).
+    charged through a model of CUDA's caching allocator, following the GPU
+    ``gpu`` names: a name from :data:`pytest_torchmem.engine.gpu_profiles.PROFILES`
+    (default ``"H100"``), a :class:`~pytest_torchmem.GpuProfile` made from a GPU's
+    properties (``tm.GpuProfile("RTX4070TiS", memory="16 GiB",
+    compute_capability="8.9", sm_count=66)``), or ``"current"``: this machine's
+    GPU (:meth:`~pytest_torchmem.GpuProfile.from_device`).
 
     ``device="cpu"`` models the CPU ``cpu`` names: ``None`` (or ``"host"``) this
     host as the process runs now (what :func:`measure` sees), or a profile
@@ -93,7 +96,6 @@ def estimate(
     from pytest_torchmem.engine.request import as_compiled, step_request
     from pytest_torchmem.engine.tracing.devices import device_model
     from pytest_torchmem.engine.tracing.devices.cpu.profiles import cpu_profile
-    from pytest_torchmem.engine.tracing.devices.cuda.profiles import gpu_profile
     from pytest_torchmem.engine.tracing.trace import trace
 
     request = step_request(
@@ -103,6 +105,7 @@ def estimate(
         raise ValueError(f"gpu={gpu!r} applies to device='cuda' only, not {device!r}")
     if cpu is not None and request.device != "cpu":
         raise ValueError(f"cpu={cpu!r} applies to device='cpu' only, not {device!r}")
+    profile = gpu_profile(gpu) if request.device == "cuda" else None
     _check_parallel(parallel, request.model)
     request = as_compiled(request, parallel)
     reports = [
@@ -115,7 +118,7 @@ def estimate(
             optimizer=request.optimizer,
             train=request.train,
             keep_output=request.keep_output,
-            gpu=gpu_profile(gpu) if request.device == "cuda" else None,
+            gpu=profile,
             cpu=cpu_profile(cpu) if request.device == "cpu" else None,
             parallel=parallel,
             rank=rank,

@@ -30,7 +30,7 @@ from pytest_torchmem.engine.units import format_bytes, parse_bytes
 
 if TYPE_CHECKING:
     from pytest_torchmem.engine.report import MemoryReport
-    from pytest_torchmem.engine.tracing.devices.cuda.profiles import GpuProfile
+    from pytest_torchmem.engine.gpu_profiles import GpuProfile
 
 __all__ = ["Fit", "GpuRoom", "Probe", "fit", "rank_gpus", "usable_memory", "CUDA_CONTEXT"]
 
@@ -169,7 +169,7 @@ def fit(
     makes it.
     """
     from pytest_torchmem.engine.api import estimate
-    from pytest_torchmem.engine.tracing.devices.cuda.profiles import gpu_profile
+    from pytest_torchmem.engine.gpu_profiles import gpu_profile
 
     if not callable(inputs_for):
         raise TypeError(
@@ -235,7 +235,7 @@ def rank_gpus(
     every named profile), ranked by headroom: the GPUs it fits first, the most room
     first, then those it does not fit, the closest first."""
     from pytest_torchmem.engine.api import estimate
-    from pytest_torchmem.engine.tracing.devices.cuda.profiles import PROFILES, gpu_profile
+    from pytest_torchmem.engine.gpu_profiles import PROFILES, gpu_profile
 
     if "device" in options and options.pop("device") != "cuda":
         raise ValueError("rank_gpus() estimates on the fake cuda device: leave device out")

@@ -32,7 +32,8 @@ _MARKER_HELP: Final = (
     "atol=None, gpu=None, cpu=None, keep_output=None, compile=None, mesh=None, rank=None): memory "
     "caps of the step checked by the torchmem fixture (bytes, or strings such as '512 MiB'), the "
     "devices to trace, the drift allowed from the snapshot, the GPU profile the cuda estimate "
-    "follows (e.g. 'A100'), the CPU profile the cpu estimate follows (e.g. 'avx512:8', or "
+    "follows (e.g. 'A100', a name of the ini option torchmem_gpus, 'current' or a "
+    "pytest_torchmem.GpuProfile), the CPU profile the cpu estimate follows (e.g. 'avx512:8', or "
     "'host'), whether the model's output is held through backward (True) or released before it "
     "(False), whether the model is checked as torch.compile runs it (True, or a dict of "
     "torch.compile's mode, dynamic, fullgraph and options), and the mesh and rank of a "
@@ -127,8 +128,17 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     _option(
         parser,
         "gpu",
-        f"The GPU profile the fake cuda device models, e.g. A100 (default: {DEFAULT_GPU}).",
+        "The GPU profile the fake cuda device models: a name, e.g. A100, or one of the ini "
+        f"option torchmem_gpus, or current for this machine's GPU (default: {DEFAULT_GPU}).",
         metavar="NAME",
+    )
+    parser.addini(
+        "torchmem_gpus",
+        "GPU profiles of your own, one per line: NAME: memory=16GiB cc=8.9 sms=66 (optionally "
+        "threads_per_sm=... shared_per_block=...); --torchmem-gpu, torchmem_gpu and the marker's "
+        "gpu= take their names",
+        type="linelist",
+        default=[],
     )
     _option(
         parser,

@@ -27,6 +27,13 @@ from typing import TYPE_CHECKING, Any, Final
 
 import pytest
 
+from pytest_torchmem.engine.gpu_profiles import (
+    DEFAULT_GPU,
+    PROFILES,
+    GpuProfile,
+    GpuProfileError,
+    parse_gpu_table,
+)
 from pytest_torchmem.engine.torch_release import release_problem
 from pytest_torchmem.plugin import releases
 from pytest_torchmem.plugin.releases import Release
@@ -92,13 +99,11 @@ __all__ = [
 #: The devices traced when neither the marker nor ``--torchmem-devices`` names any:
 #: both fake devices (DESIGN.md).
 DEFAULT_DEVICES: Final[tuple[str, ...]] = ("cpu", "cuda")
-#: The GPU profile modelled when neither the marker nor ``--torchmem-gpu`` names one.
-#: ``tracing.devices.cuda.profiles.DEFAULT_GPU``, spelled out so that the report
-#: header needs no torch (a test checks that the two agree).
-DEFAULT_GPU: Final = "H100"
 #: The CPU profile modelled when neither the marker nor ``--torchmem-cpu`` names one: a
 #: fixed profile, so that cpu entries recorded on any machine compare on any other.
-#: ``tracing.devices.cpu.profiles.DEFAULT_CPU``, spelled out like ``DEFAULT_GPU``.
+#: ``tracing.devices.cpu.profiles.DEFAULT_CPU``, spelled out so that the report header
+#: needs no torch (a test checks that the two agree). The GPU profile modelled when
+#: neither the marker nor ``--torchmem-gpu`` names one is ``gpu_profiles.DEFAULT_GPU``.
 DEFAULT_CPU: Final = "avx2:4"
 #: The name of a check made without ``name=``.
 DEFAULT_NAME: Final = "default"
@@ -192,7 +197,9 @@ class Settings:
     html_path: Path | None = None
     measure: str = "auto"
     measure_rtol: float = 0.05
-    gpu: str = DEFAULT_GPU
+    gpu: GpuProfile = PROFILES[DEFAULT_GPU]
+    #: The GPU profiles of the ``torchmem_gpus`` ini table.
+    gpus: tuple[GpuProfile, ...] = ()
     #: ``"avx2:4"``-style profile, or ``"host"``.
     cpu: str = DEFAULT_CPU
     fail_on_improvement: bool = False
@@ -223,9 +230,11 @@ class Settings:
             if devices is not None:
                 values["devices"] = parse_devices(devices, known_devices(), source)
                 values["devices_given"] = source.startswith("--")
+            table = _gpu_table(config)
+            values["gpus"] = tuple(table.values())
             gpu, source = _option(config, "torchmem_gpu")
             if gpu is not None:
-                values["gpu"] = parse_gpu(gpu, known_gpus(), source)
+                values["gpu"] = parse_gpu(gpu, table, source)
             cpu, source = _option(config, "torchmem_cpu")
             if cpu is not None:
                 values["cpu"] = parse_cpu(cpu, source)
@@ -281,7 +290,8 @@ class Settings:
             "unused": self.unused,
             "measure": self.measure,
             "measure_rtol": self.measure_rtol,
-            "gpu_profile": self.gpu,
+            "gpu_profile": self.gpu.name,
+            **({} if self.gpu.builtin else {"gpu_properties": self.gpu.spec}),
             "cpu_profile": self.cpu,
             "fail_on_improvement": self.fail_on_improvement,
             "stale": self.stale,
@@ -298,11 +308,20 @@ def known_devices() -> tuple[str, ...]:
     return tuple(DEVICES)
 
 
-def known_gpus() -> tuple[str, ...]:
-    """The names of the GPU profiles the fake ``cuda`` device can follow."""
-    from pytest_torchmem.engine.tracing.devices.cuda.profiles import PROFILES
-
-    return tuple(PROFILES)
+def _gpu_table(config: pytest.Config) -> dict[str, GpuProfile]:
+    """The GPU profiles of the ``torchmem_gpus`` ini option, by name (one per line,
+    ``NAME: memory=16GiB cc=8.9 sms=66``)."""
+    try:
+        lines = config.getini("torchmem_gpus")
+    except (ValueError, pytest.UsageError) as exc:
+        raise pytest.UsageError(
+            f"ini option torchmem_gpus: {exc}; write one profile per line, "
+            "NAME: memory=16GiB cc=8.9 sms=66"
+        ) from None
+    try:
+        return parse_gpu_table(lines if isinstance(lines, list) else str(lines).splitlines())
+    except GpuProfileError as exc:
+        raise MarkerError(f"ini option torchmem_gpus: {exc}") from None
 
 
 def _cpu_profile(name: str) -> Any:
@@ -361,13 +380,15 @@ def _marked_parallel(item: pytest.Item, spec: MarkerSpec, parallel: Parallel | N
 
 
 def device_environment(
-    device: str, gpu: str, cpu: str, keep_output: bool = False, loop: bool = False
+    device: str, gpu: GpuProfile, cpu: str, keep_output: bool = False, loop: bool = False
 ) -> dict[str, Any]:
     """What the figures of ``device`` depend on besides the model: recorded in each entry.
 
     The CPU rules follow the CPU profile (``cpu``: its full name, with cache sizes
-    where they are not the level's), the CUDA rules the GPU profile and the
-    caching allocator's configuration; both follow the torch version. An entry
+    where they are not the level's), the CUDA rules the GPU profile (its name, and
+    for a profile that is not one of the named ones its properties, ``gpu_memory``,
+    ``gpu_cc``, ``gpu_sms``, ...: a line of the ini table changed since is noticed)
+    and the caching allocator's configuration; both follow the torch version. An entry
     recorded where any of these differ is stale: its bytes are not compared.
     ``keep_output=True`` is recorded too (only then, so that entries made with the
     default stay as they were): an entry made with the other setting measured
@@ -380,7 +401,9 @@ def device_environment(
     if loop:
         environment["figures"] = "training loop"
     if device.startswith("cuda"):
-        environment["gpu"] = gpu
+        environment["gpu"] = gpu.name
+        if not gpu.builtin:
+            environment.update({f"gpu_{key}": value for key, value in gpu.properties().items()})
         alloc_conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "").strip()
         if alloc_conf:  # recorded only when set, so that the default leaves no trace
             environment["cuda_alloc_conf"] = alloc_conf
@@ -480,7 +503,7 @@ class TorchmemSession:
             try:
                 item.stash[_SPEC_KEY] = (
                     tuple(marks),
-                    parse_marker(marks, known_devices(), known_gpus()),
+                    parse_marker(marks, known_devices(), self._gpus()),
                 )
             except MarkerError as exc:
                 raise collector.CollectError(f"{item.nodeid}: {exc}") from None
@@ -507,6 +530,10 @@ class TorchmemSession:
                 )
             )
 
+    def _gpus(self) -> dict[str, GpuProfile]:
+        """The GPU profiles of the ini table, by name."""
+        return {profile.name: profile for profile in self.settings.gpus}
+
     def spec(self, item: pytest.Item) -> MarkerSpec:
         """The test's marker spec, read again when marks were added since collection.
 
@@ -520,7 +547,7 @@ class TorchmemSession:
             added = [mark for mark in marks if not any(mark is old for old in read)]
             ordered = [*reversed(added), *(mark for mark in marks if mark not in added)]
             try:
-                spec = parse_marker(ordered, known_devices(), known_gpus())
+                spec = parse_marker(ordered, known_devices(), self._gpus())
             except MarkerError as exc:
                 pytest.fail(f"{item.nodeid}: {exc}", pytrace=False)
             item.stash[_SPEC_KEY] = (tuple(marks), spec)
@@ -678,7 +705,7 @@ class TorchmemSession:
         request: StepRequest,
         device: str,
         name: str,
-        gpu: str,
+        gpu: GpuProfile,
         cpu: Any,
         parallel: Parallel | None = None,
     ) -> tuple[MemoryReport, Trace]:
@@ -687,7 +714,6 @@ class TorchmemSession:
         rank with the highest peak)."""
         from pytest_torchmem.engine.report import MemoryReport
         from pytest_torchmem.engine.tracing.devices import device_model
-        from pytest_torchmem.engine.tracing.devices.cuda.profiles import gpu_profile
         from pytest_torchmem.engine.tracing.trace import trace
 
         try:
@@ -701,7 +727,7 @@ class TorchmemSession:
                     optimizer=request.optimizer,
                     train=request.train,
                     keep_output=request.keep_output,
-                    gpu=gpu_profile(gpu) if device.startswith("cuda") else None,
+                    gpu=gpu if device.startswith("cuda") else None,
                     cpu=cpu if device == "cpu" else None,
                     record_frames=self.settings.record_frames,
                     parallel=parallel,
@@ -1039,7 +1065,7 @@ class TorchmemSession:
             "torch": releases.torch_version(),
             "python": platform.python_version(),
             "platform": platform.platform(),
-            "gpu_profile": self.settings.gpu,
+            "gpu_profile": self.settings.gpu.name,
             "cpu_profile": self.settings.cpu,
             "cpu_threads": torch.get_num_threads(),
             "cpu_isa": torch.backends.cpu.get_cpu_capability(),
@@ -1086,7 +1112,8 @@ class TorchmemSession:
         mode = "update" if settings.update else "compare"
         lines = [
             f"torchmem: {mode}, devices {','.join(settings.devices)}, {settings.tolerance}, "
-            f"gpu profile {settings.gpu}, cpu profile {settings.cpu}"
+            f"gpu profile {settings.gpu}{'' if settings.gpu.builtin else f' ({settings.gpu.spec})'}, "
+            f"cpu profile {settings.cpu}"
             + (", keep_output" if settings.keep_output else "")
             + (", compile" if settings.compile else "")
             + (self._per_torch_header() if settings.per_torch else "")
@@ -1123,7 +1150,7 @@ class TorchmemSession:
         if self.is_worker or not (self.results or self.unused or self.errors):
             return []
         verbosity = self.config.get_verbosity()
-        lines = table_lines(self.results, verbosity=verbosity)
+        lines = table_lines(self.results, verbosity=verbosity, gpu=self.settings.gpu.name)
         lines += stale_lines(self.results, mode=self.settings.stale)
         lines += unused_lines(self.unused, mode=self.settings.unused, update=self.settings.update)
         lines += [f"wrote {path}" for path in self.written]

@@ -99,13 +99,27 @@ def _status(result: Result) -> str:
     return str(result.status)
 
 
-def table_lines(results: Sequence[Result], *, verbosity: int = 0) -> list[str]:
+def _device(result: Result, gpu: str | None) -> str:
+    """``cuda``, or ``cuda (A100)`` for a check that followed another GPU profile than
+    the run's (``gpu``: the header names that one)."""
+    device = result.key.device
+    followed = result.estimate.environment.get("gpu")
+    if device.startswith("cuda") and followed is not None and followed != gpu:
+        return f"{device} ({followed})"
+    return device
+
+
+def table_lines(
+    results: Sequence[Result], *, verbosity: int = 0, gpu: str | None = None
+) -> list[str]:
     """A row per test, check and device: the peaks, the largest change, the status.
 
     A ``first step`` column (the first step's peak, beside a training loop's phases)
     appears when a check of a training loop is among the rows, a ``reserved`` column
-    (the caching allocator's segments) when a ``cuda`` check is. Under ``-q``
-    (``verbosity < 0``) only the rows that are not plain passes.
+    (the caching allocator's segments) when a ``cuda`` check is. A ``cuda`` row of a
+    check that followed another GPU profile than the run's (``gpu``, the name the
+    header gives) names it: ``cuda (A100)``. Under ``-q`` (``verbosity < 0``) only
+    the rows that are not plain passes.
     """
     shown = [result for result in results if not (verbosity < 0 and result.status is Status.PASSED)]
     if not shown:
@@ -117,7 +131,7 @@ def table_lines(results: Sequence[Result], *, verbosity: int = 0) -> list[str]:
         estimate = result.estimate
         row = [
             _test_label(result),
-            result.key.device,
+            _device(result, gpu),
             format_bytes(estimate.forward_peak),
             format_bytes(estimate.backward_peak),
             format_bytes(estimate.step_peak),

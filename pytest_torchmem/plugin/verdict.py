@@ -14,6 +14,7 @@ from enum import Enum
 from typing import Any, Final, Literal
 
 from pytest_torchmem.engine.compiling import CompileOptions, compile_options
+from pytest_torchmem.engine.gpu_profiles import PROFILES, GpuProfile, gpu_profile
 from pytest_torchmem.engine.report import ROOT_NAME
 from pytest_torchmem.engine.units import format_bytes, format_delta, parse_bytes
 from pytest_torchmem.plugin.releases import Release
@@ -91,8 +92,8 @@ class MarkerSpec:
     devices: tuple[str, ...] | None = None
     rtol: float | None = None
     atol: int | None = None
-    #: The GPU profile the ``cuda`` estimate follows (a name from ``PROFILES``).
-    gpu: str | None = None
+    #: The GPU profile the ``cuda`` estimate follows.
+    gpu: GpuProfile | None = None
     #: The CPU profile the ``cpu`` estimate follows (``"avx2:4"``, or ``"host"``).
     cpu: str | None = None
     #: Whether the model's output is held through backward (``keep_output``).
@@ -158,18 +159,29 @@ def parse_devices(value: Any, valid: Iterable[str], where: str) -> tuple[str, ..
     return tuple(dict.fromkeys(names))
 
 
-def parse_gpu(value: Any, known: Iterable[str], where: str) -> str:
-    """A GPU profile name among ``known`` (case-insensitive), spelled as ``known`` spells it."""
-    known = tuple(known)
-    if not isinstance(value, str):
+def parse_gpu(value: Any, custom: Mapping[str, GpuProfile], where: str) -> GpuProfile:
+    """The GPU profile ``value`` names: a name among the named profiles or ``custom``
+    (the ``torchmem_gpus`` ini table; case-insensitive), ``"current"`` (this machine's
+    GPU), a profile line (``"RTX4070TiS: memory=16GiB cc=8.9 sms=66"``) or a
+    :class:`~pytest_torchmem.GpuProfile`."""
+    known = ", ".join([*PROFILES, *custom])
+    fix = (
+        "describe another in the ini option torchmem_gpus (NAME: memory=16GiB cc=8.9 sms=66), "
+        "or use 'current' for this machine's GPU"
+    )
+    if not isinstance(value, (str, GpuProfile)):
         raise MarkerError(
-            f"{where}: a GPU profile is a name such as 'A100', got {value!r}; "
-            f"known profiles: {', '.join(known)}"
+            f"{where}: a GPU profile is a name such as 'A100' or a tm.GpuProfile, got {value!r}; "
+            f"known profiles: {known}"
         )
-    for name in known:
-        if name.lower() == value.strip().lower():
-            return name
-    raise MarkerError(f"{where}: unknown GPU profile {value!r}; known profiles: {', '.join(known)}")
+    try:
+        return gpu_profile(value, custom)
+    except ValueError as exc:
+        if isinstance(value, str) and ":" not in value and value.strip().lower() != "current":
+            raise MarkerError(
+                f"{where}: unknown GPU profile {value!r}; known profiles: {known}; {fix}"
+            ) from None
+        raise MarkerError(f"{where}: {exc}") from None
 
 
 def parse_cpu(value: Any, where: str) -> str:
@@ -192,12 +204,13 @@ def parse_cpu(value: Any, where: str) -> str:
 
 
 def parse_marker(
-    marks: Sequence[Any], valid_devices: Iterable[str], gpus: Iterable[str] = ()
+    marks: Sequence[Any], valid_devices: Iterable[str], gpus: Mapping[str, GpuProfile] | None = None
 ) -> MarkerSpec:
     """Read the ``memory_budget`` marks of a test, closest first (as ``iter_markers`` gives).
 
     A closer mark (the function's) overrides a farther one (its class's or
-    module's) key by key. ``gpus`` are the known GPU profile names. Raises
+    module's) key by key. ``gpus`` are the GPU profiles of the ini table, by name
+    (the named profiles are always known). Raises
     :class:`MarkerError` naming the bad value.
     """
     merged: dict[str, Any] = {}
@@ -232,7 +245,7 @@ def parse_marker(
         atol = parse_size(merged["atol"], f"{MARKER}(atol={merged['atol']!r})")
     gpu = None
     if merged.get("gpu") is not None:
-        gpu = parse_gpu(merged["gpu"], gpus, f"{MARKER}(gpu={merged['gpu']!r})")
+        gpu = parse_gpu(merged["gpu"], gpus or {}, f"{MARKER}(gpu={merged['gpu']!r})")
     cpu = None
     if merged.get("cpu") is not None:
         cpu = parse_cpu(merged["cpu"], f"{MARKER}(cpu={merged['cpu']!r})")
@@ -397,11 +410,10 @@ def environment_changes(snapshot: Entry, current: Entry) -> tuple[EnvChange, ...
                 return releases[0] != releases[1]
         return bool(value(then, name) != value(now, name))
 
-    return tuple(
-        EnvChange(name, value(then, name), value(now, name))
-        for name in sorted(set(then) | set(now))
-        if differs(name)
-    )
+    changed = [name for name in sorted(set(then) | set(now)) if differs(name)]
+    if "gpu" in changed:  # another GPU: its properties (a profile of the ini table's) go without saying
+        changed = [name for name in changed if not name.startswith("gpu_")]
+    return tuple(EnvChange(name, value(then, name), value(now, name)) for name in changed)
 
 
 #: What a suite run on several torch releases can do (said where an entry of another

@@ -28,8 +28,8 @@ from typing import Any, Final
 import torch
 from torch.overrides import TorchFunctionMode
 
+from pytest_torchmem.engine.gpu_profiles import GpuProfile
 from pytest_torchmem.engine.torch_private import private, replacing
-from pytest_torchmem.engine.tracing.devices.cuda.profiles import GpuProfile
 from pytest_torchmem.engine.tracing.generated_code import remember
 
 __all__ = ["Enter", "as_the_gpu", "gpu_properties", "host_vector_isa", "unguarded"]
@@ -40,29 +40,23 @@ FakeTensor: Final = private("torch._subclasses.fake_tensor.FakeTensor")
 _GPU: Final = torch.device("cuda", 0)
 _MISSING: Final = object()
 
-#: ``maxThreadsPerMultiProcessor`` by compute capability (CUDA C Programming Guide,
-#: "Technical Specifications per Compute Capability").
-_THREADS_PER_SM: Final = {(7, 0): 2048, (7, 5): 1024, (8, 0): 2048, (8, 6): 1536, (8, 7): 2048, (8, 9): 1536}
-#: ``sharedMemPerBlockOptin`` by compute capability (the same table).
-_SHARED_OPTIN: Final = {(7, 0): 98304, (7, 5): 65536, (8, 0): 166912, (8, 6): 101376, (8, 9): 101376}
-
 
 def gpu_properties(profile: GpuProfile) -> types.SimpleNamespace:
     """What ``torch.cuda.get_device_properties`` answers on the profile's GPU (the
     fields inductor reads: SMs, threads per SM, capability, warp size)."""
     major, minor = profile.compute_capability
     return types.SimpleNamespace(
-        name=f"NVIDIA {profile.name}",
+        name=profile.device_name,
         major=major,
         minor=minor,
         multi_processor_count=profile.sm_count,
         total_memory=profile.memory,
-        max_threads_per_multi_processor=_THREADS_PER_SM.get((major, minor), 2048),
+        max_threads_per_multi_processor=profile.max_threads_per_sm,
         max_threads_per_block=1024,
         regs_per_multiprocessor=65536,
         warp_size=32,
-        shared_memory_per_block_optin=_SHARED_OPTIN.get((major, minor), 232448),
-        shared_memory_per_multiprocessor=_SHARED_OPTIN.get((major, minor), 232448) + 1024,
+        shared_memory_per_block_optin=profile.shared_memory_per_block,
+        shared_memory_per_multiprocessor=profile.shared_memory_per_block + 1024,
         L2_cache_size=50 << 20,
         gcnArchName="",
         is_integrated=False,

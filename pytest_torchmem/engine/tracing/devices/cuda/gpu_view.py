@@ -90,11 +90,14 @@ def gpu_view(profile: Any) -> Iterator[None]:
         return real_get_device(self)  # type: ignore[no-any-return]
 
     properties = SimpleNamespace(
-        name=f"NVIDIA {profile.name}",
+        name=profile.device_name,
         major=profile.compute_capability[0],
         minor=profile.compute_capability[1],
         total_memory=profile.memory,
         multi_processor_count=profile.sm_count,
+        max_threads_per_multi_processor=profile.max_threads_per_sm,
+        shared_memory_per_block_optin=profile.shared_memory_per_block,
+        warp_size=32,
         is_integrated=False,
         is_multi_gpu_board=False,
     )
@@ -105,7 +108,7 @@ def gpu_view(profile: Any) -> Iterator[None]:
         (torch.cuda, "get_device_capability"): lambda device=None: profile.compute_capability,
         (torch.cuda, "get_device_properties"): lambda device=None: properties,
         (torch.cuda, "get_device_name"): lambda device=None: properties.name,
-        (torch.cuda, "is_bf16_supported"): lambda including_emulation=True: profile.sm >= 80,
+        (torch.cuda, "is_bf16_supported"): lambda including_emulation=True: profile.bf16,
         # A CUDA build: built with CUDA, cuDNN and the flash-attention kernels.
         (torch.backends.cuda, "is_built"): lambda: True,
         (torch.backends.cuda, "is_flash_attention_available"): lambda: True,
@@ -165,7 +168,7 @@ def autocast_opens_cuda_regions(profile: Any) -> Iterator[None]:
     def is_bf16_supported(including_emulation: bool = True) -> bool:
         caller = sys._getframe(1).f_code.co_filename
         if caller == _AUTOCAST_MODE or not caller.startswith(_NOT_THE_PROGRAM):
-            return bool(profile.sm >= 80)
+            return bool(profile.bf16)
         return bool(outer_bf16(including_emulation))
 
     common.amp_definitely_not_available = amp_definitely_not_available

@@ -98,30 +98,13 @@ aten = torch.ops.aten
 
 _INT32_MAX: Final = 2**31 - 1
 
-#: ``cudaDeviceProp::maxThreadsPerMultiProcessor`` by compute capability (CUDA
-#: programming guide, "Technical Specifications per Compute Capability").
-_MAX_THREADS_PER_SM: Final[dict[tuple[int, int], int]] = {
-    (7, 0): 2048,
-    (7, 2): 2048,
-    (7, 5): 1024,
-    (8, 0): 2048,
-    (8, 6): 1536,
-    (8, 7): 2048,
-    (8, 9): 1536,
-    (9, 0): 2048,
-    (10, 0): 2048,
-    (10, 3): 2048,
-    (12, 0): 1536,
-    (12, 1): 1536,
-}
-
 _DEFAULT_SM_COUNT: Final = 132  # H100, the default profile
 
 
 def max_threads_per_sm(gpu: Any) -> int:
-    """``maxThreadsPerMultiProcessor`` of the profiled GPU (2048 when unknown)."""
-    cc = tuple(getattr(gpu, "compute_capability", (9, 0)))
-    return _MAX_THREADS_PER_SM.get(cc, 2048)  # type: ignore[arg-type]
+    """``maxThreadsPerMultiProcessor`` of the profiled GPU (:class:`~pytest_torchmem.GpuProfile`;
+    2048, the default H100's, without one)."""
+    return int(getattr(gpu, "max_threads_per_sm", 2048))
 
 
 def _sm_count(gpu: Any) -> int:
