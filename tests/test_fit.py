@@ -191,20 +191,21 @@ def test_the_headroom_and_the_ranking_counted_by_hand() -> None:
     2 MiB segment of the small pool for the input and the output, and the cuBLAS
     workspace's segment: 32 MiB on an H100 (its size, at least 10 MiB: rounded to 2 MiB),
     8 MiB + 128 KiB on a T4 and an A100 (between 1 and 10 MiB: a 20 MiB segment). Usable:
-    the GPU's memory less the CUDA context held back. It fits the A100-40GB and the H100
-    (the most room first), not the T4 (16 GiB, 15.5 usable)."""
+    the GPU's memory as the device reports it (H100 81,090 MiB, A100-40GB 40,536 MiB, T4
+    15,095 MiB) less the CUDA context held back. It fits the A100-40GB and the H100 (the
+    most room first), not the T4."""
     x = torch.randn(1, 65536)
     rooms = tm.rank_gpus(_big_linear(), x, ["T4", "A100-40GB", "H100"], train=False)
     assert [room.gpu for room in rooms] == ["H100", "A100-40GB", "T4"]
     by_hand = {"H100": 16 * _GiB + 2 * _MiB + 32 * _MiB, "A100-40GB": 16 * _GiB + 2 * _MiB + 20 * _MiB}
     by_hand["T4"] = by_hand["A100-40GB"]
-    usable = {"H100": 80 * _GiB - 512 * _MiB, "A100-40GB": 40 * _GiB - 512 * _MiB, "T4": 16 * _GiB - 512 * _MiB}
+    usable = {"H100": 81_090 * _MiB - 512 * _MiB, "A100-40GB": 40_536 * _MiB - 512 * _MiB, "T4": 15_095 * _MiB - 512 * _MiB}
     for room in rooms:
         assert room.reserved_peak == by_hand[room.gpu], room
         assert room.usable == usable[room.gpu] == usable_memory(PROFILES[room.gpu])
         assert room.headroom == usable[room.gpu] - by_hand[room.gpu]
     assert [room.fits for room in rooms] == [True, True, False]
-    assert str(rooms[2]) == "T4: does not fit, 16.02 GiB reserved of 15.50 GiB usable, 534.00 MiB over"
+    assert str(rooms[2]) == "T4: does not fit, 16.02 GiB reserved of 14.24 GiB usable, 1.78 GiB over"
     assert CUDA_CONTEXT == 512 * _MiB
 
 

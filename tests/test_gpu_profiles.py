@@ -81,13 +81,13 @@ def test_the_derived_properties_can_be_given() -> None:
 
 
 def test_the_named_profiles_are_values_of_their_properties() -> None:
-    assert PROFILES["L4"] == GpuProfile("L4", memory="24 GiB", compute_capability="8.9", sm_count=58)
-    assert PROFILES["H100"] == GpuProfile("H100", memory="80 GiB", compute_capability=(9, 0), sm_count=132)
+    assert PROFILES["L4"] == GpuProfile("L4", memory="22565 MiB", compute_capability="8.9", sm_count=58)
+    assert PROFILES["H100"] == GpuProfile("H100", memory="81090 MiB", compute_capability=(9, 0), sm_count=132)
     assert all(profile.builtin for profile in PROFILES.values())
     # the same properties under another name are another profile
     assert not dataclasses.replace(PROFILES["H100"], name="MyH100").builtin
     assert PROFILES["H100"].spec == (
-        "memory=80GiB cc=9.0 sms=132 threads_per_sm=2048 shared_per_block=227KiB"
+        "memory=81090MiB cc=9.0 sms=132 threads_per_sm=2048 shared_per_block=227KiB"
     )
 
 
@@ -338,7 +338,7 @@ def test_from_device_reads_the_current_or_the_named_device(monkeypatch: pytest.M
 
     def properties(device: Any) -> Any:
         asked.append(device)
-        return SimpleNamespace(name="NVIDIA L4", major=8, minor=9, multi_processor_count=58, total_memory=24 * GiB)
+        return SimpleNamespace(name="NVIDIA L4", major=8, minor=9, multi_processor_count=58, total_memory=22565 * 2**20)
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)

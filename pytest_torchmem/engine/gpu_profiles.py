@@ -371,21 +371,27 @@ def _named(name: str, compute_capability: tuple[int, int], sm_count: int, memory
     return GpuProfile(name, memory=memory, compute_capability=compute_capability, sm_count=sm_count)
 
 
-#: The named profiles.
+#: The named profiles. ``memory`` is what ``torch.cuda.get_device_properties().total_memory``
+#: reports on a recent driver (published readings of ``_CudaDeviceProperties``, in MiB),
+#: less than the card's nominal size: ECC and the driver hold some back. Where no such
+#: reading was found (A100 80GB, L4) it is ``nvidia-smi``'s total less the 469 MiB the
+#: same drivers hold back on the H100 (81,559 to 81,090 MiB) and the L4 (23,034 MiB
+#: total, 469 MiB reserved at idle). A driver of another release holds back a few MiB
+#: more or less: ``gpu="current"`` reads the device itself.
 PROFILES: Final[Mapping[str, GpuProfile]] = {
     profile.name: profile
     for profile in (
-        _named("V100", (7, 0), 80, 32 * _GiB),
-        _named("T4", (7, 5), 40, 16 * _GiB),
-        _named("A100", (8, 0), 108, 80 * _GiB),
-        _named("A100-40GB", (8, 0), 108, 40 * _GiB),
-        _named("A10G", (8, 6), 80, 24 * _GiB),
-        _named("RTX4090", (8, 9), 128, 24 * _GiB),
-        _named("L4", (8, 9), 58, 24 * _GiB),
-        _named("L40S", (8, 9), 142, 48 * _GiB),
-        _named("H100", (9, 0), 132, 80 * _GiB),
-        _named("H200", (9, 0), 132, 141 * _GiB),
-        _named("B200", (10, 0), 148, 180 * _GiB),
+        _named("V100", (7, 0), 80, 32_510 * _MiB),  # Tesla V100-PCIE-32GB
+        _named("T4", (7, 5), 40, 15_095 * _MiB),  # Tesla T4 (15,079 to 15,109 MiB seen)
+        _named("A100", (8, 0), 108, 81_451 * _MiB),  # A100-SXM4-80GB: 81,920 - 469
+        _named("A100-40GB", (8, 0), 108, 40_536 * _MiB),  # A100-SXM4-40GB
+        _named("A10G", (8, 6), 80, 22_587 * _MiB),
+        _named("RTX4090", (8, 9), 128, 24_563 * _MiB),  # GeForce RTX 4090
+        _named("L4", (8, 9), 58, 22_565 * _MiB),  # 23,034 - 469
+        _named("L40S", (8, 9), 142, 45_589 * _MiB),
+        _named("H100", (9, 0), 132, 81_090 * _MiB),  # H100 80GB HBM3 (81,082 to 81,090 MiB seen)
+        _named("H200", (9, 0), 132, 143_156 * _MiB),
+        _named("B200", (10, 0), 148, 182_642 * _MiB),  # 182,631 to 182,642 MiB seen
     )
 }
 
