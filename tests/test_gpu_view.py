@@ -115,3 +115,88 @@ def tm_fake_meta() -> Any:
             yield mode.from_tensor(torch.empty(2, device="meta"))
 
     return made()
+
+
+def _real_answers(fake: torch.Tensor, standin: list[torch.Tensor]) -> dict[str, Any]:
+    """What another thread reads of the process's GPU and of fake tensors."""
+    return {
+        "available": torch.cuda.is_available(),
+        "count": torch.cuda.device_count(),
+        "built": torch.backends.cuda.is_built(),
+        "cudnn": torch.backends.cudnn.is_available(),
+        "flash": torch.backends.cuda.is_flash_attention_available(),
+        "own fake": (str(fake.device), fake.is_cuda, fake.get_device()),
+        "trace's tensor": [(str(t.device), t.is_cuda, t.get_device()) for t in standin],
+    }
+
+
+def test_another_thread_never_sees_the_gpu_view() -> None:
+    """Regression (issue 27, item 6): while ``estimate(device="cuda")`` ran, every thread
+    of the process saw a GPU (``torch.cuda.is_available()`` True, ``device_count()`` 1,
+    a fake meta tensor's ``.device`` ``cuda:0``): a background thread that chose
+    ``"cuda" if torch.cuda.is_available()`` crashed. The view is the tracing thread's
+    only: a thread that polls each time the traced forward, a backward hook and the
+    optimizer step are held waiting for it reads the real answers every time."""
+    import threading
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    inside = threading.Semaphore(0)  # the traced code is held at a poll point (or the end)
+    polled = threading.Semaphore(0)  # the other thread has read its answers there
+    held: list[torch.Tensor] = []
+    seen_in_trace: list[tuple[str, bool]] = []
+
+    def poll_point(where: str, t: torch.Tensor) -> None:
+        seen_in_trace.append((where, t.is_cuda and torch.cuda.is_available() and torch.cuda.device_count() == 1))
+        held[:] = [t]
+        inside.release()
+        assert polled.acquire(timeout=600), "the polling thread never answered"
+        held.clear()
+
+    class Held(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.linear(x)
+            poll_point("forward", h)
+            h.register_hook(lambda grad: poll_point("backward", grad))
+            return h
+
+    class HeldSGD(torch.optim.SGD):
+        def step(self, closure: Any = None) -> Any:
+            poll_point("step", self.param_groups[0]["params"][0])
+            return super().step(closure)
+
+    with FakeTensorMode() as mode:
+        fake = mode.from_tensor(torch.empty(2, device="meta"))
+    before = _real_answers(fake, [])
+    answers: list[dict[str, Any]] = []
+    failures: list[BaseException] = []
+    done = False
+
+    def poller() -> None:
+        try:
+            while inside.acquire(timeout=600) and not done:
+                answers.append(_real_answers(fake, held))
+                polled.release()
+        except BaseException as exc:  # reported by the test's thread
+            failures.append(exc)
+            polled.release()
+
+    thread = threading.Thread(target=poller)
+    thread.start()
+    try:
+        tm.estimate(Held(), torch.randn(4, 8), device="cuda", optimizer=lambda p: HeldSGD(p, lr=0.1))
+    finally:
+        done = True
+        inside.release()
+        thread.join()
+    assert not failures, failures
+    assert {where for where, _ in seen_in_trace} == {"forward", "backward", "step"}
+    assert all(gpu for _, gpu in seen_in_trace)  # the traced code did see the GPU
+    assert len(answers) == len(seen_in_trace)
+    for answer in answers:
+        assert answer["trace's tensor"] == [("meta", False, -1)]
+        assert {**answer, "trace's tensor": []} == before

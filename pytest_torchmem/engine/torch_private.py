@@ -433,6 +433,32 @@ PRIVATE: Final = _entries(
         )
         for name in ("device", "is_cuda", "get_device")
     ),
+    *(
+        Private(
+            path,
+            "what the model's code reads of the GPU on the tracing thread: the profile's "
+            "answer (gpu_view.py)",
+            replaced=True,
+        )
+        for path in (
+            "torch.cuda.is_available",
+            "torch.cuda.device_count",
+            "torch.cuda.current_device",
+            "torch.cuda.get_device_capability",
+            "torch.cuda.get_device_properties",
+            "torch.cuda.get_device_name",
+            "torch.cuda.is_bf16_supported",
+            "torch.backends.cuda.is_built",
+            "torch.backends.cuda.is_flash_attention_available",
+            "torch.backends.cudnn.is_available",
+        )
+    ),
+    Private(
+        "torch.cuda.amp.common.amp_definitely_not_available",
+        "torch.autocast('cuda') and GradScaler('cuda') enter enabled on the tracing thread, "
+        "as on a GPU (gpu_view.autocast_opens_cuda_regions)",
+        replaced=True,
+    ),
     # -- the fake cuda device's router (cuda/router.py) --------------------------------
     *(
         Private(

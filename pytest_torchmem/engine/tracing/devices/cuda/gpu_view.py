@@ -1,19 +1,27 @@
-"""What the model's code sees of the fake cuda device: a GPU.
+"""What the code the trace runs sees of the fake cuda device: a GPU.
 
 The fake cuda device is traced on fake ``meta`` tensors (on a CPU-only torch,
-autograd on a fake ``cuda`` tensor kills the interpreter). Libraries branch on
-what they see: ``x.is_cuda``, ``x.device.type == "cuda"``,
+autograd on a fake ``cuda`` tensor kills the interpreter). Code branches on
+what it sees: ``x.is_cuda``, ``x.device.type == "cuda"``,
 ``torch.cuda.is_available()``, the device's capability, whether torch was
 built with CUDA, cuDNN and flash attention. While :func:`gpu_view` is active,
-the code of the model and its libraries sees the GPU the profile names: a fake
-tensor of the device answers ``.device`` with ``cuda:0``, ``.is_cuda`` with
-True and ``.get_device()`` with 0, ``torch.cuda``'s queries answer as that GPU would, and
+on the thread that entered it (the tracing thread; every other thread of the
+process keeps the real answers), the code of the model and its libraries sees
+the GPU the profile names: a fake tensor of the device answers ``.device``
+with ``cuda:0``, ``.is_cuda`` with True and ``.get_device()`` with 0,
+``torch.cuda``'s queries answer as that GPU would, and
 ``torch.backends.cuda.is_built()``,
 ``torch.backends.cuda.is_flash_attention_available()`` and
 ``torch.backends.cudnn.is_available()`` answer as a CUDA build does. torch's
 own code and this package's still see ``meta`` (they route the step), so only
 callers outside them are answered so; the tensors the program then makes on
 "cuda" are placed by the device's router.
+
+Why torch's own code keeps seeing ``meta``: it runs the step on the meta
+tensors, and a torch that saw ``cuda`` would take paths that call the CUDA
+runtime a CPU-only build does not have (``torch.utils.checkpoint`` saving
+``torch.cuda``'s RNG state, RNN modules flattening their weights with cuDNN,
+the transformer layers' inference fast paths).
 
 Not redirected (the answer stays the CPU-only build's): queries made from
 C++, ``torch.cuda`` functions beyond the queries below
@@ -24,12 +32,14 @@ that reads a tensor's device from C++ (custom extensions).
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
-from types import ModuleType, SimpleNamespace
+from threading import get_ident
+from types import SimpleNamespace
 from typing import Any, Final
 
 import torch
@@ -58,14 +68,16 @@ _INTERNAL: Final = (
 _NOT_THE_PROGRAM: Final = (*_INTERNAL, "<frozen")
 
 
-def _from_the_program() -> bool:
-    """Whether the caller of the caller (a query's caller) is the model's or a library's code."""
-    return not sys._getframe(2).f_code.co_filename.startswith(_NOT_THE_PROGRAM)
+def _from_the_program(thread: int) -> bool:
+    """Whether the caller of the caller (a query's caller) is the model's or a library's
+    code, on the tracing thread ``thread``."""
+    return get_ident() == thread and not sys._getframe(2).f_code.co_filename.startswith(_NOT_THE_PROGRAM)
 
 
 @contextmanager
 def gpu_view(profile: Any) -> Iterator[None]:
-    """Within a fake cuda trace: the program sees the GPU ``profile`` describes."""
+    """Within a fake cuda trace: the program sees the GPU ``profile`` describes, on this thread."""
+    tracing = get_ident()
     real_device_of: Callable[[Any], torch.device]  # FakeTensor.device's getter, bound below
     real_is_cuda = torch.Tensor.is_cuda
     real_get_device = torch.Tensor.get_device
@@ -74,18 +86,18 @@ def gpu_view(profile: Any) -> Iterator[None]:
     def device(self: FakeTensor) -> torch.device:
         # Asked thousands of times a step, mostly by torch's fake-tensor cache: the
         # caller's frame is read first, here, without _from_the_program's call.
-        if getframe(1).f_code.co_filename.startswith(_NOT_THE_PROGRAM):
+        if getframe(1).f_code.co_filename.startswith(_NOT_THE_PROGRAM) or get_ident() != tracing:
             return real_device_of(self)
         seen = real_device_of(self)
         return _CUDA if seen.type == "meta" else seen
 
     def is_cuda(self: FakeTensor) -> bool:
-        if self.fake_device.type == "meta" and _from_the_program():
+        if self.fake_device.type == "meta" and _from_the_program(tracing):
             return True
         return real_is_cuda.__get__(self)  # type: ignore[no-any-return]
 
     def get_device(self: FakeTensor) -> int:
-        if self.fake_device.type == "meta" and _from_the_program():
+        if self.fake_device.type == "meta" and _from_the_program(tracing):
             return 0
         return real_get_device(self)  # type: ignore[no-any-return]
 
@@ -98,46 +110,42 @@ def gpu_view(profile: Any) -> Iterator[None]:
         is_integrated=False,
         is_multi_gpu_board=False,
     )
-    answers: dict[tuple[ModuleType, str], Callable[..., Any]] = {
-        (torch.cuda, "is_available"): lambda: True,
-        (torch.cuda, "device_count"): lambda: 1,
-        (torch.cuda, "current_device"): lambda: 0,
-        (torch.cuda, "get_device_capability"): lambda device=None: profile.compute_capability,
-        (torch.cuda, "get_device_properties"): lambda device=None: properties,
-        (torch.cuda, "get_device_name"): lambda device=None: properties.name,
-        (torch.cuda, "is_bf16_supported"): lambda including_emulation=True: profile.sm >= 80,
+    answers: dict[str, Callable[..., Any]] = {
+        "torch.cuda.is_available": lambda: True,
+        "torch.cuda.device_count": lambda: 1,
+        "torch.cuda.current_device": lambda: 0,
+        "torch.cuda.get_device_capability": lambda device=None: profile.compute_capability,
+        "torch.cuda.get_device_properties": lambda device=None: properties,
+        "torch.cuda.get_device_name": lambda device=None: properties.name,
+        "torch.cuda.is_bf16_supported": lambda including_emulation=True: profile.sm >= 80,
         # A CUDA build: built with CUDA, cuDNN and the flash-attention kernels.
-        (torch.backends.cuda, "is_built"): lambda: True,
-        (torch.backends.cuda, "is_flash_attention_available"): lambda: True,
-        (torch.backends.cudnn, "is_available"): lambda: True,
+        "torch.backends.cuda.is_built": lambda: True,
+        "torch.backends.cuda.is_flash_attention_available": lambda: True,
+        "torch.backends.cudnn.is_available": lambda: True,
     }
-    saved = {key: getattr(*key) for key in answers}
 
-    def answering(key: tuple[ModuleType, str]) -> Any:
-        real, answer = saved[key], answers[key]
-
+    def answering(answer: Callable[..., Any], real: list[Callable[..., Any]]) -> Callable[..., Any]:
         def query(*args: Any, **kwargs: Any) -> Any:
-            if _from_the_program():
+            if _from_the_program(tracing):
                 return answer(*args, **kwargs)
-            return real(*args, **kwargs)
+            return real[0](*args, **kwargs)
 
-        query.__name__ = key[1]
-        query.__doc__ = real.__doc__
         return query
 
     with ExitStack() as replaced:
         real_device_of = replaced.enter_context(replacing(f"{_FAKE_TENSOR}.device", property(device))).fget
         replaced.enter_context(replacing(f"{_FAKE_TENSOR}.is_cuda", property(is_cuda)))
         replaced.enter_context(replacing(f"{_FAKE_TENSOR}.get_device", get_device))
-        for module, name in answers:
-            setattr(module, name, answering((module, name)))
-        try:
-            with autocast_opens_cuda_regions(profile):
-                yield
-        finally:
-            for (module, name), real in saved.items():
-                setattr(module, name, real)
+        for path, answer in answers.items():
+            real: list[Callable[..., Any]] = []
+            query = answering(answer, real)
+            real.append(replaced.enter_context(replacing(path, query)))
+            functools.update_wrapper(query, real[0])
+        replaced.enter_context(autocast_opens_cuda_regions(profile))
+        yield
 
+
+# -- autocast ---------------------------------------------------------------------------
 
 #: Where ``torch.autocast`` asks whether it may enter a ``cuda`` region with a dtype.
 _AUTOCAST_MODE: Final = os.path.join(_INTERNAL[0], "amp", "autocast_mode.py")
@@ -145,7 +153,7 @@ _AUTOCAST_MODE: Final = os.path.join(_INTERNAL[0], "amp", "autocast_mode.py")
 
 @contextmanager
 def autocast_opens_cuda_regions(profile: Any) -> Iterator[None]:
-    """``torch.autocast("cuda", ...)`` enters enabled, as on the profile's GPU.
+    """``torch.autocast("cuda", ...)`` enters enabled, as on the profile's GPU, on this thread.
 
     On a CPU-only torch it finds ``amp_definitely_not_available()``, warns and
     enters disabled: a region the program disables
@@ -155,23 +163,22 @@ def autocast_opens_cuda_regions(profile: Any) -> Iterator[None]:
     would) and refuses bfloat16 where the profile's GPU has none. Also for
     dynamo, which builds a compiled region's autocast in its own code.
     """
-    common = torch.cuda.amp.common
-    real_unavailable = common.amp_definitely_not_available
-    outer_bf16 = torch.cuda.is_bf16_supported
+    tracing = get_ident()
+    outer_unavailable: Callable[[], bool]
+    outer_bf16: Callable[..., bool]
 
     def amp_definitely_not_available() -> bool:
-        return False
+        return False if get_ident() == tracing else outer_unavailable()
 
     def is_bf16_supported(including_emulation: bool = True) -> bool:
         caller = sys._getframe(1).f_code.co_filename
-        if caller == _AUTOCAST_MODE or not caller.startswith(_NOT_THE_PROGRAM):
+        if get_ident() == tracing and (caller == _AUTOCAST_MODE or not caller.startswith(_NOT_THE_PROGRAM)):
             return bool(profile.sm >= 80)
         return bool(outer_bf16(including_emulation))
 
-    common.amp_definitely_not_available = amp_definitely_not_available
-    torch.cuda.is_bf16_supported = is_bf16_supported
-    try:
+    unavailable = "torch.cuda.amp.common.amp_definitely_not_available"
+    with (
+        replacing(unavailable, amp_definitely_not_available) as outer_unavailable,
+        replacing("torch.cuda.is_bf16_supported", is_bf16_supported) as outer_bf16,
+    ):
         yield
-    finally:
-        common.amp_definitely_not_available = real_unavailable
-        torch.cuda.is_bf16_supported = outer_bf16
