@@ -27,7 +27,7 @@ import pytest_torchmem.engine.tracing.trace as trace_module
 from pytest_torchmem.engine.report import Category
 from pytest_torchmem.engine.timeline import ALLOC, PHASE
 from pytest_torchmem.engine.torch_release import installed_release
-from pytest_torchmem.engine.tracing.devices.cuda import CUDA, prepare_optimizer
+from pytest_torchmem.engine.tracing.devices.cuda import CUDA
 from pytest_torchmem.engine.tracing.devices.cuda.kernels import flash_num_splits
 from pytest_torchmem.engine.tracing.devices.cuda.profiles import gpu_profile
 from pytest_torchmem.engine.tracing.devices.cuda.router import (
@@ -726,28 +726,7 @@ def test_autocast_lstm_reflattens_the_weights_in_half() -> None:
 # -- optimizers --------------------------------------------------------------------------------
 
 
-def groups(opt: torch.optim.Optimizer) -> list[Any]:
-    prepare_optimizer(opt, TraceContext("cuda"))
-    return [g.get("foreach") for g in opt.param_groups]
-
-
-def test_optimizer_foreach_defaults_follow_torch_optim() -> None:
-    """torch/optim: ``_default_to_fused_or_foreach`` (use_fused=False everywhere) and
-    each optimizer's own condition for calling it."""
-    p = [nn.Parameter(torch.zeros(2))]
-    assert groups(torch.optim.Adam(p)) == [True]
-    assert groups(torch.optim.AdamW(p)) == [True]
-    assert groups(torch.optim.SGD(p, momentum=0.9)) == [True]
-    assert groups(torch.optim.SGD(p, differentiable=True)) == [True]  # SGD passes differentiable=False
-    assert groups(torch.optim.RMSprop(p)) == [True]
-    assert groups(torch.optim.Adam(p, fused=False)) == [None]  # fused given: no default
-    assert groups(torch.optim.Adam(p, foreach=False)) == [False]
-    assert groups(torch.optim.Adam(p, differentiable=True)) == [None]
-    assert groups(torch.optim.Adam(p, lr=torch.tensor(1e-3))) == [None]  # tensor lr, not capturable
-    assert groups(torch.optim.RMSprop(p, differentiable=True)) == [None]
-    lbfgs = torch.optim.LBFGS(p)
-    prepare_optimizer(lbfgs, TraceContext("cuda"))
-    assert "foreach" not in lbfgs.param_groups[0]
+# (torch's own foreach and fused choices on the fake cuda device: test_fused_optimizers.py)
 
 
 @pytest.mark.parametrize(

@@ -26,6 +26,7 @@ from pytest_torchmem.engine.torch_private import (
     TorchPrivateError,
     present,
     private,
+    appending,
     private_name,
     replacing,
 )
@@ -194,6 +195,43 @@ def test_replacing_refuses_an_entry_not_marked_replaced() -> None:
     path = next(path for path, found in PRIVATE.items() if not found.replaced)
     with pytest.raises(ValueError, match="replaced=True"):
         with replacing(path, None):
+            pass
+
+
+def test_appending_adds_to_the_same_list_and_takes_out_that_item_however_the_block_ends() -> None:
+    """The foreach type list keeps its identity (modules that bound it, DTensor's
+    ``append`` at import, see the item); the item goes, an equal one stays."""
+    import torch.utils._foreach_utils as foreach_utils
+
+    path = "torch.utils._foreach_utils._foreach_supported_types"
+    listed = foreach_utils._foreach_supported_types
+    before = list(listed)
+
+    class Equal:
+        def __eq__(self, other: object) -> bool:
+            return isinstance(other, Equal)
+
+        __hash__ = object.__hash__
+
+    mine, theirs = Equal(), Equal()
+    with appending(path, mine):
+        assert foreach_utils._foreach_supported_types is listed and listed[-1] is mine
+        listed.append(theirs)  # a module imported in the block adds its own
+    assert listed == [*before, theirs] and listed[-1] is theirs
+    listed.remove(theirs)
+    with pytest.raises(ZeroDivisionError):
+        with appending(path, mine):
+            1 / 0  # noqa: B018
+    assert listed == before
+
+
+def test_appending_refuses_what_is_not_a_replaced_list() -> None:
+    path = next(path for path, found in PRIVATE.items() if not found.replaced)
+    with pytest.raises(ValueError, match="replaced=True"):
+        with appending(path, None):
+            pass
+    with pytest.raises(TypeError, match="torch.random.get_rng_state is a function, not a list"):
+        with appending("torch.random.get_rng_state", None):
             pass
 
 

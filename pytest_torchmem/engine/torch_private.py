@@ -8,6 +8,7 @@ and is checked against the running torch when first used:
 
 - :func:`private` resolves a dotted path (``"torch._prims_common.suggest_memory_format"``);
 - :func:`replacing` replaces one at run time and always puts it back;
+- :func:`appending` adds an item to a private list for a block and always takes it out;
 - :func:`private_op` gives an aten overload that only some releases have (None elsewhere).
 
 A path missing from the running torch raises :class:`TorchPrivateError`, one
@@ -36,6 +37,7 @@ __all__ = [
     "PRIVATE",
     "Private",
     "TorchPrivateError",
+    "appending",
     "present",
     "private",
     "private_any",
@@ -440,6 +442,62 @@ PRIVATE: Final = _entries(
             replaced=True,
         )
         for name in ("device", "is_cuda", "get_device")
+    ),
+    *(
+        Private(
+            path,
+            "what the model's code reads of the GPU on the tracing thread: the profile's "
+            "answer (gpu_view.py)",
+            replaced=True,
+        )
+        for path in (
+            "torch.cuda.is_available",
+            "torch.cuda.device_count",
+            "torch.cuda.current_device",
+            "torch.cuda.get_device_capability",
+            "torch.cuda.get_device_properties",
+            "torch.cuda.get_device_name",
+            "torch.cuda.is_bf16_supported",
+            "torch.backends.cuda.is_built",
+            "torch.backends.cuda.is_flash_attention_available",
+            "torch.backends.cudnn.is_available",
+        )
+    ),
+    Private(
+        "torch.cuda.amp.common.amp_definitely_not_available",
+        "torch.autocast('cuda') and GradScaler('cuda') enter enabled on the tracing thread, "
+        "as on a GPU (gpu_view.autocast_opens_cuda_regions)",
+        replaced=True,
+    ),
+    # torch's own decisions by a device's kernels (gpu_view.torch_decides_as_on_the_gpu)
+    *(
+        Private(
+            f"torch.{home}.{helper}",
+            f"torch's list of the device types with {kind} kernels, as torch.{home} binds it: "
+            "on the tracing thread the trace's meta device reads as cuda in it",
+            replaced=True,
+        )
+        for home, helper, kind in (
+            ("utils._foreach_utils", "_get_foreach_kernels_supported_devices", "foreach"),
+            ("utils._foreach_utils", "_get_fused_kernels_supported_devices", "fused optimizer"),
+            ("optim.optimizer", "_get_foreach_kernels_supported_devices", "foreach"),
+            ("optim.optimizer", "_get_fused_kernels_supported_devices", "fused optimizer"),
+            ("optim.optimizer", "_get_capturable_supported_devices", "capturable optimizer"),
+            ("optim.swa_utils", "_get_foreach_kernels_supported_devices", "foreach"),
+            *(
+                (f"optim.{name}", "_get_capturable_supported_devices", "capturable optimizer")
+                for name in ("adadelta", "adam", "adamax", "asgd", "nadam", "radam", "rmsprop", "rprop")
+            ),
+        )
+    ),
+    *(
+        Private(
+            f"torch.{home}._foreach_supported_types",
+            f"the tensor types torch.{home}'s foreach decisions take (type(t) in it): on the "
+            "tracing thread the trace's stand-ins count as the tensors they stand for",
+            replaced=True,
+        )
+        for home in ("optim.optimizer", "utils._foreach_utils")
     ),
     # -- the fake cuda device's router (cuda/router.py) --------------------------------
     *(
@@ -922,6 +980,30 @@ def replacing(path: str, value: Any) -> Iterator[Any]:
             setattr(owner, name, own)
         else:
             delattr(owner, name)
+
+
+@contextmanager
+def appending(path: str, item: Any) -> Iterator[None]:
+    """Add ``item`` to the private torch list at ``path`` for the block; it is taken out
+    however the block ends. The list object stays the same: modules that bound it by
+    name, or add to it later in the block (``torch.distributed.tensor`` adds ``DTensor``
+    to the foreach type lists when first imported), keep theirs."""
+    if not entry(path).replaced:
+        raise ValueError(f"{path} is not marked replaced=True in PRIVATE")
+    try:
+        found = _resolve(path)
+    except (ImportError, AttributeError) as exc:
+        raise _missing(path, exc) from None
+    if not isinstance(found, list):
+        raise TypeError(f"{path} is a {type(found).__name__}, not a list")
+    found.append(item)
+    try:
+        yield
+    finally:
+        for i in range(len(found) - 1, -1, -1):
+            if found[i] is item:
+                del found[i]
+                break
 
 
 def window() -> tuple[Release, Release]:

@@ -176,8 +176,6 @@ def _trace(
         tracker.flag(hook_failure(hook, exc))
 
     def prepare_optimizer(optimizer: torch.optim.Optimizer, context: TraceContext) -> None:
-        if device.prepare_optimizer is not None:
-            device.prepare_optimizer(optimizer, context)
         following.prepare_optimizer(optimizer)
 
     with fake_mode:

@@ -4,7 +4,8 @@ A :class:`DeviceModel` names the device, where its fake tensors live during
 the trace, its per-op :class:`~pytest_torchmem.engine.tracing.rules.RuleSet`, and the
 device's own machinery: an allocator model (CUDA's caching allocator), a
 router for the decisions CUDA dispatch makes differently (a torch-function
-mode), and the optimizer defaults it implies.
+mode). (torch's own optimizer defaults, foreach and fused, follow on the fake cuda
+device from what its GPU view answers: ``cuda/gpu_view.py``.)
 """
 
 from __future__ import annotations
@@ -40,8 +41,6 @@ class DeviceModel:
     allocator: Callable[[TraceContext], Allocator] | None = None
     #: The torch-function mode that routes this device's dispatch decisions, if any.
     router: Callable[[TraceContext], Any] | None = None
-    #: Sets the optimizer defaults this device implies (foreach, fused), if any.
-    prepare_optimizer: Callable[[torch.optim.Optimizer, TraceContext], None] | None = None
 
 
 DEVICES: Final[dict[str, DeviceModel]] = {
@@ -65,7 +64,6 @@ DEVICES: Final[dict[str, DeviceModel]] = {
         wraps_numbers=False,
         allocator=cuda.caching_allocator,
         router=cuda.router,
-        prepare_optimizer=cuda.prepare_optimizer,
     ),
 }
 

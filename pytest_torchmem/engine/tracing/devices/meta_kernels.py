@@ -84,9 +84,36 @@ def laid_out_as_cloned(call: OpCall, out: Any) -> Any:
     return out if out.is_contiguous(memory_format=fmt) else torch.empty_like(out, memory_format=fmt)
 
 
+#: The fused optimizer steps without a meta kernel (torch 2.10 to 2.15 register one for
+#: ``_fused_adam_.default`` and ``_fused_adamw_.default`` only): ``SGD(fused=True)``,
+#: ``Adagrad(fused=True)``, and Adam/AdamW with a tensor ``lr``.
+_FUSED_STEPS: Final = (
+    aten._fused_sgd_.default,
+    aten._fused_sgd_.tensor_lr,
+    aten._fused_adagrad_.default,
+    aten._fused_adagrad_.tensor_lr,
+    aten._fused_adam_.tensor_lr,
+    aten._fused_adamw_.tensor_lr,
+)
+
+
+def _fused_step(call: OpCall) -> None:
+    """A fused optimizer step writes its tensor lists in place and returns nothing
+    (``-> ()``). CUDA (``FusedSgdKernel.cu``, ``FusedAdagradKernel.cu``,
+    ``FusedAdam[W]Kernel.cu``): one ``multi_tensor_apply`` launch whose tensor
+    addresses travel as the kernel's argument (``TensorListMetadata``,
+    ``MultiTensorApply.cuh``), ``grad_scale``/``found_inf``/``lr`` read through their
+    data pointers (a host ``lr`` through ``lr.item()``): nothing is allocated. CPU
+    (``FusedSGD.cpp``, ``FusedAdagrad.cpp``, ``FusedAdam.cpp``): a loop over the
+    parameters, each updated in place by the vectorized kernel: nothing allocated
+    either (``measure(device="cpu")`` agrees: tests/test_fused_optimizers.py)."""
+    return None
+
+
 def register_meta_kernels(rules: RuleSet) -> None:
     """Register the implementations above on ``rules``."""
     rules.implementation(*_GRAD_INPUT_LIKE_SELF)(_grad_input_like_self)
+    rules.implementation(*_FUSED_STEPS)(_fused_step)
     # (an op with an implementation already, an eager in-place one of autograd_paths,
     # lays its out-of-place result out so itself)
     rules.implementation(*(op for op in _CLONE_LAYOUT_FAKED_UNTIL if rules.implementation_rule(op) is None))(

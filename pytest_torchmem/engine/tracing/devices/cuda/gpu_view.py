@@ -1,19 +1,39 @@
-"""What the model's code sees of the fake cuda device: a GPU.
+"""What the code the trace runs sees of the fake cuda device: a GPU.
 
 The fake cuda device is traced on fake ``meta`` tensors (on a CPU-only torch,
-autograd on a fake ``cuda`` tensor kills the interpreter). Libraries branch on
-what they see: ``x.is_cuda``, ``x.device.type == "cuda"``,
+autograd on a fake ``cuda`` tensor kills the interpreter). Code branches on
+what it sees: ``x.is_cuda``, ``x.device.type == "cuda"``,
 ``torch.cuda.is_available()``, the device's capability, whether torch was
-built with CUDA, cuDNN and flash attention. While :func:`gpu_view` is active,
-the code of the model and its libraries sees the GPU the profile names: a fake
-tensor of the device answers ``.device`` with ``cuda:0``, ``.is_cuda`` with
-True and ``.get_device()`` with 0, ``torch.cuda``'s queries answer as that GPU would, and
-``torch.backends.cuda.is_built()``,
-``torch.backends.cuda.is_flash_attention_available()`` and
-``torch.backends.cudnn.is_available()`` answer as a CUDA build does. torch's
-own code and this package's still see ``meta`` (they route the step), so only
-callers outside them are answered so; the tensors the program then makes on
-"cuda" are placed by the device's router.
+built with CUDA, cuDNN and flash attention, and torch's own optimizers and
+gradient clipping on whether a device has foreach and fused kernels. While
+:func:`gpu_view` is active, on the thread that entered it (the tracing
+thread; every other thread of the process keeps the real answers):
+
+* the code of the model and its libraries sees the GPU the profile names: a
+  fake tensor of the device answers ``.device`` with ``cuda:0``, ``.is_cuda``
+  with True and ``.get_device()`` with 0, ``torch.cuda``'s queries answer as
+  that GPU would, and ``torch.backends.cuda.is_built()``,
+  ``torch.backends.cuda.is_flash_attention_available()`` and
+  ``torch.backends.cudnn.is_available()`` answer as a CUDA build does;
+  torch's own code and this package's still see ``meta`` (they route the
+  step), so only callers outside them are answered so; the tensors the
+  program then makes on "cuda" are placed by the device's router;
+* torch's own decisions by device type (:func:`torch_decides_as_on_the_gpu`):
+  torch's lists of the devices that have foreach, fused and capturable
+  optimizer kernels count the trace's ``meta`` device as ``cuda``, and its
+  lists of the tensor types the foreach kernels take count the trace's
+  stand-ins as the tensors and parameters they stand for. ``fused=True``,
+  the foreach defaults, ``capturable=True``, ``clip_grad_norm_(foreach=...)``
+  and ``swa_utils`` decide as on the GPU, each by torch's own code of the
+  running release.
+
+Why torch's own code keeps seeing ``meta``: it runs the step on the meta
+tensors, and a torch that saw ``cuda`` would take paths that call the CUDA
+runtime a CPU-only build does not have (``torch.utils.checkpoint`` saving
+``torch.cuda``'s RNG state, RNN modules flattening their weights with cuDNN,
+the transformer layers' inference fast paths); the decisions torch makes by a
+device's kernels are answered through the lists instead, where torch keeps
+them.
 
 Not redirected (the answer stays the CPU-only build's): queries made from
 C++, ``torch.cuda`` functions beyond the queries below
@@ -24,12 +44,14 @@ that reads a tensor's device from C++ (custom extensions).
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
-from types import ModuleType, SimpleNamespace
+from threading import get_ident
+from types import SimpleNamespace
 from typing import Any, Final
 
 import torch
@@ -37,9 +59,15 @@ import torch.backends.cuda
 import torch.backends.cudnn
 import torch.cuda.amp.common
 
-from pytest_torchmem.engine.torch_private import private, replacing
+from pytest_torchmem.engine.torch_private import appending, present, private, replacing
 
-__all__ = ["autocast_opens_cuda_regions", "gpu_view"]
+__all__ = [
+    "KERNEL_DEVICE_LISTS",
+    "KERNEL_TYPE_LISTS",
+    "autocast_opens_cuda_regions",
+    "gpu_view",
+    "torch_decides_as_on_the_gpu",
+]
 
 # torch's private names (engine/torch_private.py)
 _FAKE_TENSOR: Final = "torch._subclasses.fake_tensor.FakeTensor"
@@ -58,14 +86,16 @@ _INTERNAL: Final = (
 _NOT_THE_PROGRAM: Final = (*_INTERNAL, "<frozen")
 
 
-def _from_the_program() -> bool:
-    """Whether the caller of the caller (a query's caller) is the model's or a library's code."""
-    return not sys._getframe(2).f_code.co_filename.startswith(_NOT_THE_PROGRAM)
+def _from_the_program(thread: int) -> bool:
+    """Whether the caller of the caller (a query's caller) is the model's or a library's
+    code, on the tracing thread ``thread``."""
+    return get_ident() == thread and not sys._getframe(2).f_code.co_filename.startswith(_NOT_THE_PROGRAM)
 
 
 @contextmanager
 def gpu_view(profile: Any) -> Iterator[None]:
-    """Within a fake cuda trace: the program sees the GPU ``profile`` describes."""
+    """Within a fake cuda trace: the program sees the GPU ``profile`` describes, on this thread."""
+    tracing = get_ident()
     real_device_of: Callable[[Any], torch.device]  # FakeTensor.device's getter, bound below
     real_is_cuda = torch.Tensor.is_cuda
     real_get_device = torch.Tensor.get_device
@@ -74,18 +104,18 @@ def gpu_view(profile: Any) -> Iterator[None]:
     def device(self: FakeTensor) -> torch.device:
         # Asked thousands of times a step, mostly by torch's fake-tensor cache: the
         # caller's frame is read first, here, without _from_the_program's call.
-        if getframe(1).f_code.co_filename.startswith(_NOT_THE_PROGRAM):
+        if getframe(1).f_code.co_filename.startswith(_NOT_THE_PROGRAM) or get_ident() != tracing:
             return real_device_of(self)
         seen = real_device_of(self)
         return _CUDA if seen.type == "meta" else seen
 
     def is_cuda(self: FakeTensor) -> bool:
-        if self.fake_device.type == "meta" and _from_the_program():
+        if self.fake_device.type == "meta" and _from_the_program(tracing):
             return True
         return real_is_cuda.__get__(self)  # type: ignore[no-any-return]
 
     def get_device(self: FakeTensor) -> int:
-        if self.fake_device.type == "meta" and _from_the_program():
+        if self.fake_device.type == "meta" and _from_the_program(tracing):
             return 0
         return real_get_device(self)  # type: ignore[no-any-return]
 
@@ -101,46 +131,131 @@ def gpu_view(profile: Any) -> Iterator[None]:
         is_integrated=False,
         is_multi_gpu_board=False,
     )
-    answers: dict[tuple[ModuleType, str], Callable[..., Any]] = {
-        (torch.cuda, "is_available"): lambda: True,
-        (torch.cuda, "device_count"): lambda: 1,
-        (torch.cuda, "current_device"): lambda: 0,
-        (torch.cuda, "get_device_capability"): lambda device=None: profile.compute_capability,
-        (torch.cuda, "get_device_properties"): lambda device=None: properties,
-        (torch.cuda, "get_device_name"): lambda device=None: properties.name,
-        (torch.cuda, "is_bf16_supported"): lambda including_emulation=True: profile.bf16,
+    answers: dict[str, Callable[..., Any]] = {
+        "torch.cuda.is_available": lambda: True,
+        "torch.cuda.device_count": lambda: 1,
+        "torch.cuda.current_device": lambda: 0,
+        "torch.cuda.get_device_capability": lambda device=None: profile.compute_capability,
+        "torch.cuda.get_device_properties": lambda device=None: properties,
+        "torch.cuda.get_device_name": lambda device=None: properties.name,
+        "torch.cuda.is_bf16_supported": lambda including_emulation=True: profile.bf16,
         # A CUDA build: built with CUDA, cuDNN and the flash-attention kernels.
-        (torch.backends.cuda, "is_built"): lambda: True,
-        (torch.backends.cuda, "is_flash_attention_available"): lambda: True,
-        (torch.backends.cudnn, "is_available"): lambda: True,
+        "torch.backends.cuda.is_built": lambda: True,
+        "torch.backends.cuda.is_flash_attention_available": lambda: True,
+        "torch.backends.cudnn.is_available": lambda: True,
     }
-    saved = {key: getattr(*key) for key in answers}
 
-    def answering(key: tuple[ModuleType, str]) -> Any:
-        real, answer = saved[key], answers[key]
-
+    def answering(answer: Callable[..., Any], real: list[Callable[..., Any]]) -> Callable[..., Any]:
         def query(*args: Any, **kwargs: Any) -> Any:
-            if _from_the_program():
+            if _from_the_program(tracing):
                 return answer(*args, **kwargs)
-            return real(*args, **kwargs)
+            return real[0](*args, **kwargs)
 
-        query.__name__ = key[1]
-        query.__doc__ = real.__doc__
         return query
 
     with ExitStack() as replaced:
         real_device_of = replaced.enter_context(replacing(f"{_FAKE_TENSOR}.device", property(device))).fget
         replaced.enter_context(replacing(f"{_FAKE_TENSOR}.is_cuda", property(is_cuda)))
         replaced.enter_context(replacing(f"{_FAKE_TENSOR}.get_device", get_device))
-        for module, name in answers:
-            setattr(module, name, answering((module, name)))
-        try:
-            with autocast_opens_cuda_regions(profile):
-                yield
-        finally:
-            for (module, name), real in saved.items():
-                setattr(module, name, real)
+        for path, answer in answers.items():
+            real: list[Callable[..., Any]] = []
+            query = answering(answer, real)
+            real.append(replaced.enter_context(replacing(path, query)))
+            functools.update_wrapper(query, real[0])
+        replaced.enter_context(torch_decides_as_on_the_gpu())
+        replaced.enter_context(autocast_opens_cuda_regions(profile))
+        yield
 
+
+# -- torch's own decisions by device type ---------------------------------------------
+
+#: torch's lists of the device types that have foreach, fused and capturable optimizer
+#: kernels, at every place a torch module binds them (the same in torch 2.10 to 2.15:
+#: ``tests/test_gpu_view.py`` finds every binding on the running torch). torch decides
+#: by ``device.type in <list>``: ``_default_to_fused_or_foreach`` and
+#: ``_device_dtype_check_for_fused`` (torch/optim/optimizer.py), each optimizer's
+#: ``capturable`` check, ``_device_has_foreach_support`` / ``_has_foreach_support``
+#: (torch/utils/_foreach_utils.py: ``clip_grad_norm_``, ``clip_grad_value_``,
+#: ``get_total_norm``, ``clip_grads_with_norm_``, with the device that
+#: ``torch._C._group_tensors_by_device_and_dtype`` grouped by) and swa_utils'
+#: ``AveragedModel.update_parameters``.
+KERNEL_DEVICE_LISTS: Final = (
+    "torch.utils._foreach_utils._get_foreach_kernels_supported_devices",
+    "torch.utils._foreach_utils._get_fused_kernels_supported_devices",
+    "torch.optim.optimizer._get_foreach_kernels_supported_devices",
+    "torch.optim.optimizer._get_fused_kernels_supported_devices",
+    "torch.optim.optimizer._get_capturable_supported_devices",
+    "torch.optim.swa_utils._get_foreach_kernels_supported_devices",
+    *(
+        f"torch.optim.{name}._get_capturable_supported_devices"
+        for name in ("adadelta", "adam", "adamax", "asgd", "nadam", "radam", "rmsprop", "rprop")
+    ),
+)
+#: torch's lists of the tensor types its foreach decisions take (``type(t) in <list>``:
+#: ``torch.Tensor`` and ``nn.Parameter``; ``torch.distributed.tensor`` adds ``DTensor``).
+KERNEL_TYPE_LISTS: Final = (
+    "torch.optim.optimizer._foreach_supported_types",
+    "torch.utils._foreach_utils._foreach_supported_types",
+)
+
+
+class _OnTheGpu(list):  # type: ignore[type-arg]
+    """A list of device types from torch's kernel lists, in which the trace's ``meta``
+    device reads as ``cuda`` (what torch does with the list then, ``remove("cuda")``
+    for a kernel CUDA lacks, ``+ ["cpu"]``, holds for ``meta`` too)."""
+
+    def __contains__(self, device_type: object) -> bool:
+        return list.__contains__(self, "cuda" if device_type == "meta" else device_type)
+
+    def __add__(self, other: Any) -> _OnTheGpu:
+        return _OnTheGpu(list.__add__(self, other))
+
+
+class _StandIns:
+    """An entry of torch's foreach type lists: the trace's stand-ins (fake tensors) are
+    the plain tensors and parameters they stand for, on the tracing thread only."""
+
+    def __init__(self, thread: int) -> None:
+        self.thread = thread
+
+    def __eq__(self, other: object) -> bool:
+        return other is FakeTensor and get_ident() == self.thread
+
+    __hash__ = object.__hash__
+
+    def __repr__(self) -> str:
+        return "<pytest-torchmem's stand-ins, on the tracing thread>"
+
+
+@contextmanager
+def torch_decides_as_on_the_gpu() -> Iterator[None]:
+    """On this thread, torch's decisions by a device's kernels take the trace's meta
+    device for the GPU and its stand-ins for plain tensors (see :data:`KERNEL_DEVICE_LISTS`):
+    one answer at the lists every such decision reads, not one per decision."""
+    tracing = get_ident()
+
+    def on_the_gpu(real: list[Callable[..., list[str]]]) -> Callable[..., list[str]]:
+        def devices(*args: Any, **kwargs: Any) -> list[str]:
+            found = real[0](*args, **kwargs)
+            return _OnTheGpu(found) if get_ident() == tracing else found
+
+        return devices
+
+    with ExitStack() as stack:
+        for path in KERNEL_DEVICE_LISTS:
+            if not present(path):
+                continue
+            real: list[Callable[..., list[str]]] = []
+            answer = on_the_gpu(real)
+            real.append(stack.enter_context(replacing(path, answer)))
+            functools.update_wrapper(answer, real[0])
+        stand_ins = _StandIns(tracing)
+        for path in KERNEL_TYPE_LISTS:
+            stack.enter_context(appending(path, stand_ins))
+        yield
+
+
+# -- autocast ---------------------------------------------------------------------------
 
 #: Where ``torch.autocast`` asks whether it may enter a ``cuda`` region with a dtype.
 _AUTOCAST_MODE: Final = os.path.join(_INTERNAL[0], "amp", "autocast_mode.py")
@@ -148,7 +263,7 @@ _AUTOCAST_MODE: Final = os.path.join(_INTERNAL[0], "amp", "autocast_mode.py")
 
 @contextmanager
 def autocast_opens_cuda_regions(profile: Any) -> Iterator[None]:
-    """``torch.autocast("cuda", ...)`` enters enabled, as on the profile's GPU.
+    """``torch.autocast("cuda", ...)`` enters enabled, as on the profile's GPU, on this thread.
 
     On a CPU-only torch it finds ``amp_definitely_not_available()``, warns and
     enters disabled: a region the program disables
@@ -158,23 +273,22 @@ def autocast_opens_cuda_regions(profile: Any) -> Iterator[None]:
     would) and refuses bfloat16 where the profile's GPU has none. Also for
     dynamo, which builds a compiled region's autocast in its own code.
     """
-    common = torch.cuda.amp.common
-    real_unavailable = common.amp_definitely_not_available
-    outer_bf16 = torch.cuda.is_bf16_supported
+    tracing = get_ident()
+    outer_unavailable: Callable[[], bool]
+    outer_bf16: Callable[..., bool]
 
     def amp_definitely_not_available() -> bool:
-        return False
+        return False if get_ident() == tracing else outer_unavailable()
 
     def is_bf16_supported(including_emulation: bool = True) -> bool:
         caller = sys._getframe(1).f_code.co_filename
-        if caller == _AUTOCAST_MODE or not caller.startswith(_NOT_THE_PROGRAM):
+        if get_ident() == tracing and (caller == _AUTOCAST_MODE or not caller.startswith(_NOT_THE_PROGRAM)):
             return bool(profile.bf16)
         return bool(outer_bf16(including_emulation))
 
-    common.amp_definitely_not_available = amp_definitely_not_available
-    torch.cuda.is_bf16_supported = is_bf16_supported
-    try:
+    unavailable = "torch.cuda.amp.common.amp_definitely_not_available"
+    with (
+        replacing(unavailable, amp_definitely_not_available) as outer_unavailable,
+        replacing("torch.cuda.is_bf16_supported", is_bf16_supported) as outer_bf16,
+    ):
         yield
-    finally:
-        common.amp_definitely_not_available = real_unavailable
-        torch.cuda.is_bf16_supported = outer_bf16
