@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 import torch
+from exactness import skip_where_native
 from following import follows_compiled
 from profiled import every_peak
 from torch import nn
@@ -188,6 +189,9 @@ def test_the_estimate_of_a_step_function_is_measure(name: str) -> None:
     fn, make = FAMILIES[name]
     arguments = make()
     estimated = tm.estimate(fn, arguments)
+    # autocast's float16 matmuls run natively on an AMX host, flagged there: CI checks the
+    # family on the levels below (.ci/run's capped exactness runs)
+    skip_where_native(estimated)
     measured = tm.measure(fn, arguments)
     assert estimated.unsupported == ()
     assert every_peak(estimated) == every_peak(measured)
