@@ -29,6 +29,7 @@ import pytest
 
 from pytest_torchmem.engine.torch_release import release_problem
 from pytest_torchmem.plugin import releases
+from pytest_torchmem.plugin.outcomes import PendingVerdicts
 from pytest_torchmem.plugin.releases import Release
 from pytest_torchmem.plugin.snapshots import (
     SNAPSHOT_DIR,
@@ -424,8 +425,8 @@ class TorchmemSession:
         self._names: dict[str, set[str]] = {}
         #: Tests that made a ``torchmem`` fixture.
         self._began: set[str] = set()
-        #: Test -> the messages of its failed checks, raised when its body returns.
-        self._failures: dict[str, list[str]] = {}
+        #: The messages of failed checks, until a report of their test takes them.
+        self.verdicts: Final = PendingVerdicts()
         self._measuring: bool | None = None
 
     # -- collection -----------------------------------------------------------------
@@ -486,19 +487,12 @@ class TorchmemSession:
                 raise collector.CollectError(f"{item.nodeid}: {exc}") from None
 
     def called(self, item: pytest.Item) -> None:
-        """The test's body returned: fail it if a check failed; warn about a useless marker.
+        """The test's body returned: warn about a marker that had no effect.
 
-        A failed check does not stop the test: its later checks run, and are
-        reported, and the test fails here with every failed check's message.
-        The marker's warning is judged after the call, not at collection, so
-        that a test that gets the fixture through
-        ``request.getfixturevalue("torchmem")`` (or a fixture of its own that
-        does) is not warned.
+        The warning is judged after the call, not at collection, so that a test
+        that gets the fixture through ``request.getfixturevalue("torchmem")`` (or
+        a fixture of its own that does) is not warned.
         """
-        __tracebackhide__ = True
-        failures = self._failures.pop(item.nodeid, [])
-        if failures:
-            pytest.fail("\n\n".join(failures), pytrace=False)
         if item.nodeid not in self._began and any(True for _ in item.iter_markers(MARKER)):
             item.warn(
                 TorchmemWarning(
@@ -528,12 +522,17 @@ class TorchmemSession:
 
     # -- running --------------------------------------------------------------------
 
-    def finished(self, item: pytest.Item, report: pytest.TestReport) -> None:
-        """Note the tests whose call passed: only their entries can be judged unused.
+    def finished(
+        self, item: pytest.Item, report: pytest.TestReport, call: pytest.CallInfo[Any]
+    ) -> None:
+        """A report of ``item`` is made: fail it if it ends checks that failed
+        (:mod:`~pytest_torchmem.plugin.outcomes`); note the tests whose call passed
+        (only their entries can be judged unused).
 
         A pytest-xdist worker sends what the test checked with its reports, so
         that the controller has every check made before a worker crash.
         """
+        self.verdicts.settle(item, report, call)
         if report.when == "call" and report.passed:
             self.completed.add((str(item.path), module_test_id(item)))
         if self.is_worker and (self.results or self.completed or self.restarted):
@@ -556,7 +555,7 @@ class TorchmemSession:
         earlier run checked is forgotten, here and, for a worker, in the controller.
         """
         self._began.add(item.nodeid)
-        self._failures.pop(item.nodeid, None)
+        self.verdicts.forget(item.nodeid)
         if item.nodeid in self._names:
             self._forget({item.nodeid})
             if self.is_worker:
@@ -818,10 +817,8 @@ class TorchmemSession:
             reports[device] = report
             results.append(result)
         if any(result.failed for result in results):
-            # The test goes on (its later checks run too) and fails when its body returns.
-            self._failures.setdefault(item.nodeid, []).append(
-                failure_message(results, self.config.get_verbosity())
-            )
+            # The test goes on (its later checks run too); the report that ends them fails.
+            self.verdicts.add(item.nodeid, failure_message(results, self.config.get_verbosity()))
         return reports
 
     def _export(self, result: Result, traced: Trace) -> None:
