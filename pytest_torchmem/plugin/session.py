@@ -32,6 +32,7 @@ from pytest_torchmem.plugin import releases
 from pytest_torchmem.plugin.outcomes import PendingVerdicts
 from pytest_torchmem.plugin.releases import Release
 from pytest_torchmem.plugin.snapshots import (
+    NAME_SEPARATOR,
     SNAPSHOT_DIR,
     Entry,
     Key,
@@ -576,23 +577,45 @@ class TorchmemSession:
         for nodeid in nodeids:
             self._names.pop(nodeid, None)
 
-    def _claim(self, item: pytest.Item, name: str | None, compiled: str = "") -> str:
-        """The check's name (``name``, or the default one), claimed with ``compiled``
-        (a compiled check's suffix: it may share its name with an eager check)."""
+    def _claim(
+        self, item: pytest.Item, name: str | None, compiled: str, mesh: str
+    ) -> tuple[str, str]:
+        """The check's name (``name``, or the default one) and its entry's, claimed.
+
+        The entry's name is the check's, then the parts the check adds, each after
+        :data:`~pytest_torchmem.plugin.snapshots.NAME_SEPARATOR`: ``compiled`` (a
+        compiled check's options: it has an entry beside the eager check of the same
+        name) and ``mesh`` (a parallel check's mesh and rank: each has an entry of its
+        own). A name holding the separator could spell another check's entry, so it is
+        refused; a name claimed twice with the same parts is one entry twice.
+        """
+        __tracebackhide__ = True
         if name is None:
             name = DEFAULT_NAME
         elif not isinstance(name, str) or not name.strip():
             raise TypeError(f"torchmem.check(name=...) must be a non-empty string, got {name!r}")
+        elif NAME_SEPARATOR in name:
+            raise ValueError(
+                f"torchmem.check(name={name!r}): a name cannot hold {NAME_SEPARATOR!r}, which "
+                "separates the parts of an entry's key that the check adds "
+                f"({NAME_SEPARATOR + 'compiled'!r}, {NAME_SEPARATOR + 'dp=8 rank=0'!r}); "
+                f"name it e.g. {name.replace(NAME_SEPARATOR, '-')!r}"
+            )
+        entry = name + "".join(NAME_SEPARATOR + part for part in (compiled, mesh) if part)
         names = self._names.setdefault(item.nodeid, set())  # (begin() empties it for a rerun)
-        if name + compiled in names:
+        if entry in names:
             hint = "" if name != DEFAULT_NAME else " without a name"
-            how = " (compiled alike)" if compiled else ""
+            alike = [
+                *(["compiled alike"] if compiled else []),
+                *([f"on the same mesh and rank, {mesh}"] if mesh else []),
+            ]
+            how = f" ({', '.join(alike)})" if alike else ""
             raise ValueError(
                 f"torchmem.check was called twice{hint} as {name!r}{how} in {item.nodeid}; "
                 "pass name=... to tell several checks in one test apart"
             )
-        names.add(name + compiled)
-        return name
+        names.add(entry)
+        return name, entry
 
     def rules(self, item: pytest.Item, device: str) -> RuleSet:
         """This session's rules for ``device`` under the ``conftest.py`` files of ``item``.
@@ -763,13 +786,13 @@ class TorchmemSession:
             "torchmem.check", model, inputs, "cpu", loss_fn, optimizer, train, keep_output, compile
         )
         _check_parallel(parallel, request.model)
-        # a compiled check has an entry of its own, beside the eager one of the same name
-        compiled = "" if request.compile is None else f" @ {request.compile.key}"
-        name = self._claim(item, name, compiled)
+        name, entry_name = self._claim(
+            item,
+            name,
+            compiled="" if request.compile is None else request.compile.key,
+            mesh="" if parallel is None else f"{parallel.key} rank={parallel.rank}",
+        )
         request = as_compiled(request, parallel)
-        entry_name = name + compiled
-        if parallel is not None:  # one entry per mesh and rank: other meshes never compare
-            entry_name = f"{entry_name} @ {parallel.key} rank={parallel.rank}"
         devices = spec.devices or self.settings.devices
         gpu = spec.gpu or self.settings.gpu
         cpu = _cpu_profile(spec.cpu or self.settings.cpu)

@@ -15,6 +15,10 @@ Each test module ``tests/test_x.py`` has one file ``tests/__torchmem__/test_x.js
       }
     }
 
+``<check name>`` is the ``name=`` of ``torchmem.check`` (``"default"`` without one),
+then the parts the check adds, each after ``" @ "`` (which a name cannot hold): a
+compiled check's options (``"default @ compiled"``), a parallel check's mesh and
+rank (``"default @ dp=8 rank=0"``). The file is
 written with sorted keys and a two-space indent, so that one changed test is a
 small diff in a pull request. Files are only written at the end of a session
 (never by pytest-xdist workers), under a lock, after re-reading the file and
@@ -59,6 +63,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "SNAPSHOT_DIR",
+    "NAME_SEPARATOR",
     "FILE_SCHEMA",
     "PHASES",
     "Key",
@@ -78,6 +83,10 @@ __all__ = [
 
 #: Name of the directory beside a test module that holds its snapshot file.
 SNAPSHOT_DIR: Final = "__torchmem__"
+#: What separates a check's name from the parts of its entry's name that the check
+#: adds (``"default @ compiled"``, ``"default @ dp=8 rank=0"``): a check's name cannot
+#: hold it, so each entry's name says unambiguously which check made it.
+NAME_SEPARATOR: Final = " @ "
 #: Version of the snapshot file format written; older ones are read, newer ones refused.
 #: Schema 3: an entry of a training loop holds its first step (``first_step``), which
 #: may be its peak.
