@@ -37,6 +37,22 @@ def test_snapshot_path_is_beside_the_module(tmp_path: Path) -> None:
     assert module_of(path) == module
 
 
+def test_a_doctest_text_file_has_a_snapshot_file_of_its_own(tmp_path: Path) -> None:
+    """test_doc.txt beside test_doc.py: each keeps its own file, and each file names its own."""
+    folder = tmp_path / "tests"
+    folder.mkdir()
+    text, module = folder / "test_doc.txt", folder / "test_doc.py"
+    assert snapshot_path(text) == folder / "__torchmem__" / "test_doc.txt.json"
+    assert snapshot_path(module) == folder / "__torchmem__" / "test_doc.json"
+    assert module_of(snapshot_path(text)) == text
+    assert module_of(snapshot_path(module)) == module
+    assert module_of(snapshot_path(text, Release(2, 13))) == text
+    # A Python module whose stem holds a dot (importmode=importlib) stays the module's.
+    dotted = folder / "test_v1.2.py"
+    dotted.write_text("")
+    assert module_of(snapshot_path(dotted)) == dotted
+
+
 def test_a_release_has_a_directory_of_its_own_beside_the_module(tmp_path: Path) -> None:
     module = tmp_path / "tests" / "test_model.py"
     path = snapshot_path(module, Release(2, 13))

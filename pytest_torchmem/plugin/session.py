@@ -40,6 +40,7 @@ from pytest_torchmem.plugin.snapshots import (
     SnapshotFile,
     SnapshotFormatError,
     atomic_write,
+    is_doctest,
     module_of,
     snapshot_path,
     unused_keys,
@@ -686,13 +687,25 @@ class TorchmemSession:
         except ValueError:  # another drive on Windows
             return str(path)
 
+    @property
+    def _doctest_modules(self) -> bool:
+        """Whether this run collects the doctests of Python modules (``--doctest-modules``)."""
+        return bool(self.config.getoption("doctestmodules", False))
+
     def accept_command(self, item: pytest.Item) -> str:
         target = self.display(item.path)
         if "::" in item.nodeid:
             target += "::" + module_test_id(item)
         # Where the entry goes: an update without the option would write another file.
-        per_torch = " --torchmem-per-torch" if self.settings.per_torch_given else ""
-        return f"pytest --torchmem-update{per_torch} {_quote(target)}"
+        options = " --torchmem-per-torch" if self.settings.per_torch_given else ""
+        # A module's doctest is collected (and found by its node id) with the option only.
+        if (
+            item.path.suffix == ".py"
+            and is_doctest(module_test_id(item))
+            and "--doctest-modules" in self.config.invocation_params.args
+        ):
+            options += " --doctest-modules"
+        return f"pytest --torchmem-update{options} {_quote(target)}"
 
     def _estimate(
         self,
@@ -987,6 +1000,8 @@ class TorchmemSession:
                     used={key for file, key in self.used if file == str(path)},
                     known=None if module in self.narrowed else self.known.get(module, set()),
                     devices=devices,
+                    # a Python module's doctests are collected under --doctest-modules only
+                    doctests=not module.endswith(".py") or self._doctest_modules,
                 )
             if keys:
                 found[path] = keys
