@@ -189,6 +189,9 @@ class _RunHooks:
     def pytest_handlecrashitem(self, crashitem: str, report: Any, sched: Any) -> None:
         _session(self.config).crashed(crashitem)
 
+    def pytest_keyboard_interrupt(self, excinfo: pytest.ExceptionInfo[BaseException]) -> None:
+        _session(self.config).stopped(excinfo)
+
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", _MARKER_HELP)

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, Final
 import pytest
 
 from pytest_torchmem.engine.torch_release import release_problem
-from pytest_torchmem.plugin import releases
+from pytest_torchmem.plugin import releases, unwritten
 from pytest_torchmem.plugin.outcomes import PendingVerdicts
 from pytest_torchmem.plugin.releases import Release
 from pytest_torchmem.plugin.snapshots import (
@@ -414,6 +414,12 @@ class TorchmemSession:
         self.restarted: set[str] = set()
         #: Tests that a crashed pytest-xdist worker was running: their checks are lost.
         self.lost: list[str] = []
+        #: Node ids of the tests that made a report in this run (they ran, in part at least).
+        self.ran: set[str] = set()
+        #: True when Ctrl-C or ``pytest.exit()`` stopped the run (here or in a worker).
+        self.interrupted = False
+        #: The snapshot files an update did not write (as shown), and why.
+        self.not_written: dict[str, str] = {}
         self.unused: list[Unused] = []
         self.written: list[str] = []
         self.errors: list[str] = []
@@ -542,9 +548,24 @@ class TorchmemSession:
 
     def logged(self, report: pytest.TestReport) -> None:
         """Take in the checks a pytest-xdist worker sent with a test's report."""
+        self.ran.add(report.nodeid)
         sent = getattr(report, REPORT_ATTRIBUTE, None)
         if not self.is_worker and isinstance(sent, str):
             self.merge(sent)
+
+    def stopped(self, excinfo: pytest.ExceptionInfo[BaseException]) -> None:
+        """pytest ends the run early (``pytest_keyboard_interrupt``).
+
+        Ctrl-C and ``pytest.exit()`` can land anywhere (a check half made): an
+        update then writes nothing. A stop that pytest or a plugin makes between two
+        tests (``--sw``; ``-x`` and ``--maxfail`` under pytest-xdist) is an exception
+        of its own class, raised after a test's end: what the tests that ran checked
+        is whole, and is written, as ``-x`` without pytest-xdist (which pytest ends as
+        a failed run) always did.
+        """
+        value = excinfo.value
+        if type(value) is KeyboardInterrupt or isinstance(value, pytest.exit.Exception):
+            self.interrupted = True
 
     def crashed(self, nodeid: str) -> None:
         """A pytest-xdist worker died while it ran ``nodeid``: the checks it made there are lost."""
@@ -693,15 +714,20 @@ class TorchmemSession:
         return bool(self.config.getoption("doctestmodules", False))
 
     def accept_command(self, item: pytest.Item) -> str:
-        target = self.display(item.path)
-        if "::" in item.nodeid:
-            target += "::" + module_test_id(item)
+        return self._accept(item.path, module_test_id(item) if "::" in item.nodeid else None)
+
+    def _accept(self, path: Path, test: str | None) -> str:
+        """The command that updates the entries of ``test`` (a test id) in the file at ``path``."""
+        target = self.display(path)
+        if test is not None:
+            target += "::" + test
         # Where the entry goes: an update without the option would write another file.
         options = " --torchmem-per-torch" if self.settings.per_torch_given else ""
         # A module's doctest is collected (and found by its node id) with the option only.
         if (
-            item.path.suffix == ".py"
-            and is_doctest(module_test_id(item))
+            path.suffix == ".py"
+            and test is not None
+            and is_doctest(test)
             and "--doctest-modules" in self.config.invocation_params.args
         ):
             options += " --doctest-modules"
@@ -886,6 +912,7 @@ class TorchmemSession:
             "completed": [list(test) for test in self.completed],
             "views": self.views,
             "restarted": sorted(self.restarted),
+            "interrupted": self.interrupted,
         }
         if collection:
             data["known"] = {module: sorted(ids) for module, ids in self.known.items()}
@@ -915,6 +942,7 @@ class TorchmemSession:
             self.known.setdefault(module, set()).update(ids)
         self.narrowed.update(data.get("narrowed", ()))
         self.views.extend(data["views"])
+        self.interrupted = self.interrupted or bool(data.get("interrupted"))
 
     def worker_down(self, node: Any) -> None:
         output = getattr(node, "workeroutput", {})
@@ -941,16 +969,19 @@ class TorchmemSession:
                 )
             )
         if self.settings.update:
-            if session.exitstatus == pytest.ExitCode.INTERRUPTED:
-                # A run stopped half way (Ctrl-C, pytest.exit) writes nothing: the files
-                # stay as they were rather than hold half of an update.
+            if self.interrupted:
+                # A run stopped anywhere (Ctrl-C, pytest.exit) writes nothing: the files
+                # stay as they were rather than hold what a half-made check left.
                 if self.writes or removals:
                     self.errors.append(
                         "torchmem: the run was interrupted: no snapshot file was written; "
                         "rerun with --torchmem-update"
                     )
+                self._left({*map(Path, self.writes), *removals}, "interrupted")
             elif self._flush(removals):
                 session.exitstatus = pytest.ExitCode.INTERRUPTED
+        if not self.config.option.collectonly:
+            self._remember_unwritten()
         self._write_json()
         self._write_html()
         failing = self.errors or (
@@ -1035,10 +1066,11 @@ class TorchmemSession:
                     f"torchmem: interrupted while writing snapshot files; left as they were: "
                     f"{left}; rerun with --torchmem-update"
                 )
+                self._left({*failed, *paths[index:]}, "interrupted while writing")
                 return True
             except SnapshotError as exc:
                 self.errors.append(f"torchmem: could not write {shown}: {exc}")
-                failed.add(self.display(path))
+                failed.add(path)
                 continue
             except OSError as exc:
                 where = f": {exc.filename}" if exc.filename else ""
@@ -1047,7 +1079,7 @@ class TorchmemSession:
                     f"on disk is unchanged (make {self.display(path.parent)} writable, then "
                     "rerun with --torchmem-update)"
                 )
-                failed.add(self.display(path))
+                failed.add(path)
                 continue
             if changed:
                 self.written.append(shown)
@@ -1056,13 +1088,49 @@ class TorchmemSession:
                 "--torchmem-update"
                 for entry in kept
             )
+        self._left(failed, "could not write")
+        return False
+
+    def _left(self, paths: set[Path], why: str) -> None:
+        """The files at ``paths`` were not written (``why``): neither were their entries."""
+        shown = {self.display(path): why for path in paths}
+        self.not_written.update(shown)
         self.results = [
-            dataclasses.replace(result, status=Status.NOT_WRITTEN)
-            if result.file in failed and result.status in (Status.NEW, Status.UPDATED)
+            dataclasses.replace(result, status=Status.NOT_WRITTEN, not_written=shown[result.file])
+            if result.file in shown and result.status in (Status.NEW, Status.UPDATED)
             else result
             for result in self.results
         ]
-        return False
+
+    def _remember_unwritten(self) -> None:
+        """Keep the record of updates not written (:mod:`~pytest_torchmem.plugin.unwritten`):
+        fail this run for each test of it that this run collected and did not run."""
+        now = {
+            result.nodeid: result.not_written
+            for result in self.results
+            if result.status is Status.NOT_WRITTEN and result.not_written
+        }
+        earlier = unwritten.load(self.config)
+        kept, skipped = unwritten.settle(
+            earlier,
+            now,
+            ran=self.ran | {result.nodeid for result in self.results},
+            collected=self._collected,
+        )
+        for nodeid, why in skipped:
+            file, _, test = nodeid.partition("::")
+            self.errors.append(
+                f"torchmem: {nodeid}: its update by an earlier run was not written ({why}), and "
+                f"this run did not run it: rerun it with "
+                f"{self._accept(self.config.rootpath / file, test or None)}"
+            )
+        if kept != earlier:
+            unwritten.save(self.config, kept)
+
+    def _collected(self, nodeid: str) -> bool:
+        """Whether this run collected the test ``nodeid`` (selected or not)."""
+        file, _, test = nodeid.partition("::")
+        return test in self.known.get(str(self.config.rootpath / file), set())
 
     def environment(self) -> dict[str, Any]:
         import torch
@@ -1160,7 +1228,12 @@ class TorchmemSession:
         verbosity = self.config.get_verbosity()
         lines = table_lines(self.results, verbosity=verbosity)
         lines += stale_lines(self.results, mode=self.settings.stale)
-        lines += unused_lines(self.unused, mode=self.settings.unused, update=self.settings.update)
+        lines += unused_lines(
+            self.unused,
+            mode=self.settings.unused,
+            update=self.settings.update,
+            not_written=self.not_written,
+        )
         lines += [f"wrote {path}" for path in self.written]
         lines += self.errors
         lines.append(totals_line(totals(self.results, self.unused)))
