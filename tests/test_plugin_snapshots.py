@@ -229,14 +229,23 @@ def _writer(path: str, prefix: str, count: int) -> None:
 def test_two_processes_writing_one_file_lose_no_entry(tmp_path: Path) -> None:
     """Regression guard: the lock and re-read-merge make concurrent writers lose nothing."""
     path = tmp_path / "test_m.json"
+    # A first write here imports what writing needs: a forked writer that had to import
+    # while another thread of this process (pytest-xdist's) held an import lock would hang.
+    _writer(str(path), "z", 1)
     context = multiprocessing.get_context("fork")
     workers = [context.Process(target=_writer, args=(str(path), p, 25)) for p in ("x", "y")]
     for worker in workers:
         worker.start()
-    for worker in workers:
-        worker.join(60)
-        assert worker.exitcode == 0
-    assert len(SnapshotFile.load(path).keys()) == 50
+    try:
+        for worker in workers:
+            worker.join(600)  # a generous bound: 25 locked writes each, on a machine maybe loaded
+            assert worker.exitcode == 0, f"a writer ended with {worker.exitcode}"
+    finally:
+        for worker in workers:
+            if worker.is_alive():
+                worker.kill()
+                worker.join()
+    assert len(SnapshotFile.load(path).keys()) == 51
 
 
 def test_unused_keys_judges_only_tests_that_ran() -> None:
