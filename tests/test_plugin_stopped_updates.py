@@ -108,7 +108,12 @@ def test_ctrl_c_during_the_tests_writes_nothing_and_says_not_written(
 
     pytester.makepyfile(test_m=module(6, interrupt=True))
     result = pytester.runpytest(
-        "--torchmem-update", "--torchmem-json", "report.json", no_reraise_ctrlc=True
+        "--torchmem-update",
+        "--torchmem-json",
+        "report.json",
+        "--torchmem-html",
+        "report.html",
+        no_reraise_ctrlc=True,
     )
     assert result.ret == pytest.ExitCode.INTERRUPTED
     assert (pytester.path / "__torchmem__" / "test_m.json").read_bytes() == before
@@ -133,6 +138,9 @@ def test_ctrl_c_during_the_tests_writes_nothing_and_says_not_written(
         (test, "not written", "interrupted") for test in ("test_a", "test_b", "test_c")
     ]
     assert (report["totals"]["updated"], report["totals"]["not written"]) == (0, 3)
+    html = (pytester.path / "report.html").read_text()
+    assert html.count('data-status="not written"') == 3
+    assert 'data-status="updated"' not in html
 
 
 def test_ctrl_c_while_writing_says_which_files_were_written(pytester: pytest.Pytester) -> None:

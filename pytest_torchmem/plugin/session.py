@@ -1095,6 +1095,9 @@ class TorchmemSession:
         """The files at ``paths`` were not written (``why``): neither were their entries."""
         shown = {self.display(path): why for path in paths}
         self.not_written.update(shown)
+        for view in self.views:  # the HTML report's, made when each check was
+            if view.get("file") in shown and view.get("status") in ("new", "updated"):
+                view["status"] = Status.NOT_WRITTEN.value
         self.results = [
             dataclasses.replace(result, status=Status.NOT_WRITTEN, not_written=shown[result.file])
             if result.file in shown and result.status in (Status.NEW, Status.UPDATED)
