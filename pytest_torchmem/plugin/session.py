@@ -1066,7 +1066,8 @@ class TorchmemSession:
                     f"torchmem: interrupted while writing snapshot files; left as they were: "
                     f"{left}; rerun with --torchmem-update"
                 )
-                self._left({*failed, *paths[index:]}, "interrupted while writing")
+                self._left(failed, "could not write")
+                self._left(set(paths[index:]), "interrupted while writing")
                 return True
             except SnapshotError as exc:
                 self.errors.append(f"torchmem: could not write {shown}: {exc}")
