@@ -1354,8 +1354,11 @@ class TorchmemFixture:
         The estimate on each device (the marker's ``devices``, else
         ``--torchmem-devices``) is compared with the snapshot entry of this
         test, check ``name`` and device, and with the marker's budgets; the
-        test fails with a message that says what moved and how to accept it.
-        ``name`` tells several checks in one test apart. Under
+        test fails with a message that says what moved and how to accept it,
+        however the test then ends (:mod:`~pytest_torchmem.plugin.outcomes`).
+        ``name`` tells several checks in one test apart (any text without
+        ``" @ "``, which separates a name from the parts of the entry's key that
+        ``compile`` and ``parallel`` add). Under
         ``--torchmem-update`` the entries are written at the end of the run.
         ``keep_output`` (``estimate``'s): ``None`` takes the marker's
         ``keep_output``, else ``--torchmem-keep-output`` (ini
