@@ -103,7 +103,7 @@ def cli(*args: str, cwd: Path, env: dict[str, str] | None = None) -> subprocess.
         cwd=cwd,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=600,  # a bound for a hang, not for a loaded machine's slowness
         check=False,
         env=env,
     )

@@ -552,7 +552,8 @@ def browse(page: Path, tmp_path: Path, *args: str) -> tuple[str, str]:
         *args,
         page.as_uri(),
     ]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
+    # a bound for a hang, not for a loaded machine's slowness
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600, check=False)
     assert done.returncode == 0, done.stderr[-2000:]
     return done.stdout, done.stderr
 

@@ -130,3 +130,63 @@ def test_it(torchmem):
     assert result.ret != pytest.ExitCode.OK
     assert message in result.stdout.str()
     assert not (pytester.path / "__torchmem__" / "test_m.json").exists()
+
+
+def test_a_name_cannot_spell_another_checks_entry(pytester: pytest.Pytester) -> None:
+    """Regression guard (issue 27, 2): a check named "a @ dp=2 rank=0" and a check "a" with
+    parallel= on dp=2 shared one entry silently (the update wrote one, the compare judged
+    the other against it). " @ " separates the derived parts of an entry's key, so a name
+    holding it is refused, before anything is traced or written."""
+    pytester.makeini("[pytest]\ntorchmem_devices = cpu\n")
+    pytester.makepyfile(
+        test_m=HEADER
+        + """
+def test_it(torchmem):
+    torchmem.check(nn.Linear(64, 2), X, name="a @ dp=2 rank=0")
+    torchmem.check(MODEL, X, optimizer=adamw, name="a", parallel=tm.Parallel({"dp": 2}, ddp))
+"""
+    )
+    result = pytester.runpytest_inprocess("--torchmem-update")
+    assert result.ret == pytest.ExitCode.TESTS_FAILED
+    result.stdout.fnmatch_lines(
+        [
+            "E*ValueError: torchmem.check(name='a @ dp=2 rank=0'): a name cannot hold ' @ ', "
+            "which separates the parts of an entry's key that the check adds "
+            "(' @ compiled', ' @ dp=8 rank=0'); name it e.g. 'a-dp=2 rank=0'"
+        ]
+    )
+    assert not (pytester.path / "__torchmem__" / "test_m.json").exists()
+
+
+def test_one_name_keys_an_eager_a_compiled_and_a_parallel_entry_apart(
+    pytester: pytest.Pytester,
+) -> None:
+    """Each derived part of a key is claimed with the name: the same name eager and on a mesh
+    is two entries; the same name twice on the same mesh and rank is refused, as an unnamed
+    check twice is."""
+    pytester.makeini("[pytest]\ntorchmem_devices = cpu\n")
+    pytester.makepyfile(
+        test_m=HEADER
+        + """
+def test_it(torchmem):
+    torchmem.check(MODEL, X, optimizer=adamw, name="a")
+    torchmem.check(MODEL, X, optimizer=adamw, name="a", parallel=tm.Parallel({"dp": 2}, ddp))
+    torchmem.check(MODEL, X, optimizer=adamw, name="a", parallel=tm.Parallel({"dp": 4}, ddp))
+
+def test_twice(torchmem):
+    torchmem.check(MODEL, X, optimizer=adamw, name="a", parallel=tm.Parallel({"dp": 2}, ddp))
+    torchmem.check(MODEL, X, optimizer=adamw, name="a", parallel=tm.Parallel({"dp": 2}, ddp))
+"""
+    )
+    result = pytester.runpytest_inprocess("--torchmem-update")
+    result.assert_outcomes(passed=1, failed=1)
+    result.stdout.fnmatch_lines(
+        [
+            "E*ValueError: torchmem.check was called twice as 'a' (on the same mesh and rank, "
+            "dp=2 rank=0) in test_m.py::test_twice; pass name=... to tell several checks in "
+            "one test apart"
+        ]
+    )
+    stored = _stored(pytester)
+    assert sorted(stored["test_it"]) == ["a", "a @ dp=2 rank=0", "a @ dp=4 rank=0"]
+    assert list(stored["test_twice"]) == ["a @ dp=2 rank=0"]

@@ -37,6 +37,22 @@ def test_snapshot_path_is_beside_the_module(tmp_path: Path) -> None:
     assert module_of(path) == module
 
 
+def test_a_doctest_text_file_has_a_snapshot_file_of_its_own(tmp_path: Path) -> None:
+    """test_doc.txt beside test_doc.py: each keeps its own file, and each file names its own."""
+    folder = tmp_path / "tests"
+    folder.mkdir()
+    text, module = folder / "test_doc.txt", folder / "test_doc.py"
+    assert snapshot_path(text) == folder / "__torchmem__" / "test_doc.txt.json"
+    assert snapshot_path(module) == folder / "__torchmem__" / "test_doc.json"
+    assert module_of(snapshot_path(text)) == text
+    assert module_of(snapshot_path(module)) == module
+    assert module_of(snapshot_path(text, Release(2, 13))) == text
+    # A Python module whose stem holds a dot (importmode=importlib) stays the module's.
+    dotted = folder / "test_v1.2.py"
+    dotted.write_text("")
+    assert module_of(snapshot_path(dotted)) == dotted
+
+
 def test_a_release_has_a_directory_of_its_own_beside_the_module(tmp_path: Path) -> None:
     module = tmp_path / "tests" / "test_model.py"
     path = snapshot_path(module, Release(2, 13))
@@ -213,14 +229,23 @@ def _writer(path: str, prefix: str, count: int) -> None:
 def test_two_processes_writing_one_file_lose_no_entry(tmp_path: Path) -> None:
     """Regression guard: the lock and re-read-merge make concurrent writers lose nothing."""
     path = tmp_path / "test_m.json"
+    # A first write here imports what writing needs: a forked writer that had to import
+    # while another thread of this process (pytest-xdist's) held an import lock would hang.
+    _writer(str(path), "z", 1)
     context = multiprocessing.get_context("fork")
     workers = [context.Process(target=_writer, args=(str(path), p, 25)) for p in ("x", "y")]
     for worker in workers:
         worker.start()
-    for worker in workers:
-        worker.join(60)
-        assert worker.exitcode == 0
-    assert len(SnapshotFile.load(path).keys()) == 50
+    try:
+        for worker in workers:
+            worker.join(600)  # a generous bound: 25 locked writes each, on a machine maybe loaded
+            assert worker.exitcode == 0, f"a writer ended with {worker.exitcode}"
+    finally:
+        for worker in workers:
+            if worker.is_alive():
+                worker.kill()
+                worker.join()
+    assert len(SnapshotFile.load(path).keys()) == 51
 
 
 def test_unused_keys_judges_only_tests_that_ran() -> None:

@@ -168,7 +168,7 @@ def _module_in(root: Path, path: Path) -> str:
         parts.pop()  # torch-2.13
     if parts and parts[-1] == SNAPSHOT_DIR:
         parts.pop()
-    return PurePosixPath(*parts, f"{path.stem}.py").as_posix()
+    return PurePosixPath(*parts, module_of(path.absolute()).name).as_posix()
 
 
 def _shown(argument: str, root: Path, path: Path) -> str:
@@ -185,7 +185,7 @@ def _load_file(path: Path, shown: str, module: str | None) -> tuple[str, list[Sa
             snapshot = SnapshotFile.parse(Path(shown), text)
         except SnapshotError as exc:
             raise InputError(str(exc)) from None
-        name = module or f"{path.stem}.py"
+        name = module or module_of(path.absolute()).name
         origin = None
         if _in_snapshot_dir(path.absolute()):
             origin = PurePosixPath(*module_of(path.absolute()).parts).as_posix()

@@ -739,7 +739,7 @@ border:1px solid;white-space:nowrap;line-height:1.5}
 .s-passed{color:var(--green);background:#dafbe1;border-color:#aceebb}
 .s-regressed,.s-over-budget,.s-mismatch{color:var(--red);background:#ffebe9;border-color:#ffcecb}
 .s-improved{color:var(--blue);background:#ddf4ff;border-color:#b6e3ff}
-.s-missing{color:var(--amber);background:#fff8c5;border-color:#eed888}
+.s-missing,.s-not-written{color:var(--amber);background:#fff8c5;border-color:#eed888}
 .s-stale{color:#57606a;background:#eaeef2;border-color:#d0d7de}
 .s-new,.s-updated{color:#8250df;background:#fbefff;border-color:#e6ccff}
 section.check{scroll-margin-top:12px}

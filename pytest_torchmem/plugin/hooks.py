@@ -199,6 +199,9 @@ class _RunHooks:
     def pytest_handlecrashitem(self, crashitem: str, report: Any, sched: Any) -> None:
         _session(self.config).crashed(crashitem)
 
+    def pytest_keyboard_interrupt(self, excinfo: pytest.ExceptionInfo[BaseException]) -> None:
+        _session(self.config).stopped(excinfo)
+
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", _MARKER_HELP)
@@ -243,17 +246,17 @@ def pytest_pycollect_makeitem(
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_call(item: pytest.Item) -> Generator[None, None, None]:
-    __tracebackhide__ = True
     yield
     _session(item.config).called(item)
 
 
-@pytest.hookimpl(wrapper=True)
+@pytest.hookimpl(wrapper=True, tryfirst=True)
 def pytest_runtest_makereport(
     item: pytest.Item, call: pytest.CallInfo[None]
 ) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    # outermost: sees the report as the xfail marker left it
     report = yield
-    _session(item.config).finished(item, report)
+    _session(item.config).finished(item, report, call)
     return report
 
 

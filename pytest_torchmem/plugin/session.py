@@ -35,9 +35,11 @@ from pytest_torchmem.engine.gpu_profiles import (
     parse_gpu_table,
 )
 from pytest_torchmem.engine.torch_release import release_problem
-from pytest_torchmem.plugin import releases
+from pytest_torchmem.plugin import releases, unwritten
+from pytest_torchmem.plugin.outcomes import PendingVerdicts
 from pytest_torchmem.plugin.releases import Release
 from pytest_torchmem.plugin.snapshots import (
+    NAME_SEPARATOR,
     SNAPSHOT_DIR,
     Entry,
     Key,
@@ -45,6 +47,7 @@ from pytest_torchmem.plugin.snapshots import (
     SnapshotFile,
     SnapshotFormatError,
     atomic_write,
+    is_doctest,
     module_of,
     snapshot_path,
     unused_keys,
@@ -434,6 +437,12 @@ class TorchmemSession:
         self.restarted: set[str] = set()
         #: Tests that a crashed pytest-xdist worker was running: their checks are lost.
         self.lost: list[str] = []
+        #: Node ids of the tests that made a report in this run (they ran, in part at least).
+        self.ran: set[str] = set()
+        #: True when Ctrl-C or ``pytest.exit()`` stopped the run (here or in a worker).
+        self.interrupted = False
+        #: The snapshot files an update did not write (as shown), and why.
+        self.not_written: dict[str, str] = {}
         self.unused: list[Unused] = []
         self.written: list[str] = []
         self.errors: list[str] = []
@@ -447,8 +456,8 @@ class TorchmemSession:
         self._names: dict[str, set[str]] = {}
         #: Tests that made a ``torchmem`` fixture.
         self._began: set[str] = set()
-        #: Test -> the messages of its failed checks, raised when its body returns.
-        self._failures: dict[str, list[str]] = {}
+        #: The messages of failed checks, until a report of their test takes them.
+        self.verdicts: Final = PendingVerdicts()
         self._measuring: bool | None = None
 
     # -- collection -----------------------------------------------------------------
@@ -509,19 +518,12 @@ class TorchmemSession:
                 raise collector.CollectError(f"{item.nodeid}: {exc}") from None
 
     def called(self, item: pytest.Item) -> None:
-        """The test's body returned: fail it if a check failed; warn about a useless marker.
+        """The test's body returned: warn about a marker that had no effect.
 
-        A failed check does not stop the test: its later checks run, and are
-        reported, and the test fails here with every failed check's message.
-        The marker's warning is judged after the call, not at collection, so
-        that a test that gets the fixture through
-        ``request.getfixturevalue("torchmem")`` (or a fixture of its own that
-        does) is not warned.
+        The warning is judged after the call, not at collection, so that a test
+        that gets the fixture through ``request.getfixturevalue("torchmem")`` (or
+        a fixture of its own that does) is not warned.
         """
-        __tracebackhide__ = True
-        failures = self._failures.pop(item.nodeid, [])
-        if failures:
-            pytest.fail("\n\n".join(failures), pytrace=False)
         if item.nodeid not in self._began and any(True for _ in item.iter_markers(MARKER)):
             item.warn(
                 TorchmemWarning(
@@ -555,12 +557,17 @@ class TorchmemSession:
 
     # -- running --------------------------------------------------------------------
 
-    def finished(self, item: pytest.Item, report: pytest.TestReport) -> None:
-        """Note the tests whose call passed: only their entries can be judged unused.
+    def finished(
+        self, item: pytest.Item, report: pytest.TestReport, call: pytest.CallInfo[Any]
+    ) -> None:
+        """A report of ``item`` is made: fail it if it ends checks that failed
+        (:mod:`~pytest_torchmem.plugin.outcomes`); note the tests whose call passed
+        (only their entries can be judged unused).
 
         A pytest-xdist worker sends what the test checked with its reports, so
         that the controller has every check made before a worker crash.
         """
+        self.verdicts.settle(item, report, call)
         if report.when == "call" and report.passed:
             self.completed.add((str(item.path), module_test_id(item)))
         if self.is_worker and (self.results or self.completed or self.restarted):
@@ -568,9 +575,24 @@ class TorchmemSession:
 
     def logged(self, report: pytest.TestReport) -> None:
         """Take in the checks a pytest-xdist worker sent with a test's report."""
+        self.ran.add(report.nodeid)
         sent = getattr(report, REPORT_ATTRIBUTE, None)
         if not self.is_worker and isinstance(sent, str):
             self.merge(sent)
+
+    def stopped(self, excinfo: pytest.ExceptionInfo[BaseException]) -> None:
+        """pytest ends the run early (``pytest_keyboard_interrupt``).
+
+        Ctrl-C and ``pytest.exit()`` can land anywhere (a check half made): an
+        update then writes nothing. A stop that pytest or a plugin makes between two
+        tests (``--sw``; ``-x`` and ``--maxfail`` under pytest-xdist) is an exception
+        of its own class, raised after a test's end: what the tests that ran checked
+        is whole, and is written, as ``-x`` without pytest-xdist (which pytest ends as
+        a failed run) always did.
+        """
+        value = excinfo.value
+        if type(value) is KeyboardInterrupt or isinstance(value, pytest.exit.Exception):
+            self.interrupted = True
 
     def crashed(self, nodeid: str) -> None:
         """A pytest-xdist worker died while it ran ``nodeid``: the checks it made there are lost."""
@@ -583,7 +605,7 @@ class TorchmemSession:
         earlier run checked is forgotten, here and, for a worker, in the controller.
         """
         self._began.add(item.nodeid)
-        self._failures.pop(item.nodeid, None)
+        self.verdicts.forget(item.nodeid)
         if item.nodeid in self._names:
             self._forget({item.nodeid})
             if self.is_worker:
@@ -604,23 +626,45 @@ class TorchmemSession:
         for nodeid in nodeids:
             self._names.pop(nodeid, None)
 
-    def _claim(self, item: pytest.Item, name: str | None, compiled: str = "") -> str:
-        """The check's name (``name``, or the default one), claimed with ``compiled``
-        (a compiled check's suffix: it may share its name with an eager check)."""
+    def _claim(
+        self, item: pytest.Item, name: str | None, compiled: str, mesh: str
+    ) -> tuple[str, str]:
+        """The check's name (``name``, or the default one) and its entry's, claimed.
+
+        The entry's name is the check's, then the parts the check adds, each after
+        :data:`~pytest_torchmem.plugin.snapshots.NAME_SEPARATOR`: ``compiled`` (a
+        compiled check's options: it has an entry beside the eager check of the same
+        name) and ``mesh`` (a parallel check's mesh and rank: each has an entry of its
+        own). A name holding the separator could spell another check's entry, so it is
+        refused; a name claimed twice with the same parts is one entry twice.
+        """
+        __tracebackhide__ = True
         if name is None:
             name = DEFAULT_NAME
         elif not isinstance(name, str) or not name.strip():
             raise TypeError(f"torchmem.check(name=...) must be a non-empty string, got {name!r}")
+        elif NAME_SEPARATOR in name:
+            raise ValueError(
+                f"torchmem.check(name={name!r}): a name cannot hold {NAME_SEPARATOR!r}, which "
+                "separates the parts of an entry's key that the check adds "
+                f"({NAME_SEPARATOR + 'compiled'!r}, {NAME_SEPARATOR + 'dp=8 rank=0'!r}); "
+                f"name it e.g. {name.replace(NAME_SEPARATOR, '-')!r}"
+            )
+        entry = name + "".join(NAME_SEPARATOR + part for part in (compiled, mesh) if part)
         names = self._names.setdefault(item.nodeid, set())  # (begin() empties it for a rerun)
-        if name + compiled in names:
+        if entry in names:
             hint = "" if name != DEFAULT_NAME else " without a name"
-            how = " (compiled alike)" if compiled else ""
+            alike = [
+                *(["compiled alike"] if compiled else []),
+                *([f"on the same mesh and rank, {mesh}"] if mesh else []),
+            ]
+            how = f" ({', '.join(alike)})" if alike else ""
             raise ValueError(
                 f"torchmem.check was called twice{hint} as {name!r}{how} in {item.nodeid}; "
                 "pass name=... to tell several checks in one test apart"
             )
-        names.add(name + compiled)
-        return name
+        names.add(entry)
+        return name, entry
 
     def rules(self, item: pytest.Item, device: str) -> RuleSet:
         """This session's rules for ``device`` under the ``conftest.py`` files of ``item``.
@@ -691,13 +735,30 @@ class TorchmemSession:
         except ValueError:  # another drive on Windows
             return str(path)
 
+    @property
+    def _doctest_modules(self) -> bool:
+        """Whether this run collects the doctests of Python modules (``--doctest-modules``)."""
+        return bool(self.config.getoption("doctestmodules", False))
+
     def accept_command(self, item: pytest.Item) -> str:
-        target = self.display(item.path)
-        if "::" in item.nodeid:
-            target += "::" + module_test_id(item)
+        return self._accept(item.path, module_test_id(item) if "::" in item.nodeid else None)
+
+    def _accept(self, path: Path, test: str | None) -> str:
+        """The command that updates the entries of ``test`` (a test id) in the file at ``path``."""
+        target = self.display(path)
+        if test is not None:
+            target += "::" + test
         # Where the entry goes: an update without the option would write another file.
-        per_torch = " --torchmem-per-torch" if self.settings.per_torch_given else ""
-        return f"pytest --torchmem-update{per_torch} {_quote(target)}"
+        options = " --torchmem-per-torch" if self.settings.per_torch_given else ""
+        # A module's doctest is collected (and found by its node id) with the option only.
+        if (
+            path.suffix == ".py"
+            and test is not None
+            and is_doctest(test)
+            and "--doctest-modules" in self.config.invocation_params.args
+        ):
+            options += " --doctest-modules"
+        return f"pytest --torchmem-update{options} {_quote(target)}"
 
     def _estimate(
         self,
@@ -790,13 +851,13 @@ class TorchmemSession:
             "torchmem.check", model, inputs, "cpu", loss_fn, optimizer, train, keep_output, compile
         )
         _check_parallel(parallel, request.model)
-        # a compiled check has an entry of its own, beside the eager one of the same name
-        compiled = "" if request.compile is None else f" @ {request.compile.key}"
-        name = self._claim(item, name, compiled)
+        name, entry_name = self._claim(
+            item,
+            name,
+            compiled="" if request.compile is None else request.compile.key,
+            mesh="" if parallel is None else f"{parallel.key} rank={parallel.rank}",
+        )
         request = as_compiled(request, parallel)
-        entry_name = name + compiled
-        if parallel is not None:  # one entry per mesh and rank: other meshes never compare
-            entry_name = f"{entry_name} @ {parallel.key} rank={parallel.rank}"
         devices = spec.devices or self.settings.devices
         gpu = spec.gpu or self.settings.gpu
         cpu = _cpu_profile(spec.cpu or self.settings.cpu)
@@ -844,10 +905,8 @@ class TorchmemSession:
             reports[device] = report
             results.append(result)
         if any(result.failed for result in results):
-            # The test goes on (its later checks run too) and fails when its body returns.
-            self._failures.setdefault(item.nodeid, []).append(
-                failure_message(results, self.config.get_verbosity())
-            )
+            # The test goes on (its later checks run too); the report that ends them fails.
+            self.verdicts.add(item.nodeid, failure_message(results, self.config.get_verbosity()))
         return reports
 
     def _export(self, result: Result, traced: Trace) -> None:
@@ -879,6 +938,7 @@ class TorchmemSession:
             "completed": [list(test) for test in self.completed],
             "views": self.views,
             "restarted": sorted(self.restarted),
+            "interrupted": self.interrupted,
         }
         if collection:
             data["known"] = {module: sorted(ids) for module, ids in self.known.items()}
@@ -908,6 +968,7 @@ class TorchmemSession:
             self.known.setdefault(module, set()).update(ids)
         self.narrowed.update(data.get("narrowed", ()))
         self.views.extend(data["views"])
+        self.interrupted = self.interrupted or bool(data.get("interrupted"))
 
     def worker_down(self, node: Any) -> None:
         output = getattr(node, "workeroutput", {})
@@ -934,16 +995,19 @@ class TorchmemSession:
                 )
             )
         if self.settings.update:
-            if session.exitstatus == pytest.ExitCode.INTERRUPTED:
-                # A run stopped half way (Ctrl-C, pytest.exit) writes nothing: the files
-                # stay as they were rather than hold half of an update.
+            if self.interrupted:
+                # A run stopped anywhere (Ctrl-C, pytest.exit) writes nothing: the files
+                # stay as they were rather than hold what a half-made check left.
                 if self.writes or removals:
                     self.errors.append(
                         "torchmem: the run was interrupted: no snapshot file was written; "
                         "rerun with --torchmem-update"
                     )
+                self._left({*map(Path, self.writes), *removals}, "interrupted")
             elif self._flush(removals):
                 session.exitstatus = pytest.ExitCode.INTERRUPTED
+        if not self.config.option.collectonly:
+            self._remember_unwritten()
         self._write_json()
         self._write_html()
         failing = self.errors or (
@@ -993,6 +1057,8 @@ class TorchmemSession:
                     used={key for file, key in self.used if file == str(path)},
                     known=None if module in self.narrowed else self.known.get(module, set()),
                     devices=devices,
+                    # a Python module's doctests are collected under --doctest-modules only
+                    doctests=not module.endswith(".py") or self._doctest_modules,
                 )
             if keys:
                 found[path] = keys
@@ -1026,10 +1092,12 @@ class TorchmemSession:
                     f"torchmem: interrupted while writing snapshot files; left as they were: "
                     f"{left}; rerun with --torchmem-update"
                 )
+                self._left(failed, "could not write")
+                self._left(set(paths[index:]), "interrupted while writing")
                 return True
             except SnapshotError as exc:
                 self.errors.append(f"torchmem: could not write {shown}: {exc}")
-                failed.add(self.display(path))
+                failed.add(path)
                 continue
             except OSError as exc:
                 where = f": {exc.filename}" if exc.filename else ""
@@ -1038,7 +1106,7 @@ class TorchmemSession:
                     f"on disk is unchanged (make {self.display(path.parent)} writable, then "
                     "rerun with --torchmem-update)"
                 )
-                failed.add(self.display(path))
+                failed.add(path)
                 continue
             if changed:
                 self.written.append(shown)
@@ -1047,13 +1115,52 @@ class TorchmemSession:
                 "--torchmem-update"
                 for entry in kept
             )
+        self._left(failed, "could not write")
+        return False
+
+    def _left(self, paths: set[Path], why: str) -> None:
+        """The files at ``paths`` were not written (``why``): neither were their entries."""
+        shown = {self.display(path): why for path in paths}
+        self.not_written.update(shown)
+        for view in self.views:  # the HTML report's, made when each check was
+            if view.get("file") in shown and view.get("status") in ("new", "updated"):
+                view["status"] = Status.NOT_WRITTEN.value
         self.results = [
-            dataclasses.replace(result, status=Status.NOT_WRITTEN)
-            if result.file in failed and result.status in (Status.NEW, Status.UPDATED)
+            dataclasses.replace(result, status=Status.NOT_WRITTEN, not_written=shown[result.file])
+            if result.file in shown and result.status in (Status.NEW, Status.UPDATED)
             else result
             for result in self.results
         ]
-        return False
+
+    def _remember_unwritten(self) -> None:
+        """Keep the record of updates not written (:mod:`~pytest_torchmem.plugin.unwritten`):
+        fail this run for each test of it that this run collected and did not run."""
+        now = {
+            result.nodeid: result.not_written
+            for result in self.results
+            if result.status is Status.NOT_WRITTEN and result.not_written
+        }
+        earlier = unwritten.load(self.config)
+        kept, skipped = unwritten.settle(
+            earlier,
+            now,
+            ran=self.ran | {result.nodeid for result in self.results},
+            collected=self._collected,
+        )
+        for nodeid, why in skipped:
+            file, _, test = nodeid.partition("::")
+            self.errors.append(
+                f"torchmem: {nodeid}: its update by an earlier run was not written ({why}), and "
+                f"this run did not run it: rerun it with "
+                f"{self._accept(self.config.rootpath / file, test or None)}"
+            )
+        if kept != earlier:
+            unwritten.save(self.config, kept)
+
+    def _collected(self, nodeid: str) -> bool:
+        """Whether this run collected the test ``nodeid`` (selected or not)."""
+        file, _, test = nodeid.partition("::")
+        return test in self.known.get(str(self.config.rootpath / file), set())
 
     def environment(self) -> dict[str, Any]:
         import torch
@@ -1152,7 +1259,12 @@ class TorchmemSession:
         verbosity = self.config.get_verbosity()
         lines = table_lines(self.results, verbosity=verbosity, gpu=self.settings.gpu.name)
         lines += stale_lines(self.results, mode=self.settings.stale)
-        lines += unused_lines(self.unused, mode=self.settings.unused, update=self.settings.update)
+        lines += unused_lines(
+            self.unused,
+            mode=self.settings.unused,
+            update=self.settings.update,
+            not_written=self.not_written,
+        )
         lines += [f"wrote {path}" for path in self.written]
         lines += self.errors
         lines.append(totals_line(totals(self.results, self.unused)))
@@ -1269,8 +1381,11 @@ class TorchmemFixture:
         The estimate on each device (the marker's ``devices``, else
         ``--torchmem-devices``) is compared with the snapshot entry of this
         test, check ``name`` and device, and with the marker's budgets; the
-        test fails with a message that says what moved and how to accept it.
-        ``name`` tells several checks in one test apart. Under
+        test fails with a message that says what moved and how to accept it,
+        however the test then ends (:mod:`~pytest_torchmem.plugin.outcomes`).
+        ``name`` tells several checks in one test apart (any text without
+        ``" @ "``, which separates a name from the parts of the entry's key that
+        ``compile`` and ``parallel`` add). Under
         ``--torchmem-update`` the entries are written at the end of the run.
         ``keep_output`` (``estimate``'s): ``None`` takes the marker's
         ``keep_output``, else ``--torchmem-keep-output`` (ini

@@ -15,6 +15,10 @@ Each test module ``tests/test_x.py`` has one file ``tests/__torchmem__/test_x.js
       }
     }
 
+``<check name>`` is the ``name=`` of ``torchmem.check`` (``"default"`` without one),
+then the parts the check adds, each after ``" @ "`` (which a name cannot hold): a
+compiled check's options (``"default @ compiled"``), a parallel check's mesh and
+rank (``"default @ dp=8 rank=0"``). The file is
 written with sorted keys and a two-space indent, so that one changed test is a
 small diff in a pull request. Files are only written at the end of a session
 (never by pytest-xdist workers), under a lock, after re-reading the file and
@@ -59,6 +63,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "SNAPSHOT_DIR",
+    "NAME_SEPARATOR",
     "FILE_SCHEMA",
     "PHASES",
     "Key",
@@ -73,11 +78,16 @@ __all__ = [
     "write_merged",
     "atomic_write",
     "unused_keys",
+    "is_doctest",
     "legacy_cpu",
 ]
 
 #: Name of the directory beside a test module that holds its snapshot file.
 SNAPSHOT_DIR: Final = "__torchmem__"
+#: What separates a check's name from the parts of its entry's name that the check
+#: adds (``"default @ compiled"``, ``"default @ dp=8 rank=0"``): a check's name cannot
+#: hold it, so each entry's name says unambiguously which check made it.
+NAME_SEPARATOR: Final = " @ "
 #: Version of the snapshot file format written; older ones are read, newer ones refused.
 #: Schema 3: an entry of a training loop holds its first step (``first_step``), which
 #: may be its peak.
@@ -354,20 +364,26 @@ def release_of(snapshot: Path) -> Release | None:
 
 
 def module_of(snapshot: Path) -> Path:
-    """The test module a snapshot file belongs to."""
+    """The test file a snapshot file belongs to: ``test_x.json``'s ``test_x.py``; a doctest
+    text file's keeps its whole name (``test_doc.txt.json``'s ``test_doc.txt``)."""
     folder = snapshot.parent.parent
     if release_of(snapshot) is not None:
         folder = folder.parent
-    return folder / f"{snapshot.stem}.py"
+    module = folder / f"{snapshot.stem}.py"
+    if Path(snapshot.stem).suffix and not module.exists():
+        return folder / snapshot.stem
+    return module
 
 
 def snapshot_path(module: Path, release: Release | None = None) -> Path:
-    """The snapshot file of the test module at ``module``: of every torch release, or
-    of ``release`` alone (``torchmem_per_torch``)."""
+    """The snapshot file of the test file at ``module``: of every torch release, or of
+    ``release`` alone (``torchmem_per_torch``). A Python module's is named after its stem
+    (``test_x.json``); any other test file's (a doctest text file) after its whole name
+    (``test_doc.txt.json``), so that ``test_doc.txt`` and ``test_doc.py`` have one each."""
     folder = module.parent / SNAPSHOT_DIR
     if release is not None:
         folder /= release.directory
-    path = folder / f"{module.stem}.json"
+    path = folder / f"{module.stem if module.suffix == '.py' else module.name}.json"
     # A module name cannot hold a separator, but refuse anything that would
     # put the file outside the directory beside the module.
     if path.parent != folder:  # pragma: no cover - defensive
@@ -682,6 +698,7 @@ def unused_keys(
     used: set[Key],
     known: set[str] | None,
     devices: set[str] | None,
+    doctests: bool = True,
 ) -> list[Key]:
     """The entries of ``snapshot`` that no test of this run used.
 
@@ -693,17 +710,28 @@ def unused_keys(
     (``file.py::test_x`` on the command line): then missing test ids prove
     nothing. Nor does a missing parametrization of a test function that was
     collected (``test_x[slow]`` beside ``test_x[fast]``): it may exist only
-    under an option of the run (``pytest_generate_tests``).
+    under an option of the run (``pytest_generate_tests``). Nor, where
+    ``doctests`` is False (a run without ``--doctest-modules``), a missing
+    doctest of a Python module (``test_x.helper``: its docstring's examples).
     """
     functions = None if known is None else {_function(test) for test in known}
     unused: list[Key] = []
     for key in sorted({*snapshot.keys(), *snapshot.malformed}):
+        if not doctests and is_doctest(key.test):
+            continue
         if key.test in completed:
             if key not in used and (devices is None or key.device in devices):
                 unused.append(key)
         elif functions is not None and _function(key.test) not in functions:
             unused.append(key)
     return unused
+
+
+def is_doctest(test: str) -> bool:
+    """Whether the test id ``test`` is a doctest's: ``test_x.helper`` (pytest names a
+    docstring's examples after the module and the object); a test function's id never
+    holds a dot outside its parameters (``TestA::test_b[1.5]``)."""
+    return "." in _function(test)
 
 
 def _function(test: str) -> str:

@@ -96,6 +96,8 @@ def _change(result: Result) -> str:
 def _status(result: Result) -> str:
     if result.failed and result.status in (Status.IMPROVED, Status.STALE):  # asked to fail
         return f"{result.status} (failed)"
+    if result.status is Status.NOT_WRITTEN and result.not_written:
+        return f"{result.status} ({result.not_written})"
     return str(result.status)
 
 
@@ -153,15 +155,40 @@ def table_lines(
     return tabulate(rows, headers=headers, tablefmt="simple", disable_numparse=True).splitlines()
 
 
-def unused_lines(unused: Sequence[Unused], *, mode: str, update: bool) -> list[str]:
-    """The unused entries, and what happens to them."""
+#: Why an unused entry was not removed, by why its file was not written.
+_NOT_REMOVED: Final = {
+    "interrupted": "the run was interrupted",
+    "interrupted while writing": "the run was interrupted while writing",
+    "could not write": "its file could not be written",
+}
+
+
+def _entries(count: int) -> str:
+    return f"{count} unused snapshot entr{'y' if count == 1 else 'ies'}"
+
+
+def unused_lines(
+    unused: Sequence[Unused],
+    *,
+    mode: str,
+    update: bool,
+    not_written: Mapping[str, str] | None = None,
+) -> list[str]:
+    """The unused entries, and what happens to them; ``not_written``: the files an update
+    did not write (as shown), and why (``Result.not_written``): their entries stay."""
     if not unused:
         return []
     lines = [f"unused: {entry.file}: {entry.key}" for entry in unused]
     if update:
-        lines.append(
-            f"removed {len(unused)} unused snapshot entr{'y' if len(unused) == 1 else 'ies'}"
-        )
+        not_written = not_written or {}
+        removed = sum(entry.file not in not_written for entry in unused)
+        if removed:
+            lines.append(f"removed {_entries(removed)}")
+        kept = Counter(not_written[entry.file] for entry in unused if entry.file in not_written)
+        lines += [
+            f"{_entries(count)} not removed: {_NOT_REMOVED.get(why, why)}"
+            for why, count in sorted(kept.items())
+        ]
     else:
         verdict = "fail this run" if mode == "fail" else "are reported (--torchmem-unused=warn)"
         lines.append(
@@ -280,6 +307,8 @@ def _result_json(result: Result) -> dict[str, Any]:
         "unsupported": list(result.estimate.unsupported),
         "environment": dict(result.estimate.environment),
         "accept": result.accept,
+        # why an entry to be written was not (status "not written"), else None
+        "not_written": result.not_written,
     }
 
 

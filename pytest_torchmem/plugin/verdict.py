@@ -314,7 +314,8 @@ class Status(str, Enum):
     NEW = "new"
     #: ``--torchmem-update``: the entry changed and is rewritten.
     UPDATED = "updated"
-    #: ``--torchmem-update``: the entry was to be written, but its file could not be.
+    #: ``--torchmem-update``: the entry was to be written, and was not (the run was
+    #: interrupted, or its file could not be written: ``Result.not_written`` says which).
     NOT_WRITTEN = "not written"
 
     def __str__(self) -> str:
@@ -516,6 +517,10 @@ class Result:
     #: The torch release whose snapshot directory holds the entry (``torchmem_per_torch``:
     #: ``"2.15"``); None where one file serves every release.
     release: str | None = None
+    #: Why an entry to be written (``new``, ``updated``) was not: ``"interrupted"``,
+    #: ``"interrupted while writing"``, ``"could not write"``; its status is then
+    #: :attr:`Status.NOT_WRITTEN`.
+    not_written: str | None = None
 
     @property
     def acceptable(self) -> bool:
@@ -571,6 +576,7 @@ class Result:
             "strict": self.strict,
             "update": self.update,
             "release": self.release,
+            "not_written": self.not_written,
         }
 
     @classmethod
@@ -594,6 +600,7 @@ class Result:
             strict=data["strict"],
             update=data["update"],
             release=data.get("release"),
+            not_written=data.get("not_written"),
         )
 
 
