@@ -605,6 +605,7 @@ def _section(view: Mapping[str, Any], index: int) -> str:
     ]
     if view["stale"]:
         meta.append(f"recorded in another environment: {escape(', '.join(view['stale']))}")
+    rooms = [_room(room) for room in view.get("rooms", ())]
     parts = [
         f'<section class="{classes}" id="check-{index}" data-status="{escape(status)}">',
         f'<div class="check-head">{_badge(status, view["failed"])}'
@@ -613,6 +614,8 @@ def _section(view: Mapping[str, Any], index: int) -> str:
         + '<a class="top-link" href="#top">\u2191 index</a></div>',
         f'<p class="meta">{_DOT.join(meta)}</p>',
     ]
+    if rooms:
+        parts.append(f'<p class="meta headroom">{_DOT.join(rooms)}</p>')
     if view["message"]:
         parts.append(f'<pre class="message">{escape(view["message"])}</pre>')
     elif view["acceptable"]:
@@ -629,6 +632,19 @@ def _section(view: Mapping[str, Any], index: int) -> str:
     parts.append(_modules_tables(view))
     parts.append("</section>")
     return "".join(parts)
+
+
+def _room(room: Mapping[str, Any]) -> str:
+    """``headroom on H100: 62.66 GiB to spare (reserved 16.03 GiB of 78.69 GiB usable)``."""
+    usable, reserved, headroom = room["usable"], room["reserved"], room["headroom"]
+    room_text = f"{format_bytes(headroom)} to spare" if headroom >= 0 else f"{format_bytes(-headroom)} over"
+    text = (
+        f"headroom on {escape(room['gpu'])}: <strong>{room_text}</strong> (reserved "
+        f"{format_bytes(reserved)} of {format_bytes(usable)} usable)"
+    )
+    if room.get("required"):
+        text += " · fits= asks it to fit"
+    return f'<span class="{"good" if headroom >= 0 else "bad"}">{text}</span>'
 
 
 def _index(views: Sequence[Mapping[str, Any]]) -> str:

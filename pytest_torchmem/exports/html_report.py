@@ -431,6 +431,8 @@ def check_view(
         "stale": [str(change) for change in result.stale],
         "environment": dict(estimate.environment),
         "figures": _figures(result),
+        # a cuda check's room on the GPU it follows, then on each other GPU fits= names
+        "rooms": [room.to_json() for room in result.rooms],
         "breakdown": breakdown,
         "modules": modules,
         "unsupported": unsupported,

@@ -171,6 +171,14 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
     _option(
         parser,
+        "advise",
+        "For a check over its budget or not fitting a GPU its marker's fits= names, estimate "
+        "changes that would bring it down (blocks to checkpoint, micro-batches, the optimizer, "
+        "autocast) and add them to the failure, each with the figure of the changed step.",
+        "bool",
+    )
+    _option(
+        parser,
         "per-torch",
         "Keep one snapshot directory per torch minor release (__torchmem__/torch-2.13/), for a "
         "suite whose CI runs several releases: each release compares with, updates and prunes "

@@ -16,6 +16,7 @@ check.
 from __future__ import annotations
 
 import dataclasses
+from contextlib import nullcontext
 import json
 import os
 import platform
@@ -23,7 +24,7 @@ import shlex
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, Final, Literal
 
 import pytest
 
@@ -35,7 +36,11 @@ from pytest_torchmem.engine.gpu_profiles import (
     parse_gpu_table,
 )
 from pytest_torchmem.engine.torch_release import release_problem
+from pytest_torchmem.engine.units import format_bytes
 from pytest_torchmem.plugin import releases, unwritten
+from pytest_torchmem.plugin.advising import advice_lines
+from pytest_torchmem.plugin.fitting import FitRecord, fit_lines
+from pytest_torchmem.plugin.headroom import Room, room
 from pytest_torchmem.plugin.outcomes import PendingVerdicts
 from pytest_torchmem.plugin.releases import Release
 from pytest_torchmem.plugin.snapshots import (
@@ -216,6 +221,8 @@ class Settings:
     #: True when ``--torchmem-per-torch`` was given on the command line (not the ini file):
     #: the command that accepts a change must say it too.
     per_torch_given: bool = False
+    #: ``--torchmem-advise``: a check over its budget or GPU estimates what would fit.
+    advise: bool = False
 
     @classmethod
     def from_config(cls, config: pytest.Config) -> Settings:
@@ -226,6 +233,7 @@ class Settings:
             values["fail_on_improvement"] = bool(_option(config, "torchmem_fail_on_improvement")[0])
             values["keep_output"] = bool(_option(config, "torchmem_keep_output")[0])
             values["compile"] = bool(_option(config, "torchmem_compile")[0])
+            values["advise"] = bool(_option(config, "torchmem_advise")[0])
             per_torch, source = _option(config, "torchmem_per_torch")
             values["per_torch"] = bool(per_torch)
             values["per_torch_given"] = bool(per_torch) and source.startswith("--")
@@ -448,6 +456,8 @@ class TorchmemSession:
         self.errors: list[str] = []
         #: What the HTML report shows of each check (JSON-ready; workers send theirs).
         self.views: list[dict[str, Any]] = []
+        #: The ``torchmem.fit`` searches of the run (workers send theirs).
+        self.fits: list[FitRecord] = []
         self._targets = self._node_targets(config)
         self._snapshots: dict[Path, SnapshotFile] = {}
         #: The release whose snapshot directory this run uses (read at its first use).
@@ -623,6 +633,7 @@ class TorchmemSession:
             self.writes.get(path, {}).pop(key, None)
         self.used -= dropped
         self.views = [view for view in self.views if view.get("nodeid") not in nodeids]
+        self.fits = [record for record in self.fits if record.nodeid not in nodeids]
         for nodeid in nodeids:
             self._names.pop(nodeid, None)
 
@@ -880,6 +891,7 @@ class TorchmemSession:
                 device, gpu, str(cpu), request.keep_output, loop=report.first_step is not None
             )
             entry = Entry.from_report(report, environment, measured)
+            rooms = self._rooms(item, request, device, name, gpu, cpu, parallel, report, spec.fits)
             key = Key(module_test_id(item), entry_name, device)
             result = judge(
                 nodeid=item.nodeid,
@@ -895,7 +907,10 @@ class TorchmemSession:
                 measure_rtol=self.settings.measure_rtol,
                 fail_on_stale=self.settings.stale == "fail",
                 release=self.release(),
+                rooms=rooms,
             )
+            if result.failed and self.settings.advise:
+                result = dataclasses.replace(result, advice=advice_lines(request, result, gpu, cpu, self.settings.gpus))
             self.results.append(result)
             self.used.add((str(path), key))
             if self.settings.update:
@@ -908,6 +923,89 @@ class TorchmemSession:
             # The test goes on (its later checks run too); the report that ends them fails.
             self.verdicts.add(item.nodeid, failure_message(results, self.config.get_verbosity()))
         return reports
+
+    def _rooms(
+        self,
+        item: pytest.Item,
+        request: StepRequest,
+        device: str,
+        name: str,
+        gpu: GpuProfile,
+        cpu: Any,
+        parallel: Parallel | None,
+        report: MemoryReport,
+        fits: tuple[GpuProfile, ...] | Literal[True] | None,
+    ) -> tuple[Room, ...]:
+        """A cuda check's room on the GPU it follows, then on each other GPU that ``fits=``
+        names (estimated on it: its kernels and workspaces are its own)."""
+        if not device.startswith("cuda") or report.reserved_peak is None:
+            return ()
+        named = () if fits is None or fits is True else fits
+        rooms = [room(gpu, report.reserved_peak, required=fits is True or gpu in named)]
+        for other in named:
+            if other != gpu:
+                on_other, _ = self._estimate(item, request, device, name, other, cpu, parallel)
+                assert on_other.reserved_peak is not None
+                rooms.append(room(other, on_other.reserved_peak, required=True))
+        return tuple(rooms)
+
+    def fit(
+        self,
+        item: pytest.Item,
+        model: Any,
+        inputs_for: Any,
+        *,
+        gpu: Any,
+        budget: Any,
+        device: str | None,
+        sizes: Any,
+        at_least: int | None,
+        size_name: str,
+        options: dict[str, Any],
+    ) -> Any:
+        """``torchmem.fit``: :func:`pytest_torchmem.fit` against the test's GPU (``gpu``, else
+        the marker's, else the run's) or ``budget``, a progress line per estimate on the
+        terminal; the test fails, as a failed check does, below ``at_least``."""
+        from pytest_torchmem.engine.fitting import fit
+
+        if at_least is not None and (isinstance(at_least, bool) or not isinstance(at_least, int) or at_least < 1):
+            raise TypeError(f"torchmem.fit(at_least=...) takes a positive int, got {at_least!r}")
+        on_cuda = device is None or str(device).startswith("cuda")
+        profile = None
+        if on_cuda and (budget is None or gpu is not None):
+            if gpu is not None:
+                profile = parse_gpu(gpu, self._gpus(), "torchmem.fit(gpu=...)")
+            else:
+                profile = self.spec(item).gpu or self.settings.gpu
+        plugins = self.config.pluginmanager
+        terminal = None if self.is_worker else plugins.get_plugin("terminalreporter")
+        capture = plugins.get_plugin("capturemanager")
+
+        def progress(probe: Any) -> None:
+            if terminal is None or self.config.get_verbosity() < 0:
+                return
+            verdict = "fits" if probe.fits else "does not fit"
+            line = f"torchmem fit: {size_name} {probe.size}: {format_bytes(probe.nbytes)}, {verdict}"
+            # the test's output is captured: the line goes past it, as live logging does
+            with capture.global_and_fixture_disabled() if capture is not None else nullcontext():
+                terminal.write_line(line)
+
+        found = fit(
+            model,
+            inputs_for,
+            sizes=sizes,
+            budget=budget,
+            gpu=profile,
+            device=device,
+            size_name=size_name,
+            progress=progress,
+            **options,
+        )
+        record = FitRecord.of(item.nodeid, found, at_least)
+        self.fits.append(record)
+        if record.short:
+            self.verdicts.add(item.nodeid, record.failure())
+        return found
 
     def _export(self, result: Result, traced: Trace) -> None:
         """Keep what ``--torchmem-timeline`` and ``--torchmem-html`` ask for of one check."""
@@ -937,6 +1035,7 @@ class TorchmemSession:
             "used": [[path, list(key)] for path, key in self.used],
             "completed": [list(test) for test in self.completed],
             "views": self.views,
+            "fits": [record.to_json() for record in self.fits],
             "restarted": sorted(self.restarted),
             "interrupted": self.interrupted,
         }
@@ -949,6 +1048,7 @@ class TorchmemSession:
         """The worker's checks not sent yet, as a payload; they are then forgotten here."""
         payload = self.payload(collection=False)
         self.results, self.writes, self.used, self.views = [], {}, set(), []
+        self.fits = []
         self.completed, self.restarted = set(), set()
         return payload
 
@@ -968,6 +1068,7 @@ class TorchmemSession:
             self.known.setdefault(module, set()).update(ids)
         self.narrowed.update(data.get("narrowed", ()))
         self.views.extend(data["views"])
+        self.fits.extend(FitRecord.from_json(record) for record in data.get("fits", ()))
         self.interrupted = self.interrupted or bool(data.get("interrupted"))
 
     def worker_down(self, node: Any) -> None:
@@ -1194,6 +1295,7 @@ class TorchmemSession:
             environment=self.environment(),
             settings={**self.settings.to_json(), "measured_on_gpu": self._measured()},
         )
+        report["fits"] = [record.to_json() for record in self.fits]
         try:
             atomic_write(path, json.dumps(report, indent=2, sort_keys=True) + "\n")
         except OSError as exc:
@@ -1254,7 +1356,7 @@ class TorchmemSession:
 
     def summary_lines(self) -> list[str]:
         """The terminal summary: the table, unused entries, files written, the totals."""
-        if self.is_worker or not (self.results or self.unused or self.errors):
+        if self.is_worker or not (self.results or self.unused or self.errors or self.fits):
             return []
         verbosity = self.config.get_verbosity()
         lines = table_lines(self.results, verbosity=verbosity, gpu=self.settings.gpu.name)
@@ -1265,6 +1367,7 @@ class TorchmemSession:
             update=self.settings.update,
             not_written=self.not_written,
         )
+        lines += fit_lines(self.fits)
         lines += [f"wrote {path}" for path in self.written]
         lines += self.errors
         lines.append(totals_line(totals(self.results, self.unused)))
@@ -1411,4 +1514,37 @@ class TorchmemFixture:
             keep_output=keep_output,
             compile=compile,
             parallel=parallel,
+        )
+
+    def fit(
+        self,
+        model: Any,
+        inputs_for: Any,
+        *,
+        gpu: Any = None,
+        budget: int | str | None = None,
+        device: str | None = None,
+        sizes: Any = range(1, 4097),
+        at_least: int | None = None,
+        size_name: str = "size",
+        **options: Any,
+    ) -> Any:
+        """The largest of ``sizes`` whose step of ``model`` on ``inputs_for(size)`` fits the
+        test's GPU (``gpu``, else the marker's ``gpu``, else ``--torchmem-gpu``), or
+        ``budget``: :func:`pytest_torchmem.fit`, with a progress line per estimate on
+        the terminal. The answer (a :class:`~pytest_torchmem.Fit`) is returned and shown in
+        the run's summary and JSON report; below ``at_least`` the test fails, however it
+        then ends. ``options`` are :func:`~pytest_torchmem.estimate`'s."""
+        __tracebackhide__ = True
+        return self._session.fit(
+            self._item,
+            model,
+            inputs_for,
+            gpu=gpu,
+            budget=budget,
+            device=device,
+            sizes=sizes,
+            at_least=at_least,
+            size_name=size_name,
+            options=options,
         )

@@ -118,7 +118,9 @@ def table_lines(
 
     A ``first step`` column (the first step's peak, beside a training loop's phases)
     appears when a check of a training loop is among the rows, a ``reserved`` column
-    (the caching allocator's segments) when a ``cuda`` check is. A ``cuda`` row of a
+    (the caching allocator's segments) and a ``headroom`` column (the GPU's usable
+    memory less the reserved peak: negative where the step does not fit) when a
+    ``cuda`` check is. A ``cuda`` row of a
     check that followed another GPU profile than the run's (``gpu``, the name the
     header gives) names it: ``cuda (A100)``. Under ``-q`` (``verbosity < 0``) only
     the rows that are not plain passes.
@@ -146,11 +148,12 @@ def table_lines(
             row.append(
                 "-" if estimate.reserved_peak is None else format_bytes(estimate.reserved_peak)
             )
+            row.append(format_bytes(result.rooms[0].headroom) if result.rooms else "-")
         rows.append((*row, _change(result), _status(result)))
     headers = ["test", "device", "forward", "backward", "step"]
     headers += ["first step"] if looped else []
     headers += ["peak"]
-    headers += ["reserved"] if reserved else []
+    headers += ["reserved", "headroom"] if reserved else []
     headers += ["change", "status"]
     return tabulate(rows, headers=headers, tablefmt="simple", disable_numparse=True).splitlines()
 
@@ -309,6 +312,8 @@ def _result_json(result: Result) -> dict[str, Any]:
         "accept": result.accept,
         # why an entry to be written was not (status "not written"), else None
         "not_written": result.not_written,
+        # a cuda check's room on the GPU it follows, then on each other GPU fits= names
+        "rooms": [room.to_json() for room in result.rooms],
     }
 
 

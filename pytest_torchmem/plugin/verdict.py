@@ -17,6 +17,7 @@ from pytest_torchmem.engine.compiling import CompileOptions, compile_options
 from pytest_torchmem.engine.gpu_profiles import PROFILES, GpuProfile, gpu_profile
 from pytest_torchmem.engine.report import ROOT_NAME
 from pytest_torchmem.engine.units import format_bytes, format_delta, parse_bytes
+from pytest_torchmem.plugin.headroom import Room
 from pytest_torchmem.plugin.releases import Release
 from pytest_torchmem.plugin.snapshots import Entry, Key
 
@@ -55,7 +56,7 @@ __all__ = [
 #: The figures a ``memory_budget`` marker can cap.
 BUDGETS: Final = ("forward", "backward", "step", "peak")
 _MARKER_KEYS: Final = (
-    *BUDGETS, "devices", "rtol", "atol", "gpu", "cpu", "keep_output", "compile", "mesh", "rank"
+    *BUDGETS, "devices", "rtol", "atol", "gpu", "cpu", "keep_output", "compile", "mesh", "rank", "fits"
 )
 #: The ISA levels of CPU profiles: ``tracing.devices.cpu.profiles.ISA_LEVELS``, spelled
 #: out so that reading options and markers needs no torch (a test checks that the two agree).
@@ -104,6 +105,8 @@ class MarkerSpec:
     mesh: Mapping[str, int] | None = None
     #: The rank of ``torchmem.check(parallel=...)`` (an int or ``"max"``), in place of its own.
     rank: int | str | None = None
+    #: ``fits=``: the GPUs the cuda step must fit (``True``: the one it follows); None: not asked.
+    fits: tuple[GpuProfile, ...] | Literal[True] | None = None
 
     def tolerance(self, default: Tolerance) -> Tolerance:
         return Tolerance(
@@ -263,6 +266,9 @@ def parse_marker(
     rank = merged.get("rank")
     if rank is not None and rank != "max" and (isinstance(rank, bool) or not isinstance(rank, int) or rank < 0):
         raise MarkerError(f"{MARKER}(rank={rank!r}): rank must be a rank number (0, 1, ...) or 'max'")
+    fits = None
+    if merged.get("fits") is not None:
+        fits = parse_fits(merged["fits"], gpus or {}, f"{MARKER}(fits={merged['fits']!r})")
     return MarkerSpec(
         budgets=budgets,
         devices=devices,
@@ -274,7 +280,24 @@ def parse_marker(
         compile=compile,
         mesh=mesh,
         rank=rank,
+        fits=fits,
     )
+
+
+def parse_fits(
+    value: Any, custom: Mapping[str, GpuProfile], where: str
+) -> tuple[GpuProfile, ...] | Literal[True] | None:
+    """``fits=``: ``True`` (the GPU the check follows), ``False`` (not asked: None), a GPU
+    (as ``gpu=`` takes one) or a list or tuple of them."""
+    if value is True:
+        return True
+    if value is False:
+        return None
+    values = list(value) if isinstance(value, (list, tuple)) else [value]
+    if not values:
+        raise MarkerError(f"{where}: fits= names at least one GPU, or is True (the check's GPU)")
+    profiles = tuple(parse_gpu(one, custom, where) for one in values)
+    return tuple(dict.fromkeys(profiles))
 
 
 def parse_compile(value: Any, where: str) -> CompileOptions | None:
@@ -521,6 +544,11 @@ class Result:
     #: ``"interrupted while writing"``, ``"could not write"``; its status is then
     #: :attr:`Status.NOT_WRITTEN`.
     not_written: str | None = None
+    #: A cuda check's room on the GPU it follows, then on each other GPU ``fits=`` names.
+    rooms: tuple[Room, ...] = ()
+    #: ``--torchmem-advise``: what would bring a check over its budget or GPU down, a line
+    #: per change estimated.
+    advice: tuple[str, ...] = ()
 
     @property
     def acceptable(self) -> bool:
@@ -577,6 +605,8 @@ class Result:
             "update": self.update,
             "release": self.release,
             "not_written": self.not_written,
+            "rooms": [room.to_json() for room in self.rooms],
+            "advice": list(self.advice),
         }
 
     @classmethod
@@ -601,6 +631,8 @@ class Result:
             update=data["update"],
             release=data.get("release"),
             not_written=data.get("not_written"),
+            rooms=tuple(Room.from_json(room) for room in data.get("rooms", ())),
+            advice=tuple(data.get("advice", ())),
         )
 
 
@@ -652,6 +684,7 @@ def judge(
     measure_rtol: float = 0.05,
     fail_on_stale: bool = False,
     release: Release | None = None,
+    rooms: tuple[Room, ...] = (),
 ) -> Result:
     """The verdict of one check on one device.
 
@@ -667,6 +700,8 @@ def judge(
     ``measure_rtol``.
     ``release``: the torch release whose snapshot directory ``snapshot`` was looked
     up in (``torchmem_per_torch``), named by the message of a missing entry.
+    ``rooms``: a cuda check's room on its GPUs (:mod:`~pytest_torchmem.plugin.headroom`);
+    one that ``fits=`` requires and the step does not fit fails, as a budget does.
     """
     stale: tuple[EnvChange, ...] = ()
     if snapshot is not None and not update:
@@ -725,7 +760,9 @@ def judge(
                 fail_on_stale=fail_on_stale or any(c.name in STEP_SETTINGS for c in stale),
             )
         failed = failed or bool(breaches or mismatches)
-    if breaches:
+    unfit = any(room.unfit for room in rooms)
+    failed = failed or unfit
+    if breaches or unfit:
         status = Status.OVER_BUDGET
     elif mismatches:
         status = status if status in (Status.REGRESSED, Status.MISSING) else Status.MISMATCH
@@ -747,6 +784,7 @@ def judge(
         strict=fail_on_improvement,
         update=update,
         release=None if release is None else str(release),
+        rooms=rooms,
     )
 
 
@@ -890,7 +928,7 @@ def _mismatch_line(mismatch: Mismatch, device: str) -> str:
 
 def _problems(result: Result, verbosity: int) -> list[str]:
     device = result.key.device
-    lines: list[str] = []
+    lines: list[str] = [room.problem(device) for room in result.rooms if room.unfit]
     for breach in result.breaches:
         lines.append(
             f"{device} {figure_name(breach.figure)} over budget: {breach.source} "
@@ -917,6 +955,7 @@ def _problems(result: Result, verbosity: int) -> list[str]:
         lines.append(_change_line(change, result.tolerance, device))
     for mismatch in result.mismatches:
         lines.append(_mismatch_line(mismatch, device))
+    lines.extend(result.advice)
     if verbosity >= 0 and (grew or shrank):
         lines.extend(_detail_lines(result, verbosity))
     if verbosity >= 2:
@@ -976,6 +1015,11 @@ def failure_message(results: Sequence[Result], verbosity: int = 0) -> str:
         lines.append(
             "a budget is a hard limit: --torchmem-update does not lift it; reduce the memory "
             "or raise the limit in @pytest.mark.memory_budget"
+        )
+    if any(room.unfit for result in failed for room in result.rooms):
+        lines.append(
+            "a GPU named by fits= must hold the step: --torchmem-update does not lift it; reduce "
+            "the memory (--torchmem-advise estimates what would) or name another GPU"
         )
     if any(result.mismatches for result in failed):
         lines.append(
