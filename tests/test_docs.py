@@ -15,6 +15,7 @@ drift from the code.
 from __future__ import annotations
 
 import ast
+import os
 import re
 import shlex
 from pathlib import Path
@@ -160,22 +161,52 @@ def _normalised(lines: list[str]) -> list[str]:
     return kept
 
 
+def _as_documented(lines: list[str], documented: list[str]) -> list[str]:
+    """pytest's output ``lines``, with the reader's header (platform, rootdir, configfile,
+    plugins) and the documented duration kept wherever the rest of the line is the same."""
+    def header(output: list[str]) -> list[str]:
+        return output[: next((i for i, line in enumerate(output) if line.startswith("collected")), 0)]
+
+    head, old_head = header(lines), header(documented)
+    out = (old_head if _normalised(head) == _normalised(old_head) else head) + lines[len(head) :]
+    timed = [line for line in documented if not line.startswith(_MACHINE) and [line] != _normalised([line])]
+    return [next((old for old in timed if _normalised([old]) == _normalised([line])), line) for line in out]
+
+
+#: ``TORCHMEM_RECORD_TRANSCRIPTS=1``: the transcript tests write what pytest prints into the
+#: pages instead of comparing (the reader's header lines kept), after a change of the output.
+RECORD = os.environ.get("TORCHMEM_RECORD_TRANSCRIPTS") == "1"
+
+
 def _replay(pytester: pytest.Pytester, block: str, where: str) -> int:
     """Run a console block's ``pytest`` commands, compare each output with the block's, and
     each ``echo $?`` with the exit code; return how many ran. The block shows the reader's
-    project, never a temporary directory."""
+    project, never a temporary directory. Under :data:`RECORD` the block is rewritten with
+    what the commands print."""
     ran: list[str] = []
     ret = None
+    recorded: list[str] = []
     for command, documented in _commands(block):
+        recorded.append(f"$ {command}")
         if command == "echo $?":
-            assert documented == [str(ret)], f"{where}: the exit code of {ran[-1]!r}"
+            assert RECORD or documented == [str(ret)], f"{where}: the exit code of {ran[-1]!r}"
+            recorded.append(str(ret))
         elif command.startswith("pytest"):
             result = pytester.runpytest(*shlex.split(command)[1:])
             ret = int(result.ret)
-            assert _normalised(result.outlines) == _normalised(documented), f"{where}: {command}"
+            if RECORD:
+                recorded += _as_documented(result.outlines, documented)
+            else:
+                assert _normalised(result.outlines) == _normalised(documented), f"{where}: {command}"
             ran.append(command)
+        else:
+            recorded += documented
         for line in documented:
             assert not re.match(r"rootdir: (/tmp|/var/tmp|/private/var|/var/folders)/", line), (where, line)
+    if RECORD:
+        page = ROOT / where
+        text = page.read_text(encoding="utf-8")
+        page.write_text(text.replace(block, "\n".join(line.rstrip() for line in recorded) + "\n", 1), encoding="utf-8")
     return len(ran)
 
 
