@@ -53,6 +53,7 @@ from test_step_function import (
     zero_grad_kept,
 )
 from torch import nn
+from torch.optim.swa_utils import AveragedModel
 
 import pytest_torchmem as tm
 from pytest_torchmem.engine.tracing.devices.cuda import workspaces
@@ -365,3 +366,55 @@ def test_each_release_s_own_workspaces(
     first, later = expected
     assert _iterations(_on_cuda(loop_of_three, _plain())) == (first, later, later)
 
+
+# -- torch's own foreach choices, as on a GPU ------------------------------------------------------
+
+
+def _clipped(model: nn.Module, x: torch.Tensor, foreach: bool | None) -> None:
+    model(x).sum().backward()
+    with tm.phase("before"):  # the live bytes after the backward
+        pass
+    with tm.phase("clip"):
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=foreach)
+
+
+@pytest.mark.parametrize(("foreach", "by_hand"), [(None, 2048), (True, 2048), (False, 3584)])
+def test_clip_grad_norm_takes_the_gpus_foreach_kernels(foreach: bool | None, by_hand: int) -> None:
+    """``clip_grad_norm_`` of one (2048, 4096) fp32 gradient (32 MiB, 128 chunks of
+    65536): on a GPU its default is the foreach route (``_has_foreach_support``: a
+    foreach device and plain tensors). ``_foreach_norm`` takes ``output_per_tensor``
+    (128 floats: 512) and the norm (512); then the stack of the one norm and the total
+    norm (512 each, the norm kept: 1536); clipping holds the total, its sum with 1e-6,
+    the reciprocal and the product: 2048 above what the backward left.
+    ``foreach=False``: ``linalg_vector_norm`` of 8,388,608 values splits them over
+    528 blocks (132 SMs x 2048 / 512 threads; 16384 values a thread), whose partial
+    sums (528 x 4 = 2112 bytes: 2560) and semaphore (4: 512) sit beside the norm:
+    3584: the two routes differ here, where tests/test_fused_optimizers.py's small
+    gradients give both the same peak."""
+    with torch.device("meta"):
+        model = nn.Linear(4096, 2048, bias=False)
+    report = _on_cuda(_clipped, (model, torch.randn(1, 4096), foreach))
+    assert report.phases["clip"] - report.phases["before"] == by_hand
+
+
+def _averaged(model: nn.Module, average: AveragedModel, x: torch.Tensor, opt: torch.optim.Optimizer) -> None:
+    for _ in range(2):
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        average.update_parameters(model)
+
+
+def test_averaged_model_takes_the_gpus_foreach_update() -> None:
+    """``AveragedModel(model)`` (a copy of the parameters, P, and ``n_averaged``, a 512
+    block) updated after each SGD step (in place, foreach). The first update copies;
+    the second, on a GPU, takes the foreach route (a device with foreach kernels):
+    ``_foreach_lerp_`` by ``1 / (n_averaged + 1)`` (three 512 blocks at most), where
+    the per-parameter route held W1's difference and quotient (8192 each) and
+    ``n_averaged + 1``. The step's peak is SGD's, P + X + P + 512 + the gradients P =
+    36352 + 2 WS; the update's at most 25088 + 1536."""
+    model = _mlp()
+    arguments = (model, AveragedModel(model), torch.randn(16, 32), torch.optim.SGD(model.parameters(), lr=0.1))
+    report = _on_cuda(_averaged, arguments)
+    later = (34816 + WS2, 41472 + WS2, 36352 + WS2)
+    assert _iterations(report) == ((34816 + WS, 41472 + WS2, 36352 + WS2), later)
