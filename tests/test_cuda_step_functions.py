@@ -1,5 +1,8 @@
 """The step-function families on the fake cuda device (issue 25), counted by hand.
 
+Also: torch's own foreach choices (gradient clipping, ``AveragedModel``) as on a GPU,
+and a greedy ``generate()`` of a tiny GPT-2.
+
 No GPU is needed and none is used: each expected figure below is worked out
 from the rules of CUDA's caching allocator and of the kernels the step runs,
 and the estimate must equal it to the byte on every torch release (2.10 to
@@ -418,3 +421,49 @@ def test_averaged_model_takes_the_gpus_foreach_update() -> None:
     report = _on_cuda(_averaged, arguments)
     later = (34816 + WS2, 41472 + WS2, 36352 + WS2)
     assert _iterations(report) == ((34816 + WS, 41472 + WS2, 36352 + WS2), later)
+
+
+# -- generate() ---------------------------------------------------------------------------------
+
+
+def _greedy_one_token(model: nn.Module, ids: torch.Tensor) -> Any:
+    return model.generate(input_ids=ids, max_new_tokens=1, do_sample=False)
+
+
+def test_generate_greedy_by_hand() -> None:
+    """``generate(input_ids, max_new_tokens=1, do_sample=False)`` of a GPT-2 of one
+    layer (width 32, 2 heads, 64 tokens, 16 positions; no end token, pad token 0), one
+    prompt of 4 tokens. Counted for transformers 5.24's ``generate`` and GPT-2.
+
+    Parameters: wte 8192 (also the LM head), wpe 2048, c_attn 12288 + 512 (bias 384),
+    the attention's c_proj 4096 + 512, c_fc 16384 + 512, the MLP's c_proj 16384 + 512,
+    three LayerNorms 6 x 512: 64512; the prompt 512. The peak is the prefill's MLP, in
+    GPT-2's tanh GELU, ``0.5 * x * (1 + tanh(c * (x + 0.044715 * x ** 3))))``: c_fc's
+    output x (4 x 128 fp32: 2048), ``0.5 * x``, ``x ** 3`` and ``0.044715 * x ** 3``
+    (2048 each; the power goes once the product is made). Beside them: generate's pad
+    token tensor, position ids (the all-ones attention mask is dropped),
+    ``unfinished_sequences`` and the prompt's clone for the model (512 each); the two
+    embeddings and their sum, the block's input (512 each); the cache's key and value
+    (2 heads x 4 x 16 fp32, concatenated onto empty ones: 512 each); the attention's
+    output projection, the residual sum and ln_2's output (512 each); the forward
+    thread's cuBLAS workspace (c_attn's ``addmm``). The attention itself (fp32: the
+    memory-efficient kernel, neither flash nor cuDNN) and the LayerNorms' statistics
+    are gone by then. 65024 + 2048 + 1536 + 1024 + 1536 + 8192 = 79360 + WS.
+    (The position ids are a ``cumsum`` of one row, which CUDA runs through cub's
+    ``DeviceScan`` with a temporary the estimate does not model: a few hundred bytes,
+    before the forward, far below the peak.)"""
+    transformers = pytest.importorskip("transformers")
+    if tuple(int(part) for part in transformers.__version__.split(".")[:2]) != (5, 24):
+        pytest.skip(f"counted for transformers 5.24's generate, not {transformers.__version__}: recount")
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(
+        n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=16, bos_token_id=None, eos_token_id=None
+    )
+    model = transformers.GPT2LMHeadModel(config).eval()
+    model.generation_config.eos_token_id = None
+    model.generation_config.bos_token_id = None
+    model.generation_config.pad_token_id = 0
+    assert sum(-(-p.nbytes // 512) * 512 for p in model.parameters()) == 64512
+    report = _on_cuda(_greedy_one_token, (model, torch.randint(1, 64, (1, 4))))
+    assert _peaks(report) == (79360 + WS, 0, 0)
