@@ -54,7 +54,7 @@ def real_kernels(model: torch.nn.Module, inputs: Any, **kwargs: Any) -> list[Ker
                            kwargs.pop("loss_fn", None), kwargs.pop("optimizer", None),
                            kwargs.pop("train", True))
     prof, _, _ = measuring.profile_cpu_step(request)
-    stack = list(prof.profiler.kineto_results.experimental_event_tree())
+    stack = list(prof.kineto_results.experimental_event_tree())
     while stack:
         node = stack.pop()
         fields = node.extra_fields

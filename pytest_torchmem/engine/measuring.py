@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING, Any, Final
 
 import torch
 from torch.autograd.profiler import record_function
-from torch.profiler import ProfilerActivity, profile
 
+from pytest_torchmem.engine.cpu_profiler import allocator_events
 from pytest_torchmem.engine.model_state import (
     Converted,
     HookError,
@@ -257,7 +257,7 @@ def _measure_cpu(
 
 def _ran_compiled_code(prof: Any) -> bool:
     """Whether the profiled step ran code that dynamo compiled."""
-    stack = list(prof.profiler.kineto_results.experimental_event_tree())
+    stack = list(prof.kineto_results.experimental_event_tree())
     while stack:
         node = stack.pop()
         if node.name.startswith(_COMPILED_REGION):
@@ -309,7 +309,9 @@ def profile_cpu_step(
         step_model = model_copy(request.model, model_tensors, standins.model)
     modules: Any = NoModules() if compiled else ModuleTracker(step_model, probe)
     timeline.module_names = modules.names
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    # (the stand-ins, made before the profiler started, are let go after it stopped: see
+    # engine/cpu_profiler.py)
+    with allocator_events() as prof:
         parameters = standins.parameters
         if parallel is not None:
             probe.set_phase(None)  # the events of apply are read from here
@@ -342,10 +344,11 @@ def profile_cpu_step(
                 probe=probe,
                 keep_output=request.keep_output,
             )
-        del standins, step_model, parameters
+        del step_model, parameters
         if parallel is not None:
             # DDP's reducer sits in reference cycles: freed here, seen freed (see _free_released)
             gc.collect()
+    del standins
     _read_events(prof, timeline, by_ptr, probe)
     return prof, timeline, baseline
 
@@ -388,7 +391,7 @@ def _read_events(prof: Any, timeline: Timeline, by_ptr: dict[int, int], probe: _
     """Turn the profiler's allocator events and marks into timeline events."""
     events: list[tuple[int, Any]] = []
     compiled_in_step = False
-    stack = list(prof.profiler.kineto_results.experimental_event_tree())
+    stack = list(prof.kineto_results.experimental_event_tree())
     while stack:
         node = stack.pop()
         fields = node.extra_fields
