@@ -133,7 +133,9 @@ def test_stderr_without_writes_back_every_other_line_in_order(capfd: pytest.Capt
     assert capfd.readouterr().err == "kept 1\nkept noise 2\nkept 3\nno newline at the end"
 
 
-def test_stderr_without_puts_the_descriptor_back_when_the_block_raises(capfd: pytest.CaptureFixture[str]) -> None:
+def test_stderr_without_puts_the_descriptor_back_when_the_block_raises(
+    capfd: pytest.CaptureFixture[str],
+) -> None:
     with pytest.raises(RuntimeError, match="inside"):
         with stderr_without(re.compile(rb"^x$")):
             os.write(2, b"before\n")

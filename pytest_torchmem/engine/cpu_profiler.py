@@ -51,7 +51,8 @@ __all__ = ["NOISE", "allocator_events", "stderr_without"]
 NOISE: Final = re.compile(
     rb"^(?:USDT:.*\] profiler_(?:start|stop)"
     rb"|.*\] gpuGetDeviceCount failed with code \d+"
-    rb"|\[W.*CPUAllocator\.cpp:\d+\] Memory block of unknown size was allocated before the profiling started.*"
+    rb"|\[W.*CPUAllocator\.cpp:\d+\] Memory block of unknown size was allocated before the "
+    rb"profiling started.*"
     rb")\r?$"
 )
 
