@@ -62,6 +62,28 @@ def test_measure_writes_nothing_to_stderr() -> None:
     assert done.stderr == ""
 
 
+def test_a_parallel_measure_writes_nothing_to_stderr() -> None:
+    """Regression: each gloo rank of ``measure(parallel=...)`` wrote the profiler's lines
+    and c10's ``[rank0]:[W... CPUAllocator.cpp:245] Memory block of unknown size`` (DDP's
+    apply let go of copies made before the profiler started)."""
+    done = _run(
+        """
+        import torch
+        from torch import nn
+        from torch.nn.parallel import DistributedDataParallel
+        import pytest_torchmem as tm
+
+        model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
+        parallel = tm.Parallel(mesh={"dp": 2}, apply=lambda m, mesh: DistributedDataParallel(m), rank=0)
+        assert tm.measure(model, torch.randn(8, 16), parallel=parallel).peak > 0
+        print("measured")
+        """
+    )
+    # (gloo of torch 2.10 prints "[Gloo] Rank 0 is connected to 1 peer ranks" to stdout)
+    assert done.stdout.splitlines()[-1] == "measured"
+    assert not PROFILER_LINES.search(done.stderr), done.stderr
+
+
 def test_the_users_own_output_and_warnings_stay() -> None:
     """What the step writes to stderr itself (Python's stream, the descriptor, a warning)
     is neither lost nor held back: it comes in the order the step wrote it, during the

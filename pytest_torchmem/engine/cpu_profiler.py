@@ -24,10 +24,13 @@ once, at its first start in the process, and c10 reads ``TORCH_CPP_LOG_LEVEL``
 once, when torch is imported; either, set, would stay set for the rest of the
 process, and would hide the user's own messages of those kinds from then on.
 So, for each: the profiler's backend, ``torch.autograd.profiler.profile``, is
-used directly (the front end's warning is its own); the measurement frees
-nothing it made before the profiler started until the profiler has stopped
-(the allocator's warning has nothing to say then); and the two calls that
-write kineto's lines, start and stop, run with file descriptor 2 sent to a
+used directly (the front end's warning is its own); the measurement copies
+the model's tensors and the inputs with the profiler running and lets the
+copies go after it stopped, so the allocator knows the size of every block
+of the measurement's that the step frees (the warning was about those
+copies; it still comes where the user's code frees, inside the step, memory
+it allocated before the measurement began); and the two calls that write
+kineto's lines, start and stop, run with file descriptor 2 sent to a
 temporary file, whose lines are written back to it afterwards, less those
 above. The step itself runs with standard error as it was: whatever the
 user's code writes there is neither held back nor lost.

@@ -298,12 +298,12 @@ def profile_cpu_step(
         _warm_up(request, model_tensors, device, on_hook_error)
     parallel = request.parallel
     profiler = ExitStack()
-    if parallel is None:
-        # The stand-ins are made under the profiler: the allocator then knows their
-        # sizes, and a free of one in the step is seen (a sparse gradient's parts, which
-        # an accumulation replaces); what is allocated before the step's first mark is
-        # not read. They are let go after it stopped (see engine/cpu_profiler.py).
-        prof = profiler.enter_context(allocator_events())
+    # The stand-ins are made under the profiler: the allocator then knows their sizes,
+    # and a free of one in the step is seen (a sparse gradient's parts, which an
+    # accumulation replaces; under parallel=, what apply replaces); what is allocated
+    # before the step's first mark is not read. They are let go after it stopped (see
+    # engine/cpu_profiler.py).
+    prof = profiler.enter_context(allocator_events())
     with torch.no_grad():
         standins = convert(model_tensors, request.args, request.kwargs, _copies(device), on_hook_error)
     timeline = Timeline()
@@ -322,9 +322,6 @@ def profile_cpu_step(
     step_model = request.model
     if parallel is not None:
         step_model = model_copy(request.model, model_tensors, standins.model)
-        # (apply's frees of the copies, made before, are put where apply returns:
-        # see _free_released)
-        prof = profiler.enter_context(allocator_events())
     modules: Any = NoModules() if compiled else ModuleTracker(step_model, probe)
     timeline.module_names = modules.names
     with profiler:
