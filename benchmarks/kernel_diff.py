@@ -54,11 +54,20 @@ def real_kernels(model: torch.nn.Module, inputs: Any, **kwargs: Any) -> list[Ker
                            kwargs.pop("loss_fn", None), kwargs.pop("optimizer", None),
                            kwargs.pop("train", True))
     prof, _, _ = measuring.profile_cpu_step(request)
-    stack = list(prof.profiler.kineto_results.experimental_event_tree())
+    stack = list(prof.kineto_results.experimental_event_tree())
+    # (the stand-ins are copied under the profiler, before the step's first mark)
+    started = min(
+        (node.start_time_ns for node in _nodes(prof) if node.name.startswith(measuring._MARK + "phase:")),
+        default=0,
+    )
     while stack:
         node = stack.pop()
         fields = node.extra_fields
-        if isinstance(fields, measuring._Allocation) and fields.device.type == "cpu":
+        if (
+            isinstance(fields, measuring._Allocation)
+            and fields.device.type == "cpu"
+            and node.start_time_ns >= started
+        ):
             kernel = measuring._kernel_node(node)
             found.append(
                 (node.start_time_ns, kernel.name if kernel else "(no kernel)", id(kernel), fields.alloc_size)
@@ -73,6 +82,15 @@ def real_kernels(model: torch.nn.Module, inputs: Any, **kwargs: Any) -> list[Ker
             last = ident
         kernels[-1].deltas.append(size)
     return kernels
+
+
+def _nodes(prof: Any) -> list[Any]:
+    found, stack = [], list(prof.kineto_results.experimental_event_tree())
+    while stack:
+        node = stack.pop()
+        found.append(node)
+        stack.extend(node.children)
+    return found
 
 
 class _LoggingTracker(tracker_module.Tracker):

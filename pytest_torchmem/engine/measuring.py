@@ -17,13 +17,15 @@ import dataclasses
 import functools
 import gc
 from collections.abc import Iterable
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final
 
 import torch
 from torch.autograd.profiler import record_function
-from torch.profiler import ProfilerActivity, profile
 
+from pytest_torchmem.engine.cpu_profiler import allocator_events
+from pytest_torchmem.engine.layouts import parts
 from pytest_torchmem.engine.model_state import (
     Converted,
     HookError,
@@ -108,8 +110,14 @@ class _MarkingProbe:
         self._mark("settle:0")
 
     def assign_role(self, category: Category, tensors: Iterable[torch.Tensor]) -> None:
-        # A zero tensor (the gradient of sgn, say) has no memory and no data pointer.
-        ptrs = [t.untyped_storage().data_ptr() for t in tensors if not t._is_zerotensor()]
+        # A zero tensor (the gradient of sgn, say) has no memory and no data pointer; a
+        # sparse one's memory is in its parts.
+        ptrs = [
+            part.untyped_storage().data_ptr()
+            for t in tensors
+            if not t._is_zerotensor()
+            for part in parts(t)
+        ]
         self.roles.append((category, ptrs))
         self._mark(f"role:{len(self.roles) - 1}")
 
@@ -257,7 +265,7 @@ def _measure_cpu(
 
 def _ran_compiled_code(prof: Any) -> bool:
     """Whether the profiled step ran code that dynamo compiled."""
-    stack = list(prof.profiler.kineto_results.experimental_event_tree())
+    stack = list(prof.kineto_results.experimental_event_tree())
     while stack:
         node = stack.pop()
         if node.name.startswith(_COMPILED_REGION):
@@ -288,13 +296,21 @@ def profile_cpu_step(
     compiled = has_compiled_modules(request.model) if warm is None else warm
     if compiled:
         _warm_up(request, model_tensors, device, on_hook_error)
+    parallel = request.parallel
+    profiler = ExitStack()
+    # The stand-ins are made under the profiler: the allocator then knows their sizes,
+    # and a free of one in the step is seen (a sparse gradient's parts, which an
+    # accumulation replaces; under parallel=, what apply replaces); what is allocated
+    # before the step's first mark is not read. They are let go after it stopped (see
+    # engine/cpu_profiler.py).
+    prof = profiler.enter_context(allocator_events())
     with torch.no_grad():
         standins = convert(model_tensors, request.args, request.kwargs, _copies(device), on_hook_error)
     timeline = Timeline()
     by_ptr: dict[int, int] = {}
     baseline: list[int] = []
     for category, tensors in standins.baseline_groups():
-        for t in tensors:
+        for t in (part for tensor in tensors for part in parts(tensor)):
             storage = t.untyped_storage()
             if storage.data_ptr() in by_ptr or storage.nbytes() == 0:
                 continue
@@ -303,13 +319,12 @@ def profile_cpu_step(
             baseline.append(sid)
 
     probe = _MarkingProbe(seen=seen)
-    parallel = request.parallel
     step_model = request.model
     if parallel is not None:
         step_model = model_copy(request.model, model_tensors, standins.model)
     modules: Any = NoModules() if compiled else ModuleTracker(step_model, probe)
     timeline.module_names = modules.names
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with profiler:
         parameters = standins.parameters
         if parallel is not None:
             probe.set_phase(None)  # the events of apply are read from here
@@ -342,10 +357,11 @@ def profile_cpu_step(
                 probe=probe,
                 keep_output=request.keep_output,
             )
-        del standins, step_model, parameters
+        del step_model, parameters
         if parallel is not None:
             # DDP's reducer sits in reference cycles: freed here, seen freed (see _free_released)
             gc.collect()
+    del standins
     _read_events(prof, timeline, by_ptr, probe)
     return prof, timeline, baseline
 
@@ -388,7 +404,7 @@ def _read_events(prof: Any, timeline: Timeline, by_ptr: dict[int, int], probe: _
     """Turn the profiler's allocator events and marks into timeline events."""
     events: list[tuple[int, Any]] = []
     compiled_in_step = False
-    stack = list(prof.profiler.kineto_results.experimental_event_tree())
+    stack = list(prof.kineto_results.experimental_event_tree())
     while stack:
         node = stack.pop()
         fields = node.extra_fields

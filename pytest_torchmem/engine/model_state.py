@@ -20,7 +20,9 @@ import torch
 from torch import nn
 
 from pytest_torchmem.engine.containers import map_tensors
+from pytest_torchmem.engine.layouts import parts, sparse_like
 from pytest_torchmem.engine.report import Category, Unsupported
+from pytest_torchmem.engine.torch_private import private
 from pytest_torchmem.engine.twins import Twins, twin
 
 __all__ = [
@@ -35,6 +37,9 @@ __all__ = [
 ]
 
 SlotKind = Literal["parameter", "buffer", "attribute"]
+
+# torch's private names (engine/torch_private.py)
+_DisableTorchDispatch = private("torch._C._DisableTorchDispatch")
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,7 +98,9 @@ class StandIns:
     ``dense(t)`` makes a stand-in with ``t``'s shape and strides on a storage of
     its own (used when ``t`` spans its whole storage, the common case);
     ``storage(t)`` makes a stand-in for ``t``'s whole storage, which the
-    stand-ins of the tensors sharing it then view.
+    stand-ins of the tensors sharing it then view; ``sparse(t, parts)`` makes
+    the stand-in of a sparse tensor from the stand-ins of its parts
+    (``layouts.parts``), made as the dense tensors' are.
     """
 
     device: torch.device
@@ -101,6 +108,9 @@ class StandIns:
     storage: Callable[[torch.Tensor], torch.UntypedStorage]
     #: Turns a fresh stand-in into a parameter: ``(tensor, requires_grad) -> parameter``.
     parameter: Callable[[torch.Tensor, bool], torch.Tensor] = nn.Parameter
+    #: ``(sparse tensor, its parts' stand-ins) -> its stand-in``; None: a sparse tensor
+    #: like it that holds them (``layouts.sparse_like``).
+    sparse: Callable[[torch.Tensor, tuple[torch.Tensor, ...]], torch.Tensor] | None = None
 
 
 def _spans_its_storage(t: torch.Tensor) -> bool:
@@ -126,6 +136,8 @@ class _Converter:
         self.keyed = _KeyedByParameter()
         #: id(stand-in) -> the tensor it stands in for.
         self.originals: dict[int, torch.Tensor] = {}
+        #: id(a sparse tensor's stand-in) -> (stand-in, original) of its parts.
+        self.sparse_parts: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
 
     def gradients(self) -> None:
         """Give the stand-ins the stand-ins of their originals' ``.grad``, after
@@ -137,16 +149,10 @@ class _Converter:
         done = self.tensors.get(id(t))
         if done is not None:
             return done
-        key = t.untyped_storage()._cdata
-        storage = self.storages.get(key)
-        if storage is None and _spans_its_storage(t):
-            new = self.make.dense(t)
-            self.storages[key] = new.untyped_storage()
+        if t.layout is torch.strided:
+            new = self._dense(t)
         else:
-            if storage is None:
-                storage = self.storages[key] = self.make.storage(t)
-            new = torch.empty(0, dtype=t.dtype, device=self.make.device)
-            new.set_(storage, t.storage_offset(), t.shape, t.stride())
+            new = self._sparse(t)
         if isinstance(t, nn.Parameter):
             new = self.make.parameter(new, t.requires_grad)
             if new.requires_grad:
@@ -157,6 +163,42 @@ class _Converter:
         self.originals[id(new)] = t
         if t.grad is not None and new.requires_grad:
             self.with_grads.append((t, new))
+        return new
+
+    def _dense(self, t: torch.Tensor) -> torch.Tensor:
+        key = t.untyped_storage()._cdata
+        storage = self.storages.get(key)
+        if storage is None and _spans_its_storage(t):
+            new = self.make.dense(t)
+            self.storages[key] = new.untyped_storage()
+        else:
+            if storage is None:
+                storage = self.storages[key] = self.make.storage(t)
+            new = torch.empty(0, dtype=t.dtype, device=self.make.device)
+            new.set_(storage, t.storage_offset(), t.shape, t.stride())
+        return new
+
+    def _sparse(self, t: torch.Tensor) -> torch.Tensor:
+        """A sparse tensor's stand-in; its parts' stand-ins share storages as dense
+        tensors' do (a sparse gradient's indices that view the input's, say)."""
+        with _DisableTorchDispatch():  # the user's tensor's own parts, whatever mode is on
+            held = parts(t)
+        if not held:
+            raise ValueError(
+                f"a tensor of layout {t.layout} holds memory the engine cannot see; "
+                "convert it (to_dense()) before the step"
+            )
+        made: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for p in held:
+            new = self.tensors[id(p)] = self._dense(p)
+            self.originals[id(new)] = p  # (which holds the part: no other takes its id)
+            made.append((new, p))
+        new_parts = tuple(new for new, _ in made)
+        if self.make.sparse is None:
+            new = sparse_like(t, new_parts, self.make.device)
+        else:
+            new = self.make.sparse(t, new_parts)
+        self.sparse_parts[id(new)] = made
         return new
 
 
@@ -308,6 +350,8 @@ class Converted:
     originals: dict[int, torch.Tensor] = field(default_factory=dict)
     #: Twins of the optimizers among the inputs (a step function's), stepping the stand-ins.
     optimizers: list[torch.optim.Optimizer] = field(default_factory=list)
+    #: id(a sparse tensor's stand-in) -> (stand-in, original) of its parts.
+    sparse_parts: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=dict)
 
     @property
     def gradients(self) -> list[torch.Tensor]:
@@ -373,6 +417,7 @@ def convert(
         hook_optimizers=convert_one.keyed.optimizers(),
         originals=convert_one.originals,
         optimizers=twins.optimizers(),
+        sparse_parts=convert_one.sparse_parts,
     )
 
 

@@ -26,7 +26,16 @@ A device model describes, per aten op, what the fake trace cannot see:
 * **composites** run an op's composite kernel with the trace watching, for
   ops whose fake kernel runs that composite out of the trace's sight (a
   ``CompositeExplicitAutograd`` op with no meta kernel): the ops it calls are
-  traced, and charged, one by one.
+  traced, and charged, one by one;
+* **sparse rules** replace the fake kernel of a call with a sparse argument
+  (a COO tensor: its memory is in its parts, ``engine/layouts.py``): the
+  fake kernel does not know how many elements a sparse result specifies
+  (it makes none), so the rule makes the result's parts as the device's
+  kernel does, with dense ops the trace records (``call.default()`` where
+  the fake kernel is right: a part's accessor, a constructor). A call with a
+  sparse argument and no such rule runs its fake kernel and is listed in
+  ``unsupported``; a call on a compressed sparse tensor (CSR, ...) with no
+  rule stops the trace, listed.
 
 Adding an op is one decorated function::
 
@@ -261,6 +270,7 @@ class RuleSet:
         self._checks: dict[OpOverload, CheckRule] = {}
         self._composites: dict[OpOverload, CompositeRule] = {}
         self._formulas: dict[OpOverload, Formula] = {}
+        self._sparse: dict[OpOverload, ImplementationRule] = {}
 
     def __repr__(self) -> str:
         return (
@@ -305,6 +315,13 @@ class RuleSet:
         watching: the ops the composite calls are traced one by one."""
         return self._register(self._composites, "composite", ops)
 
+    def sparse(self, *ops: OpLike) -> Callable[[ImplementationRule], ImplementationRule]:
+        """Register what ``ops`` make, and allocate, when an argument is a sparse tensor."""
+        return self._register(self._sparse, "sparse", ops)
+
+    def sparse_rule(self, func: OpOverload) -> ImplementationRule | None:
+        return self._sparse.get(func)
+
     def composite_rule(self, func: OpOverload) -> CompositeRule | None:
         return self._composites.get(func)
 
@@ -329,6 +346,7 @@ class RuleSet:
             "check": sorted(str(op) for op in self._checks),
             "composite": sorted(str(op) for op in self._composites),
             "formula": sorted(str(op) for op in self._formulas),
+            "sparse": sorted(str(op) for op in self._sparse),
         }
 
     def copy(self, device: str | None = None) -> RuleSet:
@@ -340,6 +358,7 @@ class RuleSet:
         other._checks.update(self._checks)
         other._composites.update(self._composites)
         other._formulas.update(self._formulas)
+        other._sparse.update(self._sparse)
         return other
 
     def _register(

@@ -10,6 +10,7 @@ from typing import Any, Final
 import torch
 from torch import nn
 
+from pytest_torchmem.engine.layouts import parts, sparse_like
 from pytest_torchmem.engine.model_state import (
     Converted,
     StandIns,
@@ -440,6 +441,19 @@ def _profile_name(device: str, gpu: GpuProfile | None, cpu: CpuProfile | None) -
 
 def fake_standins(where: torch.device, fake_mode: FakeTensorMode) -> StandIns:
     """Fake stand-ins on ``where`` (use them with ``fake_mode`` active)."""
+
+    def sparse(t: torch.Tensor, new_parts: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        if t.layout is torch.sparse_coo:
+            return sparse_like(t, new_parts, where)
+        # fake tensors have no constructor of compressed sparse tensors: a meta one, faked,
+        # holding parts of its own (a storage they share with another tensor is not shared)
+        with no_dispatch():
+            meta_parts = tuple(
+                torch.empty_strided(p.shape, p.stride(), dtype=p.dtype, device="meta") for p in new_parts
+            )
+            meta = sparse_like(t, meta_parts, torch.device("meta"))
+        return FakeTensor(fake_mode, meta, where)
+
     return StandIns(
         where,
         dense=lambda t: fake_empty(fake_mode, t.shape, t.stride(), t.dtype, where),
@@ -447,6 +461,7 @@ def fake_standins(where: torch.device, fake_mode: FakeTensorMode) -> StandIns:
             t.untyped_storage().nbytes(), dtype=torch.uint8, device=where
         ).untyped_storage(),
         parameter=_fake_parameter,
+        sparse=sparse,
     )
 
 
@@ -486,6 +501,9 @@ def _originals(standins: Converted) -> list[tuple[torch.Tensor, torch.Tensor]]:
     pairs = []
     for group in groups:
         for t in group:
+            if t.layout is not torch.strided:  # a sparse tensor's values are its parts'
+                pairs += standins.sparse_parts.get(id(t), ())
+                continue
             original = standins.originals.get(id(t))
             if original is not None:
                 pairs.append((t, original))
@@ -497,7 +515,10 @@ def adopt(tracker: Tracker, standins: Converted) -> list[int]:
     baseline: list[int] = []
     seen: set[int] = set()
     for category, tensors in standins.baseline_groups():
-        for t in tensors:
+        for tensor in tensors:
+            if tensor.layout is not torch.strided:
+                tracker.sparse = True  # (its ops' arguments are looked at from here on)
+        for t in (part for tensor in tensors for part in parts(tensor)):
             sid = tracker.adopt(t, category)
             if sid is not None and sid not in seen:
                 seen.add(sid)

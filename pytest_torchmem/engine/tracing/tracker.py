@@ -11,6 +11,7 @@ run.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import threading
 import traceback
@@ -23,6 +24,7 @@ from typing import Any, Final
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
+from pytest_torchmem.engine.layouts import COMPRESSED, parts
 from pytest_torchmem.engine.report import Category, Unsupported
 from pytest_torchmem.engine.timeline import Phase, StorageInfo, Timeline
 from pytest_torchmem.engine.torch_private import private
@@ -43,6 +45,13 @@ from pytest_torchmem.engine.tracing.rules import (
     RuleSet,
     ScratchRule,
     TraceContext,
+)
+from pytest_torchmem.engine.tracing.sparse_calls import (
+    eager_refusal,
+    fake_sparse_like,
+    quiet_meta_failures,
+    sparse_among,
+    sparse_in,
 )
 from pytest_torchmem.engine.tracing.user_code import location_in, runner_dirs, user_frames, user_location
 from pytest_torchmem.engine.tracing.values import ABSORBING, KnownValues, ValueKind, value_kind
@@ -78,6 +87,7 @@ _PRIM_DEVICE: Final = torch.ops.prim.device.default
 #: The buffer of the Python numbers an op got in Tensor slots, wrapped as tensors.
 _WRAPPED_TAG: Final = "<wrapped scalars>"
 _ADD: Final = torch.ops.aten.add.Tensor
+_STRIDED: Final = torch.strided
 _BACKWARD: Final = Phase.BACKWARD
 _FAKE_KEY: Final = private("torch._C._TorchDispatchModeKey.FAKE")
 #: The tensor types the fake mode is told an op has (it reads the arguments themselves).
@@ -216,6 +226,8 @@ class _OpPlan:
     values: ValueKind = ValueKind.OPAQUE
     #: The eager backward formula of the node it makes, if the device replaces it.
     formula: Formula | None = None
+    #: Whether it is the op's plan for sparse arguments (see Tracker._sparse_plan).
+    sparse: bool = False
 
 
 def _skipped_by_dynamo() -> None:
@@ -272,6 +284,9 @@ class Tracker(TorchDispatchMode):
         self._refs: dict[int, weakref.ref[Any]] = {}  # sid -> weak reference keeping the callback
         self._on_freed = self._freed  # (one bound method for every storage's reference)
         self._plans: dict[int, _OpPlan] = {}  # id(op) -> plan
+        self._sparse_plans: dict[int, _OpPlan] = {}  # id(op) -> its plan for sparse arguments
+        #: Whether a sparse tensor has been met (until then no op's arguments are looked at).
+        self.sparse = False
         self._resized: dict[int, int] = {}  # sid -> bytes after its last resize
         self._inexact: set[Unsupported] = set()
         # The first stand-in given for a value-dependent op, if any (see stopped_by).
@@ -317,6 +332,14 @@ class Tracker(TorchDispatchMode):
         sid = self.storage_id(t)
         return None if sid is None else self.timeline.storages[sid].pool
 
+    def charge(self, t: torch.Tensor, op: str) -> None:
+        """Record ``t``'s storages (a sparse tensor's parts) as allocated now by ``op``,
+        where a rule made them out of the trace's sight (the new parts an in-place
+        sparse op gives its tensor); storages the trace knows cost nothing."""
+        device = t.fake_device if type(t) is FakeTensor else t.device
+        if device == self.device:
+            self._track(t, None, op)
+
     def live_since(self, first: int) -> list[int]:
         """The sids of the storages made since sid ``first`` that are still live."""
         return sorted(sid for sid in self._live.values() if sid >= first)
@@ -326,9 +349,14 @@ class Tracker(TorchDispatchMode):
         return self._track(t, category, op="")
 
     def _track(self, t: torch.Tensor, category: Category | None, op: str) -> int | None:
+        if t.layout is not _STRIDED:
+            # a sparse tensor's memory is its parts' storages (the first one's sid is returned)
+            self.sparse = True
+            sids = [self._track(part, category, op) for part in parts(t)]
+            return sids[0] if sids else None
         try:
             storage = t.untyped_storage()
-        except (RuntimeError, NotImplementedError):  # sparse, nested: no single storage
+        except (RuntimeError, NotImplementedError):  # nested: no single storage
             return None
         key = storage._cdata
         sid = self._live.get(key)
@@ -432,9 +460,10 @@ class Tracker(TorchDispatchMode):
         with _DisableTorchFunction():  # see __torch_dispatch__
             self._settle_numbers()
             for t in tensors:
-                sid = self.storage_id(t)
-                if sid is not None:
-                    self.timeline.assign_role(sid, category)
+                for part in parts(t) if t.layout is not _STRIDED else (t,):
+                    sid = self.storage_id(part)
+                    if sid is not None:
+                        self.timeline.assign_role(sid, category)
 
     # -- dispatch ------------------------------------------------------------
 
@@ -507,6 +536,8 @@ class Tracker(TorchDispatchMode):
         plan = self._plan(func)
         if plan.localize:
             args, kwargs = self._localize(args, kwargs)
+        if self.sparse and sparse_among(args, kwargs):
+            plan = self._sparse_plan(plan)
         if func is _ADD and self._accumulates_in_place(args, kwargs):
             # Autograd's input buffer adds a second gradient in place on plain
             # tensors; on fake ones it cannot tell, so it is done here.
@@ -516,6 +547,7 @@ class Tracker(TorchDispatchMode):
         if plan.check is not None:  # the real kernel's refusal, raised as the program's error
             plan.check(OpCall(func, args, kwargs, context=self.context))
         real_out = needs_values = cannot_run = None
+        first = len(self.timeline.storages) if plan.sparse else -1
         try:
             if plan.composite is not None:
                 # the parts come back through this mode, each traced with its own rules
@@ -570,6 +602,8 @@ class Tracker(TorchDispatchMode):
             self._run_steps(plan, steps, out)
         else:
             self._record_outputs(plan, out)
+        if first >= 0:
+            self._scratch_since(first)
         if numbers and torch.is_grad_enabled():
             self._remember_numbers(func, args, kwargs, out, numbers)
         if plan.written_slots and torch.is_grad_enabled():
@@ -600,6 +634,65 @@ class Tracker(TorchDispatchMode):
             written = _written(plan, args, kwargs) if plan.written_slots else ()
             values.after(func, plan.values, args, kwargs, out, written, real_out)
         return out
+
+    def _sparse_plan(self, plan: _OpPlan) -> _OpPlan:
+        """``plan`` for a call with a sparse argument: the device's sparse rule makes its
+        outputs (the dense rules' scratch, checks and composites are for dense
+        arguments); without one, :meth:`unfollowed_sparse` (see rules.py)."""
+        found = self._sparse_plans.get(id(plan.func))
+        if found is None:
+            rule = self.rules.sparse_rule(plan.func)
+            found = self._sparse_plans[id(plan.func)] = dataclasses.replace(
+                plan,
+                implementation=rule if rule is not None else self.unfollowed_sparse,
+                scratch=None,
+                check=None,
+                composite=None,
+                formula=None,
+                sparse=True,
+            )
+        return found
+
+    def _scratch_since(self, first: int) -> None:
+        """The storages made since sid ``first`` and freed already were a sparse rule's
+        scratch (a kernel's buffers, freed before it returns: workspace, as ``measure``
+        reads them)."""
+        live = set(self._live.values())
+        storages = self.timeline.storages
+        for sid in range(first, len(storages)):
+            if sid not in live and storages[sid].category is None:
+                storages[sid].category = Category.WORKSPACE
+
+    def unfollowed_sparse(self, call: OpCall, what: str = "") -> Any:
+        """A call with a sparse argument that no rule of the device follows (``what``: the
+        case a rule leaves out): on a compressed sparse tensor the trace stops (fake
+        tensors have no kernels for them); on a COO one its fake kernel runs, listed."""
+        layouts = sorted({str(t.layout).removeprefix("torch.") for t in sparse_in(call.args, call.kwargs)})
+        if any(t.layout in COMPRESSED for t in sparse_in(call.args, call.kwargs)):
+            self._abort(
+                call.func,
+                f"an op on a {', '.join(layouts)} tensor: fake tensors have no kernels for "
+                "compressed sparse tensors (measure() runs it)",
+            )
+        what = what or f"an op on a {', '.join(layouts)} tensor"
+        self._report_inexact(
+            str(call.func),
+            f"{what} is not followed by the {self.rules.device} model: its fake kernel does not "
+            "know how many elements a sparse result holds, nor what the kernel allocates",
+        )
+        try:
+            with quiet_meta_failures():
+                return call.default()
+        except (RuntimeError, NotImplementedError, TypeError, ValueError) as exc:
+            if fake_tensor_limit(exc):
+                raise
+            # the fake kernel's own refusal; the real kernel's is the program's error (asked
+            # of the host's kernel: on the cpu trace only)
+            traceback.clear_frames(exc.__traceback__)
+            refused = eager_refusal(call) if self.device.type == "cpu" else None
+            if refused is not None:
+                raise refused from None
+            self._abort(call.func, f"fake tensors cannot run it on a sparse tensor ({_first_line(exc)})")
 
     def fake_kernel(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """``func(*args, **kwargs)`` below the tracker: the fake mode's kernel.
@@ -676,6 +769,8 @@ class Tracker(TorchDispatchMode):
             or node.metadata.get(_RUNNING, False)
             or old.shape != new.shape
             or old.dtype != new.dtype
+            or old.layout is not _STRIDED
+            or new.layout is not _STRIDED
             or not _dense(old)
         ):
             return False
@@ -940,11 +1035,28 @@ class Tracker(TorchDispatchMode):
                 # A fake tensor's device, read without the Python property (and the
                 # fake cuda device's GPU view of it): outside a kernel it is fake_device.
                 device = t.fake_device if type(t) is FakeTensor else t.device
+                if t.layout is not _STRIDED and not self._follows_sparse_output(plan):
+                    self._report_inexact(
+                        plan.name,
+                        "it makes a sparse tensor from dense ones, which the "
+                        f"{self.rules.device} model does not follow: its fake kernel does not know "
+                        "how many elements it holds",
+                    )
                 if device == self.device and not t._is_zerotensor():
                     # (a zero tensor, sgn's gradient say, has no memory)
                     self._track(t, None, plan.name)
             elif isinstance(t, (tuple, list)):
                 self._record_outputs(plan, t)
+
+    def _follows_sparse_output(self, plan: _OpPlan) -> bool:
+        """Whether the sparse output of ``plan``'s op is modelled: a sparse rule made it,
+        or the device has a rule for the op (its author made it), or the op has one for
+        sparse arguments (a constructor from parts, which the fake kernel follows)."""
+        return (
+            plan.implementation is not None
+            or plan.scratch is not None
+            or self.rules.sparse_rule(plan.func) is not None
+        )
 
     def _run_steps(self, plan: _OpPlan, steps: Any, out: Any) -> None:
         held: dict[str, int] = {}
@@ -1031,7 +1143,23 @@ class Tracker(TorchDispatchMode):
             # Live before the step but outside the model's parameters, buffers and
             # attributes (a closure's tensor, say): known, so that in-place writes
             # into it allocate nothing, but not charged, as a real run cannot see it.
-            fake = fake_like(value, self._device_for(value.device))
+            if value.layout in COMPRESSED:
+                self.flag(
+                    Unsupported(
+                        f"a {str(value.layout).removeprefix('torch.')} tensor",
+                        "it comes from outside the model and the inputs, and fake tensors "
+                        "cannot hold a compressed sparse tensor; the trace stopped here",
+                        user_location(),
+                    )
+                )
+                raise TraceAborted(str(value.layout))
+            fake = (
+                fake_sparse_like(value, self._device_for(value.device), fake_like)
+                if value.layout is not _STRIDED
+                else None
+            )
+            if fake is None:
+                fake = fake_like(value, self._device_for(value.device))
             if value.requires_grad and value.is_leaf:
                 fake.requires_grad_(True)
             self._foreign[value] = fake

@@ -373,6 +373,13 @@ class KnownValues:
                 del self._storages[entry.key]
                 self.nbytes -= storage.nbytes
 
+    def know(self, t: Any, real: torch.Tensor) -> None:
+        """Know the fake tensor ``t`` to hold the real ``real`` (of its shape and dtype): a
+        rule that made ``t`` out of dense ops whose values it knows otherwise (a sparse
+        tensor's parts, copied). Within the limits; ``real`` is copied."""
+        if _readable(real):  # (a real plain tensor, not a fake one made from it)
+            self._attach(t, real)
+
     def assume(self, t: Any, value: Any) -> None:
         """Know every element of the fake tensor ``t`` to be ``value`` (a decision the
         trace cannot compute, taken as the caller's model of the program says)."""

@@ -20,6 +20,7 @@ from pytest_torchmem.engine.tracing.devices.autograd_paths import register_eager
 from pytest_torchmem.engine.tracing.devices.collectives import register_collectives
 from pytest_torchmem.engine.tracing.devices.eager_checks import register_checks
 from pytest_torchmem.engine.tracing.devices.meta_kernels import register_meta_kernels
+from pytest_torchmem.engine.tracing.devices.sparse import register_sparse
 from pytest_torchmem.engine.tracing.rules import OpCall, RuleSet
 from pytest_torchmem.engine.tracing.values import count_nonzero, on_values
 
@@ -33,6 +34,7 @@ register_checks(COMMON)
 register_collectives(COMMON)
 register_eager_in_place(COMMON)  # backward formulas that write in place eagerly
 register_meta_kernels(COMMON)  # the outputs of ops torch gives no meta kernel
+register_sparse(COMMON)  # sparse tensors' parts, flags and constructors
 
 _UPPER: Final = "output size depends on tensor values; the largest possible output was assumed"
 

@@ -30,6 +30,7 @@ from pytest_torchmem.engine.tracing.devices.cpu import (  # noqa: F401  (they re
     rnn,
     sampling,
     sorting,
+    sparse,
     spectral,
     upsample,
 )

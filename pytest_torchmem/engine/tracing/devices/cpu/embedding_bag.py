@@ -236,9 +236,9 @@ def _embedding_bag_backward(call: OpCall) -> Steps:
     grad, indices, offsets = arg(call, 0, "grad"), arg(call, 1, "indices"), arg(call, 2, "offsets")
     offset2bag, mode = arg(call, 3, "offset2bag"), arg(call, 8, "mode")
     psw = arg(call, 10, "per_sample_weights")
-    if arg(call, 9, "sparse"):
-        return [Inexact("embedding_bag's sparse backward is not modelled")]
     bag = _Bag(grad, indices, offsets)
+    if arg(call, 9, "sparse"):
+        return _sparse_backward(call, bag, grad, offset2bag, mode)
     steps: list[Any] = [*bag.promotions, *_backward_offset2bag(bag, offset2bag)]
     if not grad.is_contiguous():
         steps.append(Alloc("grad.contiguous()", nbytes_of(grad)))
@@ -264,6 +264,37 @@ def _embedding_bag_backward(call: OpCall) -> Steps:
         ]
         if psw is not None:
             steps.append(Alloc("per_sample_weights in sorted order", nbytes_of(psw)))
+    return steps
+
+
+def _sparse_backward(
+    call: OpCall, bag: _Bag, grad: torch.Tensor, offset2bag: torch.Tensor, mode: int
+) -> Steps:
+    """``sparse=True``: after the promotions and ``offset2bag``,
+    ``_embedding_bag_sparse_backward_symint`` gathers the gradient per index (the
+    result's values, ``grad.index_select(0, offset2bag)``); for ``mean``
+    (``apply_bag_size_backward``) it multiplies them in place by
+    ``(1 / bag_size.to(dtype)).unsqueeze(1).index_select(0, offset2bag)``, whose two
+    temporaries die with that expression and the gathered factors with the kernel;
+    ``embedding_sparse_backward`` makes the sparse result of views. Its ``padding_idx``
+    filter (rows selected by value) and ``max`` mode are not modelled."""
+    padding_idx = arg(call, 11, "padding_idx", -1)
+    steps: list[Any] = [*bag.promotions, *_backward_offset2bag(bag, offset2bag), Output(0)]
+    if mode == MAX or (padding_idx is not None and padding_idx >= 0):
+        return [
+            Inexact("embedding_bag's sparse backward with a padding_idx or in max mode is not modelled"),
+            *steps,
+        ]
+    if mode == MEAN and bag.n:
+        size = grad.element_size()
+        bags = arg(call, 4, "bag_size").numel()
+        steps += [
+            Alloc("bag_size as the gradient's dtype", bags * size),
+            Alloc("1 / bag_size", bags * size),
+            Alloc("inverse bag size per index", bag.n * size),
+            Free("bag_size as the gradient's dtype"),
+            Free("1 / bag_size"),
+        ]
     return steps
 
 

@@ -10,6 +10,7 @@ from pytest_torchmem.engine.tracing.devices.autograd_paths import (
     register_eager_in_place,
 )
 from pytest_torchmem.engine.tracing.devices.common import COMMON
+from pytest_torchmem.engine.tracing.devices.sparse import register_unmodelled_sparse
 from pytest_torchmem.engine.tracing.rules import RuleSet
 
 __all__ = ["CUDA"]
@@ -18,3 +19,5 @@ __all__ = ["CUDA"]
 CUDA: Final[RuleSet] = COMMON.copy("cuda")
 # (the CPU's binary-op layout rules ask for these themselves: cpu/misc.py)
 register_eager_in_place(CUDA, EAGER_IN_PLACE_BINARY)
+# sparse tensors' kernels are not modelled on cuda: their ops are listed (devices/sparse.py)
+register_unmodelled_sparse(CUDA)
