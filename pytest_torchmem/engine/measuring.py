@@ -339,6 +339,10 @@ def profile_cpu_step(
             probe.settle()
             probe.assign_role(Category.PARAMETERS, local_tensors(parameters))
             probe.assign_role(Category.BUFFERS, local_tensors(step_model.buffers()))
+        if parallel is None:
+            # read from here: what the step makes before its forward (an optimizer whose
+            # constructor makes its state: Adagrad's sums) counts, as the estimate counts it
+            probe.set_phase(None)
         with (
             substituted(model_tensors, standins.model) if parallel is None else collectives_completed_here(),
             modules,
