@@ -275,6 +275,7 @@ def _trace(
                 parameters = standins.parameters
                 if parallel is not None:
                     step_model, parameters = _apply(tracker, parallel, step_model, mesh, standins)
+                    baseline = _set_up(tracker)
                 run_step(
                     step_model,
                     standins.args,
@@ -420,6 +421,25 @@ def _apply(
     tracker.assign_role(Category.PARAMETERS, local_tensors(parameters))
     tracker.assign_role(Category.BUFFERS, local_tensors(parallel_model.buffers()))
     return parallel_model, parameters
+
+
+def _set_up(tracker: Tracker) -> list[int]:
+    """The step starts here, after ``apply``: the storages alive now are its baseline,
+    parameters first, then buffers, inputs, gradients (DDP's buckets), as a step
+    without ``parallel=`` starts from its model's tensors.
+
+    What ``apply`` made and freed on the way (the unsharded parameters ``fully_shard``
+    copied its shards from) is not replayed: on cuda, the caching allocator starts
+    empty with these storages, as in a run that builds the model on the meta device,
+    shards it and then makes the shards (``to_empty``). A model moved to the GPU whole
+    before ``fully_shard`` leaves its freed blocks cached too, reserved but not
+    counted here.
+    """
+    timeline = tracker.timeline
+    timeline.step_start = len(timeline.events)
+    order = {category: i for i, category in enumerate(Category)}
+    alive = tracker.live_since(0)
+    return sorted(alive, key=lambda sid: (order[timeline.category_of(sid)], sid))
 
 
 #: What ``parallel=`` does not model on the fake cuda device.
