@@ -77,8 +77,9 @@ class StorageInfo:
     #: The autograd node that was running when it was made, in backward (``MmBackward0``;
     #: recorded with the frames).
     node: str = ""
-    #: The allocator pool it is charged to: 0 the device's own, else a private pool (a
-    #: CUDA graph's, whose blocks only its own allocations reuse).
+    #: The allocator pool it is charged to: 0 the default stream's, else a private pool (a
+    #: CUDA graph's) or a side stream's (FSDP2's all-gather and reduce-scatter streams),
+    #: whose cached blocks only its own allocations reuse.
     pool: int = 0
 
 
@@ -197,7 +198,7 @@ class Allocator(Protocol):
 
 def _charge(allocator: Allocator | None, blocks: dict[int, Any], sid: int, nbytes: int, pool: int = 0) -> int:
     """Bytes a new storage of ``nbytes`` is charged: itself, or its allocator block (in
-    ``pool``: a private pool is modelled as a stream of its own, whose cached blocks no
+    ``pool``: a side stream, or a private pool modelled as a stream of its own, whose cached blocks no
     other allocation takes, as ``get_free_block`` keys them)."""
     if allocator is None:
         return nbytes

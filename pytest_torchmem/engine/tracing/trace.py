@@ -263,7 +263,7 @@ def _trace(
                 substituted(model_tensors, standins.model) if parallel is None else nullcontext(),
                 modules,
                 # the mesh is made of real tensors, before fake tensors are on
-                fake_world(parallel, rank, where.type, tracker.storage_resized) if parallel is not None else nullcontext() as mesh,
+                fake_world(parallel, rank, where.type, tracker.storage_resized, tracker.charge_to) if parallel is not None else nullcontext() as mesh,
                 fake_mode,
                 tracker,
                 router,
@@ -445,9 +445,10 @@ def _set_up(tracker: Tracker) -> list[int]:
 #: What ``parallel=`` does not model on the fake cuda device.
 NCCL_GAP: Final = Unsupported(
     "parallel= on cuda: NCCL",
-    "collectives are charged as gloo's in-place kernels through the caching allocator; "
-    "NCCL's own buffers and the communication stream (a block freed while a collective "
-    "on another stream still uses it is not reused until it completes) are not modelled",
+    "collectives are charged as in-place kernels through the caching allocator, each "
+    "allocation to the stream current when it is made (FSDP2's all-gather and "
+    "reduce-scatter streams keep their cached blocks apart, as on a GPU); NCCL's own "
+    "buffers, which it allocates outside the caching allocator, are not modelled",
 )
 
 

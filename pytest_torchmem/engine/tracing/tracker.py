@@ -281,7 +281,8 @@ class Tracker(TorchDispatchMode):
         self._foreign: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self._modules: list[int] = []  # running modules, innermost last
         #: The allocator pool new storages are charged to (see StorageInfo.pool): a
-        #: CUDA graph's private pool while a program compiled with CUDA graphs runs.
+        #: CUDA graph's private pool while a program compiled with CUDA graphs runs,
+        #: a stream's while the program runs on a side stream (parallel=: FSDP2's).
         self.pool = 0
         #: Whether Python numbers passed as tensors cost device memory (CPU only).
         self.wrapped_scalars = device.type == "cpu" if wraps_numbers is None else wraps_numbers
@@ -316,6 +317,12 @@ class Tracker(TorchDispatchMode):
         """The allocator pool of ``t``'s storage, if the tracker knows it."""
         sid = self.storage_id(t)
         return None if sid is None else self.timeline.storages[sid].pool
+
+    def charge_to(self, pool: int) -> int:
+        """Charge the storages made from now on to ``pool`` (a stream's, a CUDA graph's:
+        see :attr:`pool`); the pool charged before."""
+        before, self.pool = self.pool, pool
+        return before
 
     def live_since(self, first: int) -> list[int]:
         """The sids of the storages made since sid ``first`` that are still live."""
