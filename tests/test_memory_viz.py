@@ -338,6 +338,23 @@ def test_cuda_blocks_and_segments_follow_the_caching_allocator() -> None:
     assert data["allocator_settings"]["expandable_segments"] is False
 
 
+def test_cuda_a_side_streams_segment_and_blocks_are_on_that_stream() -> None:
+    """A storage charged to a side stream (FSDP2's all-gather copy-in stream, pool 2)
+    gets a segment of that stream: its ``segment_alloc``, its block's ``alloc`` and the
+    segment at the end all name stream 2 (the segment's entry said 0)."""
+    t = Timeline()
+    gathered = t.new_storage(StorageInfo(4 * MiB, phase=Phase.FORWARD, op="aten.empty.memory_format", pool=2))
+    t.phase(Phase.FORWARD)
+    t.alloc(gathered)
+    t.phase(None)
+    data = assert_viewer_reads(pickle.dumps(snapshot(t, [], CachingAllocator(AllocatorConfig())), protocol=4))
+    assert [(e["action"], e["size"], e["stream"]) for e in data["device_traces"][0][:2]] == [
+        ("segment_alloc", 20 * MiB, 2),
+        ("alloc", 4 * MiB, 2),
+    ]
+    assert [(s["stream"], s["total_size"]) for s in data["segments"]] == [(2, 20 * MiB)]
+
+
 def test_cuda_expandable_segments_map_pages_in_windows_the_viewer_can_address() -> None:
     """With expandable segments the allocator maps 2 MiB (small pool) and 20 MiB (large
     pool) pages into address ranges of 2**62 bytes; each is shown in its own window."""

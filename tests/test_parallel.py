@@ -404,3 +404,117 @@ def test_blocks_compiled_before_fully_shard_run_eagerly_and_are_listed(device: s
     listed = [entry for entry in compiled.unsupported if entry.op.startswith("torch.compile")]
     assert listed and all("eager" in entry.reason for entry in listed), compiled.unsupported
     assert _peaks(compiled) == _peaks(eager) and compiled.first_step == eager.first_step
+
+
+def _with_scratch(model: nn.Module, mesh: object) -> nn.Module:
+    """An ``apply`` that makes and drops 1 GiB on the rank's device before it returns
+    (as ``fully_shard`` drops the unsharded parameters it copied its shards from)."""
+    scratch = torch.empty(1 << 30, dtype=torch.uint8, device=next(model.parameters()).device)
+    del scratch
+    return model
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_the_step_starts_from_what_apply_left_alive(device: str) -> None:
+    """What ``apply`` makes and frees is no part of the step: on cuda the caching
+    allocator starts with the storages ``apply`` left alive, as the step's figures do
+    (the 1 GiB block it freed stayed cached and counted in ``reserved_peak``, a
+    gigabyte more than the same step without it)."""
+    model, x = _blocks(1), torch.randn(8, 64)
+    plain = tm.estimate(model, x, device=device, optimizer=_adamw,
+                        parallel=tm.Parallel({"dp": 2}, lambda model, mesh: model))
+    scratch = tm.estimate(model, x, device=device, optimizer=_adamw, parallel=tm.Parallel({"dp": 2}, _with_scratch))
+    assert plain.reserved_peak == scratch.reserved_peak
+    assert _peaks(plain) == _peaks(scratch) and plain.first_step == scratch.first_step
+    assert plain.breakdown == scratch.breakdown and plain.modules == scratch.modules
+    if device == "cuda":
+        # parameters, input and the loop's state: a few small blocks, the cuBLAS workspaces
+        assert scratch.reserved_peak is not None and scratch.reserved_peak < 100 * 2**20
+
+
+MiB = 1 << 20
+
+
+def test_fsdp2_reserved_on_cuda_is_its_streams_segments_counted_by_hand(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two ``nn.Linear(1024, 1024, bias=False)`` blocks (4 MiB of float32 weight each),
+    ``fully_shard`` per block and root over 2 ranks, ``x`` of 1024 x 1024 floats
+    (4 MiB), the loss their sum, no optimizer: one forward and backward. cuBLAS keeps
+    one workspace per handle and stream (torch 2.10 to 2.14; 2.15 with
+    ``TORCH_CUBLAS_WORKSPACE_CACHE=1``, set here, where by default each call takes
+    its own and gives it back), and FSDP2 2.15 frees block 0's all-gather output
+    before block 1's copy-out rather than after: the same segments. Every buffer
+    is 4 MiB but the shards (2 MiB) and the loss's scalars. A request over 1 MiB takes
+    the large pool: a new segment is 20 MiB below 10 MiB (kLargeBuffer), else the
+    request rounded up to 2 MiB; a free block splits when more than 1 MiB is left.
+    The caching allocator keeps free blocks per stream (CUDACachingAllocator.cpp,
+    ``get_free_block``), and FSDP2 allocates on three:
+
+    default stream:
+      A 20 MiB  the step's first block: shards 2 + 2, x 4; the 12 MiB left take block
+                0's unsharded weight and output, block 1's weight where block 0's was
+                (resharded after forward) and its output; in backward block 1's weight
+                again and its weight's gradient fill it; then each reduce-scatter input
+                and block 0's weight and gradient take its freed blocks
+      C 32 MiB  the forward's cuBLAS workspace (H100: 32 MiB per handle and stream)
+      D  2 MiB  small pool: the loss, its reduction's scratch, backward's seed
+      E 20 MiB  backward, A full: mm copies the sum's expanded gradient (stride 0) for
+                cuBLAS; then block 0's output gradient
+      F 32 MiB  the backward thread's cuBLAS workspace
+    all-gather copy-in stream:
+      B 20 MiB  the all-gather outputs (4 MiB): block 0's, block 1's beside it (block
+                0's is held until block 1's copy-out), reused in backward; the default
+                stream cannot take its free 16 MiB
+    reduce-scatter stream:
+      G 20 MiB  the reduce-scatter outputs: this rank's 2 MiB of each block's gradient
+
+    146 MiB. The allocated peak is in backward, when the sum's gradient is copied a
+    second time (for block 0's output gradient): A full 20 MiB, in E that gradient and
+    the copy 8 MiB, the two workspaces 64 MiB, block 0's all-gather output (prefetched)
+    4 MiB, the loss and backward's seed 512 B each: 96 MiB + 1 KiB. With every
+    allocation on the default stream (before streams were modelled) the all-gather
+    outputs took A's free blocks (its second 20 MiB segment came in the forward, not
+    the backward) and the reduce-scatter outputs blocks the default stream had freed:
+    106 MiB.
+    """
+    monkeypatch.setenv("TORCH_CUBLAS_WORKSPACE_CACHE", "1")
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(1024, 1024, bias=False) for _ in range(2)])
+    report = tm.estimate(model, torch.randn(1024, 1024), device="cuda", parallel=tm.Parallel({"dp": 2}, _fsdp()))
+    assert report.reserved_peak == (20 + 32 + 2 + 20 + 32) * MiB + 20 * MiB + 20 * MiB == 146 * MiB
+    assert report.peak == report.backward_peak == (20 + 8 + 32 + 32 + 4) * MiB + 2 * 512
+
+
+def test_fsdp2_mixed_precision_reserved_on_cuda_counted_by_hand(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One ``nn.Linear(8192, 8192, bias=False)`` (256 MiB of float32) sharded over 8
+    ranks with bfloat16 parameters and gradients reduced in bfloat16
+    (``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=bfloat16)``: without a
+    ``reduce_dtype`` 2.15 reduces in float32, 2.10 to 2.14 in the ``param_dtype``),
+    ``x`` of 8 x 8192 floats, no optimizer, cuBLAS workspaces kept as in the test
+    above. Each buffer over 10 MiB is a segment of its own size:
+
+    default stream:  the shard 32 MiB; the unsharded bfloat16 weight 128 MiB (the
+                     root keeps it through backward; its block takes the reduce-scatter
+                     input after); the cuBLAS workspaces 32 + 32 MiB (forward and the
+                     backward thread); the weight's gradient 128 MiB; the small pool
+                     2 MiB (x, its bfloat16 copy, the output, the loss)
+    copy-in stream:  the shard cast to bfloat16 16 MiB, the all-gather output 128 MiB
+                     (the cast is alive while it is made)
+    reduce-scatter stream: the reduced gradient 16 MiB (bfloat16), its float32 copy
+                     32 MiB (made while the bfloat16 one is alive)
+
+    546 MiB. On the default stream alone (before streams were modelled) the freed
+    all-gather output took the weight's gradient and the freed cast the reduced
+    gradient: 402 MiB.
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    def bf16(model: nn.Module, mesh: object) -> nn.Module:
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
+        return fully_shard(model, mesh=mesh, mp_policy=policy)
+
+    monkeypatch.setenv("TORCH_CUBLAS_WORKSPACE_CACHE", "1")
+    with torch.device("meta"):
+        model = nn.Linear(8192, 8192, bias=False)
+    report = tm.estimate(model, torch.randn(8, 8192), device="cuda", parallel=tm.Parallel({"dp": 8}, bf16))
+    default = 32 + 128 + 32 + 32 + 128 + 2
+    assert report.reserved_peak == (default + 16 + 128 + 16 + 32) * MiB == 546 * MiB

@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Final, Literal
 
 import torch
 from torch import nn
@@ -131,9 +131,19 @@ class Parallel:
         return list(range(self.world))
 
 
+#: The allocator pool (``StorageInfo.pool``) of the first side stream a program makes
+#: on the fake cuda device; the next ones count up. 0 is the default stream and 1 a
+#: CUDA graph's private pool (``compiled_cuda.GRAPH_POOL``).
+FIRST_STREAM_POOL: Final = 2
+
+
 @contextmanager
 def fake_world(
-    parallel: Parallel, rank: int, device_type: str, resized: Callable[[torch.Tensor], None]
+    parallel: Parallel,
+    rank: int,
+    device_type: str,
+    resized: Callable[[torch.Tensor], None],
+    streamed: Callable[[int], int],
 ) -> Iterator[DeviceMesh]:
     """A ``DeviceMesh`` of ``parallel``'s shape over a fake process group, as rank ``rank``.
 
@@ -141,7 +151,11 @@ def fake_world(
     block (``torch.distributed`` keeps one per process), so the block refuses
     to run where one exists already. ``resized(tensor)`` is told of every
     storage FSDP2 frees or re-allocates in place (``storage.resize_``, which
-    no dispatch mode sees).
+    no dispatch mode sees). On the fake cuda device, ``streamed(pool)`` is
+    called when the program makes one of its streams current (FSDP2's
+    all-gather and reduce-scatter streams) and when it leaves it: new storages
+    are charged to that stream's pool from then on (0: the default stream); it
+    returns the pool charged before.
     """
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -161,7 +175,7 @@ def fake_world(
         with (
             _fake_tensor_checks_skipped(),
             _storage_resizes_seen(resized),
-            _device_handle(device_type),
+            _device_handle(device_type, streamed),
             _bucket_rebuild_indices_real(),
         ):
             yield mesh
@@ -170,23 +184,28 @@ def fake_world(
 
 
 class _MetaStream(torch.cpu.Stream):
-    """The CPU's stream (its waits and events do nothing), told apart as ``meta``'s.
+    """A stream of the fake cuda device: the CPU's (its waits and events do nothing),
+    told apart as ``meta``'s, with the allocator pool its allocations are charged to.
 
     torch 2.15's FSDP2 records a reduce-scatter's output on the stream that
     reads it, by the stream's id, device index and device type
     (``record_grad_output_stream`` in
     ``torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py``, for every
     buffer not on the CPU; the op does nothing but where a backend registers
-    it, and none registers ``meta``); the CPU's stream has none of the three.
-    2.10 to 2.14 record no stream there.
+    it, and none registers ``meta``; CUDA does not either: a freed block stays
+    mapped); the CPU's stream has none of the three. 2.10 to 2.14 record no
+    stream there.
     """
 
-    def __init__(self, priority: int = -1) -> None:
+    def __init__(self, priority: int = -1, pool: int = 0) -> None:
         super().__init__(priority)
         meta = torch.Stream(device="meta")
         self.stream_id = meta.stream_id
         self.device_index = meta.device_index
         self.device_type = meta.device_type
+        #: The caching allocator's free blocks are kept per stream: what is allocated
+        #: while this stream is current is charged to this pool (0: the default stream).
+        self.pool = pool
 
 
 class _MetaDeviceHandle(types.ModuleType):
@@ -194,21 +213,41 @@ class _MetaDeviceHandle(types.ModuleType):
 
     The fake cuda device traces on ``meta``, and ``torch.distributed`` finds a
     device's streams, events and current index as ``getattr(torch, type)``,
-    which ``meta`` has none of. This one answers as the CPU's does: one
-    stream, events that are always complete, no index (``meta``, not ``meta:0``,
-    so what FSDP2 allocates is on the traced device). Every collective
-    completes when it is issued on the fake process group, so one stream is
-    the schedule the estimate defines; what a second stream changes in the
-    caching allocator is listed in ``unsupported`` (NCCL).
+    which ``meta`` has none of. This one answers as the CPU's does: events
+    that are always complete, no index (``meta``, not ``meta:0``, so what
+    FSDP2 allocates is on the traced device). Every collective completes when
+    it is issued on the fake process group, so the order of the program's
+    calls is the schedule the estimate defines.
+
+    Its streams are the caching allocator's: each stream the program makes
+    (FSDP2: the all-gather copy-in, all-gather, reduce-scatter and all-reduce
+    streams) has a pool of its own, and what is allocated while it is current
+    (``with handle.stream(s)``) is charged to it, as ``DeviceCachingAllocator``
+    keys its free blocks by the allocation stream (``get_free_block``): a block
+    freed on the CPU returns to its own stream's free blocks and no other
+    stream's request takes it (``c10/cuda/CUDACachingAllocator.cpp``).
+    No block is recorded on another stream (``recordStream``): FSDP2 orders
+    reuse with events and held references instead, and ProcessGroupNCCL stashes
+    a collective's tensors rather than recording them (2.10 to 2.14 say
+    ``TORCH_NCCL_AVOID_RECORD_STREAMS is the default now``; 2.15 has no such
+    setting), so the replay of the program's allocations and frees in order is
+    what the allocator sees.
     """
 
-    Stream = _MetaStream
     Event = torch.cpu.Event
     StreamContext = torch.cpu.StreamContext
 
-    def __init__(self) -> None:
+    def __init__(self, streamed: Callable[[int], int]) -> None:
         super().__init__("torch.meta")
         self._default = _MetaStream()
+        self._streamed = streamed
+        self._next_pool = FIRST_STREAM_POOL
+
+    def Stream(self, priority: int = -1) -> _MetaStream:  # noqa: N802 - torch.cuda.Stream's place
+        """A new stream, with an allocator pool of its own."""
+        stream = _MetaStream(priority, self._next_pool)
+        self._next_pool += 1
+        return stream
 
     @staticmethod
     def current_device() -> None:
@@ -218,9 +257,20 @@ class _MetaDeviceHandle(types.ModuleType):
         current = torch.cpu.current_stream(device)
         return current if isinstance(current, _MetaStream) else self._default
 
-    @staticmethod
-    def stream(stream: Any) -> Any:
-        return torch.cpu.stream(stream)
+    @contextmanager
+    def stream(self, stream: Any) -> Iterator[None]:
+        """``torch.cuda.stream(stream)``: ``stream`` is current for the block, and
+        what is allocated in it is charged to its pool."""
+        if stream is None:
+            yield
+            return
+        pool = stream.pool if isinstance(stream, _MetaStream) else 0
+        before = self._streamed(pool)
+        try:
+            with torch.cpu.stream(stream):
+                yield
+        finally:
+            self._streamed(before)
 
     @staticmethod
     def synchronize(device: Any = None) -> None:
@@ -240,7 +290,7 @@ class _MetaDeviceHandle(types.ModuleType):
 
 
 @contextmanager
-def _device_handle(device_type: str) -> Iterator[None]:
+def _device_handle(device_type: str, streamed: Callable[[int], int]) -> Iterator[None]:
     """``torch.meta`` for the block when the trace is on ``meta`` (the fake cuda device),
     and FSDP2's refusal of parameters on ``meta`` lifted."""
     if device_type != "meta" or hasattr(torch, "meta"):
@@ -252,7 +302,7 @@ def _device_handle(device_type: str) -> Iterator[None]:
     validate = "torch.distributed.fsdp._fully_shard._fsdp_param_group.FSDPParamGroup._validate_no_meta_params"
     with replacing(validate, lambda self: None):
         # torch has no attribute meta to replace (so no table entry): added for the block
-        torch.meta = _MetaDeviceHandle()  # type: ignore[attr-defined]
+        torch.meta = _MetaDeviceHandle(streamed)  # type: ignore[attr-defined]
         try:
             yield
         finally:

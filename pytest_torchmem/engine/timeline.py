@@ -77,8 +77,9 @@ class StorageInfo:
     #: The autograd node that was running when it was made, in backward (``MmBackward0``;
     #: recorded with the frames).
     node: str = ""
-    #: The allocator pool it is charged to: 0 the device's own, else a private pool (a
-    #: CUDA graph's, whose blocks only its own allocations reuse).
+    #: The allocator pool it is charged to: 0 the default stream's, else a private pool (a
+    #: CUDA graph's) or a side stream's (FSDP2's all-gather and reduce-scatter streams),
+    #: whose cached blocks only its own allocations reuse.
     pool: int = 0
 
 
@@ -93,6 +94,10 @@ class Timeline:
     roles: dict[int, Category] = field(default_factory=dict)
     #: The names of the user's own phases (``tm.phase(name)``), in the order first met.
     phase_names: list[str] = field(default_factory=list)
+    #: The index of the step's first event. What comes before it sets the step up
+    #: (parallel=: ``apply`` shards the model) and is not replayed: the step starts
+    #: from the storages then alive, its baseline, as from parameters.
+    step_start: int = 0
 
     def new_storage(self, info: StorageInfo) -> int:
         self.storages.append(info)
@@ -193,7 +198,7 @@ class Allocator(Protocol):
 
 def _charge(allocator: Allocator | None, blocks: dict[int, Any], sid: int, nbytes: int, pool: int = 0) -> int:
     """Bytes a new storage of ``nbytes`` is charged: itself, or its allocator block (in
-    ``pool``: a private pool is modelled as a stream of its own, whose cached blocks no
+    ``pool``: a side stream, or a private pool modelled as a stream of its own, whose cached blocks no
     other allocation takes, as ``get_free_block`` keys them)."""
     if allocator is None:
         return nbytes
@@ -204,8 +209,21 @@ def _charge(allocator: Allocator | None, blocks: dict[int, Any], sid: int, nbyte
     return block.size
 
 
+def _baseline_bytes(timeline: Timeline, baseline: list[int]) -> list[tuple[int, int]]:
+    """Each storage of ``baseline`` with its bytes when the step starts (after the
+    resizes of the events before :attr:`Timeline.step_start`)."""
+    nbytes = {sid: timeline.storages[sid].nbytes for sid in baseline}
+    for kind, a, b in timeline.events[: timeline.step_start]:
+        if kind == RESIZE and a in nbytes:
+            nbytes[a] = b
+    return list(nbytes.items())
+
+
 def analyze(timeline: Timeline, baseline: list[int], allocator: Allocator | None = None) -> Analysis:
     """Replay ``timeline`` from the live ``baseline`` storages and read every figure.
+
+    ``baseline``: the storages alive when the step starts (at
+    :attr:`Timeline.step_start`; the events before it are not replayed).
 
     Without ``allocator`` a storage costs its bytes; with one, each storage is
     handed to it in order and costs the block it gets (``allocator`` is then
@@ -218,8 +236,8 @@ def analyze(timeline: Timeline, baseline: list[int], allocator: Allocator | None
     blocks: dict[int, Any] = {}
     by_cat = [0] * len(_CATEGORY_ORDER)
     live = 0
-    for sid in baseline:
-        charged = _charge(allocator, blocks, sid, timeline.storages[sid].nbytes)
+    for sid, nbytes in _baseline_bytes(timeline, baseline):
+        charged = _charge(allocator, blocks, sid, nbytes)
         size[sid] = charged
         by_cat[cat_of[sid]] += charged
         live += charged
@@ -241,7 +259,10 @@ def analyze(timeline: Timeline, baseline: list[int], allocator: Allocator | None
     named_depth = [0] * len(timeline.phase_names)
     named_open: list[int] = []  # the user's phases under way
 
+    start = timeline.step_start
     for index, (kind, a, b) in enumerate(timeline.events):
+        if index < start:
+            continue  # setting the step up: the baseline is what it left alive
         if kind == ALLOC or kind == RESIZE:
             if kind == ALLOC and a in size:
                 continue  # already live: counted once
@@ -359,17 +380,21 @@ def replay(
 ) -> Iterator[Charge]:
     """Every change of the live bytes of ``timeline``, in order, as :func:`analyze` counts them.
 
-    The baseline storages come first (``index`` -1). A storage allocated while
+    The baseline storages (alive at :attr:`Timeline.step_start`) come first
+    (``index`` -1); the events before the step's start are skipped. A storage allocated while
     live is not counted again; a resize charges the new block before giving
     back the old one. With ``allocator`` each storage costs its block, and the
     allocator is driven as it would be on the device.
     """
     size: dict[int, int] = {}
     blocks: dict[int, Any] = {}
-    for sid in baseline:
-        size[sid] = _charge(allocator, blocks, sid, timeline.storages[sid].nbytes)
+    for sid, nbytes in _baseline_bytes(timeline, baseline):
+        size[sid] = _charge(allocator, blocks, sid, nbytes)
         yield Charge(-1, sid, size[sid], blocks.get(sid))
+    start = timeline.step_start
     for index, (kind, a, b) in enumerate(timeline.events):
+        if index < start:
+            continue
         if kind == ALLOC or kind == RESIZE:
             if kind == ALLOC and a in size:
                 continue

@@ -276,7 +276,7 @@ class _Writer:
 
     def _segment_event(self, action: str, segment: Segment, address: int, size: int) -> None:
         """The allocator took or gave back device memory (inside a malloc)."""
-        self.pending.append(self._entry(action, self._shown(segment, address), size, 0, []))
+        self.pending.append(self._entry(action, self._shown(segment, address), size, segment.stream, []))
 
     def _shown(self, segment: Segment, address: int) -> int:
         """Where the simulator's ``address`` in ``segment`` is shown."""

@@ -262,7 +262,7 @@ def _trace(
                 substituted(model_tensors, standins.model) if parallel is None else nullcontext(),
                 modules,
                 # the mesh is made of real tensors, before fake tensors are on
-                fake_world(parallel, rank, where.type, tracker.storage_resized) if parallel is not None else nullcontext() as mesh,
+                fake_world(parallel, rank, where.type, tracker.storage_resized, tracker.charge_to) if parallel is not None else nullcontext() as mesh,
                 fake_mode,
                 tracker,
                 router,
@@ -274,6 +274,7 @@ def _trace(
                 parameters = standins.parameters
                 if parallel is not None:
                     step_model, parameters = _apply(tracker, parallel, step_model, mesh, standins)
+                    baseline = _set_up(tracker)
                 run_step(
                     step_model,
                     standins.args,
@@ -421,12 +422,32 @@ def _apply(
     return parallel_model, parameters
 
 
+def _set_up(tracker: Tracker) -> list[int]:
+    """The step starts here, after ``apply``: the storages alive now are its baseline,
+    parameters first, then buffers, inputs, gradients (DDP's buckets), as a step
+    without ``parallel=`` starts from its model's tensors.
+
+    What ``apply`` made and freed on the way (the unsharded parameters ``fully_shard``
+    copied its shards from) is not replayed: on cuda, the caching allocator starts
+    empty with these storages, as in a run that builds the model on the meta device,
+    shards it and then makes the shards (``to_empty``). A model moved to the GPU whole
+    before ``fully_shard`` leaves its freed blocks cached too, reserved but not
+    counted here.
+    """
+    timeline = tracker.timeline
+    timeline.step_start = len(timeline.events)
+    order = {category: i for i, category in enumerate(Category)}
+    alive = tracker.live_since(0)
+    return sorted(alive, key=lambda sid: (order[timeline.category_of(sid)], sid))
+
+
 #: What ``parallel=`` does not model on the fake cuda device.
 NCCL_GAP: Final = Unsupported(
     "parallel= on cuda: NCCL",
-    "collectives are charged as gloo's in-place kernels through the caching allocator; "
-    "NCCL's own buffers and the communication stream (a block freed while a collective "
-    "on another stream still uses it is not reused until it completes) are not modelled",
+    "collectives are charged as in-place kernels through the caching allocator, each "
+    "allocation to the stream current when it is made (FSDP2's all-gather and "
+    "reduce-scatter streams keep their cached blocks apart, as on a GPU); NCCL's own "
+    "buffers, which it allocates outside the caching allocator, are not modelled",
 )
 
 

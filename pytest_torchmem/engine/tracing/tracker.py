@@ -296,7 +296,8 @@ class Tracker(TorchDispatchMode):
         self._foreign: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self._modules: list[int] = []  # running modules, innermost last
         #: The allocator pool new storages are charged to (see StorageInfo.pool): a
-        #: CUDA graph's private pool while a program compiled with CUDA graphs runs.
+        #: CUDA graph's private pool while a program compiled with CUDA graphs runs,
+        #: a stream's while the program runs on a side stream (parallel=: FSDP2's).
         self.pool = 0
         #: Whether Python numbers passed as tensors cost device memory (CPU only).
         self.wrapped_scalars = device.type == "cpu" if wraps_numbers is None else wraps_numbers
@@ -339,6 +340,12 @@ class Tracker(TorchDispatchMode):
         device = t.fake_device if type(t) is FakeTensor else t.device
         if device == self.device:
             self._track(t, None, op)
+
+    def charge_to(self, pool: int) -> int:
+        """Charge the storages made from now on to ``pool`` (a stream's, a CUDA graph's:
+        see :attr:`pool`); the pool charged before."""
+        before, self.pool = self.pool, pool
+        return before
 
     def live_since(self, first: int) -> list[int]:
         """The sids of the storages made since sid ``first`` that are still live."""

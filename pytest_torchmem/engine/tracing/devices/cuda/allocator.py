@@ -38,8 +38,13 @@ segment or page fails once the reserved bytes would pass it, or pass
 ``per_process_memory_fraction`` of it; memory held by the CUDA context or
 other processes is the caller's to subtract.
 
+Streams are the caller's to name: ``malloc(nbytes, stream)`` keys the block, and a
+freed block returns to its own stream's free blocks (the trace charges FSDP2's
+side streams so, see ``engine/parallel.py``).
+
 Not modelled: CUDA graph private pools and mempools, ``record_stream`` and
-its events (so "active" equals "allocated"), the free-memory callbacks, IPC,
+its events (so "active" equals "allocated"; FSDP2 and ProcessGroupNCCL of
+torch 2.10 to 2.15 record none on CUDA), the free-memory callbacks, IPC,
 ``backend:cudaMallocAsync``. Addresses are the simulator's own: new segments
 get fresh, increasing addresses, which only decide ties between cached
 blocks of equal size (the real ``cudaMalloc`` may hand out addresses in
