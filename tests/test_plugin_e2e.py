@@ -404,7 +404,7 @@ class TestX:
         (
             "budget=5",
             "*does not know 'budget'; it takes forward, backward, step, peak, devices, rtol, atol, gpu, cpu, "
-            "keep_output, compile, mesh, rank",
+            "keep_output, compile, mesh, rank, fits",
         ),
         (
             'gpu="H1000"',

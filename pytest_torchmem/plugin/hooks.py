@@ -29,15 +29,16 @@ SESSION_KEY: Final = pytest.StashKey[TorchmemSession]()
 
 _MARKER_HELP: Final = (
     f"{MARKER}(forward=None, backward=None, step=None, peak=None, devices=None, rtol=None, "
-    "atol=None, gpu=None, cpu=None, keep_output=None, compile=None, mesh=None, rank=None): memory "
+    "atol=None, gpu=None, cpu=None, keep_output=None, compile=None, mesh=None, rank=None, "
+    "fits=None): memory "
     "caps of the step checked by the torchmem fixture (bytes, or strings such as '512 MiB'), the "
     "devices to trace, the drift allowed from the snapshot, the GPU profile the cuda estimate "
     "follows (e.g. 'A100', a name of the ini option torchmem_gpus, 'current' or a "
     "pytest_torchmem.GpuProfile), the CPU profile the cpu estimate follows (e.g. 'avx512:8', or "
     "'host'), whether the model's output is held through backward (True) or released before it "
     "(False), whether the model is checked as torch.compile runs it (True, or a dict of "
-    "torch.compile's mode, dynamic, fullgraph and options), and the mesh and rank of a "
-    "parallel check."
+    "torch.compile's mode, dynamic, fullgraph and options), the mesh and rank of a "
+    "parallel check, and the GPUs the cuda step must fit (True: its own, or names)."
 )
 
 
