@@ -23,7 +23,7 @@ from pytest_torchmem.engine.tracing.devices.cpu.profiles import (
     capped_environment,
     cpu_profile,
 )
-from pytest_torchmem.plugin.verdict import CPU_ISA_LEVELS, MarkerError, parse_cpu
+from pytest_torchmem.plugin.markers import CPU_ISA_LEVELS, MarkerError, parse_cpu
 
 ROOT = Path(__file__).resolve().parents[1]
 HOST = profiles.host_profile()

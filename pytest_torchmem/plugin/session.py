@@ -67,15 +67,11 @@ from pytest_torchmem.plugin.summary import (
     totals_line,
     unused_lines,
 )
-from pytest_torchmem.plugin.verdict import (
+from pytest_torchmem.plugin.judging import Result, Status, Tolerance, judge
+from pytest_torchmem.plugin.markers import (
     MARKER,
     MarkerError,
     MarkerSpec,
-    Result,
-    Status,
-    Tolerance,
-    failure_message,
-    judge,
     parse_cpu,
     parse_devices,
     parse_gpu,
@@ -83,6 +79,7 @@ from pytest_torchmem.plugin.verdict import (
     parse_rtol,
     parse_size,
 )
+from pytest_torchmem.plugin.messages import failure_message
 
 if TYPE_CHECKING:
     from torch import nn
