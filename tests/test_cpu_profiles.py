@@ -143,7 +143,7 @@ def test_none_and_host_are_this_process_as_it_runs_now(threads: int) -> None:
 
 
 def test_the_plugin_spells_the_levels_and_default_as_the_profiles_do() -> None:
-    from pytest_torchmem.plugin.session import DEFAULT_CPU
+    from pytest_torchmem.plugin.settings import DEFAULT_CPU
 
     assert CPU_ISA_LEVELS == profiles.ISA_LEVELS
     assert DEFAULT_CPU == profiles.DEFAULT_CPU

@@ -13,16 +13,15 @@ from typing import Any, Final
 import pytest
 
 from pytest_torchmem.plugin import hookspecs
-from pytest_torchmem.plugin.session import (
+from pytest_torchmem.plugin.markers import MARKER
+from pytest_torchmem.plugin.session import TorchmemFixture, TorchmemSession
+from pytest_torchmem.plugin.settings import (
     DEFAULT_CPU,
     DEFAULT_DEVICES,
     DEFAULT_GPU,
-    MARKER,
     MEASURE_MODES,
     STALE_MODES,
     UNUSED_MODES,
-    TorchmemFixture,
-    TorchmemSession,
 )
 
 SESSION_KEY: Final = pytest.StashKey[TorchmemSession]()

@@ -22,19 +22,12 @@ import os
 import platform
 import shlex
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final, Literal
 
 import pytest
 
-from pytest_torchmem.engine.gpu_profiles import (
-    DEFAULT_GPU,
-    PROFILES,
-    GpuProfile,
-    GpuProfileError,
-    parse_gpu_table,
-)
+from pytest_torchmem.engine.gpu_profiles import GpuProfile
 from pytest_torchmem.engine.torch_release import release_problem
 from pytest_torchmem.engine.units import format_bytes
 from pytest_torchmem.plugin import releases, unwritten
@@ -43,6 +36,7 @@ from pytest_torchmem.plugin.fitting import FitRecord, fit_lines
 from pytest_torchmem.plugin.headroom import Room, room
 from pytest_torchmem.plugin.outcomes import PendingVerdicts
 from pytest_torchmem.plugin.releases import Release
+from pytest_torchmem.plugin.settings import Settings, gpu_present, known_devices
 from pytest_torchmem.plugin.snapshots import (
     NAME_SEPARATOR,
     SNAPSHOT_DIR,
@@ -67,18 +61,8 @@ from pytest_torchmem.plugin.summary import (
     totals_line,
     unused_lines,
 )
-from pytest_torchmem.plugin.judging import Result, Status, Tolerance, judge
-from pytest_torchmem.plugin.markers import (
-    MARKER,
-    MarkerError,
-    MarkerSpec,
-    parse_cpu,
-    parse_devices,
-    parse_gpu,
-    parse_marker,
-    parse_rtol,
-    parse_size,
-)
+from pytest_torchmem.plugin.judging import Result, Status, judge
+from pytest_torchmem.plugin.markers import MARKER, MarkerError, MarkerSpec, parse_gpu, parse_marker
 from pytest_torchmem.plugin.messages import failure_message
 
 if TYPE_CHECKING:
@@ -92,35 +76,18 @@ if TYPE_CHECKING:
     from pytest_torchmem.engine.tracing.trace import Trace
 
 __all__ = [
-    "DEFAULT_DEVICES",
     "DEFAULT_NAME",
-    "MARKER",
-    "Settings",
     "TorchmemSession",
     "TorchmemFixture",
     "TorchmemWarning",
 ]
 
-#: The devices traced when neither the marker nor ``--torchmem-devices`` names any:
-#: both fake devices (DESIGN.md).
-DEFAULT_DEVICES: Final[tuple[str, ...]] = ("cpu", "cuda")
-#: The CPU profile modelled when neither the marker nor ``--torchmem-cpu`` names one: a
-#: fixed profile, so that cpu entries recorded on any machine compare on any other.
-#: ``tracing.devices.cpu.profiles.DEFAULT_CPU``, spelled out so that the report header
-#: needs no torch (a test checks that the two agree). The GPU profile modelled when
-#: neither the marker nor ``--torchmem-gpu`` names one is ``gpu_profiles.DEFAULT_GPU``.
-DEFAULT_CPU: Final = "avx2:4"
 #: The name of a check made without ``name=``.
 DEFAULT_NAME: Final = "default"
-#: The marker's name.
 #: The key of this plugin's data in ``config.workeroutput`` (pytest-xdist).
 WORKER_KEY: Final = "torchmem"
 #: The attribute of a worker's test report that carries the test's checks to the controller.
 REPORT_ATTRIBUTE: Final = "torchmem_checks"
-
-UNUSED_MODES: Final = ("fail", "warn", "ignore")
-MEASURE_MODES: Final = ("auto", "on", "off")
-STALE_MODES: Final = ("warn", "fail")
 
 #: The test's marker spec, and the marks it was read from.
 _SPEC_KEY: Final = pytest.StashKey[tuple[tuple[Any, ...], MarkerSpec]]()
@@ -136,202 +103,6 @@ class TorchmemWarning(pytest.PytestWarning):
     """A suspicious use of pytest-torchmem that does not stop the run."""
 
 
-def _option(config: pytest.Config, name: str) -> tuple[Any, str]:
-    """The value of option ``name`` (command line first, then ini) and where it came from."""
-    value = config.getoption(name)
-    if value is not None:
-        return value, "--" + name.replace("_", "-")
-    try:
-        value = config.getini(name)
-    except (ValueError, pytest.UsageError) as exc:
-        value = _native_ini_value(config, name)
-        if value is None:
-            hint = "write true or false" if name in _FLAGS else "write it as a string"
-            raise pytest.UsageError(f"ini option {name}: {exc}; {hint}") from None
-    if value in ("", None):
-        return None, ""
-    return value, f"ini option {name}"
-
-
-#: The options that are flags (``--torchmem-update``): their ini twins are booleans.
-_FLAGS: Final = frozenset(
-    {
-        "torchmem_update",
-        "torchmem_fail_on_improvement",
-        "torchmem_keep_output",
-        "torchmem_compile",
-        "torchmem_per_torch",
-    }
-)
-
-
-def _native_ini_value(config: pytest.Config, name: str) -> Any:
-    """A value that a native TOML table (``[tool.pytest]``, pytest 9) gives as a number,
-    a boolean or a list, in the form the option is read in; None if it has no such form.
-
-    ``torchmem_rtol = 0.05`` reads as ``"0.05"``, ``torchmem_devices = ["cpu",
-    "cuda"]`` as ``"cpu,cuda"``, ``torchmem_update = true`` as True.
-    """
-    raw = getattr(config, "_inicfg", {}).get(name)
-    value = getattr(raw, "value", None)
-    if isinstance(value, bool):
-        return value if name in _FLAGS else None
-    if name in _FLAGS:
-        return None
-    if isinstance(value, (int, float)):
-        return str(value)
-    if isinstance(value, list) and all(isinstance(item, str) for item in value):
-        return ",".join(value)
-    return None
-
-
-@dataclass(frozen=True)
-class Settings:
-    """The options of the run, resolved and validated."""
-
-    update: bool = False
-    devices: tuple[str, ...] = DEFAULT_DEVICES
-    #: True when ``--torchmem-devices`` narrowed the devices on the command line.
-    devices_given: bool = False
-    tolerance: Tolerance = Tolerance()
-    unused: str = "fail"
-    json_path: Path | None = None
-    #: ``--torchmem-timeline``: where each check's timeline goes, for torch's memory viewer.
-    timeline_dir: Path | None = None
-    #: ``--torchmem-html``: the HTML report.
-    html_path: Path | None = None
-    measure: str = "auto"
-    measure_rtol: float = 0.05
-    gpu: GpuProfile = PROFILES[DEFAULT_GPU]
-    #: The GPU profiles of the ``torchmem_gpus`` ini table.
-    gpus: tuple[GpuProfile, ...] = ()
-    #: ``"avx2:4"``-style profile, or ``"host"``.
-    cpu: str = DEFAULT_CPU
-    fail_on_improvement: bool = False
-    stale: str = "warn"
-    #: ``--torchmem-keep-output``: hold the model's output through backward by default.
-    keep_output: bool = False
-    #: ``--torchmem-compile``: check models as ``torch.compile(model)`` runs them by default.
-    compile: bool = False
-    #: ``--torchmem-per-torch``: one snapshot directory per torch release.
-    per_torch: bool = False
-    #: True when ``--torchmem-per-torch`` was given on the command line (not the ini file):
-    #: the command that accepts a change must say it too.
-    per_torch_given: bool = False
-    #: ``--torchmem-advise``: a check over its budget or GPU estimates what would fit.
-    advise: bool = False
-
-    @classmethod
-    def from_config(cls, config: pytest.Config) -> Settings:
-        """Read every option (command line, else its ini twin); bad values are usage errors."""
-        values: dict[str, Any] = {}
-        try:
-            values["update"] = bool(_option(config, "torchmem_update")[0])
-            values["fail_on_improvement"] = bool(_option(config, "torchmem_fail_on_improvement")[0])
-            values["keep_output"] = bool(_option(config, "torchmem_keep_output")[0])
-            values["compile"] = bool(_option(config, "torchmem_compile")[0])
-            values["advise"] = bool(_option(config, "torchmem_advise")[0])
-            per_torch, source = _option(config, "torchmem_per_torch")
-            values["per_torch"] = bool(per_torch)
-            values["per_torch_given"] = bool(per_torch) and source.startswith("--")
-            devices, source = _option(config, "torchmem_devices")
-            if devices is not None:
-                values["devices"] = parse_devices(devices, known_devices(), source)
-                values["devices_given"] = source.startswith("--")
-            table = _gpu_table(config)
-            values["gpus"] = tuple(table.values())
-            gpu, source = _option(config, "torchmem_gpu")
-            if gpu is not None:
-                values["gpu"] = parse_gpu(gpu, table, source)
-            cpu, source = _option(config, "torchmem_cpu")
-            if cpu is not None:
-                values["cpu"] = parse_cpu(cpu, source)
-            rtol, rtol_source = _option(config, "torchmem_rtol")
-            atol, atol_source = _option(config, "torchmem_atol")
-            values["tolerance"] = Tolerance(
-                0.0 if rtol is None else parse_rtol(rtol, rtol_source),
-                0 if atol is None else parse_size(atol, atol_source),
-            )
-            measure_rtol, source = _option(config, "torchmem_measure_rtol")
-            if measure_rtol is not None:
-                values["measure_rtol"] = parse_rtol(measure_rtol, source)
-        except MarkerError as exc:
-            raise pytest.UsageError(str(exc)) from None
-        modes = (("unused", UNUSED_MODES), ("measure", MEASURE_MODES), ("stale", STALE_MODES))
-        for name, choices in modes:
-            value, source = _option(config, f"torchmem_{name}")
-            if value is None:
-                continue
-            if value not in choices:
-                raise pytest.UsageError(
-                    f"{source}: expected one of {', '.join(choices)}, got {value!r}"
-                )
-            values[name] = value
-        for option, field_name in (
-            ("torchmem_json", "json_path"),
-            ("torchmem_timeline", "timeline_dir"),
-            ("torchmem_html", "html_path"),
-        ):
-            path, source = _option(config, option)
-            if path is not None:
-                base = config.invocation_params.dir if source.startswith("--") else _ini_dir(config)
-                values[field_name] = base / path
-        settings = cls(**values)
-        if settings.measure == "on" and not _gpu_present():
-            raise pytest.UsageError(
-                "--torchmem-measure=on compares the estimate with a real GPU run, and "
-                "torch.cuda.is_available() is False here; use auto or off"
-            )
-        return settings
-
-    @property
-    def record_frames(self) -> bool:
-        """Whether the trace keeps the user's frames of each allocation (for the exports)."""
-        return self.timeline_dir is not None or self.html_path is not None
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "update": self.update,
-            "devices": list(self.devices),
-            "rtol": self.tolerance.rtol,
-            "atol": self.tolerance.atol,
-            "unused": self.unused,
-            "measure": self.measure,
-            "measure_rtol": self.measure_rtol,
-            "gpu_profile": self.gpu.name,
-            **({} if self.gpu.builtin else {"gpu_properties": self.gpu.spec}),
-            "cpu_profile": self.cpu,
-            "fail_on_improvement": self.fail_on_improvement,
-            "stale": self.stale,
-            "keep_output": self.keep_output,
-            "compile": self.compile,
-            "per_torch": self.per_torch,
-        }
-
-
-def known_devices() -> tuple[str, ...]:
-    """The modelled devices (importing the device models imports torch)."""
-    from pytest_torchmem.engine.tracing.devices import DEVICES
-
-    return tuple(DEVICES)
-
-
-def _gpu_table(config: pytest.Config) -> dict[str, GpuProfile]:
-    """The GPU profiles of the ``torchmem_gpus`` ini option, by name (one per line,
-    ``NAME: memory=16GiB cc=8.9 sms=66``)."""
-    try:
-        lines = config.getini("torchmem_gpus")
-    except (ValueError, pytest.UsageError) as exc:
-        raise pytest.UsageError(
-            f"ini option torchmem_gpus: {exc}; write one profile per line, "
-            "NAME: memory=16GiB cc=8.9 sms=66"
-        ) from None
-    try:
-        return parse_gpu_table(lines if isinstance(lines, list) else str(lines).splitlines())
-    except GpuProfileError as exc:
-        raise MarkerError(f"ini option torchmem_gpus: {exc}") from None
-
-
 def _cpu_profile(name: str) -> Any:
     """The :class:`~pytest_torchmem.CpuProfile` ``name`` says (``"host"``: this machine now)."""
     __tracebackhide__ = True
@@ -341,16 +112,6 @@ def _cpu_profile(name: str) -> Any:
         return cpu_profile(name)
     except ValueError as exc:  # "host" on a machine no profile describes
         pytest.fail(f"torchmem: cpu profile {name!r}: {exc}", pytrace=False)
-
-
-def _gpu_present() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
-
-
-def _ini_dir(config: pytest.Config) -> Path:
-    return config.inipath.parent if config.inipath is not None else config.rootpath
 
 
 def module_test_id(item: pytest.Item) -> str:
@@ -519,7 +280,7 @@ class TorchmemSession:
             try:
                 item.stash[_SPEC_KEY] = (
                     tuple(marks),
-                    parse_marker(marks, known_devices(), self._gpus()),
+                    parse_marker(marks, known_devices(), self.settings.gpu_table()),
                 )
             except MarkerError as exc:
                 raise collector.CollectError(f"{item.nodeid}: {exc}") from None
@@ -539,10 +300,6 @@ class TorchmemSession:
                 )
             )
 
-    def _gpus(self) -> dict[str, GpuProfile]:
-        """The GPU profiles of the ini table, by name."""
-        return {profile.name: profile for profile in self.settings.gpus}
-
     def spec(self, item: pytest.Item) -> MarkerSpec:
         """The test's marker spec, read again when marks were added since collection.
 
@@ -556,7 +313,7 @@ class TorchmemSession:
             added = [mark for mark in marks if not any(mark is old for old in read)]
             ordered = [*reversed(added), *(mark for mark in marks if mark not in added)]
             try:
-                spec = parse_marker(ordered, known_devices(), self._gpus())
+                spec = parse_marker(ordered, known_devices(), self.settings.gpu_table())
             except MarkerError as exc:
                 pytest.fail(f"{item.nodeid}: {exc}", pytrace=False)
             item.stash[_SPEC_KEY] = (tuple(marks), spec)
@@ -695,7 +452,7 @@ class TorchmemSession:
         """Whether ``cuda`` checks also run the step on the real GPU."""
         if self._measuring is None:
             mode = self.settings.measure
-            self._measuring = mode == "on" or (mode == "auto" and _gpu_present())
+            self._measuring = mode == "on" or (mode == "auto" and gpu_present())
         return self._measuring
 
     def release(self) -> Release | None:
@@ -971,7 +728,7 @@ class TorchmemSession:
         profile = None
         if on_cuda and (budget is None or gpu is not None):
             if gpu is not None:
-                profile = parse_gpu(gpu, self._gpus(), "torchmem.fit(gpu=...)")
+                profile = parse_gpu(gpu, self.settings.gpu_table(), "torchmem.fit(gpu=...)")
             else:
                 profile = self.spec(item).gpu or self.settings.gpu
         plugins = self.config.pluginmanager
