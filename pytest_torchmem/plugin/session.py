@@ -23,20 +23,19 @@ import platform
 import shlex
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Final, Literal
+from typing import TYPE_CHECKING, Any, Final
 
 import pytest
 
-from pytest_torchmem.engine.gpu_profiles import GpuProfile
 from pytest_torchmem.engine.torch_release import release_problem
 from pytest_torchmem.engine.units import format_bytes
 from pytest_torchmem.plugin import releases, unwritten
 from pytest_torchmem.plugin.advising import advice_lines
 from pytest_torchmem.plugin.fitting import FitRecord, fit_lines
-from pytest_torchmem.plugin.headroom import Room, room
+from pytest_torchmem.plugin.estimating import Estimator
 from pytest_torchmem.plugin.outcomes import PendingVerdicts
 from pytest_torchmem.plugin.releases import Release
-from pytest_torchmem.plugin.settings import Settings, gpu_present, known_devices
+from pytest_torchmem.plugin.settings import Settings, known_devices
 from pytest_torchmem.plugin.snapshots import (
     NAME_SEPARATOR,
     SNAPSHOT_DIR,
@@ -70,9 +69,7 @@ if TYPE_CHECKING:
 
     from pytest_torchmem.engine.parallel import Parallel
     from pytest_torchmem.engine.report import MemoryReport
-    from pytest_torchmem.engine.request import StepRequest
     from pytest_torchmem.engine.step import LossFn, OptimizerFactory
-    from pytest_torchmem.engine.tracing.rules import RuleSet
     from pytest_torchmem.engine.tracing.trace import Trace
 
 __all__ = [
@@ -91,13 +88,6 @@ REPORT_ATTRIBUTE: Final = "torchmem_checks"
 
 #: The test's marker spec, and the marks it was read from.
 _SPEC_KEY: Final = pytest.StashKey[tuple[tuple[Any, ...], MarkerSpec]]()
-
-_DEVICE_HINT: Final = (
-    "torchmem: on the fake cuda device the step runs on fake tensors of that device, as it "
-    "would on a GPU: a tensor that loss_fn or the model takes from outside the inputs (labels "
-    "in a closure, a mask made once) must follow the output, e.g. labels.to(logits.device)"
-)
-
 
 class TorchmemWarning(pytest.PytestWarning):
     """A suspicious use of pytest-torchmem that does not stop the run."""
@@ -148,39 +138,6 @@ def _marked_parallel(item: pytest.Item, spec: MarkerSpec, parallel: Parallel | N
         pytest.fail(f"{item.nodeid}: @pytest.mark.{MARKER}: {exc}", pytrace=False)
 
 
-def device_environment(
-    device: str, gpu: GpuProfile, cpu: str, keep_output: bool = False, loop: bool = False
-) -> dict[str, Any]:
-    """What the figures of ``device`` depend on besides the model: recorded in each entry.
-
-    The CPU rules follow the CPU profile (``cpu``: its full name, with cache sizes
-    where they are not the level's), the CUDA rules the GPU profile (its name, and
-    for a profile that is not one of the named ones its properties, ``gpu_memory``,
-    ``gpu_cc``, ``gpu_sms``, ...: a line of the ini table changed since is noticed)
-    and the caching allocator's configuration; both follow the torch version. An entry
-    recorded where any of these differ is stale: its bytes are not compared.
-    ``keep_output=True`` is recorded too (only then, so that entries made with the
-    default stay as they were): an entry made with the other setting measured
-    another step, and is never compared with this one. So is ``loop``: the figures are
-    a training loop's (``"figures": "training loop"``), which one step's are not.
-    """
-    environment: dict[str, Any] = {"torch": releases.torch_version()}
-    if keep_output:
-        environment["keep_output"] = True
-    if loop:
-        environment["figures"] = "training loop"
-    if device.startswith("cuda"):
-        environment["gpu"] = gpu.name
-        if not gpu.builtin:
-            environment.update({f"gpu_{key}": value for key, value in gpu.properties().items()})
-        alloc_conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "").strip()
-        if alloc_conf:  # recorded only when set, so that the default leaves no trace
-            environment["cuda_alloc_conf"] = alloc_conf
-    else:
-        environment["cpu"] = cpu
-    return environment
-
-
 class TorchmemSession:
     """Everything one pytest run knows about its memory checks."""
 
@@ -220,13 +177,12 @@ class TorchmemSession:
         self._snapshots: dict[Path, SnapshotFile] = {}
         #: The release whose snapshot directory this run uses (read at its first use).
         self._release: Release | None = None
-        self._rules: dict[tuple[str, tuple[int, ...]], RuleSet] = {}
         self._names: dict[str, set[str]] = {}
         #: Tests that made a ``torchmem`` fixture.
         self._began: set[str] = set()
         #: The messages of failed checks, until a report of their test takes them.
         self.verdicts: Final = PendingVerdicts()
-        self._measuring: bool | None = None
+        self._estimator: Final = Estimator(self.settings)
 
     # -- collection -----------------------------------------------------------------
 
@@ -431,30 +387,6 @@ class TorchmemSession:
         names.add(entry)
         return name, entry
 
-    def rules(self, item: pytest.Item, device: str) -> RuleSet:
-        """This session's rules for ``device`` under the ``conftest.py`` files of ``item``.
-
-        Each distinct set of ``pytest_torchmem_add_rules`` implementations gets
-        its own copy of the device's built-in rules, filled once.
-        """
-        hook = item.ihook.pytest_torchmem_add_rules
-        cache_key = (device, tuple(id(impl.plugin) for impl in hook.get_hookimpls()))
-        rules = self._rules.get(cache_key)
-        if rules is None:
-            from pytest_torchmem.engine.tracing.devices import device_model
-
-            rules = device_model(device).rules.copy()
-            hook(device=device, rules=rules)
-            self._rules[cache_key] = rules
-        return rules
-
-    def measuring(self) -> bool:
-        """Whether ``cuda`` checks also run the step on the real GPU."""
-        if self._measuring is None:
-            mode = self.settings.measure
-            self._measuring = mode == "on" or (mode == "auto" and gpu_present())
-        return self._measuring
-
     def release(self) -> Release | None:
         """The torch release whose snapshot directory this run reads and writes
         (``torchmem_per_torch``), or None: one directory for every release."""
@@ -525,63 +457,6 @@ class TorchmemSession:
             options += " --doctest-modules"
         return f"pytest --torchmem-update{options} {_quote(target)}"
 
-    def _estimate(
-        self,
-        item: pytest.Item,
-        request: StepRequest,
-        device: str,
-        name: str,
-        gpu: GpuProfile,
-        cpu: Any,
-        parallel: Parallel | None = None,
-    ) -> tuple[MemoryReport, Trace]:
-        """The estimate on ``device`` with this session's rules, as the hooks adjust it,
-        and the trace it was read from (``parallel``: of its rank; ``"max"``: the
-        rank with the highest peak)."""
-        from pytest_torchmem.engine.report import MemoryReport
-        from pytest_torchmem.engine.tracing.devices import device_model
-        from pytest_torchmem.engine.tracing.trace import trace
-
-        try:
-            traces = [
-                trace(
-                    request.model,
-                    request.args,
-                    request.kwargs,
-                    device=dataclasses.replace(device_model(device), rules=self.rules(item, device)),
-                    loss_fn=request.loss_fn,
-                    optimizer=request.optimizer,
-                    train=request.train,
-                    keep_output=request.keep_output,
-                    gpu=gpu if device.startswith("cuda") else None,
-                    cpu=cpu if device == "cpu" else None,
-                    record_frames=self.settings.record_frames,
-                    parallel=parallel,
-                    rank=rank,
-                )
-                for rank in (parallel.ranks() if parallel is not None else [0])
-            ]
-            traced = max(traces, key=lambda one: one.report.peak)
-        except RuntimeError as exc:
-            if device.startswith("cuda") and "devices" in str(exc) and hasattr(exc, "add_note"):
-                exc.add_note(_DEVICE_HINT)
-            raise
-        adjusted = item.ihook.pytest_torchmem_adjust_report(
-            item=item, device=device, name=name, report=traced.report
-        )
-        if adjusted is None:
-            return traced.report, traced
-        if not isinstance(adjusted, MemoryReport):
-            pytest.fail(
-                "torchmem: pytest_torchmem_adjust_report must return a MemoryReport or None, "
-                f"got {type(adjusted).__name__}",
-                pytrace=False,
-            )
-        try:
-            return _whole_bytes(adjusted), traced
-        except ValueError as exc:
-            pytest.fail(f"torchmem: pytest_torchmem_adjust_report returned {exc}", pytrace=False)
-
     def check(
         self,
         item: pytest.Item,
@@ -633,19 +508,10 @@ class TorchmemSession:
         reports: dict[str, MemoryReport] = {}
         results: list[Result] = []
         for device in devices:
-            report, traced = self._estimate(item, request, device, name, gpu, cpu, parallel)
-            measured = None
-            if device.startswith("cuda") and self.measuring():
-                # What measure(device="cuda") does: the step on the real GPU, from
-                # the state measuring.py defines (empty caches, no cuBLAS workspace).
-                from pytest_torchmem.engine.measuring import measure_step
-
-                measured = measure_step(dataclasses.replace(request, device="cuda"))
-            environment = device_environment(
-                device, gpu, str(cpu), request.keep_output, loop=report.first_step is not None
+            figures = self._estimator.figures(
+                item, request, device, name, gpu, cpu, parallel, spec.fits
             )
-            entry = Entry.from_report(report, environment, measured)
-            rooms = self._rooms(item, request, device, name, gpu, cpu, parallel, report, spec.fits)
+            report, traced, entry = figures.report, figures.trace, figures.entry
             key = Key(module_test_id(item), entry_name, device)
             result = judge(
                 nodeid=item.nodeid,
@@ -661,7 +527,7 @@ class TorchmemSession:
                 measure_rtol=self.settings.measure_rtol,
                 fail_on_stale=self.settings.stale == "fail",
                 release=self.release(),
-                rooms=rooms,
+                rooms=figures.rooms,
             )
             if result.failed and self.settings.advise:
                 result = dataclasses.replace(result, advice=advice_lines(request, result, gpu, cpu, self.settings.gpus))
@@ -677,31 +543,6 @@ class TorchmemSession:
             # The test goes on (its later checks run too); the report that ends them fails.
             self.verdicts.add(item.nodeid, failure_message(results, self.config.get_verbosity()))
         return reports
-
-    def _rooms(
-        self,
-        item: pytest.Item,
-        request: StepRequest,
-        device: str,
-        name: str,
-        gpu: GpuProfile,
-        cpu: Any,
-        parallel: Parallel | None,
-        report: MemoryReport,
-        fits: tuple[GpuProfile, ...] | Literal[True] | None,
-    ) -> tuple[Room, ...]:
-        """A cuda check's room on the GPU it follows, then on each other GPU that ``fits=``
-        names (estimated on it: its kernels and workspaces are its own)."""
-        if not device.startswith("cuda") or report.reserved_peak is None:
-            return ()
-        named = () if fits is None or fits is True else fits
-        rooms = [room(gpu, report.reserved_peak, required=fits is True or gpu in named)]
-        for other in named:
-            if other != gpu:
-                on_other, _ = self._estimate(item, request, device, name, other, cpu, parallel)
-                assert on_other.reserved_peak is not None
-                rooms.append(room(other, on_other.reserved_peak, required=True))
-        return tuple(rooms)
 
     def fit(
         self,
@@ -1133,60 +974,6 @@ class TorchmemSession:
             terminal.write_sep("-", "torchmem")
             for line in lines:
                 terminal.write_line(line)
-
-
-def _whole_bytes(report: MemoryReport) -> MemoryReport:
-    """``report`` with every figure a plain ``int``; ValueError naming one that is no byte count.
-
-    A hook may compute figures with numpy (``numpy.int64`` is taken as the
-    integer it is); a float, a bool or a negative figure is refused before it
-    reaches a snapshot file.
-    """
-    import operator
-
-    def whole(value: Any, where: str) -> int:
-        try:
-            if isinstance(value, bool):
-                raise TypeError
-            number = operator.index(value)
-        except TypeError:
-            raise ValueError(
-                f"a report whose {where} is {value!r} ({type(value).__name__}): figures are "
-                "whole numbers of bytes; round them with int(...)"
-            ) from None
-        if number < 0:
-            raise ValueError(f"a report whose {where} is negative ({number} B)")
-        return number
-
-    return dataclasses.replace(
-        report,
-        forward_peak=whole(report.forward_peak, "forward_peak"),
-        backward_peak=whole(report.backward_peak, "backward_peak"),
-        step_peak=whole(report.step_peak, "step_peak"),
-        reserved_peak=None
-        if report.reserved_peak is None
-        else whole(report.reserved_peak, "reserved_peak"),
-        breakdown={
-            category: whole(value, f"breakdown[{str(category.value)!r}]")
-            for category, value in report.breakdown.items()
-        },
-        modules={
-            name: dataclasses.replace(
-                peak,
-                forward=whole(peak.forward, f"modules[{name!r}].forward"),
-                backward=whole(peak.backward, f"modules[{name!r}].backward"),
-            )
-            for name, peak in report.modules.items()
-        },
-        first_step=None
-        if report.first_step is None
-        else dataclasses.replace(
-            report.first_step,
-            forward=whole(report.first_step.forward, "first_step.forward"),
-            backward=whole(report.first_step.backward, "first_step.backward"),
-            step=whole(report.first_step.step, "first_step.step"),
-        ),
-    )
 
 
 def _record_properties(item: pytest.Item, result: Result) -> None:
