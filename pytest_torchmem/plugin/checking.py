@@ -1,5 +1,4 @@
-"""The fixture's checks: each traced on its devices, judged, recorded, and its verdict
-carried to the report that ends the test.
+"""The fixture's checks: each traced, judged and recorded, its verdict carried to the test's report.
 
 A check reads the test's ``memory_budget`` marks (validated at collection), claims
 its entry's name, has its figures made on each device

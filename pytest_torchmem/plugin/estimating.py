@@ -1,5 +1,4 @@
-"""One check's figures on one device: the estimate under this run's rules and hooks, the GPU
-measurement, the room on the GPUs it must fit, the snapshot entry they make.
+"""One check's figures on one device: its estimate, GPU measurement, room on GPUs, snapshot entry.
 
 The device's built-in rules are copied once per set of ``pytest_torchmem_add_rules``
 implementations (a ``conftest.py`` may add its own); ``pytest_torchmem_adjust_report``

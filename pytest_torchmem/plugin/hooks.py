@@ -1,5 +1,4 @@
-"""pytest's entry point: the options, the ``memory_budget`` marker, the ``torchmem`` fixture,
-and the plugin objects each run registers.
+"""pytest's entry point: the options, the marker, the fixture, the plugin objects each run registers.
 
 ``pytest_configure`` makes one object per job and registers each with pytest's
 plugin manager for the hooks it serves (as pytest's own ``LFPlugin`` and

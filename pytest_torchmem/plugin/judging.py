@@ -1,5 +1,4 @@
-"""The verdict of one check on one device: the estimate against its snapshot entry,
-its budgets, its GPU measurement and the GPUs it must fit.
+"""The verdict of one check on one device: its figures against the snapshot entry and the limits.
 
 Everything here works on :class:`~pytest_torchmem.plugin.snapshots.Entry` figures in
 bytes; nothing traces, reads files or writes messages (:mod:`~pytest_torchmem.plugin.messages`

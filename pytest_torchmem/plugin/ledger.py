@@ -1,5 +1,4 @@
-"""Which tests this run collected, narrowed to and ran, and which snapshot entries none of
-them used.
+"""Which tests the run collected, narrowed to and ran, and which snapshot entries none of them used.
 
 A deselected test (``-k``, ``--lf``) is not a deleted one: every test a module
 made is known, before any plugin filters it. An entry is unused when its test

@@ -1,5 +1,4 @@
-"""Where this run's snapshot entries live and how its messages name them: files, paths as
-shown, test ids, the command that accepts a change.
+"""Where the run's snapshot entries live and how its messages name them: paths, the accept command.
 
 An entry is keyed by its test's id inside its module (:func:`module_test_id`) in
 the snapshot file beside the module (one directory per torch release under

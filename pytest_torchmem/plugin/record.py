@@ -1,5 +1,4 @@
-"""What the run keeps for its end, shared by its plugin objects: the record of its checks
-and the log of files written and problems met.
+"""What the run keeps for its end: the record of its checks, and the files written and problems met.
 
 The check runner fills the :class:`CheckRecord`; a pytest-xdist worker's relay
 sends it on and the controller's merges it; at the end the snapshot writer writes

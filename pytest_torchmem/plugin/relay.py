@@ -1,10 +1,10 @@
-"""Checks across pytest-xdist: a worker sends what its tests checked and collected, and the
-controller merges it, so that it alone writes files and reports.
+"""Checks across pytest-xdist: workers send what they checked and collected; the controller merges.
 
-A worker sends the checks of each test with the test's reports (so a worker that
-crashes loses only the test it was running, which the controller names), and
-what it collected through ``config.workeroutput`` at its end. The payload is JSON
-text: execnet carries it as is.
+The controller alone writes files and reports. A worker sends the checks of each
+test with the test's reports (so a worker that crashes loses only the test it was
+running, which the controller names), and what it collected through
+``config.workeroutput`` at its end. The payload is JSON text: execnet carries it
+as is.
 """
 
 from __future__ import annotations

@@ -1,5 +1,4 @@
-"""What the run says about its checks: the report header, the JSON and HTML reports, the
-terminal summary and the exit status.
+"""What the run says about its checks: header, JSON and HTML reports, summary, exit status.
 
 The lines and the JSON data are made by :mod:`~pytest_torchmem.plugin.summary`
 and the HTML page by :mod:`~pytest_torchmem.exports.html_report`; the reporter

@@ -1,5 +1,4 @@
-"""The snapshot files of an update, written once at the end of the run by the process that
-is not a pytest-xdist worker; what was not written, and why, remembered.
+"""The update's snapshot files, written once at the end by the controller, and those that were not.
 
 Under ``--torchmem-update`` each file gets one locked merge of this run's entries
 and loses its unused ones, and is replaced whole or left as it was. A run stopped
