@@ -16,8 +16,9 @@ checks), and runs it in this process with ``pytest.main`` in four scenarios:
   session re-reads, merges and re-checks the big file under its lock.
 
 The benchmark wraps, for timing only, the tracing entry point
-(``pytest_torchmem.engine.tracing.trace.trace``), ``TorchmemSession.check``, its per-test hooks and the end
-of the session (``finish`` and ``write_summary``); the product runs unpatched.
+(``pytest_torchmem.engine.tracing.trace.trace``), ``CheckRunner.check``, the plugin's per-test work
+and the end of the session (the ledger's unused entries, the snapshot writer, the reports and
+the summary); the product runs unpatched.
 Columns, per scenario:
 
 * ``trace ms/check``, ``check ms/check``: time inside tracing and inside
@@ -63,7 +64,11 @@ from torch import nn
 
 import pytest_torchmem as tm
 import pytest_torchmem.engine.tracing.trace as trace_module
-from pytest_torchmem.plugin.session import TorchmemSession
+from pytest_torchmem.plugin.checking import CheckRunner
+from pytest_torchmem.plugin.ledger import CollectionLedger
+from pytest_torchmem.plugin.outcomes import PendingVerdicts
+from pytest_torchmem.plugin.reporting import Reporter
+from pytest_torchmem.plugin.writing import SnapshotWriter
 
 TARGET_MS = 5.0
 
@@ -136,11 +141,16 @@ def instrumented() -> Iterator[dict[str, Clock]]:
 
     # The session imports its tracing function at each check: patching the module works.
     patch(trace_module, "trace", clocks["trace"])
-    patch(TorchmemSession, "check", clocks["check"])
-    patch(TorchmemSession, "finish", clocks["end"])
-    patch(TorchmemSession, "write_summary", clocks["end"])
-    for hook in ("collected", "validate", "finished"):
-        patch(TorchmemSession, hook, clocks["hooks"])
+    # Only methods the hooks call: a hook implementation itself is read by pluggy.
+    patch(CheckRunner, "check", clocks["check"])
+    patch(CollectionLedger, "judge_unused", clocks["end"])
+    patch(SnapshotWriter, "write_snapshots", clocks["end"])
+    patch(Reporter, "write_reports", clocks["end"])
+    patch(Reporter, "write_summary", clocks["end"])
+    patch(CollectionLedger, "note_collected", clocks["hooks"])
+    patch(CollectionLedger, "note_ran", clocks["hooks"])
+    patch(CheckRunner, "read_markers", clocks["hooks"])
+    patch(PendingVerdicts, "settle", clocks["hooks"])
     try:
         yield clocks
     finally:
@@ -207,7 +217,7 @@ def row(result: Run) -> list[Any]:
 def profile_checks(folder: Path, tests: int) -> None:
     """cProfile of the checks of a compare run, tracing excluded."""
     profile = cProfile.Profile()
-    original_check = TorchmemSession.check
+    original_check = CheckRunner.check
     trace_names = ["trace"]
     originals = {name: getattr(trace_module, name) for name in trace_names}
 
@@ -228,14 +238,14 @@ def profile_checks(folder: Path, tests: int) -> None:
 
         return call
 
-    TorchmemSession.check = check  # type: ignore[method-assign]
+    CheckRunner.check = check  # type: ignore[method-assign]
     for name, fn in originals.items():
         setattr(trace_module, name, untraced(fn))
     try:
         with contextlib.redirect_stdout(io.StringIO()):
             pytest.main([str(folder), *ARGS])
     finally:
-        TorchmemSession.check = original_check  # type: ignore[method-assign]
+        CheckRunner.check = original_check  # type: ignore[method-assign]
         for name, fn in originals.items():
             setattr(trace_module, name, fn)
     text = io.StringIO()

@@ -26,7 +26,7 @@ import pytest_torchmem as tm
 from pytest_torchmem.cli.diffing import FailOnError, Gate, parse_fail_on
 from pytest_torchmem.cli.saved import Saved, load, match
 from pytest_torchmem.plugin.snapshots import Entry, Key, write_merged
-from pytest_torchmem.plugin.verdict import Tolerance
+from pytest_torchmem.plugin.judging import Tolerance
 
 pytest_plugins = ("pytester",)
 

@@ -23,7 +23,7 @@ from pytest_torchmem.engine.tracing.devices.cpu.profiles import (
     capped_environment,
     cpu_profile,
 )
-from pytest_torchmem.plugin.verdict import CPU_ISA_LEVELS, MarkerError, parse_cpu
+from pytest_torchmem.plugin.markers import CPU_ISA_LEVELS, MarkerError, parse_cpu
 
 ROOT = Path(__file__).resolve().parents[1]
 HOST = profiles.host_profile()
@@ -143,7 +143,7 @@ def test_none_and_host_are_this_process_as_it_runs_now(threads: int) -> None:
 
 
 def test_the_plugin_spells_the_levels_and_default_as_the_profiles_do() -> None:
-    from pytest_torchmem.plugin.session import DEFAULT_CPU
+    from pytest_torchmem.plugin.settings import DEFAULT_CPU
 
     assert CPU_ISA_LEVELS == profiles.ISA_LEVELS
     assert DEFAULT_CPU == profiles.DEFAULT_CPU

@@ -25,7 +25,7 @@ from pytest_torchmem.engine.units import format_bytes
 from pytest_torchmem.exports.html_page import json_for_script, nice_ticks, render
 from pytest_torchmem.exports.html_report import Downsampler, check_view, display_path, write_report
 from pytest_torchmem.plugin.snapshots import Entry, Key
-from pytest_torchmem.plugin.verdict import Tolerance, judge
+from pytest_torchmem.plugin.judging import Tolerance, judge
 
 pytest_plugins = ("pytester",)
 

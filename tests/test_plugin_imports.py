@@ -121,9 +121,9 @@ def test_a_suite_that_checks_no_memory_never_imports_torch(pytester: pytest.Pyte
 
 def test_the_plugins_default_gpu_is_the_device_models() -> None:
     from pytest_torchmem.engine import gpu_profiles as profiles
-    from pytest_torchmem.plugin.session import DEFAULT_GPU, known_devices
+    from pytest_torchmem.plugin.settings import DEFAULT_GPU, known_devices
 
     assert DEFAULT_GPU == profiles.DEFAULT_GPU
-    from pytest_torchmem.plugin.session import DEFAULT_DEVICES
+    from pytest_torchmem.plugin.settings import DEFAULT_DEVICES
 
     assert set(DEFAULT_DEVICES) == set(known_devices()) == {"cpu", "cuda"}

@@ -9,16 +9,9 @@ import pytest
 
 from pytest_torchmem.engine.gpu_profiles import PROFILES, GpuProfile
 from pytest_torchmem.plugin.snapshots import Entry, Key
-from pytest_torchmem.plugin.verdict import (
-    EnvChange,
-    MarkerError,
-    Result,
-    Status,
-    Tolerance,
-    failure_message,
-    judge,
-    parse_marker,
-)
+from pytest_torchmem.plugin.judging import EnvChange, Result, Status, Tolerance, judge
+from pytest_torchmem.plugin.markers import MarkerError, parse_marker
+from pytest_torchmem.plugin.messages import failure_message
 
 DEVICES = ("cpu", "cuda")
 KEY = Key("test_x", "default", "cpu")

@@ -1,7 +1,7 @@
 """Two saved results compared: the ``--fail-on`` rules and the verdict of each entry.
 
 Each pair of entries (OLD, NEW) is judged by the plugin's own comparison
-(:func:`~pytest_torchmem.plugin.verdict.compare` and :func:`~pytest_torchmem.plugin.verdict.compared`),
+(:func:`~pytest_torchmem.plugin.judging.compare` and :func:`~pytest_torchmem.plugin.judging.compared`),
 with the allowance of each figure taken from the ``--fail-on`` rules.
 """
 
@@ -17,7 +17,7 @@ from typing import Final
 from pytest_torchmem.cli.saved import Saved
 from pytest_torchmem.engine.units import parse_bytes
 from pytest_torchmem.plugin.snapshots import Key
-from pytest_torchmem.plugin.verdict import (
+from pytest_torchmem.plugin.judging import (
     FIGURES,
     Change,
     EnvChange,

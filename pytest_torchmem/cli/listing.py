@@ -13,7 +13,8 @@ from pytest_torchmem.cli.diffing import ADDED, REMOVED, FailOn, Gate, Row, diff_
 from pytest_torchmem.cli.saved import Loaded, Saved
 from pytest_torchmem.engine.units import format_bytes, format_delta
 from pytest_torchmem.plugin.snapshots import Entry
-from pytest_torchmem.plugin.verdict import FIGURES, Status, change_line, figures_of, moved_lines
+from pytest_torchmem.plugin.judging import FIGURES, Status, figures_of
+from pytest_torchmem.plugin.messages import change_line, moved_lines
 
 __all__ = [
     "OUTPUT_SCHEMA",

@@ -21,7 +21,8 @@ from pytest_torchmem.engine.report import ROOT_NAME, Category
 from pytest_torchmem.engine.timeline import PHASE, StorageInfo, Timeline, replay
 from pytest_torchmem.engine.units import format_bytes, format_delta
 from pytest_torchmem.plugin.snapshots import atomic_write
-from pytest_torchmem.plugin.verdict import Result, failure_message, figures_of, stale_reason
+from pytest_torchmem.plugin.judging import Result, figures_of
+from pytest_torchmem.plugin.messages import failure_message, stale_reason
 
 if TYPE_CHECKING:
     from pytest_torchmem.engine.tracing.trace import Trace

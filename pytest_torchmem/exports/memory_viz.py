@@ -58,7 +58,7 @@ from pytest_torchmem.engine.timeline import PHASE, Charge, Frame, Phase, Timelin
 if TYPE_CHECKING:
     from pytest_torchmem.engine.tracing.devices.cuda.allocator import CachingAllocator, Segment
     from pytest_torchmem.engine.tracing.trace import Trace
-    from pytest_torchmem.plugin.verdict import Result
+    from pytest_torchmem.plugin.judging import Result
 
 __all__ = ["snapshot", "timeline_filename", "trace_snapshot", "write_timeline"]
 

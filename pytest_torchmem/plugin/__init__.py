@@ -1,1 +1,1 @@
-"""The pytest plugin: hooks (which only delegate), the session, verdicts, snapshot files, the summary, hookspecs."""
+"""The pytest plugin: an entry point (hooks.py) and the objects each run registers, one job each."""

@@ -17,7 +17,7 @@ from pytest_torchmem.engine.gpu_profiles import GpuProfile, gpu_profile
 
 if TYPE_CHECKING:
     from pytest_torchmem.engine.request import StepRequest
-    from pytest_torchmem.plugin.verdict import Result
+    from pytest_torchmem.plugin.judging import Result
 
 __all__ = ["advice_lines"]
 

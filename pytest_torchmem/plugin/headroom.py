@@ -1,5 +1,4 @@
-"""How much of a GPU a cuda check leaves: :class:`Room`, for every cuda check and the
-marker's ``fits=``.
+"""How much of a GPU a cuda check leaves (:class:`Room`), for every cuda check and ``fits=``.
 
 A check's step fits a GPU when the caching allocator's reserved peak (the
 segments it holds, fragmentation included: what runs out) stays within the GPU's

@@ -1,31 +1,55 @@
-"""pytest hooks of pytest-torchmem: options, the ``memory_budget`` marker, the ``torchmem`` fixture.
+"""pytest's entry point: the options, the marker, the fixture, the plugin objects each run registers.
 
-Each hook hands off to the run's :class:`~pytest_torchmem.plugin.session.TorchmemSession`,
-kept in ``config.stash``. Nothing here imports torch: pytest imports this module
-in every run, and the tracer is imported by the first memory check.
+``pytest_configure`` makes one object per job and registers each with pytest's
+plugin manager for the hooks it serves (as pytest's own ``LFPlugin`` and
+``TerminalReporter`` are); ``pytest_unconfigure`` unregisters them. The run's
+objects are kept in ``config.stash``:
+
+- :class:`~pytest_torchmem.plugin.checking.CheckRunner`: the fixture's checks, and the
+  reports their verdicts fail;
+- :class:`~pytest_torchmem.plugin.ledger.CollectionLedger`: the tests collected and
+  run, the snapshot entries none of them used;
+- :class:`~pytest_torchmem.plugin.relay.XdistRelay`: the checks of pytest-xdist
+  workers, sent to the controller;
+- :class:`~pytest_torchmem.plugin.writing.SnapshotWriter`: the snapshot files of an
+  update, and the record of those not written;
+- :class:`~pytest_torchmem.plugin.reporting.Reporter`: the header, the JSON and HTML
+  reports, the terminal summary, the exit status.
+
+At the end of the run the ledger goes first (``tryfirst``: the unused entries), the
+reporter last (``trylast``: the reports, then the exit status), the snapshot writer
+between them. The header and the summary stay hooks of this module, which ask the
+reporter for their lines: where pluggy calls them among other plugins' hooks places
+the lines among theirs. Nothing here imports torch: pytest imports this module in
+every run, and the tracer is imported by the first memory check.
 """
 
 from __future__ import annotations
 
-from collections.abc import Generator
+from dataclasses import dataclass
 from typing import Any, Final
 
 import pytest
 
 from pytest_torchmem.plugin import hookspecs
-from pytest_torchmem.plugin.session import (
+from pytest_torchmem.plugin.checking import CheckRunner
+from pytest_torchmem.plugin.fixture import TorchmemFixture
+from pytest_torchmem.plugin.ledger import CollectionLedger
+from pytest_torchmem.plugin.markers import MARKER
+from pytest_torchmem.plugin.places import SnapshotPlaces
+from pytest_torchmem.plugin.record import CheckRecord, RunLog
+from pytest_torchmem.plugin.relay import XdistRelay
+from pytest_torchmem.plugin.reporting import Reporter
+from pytest_torchmem.plugin.settings import (
     DEFAULT_CPU,
     DEFAULT_DEVICES,
     DEFAULT_GPU,
-    MARKER,
     MEASURE_MODES,
     STALE_MODES,
     UNUSED_MODES,
-    TorchmemFixture,
-    TorchmemSession,
+    Settings,
 )
-
-SESSION_KEY: Final = pytest.StashKey[TorchmemSession]()
+from pytest_torchmem.plugin.writing import SnapshotWriter
 
 _MARKER_HELP: Final = (
     f"{MARKER}(forward=None, backward=None, step=None, peak=None, devices=None, rtol=None, "
@@ -40,10 +64,6 @@ _MARKER_HELP: Final = (
     "torch.compile's mode, dynamic, fullgraph and options), the mesh and rank of a "
     "parallel check, and the GPUs the cuda step must fit (True: its own, or names)."
 )
-
-
-def _session(config: pytest.Config) -> TorchmemSession:
-    return config.stash[SESSION_KEY]
 
 
 def pytest_addhooks(pluginmanager: pytest.PytestPluginManager) -> None:
@@ -195,98 +215,81 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
 
 
-class _RunHooks:
-    """The hooks whose arguments do not lead to the run's config, bound to one run."""
+@dataclass(frozen=True)
+class TorchmemPlugins:
+    """The plugin objects of one run, each registered for the hooks it serves."""
 
-    def __init__(self, config: pytest.Config) -> None:
-        self.config = config
+    runner: CheckRunner
+    ledger: CollectionLedger
+    relay: XdistRelay
+    writer: SnapshotWriter
+    reporter: Reporter
 
-    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
-        _session(self.config).logged(report)
+    def named(self) -> dict[str, object]:
+        """Each object by the name it is registered under."""
+        return {
+            "torchmem-checks": self.runner,
+            "torchmem-ledger": self.ledger,
+            "torchmem-xdist": self.relay,
+            "torchmem-snapshots": self.writer,
+            "torchmem-report": self.reporter,
+        }
 
-    @pytest.hookimpl(optionalhook=True)
-    def pytest_handlecrashitem(self, crashitem: str, report: Any, sched: Any) -> None:
-        _session(self.config).crashed(crashitem)
 
-    def pytest_keyboard_interrupt(self, excinfo: pytest.ExceptionInfo[BaseException]) -> None:
-        _session(self.config).stopped(excinfo)
+PLUGINS_KEY: Final = pytest.StashKey[TorchmemPlugins]()
 
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", _MARKER_HELP)
-    config.stash[SESSION_KEY] = TorchmemSession(config)
-    config.pluginmanager.register(_RunHooks(config), "torchmem-run")
+    settings = Settings.from_config(config)
+    places = SnapshotPlaces(config, settings)
+    record, log = CheckRecord(), RunLog()
+    ledger = CollectionLedger(config, settings, record, places, log)
+    writer = SnapshotWriter(config, settings, record, ledger, places, log)
+    plugins = TorchmemPlugins(
+        runner=CheckRunner(config, settings, record, places, log),
+        ledger=ledger,
+        relay=XdistRelay(config, record, ledger, writer, places),
+        writer=writer,
+        reporter=Reporter(config, settings, record, ledger, writer, places, log),
+    )
+    config.stash[PLUGINS_KEY] = plugins
+    for name, plugin in plugins.named().items():
+        config.pluginmanager.register(plugin, name)
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
-    if SESSION_KEY in config.stash:
-        del config.stash[SESSION_KEY]
-    run_hooks = config.pluginmanager.get_plugin("torchmem-run")
-    if run_hooks is not None:
-        config.pluginmanager.unregister(run_hooks)
+    plugins = config.stash.get(PLUGINS_KEY, None)
+    if plugins is None:
+        return
+    for plugin in plugins.named().values():
+        if config.pluginmanager.is_registered(plugin):
+            config.pluginmanager.unregister(plugin)
+    del config.stash[PLUGINS_KEY]
+
+
+def _plugins(config: pytest.Config) -> TorchmemPlugins:
+    return config.stash[PLUGINS_KEY]
+
+
+# The header's and the summary's lines take their place among other plugins' by the
+# order pluggy calls their hooks in: these two stay the entry point's, as they were.
 
 
 def pytest_report_header(config: pytest.Config) -> list[str]:
-    return _session(config).header()
-
-
-def pytest_itemcollected(item: pytest.Item) -> None:
-    _session(item.config).collected(item)
-
-
-@pytest.hookimpl(wrapper=True, trylast=True)
-def pytest_make_collect_report(
-    collector: pytest.Collector,
-) -> Generator[None, pytest.CollectReport, pytest.CollectReport]:
-    # innermost: sees what the collector made before --lf filters it
-    report = yield
-    _session(collector.config).made(collector, report)
-    return report
-
-
-@pytest.hookimpl(wrapper=True)
-def pytest_pycollect_makeitem(
-    collector: pytest.Collector, name: str, obj: object
-) -> Generator[None, Any, Any]:
-    made = yield
-    _session(collector.config).validate(collector, made)
-    return made
-
-
-@pytest.hookimpl(wrapper=True)
-def pytest_runtest_call(item: pytest.Item) -> Generator[None, None, None]:
-    yield
-    _session(item.config).called(item)
-
-
-@pytest.hookimpl(wrapper=True, tryfirst=True)
-def pytest_runtest_makereport(
-    item: pytest.Item, call: pytest.CallInfo[None]
-) -> Generator[None, pytest.TestReport, pytest.TestReport]:
-    # outermost: sees the report as the xfail marker left it
-    report = yield
-    _session(item.config).finished(item, report, call)
-    return report
-
-
-@pytest.hookimpl(optionalhook=True)
-def pytest_testnodedown(node: Any, error: object) -> None:
-    _session(node.config).worker_down(node)
-
-
-def pytest_sessionfinish(session: pytest.Session) -> None:
-    _session(session.config).finish(session)
+    return _plugins(config).reporter.header_lines()
 
 
 def pytest_terminal_summary(
     terminalreporter: pytest.TerminalReporter, config: pytest.Config
 ) -> None:
-    _session(config).write_summary(terminalreporter)
+    _plugins(config).reporter.write_summary(terminalreporter)
 
 
 @pytest.fixture
 def torchmem(request: pytest.FixtureRequest) -> TorchmemFixture:
     """Memory checks of this test: ``torchmem.check(model, inputs, ...)``."""
     __tracebackhide__ = True
-    _session(request.config).require_supported_torch()
-    return TorchmemFixture(_session(request.config), request.node)
+    runner = _plugins(request.config).runner
+    runner.require_supported_torch()
+    return TorchmemFixture(runner, request.node)

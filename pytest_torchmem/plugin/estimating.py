@@ -1,0 +1,281 @@
+"""One check's figures on one device: its estimate, GPU measurement, room on GPUs, snapshot entry.
+
+The device's built-in rules are copied once per set of ``pytest_torchmem_add_rules``
+implementations (a ``conftest.py`` may add its own); ``pytest_torchmem_adjust_report``
+may change each report, which must stay whole bytes. The tracer is imported by the
+first estimate: nothing here imports torch before.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Final, Literal
+
+import pytest
+
+from pytest_torchmem.engine.gpu_profiles import GpuProfile
+from pytest_torchmem.plugin import releases
+from pytest_torchmem.plugin.headroom import Room, room
+from pytest_torchmem.plugin.settings import Settings, gpu_present
+from pytest_torchmem.plugin.snapshots import Entry
+
+if TYPE_CHECKING:
+    from pytest_torchmem.engine.parallel import Parallel
+    from pytest_torchmem.engine.report import MemoryReport
+    from pytest_torchmem.engine.request import StepRequest
+    from pytest_torchmem.engine.tracing.rules import RuleSet
+    from pytest_torchmem.engine.tracing.trace import Trace
+
+__all__ = ["DeviceFigures", "Estimator", "device_environment"]
+
+_DEVICE_HINT: Final = (
+    "torchmem: on the fake cuda device the step runs on fake tensors of that device, as it "
+    "would on a GPU: a tensor that loss_fn or the model takes from outside the inputs (labels "
+    "in a closure, a mask made once) must follow the output, e.g. labels.to(logits.device)"
+)
+
+
+def device_environment(
+    device: str, gpu: GpuProfile, cpu: str, keep_output: bool = False, loop: bool = False
+) -> dict[str, Any]:
+    """What the figures of ``device`` depend on besides the model: recorded in each entry.
+
+    The CPU rules follow the CPU profile (``cpu``: its full name, with cache sizes
+    where they are not the level's), the CUDA rules the GPU profile (its name, and
+    for a profile that is not one of the named ones its properties, ``gpu_memory``,
+    ``gpu_cc``, ``gpu_sms``, ...: a line of the ini table changed since is noticed)
+    and the caching allocator's configuration; both follow the torch version. An entry
+    recorded where any of these differ is stale: its bytes are not compared.
+    ``keep_output=True`` is recorded too (only then, so that entries made with the
+    default stay as they were): an entry made with the other setting measured
+    another step, and is never compared with this one. So is ``loop``: the figures are
+    a training loop's (``"figures": "training loop"``), which one step's are not.
+    """
+    environment: dict[str, Any] = {"torch": releases.torch_version()}
+    if keep_output:
+        environment["keep_output"] = True
+    if loop:
+        environment["figures"] = "training loop"
+    if device.startswith("cuda"):
+        environment["gpu"] = gpu.name
+        if not gpu.builtin:
+            environment.update({f"gpu_{key}": value for key, value in gpu.properties().items()})
+        alloc_conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "").strip()
+        if alloc_conf:  # recorded only when set, so that the default leaves no trace
+            environment["cuda_alloc_conf"] = alloc_conf
+    else:
+        environment["cpu"] = cpu
+    return environment
+
+
+@dataclass(frozen=True)
+class DeviceFigures:
+    """What one check found on one device."""
+
+    #: The estimate, as the hooks adjusted it.
+    report: MemoryReport
+    #: The trace it was read from (for the timeline and the HTML report).
+    trace: Trace
+    #: The snapshot entry it makes: the figures, their environment, the GPU measurement.
+    entry: Entry
+    #: A cuda check's room on the GPU it follows, then on each other GPU ``fits=`` names.
+    rooms: tuple[Room, ...]
+
+
+class Estimator:
+    """The estimates of one run's checks, with the run's rules, hooks and GPU."""
+
+    def __init__(self, settings: Settings) -> None:
+        self._settings: Final = settings
+        self._rules: dict[tuple[str, tuple[int, ...]], RuleSet] = {}
+        self._measuring: bool | None = None
+
+    def figures(
+        self,
+        item: pytest.Item,
+        request: StepRequest,
+        device: str,
+        name: str,
+        gpu: GpuProfile,
+        cpu: Any,
+        parallel: Parallel | None,
+        fits: tuple[GpuProfile, ...] | Literal[True] | None,
+    ) -> DeviceFigures:
+        """The figures of check ``name`` of ``item`` on ``device``: estimated, measured on the
+        GPU where the run measures, and the room on the GPUs ``fits`` names."""
+        report, traced = self.estimate(item, request, device, name, gpu, cpu, parallel)
+        measured = None
+        if device.startswith("cuda") and self.measuring():
+            # What measure(device="cuda") does: the step on the real GPU, from
+            # the state measuring.py defines (empty caches, no cuBLAS workspace).
+            from pytest_torchmem.engine.measuring import measure_step
+
+            measured = measure_step(dataclasses.replace(request, device="cuda"))
+        environment = device_environment(
+            device, gpu, str(cpu), request.keep_output, loop=report.first_step is not None
+        )
+        entry = Entry.from_report(report, environment, measured)
+        rooms = self.rooms(item, request, device, name, gpu, cpu, parallel, report, fits)
+        return DeviceFigures(report, traced, entry, rooms)
+
+    def estimate(
+        self,
+        item: pytest.Item,
+        request: StepRequest,
+        device: str,
+        name: str,
+        gpu: GpuProfile,
+        cpu: Any,
+        parallel: Parallel | None = None,
+    ) -> tuple[MemoryReport, Trace]:
+        """The estimate on ``device`` with this run's rules, as the hooks adjust it,
+        and the trace it was read from (``parallel``: of its rank; ``"max"``: the
+        rank with the highest peak)."""
+        from pytest_torchmem.engine.report import MemoryReport
+        from pytest_torchmem.engine.tracing.devices import device_model
+        from pytest_torchmem.engine.tracing.trace import trace
+
+        try:
+            traces = [
+                trace(
+                    request.model,
+                    request.args,
+                    request.kwargs,
+                    device=dataclasses.replace(device_model(device), rules=self.rules(item, device)),
+                    loss_fn=request.loss_fn,
+                    optimizer=request.optimizer,
+                    train=request.train,
+                    keep_output=request.keep_output,
+                    gpu=gpu if device.startswith("cuda") else None,
+                    cpu=cpu if device == "cpu" else None,
+                    record_frames=self._settings.record_frames,
+                    parallel=parallel,
+                    rank=rank,
+                )
+                for rank in (parallel.ranks() if parallel is not None else [0])
+            ]
+            traced = max(traces, key=lambda one: one.report.peak)
+        except RuntimeError as exc:
+            if device.startswith("cuda") and "devices" in str(exc) and hasattr(exc, "add_note"):
+                exc.add_note(_DEVICE_HINT)
+            raise
+        adjusted = item.ihook.pytest_torchmem_adjust_report(
+            item=item, device=device, name=name, report=traced.report
+        )
+        if adjusted is None:
+            return traced.report, traced
+        if not isinstance(adjusted, MemoryReport):
+            pytest.fail(
+                "torchmem: pytest_torchmem_adjust_report must return a MemoryReport or None, "
+                f"got {type(adjusted).__name__}",
+                pytrace=False,
+            )
+        try:
+            return _whole_bytes(adjusted), traced
+        except ValueError as exc:
+            pytest.fail(f"torchmem: pytest_torchmem_adjust_report returned {exc}", pytrace=False)
+
+    def rooms(
+        self,
+        item: pytest.Item,
+        request: StepRequest,
+        device: str,
+        name: str,
+        gpu: GpuProfile,
+        cpu: Any,
+        parallel: Parallel | None,
+        report: MemoryReport,
+        fits: tuple[GpuProfile, ...] | Literal[True] | None,
+    ) -> tuple[Room, ...]:
+        """A cuda check's room on the GPU it follows, then on each other GPU that ``fits=``
+        names (estimated on it: its kernels and workspaces are its own)."""
+        if not device.startswith("cuda") or report.reserved_peak is None:
+            return ()
+        named = () if fits is None or fits is True else fits
+        rooms = [room(gpu, report.reserved_peak, required=fits is True or gpu in named)]
+        for other in named:
+            if other != gpu:
+                on_other, _ = self.estimate(item, request, device, name, other, cpu, parallel)
+                assert on_other.reserved_peak is not None
+                rooms.append(room(other, on_other.reserved_peak, required=True))
+        return tuple(rooms)
+
+    def rules(self, item: pytest.Item, device: str) -> RuleSet:
+        """This run's rules for ``device`` under the ``conftest.py`` files of ``item``.
+
+        Each distinct set of ``pytest_torchmem_add_rules`` implementations gets
+        its own copy of the device's built-in rules, filled once.
+        """
+        hook = item.ihook.pytest_torchmem_add_rules
+        cache_key = (device, tuple(id(impl.plugin) for impl in hook.get_hookimpls()))
+        rules = self._rules.get(cache_key)
+        if rules is None:
+            from pytest_torchmem.engine.tracing.devices import device_model
+
+            rules = device_model(device).rules.copy()
+            hook(device=device, rules=rules)
+            self._rules[cache_key] = rules
+        return rules
+
+    def measuring(self) -> bool:
+        """Whether ``cuda`` checks also run the step on the real GPU."""
+        if self._measuring is None:
+            mode = self._settings.measure
+            self._measuring = mode == "on" or (mode == "auto" and gpu_present())
+        return self._measuring
+
+
+def _whole_bytes(report: MemoryReport) -> MemoryReport:
+    """``report`` with every figure a plain ``int``; ValueError naming one that is no byte count.
+
+    A hook may compute figures with numpy (``numpy.int64`` is taken as the
+    integer it is); a float, a bool or a negative figure is refused before it
+    reaches a snapshot file.
+    """
+    import operator
+
+    def whole(value: Any, where: str) -> int:
+        try:
+            if isinstance(value, bool):
+                raise TypeError
+            number = operator.index(value)
+        except TypeError:
+            raise ValueError(
+                f"a report whose {where} is {value!r} ({type(value).__name__}): figures are "
+                "whole numbers of bytes; round them with int(...)"
+            ) from None
+        if number < 0:
+            raise ValueError(f"a report whose {where} is negative ({number} B)")
+        return number
+
+    return dataclasses.replace(
+        report,
+        forward_peak=whole(report.forward_peak, "forward_peak"),
+        backward_peak=whole(report.backward_peak, "backward_peak"),
+        step_peak=whole(report.step_peak, "step_peak"),
+        reserved_peak=None
+        if report.reserved_peak is None
+        else whole(report.reserved_peak, "reserved_peak"),
+        breakdown={
+            category: whole(value, f"breakdown[{str(category.value)!r}]")
+            for category, value in report.breakdown.items()
+        },
+        modules={
+            name: dataclasses.replace(
+                peak,
+                forward=whole(peak.forward, f"modules[{name!r}].forward"),
+                backward=whole(peak.backward, f"modules[{name!r}].backward"),
+            )
+            for name, peak in report.modules.items()
+        },
+        first_step=None
+        if report.first_step is None
+        else dataclasses.replace(
+            report.first_step,
+            forward=whole(report.first_step.forward, "first_step.forward"),
+            backward=whole(report.first_step.backward, "first_step.backward"),
+            step=whole(report.first_step.step, "first_step.step"),
+        ),
+    )
