@@ -42,6 +42,7 @@ _get_sdp_priority_order: Final = private("torch._C._get_sdp_priority_order")
 #: read as ``torch.backends.cudnn.version()`` in each: nvidia-cudnn 9.10.2 for
 #: 2.10.0+cu128, 9.19 for 2.11.0+cu130, 9.20 for 2.12.1 and 2.13.0, 9.24 for
 #: 2.14.1, 9.26 for 2.15.0+cu132); a CPU build models the CUDA wheel of its release.
+#: tests/test_cuda_routing.py checks it against the cuDNN each CUDA wheel pins.
 CUDNN_OF_RELEASE: Final = {
     (2, 10): 91002,
     (2, 11): 91900,
