@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 import pytest_torchmem as tm
-from pytest_torchmem.engine import measuring
+from pytest_torchmem.engine import measuring, profiler_events
 from pytest_torchmem.engine.request import step_request
 from pytest_torchmem.engine.tracing import tracker as tracker_module
 
@@ -57,18 +57,18 @@ def real_kernels(model: torch.nn.Module, inputs: Any, **kwargs: Any) -> list[Ker
     stack = list(prof.kineto_results.experimental_event_tree())
     # (the stand-ins are copied under the profiler, before the step's first mark)
     started = min(
-        (node.start_time_ns for node in _nodes(prof) if node.name.startswith(measuring._MARK + "phase:")),
+        (node.start_time_ns for node in _nodes(prof) if node.name.startswith(profiler_events.MARK + "phase:")),
         default=0,
     )
     while stack:
         node = stack.pop()
         fields = node.extra_fields
         if (
-            isinstance(fields, measuring._Allocation)
+            isinstance(fields, profiler_events.Allocation)
             and fields.device.type == "cpu"
             and node.start_time_ns >= started
         ):
-            kernel = measuring._kernel_node(node)
+            kernel = profiler_events.kernel_node(node)
             found.append(
                 (node.start_time_ns, kernel.name if kernel else "(no kernel)", id(kernel), fields.alloc_size)
             )

@@ -12,9 +12,11 @@ the request below ``max_split_size``; expandable: >= 512 bytes left).
 from __future__ import annotations
 
 import random
+import re
 
 import pytest
 
+from pytest_torchmem.engine.torch_release import installed_release
 from pytest_torchmem.engine.tracing.devices.cuda.allocator import (
     SIZE_MAX,
     AllocatorConfig,
@@ -22,6 +24,19 @@ from pytest_torchmem.engine.tracing.devices.cuda.allocator import (
     CachingAllocator,
     OutOfMemoryError,
 )
+from pytest_torchmem.engine.tracing.devices.cuda.allocator_constants import (
+    KLARGE_BUFFER,
+    KMIN_BLOCK_SIZE,
+    KMIN_LARGE_ALLOC,
+    KPINNED_MAX_REGISTER_THREADS,
+    KROUND_LARGE,
+    KROUNDUP_POWER2_INTERVALS,
+    KROUNDUP_POWER2_START_LOG2,
+    KSMALL_BUFFER,
+    KSMALL_SIZE,
+    ONE_EXA_BYTES,
+)
+from torch_sources import cuda_library, disassembly, header_constant, header_text, immediates, library
 
 KiB = 1024
 MiB = 1024 * 1024
@@ -843,3 +858,66 @@ def test_a_private_pool_takes_no_block_of_the_device() -> None:
     small segment); a private pool (a CUDA graph's) gets a segment of its own."""
     assert _freed_then_taken(pool=0) == 2 * MiB
     assert _freed_then_taken(pool=1) == 2 * 2 * MiB
+
+
+# -- the C++ constants, read again from the installed torch -------------------------------
+# (each release venv of the release suite pins them for its release; tests/torch_sources.py)
+
+#: The header every wheel ships with the caching allocator's size constants.
+ALLOCATOR_HEADER = "c10/core/AllocatorConfig.h"
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("kMinBlockSize", KMIN_BLOCK_SIZE),
+        ("kSmallSize", KSMALL_SIZE),
+        ("kSmallBuffer", KSMALL_BUFFER),
+        ("kMinLargeAlloc", KMIN_LARGE_ALLOC),
+        ("kRoundLarge", KROUND_LARGE),
+    ],
+)
+def test_allocator_size_constant_is_pinned_by_the_installed_header(name: str, value: int) -> None:
+    """``constexpr size_t kMinBlockSize = 512;`` (and the others) in the installed torch's
+    ``c10/core/AllocatorConfig.h`` is the value the simulator rounds and sizes with."""
+    assert header_constant(ALLOCATOR_HEADER, name) == value
+
+
+def test_large_buffer_is_pinned_by_the_installed_header() -> None:
+    """The 20 MiB large segment: ``constexpr size_t kLargeBuffer`` in 2.10, the initial
+    ``large_segment_size_{20971520}`` of ``AcceleratorAllocatorConfig`` from 2.11 (where
+    ``large_segment_size_mb`` came)."""
+    name = "kLargeBuffer" if installed_release()[:2] < (2, 11) else "large_segment_size_"
+    assert header_constant(ALLOCATOR_HEADER, name) == KLARGE_BUFFER == 20 * MiB
+
+
+def test_pinned_register_threads_limit_is_pinned_by_the_installed_header() -> None:
+    """``CUDAAllocatorConfig::pinned_max_register_threads()`` returns 128: the parser's
+    bound on ``pinned_num_register_threads``."""
+    text = header_text("c10/cuda/CUDAAllocatorConfig.h")
+    body = re.search(r"pinned_max_register_threads\(\)\s*\{(.*?)\}", text, re.S)
+    assert body is not None
+    assert re.findall(r"return\s+(\d+)\s*;", body.group(1)) == [str(KPINNED_MAX_REGISTER_THREADS)]
+    with pytest.raises(ValueError, match="must be a power of 2 and <= 128, got 256"):
+        AllocatorConfig.parse("pinned_num_register_threads:256")
+
+
+def test_roundup_intervals_are_pinned_by_the_installed_libc10() -> None:
+    """``AcceleratorAllocatorConfig::roundup_power2_divisions(size_t)`` (``libc10.so``, in
+    CPU and CUDA builds) clamps the interval index to ``kRoundUpPowerOfTwoIntervals - 1``
+    (``$0xf``) after taking ``log2(kRoundUpPowerOfTwoStart)`` (``$0x14``, 1 MiB) off."""
+    code = disassembly(library("libc10.so"), r"AllocatorConfig24roundup_power2_divisionsEm$")
+    found = immediates(code)
+    assert KROUNDUP_POWER2_INTERVALS - 1 in found
+    assert KROUNDUP_POWER2_START_LOG2 in found
+    assert (KROUNDUP_POWER2_INTERVALS, KROUNDUP_POWER2_START_LOG2) == (16, 20)
+
+
+def test_one_exabyte_refusal_is_pinned_by_the_installed_libc10_cuda() -> None:
+    """``NativeCachingAllocator::allocate`` refuses ``size >= one_exa_bytes`` (2**60),
+    compiled as ``shr $0x3c`` (a nonzero ``size >> 60``); the simulator refuses the same."""
+    code = disassembly(cuda_library("libc10_cuda.so"), r"NativeCachingAllocator8allocateEm$")
+    assert re.search(r"shr\s+\$0x3c,", code), "the 1 EB check is compiled otherwise now"
+    assert ONE_EXA_BYTES == 1 << 0x3C
+    with pytest.raises(OutOfMemoryError, match="more than 1EB"):
+        CachingAllocator().malloc(ONE_EXA_BYTES)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -35,7 +36,20 @@ from pytest_torchmem.engine.tracing.devices.cuda.router import (
     autocast_policy,
     select_sdp_backend,
 )
+from pytest_torchmem.engine.tracing.devices.cuda import kernel_choices as cuda_kernel_choices
+from pytest_torchmem.engine.tracing.devices.cuda import rnn as cuda_rnn
+from pytest_torchmem.engine.tracing.devices.cuda import sdpa as cuda_sdpa
 from pytest_torchmem.engine.tracing.rules import Inexact, OpCall, TraceContext
+from torch_sources import (
+    cuda_library,
+    cudnn_header_text,
+    disassembly,
+    has_function,
+    immediates,
+    instructions,
+    library,
+    wheel_requirement,
+)
 
 FWD, BWD, STEP = 0, 1, 2
 OUT, SCRATCH = "out", "scratch"
@@ -762,3 +776,139 @@ def test_the_zoo_traces_on_cuda() -> None:
             report = tm.estimate(model, inputs, device="cuda", **case.options)
         assert report.peak > 0, case.name
         assert not any("stopped" in u.reason for u in report.unsupported), (case.name, report.unsupported)
+
+
+# -- the C++ constants, read again from the installed torch -------------------------------
+# (each release venv of the release suite pins them for its release; tests/torch_sources.py)
+
+
+def test_cudnn_of_each_release_is_pinned_by_the_installed_wheel() -> None:
+    """The cuDNN a release's CUDA wheel pins (``nvidia-cudnn-cu1x==9.10.2.21``, ...) is
+    the version ``CUDNN_OF_RELEASE`` models for it (``cudnnGetVersion()``: major *
+    10000 + minor * 100 + patch)."""
+    if torch.version.cuda is None:
+        pytest.skip("a CPU wheel pins no cuDNN: the CUDA builds of each release check it")
+    pinned = wheel_requirement(r"nvidia-cudnn-cu\d+")
+    assert pinned is not None, "the CUDA wheel of torch pins no nvidia-cudnn"
+    major, minor, patch = (int(part) for part in pinned.split(".")[:3])
+    assert cuda_sdpa.cudnn_version(installed_release()[:2]) == major * 10000 + minor * 100 + patch
+
+
+def test_rnn_modes_are_pinned_by_the_installed_cudnn_header() -> None:
+    """``cudnnRNNMode_t``: ``CUDNN_RNN_RELU = 0``, ``CUDNN_RNN_TANH = 1``, ``CUDNN_LSTM = 2``,
+    ``CUDNN_GRU = 3``, the ``mode`` the router passes to ``_cudnn_rnn``."""
+    text = cudnn_header_text()
+    for name, value in (("CUDNN_RNN_RELU", cuda_rnn.RNN_RELU), ("CUDNN_RNN_TANH", cuda_rnn.RNN_TANH),
+                        ("CUDNN_LSTM", cuda_rnn.LSTM), ("CUDNN_GRU", cuda_rnn.GRU)):
+        assert {int(v) for v in re.findall(rf"\b{name}\s*=\s*(\d+)", text)} == {value}, name
+
+
+def test_cudnn_batch_norm_limits_are_pinned_by_the_installed_libtorch_cpu() -> None:
+    """``_select_batch_norm_backend`` (Normalization.cpp, ``libtorch_cpu.so`` of CPU and
+    CUDA builds) takes cuDNN up to a batch of 880801 in training and 65535 in inference."""
+    code = disassembly(library("libtorch_cpu.so"), r"_select_batch_norm_backend")
+    found = immediates(code)
+    assert cuda_kernel_choices.CUDNN_BN_MAX_TRAINING_BATCH in found
+    assert cuda_kernel_choices.CUDNN_BN_MAX_INFERENCE_BATCH in found
+
+
+def test_cudnn_batch_norm_epsilon_is_pinned_by_the_installed_libtorch_cuda() -> None:
+    """``CUDAHooks::batchnormMinEpsilonCuDNN`` returns ``CUDNN_BN_MIN_EPSILON``: 0.0
+    (``pxor %xmm0,%xmm0; ret``)."""
+    code = instructions(disassembly(cuda_library("libtorch_cuda.so"), r"CUDAHooks24batchnormMinEpsilonCuDNN"))
+    assert code == "pxor %xmm0,%xmm0; ret"
+    assert cuda_kernel_choices.CUDNN_BN_MIN_EPSILON == 0.0
+
+
+SDP = r"^_ZN3sdp"
+
+
+@pytest.mark.parametrize(
+    ("function", "values"),
+    [
+        pytest.param(r"18select_sdp_backend", lambda: {cuda_sdpa.CUDNN_PREFERRED_AFTER}, id="cudnn-preferred-after"),
+        pytest.param(r"check_head_dim_size_flashILb0E", lambda: {cuda_sdpa.FLASH_MAX_HEAD_DIM}, id="flash-head-dim"),
+        pytest.param(
+            r"check_flash_attention_hardware_support",
+            lambda: {cuda_sdpa.FLASH_SM[0][0], cuda_sdpa.FLASH_SM[1][0]},
+            id="flash-sm",
+        ),
+        pytest.param(
+            r"check_mem_efficient_hardware_support",
+            lambda: {cuda_sdpa.MEM_EFFICIENT_SM[0][0], cuda_sdpa.MEM_EFFICIENT_SM[1][0]},
+            id="mem-efficient-sm",
+        ),
+        pytest.param(
+            r"check_cudnn_hardware_support", lambda: {cuda_sdpa.CUDNN_SM[0][0], cuda_sdpa.CUDNN_SM[1][0]}, id="cudnn-sm"
+        ),
+        pytest.param(
+            r"check_requires_grad_and_head_dim_gt192",
+            lambda: set(cuda_sdpa.FLASH_BACKWARD_HEAD_DIM_LIMITS),
+            id="flash-backward-head-dims",
+        ),
+        pytest.param(
+            r"check_cudnn_tensor_shapes",
+            lambda: {cuda_sdpa.CUDNN_MAX_HEAD_DIM, cuda_sdpa.CUDNN_SM90_MAX_HEAD_DIM, cuda_sdpa.CUDNN_HEAD_DIM_MULTIPLE},
+            id="cudnn-head-dims",
+        ),
+    ],
+)
+def test_sdpa_threshold_is_pinned_by_the_installed_libtorch_cuda(function: str, values: Any) -> None:
+    """Each threshold of ``sdp_utils.cpp`` the backend choice follows is an immediate of the
+    named check in the installed CUDA build (``$0x1656c`` for cuDNN 9.15.0, ``$0x100`` for
+    flash's 256, the majors 8, 5 and 12 of ``check_sm_version<sm80/sm50, sm121>``, ...)."""
+    found = immediates(disassembly(cuda_library("libtorch_cuda.so"), SDP + r".*" + function))
+    assert values() <= found, sorted(values() - found)
+
+
+def test_cudnn_dropout_window_start_is_pinned_by_the_installed_libtorch_cuda() -> None:
+    """No cuDNN attention with dropout from cuDNN 9.11.0 (``cudnn_version > 91100``:
+    ``$0x163dc`` or ``$0x163dd``) in ``check_cudnn_dropout`` (``can_use_cudnn_attention``
+    before it). The end of the window (9.14.0) is compiled against the build's own cuDNN
+    and is not read here."""
+    code = disassembly(cuda_library("libtorch_cuda.so"), SDP + r".*(check_cudnn_dropout|can_use_cudnn_attention)")
+    found = immediates(code)
+    start = cuda_sdpa.CUDNN_DROPOUT_BUG[0]
+    assert start in found or start + 1 in found
+
+
+def test_cudnn_sm90_head_dim_rule_is_pinned_by_the_installed_libtorch_cuda() -> None:
+    """``check_cudnn_tensor_shapes``: head dims up to 256 on (9, 0) with a cuDNN from 9.1.0
+    (``cmpq $0x16377``, ``cmpq $0x9,0x168(...)`` on (major, minor)), else 128: 2.10 to 2.13.
+    (2.14 gives major 10 256 too: tests/release_gaps.txt.)"""
+    code = instructions(disassembly(cuda_library("libtorch_cuda.so"), SDP + r".*check_cudnn_tensor_shapes"))
+    assert cuda_sdpa.CUDNN_SM90_D256_SINCE - 1 in immediates(code)
+    assert re.search(r"cmpq \$0x9,0x168\(%\w+\)", code)
+    assert not re.search(r"cmpl \$0xa,0x168\(%\w+\); (je|jne) [0-9a-f]+ <[^>]*>; mov \$0x100,", code)
+
+
+def test_release_gated_sdpa_checks_are_pinned_by_the_installed_libtorch_cuda() -> None:
+    """``check_data_ptr_alignment_mem_efficient`` exists from 2.13 and compares offsets
+    with 8 and 4 elements; ``check_cudnn_d256_bprop_head_dim`` exists from 2.14 and
+    compares cuDNN with 9.22.0 and 9.25.0 and head dims with 128, 192 and 256: the
+    releases ``sdpa`` applies them from."""
+    library_ = cuda_library("libtorch_cuda.so")
+    release = installed_release()[:2]
+    alignment = has_function(library_, r"check_data_ptr_alignment_mem_efficient")
+    assert alignment == (release >= (2, 13))
+    if alignment:
+        found = immediates(disassembly(library_, r"check_data_ptr_alignment_mem_efficient"))
+        assert set(cuda_sdpa.MEM_EFFICIENT_OFFSET_ALIGNMENT.values()) <= found
+    bprop = has_function(library_, r"check_cudnn_d256_bprop_head_dim")
+    assert bprop == (release >= (2, 14))
+    if bprop:
+        found = immediates(disassembly(library_, r"check_cudnn_d256_bprop_head_dim"))
+        expected = {cuda_sdpa.CUDNN_BPROP_HEAD_DIMS_AFTER, cuda_sdpa.CUDNN_SM107_BPROP_FIXED_AFTER, cuda_sdpa.CUDNN_BPROP_SMALL_HEAD_DIM}
+        expected |= {d for pair in cuda_sdpa.CUDNN_BPROP_LARGE_HEAD_DIMS for d in pair}
+        assert expected <= found, sorted(expected - found)
+
+
+def test_cudnn_mask_conversion_is_pinned_by_the_installed_libtorch_cpu() -> None:
+    """``attention.cpp``'s ``convert_boolean_attn_mask_cudnn`` (the -65504 fill with a host
+    scalar, :data:`sdpa.CUDNN_MASK_FILL`) exists in 2.10 and 2.11 only: from 2.12
+    (pytorch#177868) the cuDNN branch converts like the others (-inf, a scalar on the
+    mask's device), which the router does not follow (the fill changes no bytes; the
+    0-d scalar on the GPU is 512 B, briefly)."""
+    exists = has_function(library("libtorch_cpu.so"), r"convert_boolean_attn_mask_cudnn")
+    assert exists == (installed_release()[:2] < (2, 12))
+    assert cuda_sdpa.CUDNN_MASK_FILL == -65504.0

@@ -5,6 +5,7 @@ Reduce.cuh's setReduceConfig (torch 2.13 headers) and the kernels' sources."""
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import torch
@@ -13,6 +14,7 @@ from torch import nn
 import pytest_torchmem as tm
 from pytest_torchmem.engine.tracing.devices.cuda import CUDA
 from pytest_torchmem.engine.tracing.devices.cuda.profiles import gpu_profile
+from pytest_torchmem.engine.tracing.devices.cuda import temporaries
 from pytest_torchmem.engine.tracing.devices.cuda.temporaries import cub_sort_pairs_temp_bytes
 from pytest_torchmem.engine.tracing.rules import (
     OUTPUTS,
@@ -22,6 +24,8 @@ from pytest_torchmem.engine.tracing.rules import (
     OpCall,
     TraceContext,
 )
+
+from torch_sources import header_constant, header_text
 
 aten = torch.ops.aten
 
@@ -277,3 +281,59 @@ def test_cumsum_of_a_mask_casts_it() -> None:
     assert steps == [OUTPUTS, Alloc("cast", 32000)]
     steps = run_rule(aten.cumsum.default, (meta(1000, 4).t(), 1), meta(4, 1000))
     assert steps == [OUTPUTS, Alloc("contiguous", 16000)]
+
+
+# -- the C++ constants, read again from the installed torch's headers ---------------------
+# (each release venv of the release suite pins them for its release; tests/torch_sources.py)
+
+REDUCE_CUH = "ATen/native/cuda/Reduce.cuh"
+
+
+def _cuda_branch(text: str) -> str:
+    """``text`` without the ``#ifdef USE_ROCM ... #else`` part of its ROCm/CUDA branches."""
+    return re.sub(r"#ifdef USE_ROCM\n(?:(?!#else|#endif).*\n)*?#else\n", "", text)
+
+
+def _values(pattern: str, text: str) -> set[int]:
+    return {int(value) for value in re.findall(pattern, text)}
+
+
+def test_reduction_thread_counts_are_pinned_by_the_installed_header() -> None:
+    """``mnt_wrapper<T>::MAX_NUM_THREADS``: 512 threads per block, 256 for complex double
+    (``max_reduce_threads``)."""
+    text = header_text(REDUCE_CUH)
+    generic = re.search(r"struct mnt_wrapper\s*\{\s*static constexpr int MAX_NUM_THREADS = (\d+);", text)
+    complex_double = re.search(
+        r"struct mnt_wrapper\s*<\s*c10::complex<double>\s*>\s*\{\s*static constexpr int MAX_NUM_THREADS = (\d+);", text
+    )
+    assert generic is not None and complex_double is not None
+    assert int(generic.group(1)) == temporaries.MAX_REDUCE_THREADS == 512
+    assert int(complex_double.group(1)) == temporaries.MAX_REDUCE_THREADS_COMPLEX_DOUBLE == 256
+
+
+def test_reduction_launch_constants_are_pinned_by_the_installed_header() -> None:
+    """``setReduceConfig`` and its helpers, as the CUDA (not ROCm) build compiles them:
+    ``vt0=4``, ``vec_size = 4``, the vectorization at ``dim0 >= 128``, 16 and 256
+    values per thread, the warp split at ``block_height * 16``, ``sizeof(int)``
+    semaphores, and the block width capped at the device's warp size (32 on NVIDIA)."""
+    text = _cuda_branch(header_text(REDUCE_CUH))
+    assert _values(r"\bint vt0\s*=\s*(\d+)", text) == {temporaries.REDUCE_VT0}
+    assert _values(r"\bint vec_size\s*=\s*(\d+);", text) == {temporaries.OUTPUT_VEC_SIZE}
+    assert _values(r"\bdim0 >= (\d+) && iter\.num_reduce_dims\(\) == 1", text) == {
+        temporaries.VECTORIZE_INPUT_MIN_DIM0
+    }
+    assert _values(r"constexpr int min_values_per_thread = (\d+);", text) == {temporaries.MIN_VALUES_PER_THREAD}
+    assert _values(r"constexpr int max_values_per_thread = (\d+);", text) == {temporaries.MAX_VALUES_PER_THREAD}
+    assert _values(r"std::min<int>\(block_height \* (\d+), max_values_per_thread\)", text) == {
+        temporaries.WARP_SPLIT_FACTOR
+    }
+    assert "return sizeof(int) * grid().x;" in text and temporaries.SEMAPHORE_BYTES == 4
+    assert "block_width = std::min(dim0_pow2, int(at::cuda::warp_size()));" in text
+    assert temporaries.WARP_SIZE == 32
+
+
+def test_foreach_chunk_size_is_pinned_by_the_installed_header() -> None:
+    """``kChunkSize`` of ``MultiTensorApply.cuh``: the elements of one chunk of a foreach
+    kernel, the unit of ``_foreach_norm``'s partial results."""
+    value = header_constant("ATen/native/cuda/MultiTensorApply.cuh", "kChunkSize")
+    assert value == temporaries.KCHUNK_SIZE == 65536

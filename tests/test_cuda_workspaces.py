@@ -5,6 +5,7 @@ every storage is charged its caching-allocator block (multiples of 512 bytes).""
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import pytest
@@ -22,6 +23,7 @@ from pytest_torchmem.engine.tracing.devices.cuda.workspaces import (
     cublas_workspace_size,
     cublaslt_workspace_size,
 )
+from torch_sources import cuda_library, disassembly, has_function, immediates, instructions, library
 from pytest_torchmem.engine.tracing.rules import (
     OUTPUTS,
     Alloc,
@@ -412,3 +414,81 @@ def test_cudnn_backward_copies_an_expanded_gradient() -> None:
     )
     allocs = [s for s in steps if isinstance(s, Alloc) and s.nbytes]
     assert allocs == [Alloc("grad_output_bi", 12544), Alloc("grad_output_bw", 12544)]
+
+
+# -- the C++ constants, read again from the installed torch -------------------------------
+# (each release venv of the release suite pins them for its release; tests/torch_sources.py)
+
+PARSE_CHOSEN_WORKSPACE_SIZE = r"^_ZN2at4cuda24parseChosenWorkspaceSizeEv$"
+
+
+def test_cublas_default_sizes_are_pinned_by_the_installed_libtorch_cuda() -> None:
+    """``parseChosenWorkspaceSize`` loads ``:4096:2:16:8`` as ``$0x820000`` and the big
+    size as ``$0x2000000`` (2.10 to 2.13), or as ``0x820000 + $0x17e0000`` in the
+    branch-free form of 2.14 and 2.15."""
+    found = immediates(disassembly(cuda_library("libtorch_cuda.so"), PARSE_CHOSEN_WORKSPACE_SIZE))
+    small, big = workspaces.CUBLAS_DEFAULT_WORKSPACE, workspaces.CUBLAS_BIG_DEFAULT_WORKSPACE
+    assert (small, big) == (4096 * 1024 * 2 + 16 * 1024 * 8, 32 * MiB)
+    assert small in found
+    assert big in found or big - small in found
+
+
+#: The compiled tests of ``cudaDeviceProp::major`` (``0x168``) and ``minor`` (``0x16c``)
+#: that choose the big default, and the architectures each gives it
+#: (docs/explanation/torch-releases.md).
+BIG_WORKSPACE_TESTS = [
+    (r"cmpq \$0x9,0x168\(%\w+\)", lambda cc: cc == (9, 0)),
+    (
+        r"mov 0x168\(%\w+\),%\w+; lea -0x9\(%\w+\),%\w+; cmp \$0x1,%\w+; jbe .*cmp \$0xc,%\w+; je",
+        lambda cc: cc[0] in (9, 10, 12),
+    ),
+    (r"mov 0x168\(%\w+\),%\w+; sub \$0x9,%\w+; cmp \$0x4,%\w+; sbb", lambda cc: 9 <= cc[0] <= 12),
+]
+
+
+def test_big_cublas_workspace_architectures_are_pinned_by_the_installed_libtorch_cuda() -> None:
+    """The installed release's ``parseChosenWorkspaceSize`` compiles exactly one of the
+    known architecture tests, and ``_big_default_workspace`` answers as it does for
+    every compute capability."""
+    code = instructions(disassembly(cuda_library("libtorch_cuda.so"), PARSE_CHOSEN_WORKSPACE_SIZE))
+    matched = [rule for pattern, rule in BIG_WORKSPACE_TESTS if re.search(pattern, code)]
+    assert len(matched) == 1, "parseChosenWorkspaceSize tests the architecture otherwise now"
+    release = installed_release()[:2]
+    for cc in [(7, 0), (8, 0), (8, 9), (9, 0), (9, 1), (10, 0), (10, 3), (11, 0), (12, 0), (12, 1), (13, 0)]:
+        assert workspaces._big_default_workspace(cc, release) == matched[0](cc), cc
+
+
+def test_cublaslt_default_size_is_pinned_by_the_installed_libtorch_cuda() -> None:
+    """``parseCUDABlasLtWorkspaceSize`` (``getCUDABlasLtWorkspaceSize``'s parser): 1024
+    KiB (``$0x400``) without ``CUBLASLT_WORKSPACE_SIZE``."""
+    code = disassembly(cuda_library("libtorch_cuda.so"), r"parseCUDABlasLtWorkspaceSize")
+    assert workspaces.CUBLASLT_DEFAULT_WORKSPACE_KIB == 1024
+    assert workspaces.CUBLASLT_DEFAULT_WORKSPACE_KIB in immediates(code)
+
+
+def test_workspace_caching_switch_is_pinned_by_the_installed_libtorch_cuda(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``isCUDABlasWorkspaceCachingEnabled`` exists from 2.15 only, and there the
+    workspaces are not cached by default: ``workspace_caching()`` follows the release."""
+    monkeypatch.delenv("TORCH_CUBLAS_WORKSPACE_CACHE", raising=False)
+    exists = has_function(cuda_library("libtorch_cuda.so"), r"isCUDABlasWorkspaceCachingEnabled")
+    assert exists == (installed_release()[:2] >= (2, 15))
+    assert workspaces.workspace_caching() is not exists
+
+
+def test_conv_64bit_indexing_limit_is_pinned_by_the_installed_libtorch_cpu() -> None:
+    """``ConvParams::needs_64bit_indexing_no_split`` (Convolution.cpp, ``libtorch_cpu.so``
+    of CPU and CUDA builds) compares with ``std::numeric_limits<int>::max()``."""
+    found = immediates(disassembly(library("libtorch_cpu.so"), r"needs_64bit_indexing_no_split"))
+    assert workspaces.INT32_MAX == 0x7FFFFFFF and workspaces.INT32_MAX in found
+
+
+def test_cudnn_depthwise_heuristic_is_pinned_by_the_installed_libtorch_cpu() -> None:
+    """``ConvParams<long>::use_cudnn_depthwise`` with ``check_cudnn_depthwise_workload_with_filter``
+    inlined (Convolution.cpp) compares with the thresholds ``_depthwise_workload`` and
+    ``_use_cudnn_depthwise`` use: width <= 28 and >= 28, <= 7 and >= 7, batch <= 16,
+    channels >= 128, >= 256, >= 512 and >= 32 (compiled as ``< n + 1`` / ``> n - 1``)."""
+    found = immediates(disassembly(library("libtorch_cpu.so"), r"ConvParamsIlE19use_cudnn_depthwise"))
+    for value in (28, 27, 7, 6, 16, 127, 255, 511, 31):
+        assert value in found, value

@@ -4,11 +4,13 @@ Traced on fake meta tensors (a CPU-only torch aborts on autograd over cuda
 tensors), it adds what a GPU does differently:
 
 * :mod:`.router`: a torch-function mode that sends the calls CUDA dispatch
-  resolves differently to the CUDA kernels' ops (dropout, batch norm, the
-  attention backend, RNNs, autocast);
+  resolves differently to the CUDA kernels' ops, through the routes of
+  :mod:`.routes` (:mod:`.placement`, :mod:`.kernel_choices` for dropout, batch norm
+  and softmax, :mod:`.sdpa` for the attention backend, :mod:`.rnn`, :mod:`.autocast`);
 * per-op rules in :data:`CUDA` (library workspaces, kernel temporaries);
 * :mod:`.allocator`: the caching allocator every storage is charged through
-  (block sizes, reserved segments);
+  (block sizes, reserved segments), with its settings (:mod:`.allocator_config`),
+  constants (:mod:`.allocator_constants`) and blocks (:mod:`.allocator_blocks`);
 * :mod:`.profiles`: the GPU whose architecture the rules follow;
 * :mod:`.gpu_view`: what the traced code sees of the device (a GPU), and torch's own
   decisions by a device's kernels (foreach, fused and capturable optimizers, gradient

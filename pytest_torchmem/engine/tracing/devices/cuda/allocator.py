@@ -1,11 +1,15 @@
-"""A simulator of PyTorch's native CUDA caching allocator.
+"""A simulator of PyTorch's native CUDA caching allocator: what it hands out, caches and frees.
 
 Pure Python, no torch: it replays ``malloc``/``free`` timelines and reports
 what ``torch.cuda.memory_allocated()``/``memory_reserved()`` and their
 ``max_*`` peaks would read on a real GPU with the native allocator of torch
 2.13/2.14 (``c10/cuda/CUDACachingAllocator.cpp``, class
-``DeviceCachingAllocator``; configuration in ``c10/core/AllocatorConfig.cpp``
-and ``c10/cuda/CUDAAllocatorConfig.cpp``).
+``DeviceCachingAllocator``). Its settings are
+:class:`~pytest_torchmem.engine.tracing.devices.cuda.allocator_config.AllocatorConfig`
+(``PYTORCH_CUDA_ALLOC_CONF``, parsed per torch release), its constants
+(``kMinBlockSize``, ``kSmallSize``, ...) are in
+:mod:`~pytest_torchmem.engine.tracing.devices.cuda.allocator_constants`, its blocks,
+segments and pools in :mod:`~pytest_torchmem.engine.tracing.devices.cuda.allocator_blocks`.
 
 What is modelled, each after the C++ function named in its docstring:
 
@@ -53,13 +57,27 @@ another order).
 
 from __future__ import annotations
 
-import os
-from bisect import bisect_left, insort
-from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Final
 
-from pytest_torchmem.engine.torch_release import torch_minor
+from pytest_torchmem.engine.tracing.devices.cuda.allocator_blocks import (
+    Block,
+    BlockPool,
+    Segment,
+    format_size,
+)
+from pytest_torchmem.engine.tracing.devices.cuda.allocator_config import AllocatorConfig, tokenize
+from pytest_torchmem.engine.tracing.devices.cuda.allocator_constants import (
+    EXPANDABLE_VA_EXTRA_DIVISOR,
+    KLARGE_BUFFER,
+    KMIN_BLOCK_SIZE,
+    KMIN_LARGE_ALLOC,
+    KROUND_LARGE,
+    KSMALL_BUFFER,
+    KSMALL_SIZE,
+    ONE_EXA_BYTES,
+    SIZE_MAX,
+)
 
 __all__ = [
     "AllocatorConfig",
@@ -76,669 +94,18 @@ __all__ = [
     "SIZE_MAX",
 ]
 
-_MiB: Final = 1024 * 1024
-
-#: ``kMinBlockSize``: every request is rounded up to a multiple of 512 bytes.
-KMIN_BLOCK_SIZE: Final = 512
-#: ``kSmallSize``: the largest (rounded) request served by the small pool.
-KSMALL_SIZE: Final = 1 * _MiB
-#: ``kSmallBuffer``: small-pool segments (and small expandable pages).
-KSMALL_BUFFER: Final = 2 * _MiB
-#: ``kMinLargeAlloc``: requests below it get a ``large_segment_size`` segment.
-KMIN_LARGE_ALLOC: Final = 10 * _MiB
-#: ``kRoundLarge``: larger requests get a segment rounded up to 2 MiB.
-KROUND_LARGE: Final = 2 * _MiB
-#: ``kLargeBuffer``: the default ``large_segment_size`` (20 MiB).
-KLARGE_BUFFER: Final = 20 * _MiB
-#: ``std::numeric_limits<size_t>::max()``: "unlimited" ``max_split_size``.
-SIZE_MAX: Final = (1 << 64) - 1
-
-#: ``kRoundUpPowerOfTwoIntervals``: one divisions entry per power-of-two
-#: interval from 1 MiB (everything below shares entry 0) to 64 GiB.
-_ROUNDUP_INTERVALS: Final = 16
-#: ``NativeCachingAllocator::allocate`` refuses requests of 1 EB or more.
-_ONE_EB: Final = 1 << 60
+# The simulator's own choices (no C++ counterpart: real addresses are cudaMalloc's).
 #: Virtual address space of an expandable segment when no device capacity is
 #: given (real: 9/8 of the device memory); larger than any accepted request.
 _UNBOUNDED_VA: Final = 1 << 62
 #: Alignment of the simulated ``cudaMalloc`` addresses.
-_ADDRESS_ALIGN: Final = 2 * _MiB
-
-_ENV_VARS: Final = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+_ADDRESS_ALIGN: Final = 2 * 1024 * 1024
+#: The first simulated address.
+_FIRST_ADDRESS: Final = 1 << 40
 
 
 class OutOfMemoryError(MemoryError):
     """The simulated device ran out of memory (``torch.OutOfMemoryError``)."""
-
-
-def _format_size(nbytes: int) -> str:
-    """Like ``c10::CachingAllocator::format_size``."""
-    if nbytes <= 1024:
-        return f"{nbytes} bytes"
-    if nbytes <= 1048576:
-        return f"{nbytes / 1024:.2f} KiB"
-    if nbytes <= 1073741824:
-        return f"{nbytes / 1048576:.2f} MiB"
-    return f"{nbytes / 1073741824:.2f} GiB"
-
-
-def _is_power_of_2(value: int) -> bool:
-    return value > 0 and value & (value - 1) == 0
-
-
-# --------------------------------------------------------------------------
-# Configuration
-# --------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class AllocatorConfig:
-    """The allocator settings of ``PYTORCH_CUDA_ALLOC_CONF`` that shape memory.
-
-    Sizes are in bytes. ``roundup_power2_divisions`` has one entry per
-    power-of-two size interval, as ``AcceleratorAllocatorConfig`` stores it:
-    entry 0 for sizes below 2 MiB, entry ``i`` for ``[2**(20+i), 2**(21+i))``,
-    entry 15 for 32 GiB and above; 0 or 1 means no power-of-two rounding.
-    ``per_process_memory_fraction`` caps the reserved bytes at that fraction
-    of the device capacity (``setMemoryFraction``); garbage collection only
-    runs when such a cap exists, as in the C++.
-
-    Build one with :meth:`parse` (the environment variable's syntax) or
-    :meth:`from_env`; constructing it directly skips the parser's checks on
-    the relations between fields, and then ``max_non_split_rounding_size``
-    does not follow ``large_segment_size`` by itself.
-    """
-
-    max_split_size: int = SIZE_MAX
-    max_non_split_rounding_size: int = KLARGE_BUFFER
-    large_segment_size: int = KLARGE_BUFFER
-    roundup_power2_divisions: tuple[int, ...] = (0,) * _ROUNDUP_INTERVALS
-    garbage_collection_threshold: float = 0.0
-    expandable_segments: bool = False
-    per_process_memory_fraction: float = 1.0
-
-    def __post_init__(self) -> None:
-        divisions = tuple(self.roundup_power2_divisions)
-        if len(divisions) != _ROUNDUP_INTERVALS:
-            raise ValueError(
-                f"roundup_power2_divisions needs {_ROUNDUP_INTERVALS} entries, got {len(divisions)}"
-            )
-        if any(d != 0 and not _is_power_of_2(d) for d in divisions):
-            raise ValueError(f"roundup_power2_divisions must be powers of 2 or 0: {divisions}")
-        object.__setattr__(self, "roundup_power2_divisions", divisions)
-        for name in ("max_split_size", "max_non_split_rounding_size", "large_segment_size"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive")
-        if not 0.0 <= self.garbage_collection_threshold < 1.0:
-            raise ValueError("garbage_collection_threshold must be in [0.0, 1.0)")
-        if not 0.0 <= self.per_process_memory_fraction <= 1.0:
-            raise ValueError("per_process_memory_fraction must be in [0.0, 1.0]")
-
-    @classmethod
-    def parse(cls, text: str, release: tuple[int, int] | None = None) -> AllocatorConfig:
-        """Parse a ``PYTORCH_CUDA_ALLOC_CONF`` string, e.g. ``"expandable_segments:True"``.
-
-        Follows ``AcceleratorAllocatorConfig::parseArgs`` (with its first pass
-        for ``large_segment_size_mb``) and ``CUDAAllocatorConfig::parseArgs``:
-        the same tokens (``,`` ``:`` ``[`` ``]``, whitespace dropped), the same
-        value checks. Keys of the pinned-memory allocator,
-        ``release_lock_on_cudamalloc``, ``graph_capture_record_stream_reuse``
-        and ``expandable_segments_reserve[_by_class]`` are accepted and ignored
-        (they do not change the figures modelled here); an unknown key raises
-        :class:`ValueError` naming it; settings the simulator does not model
-        (``backend:cudaMallocAsync``, ``throw_on_cudamalloc_oom:True``) raise
-        :class:`NotImplementedError`. A key newer than torch ``release`` (the
-        installed one by default) is unknown there: ``large_segment_size_mb``
-        came in 2.11, ``throw_on_cudamalloc_oom`` and ``pinned_free_catch_all``
-        in 2.12, ``pinned_max_*`` in 2.13, ``expandable_segments_reserve[_by_class]``
-        in 2.15.
-        """
-        return _Parser(text, release).parse()
-
-    @classmethod
-    def from_env(cls, environ: Mapping[str, str] | None = None) -> AllocatorConfig:
-        """The configuration PyTorch would read from the environment.
-
-        The first of ``PYTORCH_CUDA_ALLOC_CONF``, ``PYTORCH_HIP_ALLOC_CONF``
-        and ``PYTORCH_ALLOC_CONF`` that is set wins, in that order
-        (``AcceleratorAllocatorConfig::instance``); none set: the defaults.
-        """
-        env = os.environ if environ is None else environ
-        for name in _ENV_VARS:
-            value = env.get(name)
-            if value is not None:
-                return cls.parse(value)
-        return cls()
-
-    def divisions_for(self, size: int) -> int:
-        """``AcceleratorAllocatorConfig::roundup_power2_divisions(size)``."""
-        index = size.bit_length() - 1 - 20
-        if index < 0:
-            index = 0
-        elif index >= _ROUNDUP_INTERVALS:
-            index = _ROUNDUP_INTERVALS - 1
-        return self.roundup_power2_divisions[index]
-
-    def round_size(self, size: int) -> int:
-        """The block size a request of ``size`` bytes asks for (``round_size``).
-
-        Below 512 bytes: 512. Else, when the size's interval has more than one
-        division and ``size > 512 * divisions``, the next of the ``divisions``
-        equal steps between the surrounding powers of two
-        (``roundup_power2_next_division``); otherwise the next multiple of 512.
-        """
-        if size < KMIN_BLOCK_SIZE:
-            return KMIN_BLOCK_SIZE
-        divisions = self.divisions_for(size)
-        if divisions > 1 and size > KMIN_BLOCK_SIZE * divisions:
-            return _roundup_power2_next_division(size, divisions)
-        return (size + KMIN_BLOCK_SIZE - 1) // KMIN_BLOCK_SIZE * KMIN_BLOCK_SIZE
-
-    def allocation_size(self, size: int) -> int:
-        """The size of the segment made for a rounded request (``get_allocation_size``)."""
-        if size <= KSMALL_SIZE:
-            return KSMALL_BUFFER
-        if size < KMIN_LARGE_ALLOC:
-            return self.large_segment_size
-        return (size + KROUND_LARGE - 1) // KROUND_LARGE * KROUND_LARGE
-
-
-def _roundup_power2_next_division(size: int, divisions: int) -> int:
-    """``DeviceCachingAllocator::roundup_power2_next_division``."""
-    if _is_power_of_2(size):
-        return size
-    power2_floor = 1 << (size.bit_length() - 1)
-    # ``63 - countLeadingZeros(divisions)``: floor(log2(divisions)).
-    power2_division = power2_floor >> (divisions.bit_length() - 1)
-    if power2_division == 0:
-        return power2_floor << 1
-    round_size_floor = size & ~(power2_division - 1)
-    return size if round_size_floor == size else round_size_floor + power2_division
-
-
-# Keys read by the parsers and not affecting device memory: name -> kind of value.
-_IGNORED_KEYS: Final[Mapping[str, str]] = {
-    "pinned_use_background_threads": "bool",
-    "pinned_max_round_threshold_mb": "size",
-    "pinned_max_cached_size_mb": "size",
-    "release_lock_on_cudamalloc": "bool",
-    "release_lock_on_hipmalloc": "bool",
-    "pinned_use_cuda_host_register": "bool",
-    "pinned_use_hip_host_register": "bool",
-    "graph_capture_record_stream_reuse": "bool",
-    "pinned_free_catch_all": "bool",
-    "pinned_num_register_threads": "threads",
-    "pinned_reserve_segment_size_mb": "positive",
-    # 2.15: the virtual address range of expandable segments, which only
-    # matters when a request outgrows it (their values are not checked).
-    "expandable_segments_reserve": "any",
-    "expandable_segments_reserve_by_class": "any",
-}
-#: Keys that not every release of the window parses: key -> the first release that
-#: does (read from each release's ``libc10.so``/``libc10_cuda.so``); an earlier
-#: release stops at them with "Unrecognized key", and so does :meth:`AllocatorConfig.parse`.
-_KEY_SINCE: Final[Mapping[str, tuple[int, int]]] = {
-    "large_segment_size_mb": (2, 11),
-    "throw_on_cudamalloc_oom": (2, 12),
-    "pinned_free_catch_all": (2, 12),
-    "pinned_max_round_threshold_mb": (2, 13),
-    "pinned_max_cached_size_mb": (2, 13),
-    "expandable_segments_reserve": (2, 15),
-    "expandable_segments_reserve_by_class": (2, 15),
-}
-
-
-_MODELLED_KEYS: Final = frozenset(
-    {
-        "large_segment_size_mb",
-        "max_split_size_mb",
-        "max_non_split_rounding_mb",
-        "garbage_collection_threshold",
-        "roundup_power2_divisions",
-        "expandable_segments",
-        "per_process_memory_fraction",
-        "backend",
-        "throw_on_cudamalloc_oom",
-    }
-)
-
-
-def _tokenize(text: str) -> list[str]:
-    """``ConfigTokenizer``: split on ``, : [ ]`` (kept as tokens), drop whitespace."""
-    tokens: list[str] = []
-    buffer: list[str] = []
-    for ch in text:
-        if ch in ",:[]":
-            if buffer:
-                tokens.append("".join(buffer))
-                buffer.clear()
-            tokens.append(ch)
-        elif not ch.isspace():
-            buffer.append(ch)
-    if buffer:
-        tokens.append("".join(buffer))
-    return tokens
-
-
-class _Parser:
-    """One parse of a configuration string; see :meth:`AllocatorConfig.parse`."""
-
-    def __init__(self, text: str, release: tuple[int, int] | None = None) -> None:
-        self.text = text
-        self.tokens = _tokenize(text)
-        self.release = release
-
-    def check_release(self) -> None:
-        """Refuse a key the release does not parse yet (:data:`_KEY_SINCE`), as it does."""
-        keys = [t for t in self.tokens if t in _KEY_SINCE]
-        if not keys:
-            return
-        release = torch_minor() if self.release is None else self.release
-        for key in keys:
-            if release < _KEY_SINCE[key]:
-                major, minor = release
-                raise self.error(
-                    f"Unrecognized key {key!r} in CUDA allocator config "
-                    f"(torch {major}.{minor} does not know it)"
-                )
-
-    def error(self, message: str) -> ValueError:
-        return ValueError(f"PYTORCH_CUDA_ALLOC_CONF={self.text!r}: {message}")
-
-    def token(self, i: int) -> str:
-        if i >= len(self.tokens):
-            raise self.error("unexpected end of the configuration")
-        return self.tokens[i]
-
-    def expect(self, i: int, token: str) -> None:
-        if self.token(i) != token:
-            raise self.error(f"expected {token!r} but got {self.token(i)!r}")
-
-    def size(self, i: int, key: str) -> int:
-        token = self.token(i)
-        if not token.isdecimal():
-            raise self.error(f"{key} expects a non-negative integer, got {token!r}")
-        return int(token)
-
-    def boolean(self, i: int, key: str) -> bool:
-        token = self.token(i)
-        if token not in ("True", "False"):
-            raise self.error(f"{key} expects 'True' or 'False', got {token!r}")
-        return token == "True"
-
-    def number(self, i: int, key: str) -> float:
-        token = self.token(i)
-        try:
-            return float(token)
-        except ValueError:
-            raise self.error(f"{key} expects a number, got {token!r}") from None
-
-    def skip_value(self, i: int) -> int:
-        """``ConfigTokenizer::skipKey``: the index of the key's last value token."""
-        self.expect(i + 1, ":")
-        i += 2
-        if self.token(i) != "[":
-            return i
-        while self.token(i) != "]":
-            i += 1
-        return i
-
-    def parse(self) -> AllocatorConfig:
-        self.check_release()
-        tokens = self.tokens
-        # First pass, as in AcceleratorAllocatorConfig::parseArgs: the large
-        # segment size bounds max_split_size_mb and max_non_split_rounding_mb
-        # and is their default.
-        large_segment = KLARGE_BUFFER
-        i = 0
-        while i < len(tokens):
-            if tokens[i] == "large_segment_size_mb":
-                self.expect(i + 1, ":")
-                value = self.size(i + 2, "large_segment_size_mb")
-                if value <= KMIN_LARGE_ALLOC // _MiB:
-                    raise self.error(
-                        "CachingAllocator option large_segment_size_mb must be > "
-                        f"{KMIN_LARGE_ALLOC // _MiB} MB, got {value}"
-                    )
-                large_segment = min(value, SIZE_MAX // _MiB) * _MiB
-                i += 2
-            i += 1
-        max_split = SIZE_MAX
-        max_non_split_rounding = large_segment
-        divisions = [0] * _ROUNDUP_INTERVALS
-        gc_threshold = 0.0
-        expandable = False
-        fraction = 1.0
-
-        i = 0
-        while i < len(tokens):
-            key = tokens[i]
-            if key == "large_segment_size_mb":
-                i = self.skip_value(i)
-            elif key in ("max_split_size_mb", "max_non_split_rounding_mb"):
-                self.expect(i + 1, ":")
-                i += 2
-                value = self.size(i, key)
-                if value < large_segment // _MiB:
-                    raise self.error(
-                        f"CachingAllocator option {key} too small, must be >= "
-                        f"{large_segment // _MiB}, got {value}"
-                    )
-                value = min(value, SIZE_MAX // _MiB) * _MiB
-                if key == "max_split_size_mb":
-                    max_split = value
-                else:
-                    max_non_split_rounding = value
-            elif key == "garbage_collection_threshold":
-                self.expect(i + 1, ":")
-                i += 2
-                gc_threshold = self.number(i, key)
-                if not 0.0 < gc_threshold < 1.0:
-                    raise self.error(
-                        "garbage_collection_threshold is invalid, set it in (0.0, 1.0), "
-                        f"got {gc_threshold}"
-                    )
-            elif key == "roundup_power2_divisions":
-                i = self.parse_divisions(i, divisions)
-            elif key == "expandable_segments":
-                self.expect(i + 1, ":")
-                i += 2
-                expandable = self.boolean(i, key)
-            elif key == "per_process_memory_fraction":
-                self.expect(i + 1, ":")
-                i += 2
-                fraction = self.number(i, key)
-                if not 0.0 <= fraction <= 1.0:
-                    raise self.error(
-                        "per_process_memory_fraction is invalid, set it in [0.0, 1.0], "
-                        f"got {fraction}"
-                    )
-            elif key == "backend":
-                self.expect(i + 1, ":")
-                i += 2
-                backend = self.token(i)
-                if backend == "cudaMallocAsync":
-                    raise NotImplementedError(
-                        "backend:cudaMallocAsync is not modelled: the simulator follows the "
-                        "native caching allocator only (backend:native)"
-                    )
-                if backend != "native":
-                    raise self.error(
-                        f"Unknown allocator backend {backend!r}, "
-                        "options are native and cudaMallocAsync"
-                    )
-            elif key == "throw_on_cudamalloc_oom":
-                self.expect(i + 1, ":")
-                i += 2
-                if self.boolean(i, key):
-                    raise NotImplementedError(
-                        "throw_on_cudamalloc_oom:True is not modelled by the simulator"
-                    )
-            elif key in _IGNORED_KEYS:
-                self.expect(i + 1, ":")
-                i += 2
-                kind = _IGNORED_KEYS[key]
-                if kind == "any":
-                    i = self.skip_value(i - 2)
-                elif kind == "bool":
-                    self.boolean(i, key)
-                else:
-                    value = self.size(i, key)
-                    if kind == "threads" and not (_is_power_of_2(value) and value <= 128):
-                        raise self.error(f"{key} must be a power of 2 and <= 128, got {value}")
-                    if kind == "positive" and value <= 0:
-                        raise self.error(f"{key} must be greater than 0")
-            else:
-                known = ", ".join(sorted(_MODELLED_KEYS | set(_IGNORED_KEYS)))
-                raise self.error(
-                    f"Unrecognized key {key!r} in CUDA allocator config (known: {known})"
-                )
-            if i + 1 < len(tokens):
-                self.expect(i + 1, ",")
-                i += 1
-            i += 1
-        return AllocatorConfig(
-            max_split_size=max_split,
-            max_non_split_rounding_size=max_non_split_rounding,
-            large_segment_size=large_segment,
-            roundup_power2_divisions=tuple(divisions),
-            garbage_collection_threshold=gc_threshold,
-            expandable_segments=expandable,
-            per_process_memory_fraction=fraction,
-        )
-
-    def parse_divisions(self, i: int, divisions: list[int]) -> int:
-        """``AcceleratorAllocatorConfig::parseRoundUpPower2Divisions``.
-
-        ``[b1:d1,b2:d2,...,>:dn]``: boundary ``b`` (MiB, a power of two) sets
-        the entry of the interval starting at ``b`` MiB (clamped to the 16
-        entries); the first pair also fills every entry below it; ``>`` fills
-        the entries after the last boundary. A bare value fills all entries.
-        """
-        self.expect(i + 1, ":")
-        i += 2
-        if self.token(i) != "[":
-            value = self.size(i, "roundup_power2_divisions")
-            if not _is_power_of_2(value):
-                raise self.error(f"For roundups, the divisions has to be power of 2, got {value}")
-            divisions[:] = [value] * _ROUNDUP_INTERVALS
-            return i
-        first = True
-        last_index = 0
-        i += 1
-        while self.token(i) != "]":
-            boundary = self.token(i)
-            self.expect(i + 1, ":")
-            i += 2
-            value = self.size(i, "roundup_power2_divisions")
-            if value != 0 and not _is_power_of_2(value):
-                raise self.error(
-                    "For roundups, the divisions has to be power of 2 or 0 to disable roundup, "
-                    f"got {value}"
-                )
-            if boundary == ">":
-                divisions[last_index + 1 :] = [value] * (_ROUNDUP_INTERVALS - last_index - 1)
-            else:
-                if not boundary.isdecimal() or not _is_power_of_2(int(boundary)):
-                    raise self.error(
-                        f"For roundups, the intervals have to be power of 2, got {boundary!r}"
-                    )
-                index = min(int(boundary).bit_length() - 1, _ROUNDUP_INTERVALS - 1)
-                if first:
-                    divisions[:index] = [value] * index
-                    first = False
-                divisions[index] = value
-                last_index = index
-            if self.token(i + 1) != "]":
-                self.expect(i + 1, ",")
-                i += 1
-            i += 1
-        return i
-
-
-# --------------------------------------------------------------------------
-# Blocks, segments, pools
-# --------------------------------------------------------------------------
-
-
-class Segment:
-    """Device memory the allocator holds: one ``cudaMalloc``, or one expandable segment.
-
-    ``reserved`` is the bytes it counts in ``memory_reserved()``: the whole
-    ``size`` for a ``cudaMalloc`` segment, the mapped pages for an expandable
-    one (whose ``size`` is its virtual address range).
-    """
-
-    __slots__ = ("address", "size", "stream", "small", "expandable", "page", "reserved", "head")
-
-    def __init__(
-        self, address: int, size: int, stream: int, small: bool, expandable: bool, page: int
-    ) -> None:
-        self.address = address
-        self.size = size
-        self.stream = stream
-        self.small = small
-        self.expandable = expandable
-        #: Granularity of mapping (expandable segments; 0 otherwise).
-        self.page = page
-        self.reserved = 0
-        #: The block at the lowest address.
-        self.head: Block | None = None
-
-    def blocks(self) -> Iterator[Block]:
-        """The segment's blocks by address (unmapped ranges included)."""
-        block = self.head
-        while block is not None:
-            yield block
-            block = block.next
-
-    def __repr__(self) -> str:
-        kind = "expandable" if self.expandable else "segment"
-        pool = "small" if self.small else "large"
-        return (
-            f"<{kind} {pool} stream={self.stream} at {self.address:#x}: "
-            f"reserved {_format_size(self.reserved)}>"
-        )
-
-
-class Block:
-    """A range of a segment: handed out by :meth:`CachingAllocator.malloc`, cached, or unmapped.
-
-    ``size`` is what the block charges to ``memory_allocated()`` while it is
-    handed out (the rounded request, or more when the block was not split);
-    ``requested`` the bytes asked for.
-    """
-
-    __slots__ = (
-        "size",
-        "requested",
-        "address",
-        "stream",
-        "small",
-        "segment",
-        "allocated",
-        "mapped",
-        "prev",
-        "next",
-        "gc_base",
-    )
-
-    def __init__(self, size: int, address: int, segment: Segment, mapped: bool = True) -> None:
-        self.size = size
-        self.requested = 0
-        self.address = address
-        self.stream = segment.stream
-        self.small = segment.small
-        self.segment = segment
-        self.allocated = False
-        self.mapped = mapped
-        self.prev: Block | None = None
-        self.next: Block | None = None
-        #: ``gc_count_base``: the pool's ``get_free_block`` count when cached.
-        self.gc_base = 0
-
-    @property
-    def is_split(self) -> bool:
-        """``Block::is_split``: it shares its segment with other blocks."""
-        return self.prev is not None or self.next is not None
-
-    def __repr__(self) -> str:
-        state = "allocated" if self.allocated else ("free" if self.mapped else "unmapped")
-        size = _format_size(self.size)
-        return f"<block {state} {size} at {self.address:#x} stream={self.stream}>"
-
-
-class _SizeOrdered:
-    """The cached blocks of one pool and stream, ordered by (size, address)."""
-
-    __slots__ = ("keys", "blocks")
-
-    def __init__(self) -> None:
-        self.keys: list[tuple[int, int]] = []
-        self.blocks: dict[int, Block] = {}
-
-    def add(self, block: Block) -> None:
-        insort(self.keys, (block.size, block.address))
-        self.blocks[block.address] = block
-
-    def remove(self, block: Block) -> None:
-        key = (block.size, block.address)
-        i = bisect_left(self.keys, key)
-        assert self.keys[i] == key, "block is not cached"
-        del self.keys[i]
-        del self.blocks[block.address]
-
-    def lower_bound(self, size: int) -> int:
-        return bisect_left(self.keys, (size, -1))
-
-    def at(self, i: int) -> Block:
-        return self.blocks[self.keys[i][1]]
-
-
-class _AddressOrdered:
-    """The unmapped blocks of one pool and stream, ordered by address."""
-
-    __slots__ = ("keys", "blocks")
-
-    def __init__(self) -> None:
-        self.keys: list[int] = []
-        self.blocks: dict[int, Block] = {}
-
-    def add(self, block: Block) -> None:
-        insort(self.keys, block.address)
-        self.blocks[block.address] = block
-
-    def remove(self, block: Block) -> None:
-        i = bisect_left(self.keys, block.address)
-        assert self.keys[i] == block.address, "block is not unmapped"
-        del self.keys[i]
-        del self.blocks[block.address]
-
-
-class _BlockPool:
-    """``BlockPool``: cached (``blocks``) and unmapped blocks, split by stream."""
-
-    __slots__ = ("small", "free", "unmapped", "gc_calls")
-
-    def __init__(self, small: bool) -> None:
-        self.small = small
-        self.free: dict[int, _SizeOrdered] = {}
-        self.unmapped: dict[int, _AddressOrdered] = {}
-        #: ``get_free_blocks_call_count``.
-        self.gc_calls = 0
-
-    def insert(self, block: Block) -> None:
-        """``BlockPool::insert_into_blocks``."""
-        block.gc_base = self.gc_calls
-        ordered = self.free.get(block.stream)
-        if ordered is None:
-            ordered = self.free[block.stream] = _SizeOrdered()
-        ordered.add(block)
-
-    def remove(self, block: Block) -> None:
-        self.free[block.stream].remove(block)
-
-    def insert_unmapped(self, block: Block) -> None:
-        ordered = self.unmapped.get(block.stream)
-        if ordered is None:
-            ordered = self.unmapped[block.stream] = _AddressOrdered()
-        ordered.add(block)
-
-    def remove_unmapped(self, block: Block) -> None:
-        self.unmapped[block.stream].remove(block)
-
-    def cached(self) -> list[Block]:
-        """Every cached block in ``BlockComparatorSize`` order (stream, size, address)."""
-        result: list[Block] = []
-        for stream in sorted(self.free):
-            ordered = self.free[stream]
-            result.extend(ordered.blocks[address] for _, address in ordered.keys)
-        return result
-
-
-# --------------------------------------------------------------------------
-# The allocator
-# --------------------------------------------------------------------------
 
 
 class CachingAllocator:
@@ -755,11 +122,11 @@ class CachingAllocator:
             raise ValueError("capacity must be positive")
         self._capacity = capacity
         self._allowed: int | None = None
-        self._small = _BlockPool(small=True)
-        self._large = _BlockPool(small=False)
+        self._small = BlockPool(small=True)
+        self._large = BlockPool(small=False)
         self._active: set[Block] = set()
         self._segments: dict[int, Segment] = {}
-        self._next_address = 1 << 40
+        self._next_address = _FIRST_ADDRESS
         self._apply(config if config is not None else AllocatorConfig(), fraction=True)
         # Statistics (aggregate over both pools).
         self._allocated = self._peak_allocated = 0
@@ -809,7 +176,7 @@ class CachingAllocator:
         made before are not handed out (``get_free_block``).
         """
         parsed = AllocatorConfig.parse(text)
-        given = set(_tokenize(text))
+        given = set(tokenize(text))
         old = self._config
 
         def kept(key: str, name: str) -> object:
@@ -938,7 +305,7 @@ class CachingAllocator:
             if nbytes == 0:
                 return None
             raise ValueError(f"cannot allocate {nbytes} bytes")
-        if nbytes >= _ONE_EB:
+        if nbytes >= ONE_EXA_BYTES:
             raise OutOfMemoryError("CUDA out of memory. Tried to allocate more than 1EB memory.")
         if self._uniform_rounding and nbytes >= KMIN_BLOCK_SIZE:
             size = (nbytes + KMIN_BLOCK_SIZE - 1) // KMIN_BLOCK_SIZE * KMIN_BLOCK_SIZE
@@ -959,14 +326,14 @@ class CachingAllocator:
             if block is None:
                 self._num_ooms += 1
                 limit = (
-                    f"{_format_size(self._allowed)} allowed; " if self._allowed is not None else ""
+                    f"{format_size(self._allowed)} allowed; " if self._allowed is not None else ""
                 )
                 raise OutOfMemoryError(
                     "CUDA out of memory (simulated). "
-                    f"Tried to allocate {_format_size(alloc_size)}. "
-                    f"Device capacity {_format_size(self._capacity or 0)}; {limit}"
-                    f"{_format_size(self._allocated)} allocated, "
-                    f"{_format_size(self._reserved - self._allocated)} reserved but unallocated."
+                    f"Tried to allocate {format_size(alloc_size)}. "
+                    f"Device capacity {format_size(self._capacity or 0)}; {limit}"
+                    f"{format_size(self._allocated)} allocated, "
+                    f"{format_size(self._reserved - self._allocated)} reserved but unallocated."
                 )
         return self._alloc_found_block(block, pool, size, nbytes, self._should_split(block, size))
 
@@ -986,7 +353,7 @@ class CachingAllocator:
 
     # ------------------------------------------------------- search and split
 
-    def _get_free_block(self, pool: _BlockPool, size: int, stream: int) -> Block | None:
+    def _get_free_block(self, pool: BlockPool, size: int, stream: int) -> Block | None:
         """``get_free_block``: the smallest cached block of the stream that fits.
 
         Expandable segments count a block followed by unmapped space as big as
@@ -1046,7 +413,7 @@ class CachingAllocator:
         return size < self._max_split and remaining > KSMALL_SIZE
 
     def _alloc_found_block(
-        self, block: Block, pool: _BlockPool, size: int, requested: int, split: bool
+        self, block: Block, pool: BlockPool, size: int, requested: int, split: bool
     ) -> Block:
         """``alloc_found_block``: split off the front ``size`` bytes if asked, hand it out."""
         if split:
@@ -1088,7 +455,7 @@ class CachingAllocator:
         self._active_bytes -= size
         self._requested -= requested
 
-    def _try_merge_blocks(self, dst: Block, src: Block | None, pool: _BlockPool) -> int:
+    def _try_merge_blocks(self, dst: Block, src: Block | None, pool: BlockPool) -> int:
         """``try_merge_blocks``: absorb a free neighbour in the same mapping state."""
         if src is None or src.allocated or dst.mapped != src.mapped:
             return 0
@@ -1119,7 +486,7 @@ class CachingAllocator:
         return address
 
     def _alloc_block(
-        self, pool: _BlockPool, size: int, alloc_size: int, stream: int, retry: bool
+        self, pool: BlockPool, size: int, alloc_size: int, stream: int, retry: bool
     ) -> Block | None:
         """``alloc_block``: a new segment of ``alloc_size`` (or mapped pages), or ``None``."""
         if retry:
@@ -1190,7 +557,7 @@ class CachingAllocator:
                     count -= 1
                     self._release_block(block)
 
-    def _release_available_cached_blocks(self, pool: _BlockPool, size: int, stream: int) -> bool:
+    def _release_available_cached_blocks(self, pool: BlockPool, size: int, stream: int) -> bool:
         """``release_available_cached_blocks``: free oversize cached blocks, just enough.
 
         Only with a ``max_split_size``: the smallest oversize block of the
@@ -1229,7 +596,7 @@ class CachingAllocator:
         self._release_blocks(self._large)
         self._release_blocks(self._small)
 
-    def _release_blocks(self, pool: _BlockPool) -> None:
+    def _release_blocks(self, pool: BlockPool) -> None:
         """``release_blocks``: free unsplit segments, unmap the free pages of expandable ones."""
         to_unmap: list[Block] = []
         for block in pool.cached():
@@ -1247,7 +614,7 @@ class CachingAllocator:
     # ------------------------------------------------- expandable segments
 
     def _try_allocate_expandable_block(
-        self, pool: _BlockPool, size: int, stream: int
+        self, pool: BlockPool, size: int, stream: int
     ) -> Block | None:
         """``try_allocate_expandable_block``: map pages until a free run covers ``size``."""
         candidate = self._find_expandable_block(pool, size, stream)
@@ -1262,7 +629,7 @@ class CachingAllocator:
         pool.remove(candidate)
         return candidate
 
-    def _find_expandable_block(self, pool: _BlockPool, size: int, stream: int) -> Block:
+    def _find_expandable_block(self, pool: BlockPool, size: int, stream: int) -> Block:
         """``find_expandable_block``: the lowest unmapped range (with a free block
         just before it) with room for ``size``; else a new expandable segment.
 
@@ -1286,7 +653,8 @@ class CachingAllocator:
         if self._capacity is None:
             handles = -(-_UNBOUNDED_VA // page)
         else:
-            handles = -(-(self._capacity + self._capacity // 8) // page)
+            va = self._capacity + self._capacity // EXPANDABLE_VA_EXTRA_DIVISOR
+            handles = -(-va // page)
         va_size = handles * page
         segment = Segment(self._new_address(va_size), va_size, stream, pool.small, True, page)
         self._segments[segment.address] = segment
@@ -1295,7 +663,7 @@ class CachingAllocator:
         pool.insert_unmapped(candidate)
         return candidate
 
-    def _map_block(self, to_map: Block, size: int, pool: _BlockPool) -> bool:
+    def _map_block(self, to_map: Block, size: int, pool: BlockPool) -> bool:
         """``map_block``: map the pages covering the first ``size`` bytes of an
         unmapped block, merge them with free neighbours, cache the result."""
         segment = to_map.segment
@@ -1326,7 +694,7 @@ class CachingAllocator:
             self.observer("segment_map", segment, start, mapped)
         return True
 
-    def _unmap_block(self, block: Block, pool: _BlockPool) -> None:
+    def _unmap_block(self, block: Block, pool: BlockPool) -> None:
         """``unmap_block``: unmap the whole pages inside a cached expandable block."""
         segment = block.segment
         page = segment.page

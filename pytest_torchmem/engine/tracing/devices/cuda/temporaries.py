@@ -84,6 +84,17 @@ from pytest_torchmem.engine.tracing.rules import (
 )
 
 __all__ = [
+    "KCHUNK_SIZE",
+    "MAX_REDUCE_THREADS",
+    "MAX_REDUCE_THREADS_COMPLEX_DOUBLE",
+    "MAX_VALUES_PER_THREAD",
+    "MIN_VALUES_PER_THREAD",
+    "OUTPUT_VEC_SIZE",
+    "REDUCE_VT0",
+    "SEMAPHORE_BYTES",
+    "VECTORIZE_INPUT_MIN_DIM0",
+    "WARP_SIZE",
+    "WARP_SPLIT_FACTOR",
     "ReduceConfig",
     "cast_copy_bytes",
     "max_threads_per_sm",
@@ -97,6 +108,33 @@ make_contiguous_strides_for: Final = private("torch._prims_common.make_contiguou
 aten = torch.ops.aten
 
 _INT32_MAX: Final = 2**31 - 1
+
+# -- the constants of Reduce.cuh (``aten/src/ATen/native/cuda/Reduce.cuh``, a header
+# every wheel ships: tests/test_cuda_temporaries.py reads them from it) --------------
+
+#: ``mnt_wrapper<T>::MAX_NUM_THREADS`` (``max_reduce_threads``): threads per block of a
+#: reduction, 256 for complex double.
+MAX_REDUCE_THREADS: Final = 512
+MAX_REDUCE_THREADS_COMPLEX_DOUBLE: Final = 256
+#: ``gpu_reduce_kernel``'s template default ``int vt0=4`` (values per thread and load).
+REDUCE_VT0: Final = 4
+#: ``get_output_vec_size``: ``int vec_size = 4``, halved until everything divides it.
+OUTPUT_VEC_SIZE: Final = 4
+#: ``setReduceConfig``: the input is vectorized along a contiguous reduced dimension of
+#: at least 128 elements (``dim0 >= 128``).
+VECTORIZE_INPUT_MIN_DIM0: Final = 128
+#: ``at::cuda::warp_size()`` (``C10_WARP_SIZE``) on NVIDIA GPUs: the most block width.
+WARP_SIZE: Final = 32
+#: ``setReduceConfig``: ``min_values_per_thread`` (CUDA; 128 on ROCm) and
+#: ``max_values_per_thread``, and the warp split's ``block_height * 16``.
+MIN_VALUES_PER_THREAD: Final = 16
+MAX_VALUES_PER_THREAD: Final = 256
+WARP_SPLIT_FACTOR: Final = 16
+#: ``ReduceConfig::semaphore_size``: ``sizeof(int)`` per block column.
+SEMAPHORE_BYTES: Final = 4
+#: ``std_var_kernel_impl`` (``aten/src/ATen/native/cuda/ReduceMomentKernel.cu``) launches
+#: its Welford reduction with ``vt0 = 2`` (``gpu_reduce_kernel<scalar_t, out_t, 2>``).
+WELFORD_VT0: Final = 2
 
 _DEFAULT_SM_COUNT: Final = 132  # H100, the default profile
 
@@ -265,14 +303,14 @@ class ReduceConfig:
         return size
 
     def semaphore_size(self) -> int:
-        return 4 * self.grid_x if self.should_global_reduce else 0
+        return SEMAPHORE_BYTES * self.grid_x if self.should_global_reduce else 0
 
 
 def _output_vec_size(geo: _Geometry, scalar_size: int, input_offset: int) -> int:
     """``get_output_vec_size<scalar_t>``: 4, halved until the input's base address
     (a caching-allocator block, 512-byte aligned, plus ``input_offset`` elements),
     the first output dimension and the input's other strides divide it."""
-    vec = 4
+    vec = OUTPUT_VEC_SIZE
 
     def update(n: int) -> None:
         nonlocal vec
@@ -294,9 +332,9 @@ def reduce_config(
     arg_size: int,
     scalar_size: int,
     gpu: Any,
-    vt0: int = 4,
+    vt0: int = REDUCE_VT0,
     input_vec_size: int | None = None,
-    max_num_threads: int = 512,
+    max_num_threads: int = MAX_REDUCE_THREADS,
     input_offset: int = 0,
 ) -> ReduceConfig:
     """``setReduceConfig<arg_t, scalar_t, vt0, input_vec_size>`` (Reduce.cuh, torch 2.13)."""
@@ -314,7 +352,7 @@ def reduce_config(
     else:
         on_fastest, fastest, dim0, dim1 = True, scalar_size, 1, 1
     if fastest == scalar_size:
-        if on_fastest and dim0 >= 128 and geo.num_reduce_dims == 1:
+        if on_fastest and dim0 >= VECTORIZE_INPUT_MIN_DIM0 and geo.num_reduce_dims == 1:
             dim0 = _cdiv(dim0, input_vec_size)  # vectorize along input
         elif not on_fastest:
             output_vec_size = _output_vec_size(geo, scalar_size, input_offset)
@@ -324,7 +362,7 @@ def reduce_config(
     max_threads = max_num_threads // output_vec_size
     dim0_pow2 = _last_pow2(dim0) if dim0 < max_threads else max_threads
     dim1_pow2 = _last_pow2(dim1) if dim1 < max_threads else max_threads
-    block_width = min(dim0_pow2, 32)
+    block_width = min(dim0_pow2, WARP_SIZE)
     block_height = min(dim1_pow2, max_threads // block_width)
     block_width = min(dim0_pow2, max_threads // block_height)
     num_threads = block_width * block_height
@@ -340,7 +378,7 @@ def reduce_config(
     def values_per_thread() -> int:
         return _div_up(inputs_per_output, step_input)
 
-    warp_split_threshold = min(block_height * 16, 256)
+    warp_split_threshold = min(block_height * WARP_SPLIT_FACTOR, MAX_VALUES_PER_THREAD)
     if values_per_thread() >= warp_split_threshold:
         input_mult[1] = step_input
         step_input *= block_height
@@ -351,10 +389,10 @@ def reduce_config(
     target_grid_size = _sm_count(gpu) * blocks_per_sm
     grid = _div_up(num_outputs // output_vec_size, step_output)
     ctas_per_output = 1
-    if input_mult[1] != 0 and values_per_thread() >= 256 and grid <= target_grid_size:
+    if input_mult[1] != 0 and values_per_thread() >= MAX_VALUES_PER_THREAD and grid <= target_grid_size:
         ctas1 = _div_up(target_grid_size, grid)
-        ctas2 = _div_up(values_per_thread(), 16)
-        ctas3 = _div_up(values_per_thread(), 256)
+        ctas2 = _div_up(values_per_thread(), MIN_VALUES_PER_THREAD)
+        ctas3 = _div_up(values_per_thread(), MAX_VALUES_PER_THREAD)
         ctas_per_output = max(min(ctas1, ctas2), ctas3)
         if ctas_per_output > 1:
             input_mult[2] = step_input
@@ -432,7 +470,7 @@ def reduction_steps(
     *,
     in_dtype: torch.dtype | None = None,
     arg_size: int | None = None,
-    vt0: int = 4,
+    vt0: int = REDUCE_VT0,
     context: TraceContext | None = None,
     tag: str = "reduce",
 ) -> list[Step]:
@@ -516,7 +554,7 @@ def _launch_steps(
         scalar_size=_itemsize(in_dtype),
         gpu=gpu,
         vt0=vt0,
-        max_num_threads=256 if in_dtype == torch.complex128 else 512,
+        max_num_threads=MAX_REDUCE_THREADS_COMPLEX_DOUBLE if in_dtype == torch.complex128 else MAX_REDUCE_THREADS,
         input_offset=offset,
     )
     if config.should_global_reduce:
@@ -675,7 +713,7 @@ def _var(call: OpCall) -> list[Step]:
             keepdim,
             in_dtype=in_dtype,
             arg_size=_welford_size(in_dtype),
-            vt0=2,
+            vt0=WELFORD_VT0,
             context=call.context,
         )
     )
@@ -683,8 +721,9 @@ def _var(call: OpCall) -> list[Step]:
 
 # -- foreach reductions -------------------------------------------------------------
 
-#: ``kChunkSize`` in MultiTensorApply.cuh (torch 2.13).
-_CHUNK: Final = 65536
+#: ``kChunkSize`` (``aten/src/ATen/native/cuda/MultiTensorApply.cuh``, read from each
+#: release's header by tests/test_cuda_temporaries.py): the elements of one chunk.
+KCHUNK_SIZE: Final = 65536
 
 
 def _fast_route(tensors: Sequence[torch.Tensor]) -> bool:
@@ -720,7 +759,7 @@ def _foreach_norm(call: OpCall) -> list[Step]:
         or ord_ not in (1.0, 2.0, math.inf)
     ):
         return [OUTPUTS]
-    chunks = max(_div_up(t.numel(), _CHUNK) for t in tensors)
+    chunks = max(_div_up(t.numel(), KCHUNK_SIZE) for t in tensors)
     out_dtype = dtype if dtype is not None else tensors[0].dtype
     nbytes = len(tensors) * chunks * _itemsize(_opmath(out_dtype))
     return [Alloc("output_per_tensor", nbytes), OUTPUTS, Free("output_per_tensor")]
@@ -733,17 +772,21 @@ def _foreach_max(call: OpCall) -> list[Step]:
     tensors = list(call.args[0])
     if not _fast_route(tensors):
         return [OUTPUTS]
-    chunks = max(_div_up(t.numel(), _CHUNK) for t in tensors)
+    chunks = max(_div_up(t.numel(), KCHUNK_SIZE) for t in tensors)
     nbytes = len(tensors) * chunks * tensors[0].element_size()
     return [Alloc("output_per_tensor", nbytes), OUTPUTS, Free("output_per_tensor")]
 
 
 # -- embedding backward -------------------------------------------------------------
 
-#: ``NROWS_PER_THREAD`` in EmbeddingBackwardKernel.cu.
+#: ``NROWS_PER_THREAD`` (``aten/src/ATen/native/cuda/EmbeddingBackwardKernel.cu``): the
+#: rows of one partial segment.
 _NROWS_PER_THREAD: Final = 10
-#: ``embedding_dense_backward_cuda``: at most this many indices take the direct kernel.
+#: ``embedding_dense_backward_cuda`` (``aten/src/ATen/native/cuda/Embedding.cu``:
+#: ``num_indices <= 3072 && !scale_grad_by_freq``): at most this many indices take
+#: the direct kernel.
 _EMBEDDING_DIRECT_MAX: Final = 3072
+#: cub's ``AliasTemporaries`` alignment of each temporary (``ALIGN_BYTES = 256``).
 _CUB_ALIGN: Final = 256
 #: Tile of cub's onesweep radix sort for 8-byte keys (``AgentRadixSortOnesweepPolicy``
 #: of cub's sm80+ policies: 384 threads x 16 items).
@@ -832,6 +875,13 @@ def _embedding_dense_backward(call: OpCall) -> list[Step]:
 
 # -- layer norm backward ------------------------------------------------------------
 
+#: ``LaunchGammaBetaBackwardCUDAKernel`` (``aten/src/ATen/native/cuda/layer_norm_kernel.cu``):
+#: above 64 Ki rows (``M > 64 * 1024``) the gradients are summed per block of 32 rows
+#: (``kWarpSize``) into at most ``64 * 1024 / 2`` blocks.
+_LAYER_NORM_SPLIT_ROWS: Final = 64 * 1024
+_LAYER_NORM_BLOCK_ROWS: Final = 32
+_LAYER_NORM_MAX_BLOCKS: Final = 64 * 1024 // 2
+
 
 @CUDA.scratch(aten.native_layer_norm_backward.default)
 def _layer_norm_backward(call: OpCall) -> list[Step]:
@@ -849,10 +899,11 @@ def _layer_norm_backward(call: OpCall) -> list[Step]:
     gpu = call.context.gpu if call.context is not None else None
     if weight is None or not (mask[1] or mask[2]):
         return [OUTPUTS]
-    if not (m > 64 * 1024 and n // 32 < _sm_count(gpu) // 2):
+    rows = _LAYER_NORM_BLOCK_ROWS
+    if not (m > _LAYER_NORM_SPLIT_ROWS and n // rows < _sm_count(gpu) // 2):
         return [OUTPUTS]
-    blocks_x = _div_up(n, 32)
-    blocks_y = min((64 * 1024 // 2) // blocks_x, _div_up(m, 32))
+    blocks_x = _div_up(n, rows)
+    blocks_y = min(_LAYER_NORM_MAX_BLOCKS // blocks_x, _div_up(m, rows))
     isz = weight.element_size()
     steps: list[Step] = [OUTPUTS]
     partial = torch.empty((blocks_y, n), dtype=weight.dtype, device="meta")

@@ -114,6 +114,20 @@ aten = torch.ops.aten
 _KiB: Final = 1024
 _MiB: Final = 1024 * 1024
 
+#: The default cuBLAS workspace where ``parseChosenWorkspaceSize``
+#: (``aten/src/ATen/cuda/CublasHandlePool.cpp``) gives the big one
+#: (:func:`_big_default_workspace`): ``4096 * 8 * 1024`` bytes, 32 MiB.
+CUBLAS_BIG_DEFAULT_WORKSPACE: Final = 4096 * 8 * _KiB
+#: The default cuBLAS workspace elsewhere: ``:4096:2:16:8``, ``4096 * 1024 * 2 + 16 *
+#: 1024 * 8`` bytes, 8 MiB + 128 KiB (``parseChosenWorkspaceSize``, ``0x820000``).
+CUBLAS_DEFAULT_WORKSPACE: Final = 4096 * _KiB * 2 + 16 * _KiB * 8
+#: ``CUBLASLT_WORKSPACE_SIZE``'s default, in KiB (``CublasHandlePool.cpp:
+#: getCUDABlasLtWorkspaceSize``/``parseCUDABlasLtWorkspaceSize``: ``1024``).
+CUBLASLT_DEFAULT_WORKSPACE_KIB: Final = 1024
+#: ``std::numeric_limits<int>::max()``: ``ConvParams::needs_64bit_indexing_no_split``
+#: (``aten/src/ATen/native/Convolution.cpp``) sends larger samples off cuDNN.
+INT32_MAX: Final = 2**31 - 1
+
 # -- cuBLAS / cuBLASLt workspaces ------------------------------------------------------
 
 
@@ -144,8 +158,8 @@ def _default_cublas_size(gpu: Any) -> int:
     """``parseChosenWorkspaceSize`` without ``CUBLAS_WORKSPACE_CONFIG``: 32 MiB where
     :func:`_big_default_workspace` says so, else ``:4096:2:16:8``."""
     if _big_default_workspace(_cc(gpu), _release()):
-        return 4096 * 8 * _KiB
-    return 4096 * _KiB * 2 + 16 * _KiB * 8
+        return CUBLAS_BIG_DEFAULT_WORKSPACE
+    return CUBLAS_DEFAULT_WORKSPACE
 
 
 def cublas_workspace_size(gpu: Any = None) -> int:
@@ -221,7 +235,7 @@ def _stoi(value: str) -> int | None:
 def cublaslt_workspace_size(gpu: Any = None) -> int:
     """``getCUDABlasLtWorkspaceSize()``: ``CUBLASLT_WORKSPACE_SIZE`` KiB (default
     1024), capped at the cuBLAS size when :func:`_lt_size_capped`."""
-    kib = 1024
+    kib = CUBLASLT_DEFAULT_WORKSPACE_KIB
     value = os.environ.get("CUBLASLT_WORKSPACE_SIZE")
     if value is not None:
         parsed = _stoi(value)
@@ -664,7 +678,7 @@ def _needs_64bit_indexing(c: _Conv, out_spatial_numel: int) -> bool:
     if c.input.numel() == 0:
         return False
     per_sample = c.input.numel() // x[0]
-    return per_sample > 2**31 - 1 or out_spatial_numel > 2**31 - 1
+    return per_sample > INT32_MAX or out_spatial_numel > INT32_MAX
 
 
 def _out_per_sample(c: _Conv, output: torch.Tensor | None) -> int:
@@ -702,7 +716,11 @@ def _is_depthwise(c: _Conv) -> bool:
 
 
 def _depthwise_workload(c: _Conv) -> bool:
-    """``check_cudnn_depthwise_workload_with_filter`` (cuDNN >= 8.2)."""
+    """``check_cudnn_depthwise_workload_with_filter`` (``aten/src/ATen/native/Convolution.cpp``,
+    cuDNN >= 8.2), inlined in ``ConvParams::use_cudnn_depthwise``: its thresholds (widths
+    7 and 28, batch 16, channels 128, 256 and 512, filters 1, 3 and 5) are the C++'s
+    literals, read again from each release's ``libtorch_cpu.so`` by
+    ``tests/test_cuda_workspaces.py``."""
     x, w = c.input.shape, c.weight.shape
     stride = c.stride[1]
     if x[2] == 1 and stride == 1:
@@ -738,7 +756,7 @@ def _use_cudnn_depthwise(c: _Conv, gpu: Any, out_per_sample: int) -> bool:
         and c.input.dim() == 4
         and not c.dilated()
         and (c.stride[0] == c.stride[1] or c.input.shape[2] == 1)
-        and c.input.shape[1] >= 32
+        and c.input.shape[1] >= 32  # use_cudnn_depthwise: input.size(1) >= 32 (in libtorch_cpu.so)
         and _depthwise_workload(c)
     )
 
