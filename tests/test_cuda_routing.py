@@ -872,14 +872,57 @@ def test_cudnn_dropout_window_start_is_pinned_by_the_installed_libtorch_cuda() -
     assert start in found or start + 1 in found
 
 
-def test_cudnn_sm90_head_dim_rule_is_pinned_by_the_installed_libtorch_cuda() -> None:
-    """``check_cudnn_tensor_shapes``: head dims up to 256 on (9, 0) with a cuDNN from 9.1.0
-    (``cmpq $0x16377``, ``cmpq $0x9,0x168(...)`` on (major, minor)), else 128: 2.10 to 2.13.
-    (2.14 gives major 10 256 too: tests/release_gaps.txt.)"""
+def test_cudnn_head_dim_rule_is_pinned_by_the_installed_libtorch_cuda() -> None:
+    """``check_cudnn_tensor_shapes``, as each release compiles it (see
+    :data:`sdpa.CUDNN_MAX_HEAD_DIM`): 2.10 compares the cuDNN with 9.1.0 (``$0x16377``)
+    and (major, minor) with (9, 0) only; 2.11 to 2.13 also major with 10 and the head
+    dims with 192 and 128 for a cuDNN newer than 9.10 (``$0x163db``); from 2.14 the
+    cuDNN with 9.22 and 9.25 (``$0x16828``, ``$0x16954``) and (major, minor) with (10, 7)."""
     code = instructions(disassembly(cuda_library("libtorch_cuda.so"), SDP + r".*check_cudnn_tensor_shapes"))
-    assert cuda_sdpa.CUDNN_SM90_D256_SINCE - 1 in immediates(code)
-    assert re.search(r"cmpq \$0x9,0x168\(%\w+\)", code)
-    assert not re.search(r"cmpl \$0xa,0x168\(%\w+\); (je|jne) [0-9a-f]+ <[^>]*>; mov \$0x100,", code)
+    found, release = immediates(code), installed_release()[:2]
+    assert re.search(r"cmpq? +\$0x9,(0x168\(%\w+\)|%\w+)", code)
+    major_10 = bool(re.search(r"cmpl +\$0xa,0x168\(%\w+\)", code))
+    assert major_10 == (release >= (2, 11))
+    if release < (2, 14):
+        assert cuda_sdpa.CUDNN_SM90_D256_SINCE - 1 in found
+        assert cuda_sdpa.CUDNN_D256_AFTER not in found
+    else:
+        assert {cuda_sdpa.CUDNN_D256_AFTER, cuda_sdpa.CUDNN_SM107_D256_AFTER} <= found
+        assert re.search(r"movabs +\$0x70000000a,", code)
+    if release >= (2, 11):
+        assert {cuda_sdpa.CUDNN_192_128_AFTER, *cuda_sdpa.CUDNN_192_128} <= found
+
+
+@pytest.mark.parametrize(
+    ("release", "cc", "dims", "limit"),
+    [
+        ((2, 10), (9, 0), (256, 256), 256),
+        ((2, 10), (10, 0), (192, 128), 128),  # 2.10: no (192, 128) case
+        ((2, 13), (10, 0), (192, 128), 192),
+        ((2, 13), (10, 0), (256, 256), 128),
+        ((2, 13), (9, 0), (256, 256), 256),
+        ((2, 14), (10, 0), (256, 256), 256),  # cuDNN 9.24 > 9.22
+        ((2, 14), (10, 7), (256, 256), 128),  # (10, 7) needs a cuDNN newer than 9.25
+        ((2, 14), (10, 7), (192, 128), 192),
+        ((2, 15), (10, 7), (256, 256), 256),  # cuDNN 9.26
+        ((2, 15), (8, 0), (256, 256), 128),
+    ],
+)
+def test_cudnn_max_head_dim_by_release(release: tuple[int, int], cc: tuple[int, int], dims: tuple[int, int], limit: int) -> None:
+    """The rule of each release with its own wheel's cuDNN (the table of sdpa.py)."""
+    assert cuda_sdpa.cudnn_max_head_dim(*dims, cc, release) == limit
+
+
+def test_a_b200_attention_with_head_dim_256_takes_cudnn_from_2_14() -> None:
+    """On a B200 (compute capability 10.0), inference of head dim 256 in fp16: cuDNN from
+    2.14 (where it is first), flash before; head dims (192, 128) take cuDNN from 2.11.
+    (A backend changes the figures: cuDNN saves its softmax statistics, flash its LSE.)"""
+    first = SDPBackend.CUDNN if CUDNN_FIRST else SDPBackend.FLASH
+    release = installed_release()[:2]
+    assert backend(meta(2, 4, 32, 256, dtype=H), gpu="B200") == (first if release >= (2, 14) else SDPBackend.FLASH)
+    q, v = meta(2, 4, 32, 192, dtype=H), meta(2, 4, 32, 128, dtype=H)
+    # 2.10: cuDNN is last, and flash takes no d_qk != d_v: the memory-efficient kernel
+    assert backend(q, q, v, gpu="B200") == (first if release >= (2, 11) else SDPBackend.EFFICIENT)
 
 
 def test_release_gated_sdpa_checks_are_pinned_by_the_installed_libtorch_cuda() -> None:
@@ -903,12 +946,36 @@ def test_release_gated_sdpa_checks_are_pinned_by_the_installed_libtorch_cuda() -
         assert expected <= found, sorted(expected - found)
 
 
+def test_a_boolean_mask_for_cudnn_attention_is_converted_as_the_release_converts_it() -> None:
+    """H100, fp16 (1, 2, 8, 64) with a boolean (8, 8) mask, cuDNN alone enabled: the mask
+    becomes an additive fp16 bias (8 x 8 x 2 = 128 B, a 512 B block) by ``where`` of its
+    ``logical_not`` (64 B, a block) and a zero: on 2.10 and 2.11 a host scalar with the
+    -65504 fill (no GPU block), from 2.12 a 0-d fp16 tensor on the GPU with -inf, which
+    ``where``'s scalar overload also makes of the fill, on its other operand's device
+    (``at::scalar_tensor(self, other.options())``): two 512 B blocks."""
+
+    class Masked(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("mask", torch.ones(8, 8, dtype=torch.bool).tril())
+
+        def forward(self, q: torch.Tensor) -> torch.Tensor:
+            return F.scaled_dot_product_attention(q, q, q, attn_mask=self.mask)
+
+    with sdpa_kernel(Backend.CUDNN_ATTENTION):
+        _, rows = trace(Masked(), torch.randn(1, 2, 8, 64, dtype=H), train=False)
+    on_gpu = installed_release()[:2] >= (2, 12)
+    assert of(rows, "aten.scalar_tensor.default") == ([(2, OUT), (2, OUT)] if on_gpu else [])
+    assert of(rows, "aten.logical_not.default") == [(64, OUT)]
+    assert of(rows, "aten.where.self") == [(128, OUT)]
+
+
 def test_cudnn_mask_conversion_is_pinned_by_the_installed_libtorch_cpu() -> None:
     """``attention.cpp``'s ``convert_boolean_attn_mask_cudnn`` (the -65504 fill with a host
     scalar, :data:`sdpa.CUDNN_MASK_FILL`) exists in 2.10 and 2.11 only: from 2.12
     (pytorch#177868) the cuDNN branch converts like the others (-inf, a scalar on the
-    mask's device), which the router does not follow (the fill changes no bytes; the
-    0-d scalar on the GPU is 512 B, briefly)."""
+    mask's device): the router follows it (the fill changes no bytes; the 0-d scalar
+    on the GPU is a 512 B block, briefly)."""
     exists = has_function(library("libtorch_cpu.so"), r"convert_boolean_attn_mask_cudnn")
     assert exists == (installed_release()[:2] < (2, 12))
     assert cuda_sdpa.CUDNN_MASK_FILL == -65504.0

@@ -93,12 +93,25 @@ CUDNN_SM: Final = ((8, 0), (12, 1))
 #: ``check_cudnn_dropout`` (``can_use_cudnn_attention`` before 2.15): no dropout with
 #: a cuDNN strictly between 9.11.0 and 9.14.0.
 CUDNN_DROPOUT_BUG: Final = (91100, 91400)
-#: ``check_cudnn_tensor_shapes``: head dims a multiple of 8, at most 128; 256 on sm90
-#: with cuDNN 9.1.0 or newer.
+#: ``check_cudnn_tensor_shapes``: head dims a multiple of 8, at most 128, and more on
+#: some GPUs and cuDNNs, by release (read from each wheel's ``libtorch_cuda.so``; see
+#: :func:`cudnn_max_head_dim`): 256 on sm90 with a cuDNN from 9.1.0 (2.10 to 2.13:
+#: ``cmpq $0x16377``); exactly (d_qk, d_v) = (192, 128) on major 10 with a cuDNN newer
+#: than 9.10 (2.11 to 2.13: ``cmpq $0x163db``, ``cmpl $0xa``, ``$0xc0``); from 2.14, 256
+#: on sm90 and major 10 with a cuDNN newer than 9.22 (``cmp $0x16828``), on (10, 7)
+#: only with one newer than 9.25 (``movabs $0x70000000a``, ``cmp $0x16954``), else
+#: (192, 128) there with a cuDNN newer than 9.10.
 CUDNN_MAX_HEAD_DIM: Final = 128
 CUDNN_SM90_MAX_HEAD_DIM: Final = 256
 CUDNN_SM90_D256_SINCE: Final = 91000
 CUDNN_HEAD_DIM_MULTIPLE: Final = 8
+#: (d_qk, d_v) that major 10 (from 2.14 also sm90) takes with a cuDNN newer than 9.10.
+CUDNN_192_128: Final = (192, 128)
+CUDNN_192_128_AFTER: Final = 91099
+#: From 2.14: 256 with a cuDNN newer than this on sm90 and major 10 (but (10, 7)) ...
+CUDNN_D256_AFTER: Final = 92200
+#: ... and on (10, 7) with a cuDNN newer than this.
+CUDNN_SM107_D256_AFTER: Final = 92500
 #: ``check_cudnn_d256_bprop_head_dim`` (from 2.14): with a cuDNN newer than 9.22 (and
 #: on (10, 7) not newer than 9.25) the backward takes head dims (d_qk, d_v) up to
 #: (128, 128), or exactly (192, 128) or (256, 256).
@@ -114,6 +127,8 @@ MEM_EFFICIENT_BIAS_ALIGNMENT: Final = 8
 #: ``attention.cpp: convert_boolean_attn_mask_cudnn``: a masked-out position's additive
 #: value for cuDNN (the float16 minimum), ``-inf`` for the others.
 CUDNN_MASK_FILL: Final = -65504.0
+#: The release from which the cuDNN branch converts a boolean mask as the others do.
+CUDNN_MASK_FILL_UNTIL_AFTER: Final = (2, 12)
 
 
 class SDPBackend:
@@ -275,8 +290,7 @@ def _can_use_cudnn(q, k, v, mask, dropout_p, is_causal, enable_gqa, cc) -> bool:
         return False
     # check_cudnn_tensor_shapes
     s_q, s_k, d_qk, d_v = q.size(2), k.size(2), q.size(3), v.size(3)
-    sm90_d256 = CUDNN_VERSION >= CUDNN_SM90_D256_SINCE and cc == (9, 0)
-    head_limit = CUDNN_SM90_MAX_HEAD_DIM if sm90_d256 else CUDNN_MAX_HEAD_DIM
+    head_limit = cudnn_max_head_dim(d_qk, d_v, cc)
     multiple = CUDNN_HEAD_DIM_MULTIPLE
     if d_qk > head_limit or d_v > head_limit or d_qk % multiple or d_v % multiple:
         return False
@@ -284,6 +298,31 @@ def _can_use_cudnn(q, k, v, mask, dropout_p, is_causal, enable_gqa, cc) -> bool:
     if s_k == 1 or (s_q == 1 and dropout_p != 0.0):
         return False
     return _cudnn_bprop_head_dims_ok(q, k, v, cc)
+
+
+def cudnn_max_head_dim(
+    d_qk: int, d_v: int, cc: tuple[int, int], release: tuple[int, int] | None = None, cudnn: int | None = None
+) -> int:
+    """The largest head dim ``check_cudnn_tensor_shapes`` lets cuDNN attention take on a GPU
+    of compute capability ``cc`` (see :data:`CUDNN_MAX_HEAD_DIM`), for torch ``release``
+    with its wheel's ``cudnn`` (default: the running one's)."""
+    release = _release() if release is None else release
+    cudnn = cudnn_version(release) if cudnn is None else cudnn
+    pair = (d_qk, d_v) == CUDNN_192_128 and cudnn > CUDNN_192_128_AFTER
+    if release < (2, 14):
+        if cudnn >= CUDNN_SM90_D256_SINCE and cc == (9, 0):
+            return CUDNN_SM90_MAX_HEAD_DIM
+        if release >= (2, 11) and cc[0] == 10 and pair:
+            return CUDNN_192_128[0]
+        return CUDNN_MAX_HEAD_DIM
+    if cc == (10, 7) and cudnn > CUDNN_SM107_D256_AFTER:
+        return CUDNN_SM90_MAX_HEAD_DIM
+    if cc == (9, 0) or cc[0] == 10:
+        if cc != (10, 7) and cudnn > CUDNN_D256_AFTER:
+            return CUDNN_SM90_MAX_HEAD_DIM
+        if pair:
+            return CUDNN_192_128[0]
+    return CUDNN_MAX_HEAD_DIM
 
 
 def _cudnn_bprop_head_dims_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cc: tuple[int, int]) -> bool:
@@ -421,7 +460,11 @@ def _sdpa(router: Router, func: Any, types_: Any, args: tuple[Any, ...], kwargs:
         return func(*args, **kwargs)
     backend = select_sdp_backend(q, k, v, mask, dropout_p, is_causal, enable_gqa, gpu.compute_capability)
     if backend == SDPBackend.CUDNN:
-        mask = _bool_mask_to_additive(mask, q.dtype, CUDNN_MASK_FILL)
+        # 2.10 and 2.11: convert_boolean_attn_mask_cudnn (-65504, a host scalar); from 2.12
+        # (pytorch#177868) the cuDNN branch converts as the others (-inf, the zero a 0-d
+        # tensor on the mask's device)
+        fill = CUDNN_MASK_FILL if _release() < CUDNN_MASK_FILL_UNTIL_AFTER else -math.inf
+        mask = _bool_mask_to_additive(mask, q.dtype, fill)
         out = aten._scaled_dot_product_cudnn_attention.default(
             q, k, v, mask, _compute_logsumexp(q, k, v), dropout_p, is_causal, False, scale=scale
         )
