@@ -246,9 +246,9 @@ GRAPH_POOL: Final = 1
 
 
 class PoolTracker(Protocol):
-    """What :class:`CudaProgram` needs of the tracker: its current pool."""
+    """What :class:`CudaProgram` needs of the tracker: the pool new storages are charged to."""
 
-    pool: int
+    def charge_to(self, pool: int) -> int: ...
 
     def pool_of(self, t: torch.Tensor) -> int | None: ...
 
@@ -336,8 +336,7 @@ class CudaProgram:
 
         def enter(call: Callable[[list[Any]], Any]) -> Callable[[list[Any]], Any]:
             def run(args: list[Any]) -> Any:
-                outer = tracker.pool
-                tracker.pool = GRAPH_POOL
+                outer = tracker.charge_to(GRAPH_POOL)
                 try:
                     for i, arg in enumerate(args):
                         if i in static or not isinstance(arg, torch.Tensor):
@@ -348,7 +347,7 @@ class CudaProgram:
                         args[i] = copy.copy_(arg)
                     return call(args)
                 finally:
-                    tracker.pool = outer
+                    tracker.charge_to(outer)
 
             return run
 
