@@ -371,14 +371,15 @@ class Following:
     #: the earliest phase of the step in which a compiled function of inductor was met
     #: while not following (None: none was)
     met: Phase | None = None
-    #: the phase of the step now (told by the trace)
+    #: the phase of the step now (the trace's tracker's)
     phase: Callable[[], Phase | None] = lambda: None
     #: called before a compiled function runs followed (the trace's router steps aside)
     entering: Callable[[], None] = lambda: None
     #: whether the warm-up step is over (a region first built later falls back on failure)
     warmed: bool = False
     #: the modes that make what runs visible to the trace, for code dynamo runs with
-    #: them popped (an optimizer's state, made while dynamo compiles its step)
+    #: them popped (an optimizer's state, made while dynamo compiles its step; None: the
+    #: trace does not follow)
     visible: Callable[[], Any] | None = None
     #: inductor's count of autotuned kernel choices when following began
     autotuned: int = 0
@@ -509,14 +510,23 @@ def _place(module: nn.Module) -> tuple[str, str]:
 
 @contextmanager
 def following_compiled(
-    found: CompiledModules, cpu: CpuProfile | None = None, builder: Builder | None = None
+    found: CompiledModules,
+    cpu: CpuProfile | None = None,
+    builder: Builder | None = None,
+    *,
+    phase: Callable[[], Phase | None] = lambda: None,
+    entering: Callable[[], None] = lambda: None,
+    visible: Callable[[], Any] | None = None,
 ) -> Iterator[Following]:
     """Give each followed compiled module a compiled callable of its own options and
     the fake inductor backend (whose programs ``builder`` builds and enters, if given),
     and follow the compiled functions the step calls (on cpu: built for ``cpu``); on
-    exit put the user's callables back and drop our cache entries."""
+    exit put the user's callables back and drop our cache entries. ``phase``,
+    ``entering`` and ``visible``: the trace's, as :class:`Following` takes them."""
     dynamo_config = private("torch._dynamo.config")
-    following = Following(builder=builder, autotuned=_autotuned())
+    following = Following(
+        builder=builder, autotuned=_autotuned(), phase=phase, entering=entering, visible=visible
+    )
     loaded: list[Any] = []
     with ExitStack() as restore:
         restore.callback(_drop_loaded, loaded)
