@@ -131,19 +131,23 @@ def no_kernels(loaded: list[Any], cpu: CpuProfile | None = None) -> Iterator[Non
         return module
 
     async_compile = "torch._inductor.async_compile.AsyncCompile"
-    inductor_config = private("torch._inductor.config")
-    with (
+    options = {"force_disable_caches": True, "compile_threads": 1, **for_profile(cpu)}
+    with ExitStack() as replaced:
         # the kernels compile at module load (cpp, cpp_pybinding) and are awaited by wait
-        replacing(f"{async_compile}.cpp", lambda self, *args, **kwargs: _noop_kernel()),
-        replacing(f"{async_compile}.cpp_pybinding", lambda self, *args, **kwargs: _noop_kernel()),
-        replacing(f"{async_compile}.wait", lambda self, scope: None),
-        replacing("torch._inductor.codecache.PyCodeCache.load_by_key_path", staticmethod(load)) as real_load,
-        inductor_config.patch(force_disable_caches=True, compile_threads=1, **for_profile(cpu)),
-        output_directory(),
-        host_vector_isa(),
-        _vector_isa_of(cpu),
-        warnings.catch_warnings(),
-    ):
+        replaced.enter_context(replacing(f"{async_compile}.cpp", lambda self, *args, **kwargs: _noop_kernel()))
+        replaced.enter_context(
+            replacing(f"{async_compile}.cpp_pybinding", lambda self, *args, **kwargs: _noop_kernel())
+        )
+        replaced.enter_context(replacing(f"{async_compile}.wait", lambda self, scope: None))
+        real_load = replaced.enter_context(
+            replacing("torch._inductor.codecache.PyCodeCache.load_by_key_path", staticmethod(load))
+        )
+        for option, value in options.items():
+            replaced.enter_context(replacing(f"torch._inductor.config.{option}", value))
+        replaced.enter_context(output_directory())
+        replaced.enter_context(host_vector_isa())
+        replaced.enter_context(_vector_isa_of(cpu))
+        replaced.enter_context(warnings.catch_warnings())
         # dynamo warns that the caches we turned off turn its profile-guided shapes off
         warnings.filterwarnings("ignore", message="dynamo_pgo force disabled")
         yield
