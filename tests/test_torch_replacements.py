@@ -43,8 +43,11 @@ from pytest_torchmem.engine.tracing.compiled_cuda import CudaProgram
 from pytest_torchmem.engine.tracing.tracker import Tracker
 from following import follows_compiled
 
-#: What a picture holds of one attribute: the object itself (held, so that its id stays its own).
-Picture = dict[str, Any]
+class Picture(dict[str, Any]):
+    """Torch's attributes by dotted path, each the object itself (held, so that its id
+    stays its own); :attr:`owners`: the modules and classes looked at."""
+
+    owners: set[str]
 
 #: The replacements torch makes itself while the engine compiles (not the engine's).
 _TORCHS_OWN: Final = {
@@ -78,9 +81,11 @@ def picture() -> Picture:
 
 
 def _picture() -> Picture:
-    found: Picture = {}
+    found = Picture()
+    found.owners = set()
     classes: dict[int, type] = {}
     for module in _torch_modules():
+        found.owners.add(module.__name__)
         for name, value in list(vars(module).items()):
             # (dunders, and the globals dynamo installs for its compiled code: __compiled_fn_1)
             if name.startswith("__") or not _behaviour(value):
@@ -90,6 +95,7 @@ def _picture() -> Picture:
                 classes[id(value)] = value
     for cls in classes.values():
         owner = f"{cls.__module__}.{cls.__qualname__}"
+        found.owners.add(owner)
         for name, value in list(vars(cls).items()):
             if name.startswith("__") or not _behaviour(value):
                 continue
@@ -99,14 +105,15 @@ def _picture() -> Picture:
 
 def changed(before: Picture, now: Picture) -> set[str]:
     """The paths whose object differs, or that one picture has and the other lacks, torch's
-    own replacements aside. A module that appears imported (a package gains its
-    submodule) is not a change."""
+    own replacements aside. What a module imported since holds, and a module that
+    appears imported (a package gains its submodule), are not changes."""
     differ = {path for path, value in before.items() if path in now and now[path] is not value}
     gone = set(before) - set(now)
     added = {
         path
         for path in set(now) - set(before)
-        if not (isinstance(now[path], types.ModuleType) and sys.modules.get(now[path].__name__) is now[path])
+        if path.rpartition(".")[0] in before.owners
+        and not (isinstance(now[path], types.ModuleType) and sys.modules.get(now[path].__name__) is now[path])
     }
     return (differ | gone | added) - _TORCHS_OWN
 
@@ -268,11 +275,13 @@ _EXPECTED: dict[tuple[str, str], set[str]] = {
 _CASES = {"eager": _eager, "compiled": _compiled, "step function": _step_function, "parallel": _parallel}
 
 
-def _warmed(case: Callable[[str], None], device: str) -> Picture:
-    """The picture before, once torch has imported and set up what the case needs (its
-    lazy imports are not the engine's changes)."""
+def _before(case: Callable[[str], None], device: str) -> tuple[dict[str, Any], Picture]:
+    """The tabled names and the picture before, once torch has imported and set up what the
+    table names and the case needs (its lazy imports and one-time set-ups, dynamo's
+    registry of device interfaces say, are not the engine's changes)."""
+    _tabled()  # resolving the table imports what it names
     case(device)
-    return picture()
+    return _tabled(), picture()
 
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
@@ -289,8 +298,7 @@ def test_every_replacement_is_a_table_entry_and_torch_is_as_before(
     case: str, device: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     run = _CASES[case]
-    before = _warmed(run, device)
-    tabled = _tabled()
+    tabled, before = _before(run, device)
     with watching(monkeypatch, before) as watch:
         run(device)
     assert watch.seen, "no picture was taken inside the estimate"
@@ -320,8 +328,7 @@ class _Raises(nn.Module):
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
 def test_torch_is_as_before_after_the_forward_raised(device: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    before = _warmed(_eager, device)
-    tabled = _tabled()
+    tabled, before = _before(_eager, device)
     with watching(monkeypatch, before) as watch:
         with pytest.raises(KeyError, match="the model's own"):
             tm.estimate(_Raises(), torch.randn(8, 16), device=device)

@@ -634,7 +634,7 @@ PRIVATE: Final = _entries(
             f"{name}, as Python code calls it from torch.distributed{home}: measure(parallel=...) "
             "runs each to its end where it is called, its tensors let go of by gloo's thread "
             "(distributed.collectives_completed_here)",
-            since=(2, 13) if name.endswith("_single") else None,
+            since=(2, 13) if name in ("all_gather_single", "reduce_scatter_single") else None,
             replaced=True,
         )
         for home in ("", ".distributed_c10d")
