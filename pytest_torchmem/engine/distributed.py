@@ -379,25 +379,20 @@ def collectives_completed_here() -> Iterator[None]:
 
     from pytest_torchmem.engine.torch_private import replacing
 
-    saved = []
-    for module in (dist, distributed_c10d):
-        for name in _COLLECTIVES:
-            original = getattr(module, name, None)
-            if original is not None:
-                saved.append((module, name, original))
-                setattr(module, name, _completed_here(original))
     path = "torch._C._distributed_c10d.Reducer._rebuild_buckets"
     rebuild = private(path)
 
     def rebuild_buckets(reducer: Any) -> bool:  # a method: a function, not a partial
         return _rebuild_freed_here(rebuild, reducer)
 
-    try:
-        with replacing(path, rebuild_buckets):
-            yield
-    finally:
-        for module, name, original in saved:
-            setattr(module, name, original)
+    with contextlib.ExitStack() as replaced:
+        for module in (dist, distributed_c10d):
+            for name in _COLLECTIVES:
+                original = getattr(module, name, None)
+                if original is not None:
+                    replaced.enter_context(replacing(f"{module.__name__}.{name}", _completed_here(original)))
+        replaced.enter_context(replacing(path, rebuild_buckets))
+        yield
 
 
 def _rebuild_freed_here(rebuild: Callable[[Any], bool], reducer: Any) -> bool:

@@ -300,13 +300,9 @@ def _device_handle(device_type: str, streamed: Callable[[int], int]) -> Iterator
 
     # the traced tensors are on meta: FSDP2 takes them for parameters not yet materialized
     validate = "torch.distributed.fsdp._fully_shard._fsdp_param_group.FSDPParamGroup._validate_no_meta_params"
-    with replacing(validate, lambda self: None):
-        # torch has no attribute meta to replace (so no table entry): added for the block
-        torch.meta = _MetaDeviceHandle(streamed)  # type: ignore[attr-defined]
-        try:
-            yield
-        finally:
-            del torch.meta  # type: ignore[attr-defined]
+    # (torch has no attribute meta: the table's entry is marked added, and it is deleted after)
+    with replacing(validate, lambda self: None), replacing("torch.meta", _MetaDeviceHandle(streamed)):
+        yield
 
 
 @contextmanager

@@ -23,7 +23,17 @@ from pytest_torchmem.engine.step_function import StepFunction, run_function
 from pytest_torchmem.engine.timeline import Phase
 from pytest_torchmem.engine.torch_private import private
 
-__all__ = ["Probe", "QuietProbe", "NoModules", "ModuleTracker", "run_step", "default_loss", "LossFn", "OptimizerFactory"]
+__all__ = [
+    "LossFn",
+    "ModuleTracker",
+    "NoModules",
+    "OptimizerFactory",
+    "Probe",
+    "QuietProbe",
+    "default_loss",
+    "module_names",
+    "run_step",
+]
 
 # torch's private names (engine/torch_private.py), bound once: the module hooks run at every call.
 tree_leaves: Final = private("torch.utils._pytree.tree_leaves")
@@ -131,12 +141,12 @@ class ModuleTracker:
 
     def __init__(self, model: nn.Module, probe: Probe) -> None:
         self.probe = probe
-        self.names: list[str] = []
         self._index: dict[int, int] = {}
         for name, module in model.named_modules():
             if id(module) not in self._index:
-                self._index[id(module)] = len(self.names)
-                self.names.append(name or ROOT_NAME)
+                self._index[id(module)] = len(self._index)
+        #: The modules' names, by the index the probe is told (:func:`module_names`).
+        self.names = module_names(model)
         self._handles: list[Any] = []
 
     def __enter__(self) -> ModuleTracker:
@@ -171,6 +181,18 @@ class ModuleTracker:
             self.probe.exit_module(index)
             if torch.is_grad_enabled():
                 _hook_once(output, self.probe.enter_module, index)
+
+
+def module_names(model: nn.Module) -> list[str]:
+    """The qualified names of ``model``'s modules, each module once (the model itself:
+    :data:`ROOT_NAME`), in the order of the indices :class:`ModuleTracker` reports."""
+    names: list[str] = []
+    seen: set[int] = set()
+    for name, module in model.named_modules():
+        if id(module) not in seen:
+            seen.add(id(module))
+            names.append(name or ROOT_NAME)
+    return names
 
 
 class _Once:

@@ -7,9 +7,19 @@ one is written down once, with why it is used and in which releases it exists,
 and is checked against the running torch when first used:
 
 - :func:`private` resolves a dotted path (``"torch._prims_common.suggest_memory_format"``);
-- :func:`replacing` replaces one at run time and always puts it back;
-- :func:`appending` adds an item to a private list for a block and always takes it out;
 - :func:`private_op` gives an aten overload that only some releases have (None elsewhere).
+
+Every run-time replacement of a torch attribute goes through one mechanism, the
+functions below, each an entry of the table marked ``replaced`` (what, why,
+which releases; ``thread_scoped`` where only the tracing thread may see it,
+``added`` where torch has no such attribute): entered for a block, put back
+however the block ends, on exception too.
+
+- :func:`replacing` replaces an attribute (a module's global, a class's attribute,
+  an option of a torch config module) or adds one torch lacks;
+- :func:`appending` adds an item to a private list;
+- :func:`replacing_item` sets one key of a private dict;
+- :func:`in_effect` says which are in effect now (the tests read it).
 
 A path missing from the running torch raises :class:`TorchPrivateError`, one
 line that names it, what it served and the supported window, never an
@@ -20,8 +30,10 @@ the window.
 
 from __future__ import annotations
 
+import functools
 import importlib
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Final
@@ -38,12 +50,16 @@ __all__ = [
     "Private",
     "TorchPrivateError",
     "appending",
+    "in_effect",
+    "on_this_thread",
     "present",
     "private",
     "private_any",
     "private_name",
     "private_op",
     "replacing",
+    "replacing_item",
+    "swapped",
 ]
 
 Release = tuple[int, int]
@@ -59,7 +75,12 @@ class Private:
     the releases that have it as used (``since``/``until``, both included;
     None: the whole window), whether the engine replaces it at run time, and
     whether only CUDA builds of torch have it (``cuda_only``: a binding that a
-    CPU-only build does not compile)."""
+    CPU-only build does not compile).
+
+    Of a replaced name: ``thread_scoped``, only the thread that replaced it (the
+    tracing thread) gets the replacement's answers, every other thread the
+    original's; ``added``, torch has no such attribute in any release of the
+    window, and the replacement adds it for its block."""
 
     path: str
     why: str
@@ -67,10 +88,14 @@ class Private:
     until: Release | None = None
     replaced: bool = False
     cuda_only: bool = False
+    thread_scoped: bool = False
+    added: bool = False
 
     def expected(self, release: Release, cuda_build: bool | None = None) -> bool:
         """Whether torch ``release`` (major, minor) has this name as used; ``cuda_build``:
         whether that torch is a CUDA build (None: as the running torch is)."""
+        if self.added:
+            return False  # (the engine adds it; no release has it)
         if self.cuda_only:
             if cuda_build is None:
                 import torch
@@ -213,22 +238,27 @@ COMPILED_ENTRIES: Final = (
     Private(
         "torch._inductor.config.force_disable_caches",
         "no FX graph, AOTAutograd or autotuning cache read or written while the estimate compiles",
+        replaced=True,
     ),
     Private(
         "torch._inductor.config.compile_threads",
         "one compile thread while the estimate compiles (no kernel is built)",
+        replaced=True,
     ),
     Private(
         "torch._inductor.config.cpp.simdlen",
         "the vector width inductor builds for: the CPU profile's",
+        replaced=True,
     ),
     Private(
         "torch._inductor.config.cpp.threads",
         "the threads inductor sizes its kernels for: the CPU profile's",
+        replaced=True,
     ),
     Private(
         "torch._inductor.config.cpp.vec_isa_ok",
         "inductor takes the vector ISA without probing a compile of it",
+        replaced=True,
     ),
     Private(
         "torch._inductor.config.shape_padding",
@@ -293,7 +323,9 @@ COMPILED_ENTRIES: Final = (
     ),
     Private(
         "torch._dynamo.device_interface.device_interfaces",
-        "dynamo's device interfaces: cuda's answers as the profile's GPU",
+        "dynamo's device interfaces: cuda's (keys 'cuda' and 'cuda:0') answers as the "
+        "profile's GPU while inductor compiles for the fake cuda device",
+        replaced=True,
     ),
     Private(
         "torch._dynamo.device_interface.CudaInterface",
@@ -374,6 +406,14 @@ COMPILED_ENTRIES: Final = (
         "torch._ops.resolve_key",
         "the kernel a dispatch key resolves to (the fake cuda device's decompositions)",
     ),
+    Private(
+        "torch.ops.aten.add.Tensor._dispatch_cache",
+        "the Python dispatcher's cache of the kernel each dispatch key resolves to, which "
+        "every aten overload holds (this one's stands for all): while AOTAutograd traces a "
+        "cuda program's joint graph on meta, the ops that lose their gradient there resolve "
+        "AutogradMeta to their composite, as AutogradCUDA does (compiled_cuda)",
+        replaced=True,
+    ),
 )
 
 
@@ -438,8 +478,10 @@ PRIVATE: Final = _entries(
     *(
         Private(
             f"torch._subclasses.fake_tensor.FakeTensor.{name}",
-            "what the model's code reads of a fake cuda tensor: cuda:0 (gpu_view.py)",
+            "what the model's code reads of a fake cuda tensor: cuda:0 (gpu_view.py; "
+            "compiled_cuda's remove_no_ops too, for one of inductor's passes)",
             replaced=True,
+            thread_scoped=True,
         )
         for name in ("device", "is_cuda", "get_device")
     ),
@@ -447,8 +489,10 @@ PRIVATE: Final = _entries(
         Private(
             path,
             "what the model's code reads of the GPU on the tracing thread: the profile's "
-            "answer (gpu_view.py)",
+            "answer (gpu_view.py; get_device_properties and get_device_capability also what "
+            "inductor reads while it compiles for the fake cuda device: inductor_device.py)",
             replaced=True,
+            thread_scoped=True,
         )
         for path in (
             "torch.cuda.is_available",
@@ -468,6 +512,7 @@ PRIVATE: Final = _entries(
         "torch.autocast('cuda') and GradScaler('cuda') enter enabled on the tracing thread, "
         "as on a GPU (gpu_view.autocast_opens_cuda_regions)",
         replaced=True,
+        thread_scoped=True,
     ),
     # torch's own decisions by a device's kernels (gpu_view.torch_decides_as_on_the_gpu)
     *(
@@ -476,6 +521,7 @@ PRIVATE: Final = _entries(
             f"torch's list of the device types with {kind} kernels, as torch.{home} binds it: "
             "on the tracing thread the trace's meta device reads as cuda in it",
             replaced=True,
+            thread_scoped=True,
         )
         for home, helper, kind in (
             ("utils._foreach_utils", "_get_foreach_kernels_supported_devices", "foreach"),
@@ -496,6 +542,7 @@ PRIVATE: Final = _entries(
             f"the tensor types torch.{home}'s foreach decisions take (type(t) in it): on the "
             "tracing thread the trace's stand-ins count as the tensors they stand for",
             replaced=True,
+            thread_scoped=True,
         )
         for home in ("optim.optimizer", "utils._foreach_utils")
     ),
@@ -572,6 +619,38 @@ PRIVATE: Final = _entries(
         "torch.distributed.fsdp._fully_shard._fsdp_param_group.alloc_storage",
         "the same function as _fsdp_param.alloc_storage, imported by name into the group's module",
         replaced=True,
+    ),
+    Private(
+        "torch.meta",
+        "the device module torch.distributed asks the mesh's device type for (getattr(torch, "
+        "type)): torch has none for meta, where the fake cuda device traces; added for a "
+        "parallel= trace on it (parallel._MetaDeviceHandle)",
+        replaced=True,
+        added=True,
+    ),
+    *(
+        Private(
+            f"torch.distributed{home}.{name}",
+            f"{name}, as Python code calls it from torch.distributed{home}: measure(parallel=...) "
+            "runs each to its end where it is called, its tensors let go of by gloo's thread "
+            "(distributed.collectives_completed_here)",
+            since=(2, 13) if name in ("all_gather_single", "reduce_scatter_single") else None,
+            replaced=True,
+        )
+        for home in ("", ".distributed_c10d")
+        for name in (
+            "all_gather",
+            "all_gather_into_tensor",
+            "all_gather_single",
+            "all_reduce",
+            "all_to_all_single",
+            "broadcast",
+            "reduce_scatter",
+            "reduce_scatter_single",
+            "reduce_scatter_tensor",
+            "_all_gather_base",
+            "_reduce_scatter_base",
+        )
     ),
     Private(
         "torch._C._distributed_c10d._create_work_from_future",
@@ -956,20 +1035,63 @@ def private_op(name: str) -> Any:
         return None
 
 
+# -- run-time replacements: the one mechanism ---------------------------------------------
+
+#: The tabled paths replaced now, in the order they were entered (by any thread).
+_in_effect: list[str] = []
+
+
+def in_effect() -> tuple[str, ...]:
+    """The tabled paths replaced now (:func:`replacing`, :func:`appending`,
+    :func:`replacing_item`), in the order they were entered."""
+    return tuple(_in_effect)
+
+
 @contextmanager
-def replacing(path: str, value: Any) -> Iterator[Any]:
-    """Replace the private torch attribute at ``path`` with ``value`` for the block,
-    yielding the original; it is put back however the block ends."""
-    owner_path, _, name = path.rpartition(".")
-    if not entry(path).replaced:
-        raise ValueError(f"{path} is not marked replaced=True in PRIVATE")
+def _held(path: str) -> Iterator[None]:
+    _in_effect.append(path)
     try:
-        # what is there now (not the value private() keeps): a replacement
-        # nested in another's wraps and restores the one it found
-        owner = _resolve(owner_path)
-        original = getattr(owner, name)
-    except (ImportError, AttributeError) as exc:
-        raise _missing(path, exc) from None
+        yield
+    finally:
+        for i in range(len(_in_effect) - 1, -1, -1):
+            if _in_effect[i] == path:
+                del _in_effect[i]
+                break
+
+
+def _replaceable(path: str) -> Private:
+    found = entry(path)
+    if not found.replaced:
+        raise ValueError(f"{path} is not marked replaced=True in PRIVATE")
+    return found
+
+
+@functools.cache
+def _config_option(path: str) -> tuple[Any, str] | None:
+    """``(config module, option)`` where ``path`` names an option of a torch config module
+    (``torch._inductor.config.cpp.simdlen``: ``torch._inductor.config``, ``"cpp.simdlen"``)."""
+    parts = path.split(".")
+    for split in range(len(parts) - 1, 0, -1):
+        try:
+            module = importlib.import_module(".".join(parts[:split]))
+        except ImportError:
+            continue
+        # (torch.utils._config_module's modules: options kept in _config, set through patch)
+        if isinstance(getattr(module, "_config", None), dict) and callable(getattr(module, "patch", None)):
+            return module, ".".join(parts[split:])
+        return None
+    return None
+
+
+@contextmanager
+def swapped(owner: Any, name: str, value: Any) -> Iterator[Any]:
+    """``owner.name`` is ``value`` for the block; yields what ``owner.name`` was (None:
+    nothing), put back however the block ends: a class's own attribute (a descriptor,
+    a ``staticmethod``) as it was, one it inherits or lacks deleted again.
+
+    The core of :func:`replacing`; called directly only for an attribute outside
+    torch (a library's class the traced model uses), which the table does not hold."""
+    original = getattr(owner, name, None)
     had_own = name in getattr(owner, "__dict__", {})
     own = owner.__dict__[name] if had_own else None
     setattr(owner, name, value)
@@ -983,13 +1105,48 @@ def replacing(path: str, value: Any) -> Iterator[Any]:
 
 
 @contextmanager
+def replacing(path: str, value: Any) -> Iterator[Any]:
+    """Replace the torch attribute at ``path`` (an entry marked ``replaced``) with ``value``
+    for the block, yielding the original; it is put back however the block ends.
+
+    ``path`` names a module's global or a class's attribute (:func:`swapped`); an option
+    of a torch config module (``torch._inductor.config.force_disable_caches``), set
+    through the config's own ``patch``, which puts its state back as it was; or, for an
+    entry marked ``added``, an attribute torch lacks, added for the block (None yielded).
+    """
+    found = _replaceable(path)
+    config = _config_option(path)
+    if config is not None:
+        module, option = config
+        try:
+            original = functools.reduce(getattr, option.split("."), module)
+        except AttributeError as exc:
+            raise _missing(path, exc) from None
+        with module.patch(option, value), _held(path):
+            yield original
+        return
+    owner_path, _, name = path.rpartition(".")
+    try:
+        # what is there now (not the value private() keeps): a replacement
+        # nested in another's wraps and restores the one it found
+        owner = _resolve(owner_path)
+        if not found.added:
+            getattr(owner, name)
+    except (ImportError, AttributeError) as exc:
+        raise _missing(path, exc) from None
+    if found.added and hasattr(owner, name):
+        raise ValueError(f"{path} is marked added=True in PRIVATE, but this torch has it: see its entry")
+    with swapped(owner, name, value) as original, _held(path):
+        yield original
+
+
+@contextmanager
 def appending(path: str, item: Any) -> Iterator[None]:
     """Add ``item`` to the private torch list at ``path`` for the block; it is taken out
     however the block ends. The list object stays the same: modules that bound it by
     name, or add to it later in the block (``torch.distributed.tensor`` adds ``DTensor``
     to the foreach type lists when first imported), keep theirs."""
-    if not entry(path).replaced:
-        raise ValueError(f"{path} is not marked replaced=True in PRIVATE")
+    _replaceable(path)
     try:
         found = _resolve(path)
     except (ImportError, AttributeError) as exc:
@@ -998,12 +1155,61 @@ def appending(path: str, item: Any) -> Iterator[None]:
         raise TypeError(f"{path} is a {type(found).__name__}, not a list")
     found.append(item)
     try:
-        yield
+        with _held(path):
+            yield
     finally:
         for i in range(len(found) - 1, -1, -1):
             if found[i] is item:
                 del found[i]
                 break
+
+
+@contextmanager
+def replacing_item(path: str, key: Any, value: Any, *, within: Any = None) -> Iterator[Any]:
+    """Set ``key`` of the private torch dict at ``path`` to ``value`` for the block, yielding
+    what it held (None: nothing); it is put back, or taken out again, however the block ends.
+
+    ``within``: the dict is that object's attribute of the name ``path`` ends with, for a
+    dict every instance of a torch class holds (the entry's path names one instance)."""
+    _replaceable(path)
+    try:
+        container = getattr(within, path.rpartition(".")[2]) if within is not None else _resolve(path)
+    except (ImportError, AttributeError) as exc:
+        raise _missing(path, exc) from None
+    if not isinstance(container, dict):
+        raise TypeError(f"{path} is a {type(container).__name__}, not a dict")
+    had = key in container
+    before = container.get(key)
+    container[key] = value
+    try:
+        with _held(path):
+            yield before
+    finally:
+        if had:
+            container[key] = before
+        else:
+            container.pop(key, None)
+
+
+@contextmanager
+def on_this_thread(path: str, answer: Callable[..., Any]) -> Iterator[Callable[..., Any]]:
+    """Replace the function at ``path`` (a ``thread_scoped`` entry) for the block: on this
+    thread (the tracing thread) it answers ``answer(...)``, on every other one as the
+    function it replaced (yielded), which it is put back as however the block ends."""
+    thread = threading.get_ident()
+    real: list[Callable[..., Any]] = []
+
+    def scoped(*args: Any, **kwargs: Any) -> Any:
+        if threading.get_ident() == thread:
+            return answer(*args, **kwargs)
+        return real[0](*args, **kwargs)
+
+    if not entry(path).thread_scoped:
+        raise ValueError(f"{path} is not marked thread_scoped=True in PRIVATE")
+    with replacing(path, scoped) as original:
+        real.append(original)
+        functools.update_wrapper(scoped, original)
+        yield original
 
 
 def window() -> tuple[Release, Release]:

@@ -29,14 +29,15 @@ from __future__ import annotations
 
 import functools
 import sys
+import threading
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Final, Protocol
 
 import torch
 
-from pytest_torchmem.engine.torch_private import private, replacing
+from pytest_torchmem.engine.torch_private import private, replacing, replacing_item
 from pytest_torchmem.engine.tracing.devices.cuda.gpu_view import autocast_opens_cuda_regions
 from pytest_torchmem.engine.tracing.devices.cuda.profiles import GpuProfile
 from pytest_torchmem.engine.tracing.inductor_device import Enter, as_the_gpu, unguarded
@@ -128,10 +129,15 @@ def _meta_outputs_computed() -> Iterator[None]:
     passes sees ``meta``)."""
     device_of = FakeTensor.device.fget
     visit = "remove_no_ops.<locals>.visit"
+    tracing = threading.get_ident()
 
     def device(self: FakeTensor) -> torch.device:
         seen = device_of(self)
-        if seen.type == "meta" and sys._getframe(1).f_code.co_qualname == visit:
+        if (
+            seen.type == "meta"
+            and sys._getframe(1).f_code.co_qualname == visit
+            and threading.get_ident() == tracing
+        ):
             return _GPU
         return seen
 
@@ -246,9 +252,9 @@ GRAPH_POOL: Final = 1
 
 
 class PoolTracker(Protocol):
-    """What :class:`CudaProgram` needs of the tracker: its current pool."""
+    """What :class:`CudaProgram` needs of the tracker: the pool new storages are charged to."""
 
-    pool: int
+    def charge_to(self, pool: int) -> int: ...
 
     def pool_of(self, t: torch.Tensor) -> int | None: ...
 
@@ -336,8 +342,7 @@ class CudaProgram:
 
         def enter(call: Callable[[list[Any]], Any]) -> Callable[[list[Any]], Any]:
             def run(args: list[Any]) -> Any:
-                outer = tracker.pool
-                tracker.pool = GRAPH_POOL
+                outer = tracker.charge_to(GRAPH_POOL)
                 try:
                     for i, arg in enumerate(args):
                         if i in static or not isinstance(arg, torch.Tensor):
@@ -348,7 +353,7 @@ class CudaProgram:
                         args[i] = copy.copy_(arg)
                     return call(args)
                 finally:
-                    tracker.pool = outer
+                    tracker.charge_to(outer)
 
             return run
 
@@ -403,7 +408,8 @@ def _as_in_cuda_decompositions() -> Iterator[None]:
         yield
 
 
-_UNCACHED: Final = object()
+#: The Python dispatcher's cache of each overload (the entry names one overload's).
+_DISPATCH_CACHE: Final = "torch.ops.aten.add.Tensor._dispatch_cache"
 
 
 @contextmanager
@@ -427,22 +433,15 @@ def _autograd_as_on_cuda() -> Iterator[None]:
     resolve_key = private("torch._ops.resolve_key")
     global_decomposition_table = private("torch._decomp.global_decomposition_table")
     composite = DispatchKey.CompositeImplicitAutograd
-    seeded: dict[OpOverload, Any] = {}
     ops = {op for table in global_decomposition_table.values() for op in table if isinstance(op, OpOverload)}
-    for op in ops:
-        try:
-            lost = resolve_key(op, DispatchKey.AutogradMeta) == DispatchKey.AutogradMeta
-            if not (lost and resolve_key(op, DispatchKey.AutogradCUDA) == composite):
+    with ExitStack() as seeded:
+        for op in ops:
+            try:
+                lost = resolve_key(op, DispatchKey.AutogradMeta) == DispatchKey.AutogradMeta
+                if not (lost and resolve_key(op, DispatchKey.AutogradCUDA) == composite):
+                    continue
+            except NotImplementedError:
                 continue
-        except NotImplementedError:
-            continue
-        seeded[op] = op._dispatch_cache.get(DispatchKey.AutogradMeta, _UNCACHED)
-        op._dispatch_cache[DispatchKey.AutogradMeta] = op.py_kernels.get(composite, composite)
-    try:
+            kernel = op.py_kernels.get(composite, composite)
+            seeded.enter_context(replacing_item(_DISPATCH_CACHE, DispatchKey.AutogradMeta, kernel, within=op))
         yield
-    finally:
-        for op, before in seeded.items():
-            if before is _UNCACHED:
-                op._dispatch_cache.pop(DispatchKey.AutogradMeta, None)
-            else:
-                op._dispatch_cache[DispatchKey.AutogradMeta] = before

@@ -131,19 +131,23 @@ def no_kernels(loaded: list[Any], cpu: CpuProfile | None = None) -> Iterator[Non
         return module
 
     async_compile = "torch._inductor.async_compile.AsyncCompile"
-    inductor_config = private("torch._inductor.config")
-    with (
+    options = {"force_disable_caches": True, "compile_threads": 1, **for_profile(cpu)}
+    with ExitStack() as replaced:
         # the kernels compile at module load (cpp, cpp_pybinding) and are awaited by wait
-        replacing(f"{async_compile}.cpp", lambda self, *args, **kwargs: _noop_kernel()),
-        replacing(f"{async_compile}.cpp_pybinding", lambda self, *args, **kwargs: _noop_kernel()),
-        replacing(f"{async_compile}.wait", lambda self, scope: None),
-        replacing("torch._inductor.codecache.PyCodeCache.load_by_key_path", staticmethod(load)) as real_load,
-        inductor_config.patch(force_disable_caches=True, compile_threads=1, **for_profile(cpu)),
-        output_directory(),
-        host_vector_isa(),
-        _vector_isa_of(cpu),
-        warnings.catch_warnings(),
-    ):
+        replaced.enter_context(replacing(f"{async_compile}.cpp", lambda self, *args, **kwargs: _noop_kernel()))
+        replaced.enter_context(
+            replacing(f"{async_compile}.cpp_pybinding", lambda self, *args, **kwargs: _noop_kernel())
+        )
+        replaced.enter_context(replacing(f"{async_compile}.wait", lambda self, scope: None))
+        real_load = replaced.enter_context(
+            replacing("torch._inductor.codecache.PyCodeCache.load_by_key_path", staticmethod(load))
+        )
+        for option, value in options.items():
+            replaced.enter_context(replacing(f"torch._inductor.config.{option}", value))
+        replaced.enter_context(output_directory())
+        replaced.enter_context(host_vector_isa())
+        replaced.enter_context(_vector_isa_of(cpu))
+        replaced.enter_context(warnings.catch_warnings())
         # dynamo warns that the caches we turned off turn its profile-guided shapes off
         warnings.filterwarnings("ignore", message="dynamo_pgo force disabled")
         yield
@@ -371,14 +375,15 @@ class Following:
     #: the earliest phase of the step in which a compiled function of inductor was met
     #: while not following (None: none was)
     met: Phase | None = None
-    #: the phase of the step now (told by the trace)
+    #: the phase of the step now (the trace's tracker's)
     phase: Callable[[], Phase | None] = lambda: None
     #: called before a compiled function runs followed (the trace's router steps aside)
     entering: Callable[[], None] = lambda: None
     #: whether the warm-up step is over (a region first built later falls back on failure)
     warmed: bool = False
     #: the modes that make what runs visible to the trace, for code dynamo runs with
-    #: them popped (an optimizer's state, made while dynamo compiles its step)
+    #: them popped (an optimizer's state, made while dynamo compiles its step; None: the
+    #: trace does not follow)
     visible: Callable[[], Any] | None = None
     #: inductor's count of autotuned kernel choices when following began
     autotuned: int = 0
@@ -509,14 +514,23 @@ def _place(module: nn.Module) -> tuple[str, str]:
 
 @contextmanager
 def following_compiled(
-    found: CompiledModules, cpu: CpuProfile | None = None, builder: Builder | None = None
+    found: CompiledModules,
+    cpu: CpuProfile | None = None,
+    builder: Builder | None = None,
+    *,
+    phase: Callable[[], Phase | None] = lambda: None,
+    entering: Callable[[], None] = lambda: None,
+    visible: Callable[[], Any] | None = None,
 ) -> Iterator[Following]:
     """Give each followed compiled module a compiled callable of its own options and
     the fake inductor backend (whose programs ``builder`` builds and enters, if given),
     and follow the compiled functions the step calls (on cpu: built for ``cpu``); on
-    exit put the user's callables back and drop our cache entries."""
+    exit put the user's callables back and drop our cache entries. ``phase``,
+    ``entering`` and ``visible``: the trace's, as :class:`Following` takes them."""
     dynamo_config = private("torch._dynamo.config")
-    following = Following(builder=builder, autotuned=_autotuned())
+    following = Following(
+        builder=builder, autotuned=_autotuned(), phase=phase, entering=entering, visible=visible
+    )
     loaded: list[Any] = []
     with ExitStack() as restore:
         restore.callback(_drop_loaded, loaded)

@@ -1,5 +1,4 @@
-"""Inductor's output modules written for an estimate: where their lines come from
-in the user's code, and a directory of ours for their files.
+"""Inductor's output modules written for an estimate: the user's lines theirs come from, and where they are written.
 
 A followed compiled region runs the Python module inductor wrote for it (its
 wrapper): the innermost frame of each allocation and of each op listed in

@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from pytest_torchmem.engine.report import Unsupported
+from pytest_torchmem.engine.torch_private import swapped
 
 __all__ = ["beams_run_on"]
 
@@ -63,8 +64,9 @@ def beams_run_on(tracker: Any, model: nn.Module) -> Iterator[None]:
 
 @contextmanager
 def _going_on(tracker: Any, owner: type) -> Iterator[None]:
-    original = owner.__dict__[_DECISION]
-    decide = original.__func__
+    """``owner``'s decision replaced for the block (transformers' class, not torch's: not
+    an entry of torch's table, but put back by the same mechanism, torch_private.swapped)."""
+    decide = owner.__dict__[_DECISION].__func__
 
     def has_unfinished(*args: Any, **kwargs: Any) -> Any:
         answer = decide(*args, **kwargs)
@@ -76,8 +78,5 @@ def _going_on(tracker: Any, owner: type) -> Iterator[None]:
                 tracker.flag(_RUNS_ON)
         return answer
 
-    setattr(owner, _DECISION, staticmethod(has_unfinished))
-    try:
+    with swapped(owner, _DECISION, staticmethod(has_unfinished)):
         yield
-    finally:
-        setattr(owner, _DECISION, original)

@@ -14,7 +14,8 @@
   this host, read from the CPU's flags instead of compiling and loading a
   probe program per ISA (seconds each, a large part of a small program's build).
 
-Every patch is undone when its context ends.
+Every replacement goes through :mod:`pytest_torchmem.engine.torch_private` (each an
+entry of its table) and is undone when its context ends.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from pytest_torchmem.engine.gpu_profiles import GpuProfile
-from pytest_torchmem.engine.torch_private import private, replacing
+from pytest_torchmem.engine.torch_private import on_this_thread, private, replacing, replacing_item
 from pytest_torchmem.engine.tracing.generated_code import remember
 
 __all__ = ["Enter", "as_the_gpu", "gpu_properties", "host_vector_isa", "unguarded"]
@@ -38,7 +39,6 @@ __all__ = ["Enter", "as_the_gpu", "gpu_properties", "host_vector_isa", "unguarde
 FakeTensor: Final = private("torch._subclasses.fake_tensor.FakeTensor")
 
 _GPU: Final = torch.device("cuda", 0)
-_MISSING: Final = object()
 
 
 def gpu_properties(profile: GpuProfile) -> types.SimpleNamespace:
@@ -108,38 +108,14 @@ class _NoKernel:
         return None
 
 
-def _current(owner: Any, name: str) -> Any:
-    """What ``setattr(owner, name, ...)`` replaces: a class's own descriptor (a
-    ``classmethod``, a ``staticmethod``) as it is, a module's attribute."""
-    if isinstance(owner, type):
-        return owner.__dict__.get(name, _MISSING)
-    return getattr(owner, name, _MISSING)
-
-
-@contextmanager
-def _setattrs(patches: Sequence[tuple[Any, str, Any]]) -> Iterator[None]:
-    """Set each ``(owner, name, value)`` while the context is active."""
-    saved = [(owner, name, _current(owner, name)) for owner, name, _ in patches]
-    try:
-        for owner, name, value in patches:
-            setattr(owner, name, value)
-        yield
-    finally:
-        for owner, name, value in reversed(saved):
-            if value is _MISSING:
-                delattr(owner, name)
-            else:
-                setattr(owner, name, value)
-
-
 @contextmanager
 def as_the_gpu(
     profile: GpuProfile, trace_device: torch.device, enter: Enter | None = None
 ) -> Iterator[None]:
     """While inductor lowers, schedules and writes a graph for cuda: the device queries
-    answer as the profile's GPU, no triton kernel is compiled, and each output module
-    is loaded to run on the trace's fake tensors (see :func:`_load`; ``enter`` wraps
-    its ``call``)."""
+    answer as the profile's GPU (``torch.cuda``'s on this thread only), no triton kernel
+    is compiled, and each output module is loaded to run on the trace's fake tensors
+    (see :func:`_load`; ``enter`` wraps its ``call``)."""
     props = gpu_properties(profile)
     interface = _interface(profile)
     real_create: Any  # DeviceProperties.create, bound below
@@ -160,22 +136,19 @@ def as_the_gpu(
         )
 
     private("torch._dynamo.device_interface.get_interface_for_device")("cpu")  # registers the built-in ones first
-    interfaces = private("torch._dynamo.device_interface.device_interfaces")
-    saved_interfaces = {name: interfaces.get(name) for name in ("cuda", "cuda:0")}
 
     def load(key: str, path: str, linemap: Any = None, attrs: Any = None, **kwargs: Any) -> Any:
         remember(path, linemap)
         return _load(key, path, attrs, trace_device, enter)
 
-    patches: list[tuple[Any, str, Any]] = [
-        (torch.cuda, "get_device_properties", lambda device=None: props),
-        (torch.cuda, "get_device_capability", lambda device=None: (props.major, props.minor)),
-    ]
     with ExitStack() as replaced:
         real_create = replaced.enter_context(
             replacing("torch._inductor.runtime.hints.DeviceProperties.create", classmethod(create))
         )
-        replaced.enter_context(_setattrs(patches))
+        replaced.enter_context(on_this_thread("torch.cuda.get_device_properties", lambda device=None: props))
+        replaced.enter_context(
+            on_this_thread("torch.cuda.get_device_capability", lambda device=None: (props.major, props.minor))
+        )
         for path, value in (
             # the scheduler refuses a cuda graph without triton; no triton kernel is compiled here
             ("torch._inductor.scheduler.has_triton", lambda: True),
@@ -184,15 +157,9 @@ def as_the_gpu(
             ("torch._inductor.codecache.PyCodeCache.load_by_key_path", staticmethod(load)),
         ):
             replaced.enter_context(replacing(path, value))
-        interfaces["cuda"] = interfaces["cuda:0"] = interface
-        try:
-            yield
-        finally:
-            for name, value in saved_interfaces.items():
-                if value is None:
-                    interfaces.pop(name, None)
-                else:
-                    interfaces[name] = value
+        for name in ("cuda", "cuda:0"):
+            replaced.enter_context(replacing_item("torch._dynamo.device_interface.device_interfaces", name, interface))
+        yield
 
 
 # -- the Python bindings that set the device ------------------------------------------
@@ -439,6 +406,8 @@ def host_vector_isa() -> Iterator[None]:
             if all(flag in flags for flag in str(isa).split())
         ]
 
-    with replacing("torch._inductor.cpu_vec_isa.valid_vec_isa_list", valid_vec_isa_list) as real:
-        with private("torch._inductor.config").patch({"cpp.vec_isa_ok": True}):
-            yield
+    with (
+        replacing("torch._inductor.cpu_vec_isa.valid_vec_isa_list", valid_vec_isa_list) as real,
+        replacing("torch._inductor.config.cpp.vec_isa_ok", True),
+    ):
+        yield

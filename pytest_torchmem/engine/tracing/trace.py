@@ -17,9 +17,8 @@ from pytest_torchmem.engine.model_state import (
     collect,
     convert,
     hook_failure,
-    substituted,
 )
-from pytest_torchmem.engine.parallel import Parallel, applied, fake_world, local_tensors, model_copy
+from pytest_torchmem.engine.parallel import Parallel, applied, local_tensors, model_copy
 from pytest_torchmem.engine.report import Category, MemoryReport, StepPeaks, Unsupported
 from pytest_torchmem.engine.step import (
     LossFn,
@@ -27,12 +26,12 @@ from pytest_torchmem.engine.step import (
     NoModules,
     OptimizerFactory,
     QuietProbe,
+    module_names,
     run_step,
 )
 from pytest_torchmem.engine.step_function import StepFunction
 from pytest_torchmem.engine.timeline import Analysis, Phase, Timeline, analyze
 from pytest_torchmem.engine.torch_private import private
-from pytest_torchmem.engine.tracing.compiled import watch_compiled
 from pytest_torchmem.engine.tracing.compiled_program import (
     CompiledModules,
     Following,
@@ -42,11 +41,8 @@ from pytest_torchmem.engine.tracing.compiled_program import (
 from pytest_torchmem.engine.tracing.devices import DeviceModel
 from pytest_torchmem.engine.tracing.devices.cpu.profiles import CpuProfile
 from pytest_torchmem.engine.tracing.compiled_cuda import CudaProgram
-from pytest_torchmem.engine.tracing.devices.cuda.gpu_view import gpu_view
 from pytest_torchmem.engine.tracing.devices.cuda.profiles import GpuProfile, gpu_profile
-from pytest_torchmem.engine.tracing.devices.routing import routed_recomputation
-from pytest_torchmem.engine.tracing.generation import beams_run_on
-from pytest_torchmem.engine.tracing.rng_states import charged_rng_states
+from pytest_torchmem.engine.tracing.layers import FAKE_WORLD, WARM_UP_LAYERS, Scene, entered
 from pytest_torchmem.engine.tracing.rules import TraceContext
 from pytest_torchmem.engine.tracing.tracker import Tracker
 
@@ -167,12 +163,18 @@ def _trace(
     and the compiled functions the step calls); ``warm``: build them in a warm-up step
     first (then the traced step has no per-module hooks and no router). Also returns,
     where the trace did not follow, the earliest phase in which the step called a
-    compiled function it could have followed (None: none)."""
+    compiled function it could have followed (None: none).
+
+    The parts are made first (the stand-ins, the tracker, the router, the compiled
+    programs), each given the callbacks it needs; then, inside the compiled programs,
+    the warm-up step, and the traced step inside the device's layers (layers.py).
+    """
     context = TraceContext(device.name, gpu=gpu, cpu=cpu)
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True, allow_fallback_kernels=False)
     where = device.trace_device
     model_tensors = collect(model)
 
+    # (the tracker and the compiled programs are made below, once the stand-ins are)
     def hook_failed(hook: Any, exc: Exception) -> None:
         tracker.flag(hook_failure(hook, exc))
 
@@ -181,6 +183,7 @@ def _trace(
 
     with fake_mode:
         standins = convert(model_tensors, args, kwargs, fake_standins(where, fake_mode), hook_failed)
+    step_model = model if parallel is None else model_copy(model, model_tensors, standins.model)
     tracker = Tracker(
         fake_mode,
         where,
@@ -190,24 +193,26 @@ def _trace(
         wraps_numbers=device.wraps_numbers,
         optimizer_hook=prepare_optimizer,
         record_frames=record_frames,
+        # per-module hooks would make dynamo's guards fail in the traced step: no per-module figures
+        module_names=() if warm else module_names(step_model),
+        # dynamo runs no compiled code while a dispatch mode that does not ignore compile
+        # internals is active; the compiled regions left to dynamo in a trace that follows
+        # are ours (the watch runs the others eagerly): built in the warm-up, or (a compiled
+        # optimizer step, whose optimizer is new in each step) compiled in the step with
+        # every mode popped
+        runs_compiled_code=follow,
     )
     baseline = adopt(tracker, standins)
     tracker.values.adopt(_originals(standins))
-    step_model = model if parallel is None else model_copy(model, model_tensors, standins.model)
-    # per-module hooks would make dynamo's guards fail in the traced step: no per-module figures
     modules: Any = NoModules() if warm else ModuleTracker(step_model, tracker)
-    tracker.timeline.module_names = modules.names
     # the router (a torch-function mode) picks eager kernels as this device would; a followed
     # compiled program has its kernels picked by inductor, and dynamo's cache entries guard on
     # the torch-function mode stack of the warm-up, which has none (on cuda the program is
     # entered with the router popped: see CudaProgram.around; on cpu the router steps aside
     # for a compiled optimizer step: see _Routing)
     routed = device.router is not None and (not warm or device.name == "cuda")
-    raw_router = device.router(context) if routed else nullcontext()
-    router: Any = _Routing(raw_router) if routed and follow and not warm else raw_router
-    recomputation = routed_recomputation(raw_router) if routed else nullcontext()
-    rng_states = charged_rng_states() if device.name == "cpu" else nullcontext()
-    seen_as_gpu = gpu_view(gpu) if device.name == "cuda" and gpu is not None else nullcontext()
+    routing = device.router(context) if device.router is not None and routed else None
+    router: Any = _Routing(routing) if routing is not None and follow and not warm else routing
     # on cuda inductor's cuda program is built (AOTAutograd under the router) and entered
     # with no torch-function mode, so the router routes the rest of the step
     cuda_build = (
@@ -217,12 +222,18 @@ def _trace(
     )
     built_for = cpu if device.name == "cpu" else None
     program = (
-        following_compiled(found, built_for, cuda_build) if follow else nullcontext(Following(active=False))
+        following_compiled(
+            found,
+            built_for,
+            cuda_build,
+            phase=lambda: tracker.phase,
+            entering=router.step_aside if isinstance(router, _Routing) else _nothing,
+            visible=lambda: _visible(fake_mode, tracker),
+        )
+        if follow
+        else nullcontext(Following(active=False, phase=lambda: tracker.phase))
     )
     with program as following:
-        following.phase = lambda: tracker.phase
-        if isinstance(router, _Routing):
-            following.entering = router.step_aside
         # the compiled programs are built in an untracked step of their own, and the traced
         # step finds them in dynamo's cache (AOTAutograd compiles a backward lazily, at its
         # first run: in the traced step it would run under the tracker)
@@ -247,33 +258,27 @@ def _trace(
                 following.abandon()
         if follow:
             following.warm_up_done()
-            # dynamo runs no compiled code while a dispatch mode that does not ignore compile
-            # internals is active; the compiled regions left to dynamo here are ours (the watch
-            # runs the others eagerly): built in the warm-up, or (a compiled optimizer step,
-            # whose optimizer is new in each step) compiled here with every mode popped
-            tracker.ignore_compile_internals = lambda: True  # type: ignore[method-assign]
-            following.visible = lambda: _visible(fake_mode, tracker)
+        scene = Scene(
+            model_tensors,
+            standins,
+            step_model,
+            fake_mode,
+            following,
+            tracker=tracker,
+            modules=modules,
+            router=router,
+            routing=routing,
+            parallel=parallel,
+            rank=rank,
+            gpu=gpu,
+        )
         try:
-            with (
-                # regions not followed run without dynamo: left to dynamo under the tracer's
-                # dispatch mode, it skips their frames and marks the code skipped for good
-                # (seen: every later real call of a compiled torch.nn module eager)
-                watch_compiled(tracker.compiled_region, following.redirect),
-                substituted(model_tensors, standins.model) if parallel is None else nullcontext(),
-                modules,
-                # the mesh is made of real tensors, before fake tensors are on
-                fake_world(parallel, rank, where.type, tracker.storage_resized, tracker.charge_to) if parallel is not None else nullcontext() as mesh,
-                fake_mode,
-                tracker,
-                router,
-                recomputation,
-                rng_states,
-                seen_as_gpu,
-                beams_run_on(tracker, step_model),
-            ):
+            with entered(device.layers, scene) as layers:
                 parameters = standins.parameters
                 if parallel is not None:
+                    mesh = layers[FAKE_WORLD.name]
                     step_model, parameters = _apply(tracker, parallel, step_model, mesh, standins)
+                    scene.step_model = step_model  # (the copy apply replaced is not held)
                     baseline = _set_up(tracker)
                 run_step(
                     step_model,
@@ -293,8 +298,7 @@ def _trace(
             if not tracker.stopped_by(exc):
                 raise  # the program's own error
             tracker.set_phase(None)
-        following.visible = None
-        del standins, step_model
+        del standins, step_model, scene
         for entry in following.not_followed():
             tracker.flag(entry)
         if cuda_build is not None and following.regions:
@@ -321,6 +325,10 @@ def _trace(
         iterations=analysis.iterations if isinstance(model, StepFunction) else (),
     )
     return Trace(report, tracker.timeline, baseline, analysis, device, context), following.met
+
+
+def _nothing() -> None:
+    return None
 
 
 class _Routing:
@@ -380,11 +388,7 @@ def _warm_up(
     this one, running the compiled code as often."""
     with fake_mode:
         copies = convert(model_tensors, args, kwargs, fake_standins(where, fake_mode))
-    with (
-        watch_compiled(lambda name, location: None, following.redirect),
-        substituted(model_tensors, copies.model),
-        fake_mode,
-    ):
+    with entered(WARM_UP_LAYERS, Scene(model_tensors, copies, model, fake_mode, following)):
         run_step(
             model,
             copies.args,

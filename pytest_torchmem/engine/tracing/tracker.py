@@ -1,24 +1,25 @@
-"""The dispatch mode that records every storage the fake step allocates and frees.
+"""The dispatch mode that runs the fake step op by op, and tells the ledger what each op allocates.
 
-It sits above :class:`FakeTensorMode`: each aten op runs on fake tensors, and
-the tracker records the storages of its outputs that it has not seen before
-(views and in-place results share their base's storage and cost nothing).
-Frees come from weak references to the storages, so a storage dies exactly
-when the eager program would drop its last reference. Per-op rules of the
-device model add kernel scratch and replace kernels that fake tensors cannot
-run.
+It sits above :class:`FakeTensorMode`: each aten op runs on fake tensors (its
+fake kernel, or a rule of the device model in its place), and the tracker
+records the storages of its outputs that it has not seen before (views and
+in-place results share their base's storage and cost nothing), with the
+kernel's scratch that the device's rules add. Where an op cannot run on fake
+tensors, the values the trace knows run it, or the trace stops and says so.
+
+Its rooms: :mod:`.ledger` keeps the storages (made, freed, resized);
+:mod:`.op_plans` works out once what each op's schema and the device's rules
+say; :mod:`.autograd_eager` makes autograd on fake tensors do what it does on
+plain ones; :mod:`.fake_limits` tells what fake tensors cannot do from the
+program's own errors.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import threading
 import traceback
-import weakref
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Any, Final
 
 import torch
@@ -26,24 +27,27 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from pytest_torchmem.engine.layouts import COMPRESSED, parts
 from pytest_torchmem.engine.report import Category, Unsupported
-from pytest_torchmem.engine.timeline import Phase, StorageInfo, Timeline
+from pytest_torchmem.engine.timeline import Phase
 from pytest_torchmem.engine.torch_private import private
+from pytest_torchmem.engine.tracing.autograd_eager import AutogradAsEager
+from pytest_torchmem.engine.tracing.fake_limits import (
+    NEEDS_VALUES,
+    TraceAborted,
+    UnsupportedOperatorException,
+    fake_tensor_limit,
+    first_line,
+)
+from pytest_torchmem.engine.tracing.ledger import StorageLedger, autograd_node
+from pytest_torchmem.engine.tracing.op_plans import OpPlan, OpPlanner, number_nbytes, wrapped_numbers, written
 from pytest_torchmem.engine.tracing.rules import (
     OUTPUTS,
     Alloc,
-    CheckRule,
-    CompositeRule,
-    REPLICA,
-    Formula,
-    FormulaCall,
     Free,
-    ImplementationRule,
     Inexact,
     Keep,
     OpCall,
     Output,
     RuleSet,
-    ScratchRule,
     TraceContext,
 )
 from pytest_torchmem.engine.tracing.sparse_calls import (
@@ -53,36 +57,28 @@ from pytest_torchmem.engine.tracing.sparse_calls import (
     sparse_among,
     sparse_in,
 )
-from pytest_torchmem.engine.tracing.user_code import location_in, runner_dirs, user_frames, user_location
-from pytest_torchmem.engine.tracing.values import ABSORBING, KnownValues, ValueKind, value_kind
+from pytest_torchmem.engine.tracing.user_code import location_in, user_location
+from pytest_torchmem.engine.tracing.values import ABSORBING, KnownValues, ValueKind
 
 __all__ = [
     "Tracker",
     "TraceAborted",
     "autograd_node",
+    "fake_like",
+    "fake_tensor_limit",
 ]
 
 # torch's private names (engine/torch_private.py), bound once: the dispatch reads them per op.
 _DisableTorchFunction: Final = private("torch._C.DisableTorchFunction")
-_DisableTorchDispatch: Final = private("torch._C._DisableTorchDispatch")
 _set_eval_frame: Final = private("torch._C._dynamo.eval_frame.set_eval_frame")
-_current_autograd_node: Final = private("torch._C._current_autograd_node")
 _len_torch_dispatch_stack: Final = private("torch._C._len_torch_dispatch_stack")
 _unset_dispatch_mode: Final = private("torch._C._unset_dispatch_mode")
 _set_dispatch_mode: Final = private("torch._C._set_dispatch_mode")
-_storage_use_count: Final = private("torch._C._storage_Use_Count")
-_SavedTensor: Final = private("torch._C._autograd.SavedTensor")
 _has_kernel_for: Final = private("torch._C._dispatch_has_kernel_for_dispatch_key")
 FakeTensor: Final = private("torch._subclasses.fake_tensor.FakeTensor")
 FakeTensorMode: Final = private("torch._subclasses.fake_tensor.FakeTensorMode")
-UnsupportedOperatorException: Final = private("torch._subclasses.fake_tensor.UnsupportedOperatorException")
 TorchDispatchMode: Final = private("torch.utils._python_dispatch.TorchDispatchMode")
 
-# Ops through which torch.tensor(...) hands a freshly made real tensor to the
-# fake mode, which turns it into a fake constant (its value stays known).
-_LIFTS: Final = frozenset(
-    {torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default, torch.ops.aten.lift.default}
-)
 _PRIM_DEVICE: Final = torch.ops.prim.device.default
 #: The buffer of the Python numbers an op got in Tensor slots, wrapped as tensors.
 _WRAPPED_TAG: Final = "<wrapped scalars>"
@@ -92,142 +88,10 @@ _BACKWARD: Final = Phase.BACKWARD
 _FAKE_KEY: Final = private("torch._C._TorchDispatchModeKey.FAKE")
 #: The tensor types the fake mode is told an op has (it reads the arguments themselves).
 _FAKE_TYPES: Final = (FakeTensor,)
-#: Marks (in ``Node.metadata``) a replayed view node given the as_strided_backward hook.
-_AS_STRIDED_MARK: Final = "torchmem_as_strided_backward"
-#: The wrapped numbers (in ``Node.metadata``) the node inside a CopySlices saved.
-_SAVED_NUMBERS: Final = "torchmem_saved_numbers"
-#: Tokens (in ``Node.metadata``) that die with the node.
-_TOKENS: Final = "torchmem_tokens"
-#: Whether a backward node's ``apply`` is running (in ``Node.metadata``): set by
-#: the node's prehook, cleared by its post hook (see ``_note_running_node``).
-_RUNNING: Final = "torchmem_running"
 _MADE: Final = ValueKind.MADE
 _COMPUTED: Final = ValueKind.COMPUTED
-#: Whether a node's own formula runs unrecorded (in ``Node.metadata``): its eager
-#: replica (a :class:`Formula`) runs in the post hook instead.
-_SILENT: Final = "torchmem_silent"
-#: The most view ops between a view written in place and its base that are modelled.
-_MAX_VIEW_CHAIN: Final = 16
-# Inside __torch_dispatch__, the C++ use counts of an argument include the
-# references the dispatcher and the Python binding hold: a tensor that only
-# autograd's input buffer holds shows these counts (checked in the tests
-# against the real engine's in-place accumulation).
-_BUFFER_ONLY_USE_COUNT: Final = 4
-_BUFFER_ONLY_STORAGE_USE_COUNT: Final = 2
-
-
-#: What fake tensors raise for an op they cannot run, where a real tensor would run it.
-_CANNOT_RUN: Final = (
-    UnsupportedOperatorException,
-    private("torch._subclasses.fake_tensor.UnsupportedFakeTensorException"),
-    private("torch._subclasses.fake_tensor.UnsupportedMutationAliasingException"),
-)
 #: Tensor types the tracker handles itself; other subclasses (DTensor) dispatch first.
 _PLAIN_TYPES: Final = frozenset({torch.Tensor, FakeTensor, torch.nn.Parameter})
-#: What fake tensors raise where the program asks a question only values answer.
-_NEEDS_VALUES: Final = (
-    private("torch._subclasses.fake_tensor.DataDependentOutputException"),
-    private("torch._subclasses.fake_tensor.DynamicOutputShapeException"),
-)
-# Messages of the errors a fake tensor raises where a real one has no reason to:
-# C++ code reading its values (c10's TensorImpl and StorageImpl), Tensor.numpy(),
-# an op with no fake or meta kernel (torch.library's custom ops, the dispatcher).
-_FAKE_LIMITS: Final = (
-    "data is not allocated yet",
-    "Cannot access data pointer of Tensor",
-    "Cannot access storage of",
-    ".numpy() is not supported for tensor subclasses",
-    "Not available for 'meta' device type",
-    "no fake impl",
-    "'Meta' backend",
-)
-
-
-class TraceAborted(Exception):
-    """Raised inside the trace when an op can be neither run nor modelled."""
-
-
-def fake_tensor_limit(exc: BaseException) -> bool:
-    """Whether ``exc`` comes from what fake tensors lack (values, a fake kernel),
-    not from the traced program: the real step has no reason to raise it."""
-    if isinstance(exc, (*_CANNOT_RUN, *_NEEDS_VALUES)):
-        return True
-    if not isinstance(exc, (RuntimeError, NotImplementedError)):
-        return False
-    text = str(exc)
-    return any(limit in text for limit in _FAKE_LIMITS)
-
-
-def autograd_node() -> str:
-    """The name of the autograd node being run (``MmBackward0``), or ``""`` outside backward."""
-    node = _current_autograd_node()
-    return "" if node is None else node.name()
-
-
-@dataclass(frozen=True, slots=True)
-class _OpFacts:
-    """What an op's schema tells the tracker (the same in every trace)."""
-
-    name: str
-    localize: bool
-    mutable: bool
-    tensor_slots: tuple[tuple[int, str], ...]
-    written_slots: tuple[tuple[int, str], ...]
-    values: ValueKind
-
-
-def _op_facts(func: Any) -> _OpFacts:
-    """The :class:`_OpFacts` of ``func``, worked out once per process."""
-    found = _FACTS.get(id(func))
-    if found is None or found[0] is not func:
-        arguments = func._schema.arguments
-        facts = _OpFacts(
-            name=str(func),
-            localize=func not in _LIFTS,
-            mutable=func._schema.is_mutable,
-            tensor_slots=tuple(
-                (i, arg.name) for i, arg in enumerate(arguments) if isinstance(arg.type, torch.TensorType)
-            ),
-            written_slots=tuple(
-                (i, arg.name)
-                for i, arg in enumerate(arguments)
-                if arg.alias_info is not None and arg.alias_info.is_write
-            ),
-            values=value_kind(func),
-        )
-        found = _FACTS[id(func)] = (func, facts)
-    return found[1]
-
-
-#: :func:`_op_facts` by ``id(op)``, with the op (which keeps the id its own).
-_FACTS: dict[int, tuple[Any, _OpFacts]] = {}
-
-
-@dataclass(frozen=True, slots=True)
-class _OpPlan:
-    """What the tracker needs to know about an op, worked out once per op and trace."""
-
-    #: The op (held, so that its id, the plan's key, stays its own).
-    func: Any
-    name: str
-    localize: bool
-    implementation: ImplementationRule | None
-    scratch: ScratchRule | None
-    mutable: bool
-    #: ``(position, name)`` of the arguments the schema types as Tensor.
-    tensor_slots: tuple[tuple[int, str], ...]
-    #: ``(position, name)`` of the arguments the op writes into.
-    written_slots: tuple[tuple[int, str], ...] = ()
-    #: Refuses what the real kernel refuses (raises its error), if the op has such a rule.
-    check: CheckRule | None = None
-    #: Runs the op's composite kernel with the tracker active, if the op has such a rule.
-    composite: CompositeRule | None = None
-    #: How its outputs' values are known.
-    values: ValueKind = ValueKind.OPAQUE
-    #: The eager backward formula of the node it makes, if the device replaces it.
-    formula: Formula | None = None
-    #: Whether it is the op's plan for sparse arguments (see Tracker._sparse_plan).
-    sparse: bool = False
 
 
 def _skipped_by_dynamo() -> None:
@@ -252,6 +116,8 @@ class Tracker(TorchDispatchMode):
         wraps_numbers: bool | None = None,
         optimizer_hook: Callable[[torch.optim.Optimizer, TraceContext], None] | None = None,
         record_frames: bool = False,
+        module_names: Sequence[str] = (),
+        runs_compiled_code: bool = False,
     ) -> None:
         """Track the storages of fake tensors on ``device`` (the trace device).
 
@@ -259,8 +125,13 @@ class Tracker(TorchDispatchMode):
         the modelled device (factories and ``.to()`` with them land on
         ``device``); ``wraps_numbers`` says whether Python numbers passed as
         tensors cost device memory (CPU only, the default on a CPU trace).
-        ``record_frames`` keeps the user's frames of every allocation in the
-        timeline (:attr:`StorageInfo.frames`), for reports that show them.
+        ``optimizer_hook(optimizer, context)`` is told of each optimizer the step
+        makes. ``record_frames`` keeps the user's frames of every allocation in the
+        timeline (:attr:`StorageInfo.frames`), for reports that show them;
+        ``module_names``: the names of the modules the step reports by index
+        (``enter_module``). ``runs_compiled_code``: dynamo runs compiled code while
+        the tracker is active (the trace follows compiled regions), so the tracker
+        ignores compile internals, as dynamo asks of a mode it may run under.
         """
         super().__init__()
         _skipped_by_dynamo()
@@ -274,20 +145,25 @@ class Tracker(TorchDispatchMode):
         self.context.tracer = self
         self.aliases: Final = aliases
         self._optimizer_hook = optimizer_hook
+        self._runs_compiled_code = runs_compiled_code
+        #: The storages (see ledger.py); the timeline is the ledger's.
+        self.ledger: Final = StorageLedger(
+            device, record_frames=record_frames, module_names=list(module_names), on_sparse=self._met_sparse
+        )
+        self.timeline: Final = self.ledger.timeline
         self.record_frames: Final = record_frames
-        self._outer_dirs = runner_dirs() if record_frames else ()
-        self.timeline = Timeline()
         self.unsupported: list[Unsupported] = []
         self.phase: Phase | None = None
         self.module = -1
-        self._live: dict[int, int] = {}  # storage _cdata -> sid
-        self._refs: dict[int, weakref.ref[Any]] = {}  # sid -> weak reference keeping the callback
-        self._on_freed = self._freed  # (one bound method for every storage's reference)
-        self._plans: dict[int, _OpPlan] = {}  # id(op) -> plan
-        self._sparse_plans: dict[int, _OpPlan] = {}  # id(op) -> its plan for sparse arguments
+        #: The plans of the trace's ops (see op_plans.py).
+        self.planner: Final = OpPlanner(rules, self.unfollowed_sparse)
+        # (bound once: the dispatch calls them on every op)
+        self._plan = self.planner.plan
+        self._sparse_plan = self.planner.sparse_plan
+        self._track = self.ledger.track
+        self._eager: Final = AutogradAsEager(self.ledger, self.context)
         #: Whether a sparse tensor has been met (until then no op's arguments are looked at).
         self.sparse = False
-        self._resized: dict[int, int] = {}  # sid -> bytes after its last resize
         self._inexact: set[Unsupported] = set()
         # The first stand-in given for a value-dependent op, if any (see stopped_by).
         self._assumed: Unsupported | None = None
@@ -295,43 +171,32 @@ class Tracker(TorchDispatchMode):
         # tensors is an elementwise op (it fails on a closure's labels tensor).
         self._foreign: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self._modules: list[int] = []  # running modules, innermost last
-        #: The allocator pool new storages are charged to (see StorageInfo.pool): a
-        #: CUDA graph's private pool while a program compiled with CUDA graphs runs,
-        #: a stream's while the program runs on a side stream (parallel=: FSDP2's).
-        self.pool = 0
         #: Whether Python numbers passed as tensors cost device memory (CPU only).
         self.wrapped_scalars = device.type == "cpu" if wraps_numbers is None else wraps_numbers
-        # Ops that took Python numbers in Tensor slots while autograd was recording:
-        # (weak refs to their outputs, the outputs' nodes before the op, the slots'
-        # names, a probe for a node out of reach), settled once autograd has
-        # attached the op's node.
-        self._pending_numbers: list[
-            tuple[list[weakref.ref[Any]], list[Any], list[str], _NumbersProbe]
-        ] = []
-        self._saved_numbers: set[int] = set()  # _cdata of wrapped numbers autograd saved
-        # Views an in-place op wrote into while autograd was recording (weak refs),
-        # whose regenerated nodes are settled once autograd has rebased them.
-        self._pending_views: list[weakref.ref[Any]] = []
-        # Outputs of ops whose node gets an eager formula (weak refs), settled once
-        # autograd has attached the node; how many such nodes run unrecorded now.
-        self._pending_formulas: list[tuple[weakref.ref[Any], Formula]] = []
-        self._silent = 0
         # Inside decomposed(): composite ops run their CompositeImplicitAutograd kernel.
         self._decomposing = 0
 
-    # -- storages -----------------------------------------------------------
+    def ignore_compile_internals(self) -> bool:  # type: ignore[override]
+        # torch reads it on the mode when it is entered (TorchDispatchMode.__enter__)
+        return self._runs_compiled_code
+
+    def _met_sparse(self) -> None:
+        self.sparse = True
+
+    # -- storages (the ledger's) ---------------------------------------------------------
+
+    @property
+    def pool(self) -> int:
+        """The allocator pool new storages are charged to (:attr:`StorageLedger.pool`)."""
+        return self.ledger.pool
 
     def storage_id(self, t: torch.Tensor) -> int | None:
         """The sid of ``t``'s storage if the tracker knows it."""
-        try:
-            return self._live.get(t.untyped_storage()._cdata)
-        except (RuntimeError, NotImplementedError):
-            return None
+        return self.ledger.storage_id(t)
 
     def pool_of(self, t: torch.Tensor) -> int | None:
         """The allocator pool of ``t``'s storage, if the tracker knows it."""
-        sid = self.storage_id(t)
-        return None if sid is None else self.timeline.storages[sid].pool
+        return self.ledger.pool_of(t)
 
     def charge(self, t: torch.Tensor, op: str) -> None:
         """Record ``t``'s storages (a sparse tensor's parts) as allocated now by ``op``,
@@ -339,106 +204,43 @@ class Tracker(TorchDispatchMode):
         sparse op gives its tensor); storages the trace knows cost nothing."""
         device = t.fake_device if type(t) is FakeTensor else t.device
         if device == self.device:
-            self._track(t, None, op)
+            self._track(t, None, op, self.phase, self.module)
 
     def charge_to(self, pool: int) -> int:
-        """Charge the storages made from now on to ``pool`` (a stream's, a CUDA graph's:
-        see :attr:`pool`); the pool charged before."""
-        before, self.pool = self.pool, pool
-        return before
+        """Charge the storages made from now on to ``pool`` (a stream's, a CUDA graph's);
+        the pool charged before."""
+        return self.ledger.charge_to(pool)
 
     def live_since(self, first: int) -> list[int]:
         """The sids of the storages made since sid ``first`` that are still live."""
-        return sorted(sid for sid in self._live.values() if sid >= first)
+        return self.ledger.live_since(first)
 
     def adopt(self, t: torch.Tensor, category: Category) -> int | None:
         """Register ``t``'s storage as live before the step, with a fixed role."""
-        return self._track(t, category, op="")
-
-    def _track(self, t: torch.Tensor, category: Category | None, op: str) -> int | None:
-        if t.layout is not _STRIDED:
-            # a sparse tensor's memory is its parts' storages (the first one's sid is returned)
-            self.sparse = True
-            sids = [self._track(part, category, op) for part in parts(t)]
-            return sids[0] if sids else None
-        try:
-            storage = t.untyped_storage()
-        except (RuntimeError, NotImplementedError):  # nested: no single storage
-            return None
-        key = storage._cdata
-        sid = self._live.get(key)
-        if sid is not None:
-            return sid
-        pool = self.pool if op else 0
-        info = StorageInfo(storage.nbytes(), category, self.phase, self.module, op, (), "", pool)
-        if self.record_frames and op:
-            info.frames = user_frames(stop=self._outer_dirs)
-            info.node = autograd_node()
-        # (an op's output is allocated as it is made; a storage adopted before the step is not)
-        sid = self.timeline.new_allocation(info) if op else self.timeline.new_storage(info)
-        self._live[key] = sid
-        ref = self._refs[sid] = _StorageRef(storage, self._on_freed)
-        ref.key, ref.sid = key, sid
-        return sid
-
-    def _freed(self, ref: _StorageRef) -> None:
-        key, sid = ref.key, ref.sid
-        if self._live.get(key) == sid:
-            del self._live[key]
-        self._refs.pop(sid, None)
-        self.timeline.free(sid)
-
-    def _sized(self, t: torch.Tensor) -> tuple[int, int, int] | None:
-        """``(sid, bytes now, bytes last charged)`` of ``t``'s live storage, or None."""
-        try:
-            storage = t.untyped_storage()
-        except (RuntimeError, NotImplementedError):
-            return None
-        sid = self._live.get(storage._cdata)
-        if sid is None:
-            return None
-        return sid, storage.nbytes(), self._resized.get(sid, self.timeline.storages[sid].nbytes)
+        return self._track(t, category, "", self.phase, self.module)
 
     def storage_resized(self, t: torch.Tensor) -> None:
         """``t``'s storage was resized in place (``untyped_storage().resize_``): to 0
         it is freed, from 0 it is a new block."""
-        found = self._sized(t)
-        if found is None:
-            return
-        sid, nbytes, before = found
-        if nbytes != before:
-            self.timeline.resize(sid, nbytes)
-            self._resized[sid] = nbytes
-
-    def _check_resize(self, t: torch.Tensor) -> None:
-        found = self._sized(t)
-        if found is None:
-            return
-        sid, nbytes, before = found
-        if nbytes > before:
-            # The allocator gives a new block and frees the old one after the copy.
-            self.timeline.resize(sid, nbytes)
-            self._resized[sid] = nbytes
+        self.ledger.storage_resized(t)
 
     # -- the step's progress (the Probe protocol of pytest_torchmem.engine.step) ----
 
     def set_phase(self, phase: Phase | None, iteration: int = 1) -> None:
-        self._settle_numbers(final=True)
-        self._settle_views()
-        self._settle_formulas()
+        self._eager.settle(self.phase, self.module, final=True)
         self.phase = phase
         self._modules.clear()
         self.module = -1
         self.timeline.phase(phase, iteration)
 
     def enter_module(self, index: int) -> None:
-        self._settle_pending()
+        self._eager.settle_pending(self.phase, self.module)
         self._modules.append(index)
         self.module = index
         self.timeline.enter(index)
 
     def exit_module(self, index: int) -> None:
-        self._settle_pending()
+        self._eager.settle_pending(self.phase, self.module)
         for pos in range(len(self._modules) - 1, -1, -1):
             if self._modules[pos] == index:
                 del self._modules[pos]
@@ -447,17 +249,8 @@ class Tracker(TorchDispatchMode):
         self.timeline.exit(index)
 
     def name_phase(self, name: str, begin: bool) -> None:
-        self._settle_pending()
+        self._eager.settle_pending(self.phase, self.module)
         self.timeline.named(name, begin)
-
-    def _settle_pending(self) -> None:
-        # (on each module entry and exit, forward and backward: mostly nothing is pending)
-        if self._pending_numbers:
-            self._settle_numbers()
-        if self._pending_views:
-            self._settle_views()
-        if self._pending_formulas:
-            self._settle_formulas()
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         if self._optimizer_hook is not None:
@@ -465,36 +258,14 @@ class Tracker(TorchDispatchMode):
 
     def assign_role(self, category: Category, tensors: Iterable[torch.Tensor]) -> None:
         with _DisableTorchFunction():  # see __torch_dispatch__
-            self._settle_numbers()
+            self._eager.settle_numbers(self.phase, self.module)
             for t in tensors:
                 for part in parts(t) if t.layout is not _STRIDED else (t,):
-                    sid = self.storage_id(part)
+                    sid = self.ledger.storage_id(part)
                     if sid is not None:
                         self.timeline.assign_role(sid, category)
 
     # -- dispatch ------------------------------------------------------------
-
-    def _plan(self, func: Any) -> _OpPlan:
-        # Keyed by id: an OpOverload hashes in Python, a cost paid on every op; the
-        # plan holds its op, so the id stays its own while the plan exists.
-        plan = self._plans.get(id(func))
-        if plan is None:
-            facts = _op_facts(func)
-            plan = self._plans[id(func)] = _OpPlan(
-                func=func,
-                name=facts.name,
-                localize=facts.localize,
-                implementation=self.rules.implementation_rule(func),
-                scratch=self.rules.scratch_rule(func),
-                check=self.rules.check_rule(func),
-                composite=self.rules.composite_rule(func),
-                mutable=facts.mutable,
-                tensor_slots=facts.tensor_slots,
-                written_slots=facts.written_slots,
-                values=facts.values,
-                formula=self.rules.formula_rule(func),
-            )
-        return plan
 
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
@@ -523,7 +294,8 @@ class Tracker(TorchDispatchMode):
             # its local tensors come back here.
             return NotImplemented
         kwargs = kwargs or {}
-        if self._silent and self._in_silent_node():
+        eager = self._eager
+        if eager.silent and eager.in_silent_node():
             return func(*args, **kwargs)  # a formula replaced by its eager replica
         if self._decomposing and _composite(func) and self.rules.implementation_rule(func) is None:
             # Called below autograd (by a composite's kernel, a rule's own calls), a
@@ -534,23 +306,19 @@ class Tracker(TorchDispatchMode):
         if not func.is_view:
             # Not on a view op: autograd may be regenerating a view's node, replaying
             # its view ops while it holds the view's lock, which grad_fn would take.
-            if self._pending_numbers:
-                self._settle_numbers()
-            if self._pending_views:
-                self._settle_views()
-            if self._pending_formulas:
-                self._settle_formulas()
+            if eager.pending_numbers or eager.pending_views or eager.pending_formulas:
+                eager.settle_pending(self.phase, self.module)
         plan = self._plan(func)
         if plan.localize:
             args, kwargs = self._localize(args, kwargs)
         if self.sparse and sparse_among(args, kwargs):
             plan = self._sparse_plan(plan)
-        if func is _ADD and self._accumulates_in_place(args, kwargs):
+        if func is _ADD and eager.accumulates_in_place(args, kwargs, self.phase):
             # Autograd's input buffer adds a second gradient in place on plain
             # tensors; on fake ones it cannot tell, so it is done here.
             return args[0].add_(args[1])
         if func is not _ADD and self.phase is _BACKWARD:
-            self._note_running_node()
+            eager.note_running_node()
         if plan.check is not None:  # the real kernel's refusal, raised as the program's error
             plan.check(OpCall(func, args, kwargs, context=self.context))
         real_out = needs_values = cannot_run = None
@@ -564,7 +332,7 @@ class Tracker(TorchDispatchMode):
                 out = plan.implementation(OpCall(func, args, kwargs, context=self.context))
             else:
                 out = self.fake_kernel(func, args, kwargs)
-        except _NEEDS_VALUES as exc:
+        except NEEDS_VALUES as exc:
             # The fake kernel's frames, kept by the traceback (in reference cycles that
             # only the garbage collector breaks), hold the op's arguments: cleared, so
             # that the arguments die when the program drops them, not at a collection.
@@ -578,7 +346,7 @@ class Tracker(TorchDispatchMode):
             cannot_run = (
                 "it has no fake or meta kernel"
                 if isinstance(exc, UnsupportedOperatorException)
-                else _first_line(exc)
+                else first_line(exc)
             )
         if cannot_run is not None:
             # where every argument's value is known, the op runs on them
@@ -595,14 +363,10 @@ class Tracker(TorchDispatchMode):
             if plan.scratch is not None
             else None
         )
-        numbers = (
-            self._wrapped_numbers(plan, args, kwargs)
-            if self.wrapped_scalars and plan.tensor_slots
-            else None
-        )
+        numbers = wrapped_numbers(plan, args, kwargs) if self.wrapped_scalars and plan.tensor_slots else None
         if numbers:
-            numbers = self._fresh_numbers(numbers)
-            wrapped = sum(_number_nbytes(value) for _, value in numbers)
+            numbers = eager.fresh_numbers(numbers)
+            wrapped = sum(number_nbytes(value) for _, value in numbers)
             if wrapped:
                 steps = [Alloc(_WRAPPED_TAG, wrapped), *(steps or (OUTPUTS,))]
         if steps:
@@ -610,15 +374,13 @@ class Tracker(TorchDispatchMode):
         else:
             self._record_outputs(plan, out)
         if first >= 0:
-            self._scratch_since(first)
+            self.ledger.scratch_since(first)
         if numbers and torch.is_grad_enabled():
-            self._remember_numbers(func, args, kwargs, out, numbers)
+            eager.remember_numbers(func, args, kwargs, out, numbers)
         if plan.written_slots and torch.is_grad_enabled():
-            self._remember_views(plan, args, kwargs)
+            eager.remember_views(plan.written_slots, args, kwargs)
         if plan.formula is not None and torch.is_grad_enabled():
-            first = out[0] if isinstance(out, (tuple, list)) else out
-            if isinstance(first, torch.Tensor):
-                self._pending_formulas.append((weakref.ref(first), plan.formula))
+            eager.remember_formula(out, plan.formula)
         values = self.values
         known = values.known
         if (
@@ -638,37 +400,9 @@ class Tracker(TorchDispatchMode):
                 )
             )
         ):
-            written = _written(plan, args, kwargs) if plan.written_slots else ()
-            values.after(func, plan.values, args, kwargs, out, written, real_out)
+            done = written(plan, args, kwargs) if plan.written_slots else ()
+            values.after(func, plan.values, args, kwargs, out, done, real_out)
         return out
-
-    def _sparse_plan(self, plan: _OpPlan) -> _OpPlan:
-        """``plan`` for a call with a sparse argument: the device's sparse rule makes its
-        outputs (the dense rules' scratch, checks and composites are for dense
-        arguments); without one, :meth:`unfollowed_sparse` (see rules.py)."""
-        found = self._sparse_plans.get(id(plan.func))
-        if found is None:
-            rule = self.rules.sparse_rule(plan.func)
-            found = self._sparse_plans[id(plan.func)] = dataclasses.replace(
-                plan,
-                implementation=rule if rule is not None else self.unfollowed_sparse,
-                scratch=None,
-                check=None,
-                composite=None,
-                formula=None,
-                sparse=True,
-            )
-        return found
-
-    def _scratch_since(self, first: int) -> None:
-        """The storages made since sid ``first`` and freed already were a sparse rule's
-        scratch (a kernel's buffers, freed before it returns: workspace, as ``measure``
-        reads them)."""
-        live = set(self._live.values())
-        storages = self.timeline.storages
-        for sid in range(first, len(storages)):
-            if sid not in live and storages[sid].category is None:
-                storages[sid].category = Category.WORKSPACE
 
     def unfollowed_sparse(self, call: OpCall, what: str = "") -> Any:
         """A call with a sparse argument that no rule of the device follows (``what``: the
@@ -699,7 +433,7 @@ class Tracker(TorchDispatchMode):
             refused = eager_refusal(call) if self.device.type == "cpu" else None
             if refused is not None:
                 raise refused from None
-            self._abort(call.func, f"fake tensors cannot run it on a sparse tensor ({_first_line(exc)})")
+            self._abort(call.func, f"fake tensors cannot run it on a sparse tensor ({first_line(exc)})")
 
     def fake_kernel(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """``func(*args, **kwargs)`` below the tracker: the fake mode's kernel.
@@ -725,84 +459,6 @@ class Tracker(TorchDispatchMode):
                 _set_dispatch_mode(mode)
         return func(*args, **kwargs)
 
-    def _note_running_node(self) -> None:
-        """Mark the backward node running this op as inside its ``apply``.
-
-        ``Engine::evaluate_function`` (``torch/csrc/autograd/engine.cpp``) adds a
-        node's outputs into the next nodes' input buffers under the same current
-        node as its ``apply``, after the post hooks. An ``add`` of the backward
-        formula itself (``var_mean_backward``'s ``gself + aux``, ``i1e``'s
-        ``self.sgn() + result.reciprocal()``) is always out of place, and must not
-        be taken for the buffer's in-place accumulation: the node's first other op
-        registers a prehook and a post hook that say whether ``apply`` runs. A node
-        whose ``apply`` dispatched no other op before an ``add`` is not known, and
-        the use counts decide as before.
-        """
-        node = _current_autograd_node()
-        if node is None:
-            return
-        meta = node.metadata
-        if _RUNNING in meta:
-            return
-        meta[_RUNNING] = True
-
-        def started(*_: Any) -> None:
-            meta[_RUNNING] = True
-
-        def finished(*_: Any) -> None:
-            meta[_RUNNING] = False
-
-        node.register_prehook(started)
-        node.register_hook(finished)
-
-    def _accumulates_in_place(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-        """Whether this ``add`` is autograd's input buffer summing two gradients in place.
-
-        The engine (``InputBuffer::accumulate``) does ``old.add_(new)`` when grad
-        mode is off and it holds the last reference to ``old`` and its storage,
-        which is dense; otherwise ``old + new``. Fake tensors count as tensor
-        subclasses, for which the engine always takes the second branch. Not while
-        the node's ``apply`` runs (``_note_running_node``): that ``add`` is the
-        formula's.
-        """
-        if kwargs or len(args) != 2 or torch.is_grad_enabled() or self.phase != Phase.BACKWARD:
-            return False
-        old, new = args
-        node = _current_autograd_node()
-        if (
-            type(old) is not FakeTensor
-            or type(new) is not FakeTensor
-            or node is None
-            or node.metadata.get(_RUNNING, False)
-            or old.shape != new.shape
-            or old.dtype != new.dtype
-            or old.layout is not _STRIDED
-            or new.layout is not _STRIDED
-            or not _dense(old)
-        ):
-            return False
-        return (
-            old._use_count() == _BUFFER_ONLY_USE_COUNT
-            and _storage_use_count(old.untyped_storage()._cdata)
-            == _BUFFER_ONLY_STORAGE_USE_COUNT
-        )
-
-    def _wrapped_numbers(
-        self, plan: _OpPlan, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> list[tuple[str, Any]]:
-        """``(slot name, value)`` of the Python numbers passed where the op takes a Tensor.
-
-        Eager PyTorch wraps such a number in a 0-dim CPU tensor (int64, double,
-        complex128 or bool) for the duration of the call.
-        """
-        found = []
-        for index, name in plan.tensor_slots:
-            value = args[index] if index < len(args) else kwargs.get(name)
-            # (mostly a fake tensor, told apart by its type alone)
-            if type(value) is not FakeTensor and _number_nbytes(value):
-                found.append((name, value))
-        return found
-
     @contextmanager
     def decomposed(self) -> Iterator[None]:
         """Run ops through the trace from inside a rule (a kernel's own calls to
@@ -817,218 +473,9 @@ class Tracker(TorchDispatchMode):
         finally:
             self._decomposing -= 1
 
-    # -- backward formulas run as eagerly ------------------------------------------
-    #
-    # Some backward formulas pick another algorithm for tensor subclasses, which
-    # fake tensors are, than eagerly (``cumprod_backward``: by ``(input == 0).any()``
-    # on plain tensors, always the masked one on subclasses). The device gives
-    # such an op a :class:`Formula`, a Python replica of the eager formula: its
-    # node gets hooks where autograd made it, the node's own formula then runs
-    # unrecorded, and the replica runs in the post hook, through the trace, its
-    # gradients replacing the node's.
+    # -- an op's outputs and a rule's buffers -------------------------------------
 
-    def _in_silent_node(self) -> bool:
-        node = _current_autograd_node()
-        return node is not None and node.metadata.get(_SILENT, False)
-
-    def _settle_formulas(self) -> None:
-        pending, self._pending_formulas = self._pending_formulas, []
-        for ref, formula in pending:
-            t = ref()
-            node = None if t is None else t.grad_fn
-            if node is None or node.name() != formula.node or _SILENT in node.metadata:
-                continue
-            self._replace_formula(node, formula)
-
-    def _replace_formula(self, node: Any, formula: Formula) -> None:
-        meta = node.metadata
-        meta[_SILENT] = False
-        # the hooks say when apply runs (see _note_running_node), registered here
-        # rather than from inside the node, where the post hooks are being run
-        meta[_RUNNING] = False
-
-        # (the hooks find the node as the engine's current one: holding it in their
-        # closures would make a cycle that keeps its saved tensors until a collection)
-        def started(grads: Any) -> None:
-            meta[_RUNNING] = True
-            node = _current_autograd_node()
-            call = FormulaCall(node, tuple(grads), (), self.context)
-            if all(_saved_without_hooks(node, f"_saved_{name}") is not None for name in formula.saved):
-                if formula.applies(call):
-                    meta[_SILENT] = True
-                    self._silent += 1
-
-        def finished(grad_inputs: Any, grads: Any) -> Any:
-            if not meta.get(_SILENT, False):
-                meta[_RUNNING] = False
-                return None
-            meta[_SILENT] = False
-            self._silent -= 1
-            needed = tuple(g is not None for g in grad_inputs)
-            meta[REPLICA] = True
-            node = _current_autograd_node()
-            try:
-                replaced = formula.backward(FormulaCall(node, tuple(grads), needed, self.context))
-            finally:
-                meta[_RUNNING] = meta[REPLICA] = False
-            return tuple(replaced)
-
-        node.register_prehook(started)
-        node.register_hook(finished)
-
-    # -- wrapped numbers that autograd saves --------------------------------------
-    #
-    # The wrapped-number tensor of ``x / 3.0`` is saved by ``DivBackward0`` (its
-    # ``other``): it lives on until the backward node releases it, and the
-    # backward's ``grad / other`` reuses it instead of wrapping a new one. The
-    # fake trace sees plain Python numbers, but autograd saves the same real
-    # wrapped tensors during the trace, so their lifetimes can be followed.
-
-    def _fresh_numbers(self, numbers: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
-        """``numbers`` less those the running backward node unpacked from its saved ones."""
-        node = _current_autograd_node()
-        if node is None:
-            return numbers
-        # (CopySlices runs the node of an in-place op on a view, which saved these)
-        saved = list(node.metadata.get(_SAVED_NUMBERS, ())) if _is_copy_slices(node) else []
-        for attr in dir(node) if self._saved_numbers else ():
-            if attr.startswith("_saved_"):
-                value = _saved_without_hooks(node, attr)
-                if isinstance(value, torch.Tensor) and value._cdata in self._saved_numbers:
-                    with _DisableTorchDispatch():  # a real tensor: read it directly
-                        saved.append(value.item())
-        fresh = []
-        for name, value in numbers:
-            if value in saved:
-                saved.remove(value)
-            else:
-                fresh.append((name, value))
-        return fresh
-
-    def _remember_numbers(
-        self, func: Any, args: Any, kwargs: Any, out: Any, numbers: list[tuple[str, Any]]
-    ) -> None:
-        inputs = [*args, *kwargs.values()]
-        if not any(isinstance(t, torch.Tensor) and t.requires_grad for t in inputs):
-            return
-        results = out if isinstance(out, (tuple, list)) else (out,)
-        outs = [t for t in results if isinstance(t, torch.Tensor)]
-        if outs:
-            # An in-place op's output keeps its old node until autograd rebases it.
-            before = [t.grad_fn for t in outs]
-            probe = _NumbersProbe(func, args, kwargs, numbers)
-            names = [name for name, _ in numbers]
-            self._pending_numbers.append(([weakref.ref(t) for t in outs], before, names, probe))
-
-    def _settle_numbers(self, final: bool = False) -> None:
-        """Charge the wrapped numbers that the last ops' backward nodes saved, until released.
-
-        Called before the next op (or step event), once autograd has attached the
-        node to the op's outputs; nothing is allocated in between.
-        """
-        pending, self._pending_numbers = self._pending_numbers, []
-        for refs, before, names, probe in pending:
-            outs = [(t, old) for t, old in zip((r() for r in refs), before) if t is not None]
-            node = next((t.grad_fn for t, old in outs if t.grad_fn not in (None, old)), None)
-            if node is None:
-                if outs and not final:  # autograd has not attached the op's node yet
-                    self._pending_numbers.append((refs, before, names, probe))
-                continue
-            copy_slices = _copy_slices_of_write(probe, [t for t, _ in outs])
-            if copy_slices is not None:
-                # An in-place op on a view: its node is inside CopySlices, out of reach.
-                for value in probe.saved():
-                    self._charge_number_until(value, copy_slices)
-                continue
-            for name in names:
-                saved = _saved_without_hooks(node, f"_saved_{name}")
-                if (
-                    not isinstance(saved, torch.Tensor)
-                    or isinstance(saved, FakeTensor)
-                    or saved.dim() != 0
-                    or saved._cdata in self._saved_numbers
-                ):
-                    continue
-                self._charge_saved_number(saved)
-
-    def _charge_number_until(self, value: Any, node: Any) -> None:
-        """Charge the wrapped number ``value`` that the CopySlices ``node`` holds (in its
-        in-place op's node), which its backward reuses, until the node has run or is
-        destroyed (a graph dropped unrun: a checkpoint's recomputation)."""
-        info = StorageInfo(
-            nbytes=_number_nbytes(value),
-            phase=self.phase,
-            module=self.module,
-            op="<saved wrapped scalar>",
-        )
-        sid = self.timeline.new_storage(info)
-        self.timeline.alloc(sid)
-        node.metadata.setdefault(_SAVED_NUMBERS, []).append(value)
-        held = [True]
-
-        def release(*_: Any) -> None:
-            if held.pop() if held else False:
-                self._refs.pop(sid, None)
-                self.timeline.free(sid)
-
-        node.register_hook(release)
-        # The node's metadata dies with it: a token there tells when.
-        token = _Token()
-        node.metadata.setdefault(_TOKENS, []).append(token)
-        self._refs[sid] = weakref.ref(token, release)
-
-    def _charge_saved_number(self, saved: torch.Tensor) -> None:
-        key = saved._cdata
-        info = StorageInfo(
-            nbytes=saved.element_size(), phase=self.phase, module=self.module, op="<saved wrapped scalar>"
-        )
-        sid = self.timeline.new_storage(info)
-        self.timeline.alloc(sid)
-        self._saved_numbers.add(key)
-
-        def released(_ref: Any) -> None:
-            self._saved_numbers.discard(key)
-            self._refs.pop(sid, None)
-            self.timeline.free(sid)
-
-        self._refs[sid] = weakref.ref(saved, released)
-
-    # -- views written in place --------------------------------------------------
-    #
-    # An in-place op on a view makes autograd rebase the view's history: the base
-    # gets a CopySlices node and the view a regenerated node. For a plain strided
-    # tensor that node is an AsStridedBackward0, whose as_strided_backward puts the
-    # gradient into a new zeroed tensor the size of the base's storage; for a
-    # tensor subclass (fake tensors) autograd replays the view ops from the base
-    # instead (ViewBackward0, TransposeBackward0...), which allocate nothing. The
-    # replayed nodes are given hooks that return what as_strided_backward returns.
-
-    def _remember_views(self, plan: _OpPlan, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        for index, name in plan.written_slots:
-            t = args[index] if index < len(args) else kwargs.get(name)
-            if isinstance(t, FakeTensor) and t._is_view():
-                self._pending_views.append(weakref.ref(t))
-
-    def _settle_views(self) -> None:
-        pending, self._pending_views = self._pending_views, []
-        for ref in pending:
-            view = ref()
-            base = None if view is None else view._base
-            node = None if view is None else view.grad_fn
-            if base is None or node is None or _AS_STRIDED_MARK in node.metadata:
-                continue
-            chain = _replay_chain(node, base)
-            if not chain:
-                continue
-            # The first replayed node gets the view's gradient, the last one (next
-            # to CopySlices) returns the base's: one hook takes it, the other
-            # answers as as_strided_backward would.
-            node.metadata[_AS_STRIDED_MARK] = True
-            taken: list[torch.Tensor] = []
-            node.register_prehook(_taken_by(taken))
-            chain[-1].register_hook(_as_strided_backward(base, view, taken))
-
-    def _record_outputs(self, plan: _OpPlan, out: Any) -> None:
+    def _record_outputs(self, plan: OpPlan, out: Any) -> None:
         if isinstance(out, torch.Tensor):
             outs: Any = (out,)
         elif isinstance(out, (tuple, list)):
@@ -1038,7 +485,7 @@ class Tracker(TorchDispatchMode):
         for t in outs:
             if isinstance(t, torch.Tensor):
                 if plan.mutable:
-                    self._check_resize(t)
+                    self.ledger.grown(t)
                 # A fake tensor's device, read without the Python property (and the
                 # fake cuda device's GPU view of it): outside a kernel it is fake_device.
                 device = t.fake_device if type(t) is FakeTensor else t.device
@@ -1051,11 +498,11 @@ class Tracker(TorchDispatchMode):
                     )
                 if device == self.device and not t._is_zerotensor():
                     # (a zero tensor, sgn's gradient say, has no memory)
-                    self._track(t, None, plan.name)
+                    self._track(t, None, plan.name, self.phase, self.module)
             elif isinstance(t, (tuple, list)):
                 self._record_outputs(plan, t)
 
-    def _follows_sparse_output(self, plan: _OpPlan) -> bool:
+    def _follows_sparse_output(self, plan: OpPlan) -> bool:
         """Whether the sparse output of ``plan``'s op is modelled: a sparse rule made it,
         or the device has a rule for the op (its author made it), or the op has one for
         sparse arguments (a constructor from parts, which the fake kernel follows)."""
@@ -1065,7 +512,7 @@ class Tracker(TorchDispatchMode):
             or self.rules.sparse_rule(plan.func) is not None
         )
 
-    def _run_steps(self, plan: _OpPlan, steps: Any, out: Any) -> None:
+    def _run_steps(self, plan: OpPlan, steps: Any, out: Any) -> None:
         held: dict[str, int] = {}
         for step in steps:
             if step is OUTPUTS:
@@ -1104,21 +551,25 @@ class Tracker(TorchDispatchMode):
         for sid in reversed(list(held.values())):
             self.timeline.free(sid)
 
-    def _workspace(
-        self, plan: _OpPlan, nbytes: int, category: Category | None = Category.WORKSPACE
-    ) -> int:
+    def _workspace(self, plan: OpPlan, nbytes: int, category: Category | None = Category.WORKSPACE) -> int:
         """A new storage for a buffer a rule allocates; its sid."""
-        info = StorageInfo(
-            nbytes=nbytes,
-            category=category,
-            phase=self.phase,
-            module=self.module,
-            op=plan.name,
-            frames=user_frames(stop=self._outer_dirs) if self.record_frames else (),
-            node=autograd_node() if self.record_frames else "",
-            pool=self.pool,
-        )
-        return self.timeline.new_storage(info)
+        return self.ledger.workspace(nbytes, category, plan.name, self.phase, self.module)
+
+    def _scratch(self, plan: OpPlan, call: OpCall) -> Any:
+        """The steps of ``plan``'s scratch rule, or ``None``. A rule that fails (a case
+        its author did not foresee) costs the op its scratch, listed in ``unsupported``,
+        not the trace."""
+        if plan.scratch is None:
+            return None
+        try:
+            return plan.scratch(call)
+        except Exception as exc:  # noqa: BLE001 - a rule's bug is reported, not raised
+            self._report_inexact(
+                plan.name, f"its memory rule failed ({first_line(exc)}); only its outputs counted"
+            )
+            return None
+
+    # -- tensors made outside the trace ---------------------------------------------
 
     def _device_for(self, device: torch.device) -> torch.device:
         """Where a tensor the program puts on ``device`` lives in the trace."""
@@ -1195,21 +646,7 @@ class Tracker(TorchDispatchMode):
             self._inexact.add(entry)
             self.unsupported.append(entry)
 
-    def _scratch(self, plan: _OpPlan, call: OpCall) -> Any:
-        """The steps of ``plan``'s scratch rule, or ``None``. A rule that fails (a case
-        its author did not foresee) costs the op its scratch, listed in ``unsupported``,
-        not the trace."""
-        if plan.scratch is None:
-            return None
-        try:
-            return plan.scratch(call)
-        except Exception as exc:  # noqa: BLE001 - a rule's bug is reported, not raised
-            self._report_inexact(
-                plan.name, f"its memory rule failed ({_first_line(exc)}); only its outputs counted"
-            )
-            return None
-
-    def _data_dependent(self, plan: _OpPlan, args: Any, kwargs: Any, why: str) -> tuple[Any, Any]:
+    def _data_dependent(self, plan: OpPlan, args: Any, kwargs: Any, why: str) -> tuple[Any, Any]:
         """The outputs of a value-dependent op, and their real values (or ``None``):
         run on the values where the trace knows every argument's, else the op's
         fallback rule (exact where the values it needs are known)."""
@@ -1228,7 +665,7 @@ class Tracker(TorchDispatchMode):
                 self._assumed = entry
         return out, None
 
-    def _from_values(self, plan: _OpPlan, real: Any, args: Any) -> Any:
+    def _from_values(self, plan: OpPlan, real: Any, args: Any) -> Any:
         """Fake outputs like ``real``, the op's outputs run on the values. The device
         model vouches for the kernel's other buffers where it has a rule for the op
         (a scratch rule, or a fallback written for it); otherwise the op is listed."""
@@ -1280,12 +717,12 @@ class Tracker(TorchDispatchMode):
         where = location_in(exc)
         if fake_tensor_limit(exc):
             op = "Tensor.numpy" if ".numpy()" in str(exc) else "(tensor values)"
-            reason = f"fake tensors cannot run it ({_first_line(exc)})"
+            reason = f"fake tensors cannot run it ({first_line(exc)})"
         elif self._assumed is not None:
             op = type(exc).__name__
             assumed = self._assumed
             reason = (
-                f"{_first_line(exc)}, raised after {assumed.op}"
+                f"{first_line(exc)}, raised after {assumed.op}"
                 f"{f' at {assumed.location}' if assumed.location else ''} "
                 "was given a stand-in value"
             )
@@ -1293,210 +730,6 @@ class Tracker(TorchDispatchMode):
             return False
         self.unsupported.append(Unsupported(op, f"{reason}; the trace stopped here", where))
         return True
-
-
-class _NumbersProbe:
-    """Which Python numbers an op's backward node saves, found by running the op on
-    0-dim real tensors: autograd decides from the op and from which inputs require
-    grad, not from values. Used where the node is out of reach (inside CopySlices)."""
-
-    def __init__(self, func: Any, args: Any, kwargs: Any, numbers: list[tuple[str, Any]]) -> None:
-        self.func = func
-        self.args = tuple(_probe_spec(a) for a in args)
-        self.kwargs = tuple((k, _probe_spec(v)) for k, v in kwargs.items())
-        self.numbers = tuple(numbers)
-
-    def saved(self) -> list[Any]:
-        """The numbers the op's node saves (saved-tensor hooks never get a wrapped
-        number: SavedVariable in torch/csrc/autograd/saved_variable.cpp)."""
-        key = (self.func, self.args, self.kwargs, self.numbers)
-        found = _PROBED.get(key)
-        if found is None:
-            # In a thread of its own: none of the trace's modes, dispatch-key
-            # exclusions or grad mode, which are thread-local.
-            box: list[list[Any]] = []
-            worker = threading.Thread(target=lambda: box.append(self._run()), daemon=True)
-            worker.start()
-            worker.join()
-            found = box[0] if box else []
-            if len(_PROBED) >= _PROBED_MAX:
-                _PROBED.clear()
-            _PROBED[key] = found
-        return found
-
-    def _run(self) -> list[Any]:
-        try:
-            args = tuple(_probe_value(a) for a in self.args)
-            kwargs = {k: _probe_value(v) for k, v in self.kwargs}
-            out = self.func(*args, **kwargs)
-        except Exception:  # noqa: BLE001 - what 0-dim tensors cannot run is not probed
-            return []
-        results = out if isinstance(out, (tuple, list)) else (out,)
-        node = next((t.grad_fn for t in results if isinstance(t, torch.Tensor) and t.grad_fn), None)
-        if node is None:
-            return []
-        return [
-            value
-            for name, value in self.numbers
-            if isinstance(getattr(node, f"_saved_{name}", None), torch.Tensor)
-        ]
-
-
-#: _NumbersProbe's answers by (op, argument specs, numbers).
-_PROBED: dict[Any, list[Any]] = {}
-_PROBED_MAX: Final = 4096
-_PROBE_TENSOR: Final = object()
-
-
-class _Token:
-    """An object to hold a weak reference to."""
-
-
-class _StorageRef(weakref.ref):  # type: ignore[type-arg]
-    """A weak reference to a tracked storage that carries its key and sid: one object
-    a storage, where a callback closing over them made three more."""
-
-    __slots__ = ("key", "sid")
-    key: int
-    sid: int
-
-
-def _probe_spec(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return (_PROBE_TENSOR, value.dtype, value.requires_grad)
-    if isinstance(value, (list, tuple)) and any(isinstance(v, torch.Tensor) for v in value):
-        return (_PROBE_TENSOR, None, False)  # not probed
-    return value
-
-
-def _probe_value(spec: Any) -> Any:
-    if isinstance(spec, tuple) and len(spec) == 3 and spec[0] is _PROBE_TENSOR:
-        _, dtype, requires_grad = spec
-        if dtype is None:
-            raise TypeError("a list of tensors")
-        t = torch.zeros((), dtype=dtype, requires_grad=requires_grad)
-        return t.clone() if requires_grad else t  # not a leaf, which in-place ops refuse
-    return spec
-
-
-def _is_copy_slices(node: Any) -> bool:
-    return node.name().endswith("CopySlices")  # torch::autograd::CopySlices
-
-
-def _copy_slices_of_write(probe: _NumbersProbe, outs: list[torch.Tensor]) -> Any:
-    """The CopySlices node that an in-place op on a view gave its base, if it was one."""
-    if not probe.func._schema.is_mutable:
-        return None
-    for t in outs:
-        base = t._base
-        if base is not None and base.grad_fn is not None and _is_copy_slices(base.grad_fn):
-            return base.grad_fn
-    return None
-
-
-def _taken_by(taken: list[torch.Tensor]) -> Callable[[Any], None]:
-    """A pre hook that puts the node's first gradient into ``taken``."""
-
-    def hook(grad_outputs: Any) -> None:
-        taken.append(grad_outputs[0])
-
-    return hook
-
-
-def _replay_chain(node: Any, base: torch.Tensor) -> list[Any]:
-    """The nodes from ``node`` down to the CopySlices of ``base`` (excluded), if ``node``
-    is a view's regenerated node (a replay: one node per view op from the base)."""
-    copy_slices = base.grad_fn
-    if copy_slices is None or not _is_copy_slices(copy_slices):
-        return []
-    chain = [node]
-    while len(chain) <= _MAX_VIEW_CHAIN:
-        nexts = chain[-1].next_functions
-        if len(nexts) != 1 or nexts[0][0] is None:
-            return []
-        if nexts[0][0] is copy_slices:
-            return chain
-        chain.append(nexts[0][0])
-    return []
-
-
-def _as_strided_backward(
-    base: torch.Tensor, view: torch.Tensor, taken: list[torch.Tensor]
-) -> Callable[..., Any]:
-    """A post hook for the last replayed node of ``view``: the gradient of ``base`` as
-    the AsStridedBackward0 of a plain tensor makes it from the view's gradient
-    (``taken``) (``as_strided_backward`` in torch/csrc/autograd/FunctionsManual.cpp,
-    for views without overlapping memory)."""
-    base_geometry = (tuple(base.shape), base.stride(), base.storage_offset())
-    view_geometry = (tuple(view.shape), view.stride(), view.storage_offset())
-
-    def hook(grad_inputs: Any, grad_outputs: Any) -> Any:
-        grad, replayed = (taken.pop() if taken else None), grad_inputs[0]
-        if not isinstance(grad, torch.Tensor) or not isinstance(replayed, torch.Tensor):
-            return None
-        if replayed.untyped_storage()._cdata != grad.untyped_storage()._cdata:
-            return None  # the replay allocated its result, as as_strided_backward does
-        if 0 in base_geometry[0] or 0 in view_geometry[0]:
-            return None
-        shared = min(base_geometry[2], view_geometry[2])
-        base_offset, view_offset = base_geometry[2] - shared, view_geometry[2] - shared
-        size = max(
-            _min_storage_size(base_geometry[0], base_geometry[1], base_offset),
-            _min_storage_size(view_geometry[0], view_geometry[1], view_offset),
-        )
-        storage = grad.new_zeros(size)
-        storage.as_strided(view_geometry[0], view_geometry[1], view_offset).copy_(grad)
-        return (storage.as_strided(base_geometry[0], base_geometry[1], base_offset),)
-
-    return hook
-
-
-def _min_storage_size(sizes: tuple[int, ...], strides: tuple[int, ...], offset: int) -> int:
-    return offset + 1 + sum((size - 1) * stride for size, stride in zip(sizes, strides))
-
-
-def _first_line(exc: BaseException) -> str:
-    """``Type: first line of the message`` (fake-tensor messages run to many lines)."""
-    lines = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
-
-
-def _saved_without_hooks(node: Any, attr: str) -> Any:
-    """The tensor a backward node saved as ``attr``, if it has no unpack hook (else None).
-
-    Reading a saved tensor runs its unpack hook: a non-reentrant checkpoint
-    recomputes its forward there. Wrapped numbers are saved without hooks.
-    """
-    raw = getattr(node, "_raw" + attr, None)
-    if not isinstance(raw, _SavedTensor):
-        return None
-    try:
-        if raw.unpack_hook is not None:
-            return None
-        return getattr(node, attr)
-    except RuntimeError:  # released
-        return None
-
-
-def _dense(t: torch.Tensor) -> bool:
-    """Whether ``t``'s elements fill a block of its storage with no gaps or overlaps."""
-    expected = 1
-    for stride, size in sorted((stride, size) for size, stride in zip(t.shape, t.stride()) if size != 1):
-        if stride != expected:
-            return False
-        expected *= size
-    return True
-
-
-def _number_nbytes(value: Any) -> int:
-    """Bytes of the 0-dim tensor ATen wraps the Python number ``value`` in (0 if not one)."""
-    if isinstance(value, bool):
-        return 1
-    if isinstance(value, complex):
-        return 16
-    if isinstance(value, (int, float)):
-        return 8
-    return 0
 
 
 @functools.cache
@@ -1511,13 +744,6 @@ def _tensors_in(values: Any) -> Iterable[Any]:
             yield from value
         else:
             yield value
-
-
-def _written(plan: _OpPlan, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
-    """The arguments ``plan``'s op writes into."""
-    return tuple(
-        args[index] if index < len(args) else kwargs.get(name) for index, name in plan.written_slots
-    )
 
 
 def _needs_faking(value: Any) -> bool:

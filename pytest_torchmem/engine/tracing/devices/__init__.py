@@ -1,11 +1,13 @@
 """Device models: how each modelled device is traced, and what it does that fake tensors don't show.
 
 A :class:`DeviceModel` names the device, where its fake tensors live during
-the trace, its per-op :class:`~pytest_torchmem.engine.tracing.rules.RuleSet`, and the
+the trace, its per-op :class:`~pytest_torchmem.engine.tracing.rules.RuleSet`, the
 device's own machinery: an allocator model (CUDA's caching allocator), a
 router for the decisions CUDA dispatch makes differently (a torch-function
-mode). (torch's own optimizer defaults, foreach and fused, follow on the fake cuda
-device from what its GPU view answers: ``cuda/gpu_view.py``.)
+mode), and the layers its traced step runs in, in order
+(:mod:`pytest_torchmem.engine.tracing.layers`). (torch's own optimizer defaults,
+foreach and fused, follow on the fake cuda device from what its GPU view
+answers: ``cuda/gpu_view.py``.)
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from pytest_torchmem.engine.timeline import Allocator
 from pytest_torchmem.engine.tracing.devices import cuda
 from pytest_torchmem.engine.tracing.devices.cpu import CPU
 from pytest_torchmem.engine.tracing.devices.cpu.router import CpuRouter
+from pytest_torchmem.engine.tracing.layers import CPU_LAYERS, CUDA_LAYERS, Layer
 from pytest_torchmem.engine.tracing.rules import RuleSet, TraceContext
 
 __all__ = ["DeviceModel", "device_model", "DEVICES"]
@@ -41,6 +44,8 @@ class DeviceModel:
     allocator: Callable[[TraceContext], Allocator] | None = None
     #: The torch-function mode that routes this device's dispatch decisions, if any.
     router: Callable[[TraceContext], Any] | None = None
+    #: The contexts its traced step runs in, outermost first (see layers.py: each says why).
+    layers: tuple[Layer, ...] = CPU_LAYERS
 
 
 DEVICES: Final[dict[str, DeviceModel]] = {
@@ -51,6 +56,7 @@ DEVICES: Final[dict[str, DeviceModel]] = {
         aliases=frozenset({"meta"}),
         wraps_numbers=True,
         router=CpuRouter,
+        layers=CPU_LAYERS,
     ),
     # On a CPU-only torch an autograd op on a (fake) cuda tensor kills the
     # interpreter, so the fake cuda device is traced on fake meta tensors: the
@@ -64,6 +70,7 @@ DEVICES: Final[dict[str, DeviceModel]] = {
         wraps_numbers=False,
         allocator=cuda.caching_allocator,
         router=cuda.router,
+        layers=CUDA_LAYERS,
     ),
 }
 

@@ -1,5 +1,7 @@
-"""Outputs of the ops that torch gives no meta (fake) kernel, or one that lays
-the output out otherwise than the real kernel, for the trace only.
+"""Outputs of the ops whose meta (fake) kernel is missing or lays them out otherwise than the real one.
+
+For the trace only: the ops that torch gives no meta (fake) kernel, or one that
+lays the output out otherwise than the real kernel.
 
 Fake tensors run an op through its meta or fake kernel; torch 2.13 registers
 none for the backwards below, which have CPU and CUDA kernels, so the trace

@@ -1,5 +1,7 @@
-"""The CUDA rule set: the rule modules of this package (kernels, temporaries,
-workspaces) register into it on import; the package's ``__init__`` imports them."""
+"""The CUDA rule set, which the rule modules of this package fill.
+
+The rule modules (kernels, temporaries, workspaces) register into it on import;
+the package's ``__init__`` imports them."""
 
 from __future__ import annotations
 
