@@ -212,9 +212,13 @@ def _replay(pytester: pytest.Pytester, block: str, where: str) -> int:
 
 @pytest.fixture
 def project(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """The tutorial's project: its test file, ``tests/test_model.py``; an 80-column terminal."""
+    """The tutorial's project: its test file, ``tests/test_model.py``; an 80-column terminal on a
+    reader's machine (pytest leaves the short summary's lines whole where ``CI`` or
+    ``BUILD_NUMBER`` is set)."""
     monkeypatch.setenv("PYTEST_ADDOPTS", "-p no:hypothesispytest -p no:randomly")
     monkeypatch.setenv("COLUMNS", "80")
+    monkeypatch.delenv("CI", raising=False)
+    monkeypatch.delenv("BUILD_NUMBER", raising=False)
     if not torch.__version__.startswith("2.13."):
         pytest.skip(f"the transcripts' figures are torch 2.13's (the README's), not {torch.__version__}'s")
     text = TUTORIAL.read_text(encoding="utf-8")
