@@ -71,7 +71,8 @@ def test_a_compiled_function_on_cuda_is_listed_as_traced_eagerly() -> None:
 def test_the_private_names_of_compiled_models_are_where_the_table_says() -> None:
     """Each private dynamo and inductor name of compiled models is present in exactly the
     releases its entry names (since/until): following is blocked nowhere it need not be."""
-    from pytest_torchmem.engine.torch_private import COMPILED_ENTRIES, present
+    from pytest_torchmem.engine.torch_private import present
+    from pytest_torchmem.engine.torch_private_compiled import COMPILED_ENTRIES
     from pytest_torchmem.engine.torch_release import installed_release
 
     release = installed_release()[:2]

@@ -26,11 +26,10 @@ from pytest_torchmem.engine.torch_private import (
     TorchPrivateError,
     present,
     private,
-    appending,
     private_name,
-    replacing,
 )
 from pytest_torchmem.engine.torch_release import installed_release, supported_range
+from pytest_torchmem.engine.torch_replacing import appending, replacing
 
 PACKAGE = Path(pytest_torchmem.__file__).parent
 RELEASE = installed_release()[:2]
@@ -311,8 +310,9 @@ def _names_by_module() -> dict[str, list[tuple[int, str]]]:
 
 
 def test_no_module_names_a_private_torch_name_outside_the_table() -> None:
-    """Every private torch name is read through engine/torch_private.py (private(),
-    replacing()), where it is written down with why and in which releases."""
+    """Every private torch name is read through engine/torch_private.py (private(), or
+    replaced through engine/torch_replacing.py), where it is written down with why and
+    in which releases."""
     strays = {
         module: names
         for module, names in _names_by_module().items()

@@ -2,7 +2,7 @@
 
 The engine replaces torch attributes while it traces (the GPU view, inductor's
 device queries, the RNG state copies, FSDP2's storage calls, ...), always through
-one mechanism (``engine/torch_private.py``: ``replacing``, ``appending``,
+one mechanism (``engine/torch_replacing.py``: ``replacing``, ``appending``,
 ``replacing_item``), each path an entry of the table marked ``replaced``. These
 tests take a picture of torch (every callable, class, module and container a
 torch module or a torch class holds, by identity) before an estimate, at points
@@ -36,8 +36,9 @@ from torch import nn
 
 import pytest_torchmem
 import pytest_torchmem as tm
-from pytest_torchmem.engine import torch_private
-from pytest_torchmem.engine.torch_private import PRIVATE, in_effect
+from pytest_torchmem.engine import torch_private, torch_replacing
+from pytest_torchmem.engine.torch_private import PRIVATE
+from pytest_torchmem.engine.torch_replacing import in_effect
 from pytest_torchmem.engine.tracing import compiled_program, inductor_device
 from pytest_torchmem.engine.tracing.compiled_cuda import CudaProgram
 from pytest_torchmem.engine.tracing.tracker import Tracker
@@ -302,7 +303,7 @@ def test_every_replacement_is_a_table_entry_and_torch_is_as_before(
     with watching(monkeypatch, before) as watch:
         run(device)
     assert watch.seen, "no picture was taken inside the estimate"
-    assert watch.outside_the_mechanism() == {}, "replaced outside torch_private's mechanism"
+    assert watch.outside_the_mechanism() == {}, "replaced outside torch_replacing's mechanism"
     assert _EXPECTED[case, device] <= watch.replaced
     for path in watch.replaced:
         assert PRIVATE[path].replaced, path
@@ -352,7 +353,7 @@ def test_a_replacement_made_by_hand_is_seen(monkeypatch: pytest.MonkeyPatch) -> 
     finally:
         torch.cuda.get_device_capability = saved
     assert watch.outside_the_mechanism() == {(): {"torch.cuda.get_device_capability"}}
-    with torch_private.replacing("torch.cuda.get_device_capability", lambda device=None: (9, 0)):
+    with torch_replacing.replacing("torch.cuda.get_device_capability", lambda device=None: (9, 0)):
         watch = Watch(before)
         watch.look()
     assert watch.outside_the_mechanism() == {}
@@ -382,14 +383,14 @@ def test_a_thread_scoped_replacement_answers_the_tracing_thread_only() -> None:
     path = "torch.cuda.get_device_capability"
     original = torch.cuda.get_device_capability
     elsewhere = _on_another_thread(lambda: torch.cuda.get_device_capability())
-    with torch_private.on_this_thread(path, lambda device=None: (1, 2)) as found:
+    with torch_replacing.on_this_thread(path, lambda device=None: (1, 2)) as found:
         assert found is original
         assert torch.cuda.get_device_capability() == (1, 2)
         assert _on_another_thread(lambda: torch.cuda.get_device_capability()) == elsewhere != (1, 2)
         assert in_effect() == (path,)
     assert torch.cuda.get_device_capability is original
     with pytest.raises(ValueError, match="thread_scoped=True"):
-        with torch_private.on_this_thread("torch.get_rng_state", lambda: None):
+        with torch_replacing.on_this_thread("torch.get_rng_state", lambda: None):
             pass
 
 
@@ -400,7 +401,7 @@ def test_an_added_entry_is_absent_from_torch_and_only_added_for_its_block(path: 
     assert not hasattr(owner, name)
     stand_in = object()
     with pytest.raises(ZeroDivisionError):
-        with torch_private.replacing(path, stand_in) as found:
+        with torch_replacing.replacing(path, stand_in) as found:
             assert found is None and getattr(owner, name) is stand_in
             1 / 0  # noqa: B018
     assert not hasattr(owner, name)
@@ -418,11 +419,11 @@ def test_a_config_option_is_put_back_as_torch_kept_it() -> None:
     is as it was, default or the user's override, and the config's hash too."""
     config = torch_private.private("torch._inductor.config")
     before = config.get_config_copy(), config.cpp.simdlen
-    with torch_private.replacing("torch._inductor.config.cpp.simdlen", 256) as found:
+    with torch_replacing.replacing("torch._inductor.config.cpp.simdlen", 256) as found:
         assert found == before[1] and config.cpp.simdlen == 256
     assert (config.get_config_copy(), config.cpp.simdlen) == before
     with pytest.raises(ZeroDivisionError):
-        with torch_private.replacing("torch._inductor.config.force_disable_caches", True):
+        with torch_replacing.replacing("torch._inductor.config.force_disable_caches", True):
             1 / 0  # noqa: B018
     assert config.get_config_copy() == before[0]
 
@@ -433,14 +434,14 @@ def test_a_dict_item_is_put_back_or_taken_out() -> None:
     path = "torch._dynamo.device_interface.device_interfaces"
     stand_in = object()
     with pytest.raises(ZeroDivisionError):
-        with torch_private.replacing_item(path, "torchmem-test", stand_in) as found:
+        with torch_replacing.replacing_item(path, "torchmem-test", stand_in) as found:
             assert found is None and interfaces["torchmem-test"] is stand_in
             1 / 0  # noqa: B018
     assert dict(interfaces) == before
     op = torch.ops.aten.mul.Tensor
     key = torch._C.DispatchKey.AutogradMeta
     cached = dict(op._dispatch_cache)
-    with torch_private.replacing_item("torch.ops.aten.add.Tensor._dispatch_cache", key, stand_in, within=op):
+    with torch_replacing.replacing_item("torch.ops.aten.add.Tensor._dispatch_cache", key, stand_in, within=op):
         assert op._dispatch_cache[key] is stand_in
     assert dict(op._dispatch_cache) == cached
 
@@ -448,7 +449,7 @@ def test_a_dict_item_is_put_back_or_taken_out() -> None:
 # -- no module writes a torch attribute but through the mechanism ------------------------
 
 PACKAGE = Path(pytest_torchmem.__file__).parent
-THE_MECHANISM = "engine/torch_private.py"
+THE_MECHANISM = "engine/torch_replacing.py"
 
 
 def _root(node: ast.AST) -> str | None:
@@ -490,7 +491,7 @@ def torch_writes(source: str) -> list[tuple[int, str]]:
 
 
 def test_no_module_writes_a_torch_attribute_by_hand() -> None:
-    """Every write into torch is torch_private's (replacing, appending, replacing_item):
+    """Every write into torch is torch_replacing's (replacing, appending, replacing_item):
     in the table, entered and left in one place."""
     strays = {
         path.relative_to(PACKAGE).as_posix(): writes

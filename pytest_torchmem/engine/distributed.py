@@ -267,7 +267,7 @@ def _one_gloo_worker() -> Iterator[None]:
     """
     from datetime import timedelta
 
-    from pytest_torchmem.engine.torch_private import replacing
+    from pytest_torchmem.engine.torch_replacing import replacing
 
     gloo = private("torch.distributed.distributed_c10d.ProcessGroupGloo")
 
@@ -377,7 +377,7 @@ def collectives_completed_here() -> Iterator[None]:
     import torch.distributed as dist
     from torch.distributed import distributed_c10d
 
-    from pytest_torchmem.engine.torch_private import replacing
+    from pytest_torchmem.engine.torch_replacing import replacing
 
     path = "torch._C._distributed_c10d.Reducer._rebuild_buckets"
     rebuild = private(path)

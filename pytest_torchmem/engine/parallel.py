@@ -296,7 +296,7 @@ def _device_handle(device_type: str, streamed: Callable[[int], int]) -> Iterator
     if device_type != "meta" or hasattr(torch, "meta"):
         yield
         return
-    from pytest_torchmem.engine.torch_private import replacing
+    from pytest_torchmem.engine.torch_replacing import replacing
 
     # the traced tensors are on meta: FSDP2 takes them for parameters not yet materialized
     validate = "torch.distributed.fsdp._fully_shard._fsdp_param_group.FSDPParamGroup._validate_no_meta_params"
@@ -316,7 +316,7 @@ def _fake_tensor_checks_skipped() -> Iterator[None]:
     active: on a rank that costs no memory, so it runs under a fake mode of
     its own, out of the tracker's sight.
     """
-    from pytest_torchmem.engine.torch_private import replacing
+    from pytest_torchmem.engine.torch_replacing import replacing
 
     disabled = private("torch.utils._python_dispatch._disable_current_modes")
     verify = "torch.nn.parallel.distributed._verify_param_shape_across_processes"
@@ -353,7 +353,7 @@ def _bucket_rebuild_indices_real() -> Iterator[None]:
     purpose and broadcasts from rank 0, which fake tensors (no data) cannot hold; they
     are made real (a few bytes each: the parameters' count), and the new buckets, fake
     as the old ones were, are charged when they are made, the old ones freed."""
-    from pytest_torchmem.engine.torch_private import replacing
+    from pytest_torchmem.engine.torch_replacing import replacing
 
     path = "torch._C._distributed_c10d.Reducer._rebuild_buckets"
     rebuild = private(path)
@@ -371,7 +371,7 @@ def _storage_resizes_seen(resized: Callable[[torch.Tensor], None]) -> Iterator[N
     """FSDP2 frees an unsharded parameter with ``storage.resize_(0)`` and makes it
     again with ``storage.resize_(nbytes)``: storage methods, not ops, so they are
     reported to ``resized`` as they happen."""
-    from pytest_torchmem.engine.torch_private import replacing
+    from pytest_torchmem.engine.torch_replacing import replacing
 
     fsdp = "torch.distributed.fsdp._fully_shard."
     free = private(fsdp + "_fsdp_param.free_storage")

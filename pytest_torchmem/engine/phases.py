@@ -41,7 +41,8 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from pytest_torchmem.engine.parallel import local_tensors
 from pytest_torchmem.engine.report import Category
 from pytest_torchmem.engine.timeline import Phase
-from pytest_torchmem.engine.torch_private import private, private_name, replacing
+from pytest_torchmem.engine.torch_private import private, private_name
+from pytest_torchmem.engine.torch_replacing import replacing
 
 __all__ = ["PhaseWatch", "hooked_modules", "naming_phases", "phase"]
 

@@ -26,7 +26,9 @@ from typing import Any, Final
 
 from torch import nn
 
-from pytest_torchmem.engine.torch_private import COMPILED_ENTRIES, entry, present, private, replacing
+from pytest_torchmem.engine.torch_private import entry, present, private
+from pytest_torchmem.engine.torch_private_compiled import COMPILED_ENTRIES
+from pytest_torchmem.engine.torch_replacing import replacing
 
 __all__ = [
     "EAGER_REASON",

@@ -37,7 +37,8 @@ from typing import Any, Final, Protocol
 
 import torch
 
-from pytest_torchmem.engine.torch_private import private, replacing, replacing_item
+from pytest_torchmem.engine.torch_private import private
+from pytest_torchmem.engine.torch_replacing import replacing, replacing_item
 from pytest_torchmem.engine.tracing.devices.cuda.gpu_view import autocast_opens_cuda_regions
 from pytest_torchmem.engine.tracing.devices.cuda.profiles import GpuProfile
 from pytest_torchmem.engine.tracing.inductor_device import Enter, as_the_gpu, unguarded

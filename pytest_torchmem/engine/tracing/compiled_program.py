@@ -51,7 +51,8 @@ from torch import nn
 
 from pytest_torchmem.engine.report import Unsupported
 from pytest_torchmem.engine.timeline import Phase
-from pytest_torchmem.engine.torch_private import private, replacing
+from pytest_torchmem.engine.torch_private import private
+from pytest_torchmem.engine.torch_replacing import replacing
 from pytest_torchmem.engine.tracing.devices.cpu.profiles import CpuProfile
 from pytest_torchmem.engine.tracing.generated_code import output_directory, remember
 from pytest_torchmem.engine.tracing.inductor_device import host_vector_isa

@@ -25,7 +25,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, Final
 
-from pytest_torchmem.engine.torch_private import private, replacing
+from pytest_torchmem.engine.torch_private import private
+from pytest_torchmem.engine.torch_replacing import replacing
 
 __all__ = ["is_generated", "output_directory", "remember", "user_frames_at"]
 

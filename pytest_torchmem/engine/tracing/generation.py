@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from pytest_torchmem.engine.report import Unsupported
-from pytest_torchmem.engine.torch_private import swapped
+from pytest_torchmem.engine.torch_replacing import swapped
 
 __all__ = ["beams_run_on"]
 

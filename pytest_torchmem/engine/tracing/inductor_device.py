@@ -30,7 +30,8 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from pytest_torchmem.engine.gpu_profiles import GpuProfile
-from pytest_torchmem.engine.torch_private import on_this_thread, private, replacing, replacing_item
+from pytest_torchmem.engine.torch_private import private
+from pytest_torchmem.engine.torch_replacing import on_this_thread, replacing, replacing_item
 from pytest_torchmem.engine.tracing.generated_code import remember
 
 __all__ = ["Enter", "as_the_gpu", "gpu_properties", "host_vector_isa", "unguarded"]

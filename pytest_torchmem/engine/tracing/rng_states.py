@@ -19,7 +19,8 @@ from typing import Any, Final
 
 import torch
 
-from pytest_torchmem.engine.torch_private import private, replacing
+from pytest_torchmem.engine.torch_private import private
+from pytest_torchmem.engine.torch_replacing import replacing
 
 __all__ = ["charged_rng_states"]
 

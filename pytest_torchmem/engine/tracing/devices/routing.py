@@ -13,7 +13,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, ClassVar, Final
 
-from pytest_torchmem.engine.torch_private import present, private, replacing
+from pytest_torchmem.engine.torch_private import present, private
+from pytest_torchmem.engine.torch_replacing import replacing
 
 __all__ = ["COMPOSITE_MODULES", "BodyRouting", "routed_recomputation"]
 

@@ -59,7 +59,8 @@ import torch.backends.cuda
 import torch.backends.cudnn
 import torch.cuda.amp.common
 
-from pytest_torchmem.engine.torch_private import appending, present, private, replacing
+from pytest_torchmem.engine.torch_private import present, private
+from pytest_torchmem.engine.torch_replacing import appending, replacing
 
 __all__ = [
     "KERNEL_DEVICE_LISTS",
