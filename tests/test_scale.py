@@ -197,8 +197,14 @@ def test_llama_7b_fsdp2_per_rank_hand_count_on_cuda(world: int) -> None:
     assert report.first_step is not None
     if world == 8:
         assert report.peak == report.first_step.step
-        assert breakdown[Category.GRADIENTS] == parameters
-        assert breakdown[Category.OPTIMIZER_STATE] == 2 * parameters
+        # the gradients (made in the first backward) and the state (in its step) come
+        # from blocks the step's own tensors freed (the step starts after apply, whose
+        # cached blocks it does not inherit): a tensor served from a larger cached block
+        # keeps a remainder under 1 MiB in it (a large block is split only above 1 MiB),
+        # charged to it
+        assert parameters <= breakdown[Category.GRADIENTS] < parameters + len(shards) * MiB
+        state = breakdown[Category.OPTIMIZER_STATE]
+        assert 2 * parameters <= state < 2 * (parameters + len(shards) * MiB)
     else:
         assert report.peak == report.backward_peak
         # exp_avg and exp_avg_sq of every shard (582 zeros_like, two per shard), made by
