@@ -43,9 +43,9 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from pytest_torchmem.engine.containers import map_tensors, tensors_in
-from pytest_torchmem.engine.fitting import Figure, usable_memory
+from pytest_torchmem.engine.fitting import Figure, resolved_target
 from pytest_torchmem.engine.step import default_loss
-from pytest_torchmem.engine.units import format_bytes, parse_bytes
+from pytest_torchmem.engine.units import format_bytes
 
 if TYPE_CHECKING:
     from pytest_torchmem.engine.report import MemoryReport
@@ -133,32 +133,12 @@ def advise(
     the user's own code, which the advice cannot change.
     """
     from pytest_torchmem.engine.api import estimate
-    from pytest_torchmem.engine.fitting import _fit_device
-    from pytest_torchmem.engine.gpu_profiles import gpu_profile
-
     if not isinstance(model, nn.Module):
         raise TypeError(
             "advise() changes a model's built-in step (checkpointed blocks, its optimizer, "
             f"its batch): give it an nn.Module, got {type(model).__name__}"
         )
-    if budget is None and gpu is None:
-        raise ValueError("advise() needs a target: gpu='A100-40GB' (a GPU) or budget='40 GiB' (bytes)")
-    device = _fit_device(device, gpu)
-    if figure not in (None, "peak", "reserved"):
-        raise ValueError(f"figure must be 'peak' or 'reserved', got {figure!r}")
-    if figure == "reserved" and device != "cuda":
-        raise ValueError("figure='reserved' is the caching allocator's: it needs device='cuda'")
-    profile = gpu_profile(gpu) if device == "cuda" else None
-    if budget is not None:
-        limit = parse_bytes(budget)
-        target = f"budget {format_bytes(limit)}" + (f" on {profile}" if gpu is not None else "")
-        figure = figure or "peak"
-    else:
-        assert profile is not None
-        limit, target = usable_memory(profile), str(profile)
-        figure = figure or "reserved"
-    if device == "cuda":
-        options["gpu"] = profile
+    device, limit, target, figure = resolved_target("advise", device, gpu, budget, figure, options)
     chosen_figure: Figure = figure
     devices = {key: options[key] for key in ("gpu", "cpu") if key in options}
 

@@ -169,7 +169,6 @@ def fit(
     makes it.
     """
     from pytest_torchmem.engine.api import estimate
-    from pytest_torchmem.engine.gpu_profiles import gpu_profile
 
     if not callable(inputs_for):
         raise TypeError(
@@ -177,24 +176,7 @@ def fit(
             f"lambda batch: torch.randn(batch, 3, 224, 224), got {type(inputs_for).__name__}"
         )
     sizes = _checked_sizes(sizes)
-    if budget is None and gpu is None:
-        raise ValueError("fit() needs a target: gpu='A100-40GB' (a GPU) or budget='40 GiB' (bytes)")
-    device = _fit_device(device, gpu)
-    if figure not in (None, "peak", "reserved"):
-        raise ValueError(f"figure must be 'peak' or 'reserved', got {figure!r}")
-    if figure == "reserved" and device != "cuda":
-        raise ValueError("figure='reserved' is the caching allocator's: it needs device='cuda'")
-    profile = gpu_profile(gpu) if device == "cuda" else None
-    if budget is not None:
-        limit = parse_bytes(budget)
-        target = f"budget {format_bytes(limit)}" + (f" on {profile}" if gpu is not None else "")
-        figure = figure or "peak"
-    else:
-        assert profile is not None
-        limit, target = usable_memory(profile), str(profile)
-        figure = figure or "reserved"
-    if device == "cuda":
-        options["gpu"] = profile
+    device, limit, target, figure = resolved_target("fit", device, gpu, budget, figure, options)
 
     reports: dict[int, MemoryReport] = {}
 
@@ -268,6 +250,36 @@ def _checked_sizes(sizes: Any) -> Sequence[int]:
     if isinstance(checked, range) and checked.step < 0:
         raise ValueError("sizes must be in ascending order: use a range with a positive step")
     return checked
+
+
+def resolved_target(
+    caller: str, device: Any, gpu: Any, budget: int | str | None, figure: Figure | None, options: dict[str, Any]
+) -> tuple[str, int, str, Figure]:
+    """``(device, limit, target in words, figure)`` of a search or an advice for ``gpu``
+    and/or ``budget`` on ``device`` (default ``"cuda"``), the figure defaulting to the
+    reserved peak against a GPU and the peak against a budget; ``options["gpu"]`` is set
+    to the GPU's profile on cuda. ``caller`` names the function in the errors."""
+    from pytest_torchmem.engine.gpu_profiles import gpu_profile
+
+    if budget is None and gpu is None:
+        raise ValueError(f"{caller}() needs a target: gpu='A100-40GB' (a GPU) or budget='40 GiB' (bytes)")
+    device = _fit_device(device, gpu)
+    if figure not in (None, "peak", "reserved"):
+        raise ValueError(f"figure must be 'peak' or 'reserved', got {figure!r}")
+    if figure == "reserved" and device != "cuda":
+        raise ValueError("figure='reserved' is the caching allocator's: it needs device='cuda'")
+    profile = gpu_profile(gpu) if device == "cuda" else None
+    if budget is not None:
+        limit = parse_bytes(budget)
+        target = f"budget {format_bytes(limit)}" + (f" on {profile}" if gpu is not None else "")
+        chosen: Figure = figure or "peak"
+    else:
+        assert profile is not None
+        limit, target = usable_memory(profile), str(profile)
+        chosen = figure or "reserved"
+    if device == "cuda":
+        options["gpu"] = profile
+    return device, limit, target, chosen
 
 
 def _fit_device(device: Any, gpu: Any) -> str:
