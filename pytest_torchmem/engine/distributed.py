@@ -37,7 +37,7 @@ from typing import Any, Final
 import torch
 
 from pytest_torchmem.engine.parallel import Parallel
-from pytest_torchmem.engine.torch_private import private
+from pytest_torchmem.engine.torch_private import COLLECTIVES, private
 
 __all__ = [
     "MAX_REAL_RANKS",
@@ -60,20 +60,6 @@ COLLECTIVE_TIMEOUT: Final = 120
 #: Seconds :meth:`FreedOnThisThread.drain` and :func:`collectives_completed_here` wait
 #: for gloo's threads to let go of a tensor.
 DRAIN_TIMEOUT: Final = 10.0
-#: The collectives of ``torch.distributed`` that Python code (FSDP2, user code) calls.
-_COLLECTIVES: Final = (
-    "all_gather",
-    "all_gather_into_tensor",
-    "all_gather_single",
-    "all_reduce",
-    "all_to_all_single",
-    "broadcast",
-    "reduce_scatter",
-    "reduce_scatter_single",
-    "reduce_scatter_tensor",
-    "_all_gather_base",
-    "_reduce_scatter_base",
-)
 
 
 #: The refusal a forked process meets in ``backward()`` once its parent started autograd's
@@ -387,7 +373,7 @@ def collectives_completed_here() -> Iterator[None]:
 
     with contextlib.ExitStack() as replaced:
         for module in (dist, distributed_c10d):
-            for name in _COLLECTIVES:
+            for name in COLLECTIVES:
                 original = getattr(module, name, None)
                 if original is not None:
                     replaced.enter_context(replacing(f"{module.__name__}.{name}", _completed_here(original)))

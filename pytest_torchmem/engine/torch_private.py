@@ -35,6 +35,7 @@ from pytest_torchmem.engine.torch_release import (
 )
 
 __all__ = [
+    "COLLECTIVES",
     "PRIVATE",
     "Private",
     "TorchPrivateError",
@@ -48,6 +49,23 @@ __all__ = [
 class TorchPrivateError(TorchReleaseError):
     """A private torch name the engine needs is not in the running torch."""
 
+
+#: The collectives of ``torch.distributed`` that Python code (FSDP2, user code) calls,
+#: each replaced in ``torch.distributed`` and ``torch.distributed.distributed_c10d`` by
+#: measure(parallel=...) (distributed.collectives_completed_here).
+COLLECTIVES: Final = (
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_gather_single",
+    "all_reduce",
+    "all_to_all_single",
+    "broadcast",
+    "reduce_scatter",
+    "reduce_scatter_single",
+    "reduce_scatter_tensor",
+    "_all_gather_base",
+    "_reduce_scatter_base",
+)
 
 #: The table: private path -> its entry.
 PRIVATE: Final = table(
@@ -270,19 +288,7 @@ PRIVATE: Final = table(
             replaced=True,
         )
         for home in ("", ".distributed_c10d")
-        for name in (
-            "all_gather",
-            "all_gather_into_tensor",
-            "all_gather_single",
-            "all_reduce",
-            "all_to_all_single",
-            "broadcast",
-            "reduce_scatter",
-            "reduce_scatter_single",
-            "reduce_scatter_tensor",
-            "_all_gather_base",
-            "_reduce_scatter_base",
-        )
+        for name in COLLECTIVES
     ),
     Private(
         "torch._C._distributed_c10d._create_work_from_future",
