@@ -32,37 +32,15 @@ from torch.overrides import TorchFunctionMode
 from pytest_torchmem.engine.gpu_profiles import GpuProfile
 from pytest_torchmem.engine.torch_private import private
 from pytest_torchmem.engine.torch_replacing import on_this_thread, replacing, replacing_item
+from pytest_torchmem.engine.tracing.devices.cuda.gpu_view import gpu_properties
 from pytest_torchmem.engine.tracing.generated_code import remember
 
-__all__ = ["Enter", "as_the_gpu", "gpu_properties", "host_vector_isa", "unguarded"]
+__all__ = ["Enter", "as_the_gpu", "host_vector_isa", "unguarded"]
 
 # torch's private names (engine/torch_private.py)
 FakeTensor: Final = private("torch._subclasses.fake_tensor.FakeTensor")
 
 _GPU: Final = torch.device("cuda", 0)
-
-
-def gpu_properties(profile: GpuProfile) -> types.SimpleNamespace:
-    """What ``torch.cuda.get_device_properties`` answers on the profile's GPU (the
-    fields inductor reads: SMs, threads per SM, capability, warp size)."""
-    major, minor = profile.compute_capability
-    return types.SimpleNamespace(
-        name=profile.device_name,
-        major=major,
-        minor=minor,
-        multi_processor_count=profile.sm_count,
-        total_memory=profile.memory,
-        max_threads_per_multi_processor=profile.max_threads_per_sm,
-        max_threads_per_block=1024,
-        regs_per_multiprocessor=65536,
-        warp_size=32,
-        shared_memory_per_block_optin=profile.shared_memory_per_block,
-        shared_memory_per_multiprocessor=profile.shared_memory_per_block + 1024,
-        L2_cache_size=50 << 20,
-        gcnArchName="",
-        is_integrated=False,
-        uuid="",
-    )
 
 
 # -- the GPU that inductor's cuda backend asks about ---------------------------------

@@ -59,6 +59,7 @@ import torch.backends.cuda
 import torch.backends.cudnn
 import torch.cuda.amp.common
 
+from pytest_torchmem.engine.gpu_profiles import GpuProfile
 from pytest_torchmem.engine.torch_private import present, private
 from pytest_torchmem.engine.torch_replacing import appending, replacing
 
@@ -66,6 +67,7 @@ __all__ = [
     "KERNEL_DEVICE_LISTS",
     "KERNEL_TYPE_LISTS",
     "autocast_opens_cuda_regions",
+    "gpu_properties",
     "gpu_view",
     "torch_decides_as_on_the_gpu",
 ]
@@ -91,6 +93,31 @@ def _from_the_program(thread: int) -> bool:
     """Whether the caller of the caller (a query's caller) is the model's or a library's
     code, on the tracing thread ``thread``."""
     return get_ident() == thread and not sys._getframe(2).f_code.co_filename.startswith(_NOT_THE_PROGRAM)
+
+
+def gpu_properties(profile: GpuProfile) -> SimpleNamespace:
+    """What ``torch.cuda.get_device_properties`` answers on the profile's GPU: the fields
+    torch's Python side and inductor read (SMs, threads per SM, capability, warp size,
+    shared memory)."""
+    major, minor = profile.compute_capability
+    return SimpleNamespace(
+        name=profile.device_name,
+        major=major,
+        minor=minor,
+        multi_processor_count=profile.sm_count,
+        total_memory=profile.memory,
+        max_threads_per_multi_processor=profile.max_threads_per_sm,
+        max_threads_per_block=1024,
+        regs_per_multiprocessor=65536,
+        warp_size=32,
+        shared_memory_per_block_optin=profile.shared_memory_per_block,
+        shared_memory_per_multiprocessor=profile.shared_memory_per_block + 1024,
+        L2_cache_size=50 << 20,
+        gcnArchName="",
+        is_integrated=False,
+        is_multi_gpu_board=False,
+        uuid="",
+    )
 
 
 @contextmanager
@@ -120,18 +147,7 @@ def gpu_view(profile: Any) -> Iterator[None]:
             return 0
         return real_get_device(self)  # type: ignore[no-any-return]
 
-    properties = SimpleNamespace(
-        name=profile.device_name,
-        major=profile.compute_capability[0],
-        minor=profile.compute_capability[1],
-        total_memory=profile.memory,
-        multi_processor_count=profile.sm_count,
-        max_threads_per_multi_processor=profile.max_threads_per_sm,
-        shared_memory_per_block_optin=profile.shared_memory_per_block,
-        warp_size=32,
-        is_integrated=False,
-        is_multi_gpu_board=False,
-    )
+    properties = gpu_properties(profile)
     answers: dict[str, Callable[..., Any]] = {
         "torch.cuda.is_available": lambda: True,
         "torch.cuda.device_count": lambda: 1,

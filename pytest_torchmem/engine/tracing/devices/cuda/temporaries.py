@@ -64,6 +64,7 @@ from typing import Any, Final
 
 import torch
 
+from pytest_torchmem.engine.gpu_profiles import DEFAULT_GPU, PROFILES
 from pytest_torchmem.engine.torch_private import private
 from pytest_torchmem.engine.tracing.devices.cuda.base import CUDA
 from pytest_torchmem.engine.tracing.devices.memo import BoundedMemo
@@ -136,17 +137,18 @@ SEMAPHORE_BYTES: Final = 4
 #: its Welford reduction with ``vt0 = 2`` (``gpu_reduce_kernel<scalar_t, out_t, 2>``).
 WELFORD_VT0: Final = 2
 
-_DEFAULT_SM_COUNT: Final = 132  # H100, the default profile
+#: The GPU a figure follows where none is given: the default profile.
+_DEFAULT: Final = PROFILES[DEFAULT_GPU]
 
 
 def max_threads_per_sm(gpu: Any) -> int:
     """``maxThreadsPerMultiProcessor`` of the profiled GPU (:class:`~pytest_torchmem.GpuProfile`;
-    2048, the default H100's, without one)."""
-    return int(getattr(gpu, "max_threads_per_sm", 2048))
+    the default profile's without one)."""
+    return int(getattr(gpu, "max_threads_per_sm", _DEFAULT.max_threads_per_sm))
 
 
 def _sm_count(gpu: Any) -> int:
-    return int(getattr(gpu, "sm_count", _DEFAULT_SM_COUNT))
+    return int(getattr(gpu, "sm_count", _DEFAULT.sm_count))
 
 
 
