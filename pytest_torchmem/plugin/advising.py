@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from pytest_torchmem.engine.gpu_profiles import GpuProfile, gpu_profile
+from pytest_torchmem.engine.gpu_profiles import GpuProfile
 
 if TYPE_CHECKING:
     from pytest_torchmem.engine.request import StepRequest
@@ -22,20 +22,15 @@ if TYPE_CHECKING:
 __all__ = ["advice_lines"]
 
 
-def advice_lines(
-    request: StepRequest,
-    result: Result,
-    gpu: GpuProfile,
-    cpu: Any,
-    custom: tuple[GpuProfile, ...] = (),
-) -> tuple[str, ...]:
+def advice_lines(request: StepRequest, result: Result, gpu: GpuProfile, cpu: Any) -> tuple[str, ...]:
     """The failure message's lines of advice for ``result``, or none where it did not
     break a budget or a ``fits=`` GPU."""
     target: dict[str, Any] = {}
     unfit = [room for room in result.rooms if room.unfit]
     breaches = [breach for breach in result.breaches if breach.source == "estimate"]
     if unfit:
-        target["gpu"] = gpu_profile(unfit[0].gpu, {profile.name: profile for profile in custom})
+        assert unfit[0].profile is not None  # (a room this process made)
+        target["gpu"] = unfit[0].profile
     elif breaches:
         target["budget"] = min(breach.limit for breach in breaches)
         if result.key.device.startswith("cuda"):

@@ -275,7 +275,7 @@ class CheckRunner:
                 rooms=figures.rooms,
             )
             if result.failed and settings.advise:
-                result = dataclasses.replace(result, advice=advice_lines(request, result, gpu, cpu, settings.gpus))
+                result = dataclasses.replace(result, advice=advice_lines(request, result, gpu, cpu))
             self._record.add(result, str(path), figures.entry if settings.update else None)
             _record_properties(item, result)
             self._export(result, figures.trace)

@@ -12,7 +12,7 @@ names (each estimated on its own: their kernels differ).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from pytest_torchmem.engine.fitting import CUDA_CONTEXT, usable_memory
@@ -32,6 +32,9 @@ class Room:
     #: Whether ``memory_budget(fits=...)`` asks this GPU to hold the step: where it does
     #: not, the check fails.
     required: bool = False
+    #: The GPU itself, where this process made the room (not in the JSON report: a room
+    #: read back names its GPU only).
+    profile: GpuProfile | None = field(default=None, compare=False, repr=False)
 
     @property
     def headroom(self) -> int:
@@ -72,4 +75,4 @@ class Room:
 
 def room(gpu: GpuProfile, reserved: int, *, required: bool = False) -> Room:
     """The room a step whose reserved peak is ``reserved`` leaves on ``gpu``."""
-    return Room(gpu.name, usable_memory(gpu), reserved, required)
+    return Room(gpu.name, usable_memory(gpu), reserved, required, gpu)
