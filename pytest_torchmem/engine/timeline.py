@@ -11,6 +11,7 @@ by the same code.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from enum import IntEnum
@@ -19,6 +20,7 @@ from typing import Any, Final, NamedTuple, Protocol
 from pytest_torchmem.engine.report import Category, ModulePeak
 
 __all__ = [
+    "CATEGORY_RANK",
     "Allocator",
     "Analysis",
     "Charge",
@@ -49,6 +51,8 @@ EXIT: Final = 5  # (EXIT, module index, 0)
 NAMED: Final = 6  # (NAMED, index into Timeline.phase_names, 1 begins / 0 ends): tm.phase(name)
 
 _CATEGORY_ORDER: Final = tuple(Category)
+#: Each category's rank in that order (breakdowns, roles, the baseline's order).
+CATEGORY_RANK: Final = {category: i for i, category in enumerate(_CATEGORY_ORDER)}
 
 
 class Frame(NamedTuple):
@@ -139,7 +143,7 @@ class Timeline:
     def assign_role(self, sid: int, category: Category) -> None:
         """Record the role a storage ends up in (gradient, optimizer state)."""
         current = self.roles.get(sid)
-        if current is None or _CATEGORY_ORDER.index(category) < _CATEGORY_ORDER.index(current):
+        if current is None or CATEGORY_RANK[category] < CATEGORY_RANK[current]:
             self.roles[sid] = category
 
     def category_of(self, sid: int) -> Category:
@@ -230,8 +234,7 @@ def analyze(timeline: Timeline, baseline: list[int], allocator: Allocator | None
     also asked for its reserved peak).
     """
     categories = [timeline.category_of(sid) for sid in range(len(timeline.storages))]
-    cat_index = {category: i for i, category in enumerate(_CATEGORY_ORDER)}
-    cat_of = [cat_index[category] for category in categories]
+    cat_of = [CATEGORY_RANK[category] for category in categories]
     size: dict[int, int] = {}
     blocks: dict[int, Any] = {}
     by_cat = [0] * len(_CATEGORY_ORDER)
@@ -259,10 +262,9 @@ def analyze(timeline: Timeline, baseline: list[int], allocator: Allocator | None
     named_depth = [0] * len(timeline.phase_names)
     named_open: list[int] = []  # the user's phases under way
 
+    # (the events before the step's start set it up: the baseline is what they left alive)
     start = timeline.step_start
-    for index, (kind, a, b) in enumerate(timeline.events):
-        if index < start:
-            continue  # setting the step up: the baseline is what it left alive
+    for index, (kind, a, b) in enumerate(itertools.islice(timeline.events, start, None), start):
         if kind == ALLOC or kind == RESIZE:
             if kind == ALLOC and a in size:
                 continue  # already live: counted once
@@ -392,9 +394,7 @@ def replay(
         size[sid] = _charge(allocator, blocks, sid, nbytes)
         yield Charge(-1, sid, size[sid], blocks.get(sid))
     start = timeline.step_start
-    for index, (kind, a, b) in enumerate(timeline.events):
-        if index < start:
-            continue
+    for index, (kind, a, b) in enumerate(itertools.islice(timeline.events, start, None), start):
         if kind == ALLOC or kind == RESIZE:
             if kind == ALLOC and a in size:
                 continue

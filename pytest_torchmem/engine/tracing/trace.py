@@ -30,7 +30,7 @@ from pytest_torchmem.engine.step import (
     run_step,
 )
 from pytest_torchmem.engine.step_function import StepFunction
-from pytest_torchmem.engine.timeline import Analysis, Phase, Timeline, analyze
+from pytest_torchmem.engine.timeline import CATEGORY_RANK, Analysis, Phase, Timeline, analyze
 from pytest_torchmem.engine.torch_private import private
 from pytest_torchmem.engine.tracing.compiled_program import (
     CompiledModules,
@@ -440,9 +440,8 @@ def _set_up(tracker: Tracker) -> list[int]:
     """
     timeline = tracker.timeline
     timeline.step_start = len(timeline.events)
-    order = {category: i for i, category in enumerate(Category)}
     alive = tracker.live_since(0)
-    return sorted(alive, key=lambda sid: (order[timeline.category_of(sid)], sid))
+    return sorted(alive, key=lambda sid: (CATEGORY_RANK[timeline.category_of(sid)], sid))
 
 
 #: What ``parallel=`` does not model on the fake cuda device.
