@@ -142,11 +142,12 @@ class ModuleTracker:
     def __init__(self, model: nn.Module, probe: Probe) -> None:
         self.probe = probe
         self._index: dict[int, int] = {}
+        #: The modules' names, by the index the probe is told (as :func:`module_names`).
+        self.names: list[str] = []
         for name, module in model.named_modules():
             if id(module) not in self._index:
                 self._index[id(module)] = len(self._index)
-        #: The modules' names, by the index the probe is told (:func:`module_names`).
-        self.names = module_names(model)
+                self.names.append(name or ROOT_NAME)
         self._handles: list[Any] = []
 
     def __enter__(self) -> ModuleTracker:
