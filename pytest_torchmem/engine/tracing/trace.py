@@ -10,7 +10,7 @@ from typing import Any, Final
 import torch
 from torch import nn
 
-from pytest_torchmem.engine.layouts import parts, sparse_like
+from pytest_torchmem.engine.layouts import sparse_like
 from pytest_torchmem.engine.model_state import (
     Converted,
     StandIns,
@@ -540,11 +540,8 @@ def adopt(tracker: Tracker, standins: Converted) -> list[int]:
     seen: set[int] = set()
     for category, tensors in standins.baseline_groups():
         for tensor in tensors:
-            if tensor.layout is not torch.strided:
-                tracker.sparse = True  # (its ops' arguments are looked at from here on)
-        for t in (part for tensor in tensors for part in parts(tensor)):
-            sid = tracker.adopt(t, category)
-            if sid is not None and sid not in seen:
-                seen.add(sid)
-                baseline.append(sid)
+            for sid in tracker.adopt(tensor, category):
+                if sid not in seen:
+                    seen.add(sid)
+                    baseline.append(sid)
     return baseline

@@ -215,9 +215,14 @@ class Tracker(TorchDispatchMode):
         """The sids of the storages made since sid ``first`` that are still live."""
         return self.ledger.live_since(first)
 
-    def adopt(self, t: torch.Tensor, category: Category) -> int | None:
-        """Register ``t``'s storage as live before the step, with a fixed role."""
-        return self._track(t, category, "", self.phase, self.module)
+    def adopt(self, t: torch.Tensor, category: Category) -> list[int]:
+        """Register ``t``'s storage (a sparse tensor's: each of its parts') as live before
+        the step, with a fixed role; the sids of those it had not registered yet."""
+        if t.layout is not _STRIDED:
+            self._met_sparse()  # (its ops' arguments are looked at from here on)
+            return [sid for part in parts(t) for sid in self.adopt(part, category)]
+        sid = self._track(t, category, "", self.phase, self.module)
+        return [] if sid is None else [sid]
 
     def storage_resized(self, t: torch.Tensor) -> None:
         """``t``'s storage was resized in place (``untyped_storage().resize_``): to 0
