@@ -90,6 +90,7 @@ _FAKE_KEY: Final = private("torch._C._TorchDispatchModeKey.FAKE")
 _FAKE_TYPES: Final = (FakeTensor,)
 _MADE: Final = ValueKind.MADE
 _COMPUTED: Final = ValueKind.COMPUTED
+_SEEDED: Final = ValueKind.SEEDED
 #: Tensor types the tracker handles itself; other subclasses (DTensor) dispatch first.
 _PLAIN_TYPES: Final = frozenset({torch.Tensor, FakeTensor, torch.nn.Parameter})
 
@@ -391,6 +392,7 @@ class Tracker(TorchDispatchMode):
         if (
             real_out is not None
             or plan.values is _MADE
+            or plan.values is _SEEDED
             or (
                 known
                 and (

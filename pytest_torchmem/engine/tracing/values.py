@@ -11,10 +11,22 @@ outputs get the real results as shadows. A value-dependent op that meets
 shadows is then answered with the real value, and the trace follows the path
 eager takes.
 
+The step modelled is a healthy one: its values are finite (``isnan`` and
+``isinf`` are all ``False``, ``isfinite`` all ``True``, whatever the values; a
+grad scaler's check finds no inf), as a check of a trainer's loss finds them.
+
+Values drawn at random on the host (ops tagged ``nondeterministic_seeded`` whose
+output is a CPU tensor: a data loader's seed, a sampler's permutation) are
+drawn for real, from a copy of the generator the op names (the default one's
+state as the trace began, or the user's ``torch.Generator``'s), so that they
+are the values a real run draws, and the user's generators are not advanced.
+Once a draw from a generator cannot be made for real (too large, its arguments
+unknown), its copy no longer follows it: what it draws later is unknown.
+
 What stays unknown: tensors made from unknown ones (too large, on the meta
-device, drawn at random: ops tagged ``nondeterministic_seeded``), uninitialised
-memory (``empty``), ops outside ATen's own namespaces, and anything written in
-place with unknown values (every shadow of that storage is dropped).
+device, drawn at random on the device), uninitialised memory (``empty``), ops
+outside ATen's own namespaces, and anything written in place with unknown
+values (every shadow of that storage is dropped).
 
 Real memory is bounded, never proportional to activations or parameters: a
 tensor is shadowed only if its storage holds at most :data:`MAX_NUMEL`
@@ -68,6 +80,8 @@ MAX_BYTES: Final = 1 << 24
 _MAX_READ: Final = MAX_NUMEL
 
 _CPU: Final = torch.device("cpu")
+#: What an op run on the shadows returned that wrote them in place and returned nothing.
+_WROTE_IN_PLACE: Final = object()
 
 
 class ValueKind(IntEnum):
@@ -80,6 +94,9 @@ class ValueKind(IntEnum):
     #: Made from the arguments that are not tensors alone (``arange``, ``zeros``):
     #: known whatever the tensor arguments (``zeros_like``).
     MADE = 2
+    #: Drawn at random (``nondeterministic_seeded``): known on the host, drawn from a
+    #: copy of the generator.
+    SEEDED = 3
 
 
 #: Ops whose outputs are uninitialised memory, or depend on more than their arguments.
@@ -145,6 +162,13 @@ _FILLS: Final[dict[Any, _Fill]] = {
     aten.new_zeros.default: _filled(None, 0),
     aten.new_ones.default: _filled(None, 1),
     aten.new_full.default: _filled(2),
+    # The step modelled is a healthy one, its values finite (as _FINITE_ASSUMED below): a
+    # trainer's check of the loss for nan or inf finds none, whatever the loss's value.
+    aten.isnan.default: _filled(None, False),
+    aten.isinf.default: _filled(None, False),
+    aten.isposinf.default: _filled(None, False),
+    aten.isneginf.default: _filled(None, False),
+    aten.isfinite.default: _filled(None, True),
 }
 
 
@@ -174,8 +198,10 @@ def value_kind(func: Any) -> ValueKind:
         return ValueKind.MADE
     if func in _OPAQUE or not isinstance(func, _OpOverload):
         return ValueKind.OPAQUE
-    if func.namespace not in ("aten", "prims") or torch.Tag.nondeterministic_seeded in func.tags:
+    if func.namespace not in ("aten", "prims"):
         return ValueKind.OPAQUE
+    if torch.Tag.nondeterministic_seeded in func.tags:
+        return ValueKind.SEEDED
     return ValueKind.COMPUTED
 
 
@@ -263,6 +289,9 @@ class KnownValues:
         self.known: dict[int, _Known] = {}
         self._storages: dict[int, _Storage] = {}
         self.nbytes = 0  # held by the shadows' storages
+        #: id(a generator the step draws from; None: the default) -> (it, its copy, or None
+        #: once a draw could not be made for real)
+        self._generators: dict[int, tuple[Any, torch.Generator | None]] = {}
 
     # -- reading ---------------------------------------------------------------
 
@@ -448,6 +477,10 @@ class KnownValues:
         ``real_out``: the real outputs, if :meth:`run` made them already."""
         if real_out is None:
             real_out = self._compute(func, kind, args, kwargs, out)
+            if real_out is _WROTE_IN_PLACE:
+                for t in written:
+                    self._check_written(t)
+                return
             if real_out is None:
                 flag = _FINITE_ASSUMED.get(func)
                 kept = args[flag] if flag is not None and len(args) > flag else None
@@ -483,6 +516,8 @@ class KnownValues:
     ) -> Any:
         if kind == ValueKind.OPAQUE:
             return None
+        if kind == ValueKind.SEEDED:
+            return self._drawn(func, args, kwargs, out)
         if kind == ValueKind.COMPUTED and not self.all_known(args, kwargs):
             return self._absorbed(func, args, out)
         fill = _FILLS.get(func)
@@ -502,8 +537,47 @@ class KnownValues:
             return None
         try:
             with _DisableTorchDispatch(), torch.no_grad():
-                return func(*real_args, **dict(real_kwargs))
+                computed = func(*real_args, **dict(real_kwargs))
         except Exception:  # noqa: BLE001 - a kernel the CPU lacks, or a check of its own
+            return None
+        # (an in-place foreach op returns nothing: it wrote its shadows)
+        return _WROTE_IN_PLACE if computed is None else computed
+
+    def _drawn(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> Any:
+        """The values a random op draws on the host, from a copy of its generator (see the
+        module), or None (and the copy no longer follows the generator)."""
+        if type(out) is not FakeTensor or out.fake_device.type != "cpu":
+            return None  # (on the device: CUDA's generator, not followed)
+        generator = kwargs.get("generator")
+        key = id(generator)
+        found = self._generators.get(key)
+        if found is None:
+            source = torch.default_generator if generator is None else generator
+            if not isinstance(source, torch.Generator) or source.device.type != "cpu":
+                return None
+            copy = torch.Generator()
+            copy.set_state(source.get_state())
+            found = self._generators[key] = (generator, copy)
+        copy = found[1]
+        if copy is None:
+            return None
+        in_place = func._schema.is_mutable and bool(args) and args[0] is out
+        try:
+            if not self._small(out):
+                raise _Unknown
+            rest = self._real(args[1:] if in_place else args)
+            real_kwargs = dict(self._real(_items(kwargs)))
+            real_kwargs["generator"] = copy
+            with _DisableTorchDispatch(), torch.no_grad():
+                if in_place:  # into its shadow, or a fresh one (what it held is drawn over)
+                    target = self.of(out)
+                    if target is None:
+                        target = _view(_new_storage(out.untyped_storage().nbytes()), out)
+                    func(target, *rest, **real_kwargs)
+                    return target
+                return func(*rest, **real_kwargs)
+        except Exception:  # noqa: BLE001 - not drawn here: the copy falls behind the generator
+            self._generators[key] = (generator, None)
             return None
 
     def _absorbed(self, func: Any, args: tuple[Any, ...], out: Any) -> Any:
