@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from pytest_torchmem.engine.torch_release import TorchReleaseError
     from pytest_torchmem.engine.tracing.devices.cpu.profiles import CpuProfile
     from pytest_torchmem.engine.units import format_bytes, parse_bytes
+    from pytest_torchmem.engine.world import UnfollowedError
 
 __all__ = [
     "estimate",
@@ -53,6 +54,7 @@ __all__ = [
     "CpuProfile",
     "GpuProfile",
     "TorchReleaseError",
+    "UnfollowedError",
     "parse_bytes",
     "format_bytes",
 ]
@@ -78,6 +80,7 @@ _LAZY: Final = {
     "ModulePeak": "pytest_torchmem.engine.report",
     "StepPeaks": "pytest_torchmem.engine.report",
     "Unsupported": "pytest_torchmem.engine.report",
+    "UnfollowedError": "pytest_torchmem.engine.world",
     "CpuProfile": "pytest_torchmem.engine.tracing.devices.cpu.profiles",
     "GpuProfile": "pytest_torchmem.engine.gpu_profiles",
     "TorchReleaseError": "pytest_torchmem.engine.torch_release",

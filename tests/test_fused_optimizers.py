@@ -292,11 +292,12 @@ def test_grad_scaler_hands_the_fused_step_its_scale_on_cuda(unscaled: bool) -> N
     ``grad_scale``, which ``_fused_adamw_`` takes on the parameters' device."""
     model = nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 64))
     opt = torch.optim.AdamW(model.parameters(), fused=True)
-    enabled: list[bool] = []
+    # (a mock records what the step saw: a list it appended to would be put back as it was)
+    enabled = mock.Mock()
 
     def train_step(model: nn.Module, x: torch.Tensor, opt: torch.optim.Optimizer) -> None:
         scaler = torch.amp.GradScaler("cuda")
-        enabled.append(scaler.is_enabled())
+        enabled(scaler.is_enabled())
         with torch.autocast("cuda", dtype=torch.float16):
             loss = model(x).float().pow(2).mean()
         scaler.scale(loss).backward()
@@ -309,7 +310,7 @@ def test_grad_scaler_hands_the_fused_step_its_scale_on_cuda(unscaled: bool) -> N
 
     with mock.patch.object(torch, "_fused_adamw_", wraps=torch._fused_adamw_) as fused:
         report = tm.estimate(train_step, (model, torch.randn(32, 64), opt), device="cuda")
-    assert enabled == [True] and report.unsupported == ()
+    assert enabled.call_args_list == [mock.call(True)] and report.unsupported == ()
     kwargs = fused.call_args.kwargs
     assert isinstance(kwargs["found_inf"], torch.Tensor)
     assert (kwargs["grad_scale"] is None) is unscaled

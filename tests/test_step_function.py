@@ -247,16 +247,20 @@ def test_a_scheduler_schedules_the_stand_ins_optimizer() -> None:
         assert opt.state == {}
 
 
-def test_an_optimizer_whose_step_wraps_the_users_object_is_refused() -> None:
-    """``opt.step = torch.compile(opt.step)`` wraps the user's own bound method: a twin
-    would step the real parameters, so the check says so instead."""
+def test_an_optimizer_whose_step_wraps_its_own_bound_method_is_followed() -> None:
+    """``opt.step = wrapper(opt.step)`` (a compiled or logged step) calls the user's own
+    bound method: the optimizer is the user's object, holding the stand-ins for the call,
+    so the wrapper steps them; the wrapper, the parameters and the state are as before."""
     model = _mlp()
     opt = _adamw(model)
     step = opt.step
     opt.step = lambda *args, **kwargs: step(*args, **kwargs)  # type: ignore[method-assign]
-    opt.step.__wrapped__ = step  # type: ignore[attr-defined]
-    with pytest.raises(TypeError, match=r"AdamW.step is replaced by a wrapper of the user's own bound method"):
-        tm.estimate(loop_of_three, (model, torch.randn(4, 32), opt))
+    wrapper = opt.step
+    x = torch.randn(4, 32)
+    before = copy.deepcopy(model.state_dict())
+    assert every_peak(tm.estimate(loop_of_three, (model, x, opt))) == every_peak(tm.measure(loop_of_three, (model, x, opt)))
+    assert opt.step is wrapper and opt.state == {}
+    torch.testing.assert_close(model.state_dict(), before, rtol=0, atol=0)
 
 
 def _builtin_twin(model: nn.Module, x: torch.Tensor, opt: torch.optim.Optimizer) -> None:
@@ -322,7 +326,9 @@ def test_modules_the_function_reads_from_outside_are_stand_ins_too() -> None:
     assert estimated.breakdown[tm.Category.PARAMETERS] == sum(p.nbytes for p in lit.parameters())
 
 
-def test_an_optimizer_from_outside_the_arguments_is_refused() -> None:
+def test_an_optimizer_from_outside_the_arguments_is_followed() -> None:
+    """A model and an optimizer the function reads from its closure: both hold the
+    stand-ins for the call (the figures are measure's), and are as before after it."""
     model = _mlp()
     opt = _adamw(model)
 
@@ -330,8 +336,13 @@ def test_an_optimizer_from_outside_the_arguments_is_refused() -> None:
         model(x).sum().backward()
         opt.step()
 
-    with pytest.raises(TypeError, match=r"reads the optimizer 'opt' from outside its arguments.*pass it as an argument"):
-        tm.estimate(step, (torch.randn(2, 32),))
+    x = torch.randn(2, 32)
+    before = copy.deepcopy(model.state_dict())
+    estimated = tm.estimate(step, (x,))
+    assert every_peak(estimated) == every_peak(tm.measure(step, (x,)))
+    assert estimated.breakdown[tm.Category.OPTIMIZER_STATE] == 2 * sum(p.nbytes for p in model.parameters()) + 4 * 4
+    assert opt.state == {} and all(p.grad is None for p in model.parameters())
+    torch.testing.assert_close(model.state_dict(), before, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize(

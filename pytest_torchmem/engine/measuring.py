@@ -24,15 +24,8 @@ import torch
 
 from pytest_torchmem.engine.cpu_profiler import allocator_events
 from pytest_torchmem.engine.layouts import parts
-from pytest_torchmem.engine.model_state import (
-    Converted,
-    HookError,
-    StandIns,
-    collect,
-    convert,
-    hook_failure,
-    substituted,
-)
+from pytest_torchmem.engine.holdings import converted, holdings_of, lend
+from pytest_torchmem.engine.model_state import Converted, HookError, StandIns, hook_failure
 from pytest_torchmem.engine.distributed import FreedOnThisThread, collectives_completed_here
 from pytest_torchmem.engine.parallel import applied, local_tensors, model_copy
 from pytest_torchmem.engine.report import Category, MemoryReport, StepPeaks, Unsupported
@@ -125,7 +118,14 @@ def measure_step(request: StepRequest) -> MemoryReport:
         return callback
 
     compiled_ran = False
-    with CacheRegions(_MEASURED_REGION) as cache, watch_compiled(seen.noted, isolated):
+    # the step draws from the process's generators (dropout, a data loader's seed): they
+    # are the user's, and are as they were after (the estimate draws from copies)
+    devices = [torch.cuda.current_device()] if request.device == "cuda" and torch.cuda.is_available() else []
+    with (
+        torch.random.fork_rng(devices=devices),
+        CacheRegions(_MEASURED_REGION) as cache,
+        watch_compiled(seen.noted, isolated),
+    ):
         if request.parallel is not None:
             report = _measure_ranks(request)
         elif request.device == "cuda":
@@ -233,10 +233,10 @@ def profile_cpu_step(
     copies, and what it leaves alive counts from the start of the step.
     """
     device = torch.device("cpu")
-    model_tensors = collect(request.model)
     compiled = has_compiled_modules(request.model) if warm is None else warm
     if compiled:
-        _warm_up(request, model_tensors, device, on_hook_error)
+        _warm_up(request, device, on_hook_error)
+    holdings = holdings_of(request.model, request.args, request.kwargs)
     parallel = request.parallel
     profiler = ExitStack()
     # The stand-ins are made under the profiler: the allocator then knows their sizes,
@@ -246,7 +246,7 @@ def profile_cpu_step(
     # engine/cpu_profiler.py).
     prof = profiler.enter_context(allocator_events())
     with torch.no_grad():
-        standins = convert(model_tensors, request.args, request.kwargs, _copies(device), on_hook_error)
+        standins = converted(holdings, request.args, request.kwargs, _copies(device), on_hook_error)
     timeline = Timeline()
     by_ptr: dict[int, int] = {}
     baseline: list[int] = []
@@ -262,7 +262,7 @@ def profile_cpu_step(
     probe = MarkingProbe(seen=seen)
     step_model = request.model
     if parallel is not None:
-        step_model = model_copy(request.model, model_tensors, standins.model)
+        step_model = model_copy(request.model, holdings, standins.model)
     modules: Any = NoModules() if compiled else ModuleTracker(step_model, probe)
     timeline.module_names = modules.names
     with profiler:
@@ -285,7 +285,7 @@ def profile_cpu_step(
             # constructor makes its state: Adagrad's sums) counts, as the estimate counts it
             probe.set_phase(None)
         with (
-            substituted(model_tensors, standins.model) if parallel is None else collectives_completed_here(),
+            lend(holdings, standins, compiled=compiled) if parallel is None else collectives_completed_here(),
             modules,
         ):
             run_step(
@@ -331,7 +331,6 @@ def _run(request: StepRequest, standins: Converted, probe: Any) -> None:
 
 def _warm_up(
     request: StepRequest,
-    model_tensors: Any,
     device: torch.device,
     on_hook_error: HookError | None = None,
 ) -> None:
@@ -340,8 +339,9 @@ def _warm_up(
     Without the optimizer: the measured step makes a new one, and a compiled step of
     it compiles there all the same (dynamo compiles a step per optimizer)."""
     with torch.no_grad():
-        copies = convert(model_tensors, request.args, request.kwargs, _copies(device), on_hook_error)
-    with substituted(model_tensors, copies.model):
+        holdings = holdings_of(request.model, request.args, request.kwargs)
+        copies = converted(holdings, request.args, request.kwargs, _copies(device), on_hook_error)
+    with lend(holdings, copies, compiled=True):
         _run(dataclasses.replace(request, optimizer=None), copies, QuietProbe())
 
 
@@ -367,14 +367,14 @@ def _measure_cuda(request: StepRequest, on_hook_error: HookError | None = None) 
     private("torch._C._cuda_clearCublasWorkspaces")()
     held_allocated = torch.cuda.memory_allocated(device)
     held_reserved = torch.cuda.memory_reserved(device)
-    model_tensors = collect(request.model)
+    holdings = holdings_of(request.model, request.args, request.kwargs)
     with torch.no_grad():
-        standins = convert(model_tensors, request.args, request.kwargs, _copies(device), on_hook_error)
+        standins = converted(holdings, request.args, request.kwargs, _copies(device), on_hook_error, _copies(torch.device("cpu")))
     probe = _CudaPeakProbe(device)
     modules = ModuleTracker(request.model, probe)
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
-    with substituted(model_tensors, standins.model), modules:
+    with lend(holdings, standins), modules:
         _run(request, standins, probe)
     del standins
 

@@ -26,6 +26,8 @@ from pytest_torchmem.engine.torch_private import private
 from pytest_torchmem.engine.twins import Twins, twin
 
 __all__ = [
+    "Converted",
+    "converter",
     "Slot",
     "ModelTensors",
     "StandIns",
@@ -122,6 +124,14 @@ def _spans_its_storage(t: torch.Tensor) -> bool:
     if t.numel():
         span = (1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))) * t.element_size()
     return span == t.untyped_storage().nbytes()
+
+
+def converter(make: StandIns, on_hook_error: HookError | None = None) -> _Converter:
+    """A converter of tensors into stand-ins made by ``make``, one per tensor (``t`` -> its
+    stand-in, called as ``converter(t)``), sharing storages as the tensors do and carrying
+    parameters' hooks; ``.gradients()`` then gives the stand-ins their gradients' stand-ins,
+    ``.originals`` maps a stand-in's id to its tensor."""
+    return _Converter(make, on_hook_error)
 
 
 class _Converter:
@@ -352,6 +362,9 @@ class Converted:
     optimizers: list[torch.optim.Optimizer] = field(default_factory=list)
     #: id(a sparse tensor's stand-in) -> (stand-in, original) of its parts.
     sparse_parts: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=dict)
+    #: The stand-ins of the optimizers' state (a step function's optimizers hold them while
+    #: it runs; a twin's state is read from the twin).
+    state: list[torch.Tensor] = field(default_factory=list)
 
     @property
     def gradients(self) -> list[torch.Tensor]:
@@ -360,7 +373,7 @@ class Converted:
     def baseline_groups(self) -> tuple[tuple[Category, list[torch.Tensor]], ...]:
         """The tensors live before the step, by category (a storage in several counts in
         the first)."""
-        state = [
+        state = self.state or [
             value
             for optimizer in self.optimizers
             for entries in optimizer.state.values()

@@ -43,6 +43,7 @@ from pytest_torchmem.engine.report import Category
 from pytest_torchmem.engine.timeline import Phase
 from pytest_torchmem.engine.torch_private import private, private_name
 from pytest_torchmem.engine.torch_replacing import replacing
+from pytest_torchmem.engine.world.journal import checkpoint
 
 __all__ = ["PhaseWatch", "hooked_modules", "naming_phases", "phase"]
 
@@ -82,6 +83,14 @@ class PhaseWatch:
         self.backwards = 0  # depth of backward calls
         self.steps = 0  # depth of optimizer steps
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> PhaseWatch:
+        # its hooks sit on the user's modules: a module the step deep-copies (an EMA's
+        # copy) keeps them, telling this watch, as a copy keeps the user's own hooks
+        return self
+
+    def __copy__(self) -> PhaseWatch:
+        return self
+
     @contextmanager
     def watching(self) -> Iterator[PhaseWatch]:
         with ExitStack() as stack:
@@ -101,6 +110,7 @@ class PhaseWatch:
             self.probe.set_phase(None)
 
     def _begin(self, phase: Phase) -> None:
+        checkpoint()  # what the program let go of since, the journal lets go of too
         if phase == Phase.FORWARD and self.trained:
             self.iteration += 1
             self.trained = False
@@ -131,6 +141,7 @@ class PhaseWatch:
                 return run(*args, **kwargs)
             finally:
                 self.backwards -= 1
+                checkpoint()
                 with _DisableTorchFunction():
                     self.probe.assign_role(
                         Category.GRADIENTS, local_tensors(t.grad for t in self.leaves if t.grad is not None)
@@ -144,13 +155,33 @@ class PhaseWatch:
             self.prepared.add(id(optimizer))
             self.probe.prepare_optimizer(optimizer)
 
-    def _stepping(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    def _stepping(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> Any:
         self._prepare(optimizer)  # one the function made: its first step
-        if self.backwards == 0 and self.steps == 0:
-            self._begin(Phase.STEP)
+        outermost = self.backwards == 0 and self.steps == 0
         self.steps += 1
+        closure = kwargs.get("closure", args[0] if args else None)
+        if outermost and callable(closure):
+            # optimizer.step(closure) (LBFGS, Lightning's automatic optimization) runs the
+            # forward and backward in the closure: they are phases of their own, and the
+            # step begins when the closure returns
+            return _closure_args(args, kwargs, self._watched_closure(closure))
+        if outermost:
+            self._begin(Phase.STEP)
+        return None
+
+    def _watched_closure(self, closure: Callable[..., Any]) -> Callable[..., Any]:
+        def watched(*args: Any, **kwargs: Any) -> Any:
+            depth, self.steps = self.steps, 0
+            try:
+                return closure(*args, **kwargs)
+            finally:
+                self.steps = depth
+                self._begin(Phase.STEP)
+
+        return watched
 
     def _stepped(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        checkpoint()
         self.steps = max(0, self.steps - 1)
         with _DisableTorchFunction():
             self.probe.assign_role(
@@ -159,6 +190,13 @@ class PhaseWatch:
                     v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)
                 ),
             )
+
+
+def _closure_args(args: Any, kwargs: Any, closure: Callable[..., Any]) -> tuple[Any, Any]:
+    """``optimizer.step``'s arguments with ``closure`` in the place of its own."""
+    if "closure" in kwargs:
+        return args, {**kwargs, "closure": closure}
+    return (closure, *args[1:]), kwargs
 
 
 def hooked_modules(modules: Sequence[nn.Module]) -> list[nn.Module]:

@@ -1,16 +1,15 @@
 """A step written by the user: a function and its arguments, run as the engine runs a model.
 
 ``tm.estimate(train_step, (model, batch, opt))`` checks the user's own step
-rather than the built-in one. :func:`step_function` wraps the function in a
-:class:`StepFunction`: an ``nn.Module`` that holds, as named children, the
-modules the function is given (among its arguments, nested in lists, tuples
-and dicts, as ``self`` of a bound method, or read from its closure and the
-globals it names), so that the engine finds their tensors and swaps them for
-stand-ins as it does a model's, and puts them back after. The tensors among
-the arguments become stand-ins as inputs do, and each optimizer, LR scheduler
-and grad scaler among them a twin that acts on the stand-ins
-(:mod:`~pytest_torchmem.engine.twins`): what the function is given is left as
-it was.
+rather than the built-in one. :func:`step_function` walks what the function
+reaches (:mod:`~pytest_torchmem.engine.world`: its arguments at any depth, the
+bound ``self``, partials and callable objects, defaults, closures, the globals
+its code reads) and wraps it in a :class:`StepFunction`: an ``nn.Module`` that
+holds, as named children, the modules reached (so that the engine names their
+figures and finds their compiled regions as it does a model's), and the
+:class:`~pytest_torchmem.engine.world.reaching.World` itself, whose tensors the
+step's stand-ins take the place of for the call (the user's objects, the same
+objects, hold them meanwhile, and are as they were after).
 :func:`run_function` calls it, its phases told to the probe by
 :class:`~pytest_torchmem.engine.phases.PhaseWatch`.
 """
@@ -25,102 +24,89 @@ import torch
 from torch import nn
 
 from pytest_torchmem.engine.phases import PhaseWatch
+from pytest_torchmem.engine.world.reaching import World, reach
 
 __all__ = ["StepFunction", "run_function", "step_function"]
 
 
 class StepFunction(nn.Module):
-    """A step function and the modules it reaches, by the name it reaches each by."""
+    """A step function, the world it reaches, and the modules of that world by the path
+    that reaches each."""
 
-    def __init__(self, function: Callable[..., Any], modules: Mapping[str, nn.Module]) -> None:
+    def __init__(self, function: Callable[..., Any], world: World, names: list[str]) -> None:
         super().__init__()
         self.__dict__["function"] = function  # a bound method of a module is no child
-        for name, module in modules.items():
+        #: the names the function gives its positional arguments
+        self.__dict__["names"] = names
+        taken: dict[str, nn.Module] = {}
+        for path, module in world.modules.items():
+            name = _module_name(path, taken)
+            taken[name] = module
             self.add_module(name, module)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:  # the engine calls run_function
         return self.function(*args, **kwargs)
 
+    def reach(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> World:
+        """The world the function reaches now, called on ``args`` and ``kwargs`` (walked
+        afresh for each run: a run lends it stand-ins, then lets go of it)."""
+        return reach(self.function, args, kwargs, self.names)
+
 
 def step_function(function: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> StepFunction:
-    """``function`` with the modules it reaches (see the module); an optimizer it reads
-    from its closure or globals is refused, as it could not be twinned."""
-    found: dict[str, nn.Module] = {}
-    seen: set[int] = set()
+    """``function`` with the world it reaches (see the module)."""
+    _check_callable(function)
+    names = _argument_names(function, len(args))
+    return StepFunction(function, reach(function, args, kwargs, names), names)
 
-    def add(name: str, value: Any, depth: int = 0) -> None:
-        if isinstance(value, nn.Module):
-            if id(value) not in seen:
-                seen.add(id(value))
-                found[_module_name(name, found)] = value
-        elif depth < 4 and isinstance(value, (list, tuple)):
-            for i, item in enumerate(value):
-                add(f"{name}[{i}]", item, depth + 1)
-        elif depth < 4 and isinstance(value, dict):
-            for key, item in value.items():
-                add(f"{name}[{key!r}]", item, depth + 1)
 
-    owner = getattr(function, "__self__", None)
-    if isinstance(owner, nn.Module):
-        add("self", owner)
-    for name, value in _named_arguments(function, args, kwargs):
-        add(name, value)
-    for name, value in _reached(function):
-        if isinstance(value, torch.optim.Optimizer):
+def _check_callable(function: Callable[..., Any]) -> None:
+    """A generator or coroutine function runs nothing until it is iterated or awaited."""
+    target = inspect.unwrap(getattr(function, "func", function))
+    target = getattr(target, "__func__", target)
+    call = getattr(type(target), "__call__", None) if not inspect.isroutine(target) else None
+    for candidate in (target, call):
+        if candidate is None:
+            continue
+        name = getattr(target, "__qualname__", type(target).__name__)
+        if inspect.isgeneratorfunction(candidate) or inspect.isasyncgenfunction(candidate):
             raise TypeError(
-                f"the step function {getattr(function, '__qualname__', function)!r} reads the "
-                f"optimizer {name!r} from outside its arguments; it would step the real "
-                f"parameters: pass it as an argument, e.g. "
-                f"tm.estimate(train_step, (model, batch, {name}))"
+                f"the step function {name!r} is a generator function: calling it runs none of its "
+                "body (it would run as it is iterated); write the step as a plain function, or "
+                f"pass one that consumes it, e.g. tm.estimate(lambda *a: list({name}(*a)), ...)"
             )
-        add(name, value)
-    return StepFunction(function, found)
+        if inspect.iscoroutinefunction(candidate):
+            raise TypeError(
+                f"the step function {name!r} is a coroutine function (async def): calling it runs "
+                "none of its body; pass a plain function, e.g. "
+                f"tm.estimate(lambda *a: asyncio.run({name}(*a)), ...)"
+            )
 
 
-def _module_name(name: str, taken: Mapping[str, Any]) -> str:
-    base = name.replace(".", "_") or "module"
+def _module_name(path: str, taken: Mapping[str, Any]) -> str:
+    base = path.replace(".", "_") or "module"
     name, n = base, 1
-    while name in taken or hasattr(StepFunction, name) or name == "function":
+    while name in taken or hasattr(StepFunction, name) or name in ("function", "names"):
         n += 1
         name = f"{base}_{n}"
     return name
 
 
-def _named_arguments(
-    function: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> list[tuple[str, Any]]:
-    """The arguments by the names the function gives them (``args[i]`` where it has none)."""
+def _argument_names(function: Callable[..., Any], count: int) -> list[str]:
+    """The names the function gives its first ``count`` positional arguments (``args[i]``
+    where it has none)."""
+    names = [f"args[{i}]" for i in range(count)]
     try:
-        bound = inspect.signature(function).bind_partial(*args, **kwargs)
+        parameters = list(inspect.signature(function).parameters.values())
     except (TypeError, ValueError):
-        return [*((f"args[{i}]", a) for i, a in enumerate(args)), *kwargs.items()]
-    named: list[tuple[str, Any]] = []
-    for name, value in bound.arguments.items():
-        kind = bound.signature.parameters[name].kind
-        if kind is inspect.Parameter.VAR_POSITIONAL:
-            named += [(f"{name}[{i}]", v) for i, v in enumerate(value)]
-        elif kind is inspect.Parameter.VAR_KEYWORD:
-            named += list(value.items())
-        else:
-            named.append((name, value))
-    return named
-
-
-def _reached(function: Callable[..., Any]) -> list[tuple[str, Any]]:
-    """The values ``function`` reads from its closure and by name from its globals."""
-    function = getattr(function, "__func__", function)
-    code = getattr(function, "__code__", None)
-    if code is None:
-        return []
-    reached: list[tuple[str, Any]] = []
-    for name, cell in zip(code.co_freevars, getattr(function, "__closure__", None) or ()):
-        try:
-            reached.append((name, cell.cell_contents))
-        except ValueError:  # an empty cell
-            pass
-    names = getattr(function, "__globals__", {})
-    reached += [(name, names[name]) for name in code.co_names if name in names]
-    return reached
+        return names
+    for i, parameter in enumerate(parameters[:count]):
+        if parameter.kind is inspect.Parameter.VAR_POSITIONAL:
+            names[i:] = [f"{parameter.name}[{j}]" for j in range(count - i)]
+            break
+        if parameter.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD):
+            names[i] = parameter.name
+    return names
 
 
 def run_function(
@@ -135,4 +121,13 @@ def run_function(
     """Call the step function on the stand-ins, its phases told to ``probe``; what it
     returns is dropped as the call ends."""
     with PhaseWatch(probe, list(step.children()), leaves, optimizers).watching():
-        step.function(*args, **kwargs)
+        returned = step.function(*args, **kwargs)
+        if inspect.isgenerator(returned) or inspect.iscoroutine(returned) or inspect.isasyncgen(returned):
+            if inspect.iscoroutine(returned):
+                returned.close()
+            raise TypeError(
+                f"the step function returned a {type(returned).__name__}: its body had not run "
+                "(a generator or coroutine runs as it is iterated or awaited); pass a function "
+                "that runs the step"
+            )
+        del returned

@@ -155,6 +155,8 @@ PRIVATE: Final = table(
             "torch.backends.cuda.is_built",
             "torch.backends.cuda.is_flash_attention_available",
             "torch.backends.cudnn.is_available",
+            "torch.cuda.set_device",
+            "torch.cuda.synchronize",
         )
     ),
     Private(
@@ -305,6 +307,36 @@ PRIVATE: Final = table(
         "a step function's backward begins where it is called: public, replaced while a step "
         "function runs",
         replaced=True,
+    ),
+    Private(
+        "torch._has_compatible_shallow_copy_type",
+        "whether a converted fake parameter can take its copy's data in place, as a real one "
+        "does in Module._apply (tracing/module_methods.py)",
+    ),
+    Private(
+        "torch.nn.modules.module.Module._apply",
+        "a module's .to(), .cuda(), .half(), ... convert its fake parameters in place on the "
+        "tracing thread, as real ones are (tracing/module_methods.py)",
+        replaced=True,
+        thread_scoped=True,
+    ),
+    Private(
+        "torch._tensor.Tensor.__deepcopy__",
+        "copy.deepcopy of a fake tensor (a module's, an EMA's copy) is its clone on the tracing "
+        "thread (tracing/module_methods.py): public, replaced while a step runs",
+        replaced=True,
+        thread_scoped=True,
+    ),
+    *(
+        Private(
+            f"torch.{owner}.{method}",
+            "the modules and optimizers a step function makes (constructed or copied) are its "
+            "own; any other it calls that its walk did not reach is refused (world/watching.py): "
+            "public, wrapped while a step function runs, always calling the original",
+            replaced=True,
+        )
+        for owner in ("nn.modules.module.Module", "optim.optimizer.Optimizer")
+        for method in ("__init__", "__setstate__")
     ),
     Private(
         "torch.distributed.distributed_c10d.ProcessGroupGloo",

@@ -34,18 +34,20 @@ from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final
 
-from pytest_torchmem.engine.model_state import substituted
+from pytest_torchmem.engine.holdings import lend
 from pytest_torchmem.engine.parallel import fake_world
 from pytest_torchmem.engine.tracing.compiled import watch_compiled
 from pytest_torchmem.engine.tracing.devices.cuda.gpu_view import gpu_view
 from pytest_torchmem.engine.tracing.devices.routing import routed_recomputation
 from pytest_torchmem.engine.tracing.generation import beams_run_on
+from pytest_torchmem.engine.tracing.module_methods import module_methods_on_fakes
 from pytest_torchmem.engine.tracing.rng_states import charged_rng_states
 
 if TYPE_CHECKING:
     from torch import nn
 
-    from pytest_torchmem.engine.model_state import Converted, ModelTensors
+    from pytest_torchmem.engine.holdings import Holdings
+    from pytest_torchmem.engine.model_state import Converted
     from pytest_torchmem.engine.parallel import Parallel
     from pytest_torchmem.engine.tracing.compiled_program import Following
     from pytest_torchmem.engine.tracing.tracker import Tracker
@@ -59,6 +61,7 @@ __all__ = [
     "GPU_VIEW",
     "Layer",
     "MODULE_HOOKS",
+    "MODULE_METHODS",
     "RNG_STATES",
     "ROUTED_RECOMPUTATION",
     "ROUTER",
@@ -75,8 +78,9 @@ __all__ = [
 class Scene:
     """What the layers of one trace are made of, made by the trace before it enters them."""
 
-    model_tensors: ModelTensors
-    #: The stand-ins the model holds during the step (:func:`substituted`).
+    #: What the step holds of the user's: the model's tensors, or a step function's world.
+    holdings: Holdings
+    #: The stand-ins the model (or the world) holds during the step (:func:`lend`).
     standins: Converted
     #: The model the step runs (a copy holding the stand-ins under ``parallel=``).
     step_model: nn.Module
@@ -131,7 +135,7 @@ def _tracker(scene: Scene) -> Tracker:
 def _stand_ins(scene: Scene) -> AbstractContextManager[None] | None:
     if scene.parallel is not None:
         return None  # the copy apply parallelizes holds the stand-ins itself
-    return substituted(scene.model_tensors, scene.standins.model)
+    return lend(scene.holdings, scene.standins, compiled=scene.following.active)
 
 
 def _fake_world(scene: Scene) -> AbstractContextManager[Any] | None:
@@ -189,6 +193,13 @@ TRACKER: Final = Layer(
     "makes under them is fake and charged",
     _tracker,
 )
+MODULE_METHODS: Final = Layer(
+    "module methods on fake tensors",
+    "after the tracker: a module's .to(), casts and deepcopy, made to act on fake tensors as "
+    "on real ones, make fake tensors the tracker charges; on the tracing thread only, while "
+    "the step runs",
+    lambda scene: module_methods_on_fakes(),
+)
 ROUTER: Final = Layer(
     "router",
     "after the fake mode and the tracker: the torch-function mode that picks the device's "
@@ -231,6 +242,7 @@ CPU_LAYERS: Final = (
     FAKE_WORLD,
     FAKE_MODE,
     TRACKER,
+    MODULE_METHODS,
     ROUTER,
     ROUTED_RECOMPUTATION,
     RNG_STATES,
@@ -246,6 +258,7 @@ CUDA_LAYERS: Final = (
     FAKE_WORLD,
     FAKE_MODE,
     TRACKER,
+    MODULE_METHODS,
     ROUTER,
     ROUTED_RECOMPUTATION,
     GPU_VIEW,
@@ -265,7 +278,8 @@ WARM_UP_LAYERS: Final = (
     Layer(
         "the warm-up's stand-ins in the model",
         STAND_INS.why,
-        lambda scene: substituted(scene.model_tensors, scene.standins.model),
+        lambda scene: lend(scene.holdings, scene.standins, compiled=True),
     ),
     FAKE_MODE,
+    MODULE_METHODS,
 )

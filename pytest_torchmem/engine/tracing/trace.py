@@ -10,14 +10,9 @@ from typing import Any, Final
 import torch
 from torch import nn
 
+from pytest_torchmem.engine.holdings import converted, holdings_of
 from pytest_torchmem.engine.layouts import sparse_like
-from pytest_torchmem.engine.model_state import (
-    Converted,
-    StandIns,
-    collect,
-    convert,
-    hook_failure,
-)
+from pytest_torchmem.engine.model_state import Converted, StandIns, hook_failure
 from pytest_torchmem.engine.parallel import Parallel, applied, local_tensors, model_copy
 from pytest_torchmem.engine.report import Category, MemoryReport, StepPeaks, Unsupported
 from pytest_torchmem.engine.step import (
@@ -172,7 +167,7 @@ def _trace(
     context = TraceContext(device.name, gpu=gpu, cpu=cpu)
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True, allow_fallback_kernels=False)
     where = device.trace_device
-    model_tensors = collect(model)
+    holdings = holdings_of(model, args, kwargs)
 
     # (the tracker and the compiled programs are made below, once the stand-ins are)
     def hook_failed(hook: Any, exc: Exception) -> None:
@@ -182,8 +177,9 @@ def _trace(
         following.prepare_optimizer(optimizer)
 
     with fake_mode:
-        standins = convert(model_tensors, args, kwargs, fake_standins(where, fake_mode), hook_failed)
-    step_model = model if parallel is None else model_copy(model, model_tensors, standins.model)
+        host = fake_standins(torch.device("cpu"), fake_mode) if where.type != "cpu" else None
+        standins = converted(holdings, args, kwargs, fake_standins(where, fake_mode), hook_failed, host)
+    step_model = model if parallel is None else model_copy(model, holdings, standins.model)
     tracker = Tracker(
         fake_mode,
         where,
@@ -241,7 +237,6 @@ def _trace(
             try:
                 _warm_up(
                     model,
-                    model_tensors,
                     args,
                     kwargs,
                     fake_mode,
@@ -259,7 +254,7 @@ def _trace(
         if follow:
             following.warm_up_done()
         scene = Scene(
-            model_tensors,
+            holdings,
             standins,
             step_model,
             fake_mode,
@@ -369,7 +364,6 @@ def _visible(fake_mode: FakeTensorMode, tracker: Tracker) -> Iterator[None]:
 
 def _warm_up(
     model: nn.Module,
-    model_tensors: Any,
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
     fake_mode: FakeTensorMode,
@@ -386,9 +380,10 @@ def _warm_up(
     optimizer is left out: the traced step makes a new one, whose compiled step is
     compiled anew). ``looped``: the traced step runs as a training loop, and so does
     this one, running the compiled code as often."""
+    holdings = holdings_of(model, args, kwargs)  # (the traced step's were lent there, and let go of)
     with fake_mode:
-        copies = convert(model_tensors, args, kwargs, fake_standins(where, fake_mode))
-    with entered(WARM_UP_LAYERS, Scene(model_tensors, copies, model, fake_mode, following)):
+        copies = converted(holdings, args, kwargs, fake_standins(where, fake_mode))
+    with entered(WARM_UP_LAYERS, Scene(holdings, copies, model, fake_mode, following)):
         run_step(
             model,
             copies.args,
@@ -513,14 +508,19 @@ def _fake_parameter(t: torch.Tensor, requires_grad: bool) -> torch.Tensor:
 
 def _originals(standins: Converted) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """``(stand-in, original)`` of the step's tensors whose values the trace may know:
-    inputs first, then buffers, attributes, parameters and gradients (the shadows'
-    room is bounded)."""
+    inputs first, then the optimizers' step counts, buffers, attributes, parameters,
+    gradients and the rest of the optimizers' state (the shadows' room is bounded)."""
+    # (an optimizer's step counts, one element each, before the rest: Adam's bias
+    # correction divides by one minus a power of them)
+    counts = [t for t in standins.state if t.numel() == 1]
     groups = (
         standins.inputs,
+        counts,
         standins.buffers,
         standins.attributes,
         standins.parameters,
         standins.gradients,
+        [t for t in standins.state if t.numel() != 1],
     )
     pairs = []
     for group in groups:
@@ -540,6 +540,8 @@ def adopt(tracker: Tracker, standins: Converted) -> list[int]:
     seen: set[int] = set()
     for category, tensors in standins.baseline_groups():
         for tensor in tensors:
+            if type(tensor) is FakeTensor and tensor.fake_device != tracker.device:
+                continue  # on the host (an optimizer's step count beside a GPU's parameters)
             for sid in tracker.adopt(tensor, category):
                 if sid not in seen:
                     seen.add(sid)

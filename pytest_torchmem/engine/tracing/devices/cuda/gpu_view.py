@@ -160,6 +160,10 @@ def gpu_view(profile: Any) -> Iterator[None]:
         "torch.backends.cuda.is_built": lambda: True,
         "torch.backends.cuda.is_flash_attention_available": lambda: True,
         "torch.backends.cudnn.is_available": lambda: True,
+        # The one GPU is the current device, and the trace's work is done where it is made
+        # (a trainer sets the device and synchronizes, as on a machine with a GPU).
+        "torch.cuda.set_device": lambda device: None,
+        "torch.cuda.synchronize": lambda device=None: None,
     }
 
     def answering(answer: Callable[..., Any], real: list[Callable[..., Any]]) -> Callable[..., Any]:
