@@ -1,0 +1,140 @@
+"""Frameworks as their users run them (issue 36): a script with a DataLoader, Accelerate, Hugging Face's
+``Trainer.train()`` and Lightning's ``Trainer.fit``, each the function of its ``examples/`` suite.
+
+On cpu each estimate equals ``measure`` byte for byte (every phase's peak and the
+breakdown at the peak); on the fake cuda device each runs as on a machine with a
+GPU (the framework finds one and puts the model and the batches there); and
+every object the step is given, and the process's state the frameworks change
+(Accelerate's singletons, the environment, torch's settings), is as it was after.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+import torch
+from exactness import skip_where_native
+from fingerprint import fingerprint
+from profiled import every_peak
+
+import pytest_torchmem as tm
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+def _example(name: str) -> ModuleType:
+    """The test module of the example suite ``name`` (skipped where its framework is missing)."""
+    (path,) = (EXAMPLES / name).glob("test_*.py")
+    spec = importlib.util.spec_from_file_location(f"example_{name}", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _script() -> tuple[Any, ...]:
+    example = _example("script")
+    model = example.make_model()
+    return example.train, (model, example.make_loader(), torch.optim.AdamW(model.parameters(), lr=1e-3))
+
+
+def _accelerate(mixed_precision: str) -> Any:
+    def build() -> tuple[Any, ...]:
+        example = _example("accelerate")
+        model = example.make_model()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        return example.train, (model, opt, example.make_loader(), mixed_precision)
+
+    return build
+
+
+def _hf_trainer() -> tuple[Any, ...]:
+    example = _example("hf_trainer")
+    return example.train, (example.make_model(), example.make_dataset())
+
+
+def _lightning() -> tuple[Any, ...]:
+    example = _example("lightning")
+    return example.fit, (example.Classifier(), example.make_loader())
+
+
+FRAMEWORKS = {
+    "script": _script,
+    "accelerate": _accelerate("no"),
+    "accelerate bf16": _accelerate("bf16"),
+    "hf trainer": _hf_trainer,
+    "lightning": _lightning,
+}
+
+#: What the fake cuda device lists for a framework (none elsewhere).
+CUDA_LISTED = {
+    # GPT-2's attention backward (the cutlass kernel's workspace, an upper bound) and the
+    # mean training loss Trainer logs at the end (a value the trace does not have)
+    "hf trainer": {"aten._scaled_dot_product_efficient_attention_backward.default", "aten._local_scalar_dense.default"},
+}
+
+
+@pytest.mark.parametrize("name", list(FRAMEWORKS))
+def test_the_estimate_is_measure_on_cpu(name: str) -> None:
+    if name == "accelerate bf16":
+        skip_where_native(torch.bfloat16)
+    torch.manual_seed(0)
+    function, arguments = FRAMEWORKS[name]()
+    estimated = tm.estimate(function, arguments)
+    measured = tm.measure(function, arguments)
+    assert estimated.unsupported == ()
+    assert every_peak(estimated) == every_peak(measured)
+    assert estimated.breakdown == measured.breakdown
+    assert estimated.forward_peak and estimated.backward_peak and estimated.step_peak
+
+
+@pytest.mark.parametrize("name", list(FRAMEWORKS))
+def test_on_the_fake_gpu_the_framework_finds_the_gpu(name: str) -> None:
+    torch.manual_seed(0)
+    function, arguments = FRAMEWORKS[name]()
+    parameters = sum(p.nbytes for p in _parameters(arguments))
+    report = tm.estimate(function, arguments, device="cuda")
+    assert {entry.op for entry in report.unsupported} == CUDA_LISTED.get(name, set())
+    # the model's parameters are on the GPU (each block of the caching allocator's, a
+    # multiple of 512 bytes), and so is the step: at least the 32 MiB cuBLAS workspace
+    assert report.breakdown[tm.Category.PARAMETERS] >= parameters
+    assert report.peak > 32 << 20
+
+
+@pytest.mark.parametrize("name", list(FRAMEWORKS))
+def test_the_users_objects_and_the_process_are_as_they_were(name: str) -> None:
+    torch.manual_seed(0)
+    function, arguments = FRAMEWORKS[name]()
+    environment = dict(os.environ)
+    settings = (torch.get_default_dtype(), torch.get_float32_matmul_precision(), torch.backends.cudnn.benchmark)
+    rng = torch.get_rng_state()
+    before = fingerprint(arguments)
+    for run in (
+        lambda: tm.estimate(function, arguments, device="cuda"),
+        lambda: tm.estimate(function, arguments),
+        lambda: tm.measure(function, arguments),
+    ):
+        run()
+        assert fingerprint(arguments) == before
+        assert dict(os.environ) == environment
+        assert (torch.get_default_dtype(), torch.get_float32_matmul_precision(), torch.backends.cudnn.benchmark) == settings
+        assert torch.equal(torch.get_rng_state(), rng)
+        assert not torch.cuda.is_available()  # (nothing of the fake GPU's view is left)
+    state = __import__("sys").modules.get("accelerate.state")
+    if state is not None:
+        assert state.PartialState._shared_state == {} or "device" not in state.PartialState._shared_state or (
+            state.PartialState._shared_state["device"].type == "cpu"
+        )
+
+
+def _parameters(arguments: tuple[Any, ...]) -> list[torch.Tensor]:
+    found: dict[int, torch.Tensor] = {}
+    for value in arguments:
+        if isinstance(value, torch.nn.Module):
+            found.update((id(p), p) for p in value.parameters())
+    return list(found.values())
