@@ -73,19 +73,17 @@ FRAMEWORKS = {
 
 #: What the fake cuda device lists for a framework (none elsewhere).
 CUDA_LISTED = {
-    # GPT-2's attention backward (the cutlass kernel's workspace, an upper bound) and the
-    # mean training loss Trainer logs at the end (a value the trace does not have)
-    "hf trainer": {"aten._scaled_dot_product_efficient_attention_backward.default", "aten._local_scalar_dense.default"},
+    # GPT-2's attention backward (the cutlass kernel's workspace, an upper bound)
+    "hf trainer": {"aten._scaled_dot_product_efficient_attention_backward.default"},
 }
 
 
 @pytest.mark.parametrize("name", list(FRAMEWORKS))
 def test_the_estimate_is_measure_on_cpu(name: str) -> None:
-    if name == "accelerate bf16":
-        skip_where_native(torch.bfloat16)
     torch.manual_seed(0)
     function, arguments = FRAMEWORKS[name]()
     estimated = tm.estimate(function, arguments)
+    skip_where_native(estimated)  # (bfloat16 matmuls on a host with native ones: not modelled)
     measured = tm.measure(function, arguments)
     assert estimated.unsupported == ()
     assert every_peak(estimated) == every_peak(measured)

@@ -42,6 +42,7 @@ from pytest_torchmem.engine.tracing.compiled import (
     watch_compiled,
 )
 from pytest_torchmem.engine.tracing.devices.cpu.profiles import host_profile
+from pytest_torchmem.engine.tracing.imports import imports_outside_the_step
 
 from pytest_torchmem.engine.request import has_compiled_modules
 
@@ -285,6 +286,7 @@ def profile_cpu_step(
             # constructor makes its state: Adagrad's sums) counts, as the estimate counts it
             probe.set_phase(None)
         with (
+            imports_outside_the_step(),
             lend(holdings, standins, compiled=compiled) if parallel is None else collectives_completed_here(),
             modules,
         ):
@@ -374,7 +376,7 @@ def _measure_cuda(request: StepRequest, on_hook_error: HookError | None = None) 
     modules = ModuleTracker(request.model, probe)
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
-    with lend(holdings, standins), modules:
+    with imports_outside_the_step(), lend(holdings, standins), modules:
         _run(request, standins, probe)
     del standins
 

@@ -25,6 +25,7 @@ from pytest_torchmem.engine.layouts import parts
 from pytest_torchmem.engine.report import Category
 from pytest_torchmem.engine.timeline import FREE, Phase, StorageInfo, Timeline
 from pytest_torchmem.engine.torch_private import private
+from pytest_torchmem.engine.tracing.imports import IMPORTING
 
 __all__ = ["FRAME_COMPILE", "MARK", "Allocation", "MarkingProbe", "PhaseListener", "kernel_node", "read_events"]
 
@@ -110,6 +111,8 @@ def read_events(prof: Any, timeline: Timeline, by_ptr: dict[int, int], probe: Ma
             events.append((node.start_time_ns, node))
         elif node.name == FRAME_COMPILE:
             compiled_in_step = True
+        elif node.name == IMPORTING:
+            continue  # a module's own code, run as it is imported: not the step's
         stack.extend(node.children)
     events.sort(key=lambda pair: pair[0])
     if compiled_in_step:

@@ -40,6 +40,7 @@ from pytest_torchmem.engine.tracing.compiled import watch_compiled
 from pytest_torchmem.engine.tracing.devices.cuda.gpu_view import gpu_view
 from pytest_torchmem.engine.tracing.devices.routing import routed_recomputation
 from pytest_torchmem.engine.tracing.generation import beams_run_on
+from pytest_torchmem.engine.tracing.imports import imports_outside_the_step
 from pytest_torchmem.engine.tracing.module_methods import module_methods_on_fakes
 from pytest_torchmem.engine.tracing.rng_states import charged_rng_states
 
@@ -59,6 +60,7 @@ __all__ = [
     "FAKE_MODE",
     "FAKE_WORLD",
     "GPU_VIEW",
+    "IMPORTS",
     "Layer",
     "MODULE_HOOKS",
     "MODULE_METHODS",
@@ -157,6 +159,12 @@ WATCH_COMPILED: Final = Layer(
     "good (seen: every later real call of a compiled torch.nn module eager)",
     lambda scene: watch_compiled(_tracker(scene).compiled_region, scene.following.redirect),
 )
+IMPORTS: Final = Layer(
+    "imports outside the step",
+    "inside the watch, outside every other layer: a module the step imports runs its own "
+    "code with no mode and the machine's own devices (imports.py), whatever is on inside",
+    lambda scene: imports_outside_the_step(),
+)
 STAND_INS: Final = Layer(
     "stand-ins in the model",
     "inside the watch (see there); it only swaps the model's references to its tensors, so "
@@ -237,6 +245,7 @@ BEAMS_RUN_ON: Final = Layer(
 #: The fake cpu device's layers, outermost first.
 CPU_LAYERS: Final = (
     WATCH_COMPILED,
+    IMPORTS,
     STAND_INS,
     MODULE_HOOKS,
     FAKE_WORLD,
@@ -253,6 +262,7 @@ CPU_LAYERS: Final = (
 #: memory, which the cuda device does not count).
 CUDA_LAYERS: Final = (
     WATCH_COMPILED,
+    IMPORTS,
     STAND_INS,
     MODULE_HOOKS,
     FAKE_WORLD,
@@ -275,6 +285,7 @@ WARM_UP_LAYERS: Final = (
         WATCH_COMPILED.why,
         lambda scene: watch_compiled(lambda name, location: None, scene.following.redirect),
     ),
+    IMPORTS,
     Layer(
         "the warm-up's stand-ins in the model",
         STAND_INS.why,

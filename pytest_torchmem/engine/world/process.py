@@ -2,6 +2,8 @@
 
 Beside the objects a step reaches, training frameworks change the process:
 environment variables (Lightning's ``PL_GLOBAL_SEED``, a launcher's ranks),
+the random number generators a trainer seeds (torch's, Python's, numpy's:
+transformers' ``set_seed``, Lightning's ``seed_everything``),
 torch's global settings (the default dtype, cuDNN's benchmark flag, TF32,
 float32 matmul precision, deterministic algorithms), and libraries' singletons
 (Accelerate's ``PartialState``, ``AcceleratorState`` and ``GradientState``
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import random
 import sys
 from collections.abc import Callable
 from typing import Any, Final
@@ -53,6 +56,7 @@ class ProcessState:
         self.environ = dict(os.environ)
         self.settings = [read() for read, _ in _TORCH_SETTINGS]
         self.singletons = {key: dict(found) for key in SINGLETONS if (found := _shared(key, import_it=False)) is not None}
+        self.rng = _generators()
 
     def restore(self) -> None:
         """Put the environment, torch's settings and the singletons back as they were."""
@@ -65,6 +69,9 @@ class ProcessState:
         for (read, write), value in zip(_TORCH_SETTINGS, self.settings):
             if read() != value:
                 write(value)
+        for (getter, setter), state in zip(_RNG, self.rng):
+            if state is not None:
+                setter(state)
         for key in SINGLETONS:
             found = _shared(key, import_it=False)
             if found is None:
@@ -73,6 +80,36 @@ class ProcessState:
             if found.keys() != before.keys() or any(found[name] is not value for name, value in before.items()):
                 found.clear()
                 found.update(before)
+
+
+def _numpy_state() -> Any:
+    numpy = sys.modules.get("numpy")
+    return None if numpy is None else numpy.random.get_state()
+
+
+def _set_numpy_state(state: Any) -> None:
+    sys.modules["numpy"].random.set_state(state)
+
+
+def _torch_state() -> bytes:
+    # (as bytes: a tensor kept would be memory measure() sees held through the step)
+    return torch.get_rng_state().numpy().tobytes()
+
+
+def _set_torch_state(state: bytes) -> None:
+    torch.set_rng_state(torch.frombuffer(bytearray(state), dtype=torch.uint8))
+
+
+#: The process's generators: (read the state, set it).
+_RNG: Final = (
+    (_torch_state, _set_torch_state),
+    (random.getstate, random.setstate),
+    (_numpy_state, _set_numpy_state),
+)
+
+
+def _generators() -> list[Any]:
+    return [getter() for getter, _ in _RNG]
 
 
 def _shared(key: tuple[str, str, str], import_it: bool) -> dict[str, Any] | None:

@@ -21,6 +21,7 @@ from pytest_torchmem.engine.tracing.devices.collectives import register_collecti
 from pytest_torchmem.engine.tracing.devices.eager_checks import register_checks
 from pytest_torchmem.engine.tracing.devices.meta_kernels import register_meta_kernels
 from pytest_torchmem.engine.tracing.devices.sparse import register_sparse
+from pytest_torchmem.engine.tracing.metric_reads import metric_read
 from pytest_torchmem.engine.tracing.rules import OpCall, RuleSet
 from pytest_torchmem.engine.tracing.values import count_nonzero, on_values
 
@@ -41,7 +42,9 @@ _UPPER: Final = "output size depends on tensor values; the largest possible outp
 
 
 @COMMON.fallback(aten._local_scalar_dense.default)
-def _item(call: OpCall) -> tuple[Any, str]:
+def _item(call: OpCall) -> tuple[Any, str | None]:
+    """A neutral value (listed; not where a library reads it only to report it:
+    :mod:`~pytest_torchmem.engine.tracing.metric_reads`)."""
     t = call.args[0]
     value: Any
     if t.dtype == torch.bool:
@@ -52,6 +55,8 @@ def _item(call: OpCall) -> tuple[Any, str]:
         value = 0j
     else:
         value = 0
+    if metric_read():
+        return value, None
     return value, f"the Python value of a tensor is not known; {value!r} was used"
 
 

@@ -62,6 +62,7 @@ import torch.cuda.amp.common
 from pytest_torchmem.engine.gpu_profiles import GpuProfile
 from pytest_torchmem.engine.torch_private import present, private
 from pytest_torchmem.engine.torch_replacing import appending, replacing
+from pytest_torchmem.engine.tracing.imports import importing
 
 __all__ = [
     "KERNEL_DEVICE_LISTS",
@@ -91,8 +92,12 @@ _NOT_THE_PROGRAM: Final = (*_INTERNAL, "<frozen")
 
 def _from_the_program(thread: int) -> bool:
     """Whether the caller of the caller (a query's caller) is the model's or a library's
-    code, on the tracing thread ``thread``."""
-    return get_ident() == thread and not sys._getframe(2).f_code.co_filename.startswith(_NOT_THE_PROGRAM)
+    code, on the tracing thread ``thread``, where the view is not put aside."""
+    return (
+        get_ident() == thread
+        and not importing()
+        and not sys._getframe(2).f_code.co_filename.startswith(_NOT_THE_PROGRAM)
+    )
 
 
 def gpu_properties(profile: GpuProfile) -> SimpleNamespace:
@@ -132,7 +137,7 @@ def gpu_view(profile: Any) -> Iterator[None]:
     def device(self: FakeTensor) -> torch.device:
         # Asked thousands of times a step, mostly by torch's fake-tensor cache: the
         # caller's frame is read first, here, without _from_the_program's call.
-        if getframe(1).f_code.co_filename.startswith(_NOT_THE_PROGRAM) or get_ident() != tracing:
+        if getframe(1).f_code.co_filename.startswith(_NOT_THE_PROGRAM) or get_ident() != tracing or importing():
             return real_device_of(self)
         seen = real_device_of(self)
         return _CUDA if seen.type == "meta" else seen
