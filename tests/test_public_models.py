@@ -1,4 +1,4 @@
-"""Public models as users bring them (Hugging Face transformers, torchvision), both fake devices, AdamW.
+"""Public models as users bring them (Hugging Face transformers, torchvision, peft), both fake devices, AdamW.
 
 Small configurations of GPT-2 (plain and with gradient checkpointing, both
 kinds), Llama (float32 and bfloat16), BERT, ViT, ResNet, ConvNeXt,
@@ -6,8 +6,11 @@ MobileNetV2, EfficientNet, T5,
 Mixtral (float32: its experts' grouped matmul) and Whisper, an LSTM
 tagger, and torchvision's ResNet-18, ConvNeXt, MobileNetV3-Small, EfficientNet
 (MBConv and Fused-MBConv blocks) and ViT (float32, with a cross-entropy loss
-on their logits; skipped when torchvision is not installed),
-each with a tokenizer-style ``Mapping`` batch and an AdamW step: the
+on their logits; skipped when torchvision is not installed), and peft's
+adapters (``LORA``: LoRA on GPT-2 and Llama, with and without dropout, DoRA on
+Llama, LoRA on ViT with its classifier trained whole; skipped when peft is not
+installed), each with a tokenizer-style ``Mapping`` batch and an AdamW step
+(over the trainable parameters: the adapters' only, under peft): the
 cpu estimate equals ``measure`` byte for byte (see ``NEAR`` for the one
 exception), and the fake cuda device traces each without an exception,
 listing nothing in ``unsupported`` but the attention-backward and cuDNN RNN
@@ -127,6 +130,55 @@ def _torchvision_efficientnet(models: Any) -> nn.Module:
     return models.EfficientNet(setting, dropout=0.2, num_classes=10, last_channel=128)
 
 
+def _vit() -> tuple[nn.Module, Any]:
+    config = T.ViTConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        image_size=32,
+        patch_size=8,
+        num_labels=2,
+    )
+    return T.ViTForImageClassification(config), _image_batch()
+
+
+def _lora(build: Callable[[], tuple[nn.Module, Any]], **config: Any) -> tuple[nn.Module, Any]:
+    """``build()``'s model as peft wraps it for fine-tuning (``get_peft_model``, rank 8):
+    its weights frozen, only the adapters (and ``modules_to_save``) trained."""
+    peft = pytest.importorskip("peft", reason="peft is not installed")
+    model, batch = build()
+    return peft.get_peft_model(model, peft.LoraConfig(r=8, lora_alpha=16, **config)), batch
+
+
+#: peft's adapters on the models above, each changing the step's memory its own way.
+LORA: dict[str, Callable[[], tuple[nn.Module, Any]]] = {
+    # GPT-2's Conv1D projections (fan_in_fan_out), the attention's and the MLP's c_proj
+    "gpt2 lora": lambda: _lora(
+        _gpt2, target_modules=["c_attn", "c_proj"], fan_in_fan_out=True, task_type="CAUSAL_LM"
+    ),
+    # every attention projection of Llama, the usual recipe
+    "llama lora": lambda: _lora(
+        _llama,
+        target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+        lora_dropout=0.0,
+        task_type="CAUSAL_LM",
+    ),
+    # dropout on the adapters' input: each adapted layer keeps its dropped copy and mask
+    "llama lora dropout": lambda: _lora(
+        _llama, target_modules=["q_proj", "v_proj"], lora_dropout=0.1, task_type="CAUSAL_LM"
+    ),
+    # DoRA: a trained magnitude per output, the norm of the adapted weight in every forward
+    "llama dora": lambda: _lora(
+        _llama, target_modules=["q_proj", "v_proj"], use_dora=True, task_type="CAUSAL_LM"
+    ),
+    # a vision encoder, its classifier trained whole beside the adapters (modules_to_save)
+    "vit lora": lambda: _lora(
+        _vit, target_modules=["q_proj", "v_proj"], modules_to_save=["classifier"]
+    ),
+}
+
+
 CASES: dict[str, Callable[[], tuple[nn.Module, Any]]] = {
     "gpt2": _gpt2,
     "gpt2 checkpointed": lambda: _gpt2(reentrant=False),
@@ -146,20 +198,7 @@ CASES: dict[str, Callable[[], tuple[nn.Module, Any]]] = {
         ),
         _lm_batch(),
     ),
-    "vit": lambda: (
-        T.ViTForImageClassification(
-            T.ViTConfig(
-                hidden_size=64,
-                intermediate_size=128,
-                num_hidden_layers=2,
-                num_attention_heads=4,
-                image_size=32,
-                patch_size=8,
-                num_labels=2,
-            )
-        ),
-        _image_batch(),
-    ),
+    "vit": _vit,
     "resnet": lambda: (
         T.ResNetForImageClassification(
             T.ResNetConfig(embedding_size=16, hidden_sizes=[16, 32], depths=[1, 1], num_labels=2)
@@ -268,7 +307,12 @@ CASES: dict[str, Callable[[], tuple[nn.Module, Any]]] = {
             num_classes=10,
         )
     ),
+    **LORA,
 }
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
 
 
 def _adamw(params: Any) -> torch.optim.Optimizer:
@@ -306,8 +350,10 @@ def test_the_fake_cuda_device_traces_it(case: str) -> None:
     model, batch = _made(case)
     report = tm.estimate(model, batch, optimizer=_adamw, device="cuda")
     assert {entry.op for entry in report.unsupported} <= CUDA_ESTIMATED
-    parameters = sum(p.numel() * p.element_size() for p in model.parameters())
-    assert report.peak > 4 * parameters  # parameters, gradients and AdamW's two moments
+    parameters = sum(_nbytes(p) for p in model.parameters())
+    trained = sum(_nbytes(p) for p in model.parameters() if p.requires_grad)
+    # parameters; gradients and AdamW's two moments of the trained ones
+    assert report.peak > parameters + 3 * trained
 
 
 @follows_compiled
@@ -320,3 +366,37 @@ def test_the_fake_cuda_device_follows_it_compiled() -> None:
     assert {entry.op for entry in compiled.unsupported} <= CUDA_ESTIMATED
     eager = tm.estimate(model, batch, device="cuda")
     assert compiled.backward_peak < eager.backward_peak
+
+
+#: The caching allocator's smallest block (kMinBlockSize): below 1 MiB a cuda
+#: storage takes a whole number of them.
+_CUDA_BLOCK = 512
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+@pytest.mark.parametrize("case", list(LORA))
+def test_peft_trains_the_adapters_only(case: str, device: str) -> None:
+    """The step driver hands the optimizer the trainable parameters: AdamW keeps
+    two moments of each adapter and nothing of the frozen weights, and backward
+    makes gradients of the adapters only. At the loop's peak (AdamW's state is
+    alive from the first step on) the breakdown holds exactly the adapters'
+    state, and no more gradient bytes than the adapters have."""
+    model, batch = _made(case)
+    trained = [p for p in model.parameters() if p.requires_grad]
+    frozen = [p for p in model.parameters() if not p.requires_grad]
+    assert trained and sum(map(_nbytes, frozen)) > 4 * sum(map(_nbytes, trained))
+    profile = {"cpu": "avx2:4"} if device == "cpu" else {}
+    report = tm.estimate(model, batch, optimizer=_adamw, device=device, **profile)
+    if device == "cpu":
+        # exp_avg, exp_avg_sq and the float32 step count of each trained parameter
+        state = sum(2 * _nbytes(p) + 4 for p in trained)
+        grads = sum(map(_nbytes, trained))
+    else:
+        # in blocks; the step counts stay on the host (AdamW is neither fused nor capturable)
+        def block(p: torch.Tensor) -> int:
+            return -(-_nbytes(p) // _CUDA_BLOCK) * _CUDA_BLOCK
+
+        state = sum(2 * block(p) for p in trained)
+        grads = sum(map(block, trained))
+    assert report.breakdown[tm.Category.OPTIMIZER_STATE] == state
+    assert report.breakdown[tm.Category.GRADIENTS] <= grads
