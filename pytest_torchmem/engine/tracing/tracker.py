@@ -265,7 +265,9 @@ class Tracker(TorchDispatchMode):
         with _DisableTorchFunction():  # see __torch_dispatch__
             self._eager.settle_numbers(self.phase, self.module)
             for t in tensors:
-                for part in parts(t) if t.layout is not _STRIDED else (t,):
+                # (a sparse tensor's memory is in its parts, a wrapper subclass's in its inner tensors)
+                plain = type(t) in _PLAIN_TYPES and t.layout is _STRIDED
+                for part in (t,) if plain else parts(t):
                     sid = self.ledger.storage_id(part)
                     if sid is not None:
                         self.timeline.assign_role(sid, category)
