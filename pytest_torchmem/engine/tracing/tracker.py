@@ -329,7 +329,8 @@ class Tracker(TorchDispatchMode):
         if plan.check is not None:  # the real kernel's refusal, raised as the program's error
             plan.check(OpCall(func, args, kwargs, context=self.context))
         real_out = needs_values = cannot_run = None
-        first = len(self.timeline.storages) if plan.sparse else -1
+        # (what a sparse or composite rule's ops make and free is its kernel's scratch)
+        first = len(self.timeline.storages) if plan.sparse or plan.composite is not None else -1
         try:
             if plan.composite is not None:
                 # the parts come back through this mode, each traced with its own rules
