@@ -436,7 +436,9 @@ class Following:
         code = getattr(wrapper_frame.f_locals.get("fn"), "__code__", None)
         return self.compiled_code.setdefault(code, []) if code is not None else []
 
-    def _compiled_alike(self, context: Any, wrapper: Any, wrapper_frame: Any) -> tuple[Any, _Region] | None:
+    def _compiled_alike(
+        self, context: Any, wrapper: Any, wrapper_frame: Any
+    ) -> tuple[Any, _Region] | None:
         """The region of an earlier ``torch.compile`` of the same function with the same
         options, which a new one shares: dynamo keeps compiled code on the function's code
         object, so ``torch.compile(fn)(...)`` called anew each step (torchao's optimizers,

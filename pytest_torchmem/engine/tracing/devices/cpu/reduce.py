@@ -26,7 +26,12 @@ from typing import Any, Final
 import torch
 
 from pytest_torchmem.engine.tracing.devices.cpu.base import CPU, profile_of
-from pytest_torchmem.engine.tracing.devices.cpu.misc import arg, itemsize, scalar_comparison, transpose_copy
+from pytest_torchmem.engine.tracing.devices.cpu.misc import (
+    arg,
+    itemsize,
+    scalar_comparison,
+    transpose_copy,
+)
 from pytest_torchmem.engine.tracing.devices.tensor_iterator import (
     coalesce_dimensions,
     reorder_dimensions,

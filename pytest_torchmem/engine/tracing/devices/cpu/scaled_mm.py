@@ -136,7 +136,8 @@ def _scaled_mm(call: OpCall) -> Any:
         out_tmp = aten.mul.Scalar(out_tmp, 1.0)
     out_tmp = out_tmp.to(out.dtype)
     out.copy_(out_tmp)
-    del mat1_cont, mat2_cont, fp32_mat_a, fp32_mat_b, out_tmp  # (the kernel's locals, given back on return)
+    # the kernel's locals, given back when it returns
+    del mat1_cont, mat2_cont, fp32_mat_a, fp32_mat_b, out_tmp
     return out
 
 
