@@ -83,6 +83,12 @@ EXHAUSTIVE: Final = (
     "tests/test_accuracy_profiles.py::test_every_family_is_exact_on_the_level",
     # 10 capped processes (test_the_host_level_follows_the_caps_of_the_process: one)
     "tests/test_cpu_profiles.py::test_a_named_profile_gives_the_same_bytes_under_any_caps_and_thread_count",
+    # torchao's low-bit optimizers, each compiling its step for tens of seconds
+    # (test_a_quantized_state_is_read_by_measure_and_charged_as_optimizer_state: an eager one)
+    "tests/test_torchao.py::test_an_8bit_adamw_step_is_exact_and_its_state_is_optimizer_state",
+    "tests/test_torchao.py::test_every_low_bit_optimizer_step_is_exact",
+    # torchao's cases on every level at 1 and 2 threads (test_float8_training_is_exact: the host)
+    "tests/test_torchao.py::test_torchao_is_exact_on_every_level",
     # Llama 7B under FSDP2 at 8 and 64 ranks (test_parallel.py: small models against gloo ranks)
     "tests/test_scale.py::test_llama_7b_fsdp2_per_rank_hand_count_on_cuda",
 )

@@ -7,7 +7,8 @@ to that level (``ATEN_CPU_CAPABILITY``, ``ONEDNN_MAX_CPU_ISA``,
 count; the estimate under the named profile, made in any process, must give the
 same bytes. Used by ``tests/test_accuracy_profiles.py``
 and ``benchmarks/accuracy.py --profiles``; the compiled families of
-``compiled_zoo.py`` likewise (``tests/test_compiled.py``).
+``compiled_zoo.py`` likewise (``tests/test_compiled.py``), and torchao's cases of
+``torchao_cases.py`` (``tests/test_torchao.py``).
 
     python tests/profiled.py THREADS [case ...]   # in the capped process: JSON on stdout
 """
@@ -64,6 +65,12 @@ def measure_compiled(profile: CpuProfile, names: Sequence[str]) -> dict[str, lis
     """``measure`` of the compiled families ``names`` (``compiled_zoo.py``) in a process
     capped to ``profile``: name -> phase peaks of each of its shapes."""
     return _capped(profile, _HERE.parent / "compiled_zoo.py", names)
+
+
+def measure_torchao(profile: CpuProfile, names: Sequence[str]) -> dict[str, dict[str, int]]:
+    """``measure`` of the torchao cases ``names`` (``torchao_cases.py``) in a process
+    capped to ``profile``: name -> phase peaks."""
+    return _capped(profile, _HERE.parent / "torchao_cases.py", names)
 
 
 def _capped(profile: CpuProfile, script: Path, names: Sequence[str]) -> Any:

@@ -1,4 +1,5 @@
-"""Where a tensor's memory is: one storage for a strided tensor, two or three for a sparse one.
+"""Where a tensor's memory is: one storage for a strided tensor, two or three for a sparse
+one, its inner tensors' for a wrapper subclass.
 
 A sparse tensor has no storage of its own (``untyped_storage()`` raises
 ``Cannot access storage of SparseTensorImpl``): its memory is its parts', the
@@ -7,6 +8,12 @@ int64) and ``values`` (nnz × dense dims); a compressed one (CSR, CSC, BSR,
 BSC) its compressed indices, its plain indices and its values. Each part is
 counted as a storage like any other (once, however many tensors share it); an
 op that makes new parts (a ``coalesce``, a ``clone``) makes new storages.
+
+A traceable wrapper subclass (``torch.Tensor._make_wrapper_subclass`` with
+``__tensor_flatten__``: torchao's low-bit optimizer states, its float8 tensors)
+has no storage either (``untyped_storage()`` raises "Attempted to access the
+data pointer on an invalid python storage"): its memory is its inner tensors',
+the ones ``__tensor_flatten__`` names (issue 36).
 """
 
 from __future__ import annotations
@@ -15,7 +22,9 @@ from typing import Final
 
 import torch
 
-__all__ = ["COMPRESSED", "parts", "is_sparse", "sparse_like"]
+from pytest_torchmem.engine.torch_private import private
+
+__all__ = ["COMPRESSED", "is_sparse", "is_wrapper", "parts", "sparse_like"]
 
 #: The compressed sparse layouts, with the names of their compressed and plain indices.
 COMPRESSED: Final = {
@@ -27,6 +36,8 @@ COMPRESSED: Final = {
 
 _STRIDED: Final = torch.strided
 _COO: Final = torch.sparse_coo
+_PLAIN: Final = torch.Tensor
+_is_wrapper_subclass: Final = private("torch.utils._python_dispatch.is_traceable_wrapper_subclass")
 
 
 def is_sparse(t: torch.Tensor) -> bool:
@@ -38,9 +49,12 @@ def is_sparse(t: torch.Tensor) -> bool:
 def parts(t: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """The tensors whose storages hold ``t``'s memory: ``(t,)`` for a strided tensor,
     ``(indices, values)`` for a COO one, ``(compressed indices, plain indices, values)``
-    for a compressed one; ``()`` for a layout with no storage to see (``mkldnn``)."""
+    for a compressed one, the inner tensors' parts for a traceable wrapper subclass;
+    ``()`` for a layout with no storage to see (``mkldnn``)."""
     layout = t.layout
     if layout is _STRIDED:
+        if is_wrapper(t):
+            return _inner_parts(t)
         return (t,)
     if layout is _COO:
         return (t._indices(), t._values())
@@ -49,6 +63,17 @@ def parts(t: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return ()
     compressed, plain = names
     return (getattr(t, compressed)(), getattr(t, plain)(), t.values())
+
+
+def is_wrapper(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a traceable wrapper subclass: its memory is its inner tensors'."""
+    return type(t) is not _PLAIN and _is_wrapper_subclass(t)
+
+
+def _inner_parts(t: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    names, _ = t.__tensor_flatten__()  # type: ignore[attr-defined]
+    inner = (getattr(t, name) for name in names)
+    return tuple(part for tensor in inner if tensor is not None for part in parts(tensor))
 
 
 def sparse_like(t: torch.Tensor, new_parts: tuple[torch.Tensor, ...], device: torch.device) -> torch.Tensor:

@@ -31,6 +31,9 @@ __all__ = ["FRAME_COMPILE", "MARK", "Allocation", "MarkingProbe", "PhaseListener
 
 #: The prefix of the step's marks in the profiler's event tree.
 MARK: Final = "torchmem::"
+#: The profiler's range around a tensor subclass's ``__torch_dispatch__`` (the
+#: dispatcher's Python fallback, ``PythonFallbackKernel.cpp``).
+_SUBCLASS_DISPATCH: Final = "PythonSubclass"
 #: The profiler's name for dynamo's compile of one frame (``dynamo_timed``).
 FRAME_COMPILE: Final = "_compile.compile_inner (dynamo_timed)"
 # The profiler's event tree and its allocator events (engine/torch_private.py lists
@@ -336,10 +339,14 @@ def _has_composite_kernel(name: str) -> bool | None:
 
 
 def kernel_node(node: Any) -> Any:
-    """The outermost aten op above ``node`` that is a kernel, not a composite."""
+    """The outermost aten op above ``node`` that is a kernel, not a composite, below
+    any tensor subclass's Python dispatch: the ops a wrapper subclass (torchao's float8
+    tensors) runs for an op on it are kernels of their own, as the fake trace sees them."""
     found = None
     parent = node.parent
     while parent is not None:
+        if parent.name == _SUBCLASS_DISPATCH:
+            break
         if parent.name.startswith("aten::") and not _is_composite(parent.name):
             found = parent
         parent = parent.parent

@@ -354,6 +354,11 @@ PRIVATE: Final = table(
         "torch.utils._python_dispatch._disable_current_modes",
         "DTensor's sharding propagation runs with the tracker's modes off",
     ),
+    Private(
+        "torch.utils._python_dispatch.is_traceable_wrapper_subclass",
+        "a wrapper subclass's memory is its inner tensors' storages (layouts.parts: torchao's "
+        "optimizer states and float8 tensors)",
+    ),
     # -- core: the tracer, the trace, the step, measure (tracker.py, trace.py, values.py,
     # -- rules.py, rng_states.py, routing.py, step.py, containers.py, request.py, measuring.py)
     Private(

@@ -373,6 +373,8 @@ class Following:
     put_backs: list[Callable[[], None]] = field(default_factory=list)
     #: the compiled functions met so far, by ``id`` of their dynamo context (kept alive)
     functions: dict[int, tuple[Any, _Region]] = field(default_factory=dict)
+    #: the compiled functions met so far, by their code object (see :meth:`_compiled_alike`)
+    compiled_code: dict[Any, list[tuple[Any, Any, _Region]]] = field(default_factory=dict)
     #: the earliest phase of the step in which a compiled function of inductor was met
     #: while not following (None: none was)
     met: Phase | None = None
@@ -406,6 +408,8 @@ class Following:
             return None
         known = self.functions.get(id(context))
         if known is None:
+            known = self._compiled_alike(context, wrapper, wrapper_frame)
+        if known is None:
             from pytest_torchmem.engine.tracing.compiled import region_of
 
             if self.warmed and self.phase() != Phase.STEP:
@@ -415,6 +419,7 @@ class Following:
 
             _, region = self._follow(context, wrapper, region_of(wrapper_frame))
             self.functions[id(context)] = (context, region)
+            self._alike(wrapper_frame).append((context, wrapper, region))
         else:
             region = known[1]
         set_eval_frame_isolate_recompiles_id = private(
@@ -424,6 +429,30 @@ class Following:
         # compile_wrapper set the user's region and puts back the one before it on exit
         set_eval_frame_isolate_recompiles_id(region.region)
         return region.entered
+
+    def _alike(self, wrapper_frame: Any) -> list[tuple[Any, Any, _Region]]:
+        """The followed compiles of the function ``wrapper_frame`` (dynamo's
+        ``compile_wrapper``) calls: ``(context, inductor wrapper, region)``."""
+        code = getattr(wrapper_frame.f_locals.get("fn"), "__code__", None)
+        return self.compiled_code.setdefault(code, []) if code is not None else []
+
+    def _compiled_alike(
+        self, context: Any, wrapper: Any, wrapper_frame: Any
+    ) -> tuple[Any, _Region] | None:
+        """The region of an earlier ``torch.compile`` of the same function with the same
+        options, which a new one shares: dynamo keeps compiled code on the function's code
+        object, so ``torch.compile(fn)(...)`` called anew each step (torchao's optimizers,
+        per parameter) compiles once and runs that program after (guards passing), and
+        so do our compiles in the region."""
+        for other, other_wrapper, region in self._alike(wrapper_frame):
+            if (
+                other.fullgraph == context.fullgraph
+                and other._dynamic == context._dynamic
+                and other_wrapper == wrapper
+            ):
+                self.functions[id(context)] = (context, region)
+                return context, region
+        return None
 
     def _follow(self, context: Any, wrapper: Any, place: tuple[str, str]) -> tuple[Any, _Region]:
         backend = _FakeInductor(wrapper, self.builder, fallback=self.warmed)
@@ -451,6 +480,7 @@ class Following:
             put_back()
         self.regions.clear()
         self.functions.clear()
+        self.compiled_code.clear()
         self.active = False
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> None:

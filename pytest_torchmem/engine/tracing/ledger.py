@@ -176,9 +176,9 @@ class StorageLedger:
         return self.timeline.new_storage(info)
 
     def scratch_since(self, first: int) -> None:
-        """The storages made since sid ``first`` and freed already were a sparse rule's
-        scratch (a kernel's buffers, freed before it returns: workspace, as ``measure``
-        reads them)."""
+        """The storages made since sid ``first`` and freed already were a sparse or
+        composite rule's scratch (a kernel's buffers, freed before it returns: workspace,
+        as ``measure`` reads them)."""
         live = set(self._live.values())
         storages = self.timeline.storages
         for sid in range(first, len(storages)):

@@ -266,7 +266,9 @@ class Tracker(TorchDispatchMode):
         with _DisableTorchFunction():  # see __torch_dispatch__
             self._eager.settle_numbers(self.phase, self.module)
             for t in tensors:
-                for part in parts(t) if t.layout is not _STRIDED else (t,):
+                # (a sparse tensor's memory is in its parts, a wrapper subclass's in its inner tensors)
+                plain = type(t) in _PLAIN_TYPES and t.layout is _STRIDED
+                for part in (t,) if plain else parts(t):
                     sid = self.ledger.storage_id(part)
                     if sid is not None:
                         self.timeline.assign_role(sid, category)
@@ -328,7 +330,8 @@ class Tracker(TorchDispatchMode):
         if plan.check is not None:  # the real kernel's refusal, raised as the program's error
             plan.check(OpCall(func, args, kwargs, context=self.context))
         real_out = needs_values = cannot_run = None
-        first = len(self.timeline.storages) if plan.sparse else -1
+        # (what a sparse or composite rule's ops make and free is its kernel's scratch)
+        first = len(self.timeline.storages) if plan.sparse or plan.composite is not None else -1
         try:
             if plan.composite is not None:
                 # the parts come back through this mode, each traced with its own rules

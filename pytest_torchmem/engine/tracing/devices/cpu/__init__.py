@@ -29,6 +29,7 @@ from pytest_torchmem.engine.tracing.devices.cpu import (  # noqa: F401  (they re
     reduce,
     rnn,
     sampling,
+    scaled_mm,
     sorting,
     sparse,
     spectral,

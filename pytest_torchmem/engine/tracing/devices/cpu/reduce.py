@@ -26,7 +26,12 @@ from typing import Any, Final
 import torch
 
 from pytest_torchmem.engine.tracing.devices.cpu.base import CPU, profile_of
-from pytest_torchmem.engine.tracing.devices.cpu.misc import arg, itemsize, scalar_comparison
+from pytest_torchmem.engine.tracing.devices.cpu.misc import (
+    arg,
+    itemsize,
+    scalar_comparison,
+    transpose_copy,
+)
 from pytest_torchmem.engine.tracing.devices.tensor_iterator import (
     coalesce_dimensions,
     reorder_dimensions,
@@ -174,6 +179,22 @@ def _amax(call: OpCall) -> Steps:
     ``max_values_stub`` through ``binary_kernel_reduce_vec``."""
     self, out = arg(call, 0, "self"), _first(call.out)
     return [OUTPUTS, *sum_steps(profile_of(call).threads, self, out.numel(), out.dtype, "amax")]
+
+
+@CPU.scratch(aten.max.default, aten.max.unary_out, aten.min.default, aten.min.unary_out)
+def _max_all(call: OpCall) -> Steps:
+    """``max``/``min`` of a whole tensor (``ReduceAllOps.cpp``): the 0-dim result, then
+    ``max_all_stub`` on ``self.contiguous()``, a copy of a strided input (``clone``,
+    whose ``copy_`` takes the transpose block of a transposed matrix) given back when
+    the kernel returns. ``parallel_reduce``'s partials are a ``SmallVector``, not the
+    allocator's (``ReduceAllOpsKernel.cpp``). torchao's float8 scales are
+    ``max(abs(weight.t()))``: a copy of the weight."""
+    self = arg(call, 0, "self")
+    if self.is_contiguous() or self.numel() == 0:
+        return [OUTPUTS]
+    copy = "self.contiguous()"
+    block = [] if self.is_neg() or self.is_conj() else transpose_copy(self.shape, self.stride(), self.dtype)
+    return [OUTPUTS, Alloc(copy, self.numel() * self.element_size()), *block, Free(copy)]
 
 
 @CPU.scratch(
