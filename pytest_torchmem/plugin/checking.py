@@ -233,9 +233,14 @@ class CheckRunner:
             keep_output = spec.keep_output if spec.keep_output is not None else builtin and settings.keep_output
         if compile is None and builtin:
             compile = settings.compile if spec.compile is None else spec.compile
-        request = step_request(
-            "torchmem.check", model, inputs, "cpu", loss_fn, optimizer, train, keep_output, compile
-        )
+        try:
+            request = step_request(
+                "torchmem.check", model, inputs, "cpu", loss_fn, optimizer, train, keep_output, compile
+            )
+        except (TypeError, ValueError) as exc:
+            # the arguments, refused in one line: shown at the test's call, not in the
+            # engine's validation (this frame is hidden)
+            raise exc.with_traceback(None) from None
         _check_parallel(parallel, request.model)
         name, entry_name = self._claim(
             item,
