@@ -98,6 +98,48 @@ def test_step_functions_that_take_their_inputs_still_run() -> None:
     assert tm.estimate(torch.relu, (x,)).peak > 0
 
 
+# -- an optimizer whose step needs a closure -------------------------------------------------
+
+LBFGS_LINE = (
+    "LBFGS.step() needs a closure that recomputes the loss, and the built-in step (optimizer=) "
+    "calls step() without one: check a step function that gives it one, in place of the model "
+    "with the optimizer among its arguments, tm.estimate(train_step, (model, inputs, opt)) or "
+    "torchmem.check(train_step, (model, inputs, opt)) where opt = "
+    "torch.optim.LBFGS(model.parameters()) and train_step(model, inputs, opt) calls "
+    "opt.step(closure), closure() zeroing the gradients, running forward and backward and "
+    'returning the loss (docs/howto/step-function.md, "An optimizer that needs a closure")'
+)
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_lbfgs_in_the_built_in_step_says_to_give_it_a_closure(device: str) -> None:
+    """Regression guard: torch's ``step() missing 1 required positional argument:
+    'closure'`` from inside the trace."""
+    model = make_model()
+    with pytest.raises(TypeError) as raised:
+        tm.estimate(model, torch.randn(4, 8), device=device, optimizer=lambda p: torch.optim.LBFGS(p))
+    assert str(raised.value) == LBFGS_LINE
+    with pytest.raises(TypeError, match=re.escape(LBFGS_LINE)):
+        tm.measure(model, torch.randn(4, 8), optimizer=torch.optim.LBFGS)
+
+
+def test_the_step_function_the_message_shows_runs() -> None:
+    model, x = make_model(), torch.randn(4, 8)
+    opt = torch.optim.LBFGS(model.parameters(), max_iter=2)
+
+    def train_step(model: nn.Module, inputs: torch.Tensor, opt: torch.optim.Optimizer) -> None:
+        def closure() -> torch.Tensor:
+            opt.zero_grad()
+            loss = model(inputs).square().mean()
+            loss.backward()
+            return loss
+
+        opt.step(closure)
+
+    assert tm.estimate(train_step, (model, x, opt)).step_peak > 0
+    assert opt.state == {} and all(p.grad is None for p in model.parameters())
+
+
 # -- in pytest ---------------------------------------------------------------------------------
 
 FACTORY_TESTS = """
@@ -132,3 +174,26 @@ def test_the_fixture_names_a_factory_passed_as_the_model(pytester: pytest.Pytest
     text = result.stdout.str()
     assert "takes 0 positional arguments" not in text
     assert "pytest_torchmem" not in text.split("= FAILURES =")[1].split("torchmem ---")[0], text
+
+
+LBFGS_TESTS = """
+import torch
+from torch import nn
+
+
+def test_lbfgs(torchmem):
+    model = nn.Linear(8, 2)
+    torchmem.check(model, torch.randn(4, 8), optimizer=lambda params: torch.optim.LBFGS(params))
+"""
+
+
+def test_the_fixture_says_lbfgs_needs_a_closure_at_the_tests_call(pytester: pytest.Pytester) -> None:
+    pytester.makeini("[pytest]\ntorchmem_devices = cpu\n")
+    pytester.makepyfile(test_m=LBFGS_TESTS)
+    result = pytester.runpytest("--torchmem-update")
+    result.assert_outcomes(failed=1)
+    assert result.ret == 1
+    result.stdout.fnmatch_lines([">*torchmem.check(model, *", "E*TypeError: " + LBFGS_LINE.replace("[", "[[]"), "test_m.py:7: *Error"])
+    failure = result.stdout.str().split("= FAILURES =")[1]
+    assert "missing 1 required positional argument" not in failure
+    assert "pytest_torchmem" not in failure.split("short test summary")[0], failure

@@ -221,6 +221,7 @@ class CheckRunner:
 
         from pytest_torchmem.engine.api import _check_parallel
         from pytest_torchmem.engine.request import as_compiled, step_request
+        from pytest_torchmem.engine.step import StepArgumentError
 
         settings = self._settings
         spec = self.marker_spec(item)
@@ -259,9 +260,12 @@ class CheckRunner:
         reports: dict[str, MemoryReport] = {}
         results: list[Result] = []
         for device in devices:
-            figures = self._estimator.figures(
-                item, request, device, name, gpu, cpu, parallel, spec.fits
-            )
+            try:
+                figures = self._estimator.figures(
+                    item, request, device, name, gpu, cpu, parallel, spec.fits
+                )
+            except StepArgumentError as exc:  # as the arguments above: at the test's call
+                raise TypeError(str(exc)) from None
             key = Key(module_test_id(item), entry_name, device)
             result = judge(
                 nodeid=item.nodeid,
