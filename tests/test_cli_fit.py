@@ -183,3 +183,57 @@ def test_a_factory_that_raises_or_holds_an_unknown_option_is_one_line_and_exit_2
     assert result.returncode == 2, (result.stdout, result.stderr)
     assert result.stderr == f"python -m pytest_torchmem {args[0]}: error: {line}\n"
     assert result.stdout == ""
+
+
+GPT2_FACTORY = """
+import sys
+
+sys.path.insert(0, {tests!r})
+from torchvision_import import import_torchvision  # transformers imports torchvision
+
+import_torchvision()
+
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel
+
+
+def gpt2():
+    with torch.device("meta"):
+        model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, n_positions=32))
+
+    def batch_of(size):
+        tokens = torch.randint(0, 50257, (size, 32), device="meta")
+        return {{"input_ids": tokens, "labels": tokens}}
+
+    return model, batch_of
+"""
+
+AFTER_THE_COMMAND = """
+import logging
+import sys
+
+from pytest_torchmem.cli.main import main
+
+code = main(sys.argv[1:])
+# the user's logging configuration is as it was: transformers' notices show again
+logging.getLogger("transformers.modeling_utils").warning("a notice after the command")
+sys.exit(code)
+"""
+
+
+@pytest.mark.parametrize("command", [["rank", "train.py:gpt2", "--size", "2", "--gpu", "T4"],
+                                     ["fit", "train.py:gpt2", "--gpu", "T4", "--sizes", "1:8", "-q"]])
+def test_the_output_carries_no_notice_of_transformers(tmp_path: Path, command: list[str]) -> None:
+    """Regression guard (issue 36): transformers' "`loss_type=None` was set in the config but
+    it is unrecognized" notice, logged as the estimates run a model with labels, was printed
+    among the command's output."""
+    pytest.importorskip("transformers")
+    (tmp_path / "train.py").write_text(GPT2_FACTORY.format(tests=str(Path(__file__).parent)))
+    (tmp_path / "run.py").write_text(AFTER_THE_COMMAND)
+    result = subprocess.run(
+        [sys.executable, "run.py", *command], cwd=tmp_path, capture_output=True, text=True, check=False
+    )
+    assert result.returncode == 0, result.stderr
+    assert "loss_type" not in result.stderr + result.stdout
+    assert "a notice after the command" in result.stderr
+    assert result.stdout.splitlines()[0].split()[0] in ("gpu", "target")

@@ -19,10 +19,13 @@ import importlib
 import importlib.util
 import inspect
 import json
+import logging
 import os
 import sys
 import traceback
-from collections.abc import Callable, Sequence
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Final, TextIO
 
@@ -179,8 +182,8 @@ def fit_command(args: argparse.Namespace, err: TextIO) -> tuple[str, int]:
     found = []
     for gpu in gpus or [None]:
         progress.target = gpu or f"budget {format_bytes(budget or 0)}"
-        found.append(
-            fit(
+        with _libraries_quiet():
+            one = fit(
                 model,
                 inputs_for,
                 sizes=sizes,
@@ -192,7 +195,7 @@ def fit_command(args: argparse.Namespace, err: TextIO) -> tuple[str, int]:
                 progress=progress,
                 **options,
             )
-        )
+        found.append(one)
         progress.done()
     short = [one for one in found if args.at_least is not None and (one.size or 0) < args.at_least]
     code = 1 if short else 0
@@ -251,7 +254,9 @@ def rank_command(args: argparse.Namespace) -> tuple[str, int]:
         raise FactoryError(f"--size must be a positive integer, got {args.size}")
     _check_gpus(_names(args.gpus))
     model, inputs_for, options = _load(args.factory, "cuda", {"device": "rank estimates on the fake cuda device", "gpu": "give --gpu"})
-    rooms = rank_gpus(model, inputs_for(args.size), _names(args.gpus) or None, **options)
+    inputs = inputs_for(args.size)
+    with _libraries_quiet():
+        rooms = rank_gpus(model, inputs, _names(args.gpus) or None, **options)
     if args.format == "json":
         rows = [
             {
@@ -275,6 +280,25 @@ def rank_command(args: argparse.Namespace) -> tuple[str, int]:
 
 
 # -- shared -------------------------------------------------------------------------------------
+
+
+@contextmanager
+def _libraries_quiet() -> Iterator[None]:
+    """transformers' notices while the estimates run its model (``loss_type=None`` was set
+    in the config...) are no part of the command's output: its logger is raised to errors
+    and its warnings ignored for them, then the user's configuration is put back."""
+    if "transformers" not in sys.modules:
+        yield
+        return
+    logger = logging.getLogger("transformers")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", module=r"transformers(\.|$)")
+            yield
+    finally:
+        logger.setLevel(level)
 
 
 class _Progress:
