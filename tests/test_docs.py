@@ -18,6 +18,8 @@ import ast
 import os
 import re
 import shlex
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -126,6 +128,33 @@ def test_the_hooks_conftest_loads_with_the_plugin_disabled(pytester: pytest.Pyte
     result = pytester.runpytest("-p", "no:torchmem")
     assert result.ret == 0, result.stdout.str()
     result.assert_outcomes(passed=1)
+
+
+# -- the pin of the installed torch ----------------------------------------------------------
+
+_PIN = re.compile(r'"torch==\$\((python -c .*?)\)"')
+
+
+def test_the_pin_of_the_installed_torch_is_the_version_pip_recorded(tmp_path: Path) -> None:
+    """Regression guard (issue 36): ``torch==$(python -c '... torch.__version__')`` expanded
+    to ``torch==2.15.0+cu132`` for PyPI's CUDA builds, whose recorded version is ``2.15.0``
+    and which no index has: pip failed. Each page's pin is run beside such a torch (its
+    ``__version__`` with a local label, its distribution's without) and must give the
+    recorded version, which pip finds installed."""
+    site = tmp_path / "site"
+    (site / "torch").mkdir(parents=True)
+    (site / "torch" / "__init__.py").write_text('__version__ = "2.15.0+cu132"\n')
+    (site / "torch-2.15.0.dist-info").mkdir()
+    (site / "torch-2.15.0.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\nName: torch\nVersion: 2.15.0\n")
+    pins = [(page, match[1]) for page in PAGES for match in _PIN.finditer(page.read_text(encoding="utf-8"))]
+    assert [page.name for page, _ in pins][:1] == ["README.md"]
+    for page, command in pins:
+        python, flag, code = shlex.split(command)
+        printed = subprocess.run(
+            [sys.executable, "-I", "-c", f"import sys; sys.path.insert(0, {str(site)!r}); {code}"],
+            capture_output=True, text=True, check=True,
+        ).stdout
+        assert printed == "2.15.0\n", (page, command)
 
 
 # -- the transcripts of pytest runs ------------------------------------------------------
