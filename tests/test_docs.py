@@ -130,6 +130,27 @@ def test_the_hooks_conftest_loads_with_the_plugin_disabled(pytester: pytest.Pyte
     result.assert_outcomes(passed=1)
 
 
+def test_a_page_whose_examples_import_another_package_says_to_install_it_first() -> None:
+    """Regression guard (issue 36): the generation and fit how-tos import transformers, which
+    pytest-torchmem does not install, and did not say so: a reader without this repository's
+    ``[test]`` extra met an ``ImportError``. A page's examples import the standard library,
+    pytest-torchmem and what it installs (its dependencies in ``pyproject.toml``, imported by
+    their own names); any other package is named with ``pip install`` before the first
+    example that imports it."""
+    pyproject = (ROOT / "pyproject.toml").read_text(encoding="utf-8")
+    dependencies = re.search(r"^dependencies = \[(.*?)\]", pyproject, re.S | re.M)
+    assert dependencies is not None
+    installed = {*re.findall(r'"([A-Za-z0-9_]+)', dependencies[1]), "pytest_torchmem"}
+    assert {"torch", "pytest"} <= installed
+    for page in PAGES:
+        text = page.read_text(encoding="utf-8")
+        for block in _BLOCK.finditer(text):
+            for name in re.findall(r"^\s*(?:from|import) (\w+)", block[1], re.M):
+                if name not in sys.stdlib_module_names and name not in installed:
+                    before = " ".join(text[: block.start()].split())
+                    assert f"pip install {name}" in before, f"{page.relative_to(ROOT)} imports {name} without saying to install it"
+
+
 # -- the pin of the installed torch ----------------------------------------------------------
 
 _PIN = re.compile(r'"torch==\$\((python -c .*?)\)"')
