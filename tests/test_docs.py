@@ -300,6 +300,27 @@ def test_the_tutorials_transcripts_are_what_pytest_prints(pytester: pytest.Pytes
     assert ran == 7
 
 
+def test_the_readmes_failure_is_lines_of_the_tutorials_replayed_run() -> None:
+    """The README's ``pytest -q`` failure shows lines of the tutorial's ``pytest -q`` run
+    (which the test above replays against pytest), in their order, none added: what the
+    README shows, and says of it, is what that command prints (issue 36: it promised the
+    moved categories and modules, which only plain ``pytest`` prints)."""
+    fences = _FENCE.finditer((ROOT / "README.md").read_text(encoding="utf-8"))
+    (block,) = [m[2] for m in fences if m[1] == "console" and m[2].startswith("$ pytest -q\n")]
+    ((command, shown),) = _commands(block)
+    runs = [
+        output
+        for fence in _FENCE.finditer(TUTORIAL.read_text(encoding="utf-8"))
+        if fence[1] == "console"
+        for command_run, output in _commands(fence[2])
+        if command_run == command and any("FAILURES" in line for line in output)
+    ]
+    assert len(runs) == 1
+    printed = iter(runs[0])
+    assert all(line in printed for line in shown), "the README shows a line the run does not print, or out of order"
+    assert not any(line.startswith(("  categories that moved", "  modules that moved", "snapshot: ")) for line in runs[0])
+
+
 TUTORIAL_TEST = "tests/test_model.py::test_training_step_memory"
 #: The how-tos' runs of the tutorial's test: the page, its block's command, the hidden width
 #: its snapshot was recorded with, and the width it runs with.
