@@ -143,6 +143,8 @@ def test_the_step_function_the_message_shows_runs() -> None:
 # -- in pytest ---------------------------------------------------------------------------------
 
 FACTORY_TESTS = """
+from collections.abc import Mapping
+
 import torch
 from torch import nn
 
@@ -153,16 +155,33 @@ def make_model():
 
 def test_factory(torchmem):
     torchmem.check(make_model, torch.randn(4, 8))
+
+
+class Batch(Mapping):
+    def __getitem__(self, key):
+        return torch.randn(4, 8)
+
+    def __len__(self):
+        return 1
+
+    def __iter__(self):
+        raise TypeError("a batch of the user's, broken")
+
+
+def test_broken_batch(torchmem):
+    torchmem.check(make_model(), Batch())
 """
 
 
 def test_the_fixture_names_a_factory_passed_as_the_model(pytester: pytest.Pytester) -> None:
     """Regression guard: ``torchmem.check(make_model, x)`` failed with ``TypeError:
-    make_model() takes 0 positional arguments`` under 13 frames of the plugin."""
+    make_model() takes 0 positional arguments`` under 13 frames of the plugin. Now one
+    line at the test's call; a ``TypeError`` of the user's own code met while the
+    arguments are read keeps its traceback."""
     pytester.makeini("[pytest]\ntorchmem_devices = cpu\n")
     pytester.makepyfile(test_m=FACTORY_TESTS)
     result = pytester.runpytest("--torchmem-update")
-    result.assert_outcomes(failed=1)
+    result.assert_outcomes(failed=2)
     assert result.ret == 1
     result.stdout.fnmatch_lines(
         [
@@ -173,7 +192,12 @@ def test_the_fixture_names_a_factory_passed_as_the_model(pytester: pytest.Pytest
     )
     text = result.stdout.str()
     assert "takes 0 positional arguments" not in text
-    assert "pytest_torchmem" not in text.split("= FAILURES =")[1].split("torchmem ---")[0], text
+    factory = text.split("= FAILURES =")[1].split("_ test_broken_batch _")[0]
+    assert "pytest_torchmem" not in factory, factory
+    # an error of the user's own code met on the way keeps its whole traceback
+    result.stdout.fnmatch_lines(
+        ['>*raise TypeError("a batch of the user\'s, broken")', "E*TypeError: a batch of the user's, broken"]
+    )
 
 
 LBFGS_TESTS = """

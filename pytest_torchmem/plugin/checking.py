@@ -58,6 +58,17 @@ class TorchmemWarning(pytest.PytestWarning):
     """A suspicious use of pytest-torchmem that does not stop the run."""
 
 
+def _raised_by_the_engine(exc: BaseException) -> bool:
+    """Whether the engine's own code raised ``exc`` (the module of the last frame of its
+    traceback), not torch's or the user's called from it."""
+    tb = exc.__traceback__
+    if tb is None:
+        return False
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    return str(tb.tb_frame.f_globals.get("__name__", "")).startswith("pytest_torchmem.engine.")
+
+
 class CheckRunner:
     """Runs the checks of the ``torchmem`` fixture, and fails the reports their verdicts end.
 
@@ -239,6 +250,8 @@ class CheckRunner:
                 "torchmem.check", model, inputs, "cpu", loss_fn, optimizer, train, keep_output, compile
             )
         except (TypeError, ValueError) as exc:
+            if not _raised_by_the_engine(exc):  # torch's or the user's: its traceback whole
+                raise
             # the arguments, refused in one line: shown at the test's call, not in the
             # engine's validation (this frame is hidden)
             raise exc.with_traceback(None) from None
