@@ -33,6 +33,25 @@ def big():
 
 def not_a_pair():
     return 3
+
+
+def raising():
+    raise FileNotFoundError("data/vocab.json")
+
+
+def misspelt():
+    model, inputs_for, _ = factory()
+    return model, inputs_for, {"optimiser": lambda p: torch.optim.AdamW(p)}
+
+
+def with_gpu():
+    model, inputs_for, _ = factory()
+    return model, inputs_for, {"gpu": "T4"}
+
+
+def with_cpu():
+    model, inputs_for, _ = factory()
+    return model, inputs_for, {"cpu": "avx2:4"}
 """
 
 
@@ -44,6 +63,7 @@ def _factory_model() -> tuple[nn.Module, dict[str, object]]:
 
 def _run(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
     (tmp_path / "train.py").write_text(FACTORY)
+    (tmp_path / "broken.py").write_text('import torch\n\nraise RuntimeError("no GPU config\\nfound")\n')
     return subprocess.run(
         [sys.executable, "-m", "pytest_torchmem", *args],
         cwd=tmp_path,
@@ -120,3 +140,100 @@ def test_bad_command_lines_are_one_line_and_exit_2(tmp_path: Path, args: list[st
     assert result.returncode == 2, (result.stdout, result.stderr)
     assert message in result.stderr and "Traceback" not in result.stderr
     assert result.stderr.startswith(f"python -m pytest_torchmem {args[0]}: error: ")
+
+
+@pytest.mark.parametrize(
+    ("args", "line"),
+    [
+        (
+            ["fit", "train.py:raising", "--budget", "1GiB"],
+            "train.py:raising raised FileNotFoundError: data/vocab.json (at train.py:23)",
+        ),
+        (
+            ["rank", "train:raising", "--size", "2"],
+            "train:raising raised FileNotFoundError: data/vocab.json (at train.py:23)",
+        ),
+        (
+            ["rank", "broken.py:factory", "--size", "2"],
+            "cannot load broken.py: RuntimeError: no GPU config found (at broken.py:3)",
+        ),
+        (
+            ["fit", "train.py:misspelt", "--gpu", "T4"],
+            "train.py:misspelt: the options hold 'optimiser', which estimate() does not take; did you "
+            "mean 'optimizer'? its options are compile, cpu, keep_output, loss_fn, optimizer, parallel, train",
+        ),
+        (
+            ["rank", "train.py:with_gpu", "--size", "2"],
+            "train.py:with_gpu: the options hold 'gpu', which the command sets: leave it out; give --gpu",
+        ),
+        (
+            ["fit", "train.py:with_cpu", "--gpu", "T4"],
+            "train.py:with_cpu: the options hold cpu='avx2:4', a CPU profile, and this command estimates "
+            "on the fake cuda device: leave it out, or run fit with --device cpu",
+        ),
+    ],
+    ids=["factory-raises", "module-factory-raises", "file-raises", "unknown-option", "command-option", "cpu-on-cuda"],
+)
+def test_a_factory_that_raises_or_holds_an_unknown_option_is_one_line_and_exit_2(
+    tmp_path: Path, args: list[str], line: str
+) -> None:
+    """Regression guard (issue 36): a traceback and exit 1, the code the docs keep for
+    --at-least."""
+    result = _run(tmp_path, *args)
+    assert result.returncode == 2, (result.stdout, result.stderr)
+    assert result.stderr == f"python -m pytest_torchmem {args[0]}: error: {line}\n"
+    assert result.stdout == ""
+
+
+GPT2_FACTORY = """
+import sys
+
+sys.path.insert(0, {tests!r})
+from torchvision_import import import_torchvision  # transformers imports torchvision
+
+import_torchvision()
+
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel
+
+
+def gpt2():
+    with torch.device("meta"):
+        model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, n_positions=32))
+
+    def batch_of(size):
+        tokens = torch.randint(0, 50257, (size, 32), device="meta")
+        return {{"input_ids": tokens, "labels": tokens}}
+
+    return model, batch_of
+"""
+
+AFTER_THE_COMMAND = """
+import logging
+import sys
+
+from pytest_torchmem.cli.main import main
+
+code = main(sys.argv[1:])
+# the user's logging configuration is as it was: transformers' notices show again
+logging.getLogger("transformers.modeling_utils").warning("a notice after the command")
+sys.exit(code)
+"""
+
+
+@pytest.mark.parametrize("command", [["rank", "train.py:gpt2", "--size", "2", "--gpu", "T4"],
+                                     ["fit", "train.py:gpt2", "--gpu", "T4", "--sizes", "1:8", "-q"]])
+def test_the_output_carries_no_notice_of_transformers(tmp_path: Path, command: list[str]) -> None:
+    """Regression guard (issue 36): transformers' "`loss_type=None` was set in the config but
+    it is unrecognized" notice, logged as the estimates run a model with labels, was printed
+    among the command's output."""
+    pytest.importorskip("transformers")
+    (tmp_path / "train.py").write_text(GPT2_FACTORY.format(tests=str(Path(__file__).parent)))
+    (tmp_path / "run.py").write_text(AFTER_THE_COMMAND)
+    result = subprocess.run(
+        [sys.executable, "run.py", *command], cwd=tmp_path, capture_output=True, text=True, check=False
+    )
+    assert result.returncode == 0, result.stderr
+    assert "loss_type" not in result.stderr + result.stdout
+    assert "a notice after the command" in result.stderr
+    assert result.stdout.splitlines()[0].split()[0] in ("gpu", "target")

@@ -18,6 +18,8 @@ import ast
 import os
 import re
 import shlex
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -126,6 +128,54 @@ def test_the_hooks_conftest_loads_with_the_plugin_disabled(pytester: pytest.Pyte
     result = pytester.runpytest("-p", "no:torchmem")
     assert result.ret == 0, result.stdout.str()
     result.assert_outcomes(passed=1)
+
+
+def test_a_page_whose_examples_import_another_package_says_to_install_it_first() -> None:
+    """Regression guard (issue 36): the generation and fit how-tos import transformers, which
+    pytest-torchmem does not install, and did not say so: a reader without this repository's
+    ``[test]`` extra met an ``ImportError``. A page's examples import the standard library,
+    pytest-torchmem and what it installs (its dependencies in ``pyproject.toml``, imported by
+    their own names); any other package is named with ``pip install`` before the first
+    example that imports it."""
+    pyproject = (ROOT / "pyproject.toml").read_text(encoding="utf-8")
+    dependencies = re.search(r"^dependencies = \[(.*?)\]", pyproject, re.S | re.M)
+    assert dependencies is not None
+    installed = {*re.findall(r'"([A-Za-z0-9_]+)', dependencies[1]), "pytest_torchmem"}
+    assert {"torch", "pytest"} <= installed
+    for page in PAGES:
+        text = page.read_text(encoding="utf-8")
+        for block in _BLOCK.finditer(text):
+            for name in re.findall(r"^\s*(?:from|import) (\w+)", block[1], re.M):
+                if name not in sys.stdlib_module_names and name not in installed:
+                    before = " ".join(text[: block.start()].split())
+                    assert f"pip install {name}" in before, f"{page.relative_to(ROOT)} imports {name} without saying to install it"
+
+
+# -- the pin of the installed torch ----------------------------------------------------------
+
+_PIN = re.compile(r'"torch==\$\((python -c .*?)\)"')
+
+
+def test_the_pin_of_the_installed_torch_is_the_version_pip_recorded(tmp_path: Path) -> None:
+    """Regression guard (issue 36): ``torch==$(python -c '... torch.__version__')`` expanded
+    to ``torch==2.15.0+cu132`` for PyPI's CUDA builds, whose recorded version is ``2.15.0``
+    and which no index has: pip failed. Each page's pin is run beside such a torch (its
+    ``__version__`` with a local label, its distribution's without) and must give the
+    recorded version, which pip finds installed."""
+    site = tmp_path / "site"
+    (site / "torch").mkdir(parents=True)
+    (site / "torch" / "__init__.py").write_text('__version__ = "2.15.0+cu132"\n')
+    (site / "torch-2.15.0.dist-info").mkdir()
+    (site / "torch-2.15.0.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\nName: torch\nVersion: 2.15.0\n")
+    pins = [(page, match[1]) for page in PAGES for match in _PIN.finditer(page.read_text(encoding="utf-8"))]
+    assert [page.name for page, _ in pins][:1] == ["README.md"]
+    for page, command in pins:
+        python, flag, code = shlex.split(command)
+        printed = subprocess.run(
+            [sys.executable, "-I", "-c", f"import sys; sys.path.insert(0, {str(site)!r}); {code}"],
+            capture_output=True, text=True, check=True,
+        ).stdout
+        assert printed == "2.15.0\n", (page, command)
 
 
 # -- the transcripts of pytest runs ------------------------------------------------------
@@ -248,6 +298,27 @@ def test_the_tutorials_transcripts_are_what_pytest_prints(pytester: pytest.Pytes
         if fence[1] == "console":
             ran += _replay(pytester, fence[2], "docs/tutorial.md")
     assert ran == 7
+
+
+def test_the_readmes_failure_is_lines_of_the_tutorials_replayed_run() -> None:
+    """The README's ``pytest -q`` failure shows lines of the tutorial's ``pytest -q`` run
+    (which the test above replays against pytest), in their order, none added: what the
+    README shows, and says of it, is what that command prints (issue 36: it promised the
+    moved categories and modules, which only plain ``pytest`` prints)."""
+    fences = _FENCE.finditer((ROOT / "README.md").read_text(encoding="utf-8"))
+    (block,) = [m[2] for m in fences if m[1] == "console" and m[2].startswith("$ pytest -q\n")]
+    ((command, shown),) = _commands(block)
+    runs = [
+        output
+        for fence in _FENCE.finditer(TUTORIAL.read_text(encoding="utf-8"))
+        if fence[1] == "console"
+        for command_run, output in _commands(fence[2])
+        if command_run == command and any("FAILURES" in line for line in output)
+    ]
+    assert len(runs) == 1
+    printed = iter(runs[0])
+    assert all(line in printed for line in shown), "the README shows a line the run does not print, or out of order"
+    assert not any(line.startswith(("  categories that moved", "  modules that moved", "snapshot: ")) for line in runs[0])
 
 
 TUTORIAL_TEST = "tests/test_model.py::test_training_step_memory"

@@ -95,3 +95,26 @@ def test_ci_workflow_gates_pull_requests_on_the_examples() -> None:
     # In CI a missing or moved entry must fail, so the gate never updates.
     run_lines = [line for line in workflow.splitlines() if not line.lstrip().startswith("#")]
     assert not any("--torchmem-update" in line for line in run_lines)
+
+
+def test_the_examples_docs_describe_the_entries_as_they_are_recorded() -> None:
+    """Regression guard (issue 36): the examples' README and workflow said that cpu entries
+    record the machine's threads and ISA (``cpu_threads``, ``cpu_isa``) and go stale on
+    another machine, and pinned ``OMP_NUM_THREADS``; the entries record the fixed CPU
+    profile, ``avx2:4``, and compare on any machine."""
+    cpu_environments = {
+        json.dumps(entry["environment"], sort_keys=True)
+        for path in EXAMPLES.glob("*/__torchmem__/*/*.json")
+        for checks in json.loads(path.read_text())["tests"].values()
+        for devices in checks.values()
+        for device, entry in devices.items()
+        if device == "cpu"
+    }
+    assert cpu_environments and all(json.loads(env)["cpu"] == "avx2:4" for env in cpu_environments)
+    assert not any("cpu_threads" in env or "cpu_isa" in env for env in cpu_environments)
+    readme = (EXAMPLES / "README.md").read_text()
+    workflow = (EXAMPLES / "ci" / "memory-regression.yml").read_text()
+    assert '`"cpu": "avx2:4"`' in readme and '"avx2:4"' in workflow
+    for text in (readme, workflow):
+        for stale in ("cpu_threads", "cpu_isa", "OMP_NUM_THREADS", "thread count the snapshots"):
+            assert stale not in text, stale

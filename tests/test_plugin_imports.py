@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
+
+import pytest_torchmem
 
 pytest_plugins = ("pytester",)
 
@@ -127,3 +131,42 @@ def test_the_plugins_default_gpu_is_the_device_models() -> None:
     from pytest_torchmem.plugin.settings import DEFAULT_DEVICES
 
     assert set(DEFAULT_DEVICES) == set(known_devices()) == {"cpu", "cuda"}
+
+
+NO_NUMPY_TESTS = """
+import torch
+from torch import nn
+
+
+def test_memory(torchmem):
+    torchmem.check(nn.Linear(4, 4), torch.randn(2, 4))
+
+
+def test_plain():
+    assert torch.ones(2).sum().item() == 2
+"""
+
+
+def test_a_project_without_numpy_sees_no_numpy_warning(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Regression guard (issue 36): torch warns "Failed to initialize NumPy" as it is imported
+    where numpy is not installed, and a project without numpy saw the warning in the summary
+    of every run. The plugin ignores that one warning, from the first conftest on (this
+    one imports torch); with the plugin off, the same run shows it."""
+    blocked = pytester.mkdir("site") / "numpy"
+    blocked.mkdir()
+    (blocked / "__init__.py").write_text('raise ModuleNotFoundError("No module named \'numpy\'", name="numpy")\n')
+    package_root = Path(pytest_torchmem.__file__).parent.parent  # this checkout's package
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(pytester.path / "site"), str(package_root)]))
+    monkeypatch.setenv("PYTEST_ADDOPTS", "-p no:hypothesispytest -p no:cacheprovider -p no:xdist -p no:randomly")
+    pytester.makeini("[pytest]\ntorchmem_devices = cpu\n")
+    pytester.makeconftest("import torch\n")
+    pytester.makepyfile(test_m=NO_NUMPY_TESTS)
+    result = pytester.runpytest_subprocess("--torchmem-update")
+    result.assert_outcomes(passed=2)
+    assert result.ret == 0
+    assert "NumPy" not in result.stdout.str() + result.stderr.str()
+    assert "warnings summary" not in result.stdout.str()
+
+    without = pytester.runpytest_subprocess("-p", "no:torchmem", "-k", "plain")
+    without.assert_outcomes(passed=1, deselected=1)
+    without.stdout.fnmatch_lines(["*UserWarning: Failed to initialize NumPy: No module named 'numpy'*"])

@@ -110,6 +110,19 @@ def test_the_variable_lets_an_unsupported_release_run(monkeypatch: pytest.Monkey
     assert tm.estimate(nn.Linear(2, 2), torch.randn(1, 2)).peak > 0
 
 
+@pytest.mark.usefixtures("torch_2_9")
+def test_the_variable_set_after_a_refusal_is_read(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Regression guard (issue 36): the variable set in the process after a first refusal
+    lets the next estimate run; it is read on each call, not once."""
+    with pytest.raises(TorchReleaseError):
+        tm.estimate(nn.Linear(2, 2), torch.randn(1, 2))
+    monkeypatch.setenv(ANY_RELEASE_VARIABLE, "1")
+    assert tm.estimate(nn.Linear(2, 2), torch.randn(1, 2)).peak > 0
+    monkeypatch.delenv(ANY_RELEASE_VARIABLE)
+    with pytest.raises(TorchReleaseError):
+        tm.estimate(nn.Linear(2, 2), torch.randn(1, 2))
+
+
 # -- in pytest ------------------------------------------------------------------------------
 
 CONFTEST = """

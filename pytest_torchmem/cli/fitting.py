@@ -14,11 +14,18 @@ one of them runs.
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
 import importlib.util
+import inspect
 import json
+import logging
+import os
 import sys
-from collections.abc import Callable, Sequence
+import traceback
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Final, TextIO
 
@@ -169,14 +176,14 @@ def fit_command(args: argparse.Namespace, err: TextIO) -> tuple[str, int]:
     if args.device == "cpu" and gpus:
         raise FactoryError("--gpu is for --device cuda; on cpu give --budget")
     _check_gpus(gpus)
-    model, inputs_for, options = _load(args.factory)
+    model, inputs_for, options = _load(args.factory, args.device, {"device": "give --device", "gpu": "give --gpu"})
     progress = _Progress(err, quiet=args.quiet)
     progress.name = args.name
     found = []
     for gpu in gpus or [None]:
         progress.target = gpu or f"budget {format_bytes(budget or 0)}"
-        found.append(
-            fit(
+        with _libraries_quiet():
+            one = fit(
                 model,
                 inputs_for,
                 sizes=sizes,
@@ -188,7 +195,7 @@ def fit_command(args: argparse.Namespace, err: TextIO) -> tuple[str, int]:
                 progress=progress,
                 **options,
             )
-        )
+        found.append(one)
         progress.done()
     short = [one for one in found if args.at_least is not None and (one.size or 0) < args.at_least]
     code = 1 if short else 0
@@ -246,8 +253,10 @@ def rank_command(args: argparse.Namespace) -> tuple[str, int]:
     if args.size < 1:
         raise FactoryError(f"--size must be a positive integer, got {args.size}")
     _check_gpus(_names(args.gpus))
-    model, inputs_for, options = _load(args.factory)
-    rooms = rank_gpus(model, inputs_for(args.size), _names(args.gpus) or None, **options)
+    model, inputs_for, options = _load(args.factory, "cuda", {"device": "rank estimates on the fake cuda device", "gpu": "give --gpu"})
+    inputs = inputs_for(args.size)
+    with _libraries_quiet():
+        rooms = rank_gpus(model, inputs, _names(args.gpus) or None, **options)
     if args.format == "json":
         rows = [
             {
@@ -271,6 +280,25 @@ def rank_command(args: argparse.Namespace) -> tuple[str, int]:
 
 
 # -- shared -------------------------------------------------------------------------------------
+
+
+@contextmanager
+def _libraries_quiet() -> Iterator[None]:
+    """transformers' notices while the estimates run its model (``loss_type=None`` was set
+    in the config...) are no part of the command's output: its logger is raised to errors
+    and its warnings ignored for them, then the user's configuration is put back."""
+    if "transformers" not in sys.modules:
+        yield
+        return
+    logger = logging.getLogger("transformers")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", module=r"transformers(\.|$)")
+            yield
+    finally:
+        logger.setLevel(level)
 
 
 class _Progress:
@@ -337,8 +365,12 @@ def _sizes(text: str) -> range:
     return range(first, last + 1, step[0] if step else 1)
 
 
-def _load(spec: str) -> tuple[Any, Callable[[int], Any], dict[str, Any]]:
-    """The factory ``spec`` names, called: ``(model, inputs_for, options)``."""
+def _load(
+    spec: str, device: str, flags: dict[str, str]
+) -> tuple[Any, Callable[[int], Any], dict[str, Any]]:
+    """The factory ``spec`` names, called: ``(model, inputs_for, options)``, its options
+    checked for a step on ``device`` (``flags``: the options the command sets, and what
+    to do instead of each)."""
     where, sep, name = spec.rpartition(":")
     if not sep or not where or not name.isidentifier():
         raise FactoryError(f"FACTORY must be module:function or path/to/file.py:function, got {spec!r}")
@@ -351,17 +383,23 @@ def _load(spec: str) -> tuple[Any, Callable[[int], Any], dict[str, Any]]:
         assert module_spec is not None and module_spec.loader is not None
         module = importlib.util.module_from_spec(module_spec)
         sys.modules[path.stem] = module
-        module_spec.loader.exec_module(module)
+        try:
+            module_spec.loader.exec_module(module)
+        except Exception as exc:  # the user's module: its error, in one line
+            raise FactoryError(f"cannot load {where}: {_raised(exc, str(path))}") from None
     else:
         sys.path.insert(0, str(Path.cwd()))
         try:
             module = importlib.import_module(where)
-        except ModuleNotFoundError as exc:
-            raise FactoryError(f"cannot import {where!r}: {exc}") from None
+        except Exception as exc:
+            raise FactoryError(f"cannot import {where!r}: {_raised(exc, None)}") from None
     factory = getattr(module, name, None)
     if not callable(factory):
         raise FactoryError(f"{where} has no function {name!r}")
-    made = factory()
+    try:
+        made = factory()
+    except Exception as exc:
+        raise FactoryError(f"{spec} raised {_raised(exc, getattr(module, '__file__', None))}") from None
     if not isinstance(made, tuple) or len(made) not in (2, 3):
         raise FactoryError(
             f"{spec} must return (model, inputs_for) or (model, inputs_for, options), "
@@ -373,4 +411,55 @@ def _load(spec: str) -> tuple[Any, Callable[[int], Any], dict[str, Any]]:
         raise FactoryError(f"{spec}: inputs_for must be a function of the size, got {type(inputs_for).__name__}")
     if not isinstance(options, dict):
         raise FactoryError(f"{spec}: options must be a dict of estimate()'s keyword arguments, got {type(options).__name__}")
+    _check_options(spec, options, device, flags)
     return model, inputs_for, options
+
+
+def _check_options(spec: str, options: dict[Any, Any], device: str, flags: dict[str, str]) -> None:
+    """The factory's options are :func:`~pytest_torchmem.estimate`'s keyword arguments,
+    less those the command sets (``flags``); a name it does not take is refused before any
+    estimate."""
+    from pytest_torchmem.engine.api import estimate
+
+    known = sorted(
+        name
+        for name, parameter in inspect.signature(estimate).parameters.items()
+        if parameter.kind is inspect.Parameter.KEYWORD_ONLY and name not in flags
+    )
+    for key in options:
+        if key in flags:
+            raise FactoryError(f"{spec}: the options hold {key!r}, which the command sets: leave it out; {flags[key]}")
+        if key not in known:
+            close = difflib.get_close_matches(str(key), known, n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            raise FactoryError(
+                f"{spec}: the options hold {key!r}, which estimate() does not take; {hint}"
+                f"its options are {', '.join(known)}"
+            )
+    if "cpu" in options and options["cpu"] is not None and device != "cpu":
+        raise FactoryError(
+            f"{spec}: the options hold cpu={options['cpu']!r}, a CPU profile, and this command "
+            "estimates on the fake cuda device: leave it out, or run fit with --device cpu"
+        )
+
+
+def _raised(exc: BaseException, own_file: str | None) -> str:
+    """``exc`` in one line: its type, its message and where it was raised (the last line of
+    ``own_file`` on its way, else the line that raised it)."""
+    message = " ".join(str(exc).split())
+    text = f"{type(exc).__name__}: {message}" if message else type(exc).__name__
+    frames = [frame for frame in traceback.extract_tb(exc.__traceback__) if not frame.filename.startswith("<")]
+    own = [frame for frame in frames if own_file is not None and frame.filename == own_file]
+    if isinstance(exc, SyntaxError) or not frames:
+        return text
+    frame = (own or frames)[-1]
+    return f"{text} (at {_shown(frame.filename)}:{frame.lineno})"
+
+
+def _shown(path: str) -> str:
+    """``path`` relative to the working directory where it lies under it."""
+    try:
+        relative = os.path.relpath(path)
+    except ValueError:  # another drive
+        return path
+    return path if relative.startswith("..") else relative

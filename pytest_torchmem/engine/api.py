@@ -87,7 +87,9 @@ def estimate(
     and optimizer steps are recognised where they run, and each phase's figure is
     the highest of its iterations (:mod:`~pytest_torchmem.engine.step_function`).
     ``loss_fn``, ``optimizer``, ``train``, ``keep_output``, ``compile`` and
-    ``parallel`` are the built-in step's, and do not apply to it.
+    ``parallel`` are the built-in step's, and do not apply to it. A callable that
+    cannot take ``inputs`` (the model's factory passed in place of the model) is
+    refused with a ``TypeError`` that says so.
 
     A torch outside the supported window raises
     :class:`~pytest_torchmem.engine.torch_release.TorchReleaseError` at once.

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 import dataclasses
+import inspect
 from dataclasses import dataclass, is_dataclass
 from typing import Any, Final
 
@@ -97,6 +98,7 @@ def step_request(
     if not isinstance(keep_output, bool):
         raise TypeError(f"keep_output must be True or False, got {keep_output!r}")
     if not isinstance(model, nn.Module):
+        _check_takes_inputs(entry, model, args, kwargs)
         _check_function_options(entry, loss_fn, optimizer, train, keep_output, compile)
         return StepRequest(step_function(model, args, kwargs), args, kwargs, kind, None, None, True)
     compiled = compile_options(compile)
@@ -107,6 +109,44 @@ def step_request(
             ".compile()); pass it without compile=, or pass the eager model"
         )
     return StepRequest(model, args, kwargs, kind, loss_fn, optimizer, train, keep_output, compile=compiled)
+
+
+def _check_takes_inputs(entry: str, function: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """A callable that is not a module runs as a step function on the inputs; one that cannot
+    take them is, as a rule, the model's factory (or class) passed in place of the model."""
+    name = getattr(function, "__qualname__", None) or type(function).__name__
+    if isinstance(function, type) and issubclass(function, nn.Module):
+        raise TypeError(
+            f"{entry}() got the class {name}, not a model: pass a model made from it, "
+            f"{entry}({name}(...), inputs)"
+        )
+    refusals = []
+    # the signature as written, and the wrapper's own: a decorator that supplies arguments
+    # of the function it wraps (functools.wraps) takes other inputs than the function
+    for follow_wrapped in (True, False):
+        try:
+            signature = inspect.signature(function, follow_wrapped=follow_wrapped)
+        except (TypeError, ValueError):  # no signature to read (a builtin, an extension's callable)
+            return
+        try:
+            signature.bind(*args, **kwargs)
+        except TypeError as exc:
+            refusals.append((signature, exc))
+        else:
+            return
+    signature, exc = refusals[0]
+    if not signature.parameters:
+        raise TypeError(
+            f"{entry}() runs a callable that is not an nn.Module as a step function on the inputs, "
+            f"and {name}() takes no arguments: the model's factory was passed instead of the model; "
+            f"pass the model it makes, {entry}({name}(), inputs)"
+        )
+    raise TypeError(
+        f"{entry}() runs a callable that is not an nn.Module as a step function on the inputs, "
+        f"and {name}{signature} cannot take them ({exc}): pass a step function's arguments as "
+        f"its inputs, {entry}({name}, (arg, ...)), or, if {name} makes the model, the model "
+        f"it makes, {entry}({name}(...), inputs)"
+    )
 
 
 def _check_function_options(entry: str, loss_fn: Any, optimizer: Any, train: Any, keep_output: Any, compile: Any) -> None:

@@ -9,6 +9,7 @@ up as gradients and optimizer state).
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Final, Protocol
 
@@ -30,6 +31,7 @@ __all__ = [
     "OptimizerFactory",
     "Probe",
     "QuietProbe",
+    "StepArgumentError",
     "default_loss",
     "module_names",
     "run_step",
@@ -43,6 +45,11 @@ LossFn = Callable[[Any], torch.Tensor]
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 
 #: Name of the model itself in per-module figures.
+
+
+class StepArgumentError(TypeError):
+    """An argument of the built-in step that turns out wrong only as the step runs (what
+    the optimizer factory makes): the caller's to fix, in one line."""
 
 
 class Probe(Protocol):
@@ -305,11 +312,12 @@ def _run_step(
     if optimizer is not None:
         opt = optimizer(trainable)
         if not isinstance(opt, torch.optim.Optimizer):
-            raise TypeError(
+            raise StepArgumentError(
                 "optimizer must be a callable that takes the parameters and returns a "
                 f"torch.optim.Optimizer, got {type(opt).__name__} back; "
                 "e.g. optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3)"
             )
+        _check_steps_without_closure(opt)
         probe.prepare_optimizer(opt)
 
     if loop is None:
@@ -336,6 +344,33 @@ def _run_step(
         )
     probe.set_phase(None)
     del opt, batch_grads
+
+
+def _check_steps_without_closure(opt: torch.optim.Optimizer) -> None:
+    """The built-in step calls ``opt.step()``: an optimizer whose step needs a closure
+    (``torch.optim.LBFGS``) is refused before the step runs, with the way to check it."""
+    try:  # through torch's wrappers of every step (profiling hooks, no_grad): as written
+        signature = inspect.signature(opt.step)
+    except (TypeError, ValueError):  # no signature to read: let its step say
+        return
+    try:
+        signature.bind()
+    except TypeError:
+        pass
+    else:
+        return
+    name = type(opt).__name__
+    made = f"torch.optim.{name}" if getattr(torch.optim, name, None) is type(opt) else name
+    raise StepArgumentError(
+        f"{name}.step() needs a closure that recomputes the loss, and the built-in step "
+        "(optimizer=) calls step() without one: check a step function that gives it one, "
+        "in place of the model with the optimizer among its arguments, "
+        "tm.estimate(train_step, (model, inputs, opt)) or torchmem.check(train_step, "
+        f"(model, inputs, opt)) where opt = {made}(model.parameters()) and "
+        "train_step(model, inputs, opt) calls opt.step(closure), closure() zeroing the "
+        "gradients, running forward and backward and returning the loss "
+        '(docs/howto/step-function.md, "An optimizer that needs a closure")'
+    )
 
 
 #: The iterations of a training loop a step with an optimizer runs: the first (which

@@ -87,15 +87,18 @@ def release_problem(version: str) -> str | None:
 
 @cache
 def _problem() -> str | None:
+    """Why the installed torch cannot be used, worked out once (its version does not change)."""
     import torch
 
-    if os.environ.get(ANY_RELEASE_VARIABLE) == "1":
-        return None
     return release_problem(torch.__version__)
 
 
 def require_supported_torch() -> None:
-    """Raise :class:`TorchReleaseError` where the installed torch is outside the window."""
+    """Raise :class:`TorchReleaseError` where the installed torch is outside the window,
+    unless :data:`ANY_RELEASE_VARIABLE` is ``1`` (read on each call: set after a first
+    refusal, it lets the next estimate run)."""
+    if os.environ.get(ANY_RELEASE_VARIABLE) == "1":
+        return
     problem = _problem()
     if problem is not None:
         raise TorchReleaseError(problem)

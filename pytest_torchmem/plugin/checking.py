@@ -58,6 +58,17 @@ class TorchmemWarning(pytest.PytestWarning):
     """A suspicious use of pytest-torchmem that does not stop the run."""
 
 
+def _raised_by_the_engine(exc: BaseException) -> bool:
+    """Whether the engine's own code raised ``exc`` (the module of the last frame of its
+    traceback), not torch's or the user's called from it."""
+    tb = exc.__traceback__
+    if tb is None:
+        return False
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    return str(tb.tb_frame.f_globals.get("__name__", "")).startswith("pytest_torchmem.engine.")
+
+
 class CheckRunner:
     """Runs the checks of the ``torchmem`` fixture, and fails the reports their verdicts end.
 
@@ -221,6 +232,7 @@ class CheckRunner:
 
         from pytest_torchmem.engine.api import _check_parallel
         from pytest_torchmem.engine.request import as_compiled, step_request
+        from pytest_torchmem.engine.step import StepArgumentError
 
         settings = self._settings
         spec = self.marker_spec(item)
@@ -233,9 +245,16 @@ class CheckRunner:
             keep_output = spec.keep_output if spec.keep_output is not None else builtin and settings.keep_output
         if compile is None and builtin:
             compile = settings.compile if spec.compile is None else spec.compile
-        request = step_request(
-            "torchmem.check", model, inputs, "cpu", loss_fn, optimizer, train, keep_output, compile
-        )
+        try:
+            request = step_request(
+                "torchmem.check", model, inputs, "cpu", loss_fn, optimizer, train, keep_output, compile
+            )
+        except (TypeError, ValueError) as exc:
+            if not _raised_by_the_engine(exc):  # torch's or the user's: its traceback whole
+                raise
+            # the arguments, refused in one line: shown at the test's call, not in the
+            # engine's validation (this frame is hidden)
+            raise exc.with_traceback(None) from None
         _check_parallel(parallel, request.model)
         name, entry_name = self._claim(
             item,
@@ -254,9 +273,12 @@ class CheckRunner:
         reports: dict[str, MemoryReport] = {}
         results: list[Result] = []
         for device in devices:
-            figures = self._estimator.figures(
-                item, request, device, name, gpu, cpu, parallel, spec.fits
-            )
+            try:
+                figures = self._estimator.figures(
+                    item, request, device, name, gpu, cpu, parallel, spec.fits
+                )
+            except StepArgumentError as exc:  # as the arguments above: at the test's call
+                raise TypeError(str(exc)) from None
             key = Key(module_test_id(item), entry_name, device)
             result = judge(
                 nodeid=item.nodeid,

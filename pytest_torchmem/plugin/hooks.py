@@ -26,6 +26,7 @@ every run, and the tracer is imported by the first memory check.
 
 from __future__ import annotations
 
+from collections.abc import Generator
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -64,6 +65,20 @@ _MARKER_HELP: Final = (
     "torch.compile's mode, dynamic, fullgraph and options), the mesh and rank of a "
     "parallel check, and the GPUs the cuda step must fit (True: its own, or names)."
 )
+
+
+#: torch's warning as it is imported where numpy is not installed
+#: (torch/csrc/utils/tensor_numpy.cpp): nothing a project without numpy can act on, in the
+#: warnings summary of every run. A filter of the run's (``-W`` on the command line wins).
+NUMPY_WARNING_FILTER: Final = "ignore:Failed to initialize NumPy:UserWarning"
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_load_initial_conftests(early_config: pytest.Config) -> Generator[None, None, None]:
+    # outside pytest's own wrapper of this hook, which applies the filters to the first
+    # conftests' imports (a conftest that imports torch)
+    early_config.addinivalue_line("filterwarnings", NUMPY_WARNING_FILTER)
+    return (yield)
 
 
 def pytest_addhooks(pluginmanager: pytest.PytestPluginManager) -> None:
