@@ -159,7 +159,8 @@ class PhaseWatch:
         self._prepare(optimizer)  # one the function made: its first step
         outermost = self.backwards == 0 and self.steps == 0
         self.steps += 1
-        closure = kwargs.get("closure", args[0] if args else None)
+        # (the hooks get step's own arguments: the optimizer first, then the closure)
+        closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
         if outermost and callable(closure):
             # optimizer.step(closure) (LBFGS, Lightning's automatic optimization) runs the
             # forward and backward in the closure: they are phases of their own, and the
@@ -196,7 +197,7 @@ def _closure_args(args: Any, kwargs: Any, closure: Callable[..., Any]) -> tuple[
     """``optimizer.step``'s arguments with ``closure`` in the place of its own."""
     if "closure" in kwargs:
         return args, {**kwargs, "closure": closure}
-    return (closure, *args[1:]), kwargs
+    return (args[0], closure, *args[2:]), kwargs
 
 
 def hooked_modules(modules: Sequence[nn.Module]) -> list[nn.Module]:
