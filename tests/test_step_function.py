@@ -467,6 +467,36 @@ def test_a_phase_outside_a_check_does_nothing_and_a_bad_name_is_refused() -> Non
     assert tm.estimate(nn.Linear(4, 4), torch.randn(2, 4)).phases == {}
 
 
+_BODY = tm.phase("body")
+
+
+@_BODY
+def _twice_in_a_loop(model: nn.Module, x: torch.Tensor) -> None:
+    for _ in range(2):
+        with _BODY:  # the object entered again, inside its own block (as a decorator)
+            model(x).square().mean().backward()
+
+
+def _fresh_each_time(model: nn.Module, x: torch.Tensor) -> None:
+    with tm.phase("body"):
+        for _ in range(2):
+            with tm.phase("body"):
+                model(x).square().mean().backward()
+
+
+def test_one_phase_object_is_entered_again() -> None:
+    """Issue 36, item 9: ``p = tm.phase("x")`` entered in a loop raised AttributeError
+    ('_GeneratorContextManager' object has no attribute 'args') at its second ``with``.
+    One object now counts as a new one each time: in a loop, nested in itself, as a
+    decorator, and outside a check."""
+    model, x = _mlp(), torch.randn(16, 32)
+    for entry in (tm.estimate, tm.measure):
+        assert entry(_twice_in_a_loop, (model, x)).phases == entry(_fresh_each_time, (model, x)).phases
+    with _BODY, _BODY:
+        pass
+    assert repr(_BODY) == "tm.phase('body')"
+
+
 def _reset_run_read(x: torch.Tensor, dy: torch.Tensor, runs: int = 10) -> None:
     """A kernel benchmark's protocol: reset the peak, run ``y = f(x); y.backward(dy,
     retain_graph=True)``, read ``max_memory_allocated()``; ten times. Each named phase
