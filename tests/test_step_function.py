@@ -497,6 +497,37 @@ def test_one_phase_object_is_entered_again() -> None:
     assert repr(_BODY) == "tm.phase('body')"
 
 
+def test_an_estimate_or_measure_inside_the_step_of_another_is_refused() -> None:
+    """Issue 36, item 9: ``tm.measure(fn)`` where ``fn`` calls ``tm.measure`` raised an
+    IndexError, or gave 0 B; an estimate inside an estimate counted the inner one's step.
+    Each is refused in one line, raised as the step's own error (never a stopped trace,
+    even after a stand-in value), and the next call runs."""
+    model, x = _mlp(), torch.randn(4, 32)
+    before = copy.deepcopy(model.state_dict())
+
+    def calls(inner: Callable[..., Any]) -> Callable[..., None]:
+        def step(model: nn.Module, x: torch.Tensor, n: torch.Tensor) -> None:
+            int(n.random_(1, 3))  # a stand-in value (in the estimate)
+            inner(lambda m, x: m(x).sum().backward(), (model, x))
+            model(x).sum().backward()
+
+        return step
+
+    names = {tm.estimate: "tm.estimate()", tm.measure: "tm.measure()"}
+    for outer, inner in [(o, i) for o in names for i in names]:
+        with pytest.raises(RuntimeError) as info:
+            outer(calls(inner), (model, x, torch.tensor(1)))
+        assert type(info.value).__name__ == "NestedStepError"
+        assert str(info.value) == (
+            f"{names[inner]} was called inside the step that {names[outer]} is running; one step "
+            f"is estimated or measured at a time: call {names[inner]} before or after "
+            f"{names[outer]}, not from inside its step"
+        )
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    assert all(p.grad is None for p in model.parameters())
+    assert tm.estimate(model, x).peak == tm.measure(model, x).peak
+
+
 def _reset_run_read(x: torch.Tensor, dy: torch.Tensor, runs: int = 10) -> None:
     """A kernel benchmark's protocol: reset the peak, run ``y = f(x); y.backward(dy,
     retain_graph=True)``, read ``max_memory_allocated()``; ten times. Each named phase

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from pytest_torchmem.engine.layouts import sparse_like
+from pytest_torchmem.engine.nesting import one_step
 from pytest_torchmem.engine.model_state import (
     Converted,
     StandIns,
@@ -105,7 +106,45 @@ def trace(
     again, following it: after a warm-up step that compiles what runs before the
     optimizer step, as for compiled modules; a compiled optimizer step alone is
     compiled where it runs (its optimizer is new in each step).
+
+    A trace started inside the step of another (or of a measurement) is refused
+    (:class:`~pytest_torchmem.engine.nesting.NestedStepError`).
     """
+    with one_step("tm.estimate()"):
+        return _traced(
+            model,
+            args,
+            kwargs,
+            device=device,
+            loss_fn=loss_fn,
+            optimizer=optimizer,
+            train=train,
+            keep_output=keep_output,
+            gpu=gpu,
+            cpu=cpu,
+            record_frames=record_frames,
+            parallel=parallel,
+            rank=rank,
+        )
+
+
+def _traced(
+    model: nn.Module,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    *,
+    device: DeviceModel,
+    loss_fn: LossFn | None,
+    optimizer: OptimizerFactory | None,
+    train: bool,
+    keep_output: bool,
+    gpu: GpuProfile | None,
+    cpu: CpuProfile | None,
+    record_frames: bool,
+    parallel: Parallel | None,
+    rank: int,
+) -> Trace:
+    """The trace of :func:`trace`."""
     from pytest_torchmem.engine.distributed import settle_autograd_threads
 
     settle_autograd_threads()  # before the first fake mode: measure(parallel=...)'s ranks fork

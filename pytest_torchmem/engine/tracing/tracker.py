@@ -26,6 +26,7 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from pytest_torchmem.engine.layouts import COMPRESSED, parts
+from pytest_torchmem.engine.nesting import NestedStepError
 from pytest_torchmem.engine.report import Category, Unsupported
 from pytest_torchmem.engine.timeline import Phase
 from pytest_torchmem.engine.torch_private import private
@@ -717,8 +718,8 @@ class Tracker(TorchDispatchMode):
         """
         if isinstance(exc, TraceAborted):
             return True
-        if not isinstance(exc, Exception):
-            return False
+        if not isinstance(exc, Exception) or isinstance(exc, NestedStepError):
+            return False  # (a nested estimate or measure is the caller's error, however it came)
         where = location_in(exc)
         if fake_tensor_limit(exc):
             op = "Tensor.numpy" if ".numpy()" in str(exc) else "(tensor values)"
