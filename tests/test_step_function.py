@@ -233,6 +233,23 @@ def test_what_the_function_is_given_is_left_as_it_was() -> None:
         assert all(opt.state[p]["exp_avg"].device.type == "cpu" for p in params)
 
 
+def test_an_optimizer_that_stepped_before_steps_in_the_estimate() -> None:
+    """AdamW's step divides by ``1 - beta1 ** step``, its state's count read with
+    ``.item()``: the trace knows the values of the optimizers' state, so an optimizer
+    that a real run stepped steps in the estimate too, byte for byte as measured (before,
+    its count was a stand-in 0, the division failed, and the figures were of half a step:
+    step peak 0 B). (On the fake cuda device the twin's count is not known yet.)"""
+    model, x = _mlp(), torch.randn(16, 32)
+    opt = _adamw(model)
+    model(x).square().mean().backward()
+    opt.step()
+    opt.zero_grad()
+    estimated = tm.estimate(loop_of_three, (model, x, opt))
+    assert estimated.unsupported == ()
+    assert estimated.step_peak > estimated.backward_peak
+    assert estimated.phase_peaks() == tm.measure(loop_of_three, (model, x, opt)).phase_peaks()
+
+
 def test_a_scheduler_schedules_the_stand_ins_optimizer() -> None:
     """The scheduler and its optimizer are twinned together: the user's learning rate and
     the scheduler's count are as they were (the optimizer's step counted by the scheduler

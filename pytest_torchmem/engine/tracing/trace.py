@@ -552,14 +552,19 @@ def _fake_parameter(t: torch.Tensor, requires_grad: bool) -> torch.Tensor:
 
 def _originals(standins: Converted) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """``(stand-in, original)`` of the step's tensors whose values the trace may know:
-    inputs first, then buffers, attributes, parameters and gradients (the shadows'
-    room is bounded)."""
+    inputs first, then the optimizers' one-element state (the step counts their Python
+    code reads: an optimizer that stepped before the call divides by a function of its
+    count), buffers, attributes, parameters, gradients and the rest of the optimizers'
+    state (the shadows' room is bounded)."""
+    state = dict(standins.baseline_groups())[Category.OPTIMIZER_STATE]
     groups = (
         standins.inputs,
+        [t for t in state if t.numel() <= 1],
         standins.buffers,
         standins.attributes,
         standins.parameters,
         standins.gradients,
+        [t for t in state if t.numel() > 1],
     )
     pairs = []
     for group in groups:
