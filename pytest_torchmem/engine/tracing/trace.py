@@ -31,6 +31,7 @@ from pytest_torchmem.engine.step import (
     run_step,
 )
 from pytest_torchmem.engine.step_function import StepFunction
+from pytest_torchmem.engine.stopped import TraceStopped
 from pytest_torchmem.engine.timeline import CATEGORY_RANK, Analysis, Phase, Timeline, analyze
 from pytest_torchmem.engine.torch_private import private
 from pytest_torchmem.engine.tracing.compiled_program import (
@@ -45,6 +46,7 @@ from pytest_torchmem.engine.tracing.compiled_cuda import CudaProgram
 from pytest_torchmem.engine.tracing.devices.cuda.profiles import GpuProfile, gpu_profile
 from pytest_torchmem.engine.tracing.layers import FAKE_WORLD, WARM_UP_LAYERS, Scene, entered
 from pytest_torchmem.engine.tracing.rules import TraceContext
+from pytest_torchmem.engine.tracing.stops import Stop
 from pytest_torchmem.engine.tracing.tracker import Tracker
 
 __all__ = ["Trace", "adopt", "fake_empty", "fake_standins", "trace"]
@@ -73,6 +75,9 @@ class Trace:
     analysis: Analysis
     device: DeviceModel
     context: TraceContext
+    #: What stopped the trace, if it stopped (:func:`trace` then raises): the report is
+    #: of the part of the step that ran.
+    stop: Stop | None = None
 
 
 def trace(
@@ -107,11 +112,13 @@ def trace(
     optimizer step, as for compiled modules; a compiled optimizer step alone is
     compiled where it runs (its optimizer is new in each step).
 
-    A trace started inside the step of another (or of a measurement) is refused
-    (:class:`~pytest_torchmem.engine.nesting.NestedStepError`).
+    A trace that stops raises :class:`~pytest_torchmem.engine.stopped.TraceStopped`,
+    with the partial report and this trace; the program's own errors propagate as
+    they are. A trace started inside the step of another (or of a measurement) is
+    refused (:class:`~pytest_torchmem.engine.nesting.NestedStepError`).
     """
     with one_step("tm.estimate()"):
-        return _traced(
+        traced = _traced(
             model,
             args,
             kwargs,
@@ -126,6 +133,10 @@ def trace(
             parallel=parallel,
             rank=rank,
         )
+    if traced.stop is not None:
+        stop = traced.stop
+        raise TraceStopped(traced.report, stop.entry, stop.advice, trace=traced)
+    return traced
 
 
 def _traced(
@@ -144,7 +155,7 @@ def _traced(
     parallel: Parallel | None,
     rank: int,
 ) -> Trace:
-    """The trace of :func:`trace`."""
+    """The trace of :func:`trace`, stopped or not."""
     from pytest_torchmem.engine.distributed import settle_autograd_threads
 
     settle_autograd_threads()  # before the first fake mode: measure(parallel=...)'s ranks fork
@@ -363,7 +374,8 @@ def _trace(
         phases=analysis.named,
         iterations=analysis.iterations if isinstance(model, StepFunction) else (),
     )
-    return Trace(report, tracker.timeline, baseline, analysis, device, context), following.met
+    traced = Trace(report, tracker.timeline, baseline, analysis, device, context, tracker.stop)
+    return traced, following.met
 
 
 def _nothing() -> None:
