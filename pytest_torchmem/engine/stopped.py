@@ -45,13 +45,7 @@ class TraceStopped(RuntimeError):
         return (_rebuilt, (type(self), self.report.to_dict(), self.entry, self.advice))
 
     def __str__(self) -> str:
-        return self.line()
-
-    def line(self, location: str | None = None) -> str:
-        """The message, with ``location`` in place of the entry's (a path shown relative
-        to where the user runs, say)."""
-        where = self.entry.location if location is None else location
-        at = f" at {where}" if where else ""
+        at = f" at {self.entry.location}" if self.entry.location else ""
         reason = self.entry.reason.removesuffix(STOPPED_HERE)
         return f"the trace stopped{at} in {self.entry.op}: {reason}; {self.advice}"
 
