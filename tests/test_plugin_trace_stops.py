@@ -1,5 +1,6 @@
 """A figure is a whole trace, in pytest: a check whose trace stopped fails with where and why,
-and writes no entry.
+and writes no entry; an approximate check (an op listed, the trace went on) is a figure,
+marked as approximate in the table, the JSON report and the HTML report.
 
 Real pytest sessions (pytester), real snapshot files, real exit codes.
 """
@@ -52,6 +53,29 @@ NO_ESTIMATE = (
     "--torchmem-update writes no entry for it"
 )
 
+#: A boolean mask over an input above the trace's value limit: its size is a stand-in (the
+#: largest), listed, and the trace goes on: an approximate figure.
+MASKED = """
+import torch
+from torch import nn
+
+
+class Masked(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.fc(x)
+        return h[h > 0]
+
+
+def test_masked(torchmem):
+    torch.manual_seed(0)
+    torchmem.check(Masked(), torch.randn(4100, 8))
+"""
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _warm() -> None:
     # pytester's in-process runs forget the modules imported inside them: import once here
@@ -87,7 +111,7 @@ def test_a_stopped_check_fails_with_where_and_why_and_writes_no_entry(
         )
         result.stdout.re_match_lines(
             [
-                r"test_m\.py::test_loop +cpu +\d",
+                r"test_m\.py::test_loop +cpu +~\d",  # (the loader's seed: a stand-in, listed)
                 r"test_m\.py::test_loop +cuda( +-){7} +stopped$",
                 r"test_m\.py::test_loop \[plain\] +cpu +\d",
             ]
@@ -100,6 +124,7 @@ def test_a_stopped_check_fails_with_where_and_why_and_writes_no_entry(
         [cuda] = [r for r in report["results"] if r["name"] == "default" and r["device"] == "cuda"]
         assert (cuda["status"], cuda["failed"], cuda["estimate"], cuda["delta"]) == ("stopped", True, None, None)
         assert cuda["stopped"] == STOPPED.removeprefix("cuda: ")
+        assert cuda["approximate"] is False
         assert "aten.mm.default" in cuda["unsupported"]
         assert report["totals"]["stopped"] == 1
     # moved to the device, the check is a figure again: missing, then written
@@ -130,6 +155,34 @@ def test_an_entry_recorded_from_a_stopped_trace_no_longer_passes(pytester: pytes
         assert "unused" not in result.stdout.str().split("torchmem: 4 checks:")[0]
         result.stdout.fnmatch_lines(["torchmem: 4 checks: * 0 unused, 1 stopped*"])
         assert path.read_text() == before
+
+
+def test_an_approximate_check_is_a_figure_marked_as_approximate(pytester: pytest.Pytester) -> None:
+    """It passes against its entry; its figures are marked ``~`` in the table, with a line
+    saying what that means, and ``approximate`` in the JSON report."""
+    pytester.makepyfile(test_m=MASKED)
+    assert _run(pytester, "--torchmem-update").ret == pytest.ExitCode.OK
+    result = _run(pytester, "--torchmem-json", "report.json")
+    assert result.ret == pytest.ExitCode.OK
+    result.stdout.re_match_lines(
+        [
+            r"test +device +forward +backward +step +peak +reserved +headroom +change +status$",
+            r"test_m\.py::test_masked +cpu +~929\.19 KiB +~801\.07 KiB +~0 B +~929\.19 KiB +- +- +0 B +passed$",
+            r"test_m\.py::test_masked +cuda +~32\.41 MiB +~64\.25 MiB +~0 B +~64\.25 MiB +~66\.00 MiB +~78\.62 GiB +0 B +passed$",
+            r"~ approximate: the trace went on past ops it could not follow exactly$",
+        ]
+    )
+    report = json.loads((pytester.path / "report.json").read_text())
+    assert [(r["device"], r["approximate"], r["stopped"]) for r in report["results"]] == [
+        ("cpu", True, None),
+        ("cuda", True, None),
+    ]
+    assert all(r["unsupported"] for r in report["results"])  # what the figures went on past
+    # a complete check is not marked
+    pytester.makepyfile(test_m="def test_linear(torchmem):\n    import torch\n    torchmem.check(torch.nn.Linear(8, 8), torch.randn(2, 8))\n")
+    result = _run(pytester, "--torchmem-update", "--torchmem-json", "report.json")
+    assert "~" not in result.stdout.str()
+    assert not any(r["approximate"] for r in json.loads((pytester.path / "report.json").read_text())["results"])
 
 
 #: A custom op without a fake kernel, which a conftest's rule runs on fake tensors.

@@ -284,6 +284,12 @@ class Result:
     stopped: str | None = None
 
     @property
+    def approximate(self) -> bool:
+        """Whether the figures are approximate: the trace went on past ops it listed in
+        ``unsupported`` (a stopped trace has no figures at all)."""
+        return self.stopped is None and bool(self.estimate.unsupported)
+
+    @property
     def acceptable(self) -> bool:
         """True when ``--torchmem-update`` would make this check pass its snapshot."""
         if self.update or self.stopped is not None:

@@ -211,7 +211,7 @@ def _problems(result: Result, verbosity: int) -> list[str]:
         lines.extend(_table(result))
         if result.estimate.unsupported:
             ops = ", ".join(result.estimate.unsupported)
-            lines.append(f"  incomplete estimate: these ops were not traced faithfully: {ops}")
+            lines.append(f"  approximate: the trace went on past ops it could not follow exactly: {ops}")
     return lines
 
 

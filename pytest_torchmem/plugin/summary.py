@@ -36,6 +36,10 @@ REPORT_SCHEMA: Final = 1
 _ALWAYS: Final = ("passed", "regressed", "improved", "missing", "unused")
 #: The counts shown only when not zero.
 _SOMETIMES: Final = ("stopped", "over budget", "mismatch", "stale", "new", "updated", "not written")
+#: What marks an approximate figure in the table (:attr:`Result.approximate`), and the
+#: line under the table that says so.
+APPROXIMATE: Final = "~"
+_APPROXIMATE_LINE: Final = "~ approximate: the trace went on past ops it could not follow exactly"
 
 
 @dataclass(frozen=True, order=True)
@@ -119,7 +123,8 @@ def table_lines(
     check that followed another GPU profile than the run's (``gpu``, the name the
     header gives) names it: ``cuda (A100)``. Under ``-q`` (``verbosity < 0``) only
     the rows that are not plain passes. A check whose trace stopped has no figures
-    (``-``).
+    (``-``); an approximate one's are marked ``~``, and a line under the table says
+    what that means.
     """
     shown = [result for result in results if not (verbosity < 0 and result.status is Status.PASSED)]
     if not shown:
@@ -130,9 +135,10 @@ def table_lines(
     rows = []
     for result in shown:
         estimate = result.estimate
+        mark = APPROXIMATE if result.approximate else ""
 
         def nbytes(value: int | None) -> str:
-            return "-" if value is None or result.stopped is not None else format_bytes(value)
+            return "-" if value is None or result.stopped is not None else mark + format_bytes(value)
 
         row = [
             _test_label(result),
@@ -154,7 +160,10 @@ def table_lines(
     headers += ["peak"]
     headers += ["reserved", "headroom"] if reserved else []
     headers += ["change", "status"]
-    return tabulate(rows, headers=headers, tablefmt="simple", disable_numparse=True).splitlines()
+    lines = tabulate(rows, headers=headers, tablefmt="simple", disable_numparse=True).splitlines()
+    if any(result.approximate for result in shown):
+        lines.append(_APPROXIMATE_LINE)
+    return lines
 
 
 #: Why an unused entry was not removed, by why its file was not written.
@@ -289,6 +298,8 @@ def _result_json(result: Result) -> dict[str, Any]:
         "device": result.key.device,
         "status": result.status.value,
         "failed": result.failed,
+        # the figures are approximate: the trace went on past the ops in "unsupported"
+        "approximate": result.approximate,
         # where and why the trace stopped (status "stopped": "estimate" is null), else null
         "stopped": result.stopped,
         "snapshot_file": result.file,
