@@ -54,7 +54,9 @@ READS_VALUES: Final = (
     "keep it out of the step, " + _MEASURE
 )
 #: A compressed sparse tensor, which fake tensors cannot hold or run ops on.
-COMPRESSED_SPARSE: Final = "fake tensors have no kernels for compressed sparse tensors: measure the step for real (tm.measure)"
+COMPRESSED_SPARSE: Final = (
+    "fake tensors have no kernels for compressed sparse tensors: measure the step for real (tm.measure)"
+)
 #: An exception after a stand-in value: the real values may not take that path.
 AFTER_STAND_IN: Final = (
     "the real values may not take this path: compute that value from the step's inputs, "
@@ -75,7 +77,9 @@ def stopped_here(op: str, reason: str, location: str, advice: str) -> Stop:
     return Stop(Unsupported(op, reason + STOPPED_HERE, location), advice)
 
 
-def stop_of(exc: BaseException, assumed: Unsupported | None, device: str, trace_device: torch.device) -> Stop | None:
+def stop_of(
+    exc: BaseException, assumed: Unsupported | None, device: str, trace_device: torch.device
+) -> Stop | None:
     """The stop ``exc``, raised out of the traced step, makes, or None where it is the
     program's own error (the user's exception, a shape error the real kernel raises too).
 
@@ -93,17 +97,18 @@ def stop_of(exc: BaseException, assumed: Unsupported | None, device: str, trace_
         return stopped_here(op, f"fake tensors cannot run it ({first_line(exc)})", where, READS_VALUES)
     if assumed is None:
         return None
-    after = f"after {assumed.op}{f' at {assumed.location}' if assumed.location else ''} was given a stand-in value"
+    at = f" at {assumed.location}" if assumed.location else ""
+    after = f"after {assumed.op}{at} was given a stand-in value"
     if isinstance(exc, FakeTensorDeviceMismatchError):
         # the devices as the program saw them (the fake cuda device's tensors are meta ones)
-        first, second = (device if d == trace_device else str(d) for d in (exc.common_device, exc.device))
-        other = second if first == device else first
+        names = [device if d == trace_device else str(d) for d in (exc.common_device, exc.device)]
+        names.sort(key=lambda name: name != device)  # (the modelled device first)
         advice = (
             f'move the batch to the device (batch.to("{device}")), as a GPU would require'
             if device == "cuda"
             else f"move every tensor of the step to {device}, as a real run would require"
         )
         return stopped_here(
-            str(exc.func), f"its tensors are on two devices, {device} and {other} ({after})", where, advice
+            str(exc.func), f"its tensors are on two devices, {' and '.join(names)} ({after})", where, advice
         )
     return stopped_here(type(exc).__name__, f"{first_line(exc)}, raised {after}", where, AFTER_STAND_IN)

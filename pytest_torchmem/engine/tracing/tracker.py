@@ -447,7 +447,8 @@ class Tracker(TorchDispatchMode):
             refused = eager_refusal(call) if self.device.type == "cpu" else None
             if refused is not None:
                 raise refused from None
-            self._abort(call.func, f"fake tensors cannot run it on a sparse tensor ({first_line(exc)})", CANNOT_RUN)
+            reason = f"fake tensors cannot run it on a sparse tensor ({first_line(exc)})"
+            self._abort(call.func, reason, CANNOT_RUN)
 
     def fake_kernel(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """``func(*args, **kwargs)`` below the tracker: the fake mode's kernel.
