@@ -599,7 +599,6 @@ def _unsupported(view: Mapping[str, Any]) -> str:
     return f'<div class="warning"><strong>{title}:</strong> {words}.<ul>{items}</ul></div>'
 
 
-
 def _section(view: Mapping[str, Any], index: int) -> str:
     status = view["status"]
     classes = "card check" + (" failed" if view["failed"] else "")
