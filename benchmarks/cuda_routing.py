@@ -404,6 +404,7 @@ def _phase_status(options: dict[str, Any], failure: dict[str, Any] | None, abort
 def trace_case(case: Any, device: Any, *, gpu: str | None = None) -> dict[str, Any]:
     """One step of ``case`` through the project's tracer on ``device`` (a DeviceModel), logged."""
     from pytest_torchmem.engine.request import step_request
+    from pytest_torchmem.engine.stopped import TraceStopped
     from pytest_torchmem.engine.tracing.devices.cuda import caching_allocator
     from pytest_torchmem.engine.tracing.devices.cuda.profiles import gpu_profile
     from pytest_torchmem.engine.tracing.rules import TraceContext
@@ -426,6 +427,8 @@ def trace_case(case: Any, device: Any, *, gpu: str | None = None) -> dict[str, A
                 loss_fn=request.loss_fn, optimizer=request.optimizer, train=request.train,
                 gpu=gpu_profile(gpu),
             ).report
+        except TraceStopped as stopped:  # the step's partial report: where it stopped is logged
+            report = stopped.report
         except Exception as exc:  # noqa: BLE001 - the reference's failures are findings
             error = exc
         seconds = time.perf_counter() - started

@@ -28,6 +28,7 @@ if TYPE_CHECKING:
         StepPeaks,
         Unsupported,
     )
+    from pytest_torchmem.engine.stopped import TraceStopped
     from pytest_torchmem.engine.torch_release import TorchReleaseError
     from pytest_torchmem.engine.tracing.devices.cpu.profiles import CpuProfile
     from pytest_torchmem.engine.units import format_bytes, parse_bytes
@@ -51,6 +52,7 @@ __all__ = [
     "ModulePeak",
     "StepPeaks",
     "Unsupported",
+    "TraceStopped",
     "CpuProfile",
     "GpuProfile",
     "TorchReleaseError",
@@ -81,6 +83,7 @@ _LAZY: Final = {
     "StepPeaks": "pytest_torchmem.engine.report",
     "Unsupported": "pytest_torchmem.engine.report",
     "UnfollowedError": "pytest_torchmem.engine.world",
+    "TraceStopped": "pytest_torchmem.engine.stopped",
     "CpuProfile": "pytest_torchmem.engine.tracing.devices.cpu.profiles",
     "GpuProfile": "pytest_torchmem.engine.gpu_profiles",
     "TorchReleaseError": "pytest_torchmem.engine.torch_release",

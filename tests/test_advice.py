@@ -163,3 +163,60 @@ def test_on_a_gpu_the_reserved_peak_decides() -> None:
 def test_bad_arguments_are_refused(model: Any, arguments: dict[str, Any], message: str) -> None:
     with pytest.raises((TypeError, ValueError), match=message):
         tm.advise(model, torch.randn(2, 4), **arguments)
+
+
+# -- a trace that stops ---------------------------------------------------------------------------
+
+
+class _StopsUnderAutocast(nn.Module):
+    """A step the trace follows, but for its bfloat16 autocast variant (``.numpy()``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(64, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.is_autocast_enabled("cpu"):
+            x = torch.from_numpy(x.float().numpy())
+        return self.fc(x)
+
+
+class _StopsInRecomputation(nn.Module):
+    """A block the trace follows once per step; run a third time (the first
+    checkpointed estimate's recomputation, after the step's forward and the
+    checkpointed one), it reads values."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(64, 64)
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.calls == 3:
+            x = torch.from_numpy(x.detach().numpy())
+        return self.fc(x)
+
+
+def test_the_step_whose_trace_stops_raises_and_a_changed_step_that_stops_is_skipped() -> None:
+    """No figure, no advice: the step itself stopping raises; a change whose step stopped
+    is said to be skipped, where and why."""
+    model = nn.Sequential(_StopsUnderAutocast())
+    with pytest.raises(tm.TraceStopped, match="in Tensor.numpy"), torch.autocast("cpu", dtype=torch.bfloat16):
+        tm.advise(model, torch.randn(8, 64), budget=1, device="cpu")  # the step itself stops
+    advice = tm.advise(model, torch.randn(8, 64), budget=1, device="cpu")
+    [skipped] = [line for line in advice.skipped if "autocast" in line]
+    assert skipped.startswith(
+        "run the forward under torch.autocast('cpu', dtype=torch.bfloat16): TraceStopped: the trace "
+        "stopped at "
+    )
+    assert "in Tensor.numpy" in skipped and "\n" not in skipped
+    assert not any("autocast" in s.change for s in advice.suggestions)
+
+
+def test_a_checkpointed_step_whose_trace_stops_is_skipped() -> None:
+    model = nn.Sequential(_StopsInRecomputation(), nn.Linear(64, 8))
+    advice = tm.advise(model, torch.randn(8, 64), budget=1, device="cpu")
+    [skipped] = [line for line in advice.skipped if line.startswith("checkpoint blocks")]
+    assert skipped.startswith("checkpoint blocks: TraceStopped: the trace stopped at ")
+    assert not any(s.change.startswith("checkpoint") for s in advice.suggestions)

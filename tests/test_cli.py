@@ -703,3 +703,30 @@ def test_missing_paths_empty_directories_and_bad_options_exit_2(saved: Path) -> 
         done = cli(*args, cwd=saved)
         assert done.returncode == 2, args
         assert message in done.stderr, (args, done.stderr)
+
+
+def test_a_report_s_stopped_check_has_no_entry_to_read(tmp_path: Path) -> None:
+    """A check whose trace stopped is in a JSON report with ``"estimate": null``: the
+    command line reads the report's other checks and passes over it."""
+    from pytest_torchmem.plugin.judging import judge, stopped
+    from pytest_torchmem.plugin.summary import json_report
+
+    entry = Entry(forward_peak=100, backward_peak=200, environment={"cpu": "avx2:4"})
+    common: dict[str, Any] = {
+        "nodeid": "test_m.py::test_a",
+        "file": "__torchmem__/test_m.json",
+        "accept": 'pytest --torchmem-update "test_m.py::test_a"',
+        "snapshot": None,
+        "tolerance": Tolerance(),
+        "budgets": {},
+        "update": False,
+    }
+    results = [
+        judge(key=Key("test_a", "default", "cpu"), estimate=entry, fail_on_improvement=False, **common),
+        stopped(key=Key("test_a", "default", "cuda"), partial=entry, why="the trace stopped at ...", **common),
+    ]
+    report = json_report(results, [], environment={}, settings={})
+    assert [r["estimate"] is None for r in report["results"]] == [False, True]
+    (tmp_path / "report.json").write_text(json.dumps(report))
+    loaded = load(str(tmp_path / "report.json"))
+    assert [(saved.key.device, saved.status) for saved in loaded.entries] == [("cpu", "missing")]

@@ -358,9 +358,12 @@ def test_op_without_fake_kernel_stops_the_trace_with_a_report() -> None:
             return torch.bincount(x)  # output length depends on the largest value
 
     # above the values' limit (values.py): bincount cannot run on its values either
-    report = tm.estimate(Sparse(), torch.randint(0, 4, (MAX_NUMEL + 1,)), train=False)
+    with pytest.raises(tm.TraceStopped) as info:
+        tm.estimate(Sparse(), torch.randint(0, 4, (MAX_NUMEL + 1,)), train=False)
+    report = info.value.report
     assert [entry.op for entry in report.unsupported] == ["aten.bincount.default"]
     assert "the trace stopped here" in report.unsupported[0].reason
+    assert "output depends on tensor values (DynamicOutputShapeException)" in str(info.value)
 
 
 def test_op_without_fake_kernel_runs_on_known_values_and_is_listed() -> None:

@@ -249,3 +249,49 @@ def test_bad_arguments_are_refused_before_any_estimate(arguments: dict[str, Any]
 def test_inputs_that_are_not_a_function_of_the_size_are_refused() -> None:
     with pytest.raises(TypeError, match="a function that builds the inputs for one size"):
         tm.fit(nn.Linear(2, 2), torch.randn(2, 2), budget="1 GiB")
+
+
+# -- a trace that stops ---------------------------------------------------------------------------
+
+
+class _NumpyAbove(nn.Module):
+    """A step the trace follows up to batch 8, and stops above it (``.numpy()``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] > 8:
+            x = torch.from_numpy(x.numpy())  # stops above 8
+        return self.fc(x)
+
+
+def test_a_probe_whose_trace_stops_stops_the_search() -> None:
+    """A size whose trace stopped has no figure: fit cannot say whether it fits, and
+    raises the stop rather than taking the partial figure (which fits any budget)."""
+    seen: list[int] = []
+    with pytest.raises(tm.TraceStopped, match="in Tensor.numpy") as info:
+        tm.fit(
+            _NumpyAbove(),
+            lambda batch: torch.randn(batch, 16),
+            sizes=range(1, 65),
+            budget="1 GiB",
+            device="cpu",
+            progress=lambda probe: seen.append(probe.size),
+        )
+    assert info.value.entry.location.endswith(f"test_fit.py:{_line('# stops above 8')}")
+    assert 64 not in seen  # (no probe made of the stopped size)
+
+
+def test_rank_gpus_raises_a_stopped_trace() -> None:
+    with pytest.raises(tm.TraceStopped, match="in Tensor.numpy"):
+        tm.rank_gpus(_NumpyAbove(), torch.randn(16, 16), gpus=["T4", "H100"])
+
+
+def _line(text: str) -> int:
+    with open(__file__) as source:
+        for number, line in enumerate(source, 1):
+            if text in line and "_line(" not in line:
+                return number
+    raise AssertionError(text)

@@ -25,7 +25,7 @@ from pytest_torchmem.engine.units import format_bytes
 from pytest_torchmem.exports.html_page import json_for_script, nice_ticks, render
 from pytest_torchmem.exports.html_report import Downsampler, check_view, display_path, write_report
 from pytest_torchmem.plugin.snapshots import Entry, Key
-from pytest_torchmem.plugin.judging import Tolerance, judge
+from pytest_torchmem.plugin.judging import Tolerance, judge, stopped
 
 pytest_plugins = ("pytester",)
 
@@ -314,13 +314,51 @@ def test_ops_not_traced_faithfully_are_listed_where_they_were_called() -> None:
     assert {row["op"]: row["location"] for row in view["unsupported"]} == {
         "aten.index.Tensor": where
     }
-    warning = Page(render([view], {})).find("div", "warning")[0].text()
+    assert (view["approximate"], view["stopped"]) == (True, False)
+    page = Page(render([view], {}))
+    warning = page.find("div", "warning")[0].text()
+    assert warning.startswith("Approximate: the trace went on past these ops")
     assert "aten.index.Tensor at " + where in warning
-    # An op that stops the trace: the chart ends there, the page still renders.
-    stopped = view_of(traced(Bincount(), torch.tensor([1, 2, 3]), train=False))
-    assert [row["op"] for row in stopped["unsupported"]] == ["aten.bincount.default"]
-    assert stopped["peak"]["phase"] == "forward"
-    assert Page(render([stopped], {})).find("path", "area")
+    assert [badge.text() for badge in page.find("section")[0].find("span", "badge")] == ["missing", "approximate"]
+    # An op run on its known values (its kernel's buffers not modelled): listed, approximate.
+    listed = view_of(traced(Bincount(), torch.tensor([1, 2, 3]), train=False))
+    assert [row["op"] for row in listed["unsupported"]] == ["aten.bincount.default"]
+    assert listed["approximate"]
+    # A complete trace is not marked.
+    complete = view_of(traced(Net(), torch.randn(4, 64)))
+    assert (complete["approximate"], complete["stopped"]) == (False, False)
+    assert not Page(render([complete], {})).find("span", "s-approximate")
+
+
+def test_a_stopped_check_shows_where_it_stopped_and_the_part_that_ran() -> None:
+    """The view of a check whose trace stopped: its status, pytest's message, the ops with
+    the one that stopped it last, and the chart of the part of the step that ran, read
+    from the trace the error carries (an input above the value limit: bincount's output
+    size is unknown)."""
+    with pytest.raises(tm.TraceStopped) as info:
+        traced(Bincount(), torch.randint(0, 4, (40_000,)), train=False)
+    stop = info.value
+    result = stopped(
+        nodeid="tests/test_x.py::test_x",
+        key=Key("test_x", "default", "cpu"),
+        file="tests/__torchmem__/test_x.json",
+        accept='pytest --torchmem-update "tests/test_x.py::test_x"',
+        partial=Entry.from_report(stop.report, {}),
+        snapshot=None,
+        tolerance=Tolerance(),
+        budgets={},
+        update=False,
+        why=str(stop),
+    )
+    view = check_view(result, stop.trace, root=Path(__file__).parent.parent)
+    assert (view["status"], view["failed"], view["stopped"], view["approximate"]) == ("stopped", True, True, False)
+    assert view["message"].splitlines()[1] == f"cpu: {stop}"
+    assert [row["op"] for row in view["unsupported"]] == ["aten.bincount.default"]
+    assert view["unsupported"][0]["location"] == f"tests/test_html_report.py:{_line('BINCOUNT')}"
+    page = Page(render([view], {}))
+    assert page.find("div", "warning")[0].text().startswith("The trace stopped: at the last of these ops")
+    assert [badge.text() for badge in page.find("section")[0].find("span", "badge")] == ["stopped"]
+    assert page.find("path", "area")  # the chart of the part that ran
 
 
 def test_display_path() -> None:

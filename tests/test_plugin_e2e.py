@@ -858,6 +858,7 @@ def test_json_report(pytester: pytest.Pytester) -> None:
         "improved": 0,
         "missing": 0,
         "unused": 0,
+        "stopped": 0,
         "over budget": 0,
         "mismatch": 0,
         "stale": 0,

@@ -15,7 +15,7 @@ counted by hand where the docstring says so: float32 is 4 bytes, int64 8.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Final
 
 import pytest
 import torch
@@ -196,10 +196,10 @@ def test_a_coo_input_to_a_linear_is_exact(requires_grad: bool) -> None:
     assert x.grad is None
 
 
-def test_a_csr_input_is_measured_and_listed_by_the_estimate() -> None:
+def test_a_csr_input_is_measured_and_stops_the_estimate() -> None:
     """Fake tensors have no kernels for compressed sparse tensors: the estimate stops at
-    the first op on one and lists it (no exception); ``measure`` runs the step and counts
-    the input as its parts: row pointers (3 + 1) × 8, column indices 10 × 8, values 10 × 4
+    the first op on one (``TraceStopped``, whose partial report lists it); ``measure``
+    runs the step and counts the input as its parts: row pointers (3 + 1) × 8, column indices 10 × 8, values 10 × 4
     (made of their own: ``to_sparse_csr()``'s column indices view a COO tensor's 2 × 10
     indices, whose whole storage it holds)."""
     torch.manual_seed(0)
@@ -212,10 +212,14 @@ def test_a_csr_input_is_measured_and_listed_by_the_estimate() -> None:
         (3, 4),
         check_invariants=True,
     )
-    estimated = tm.estimate(model, x)
-    [entry] = estimated.unsupported
+    with pytest.raises(tm.TraceStopped) as info:
+        tm.estimate(model, x)
+    [entry] = info.value.report.unsupported
     assert entry.op == "aten.addmm.default"
     assert "sparse_csr" in entry.reason and "the trace stopped here" in entry.reason
+    assert str(info.value).endswith(
+        "fake tensors have no kernels for compressed sparse tensors: measure the step for real (tm.measure)"
+    )
     measured = tm.measure(model, x)
     assert measured.unsupported == ()
     assert measured.breakdown[tm.Category.INPUTS] == 4 * I64 + 10 * I64 + 10 * F32
@@ -284,15 +288,27 @@ CUDA_CASES: dict[str, tuple[Callable[[], nn.Module], Callable[[], torch.Tensor],
 }
 
 
+#: The cases whose trace stops at ``op`` (a sparse ``addmm``: no fake kernel on the fake
+#: cuda device's meta tensors).
+_CUDA_STOPS: Final = frozenset({"COO into Linear", "CSR into Linear"})
+
+
 @pytest.mark.parametrize("case", list(CUDA_CASES))
-def test_sparse_steps_on_the_fake_cuda_device_are_listed_not_raised(case: str) -> None:
-    """The CUDA kernels of sparse ops are not modelled: the estimate lists them (a report,
-    no exception), and leaves the model and inputs as they were."""
+def test_sparse_steps_on_the_fake_cuda_device_are_listed_or_stop(case: str) -> None:
+    """The CUDA kernels of sparse ops are not modelled: the estimate lists them and goes
+    on (a figure, approximate), or, where fake tensors cannot run the op, stops there
+    (``TraceStopped``); either way it leaves the model and inputs as they were."""
     make_model, make_inputs, options, op = CUDA_CASES[case]
     torch.manual_seed(0)
     model, x = make_model(), make_inputs()
     before = _snapshot(model)
-    report = tm.estimate(model, x, device="cuda", **options)
+    if case in _CUDA_STOPS:
+        with pytest.raises(tm.TraceStopped) as info:
+            tm.estimate(model, x, device="cuda", **options)
+        assert info.value.entry.op == op
+        report = info.value.report
+    else:
+        report = tm.estimate(model, x, device="cuda", **options)
+        assert report.peak > 0
     assert op in [entry.op for entry in report.unsupported]
-    assert report.peak > 0
     assert _same(before, _snapshot(model))

@@ -233,6 +233,23 @@ def test_what_the_function_is_given_is_left_as_it_was() -> None:
         assert all(opt.state[p]["exp_avg"].device.type == "cpu" for p in params)
 
 
+def test_an_optimizer_that_stepped_before_steps_in_the_estimate() -> None:
+    """AdamW's step divides by ``1 - beta1 ** step``, its state's count read with
+    ``.item()``: the trace knows the values of the optimizers' state, so an optimizer
+    that a real run stepped steps in the estimate too, byte for byte as measured (before,
+    its count was a stand-in 0, the division failed, and the figures were of half a step:
+    step peak 0 B). (On the fake cuda device the twin's count is not known yet.)"""
+    model, x = _mlp(), torch.randn(16, 32)
+    opt = _adamw(model)
+    model(x).square().mean().backward()
+    opt.step()
+    opt.zero_grad()
+    estimated = tm.estimate(loop_of_three, (model, x, opt))
+    assert estimated.unsupported == ()
+    assert estimated.step_peak > estimated.backward_peak
+    assert estimated.phase_peaks() == tm.measure(loop_of_three, (model, x, opt)).phase_peaks()
+
+
 def test_a_scheduler_schedules_the_stand_ins_optimizer() -> None:
     """The scheduler and its optimizer are twinned together: the user's learning rate and
     the scheduler's count are as they were (the optimizer's step counted by the scheduler
@@ -476,6 +493,67 @@ def test_a_phase_outside_a_check_does_nothing_and_a_bad_name_is_refused() -> Non
             with tm.phase(bad):  # type: ignore[arg-type]
                 pass
     assert tm.estimate(nn.Linear(4, 4), torch.randn(2, 4)).phases == {}
+
+
+_BODY = tm.phase("body")
+
+
+@_BODY
+def _twice_in_a_loop(model: nn.Module, x: torch.Tensor) -> None:
+    for _ in range(2):
+        with _BODY:  # the object entered again, inside its own block (as a decorator)
+            model(x).square().mean().backward()
+
+
+def _fresh_each_time(model: nn.Module, x: torch.Tensor) -> None:
+    with tm.phase("body"):
+        for _ in range(2):
+            with tm.phase("body"):
+                model(x).square().mean().backward()
+
+
+def test_one_phase_object_is_entered_again() -> None:
+    """Issue 36, item 9: ``p = tm.phase("x")`` entered in a loop raised AttributeError
+    ('_GeneratorContextManager' object has no attribute 'args') at its second ``with``.
+    One object now counts as a new one each time: in a loop, nested in itself, as a
+    decorator, and outside a check."""
+    model, x = _mlp(), torch.randn(16, 32)
+    for entry in (tm.estimate, tm.measure):
+        assert entry(_twice_in_a_loop, (model, x)).phases == entry(_fresh_each_time, (model, x)).phases
+    with _BODY, _BODY:
+        pass
+    assert repr(_BODY) == "tm.phase('body')"
+
+
+def test_an_estimate_or_measure_inside_the_step_of_another_is_refused() -> None:
+    """Issue 36, item 9: ``tm.measure(fn)`` where ``fn`` calls ``tm.measure`` raised an
+    IndexError, or gave 0 B; an estimate inside an estimate counted the inner one's step.
+    Each is refused in one line, raised as the step's own error (never a stopped trace,
+    even after a stand-in value), and the next call runs."""
+    model, x = _mlp(), torch.randn(4, 32)
+    before = copy.deepcopy(model.state_dict())
+
+    def calls(inner: Callable[..., Any]) -> Callable[..., None]:
+        def step(model: nn.Module, x: torch.Tensor, n: torch.Tensor) -> None:
+            int(n.random_(1, 3))  # a stand-in value (in the estimate)
+            inner(lambda m, x: m(x).sum().backward(), (model, x))
+            model(x).sum().backward()
+
+        return step
+
+    names = {tm.estimate: "tm.estimate()", tm.measure: "tm.measure()"}
+    for outer, inner in [(o, i) for o in names for i in names]:
+        with pytest.raises(RuntimeError) as info:
+            outer(calls(inner), (model, x, torch.tensor(1)))
+        assert type(info.value).__name__ == "NestedStepError"
+        assert str(info.value) == (
+            f"{names[inner]} was called inside the step that {names[outer]} is running; one step "
+            f"is estimated or measured at a time: call {names[inner]} before or after "
+            f"{names[outer]}, not from inside its step"
+        )
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    assert all(p.grad is None for p in model.parameters())
+    assert tm.estimate(model, x).peak == tm.measure(model, x).peak
 
 
 def _reset_run_read(x: torch.Tensor, dy: torch.Tensor, runs: int = 10) -> None:

@@ -1,10 +1,11 @@
-"""What the tracer cannot do is reported in ``unsupported``; the program's own errors propagate.
+"""A trace that stops is an error carrying its partial report; the program's own errors propagate.
 
-The tracer's failures: an op with no fake kernel, C++ code or ``.numpy()``
-reading a fake tensor's values, a memory rule that fails, and anything raised
-after a value-dependent op got a stand-in value. The program's: everything
-else, unchanged (the user's exceptions, a shape error the real kernel raises
-too).
+The tracer's failures stop the trace (:class:`tm.TraceStopped`): an op with no
+fake kernel, C++ code or ``.numpy()`` reading a fake tensor's values, and anything
+raised after a value-dependent op got a stand-in value. A memory rule that fails
+costs the op its scratch, listed: the trace goes on, a figure. The program's:
+everything else, unchanged (the user's exceptions, a shape error the real kernel
+raises too).
 """
 
 from __future__ import annotations
@@ -44,53 +45,144 @@ def _only(report: tm.MemoryReport) -> tm.Unsupported:
     return report.unsupported[0]
 
 
-# -- the tracer's failures: reported, the trace stopped there ----------------------------
+def _stopped(run: Callable[[], Any]) -> tm.TraceStopped:
+    with pytest.raises(tm.TraceStopped) as info:
+        run()
+    stop = info.value
+    assert stop.report.unsupported[-1] == stop.entry  # the partial report lists it, last
+    assert stop.entry.reason.endswith("; the trace stopped here")
+    assert "\n" not in str(stop)
+    return stop
+
+
+_CANNOT_RUN = (
+    "give the op a fake kernel (torch.library.register_fake) or a rule of the device "
+    "(pytest_torchmem_add_rules), or measure the step for real (tm.measure)"
+)
+_READS_VALUES = (
+    "code that reads a tensor's data (.numpy(), a C++ extension) cannot run on fake tensors: "
+    "keep it out of the step, or measure the step for real (tm.measure)"
+)
+
+
+# -- the tracer's failures: the trace stopped there, an error --------------------------------
 
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
-def test_custom_op_without_fake_kernel_is_reported(device: str) -> None:
+def test_custom_op_without_fake_kernel_stops_the_trace(device: str) -> None:
     """Even where its arguments' values are known: only ATen's ops run on values."""
     x = torch.randn(256)
     model = Lambda(lambda x: _triple(x.exp()))  # custom op call
-    report = tm.estimate(model, x, device=device, train=False)
-    entry = _only(report)
+    stop = _stopped(lambda: tm.estimate(model, x, device=device, train=False))
+    entry = stop.entry
     assert entry.op == "torchmem_tests.triple.default"
-    assert "no fake impl" in entry.reason and entry.reason.endswith("the trace stopped here")
+    assert entry.reason.startswith("fake tensors cannot run it (RuntimeError: There was no fake impl")
     assert entry.location == _line_of("# custom op call")
-    if device == "cpu":  # what ran before the op is counted: x, then exp(x)
-        assert report.forward_peak == 2 * 256 * F32
+    assert stop.advice == _CANNOT_RUN
+    assert str(stop) == (
+        f"the trace stopped at {entry.location} in torchmem_tests.triple.default: "
+        f"{entry.reason.removesuffix('; the trace stopped here')}; {_CANNOT_RUN}"
+    )
+    assert stop.report.unsupported == (entry,)
+    if device == "cpu":  # what ran before the op is in the partial report: x, then exp(x)
+        assert stop.report.forward_peak == 2 * 256 * F32
 
 
-def test_numpy_in_forward_is_reported() -> None:
+def test_numpy_in_forward_stops_the_trace() -> None:
     model = Lambda(lambda x: torch.from_numpy(x.numpy() * 2))  # numpy call
-    entry = _only(tm.estimate(model, torch.randn(8), train=False))
-    assert entry.op == "Tensor.numpy"
-    assert entry.location == _line_of("# numpy call")
+    stop = _stopped(lambda: tm.estimate(model, torch.randn(8), train=False))
+    assert stop.entry.op == "Tensor.numpy"
+    assert stop.entry.location == _line_of("# numpy call")
+    assert stop.advice == _READS_VALUES
+    assert str(stop) == (
+        f"the trace stopped at {_line_of('# numpy call')} in Tensor.numpy: fake tensors cannot "
+        "run it (RuntimeError: .numpy() is not supported for tensor subclasses.); " + _READS_VALUES
+    )
 
 
-def test_cpp_reading_tensor_values_is_reported() -> None:
+def test_cpp_reading_tensor_values_stops_the_trace() -> None:
     """``tensor_split`` with a tensor of split points reads them in C++; drawn at
     random, their values are not known to the trace."""
     model = Lambda(lambda x, at: torch.tensor_split(x, at.random_(1, 7))[0] * 2)  # reads values
-    entry = _only(tm.estimate(model, (torch.randn(8), torch.tensor([2, 5])), train=False))
+    stop = _stopped(lambda: tm.estimate(model, (torch.randn(8), torch.tensor([2, 5])), train=False))
+    entry = _only(stop.report)
     assert entry.op == "(tensor values)"
-    assert "not allocated" in entry.reason and entry.reason.endswith("the trace stopped here")
+    assert "not allocated" in entry.reason
     assert entry.location == _line_of("# reads values")
 
 
-def test_error_after_a_stand_in_value_is_reported() -> None:
+def test_error_after_a_stand_in_value_stops_the_trace() -> None:
     """``int(n)`` of a number drawn at random gets the stand-in 0: the empty ``stack``
     fails only in the trace."""
     model = Lambda(lambda x, n: torch.stack([x * i for i in range(int(n.random_(3, 4)))]))  # value
-    report = tm.estimate(model, (torch.randn(4), torch.tensor(3)), train=False)
-    first, second = report.unsupported
+    stop = _stopped(lambda: tm.estimate(model, (torch.randn(4), torch.tensor(3)), train=False))
+    first, second = stop.report.unsupported
     assert first.op == "aten._local_scalar_dense.default"
+    assert second == stop.entry
     assert "stack expects a non-empty TensorList" in second.reason
     assert "after aten._local_scalar_dense.default" in second.reason
     assert second.location == _line_of("# value")
+    assert stop.advice == (
+        "the real values may not take this path: compute that value from the step's inputs, "
+        "so that the trace knows it, or measure the step for real (tm.measure)"
+    )
     with pytest.raises(RuntimeError, match="non-empty"):  # the same program, for real, runs
         torch.stack([])
     tm.measure(model, (torch.randn(4), torch.tensor(3)), train=False)
+
+
+def test_a_batch_left_on_the_host_stops_the_cuda_trace_at_its_first_op() -> None:
+    """Issue 36, item 7: a DataLoader's batches not moved to the device. The loader draws
+    its seed with ``.item()`` (a stand-in value), then the first matmul meets a host
+    tensor: a GPU raises there, and the trace stopped. Before, the report was a figure
+    (forward 9.50 KiB, backward 0 B) that later runs passed against."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    model = nn.Linear(32, 8)
+    loader = DataLoader(TensorDataset(torch.randn(8, 32)), batch_size=4)
+
+    def train(model: nn.Module) -> None:
+        for (x,) in loader:
+            model(x).sum().backward()  # the batch, on the host
+
+    stop = _stopped(lambda: tm.estimate(train, (model,), device="cuda"))
+    assert stop.entry.op == "aten.mm.default"  # Linear's matmul
+    assert stop.entry.location == _line_of("# the batch, on the host")
+    assert stop.entry.reason.startswith("its tensors are on two devices, cuda and cpu (after ")
+    assert stop.advice == 'move the batch to the device (batch.to("cuda")), as a GPU would require'
+    assert str(stop).startswith(f"the trace stopped at {_line_of('# the batch, on the host')} in aten.mm.default:")
+    assert str(stop).endswith('; move the batch to the device (batch.to("cuda")), as a GPU would require')
+    assert stop.report.backward_peak == 0  # the partial report: it stopped in the forward
+
+    def moved(model: nn.Module) -> None:
+        for (x,) in loader:
+            model(x.to("cuda")).sum().backward()
+
+    assert tm.estimate(moved, (model,), device="cuda").backward_peak > 0
+
+
+def test_a_stop_the_step_catches_still_stops_the_trace() -> None:
+    """The step went on past an op the trace could not run (``except Exception``): what
+    followed ran without it, so the figures are no estimate all the same."""
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        try:
+            return _triple(x)  # caught
+        except Exception:  # noqa: BLE001 - the user's code catches everything
+            return x * 3
+
+    stop = _stopped(lambda: tm.estimate(Lambda(forward), torch.randn(64), train=False))
+    assert stop.entry.op == "torchmem_tests.triple.default"
+    assert stop.entry.location == _line_of("# caught")
+
+
+def test_trace_stopped_pickles_with_its_report() -> None:
+    import pickle
+
+    stop = _stopped(lambda: tm.estimate(Lambda(lambda x: _triple(x)), torch.randn(8), train=False))
+    again = pickle.loads(pickle.dumps(stop))
+    assert (str(again), again.report, again.entry) == (str(stop), stop.report, stop.entry)
+    assert isinstance(again, RuntimeError)
 
 
 def test_failing_scratch_rule_costs_only_its_scratch() -> None:

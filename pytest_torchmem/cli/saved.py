@@ -229,7 +229,8 @@ def _read_json(path: Path, shown: str) -> tuple[str, Any]:
 
 
 def _report_entries(data: Mapping[str, Any], shown: str) -> list[Saved]:
-    """The estimates of a ``--torchmem-json`` report (``summary.json_report``'s layout)."""
+    """The estimates of a ``--torchmem-json`` report (``summary.json_report``'s layout);
+    a check whose trace stopped has none."""
     schema = data.get("schema")
     if schema != REPORT_SCHEMA:
         raise InputError(
@@ -238,6 +239,8 @@ def _report_entries(data: Mapping[str, Any], shown: str) -> list[Saved]:
         )
     found: list[Saved] = []
     for number, result in enumerate(data["results"], start=1):
+        if isinstance(result, Mapping) and result.get("stopped") is not None:
+            continue  # a check whose trace stopped: no estimate
         try:
             test, nodeid = str(result["test"]), str(result["nodeid"])
             suffix = f"::{test}"

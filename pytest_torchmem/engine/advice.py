@@ -45,6 +45,7 @@ from torch.utils.checkpoint import checkpoint
 from pytest_torchmem.engine.containers import map_tensors, tensors_in
 from pytest_torchmem.engine.fitting import Figure, resolved_target
 from pytest_torchmem.engine.step import default_loss
+from pytest_torchmem.engine.stopped import TraceStopped
 from pytest_torchmem.engine.units import format_bytes
 
 if TYPE_CHECKING:
@@ -131,6 +132,10 @@ def advise(
     ``options`` are :func:`~pytest_torchmem.estimate`'s (``optimizer``, ``loss_fn``,
     ``keep_output``, ``cpu``, ...). ``model`` must be a module: a step function is
     the user's own code, which the advice cannot change.
+
+    A trace of the step itself that stops raises
+    :class:`~pytest_torchmem.TraceStopped`; a changed step whose trace stops is
+    skipped (``skipped`` says where it stopped): neither has a figure.
     """
     from pytest_torchmem.engine.api import estimate
     if not isinstance(model, nn.Module):
@@ -168,7 +173,11 @@ def advise(
         if figure_of(changed) < nbytes:
             suggestions.append(Suggestion(change, figure_of(changed), figure_of(changed) <= limit, changed, modules))
 
-    found = _checkpointing(model, nbytes, limit, lambda m: run(m), figure_of)
+    try:
+        found = _checkpointing(model, nbytes, limit, lambda m: run(m), figure_of)
+    except TraceStopped as exc:  # a checkpointed step the trace could not follow: no figure
+        skipped.append(f"checkpoint blocks: {type(exc).__name__}: {exc}")
+        found = None
     if found is not None:
         change, modules, changed = found
         suggest(change, lambda: changed, modules)

@@ -166,7 +166,8 @@ def fit(
     the peak against it, on ``device``, default ``"cuda"``), or both (the budget
     on that GPU). ``figure`` overrides what is compared: ``"peak"`` or
     ``"reserved"``. ``progress`` is called with each :class:`Probe` as the search
-    makes it.
+    makes it. A probe whose trace stops raises :class:`~pytest_torchmem.TraceStopped`:
+    that size's figure is unknown, and so is the answer.
     """
     from pytest_torchmem.engine.api import estimate
 
@@ -215,7 +216,8 @@ def rank_gpus(
 ) -> tuple[GpuRoom, ...]:
     """The step of ``model`` on ``inputs`` estimated on each GPU of ``gpus`` (default:
     every named profile), ranked by headroom: the GPUs it fits first, the most room
-    first, then those it does not fit, the closest first."""
+    first, then those it does not fit, the closest first. A trace that stops on any
+    of them raises :class:`~pytest_torchmem.TraceStopped`."""
     from pytest_torchmem.engine.api import estimate
     from pytest_torchmem.engine.gpu_profiles import PROFILES, gpu_profile
 

@@ -27,6 +27,7 @@ from pytest_torchmem.engine.layouts import parts
 from pytest_torchmem.engine.holdings import converted, holdings_of, lend
 from pytest_torchmem.engine.model_state import Converted, HookError, StandIns, hook_failure
 from pytest_torchmem.engine.distributed import FreedOnThisThread, collectives_completed_here
+from pytest_torchmem.engine.nesting import one_step
 from pytest_torchmem.engine.parallel import applied, local_tensors, model_copy
 from pytest_torchmem.engine.report import Category, MemoryReport, StepPeaks, Unsupported
 from pytest_torchmem.engine.step_function import StepFunction
@@ -95,8 +96,16 @@ def measure_step(request: StepRequest) -> MemoryReport:
     optimizer): what dynamo allocates and frees while it compiles is not
     counted, what it makes and leaves (the optimizer's state) is. A compiled
     region that did not run as compiled code in the measured step (any
-    compiled region on cuda) is listed in ``unsupported``.
+    compiled region on cuda) is listed in ``unsupported``. A measurement started
+    inside the step of another (or of an estimate) is refused
+    (:class:`~pytest_torchmem.engine.nesting.NestedStepError`).
     """
+    with one_step("tm.measure()"):
+        return _measured(request)
+
+
+def _measured(request: StepRequest) -> MemoryReport:
+    """The report of :func:`measure_step`."""
     seen = _Seen()
     hooks: list[Unsupported] = []
 

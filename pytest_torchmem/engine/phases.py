@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import ExitStack, contextmanager
+from contextlib import ContextDecorator, ExitStack, contextmanager
 from typing import Any, Final
 
 import torch
@@ -224,8 +224,7 @@ def hooked_modules(modules: Sequence[nn.Module]) -> list[nn.Module]:
 _naming = threading.local()  # .probes: the probes of the steps running on this thread
 
 
-@contextmanager
-def phase(name: str) -> Iterator[None]:
+class phase(ContextDecorator):  # noqa: N801 - the public tm.phase, a function before
     """Name a phase of your own step: ``with tm.phase("generate"): ...``.
 
     While :func:`~pytest_torchmem.estimate` or :func:`~pytest_torchmem.measure` runs
@@ -235,21 +234,35 @@ def phase(name: str) -> Iterator[None]:
     Phases of different names may nest or overlap; the forward, backward and step
     phases go on being recognised inside them. Outside a check, it does nothing:
     the code that names its phases runs as it did.
+
+    One object may be entered again (``p = tm.phase("x")``, then ``with p:`` in a
+    loop, or nested), on any thread, and decorate a function (``@tm.phase("x")``).
     """
-    if not isinstance(name, str) or not name.strip():
-        raise ValueError(f"tm.phase() takes the phase's name, a non-empty string; got {name!r}")
-    probes = getattr(_naming, "probes", None)
-    probe = probes[-1] if probes else None
-    if probe is None:
-        yield
-        return
-    with _DisableTorchFunction():
-        probe.name_phase(name, True)
-    try:
-        yield
-    finally:
-        with _DisableTorchFunction():
-            probe.name_phase(name, False)
+
+    def __init__(self, name: str) -> None:
+        if not isinstance(name, str) or not name.strip():
+            raise ValueError(f"tm.phase() takes the phase's name, a non-empty string; got {name!r}")
+        self.name: Final = name
+        # the probe told of each entry not yet left, innermost last, per thread
+        self._entered: Final = threading.local()
+
+    def __repr__(self) -> str:
+        return f"tm.phase({self.name!r})"
+
+    def __enter__(self) -> None:
+        probes = getattr(_naming, "probes", None)
+        probe = probes[-1] if probes else None
+        entered = self._entered.__dict__.setdefault("probes", [])
+        entered.append(probe)
+        if probe is not None:
+            with _DisableTorchFunction():
+                probe.name_phase(self.name, True)
+
+    def __exit__(self, *exc: object) -> None:
+        probe = self._entered.probes.pop()
+        if probe is not None:
+            with _DisableTorchFunction():
+                probe.name_phase(self.name, False)
 
 
 @contextmanager

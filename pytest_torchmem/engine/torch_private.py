@@ -381,6 +381,11 @@ PRIVATE: Final = table(
         "the op is listed in unsupported",
     ),
     Private(
+        "torch._subclasses.fake_tensor.FakeTensorDeviceMismatchError",
+        "what a fake tensor raises for an op on tensors of two devices: after a stand-in "
+        "value, the trace stopped, its message says which devices as the program saw them",
+    ),
+    Private(
         "torch._subclasses.fake_tensor.UnsupportedOperatorException",
         "what a fake tensor raises for an op it cannot run: the op is listed in unsupported",
     ),

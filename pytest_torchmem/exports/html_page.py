@@ -60,6 +60,7 @@ _BOTTOM: Final = 298
 _BUDGET_REACH: Final = 2.0
 _DOT: Final = " \u00b7 "
 _STATUS_ORDER: Final = (
+    "stopped",
     "regressed",
     "over budget",
     "mismatch",
@@ -590,10 +591,12 @@ def _unsupported(view: Mapping[str, Any]) -> str:
         + "</li>"
         for row in rows
     )
-    return (
-        '<div class="warning"><strong>Incomplete estimate:</strong> these ops were not traced '
-        f"faithfully, so the figures may be low.<ul>{items}</ul></div>"
+    title, words = (
+        ("The trace stopped", "at the last of these ops: the figures are of the part of the step that ran")
+        if view.get("stopped")
+        else ("Approximate", "the trace went on past these ops, which it could not follow exactly")
     )
+    return f'<div class="warning"><strong>{title}:</strong> {words}.<ul>{items}</ul></div>'
 
 
 def _section(view: Mapping[str, Any], index: int) -> str:
@@ -609,6 +612,7 @@ def _section(view: Mapping[str, Any], index: int) -> str:
     parts = [
         f'<section class="{classes}" id="check-{index}" data-status="{escape(status)}">',
         f'<div class="check-head">{_badge(status, view["failed"])}'
+        + ('<span class="badge s-approximate">approximate</span>' if view.get("approximate") else "")
         + f'<h2><a href="#check-{index}">{_check_label(view)}</a></h2>'
         + f'<span class="device">{escape(_device_label(view))}</span>'
         + '<a class="top-link" href="#top">\u2191 index</a></div>',
@@ -753,9 +757,9 @@ background:var(--soft);padding:1px 4px;border-radius:4px}
 .badge{display:inline-block;padding:1px 9px;border-radius:999px;font-size:12px;font-weight:600;
 border:1px solid;white-space:nowrap;line-height:1.5}
 .s-passed{color:var(--green);background:#dafbe1;border-color:#aceebb}
-.s-regressed,.s-over-budget,.s-mismatch{color:var(--red);background:#ffebe9;border-color:#ffcecb}
+.s-regressed,.s-over-budget,.s-mismatch,.s-stopped{color:var(--red);background:#ffebe9;border-color:#ffcecb}
 .s-improved{color:var(--blue);background:#ddf4ff;border-color:#b6e3ff}
-.s-missing,.s-not-written{color:var(--amber);background:#fff8c5;border-color:#eed888}
+.s-missing,.s-not-written,.s-approximate{color:var(--amber);background:#fff8c5;border-color:#eed888}
 .s-stale{color:#57606a;background:#eaeef2;border-color:#d0d7de}
 .s-new,.s-updated{color:#8250df;background:#fbefff;border-color:#e6ccff}
 section.check{scroll-margin-top:12px}

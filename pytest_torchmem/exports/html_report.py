@@ -372,7 +372,9 @@ def check_view(
     module, phase made, the user's frames with paths relative to ``root``,
     default the current directory), the figures against the snapshot and the
     budgets, the categories and modules that moved most, the ops not traced
-    faithfully, and pytest's failure message when the check failed.
+    faithfully, and pytest's failure message when the check failed. Read from the
+    trace: whether it stopped (``stopped``: the chart and figures are of the part of
+    the step that ran) or went on past the ops it lists (``approximate``).
     """
     series, at_peak, boundaries = _series(traced, buckets)
     analysis = traced.analysis
@@ -415,6 +417,9 @@ def check_view(
         {"op": entry.op, "reason": entry.reason, "location": _location(entry.location, root)}
         for entry in traced.report.unsupported
     ] or [{"op": op, "reason": "", "location": ""} for op in estimate.unsupported]
+    # the engine's word: a trace that stopped has no figures; one that went on past
+    # listed ops has approximate ones
+    stopped = traced.stop is not None
     return {
         "schema": VIEW_SCHEMA,
         "nodeid": result.nodeid,
@@ -437,6 +442,8 @@ def check_view(
         "breakdown": breakdown,
         "modules": modules,
         "unsupported": unsupported,
+        "stopped": stopped,
+        "approximate": not stopped and not traced.report.complete,
         # The chart is read off the trace; a pytest_torchmem_adjust_report hook may
         # have changed the figures the check compared.
         "adjusted": peak_bytes != estimate.peak,

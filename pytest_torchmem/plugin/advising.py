@@ -41,6 +41,7 @@ def advice_lines(request: StepRequest, result: Result, gpu: GpuProfile, cpu: Any
     if why is not None:
         return (f"no advice (--torchmem-advise): {why}",)
     from pytest_torchmem.engine.advice import advise
+    from pytest_torchmem.engine.stopped import TraceStopped
 
     options: dict[str, Any] = {
         "loss_fn": request.loss_fn,
@@ -51,7 +52,10 @@ def advice_lines(request: StepRequest, result: Result, gpu: GpuProfile, cpu: Any
     if result.key.device == "cpu":
         options["cpu"] = cpu
     inputs: Any = request.kwargs if request.kwargs else request.args
-    advice = advise(request.model, inputs, device=result.key.device, **target, **options)
+    try:
+        advice = advise(request.model, inputs, device=result.key.device, **target, **options)
+    except TraceStopped as stop:  # (advise traces with the built-in rules, not the conftests')
+        return (f"no advice (--torchmem-advise): {stop}",)
     head = (
         f"what would bring it within {advice.target} (--torchmem-advise; each figure the "
         f"changed step's estimate, its {'reserved peak' if advice.figure == 'reserved' else 'peak'}):"

@@ -22,7 +22,7 @@ from pytest_torchmem.engine.units import format_bytes
 from pytest_torchmem.plugin.advising import advice_lines
 from pytest_torchmem.plugin.estimating import Estimator
 from pytest_torchmem.plugin.fitting import FitRecord
-from pytest_torchmem.plugin.judging import Result, judge
+from pytest_torchmem.plugin.judging import Result, judge, stopped
 from pytest_torchmem.plugin.markers import MARKER, MarkerError, MarkerSpec, parse_gpu, parse_marker
 from pytest_torchmem.plugin.messages import failure_message
 from pytest_torchmem.plugin.outcomes import PendingVerdicts
@@ -280,28 +280,39 @@ class CheckRunner:
             except StepArgumentError as exc:  # as the arguments above: at the test's call
                 raise TypeError(str(exc)) from None
             key = Key(module_test_id(item), entry_name, device)
-            result = judge(
-                nodeid=item.nodeid,
-                key=key,
-                file=self._places.display(path),
-                accept=self._places.accept_command(item),
-                estimate=figures.entry,
-                snapshot=snapshot.get(key),
-                tolerance=spec.tolerance(settings.tolerance),
-                budgets=spec.budgets,
-                update=settings.update,
-                fail_on_improvement=settings.fail_on_improvement,
-                measure_rtol=settings.measure_rtol,
-                fail_on_stale=settings.stale == "fail",
-                release=self._places.release(),
-                rooms=figures.rooms,
-            )
-            if result.failed and settings.advise:
-                result = dataclasses.replace(result, advice=advice_lines(request, result, gpu, cpu))
-            self._record.add(result, str(path), figures.entry if settings.update else None)
+            common: dict[str, Any] = {
+                "nodeid": item.nodeid,
+                "key": key,
+                "file": self._places.display(path),
+                "accept": self._places.accept_command(item),
+                "snapshot": snapshot.get(key),
+                "tolerance": spec.tolerance(settings.tolerance),
+                "budgets": spec.budgets,
+                "update": settings.update,
+                "release": self._places.release(),
+            }
+            if figures.stopped is not None:
+                # no figures: not compared, not written (the entry there, if any, stays)
+                why = self._places.locations(str(figures.stopped))
+                result = stopped(partial=figures.entry, why=why, **common)
+            else:
+                result = judge(
+                    estimate=figures.entry,
+                    fail_on_improvement=settings.fail_on_improvement,
+                    measure_rtol=settings.measure_rtol,
+                    fail_on_stale=settings.stale == "fail",
+                    rooms=figures.rooms,
+                    **common,
+                )
+                reports[device] = figures.report
+            if result.failed and settings.advise and result.stopped is None:
+                advice = advice_lines(request, result, gpu, cpu)
+                result = dataclasses.replace(result, advice=tuple(map(self._places.locations, advice)))
+            write = settings.update and result.stopped is None
+            self._record.add(result, str(path), figures.entry if write else None)
             _record_properties(item, result)
-            self._export(result, figures.trace)
-            reports[device] = figures.report
+            if figures.trace is not None:
+                self._export(result, figures.trace)
             results.append(result)
         if any(result.failed for result in results):
             # The test goes on (its later checks run too); the report that ends them fails.
@@ -474,6 +485,9 @@ def _marked_parallel(item: pytest.Item, spec: MarkerSpec, parallel: Parallel | N
 def _record_properties(item: pytest.Item, result: Result) -> None:
     """The figures as junitxml properties (what the ``record_property`` fixture does)."""
     prefix = f"torchmem.{result.key.name}.{result.key.device}"
+    if result.stopped is not None:  # no figures
+        item.user_properties.append((f"{prefix}.status", result.status.value))
+        return
     entry = result.estimate
     figures: list[tuple[str, object]] = [
         ("forward_peak", entry.forward_peak),

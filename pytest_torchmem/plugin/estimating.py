@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Final, Literal
 import pytest
 
 from pytest_torchmem.engine.gpu_profiles import GpuProfile
+from pytest_torchmem.engine.stopped import TraceStopped
 from pytest_torchmem.plugin import releases
 from pytest_torchmem.plugin.headroom import Room, room
 from pytest_torchmem.plugin.settings import Settings, gpu_present
@@ -82,6 +83,9 @@ class DeviceFigures:
     entry: Entry
     #: A cuda check's room on the GPU it follows, then on each other GPU ``fits=`` names.
     rooms: tuple[Room, ...]
+    #: The trace stopped (there or on a GPU ``fits=`` names): no figures, ``report`` and
+    #: ``entry`` are of the part of the step that ran, ``trace`` that part's.
+    stopped: TraceStopped | None = None
 
 
 class Estimator:
@@ -104,8 +108,15 @@ class Estimator:
         fits: tuple[GpuProfile, ...] | Literal[True] | None,
     ) -> DeviceFigures:
         """The figures of check ``name`` of ``item`` on ``device``: estimated, measured on the
-        GPU where the run measures, and the room on the GPUs ``fits`` names."""
-        report, traced = self.estimate(item, request, device, name, gpu, cpu, parallel)
+        GPU where the run measures, and the room on the GPUs ``fits`` names; or, where a
+        trace stopped, what it left (:attr:`DeviceFigures.stopped`), nothing measured."""
+        try:
+            report, traced = self.estimate(item, request, device, name, gpu, cpu, parallel)
+            rooms = self.rooms(item, request, device, name, gpu, cpu, parallel, report, fits)
+        except TraceStopped as stop:
+            environment = device_environment(device, gpu, str(cpu), request.keep_output)
+            partial = Entry.from_report(stop.report, environment)
+            return DeviceFigures(stop.report, stop.trace, partial, (), stop)
         measured = None
         if device.startswith("cuda") and self.measuring():
             # What measure(device="cuda") does: the step on the real GPU, from
@@ -117,7 +128,6 @@ class Estimator:
             device, gpu, str(cpu), request.keep_output, loop=report.first_step is not None
         )
         entry = Entry.from_report(report, environment, measured)
-        rooms = self.rooms(item, request, device, name, gpu, cpu, parallel, report, fits)
         return DeviceFigures(report, traced, entry, rooms)
 
     def estimate(
@@ -158,7 +168,13 @@ class Estimator:
             ]
             traced = max(traces, key=lambda one: one.report.peak)
         except RuntimeError as exc:
-            if device.startswith("cuda") and "devices" in str(exc) and hasattr(exc, "add_note"):
+            # (a stopped trace says what to do itself)
+            if (
+                device.startswith("cuda")
+                and "devices" in str(exc)
+                and not isinstance(exc, TraceStopped)
+                and hasattr(exc, "add_note")
+            ):
                 exc.add_note(_DEVICE_HINT)
             raise
         adjusted = item.ihook.pytest_torchmem_adjust_report(

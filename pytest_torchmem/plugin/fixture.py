@@ -69,6 +69,10 @@ class TorchmemFixture:
         ``parallel`` (``estimate``'s): the memory of one rank; the marker's
         ``mesh=`` and ``rank=`` take the place of its own, and each mesh and
         rank has an entry of its own.
+
+        A device whose trace stopped (:class:`~pytest_torchmem.TraceStopped`) has no
+        figures: its check fails with where and why, is not compared with the
+        snapshot nor written by ``--torchmem-update``, and has no report here.
         """
         __tracebackhide__ = True
         return self._runner.check(

@@ -35,6 +35,7 @@ __all__ = [
     "compared",
     "Result",
     "judge",
+    "stopped",
 ]
 
 
@@ -73,6 +74,9 @@ class Status(str, Enum):
     #: ``--torchmem-update``: the entry was to be written, and was not (the run was
     #: interrupted, or its file could not be written: ``Result.not_written`` says which).
     NOT_WRITTEN = "not written"
+    #: The trace stopped before the end of the step: there is no estimate to judge
+    #: (``Result.stopped`` says where and why). It fails, and writes no entry.
+    STOPPED = "stopped"
 
     def __str__(self) -> str:
         return self.value
@@ -275,11 +279,20 @@ class Result:
     #: ``--torchmem-advise``: what would bring a check over its budget or GPU down, a line
     #: per change estimated.
     advice: tuple[str, ...] = ()
+    #: Where and why the trace stopped, one line (:attr:`Status.STOPPED`); None: it did
+    #: not. ``estimate`` then holds the figures of the part of the step that ran.
+    stopped: str | None = None
+
+    @property
+    def approximate(self) -> bool:
+        """Whether the figures are approximate: the trace went on past ops it listed in
+        ``unsupported`` (a stopped trace has no figures at all)."""
+        return self.stopped is None and bool(self.estimate.unsupported)
 
     @property
     def acceptable(self) -> bool:
         """True when ``--torchmem-update`` would make this check pass its snapshot."""
-        if self.update:
+        if self.update or self.stopped is not None:
             return False
         if self.stale:
             return True
@@ -333,6 +346,7 @@ class Result:
             "not_written": self.not_written,
             "rooms": [room.to_json() for room in self.rooms],
             "advice": list(self.advice),
+            "stopped": self.stopped,
         }
 
     @classmethod
@@ -359,6 +373,7 @@ class Result:
             not_written=data.get("not_written"),
             rooms=tuple(Room.from_json(room) for room in data.get("rooms", ())),
             advice=tuple(data.get("advice", ())),
+            stopped=data.get("stopped"),
         )
 
 
@@ -513,3 +528,36 @@ def judge(
         rooms=rooms,
     )
 
+
+def stopped(
+    *,
+    nodeid: str,
+    key: Key,
+    file: str,
+    accept: str,
+    partial: Entry,
+    snapshot: Entry | None,
+    tolerance: Tolerance,
+    budgets: Mapping[str, int],
+    update: bool,
+    why: str,
+    release: Release | None = None,
+) -> Result:
+    """The verdict of a check whose trace stopped (``why``: where and why, one line): it
+    fails, and is neither compared with ``snapshot`` nor written under ``update``; its
+    ``partial`` figures are of the part of the step that ran."""
+    return Result(
+        nodeid=nodeid,
+        key=key,
+        file=file,
+        accept=accept,
+        status=Status.STOPPED,
+        failed=True,
+        estimate=partial,
+        snapshot=snapshot,
+        tolerance=tolerance,
+        budgets=dict(budgets),
+        update=update,
+        release=None if release is None else str(release),
+        stopped=why,
+    )

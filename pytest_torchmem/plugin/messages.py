@@ -175,6 +175,8 @@ def _mismatch_line(mismatch: Mismatch, device: str) -> str:
 
 def _problems(result: Result, verbosity: int) -> list[str]:
     device = result.key.device
+    if result.stopped is not None:  # no figures: nothing else to say
+        return [f"{device}: {result.stopped}"]
     lines: list[str] = [room.problem(device) for room in result.rooms if room.unfit]
     for breach in result.breaches:
         lines.append(
@@ -209,7 +211,7 @@ def _problems(result: Result, verbosity: int) -> list[str]:
         lines.extend(_table(result))
         if result.estimate.unsupported:
             ops = ", ".join(result.estimate.unsupported)
-            lines.append(f"  incomplete estimate: these ops were not traced faithfully: {ops}")
+            lines.append(f"  approximate: the trace went on past ops it could not follow exactly: {ops}")
     return lines
 
 
@@ -240,6 +242,8 @@ def failure_message(results: Sequence[Result], verbosity: int = 0) -> str:
         )
     if verbosity >= 0:
         for result in failed:
+            if result.stopped is not None:
+                continue
             if result.update:
                 state = "written at the end of this run"
             else:
@@ -267,6 +271,11 @@ def failure_message(results: Sequence[Result], verbosity: int = 0) -> str:
         lines.append(
             "a GPU named by fits= must hold the step: --torchmem-update does not lift it; reduce "
             "the memory (--torchmem-advise estimates what would) or name another GPU"
+        )
+    if any(result.stopped is not None for result in failed):
+        lines.append(
+            "a trace that stops is no estimate: its figures were not compared with the snapshot, "
+            "and --torchmem-update writes no entry for it"
         )
     if any(result.mismatches for result in failed):
         lines.append(

@@ -8,6 +8,7 @@ the snapshot file beside the module (one directory per torch release under
 from __future__ import annotations
 
 import os
+import re
 import shlex
 from pathlib import Path
 from typing import Final
@@ -20,6 +21,9 @@ from pytest_torchmem.plugin.settings import Settings
 from pytest_torchmem.plugin.snapshots import is_doctest, snapshot_path
 
 __all__ = ["SnapshotPlaces", "module_test_id"]
+
+#: ``file:line`` of an absolute path in a message (the engine names the user's lines so).
+_LOCATION: Final = re.compile(r"((?:/|[A-Za-z]:\\)[^\s:]*?\.py):(\d+)")
 
 
 def module_test_id(item: pytest.Item) -> str:
@@ -71,6 +75,17 @@ class SnapshotPlaces:
             return Path(os.path.relpath(path, self._config.invocation_params.dir)).as_posix()
         except ValueError:  # another drive on Windows
             return str(path)
+
+    def locations(self, text: str) -> str:
+        """``text`` with each ``/absolute/file.py:line`` of the user's code in it as the
+        user sees it: relative to where pytest was started, when inside it (a library's
+        file stays as it is)."""
+
+        def shown(match: re.Match[str]) -> str:
+            path = self.display(Path(match[1]))
+            return match[0] if path.startswith("..") else f"{path}:{match[2]}"
+
+        return _LOCATION.sub(shown, text)
 
     def accept_command(self, item: pytest.Item) -> str:
         """The command that updates the entries of the test ``item``."""

@@ -35,7 +35,11 @@ REPORT_SCHEMA: Final = 1
 #: The counts always shown in the totals line, in this order.
 _ALWAYS: Final = ("passed", "regressed", "improved", "missing", "unused")
 #: The counts shown only when not zero.
-_SOMETIMES: Final = ("over budget", "mismatch", "stale", "new", "updated", "not written")
+_SOMETIMES: Final = ("stopped", "over budget", "mismatch", "stale", "new", "updated", "not written")
+#: What marks an approximate figure in the table (:attr:`Result.approximate`), and the
+#: line under the table that says so.
+APPROXIMATE: Final = "~"
+_APPROXIMATE_LINE: Final = "~ approximate: the trace went on past ops it could not follow exactly"
 
 
 @dataclass(frozen=True, order=True)
@@ -78,7 +82,7 @@ def _test_label(result: Result) -> str:
 
 
 def _change(result: Result) -> str:
-    if result.snapshot is None:
+    if result.snapshot is None or result.stopped is not None:
         return "-"
     if result.stale:  # the figures are not comparable: say why instead
         return stale_reason(result)
@@ -118,39 +122,48 @@ def table_lines(
     ``cuda`` check is. A ``cuda`` row of a
     check that followed another GPU profile than the run's (``gpu``, the name the
     header gives) names it: ``cuda (A100)``. Under ``-q`` (``verbosity < 0``) only
-    the rows that are not plain passes.
+    the rows that are not plain passes. A check whose trace stopped has no figures
+    (``-``); an approximate one's are marked ``~``, and a line under the table says
+    what that means.
     """
     shown = [result for result in results if not (verbosity < 0 and result.status is Status.PASSED)]
     if not shown:
         return []
-    reserved = any(result.estimate.reserved_peak is not None for result in shown)
-    looped = any(result.estimate.first_step is not None for result in shown)
+    figured = [result for result in shown if result.stopped is None]
+    reserved = any(result.estimate.reserved_peak is not None for result in figured)
+    looped = any(result.estimate.first_step is not None for result in figured)
     rows = []
     for result in shown:
         estimate = result.estimate
+        mark = APPROXIMATE if result.approximate else ""
+
+        def nbytes(value: int | None) -> str:
+            return "-" if value is None or result.stopped is not None else mark + format_bytes(value)
+
         row = [
             _test_label(result),
             _device(result, gpu),
-            format_bytes(estimate.forward_peak),
-            format_bytes(estimate.backward_peak),
-            format_bytes(estimate.step_peak),
+            nbytes(estimate.forward_peak),
+            nbytes(estimate.backward_peak),
+            nbytes(estimate.step_peak),
         ]
         if looped:
             first = estimate.first_step
-            row.append("-" if first is None else format_bytes(max(first)))
-        row.append(format_bytes(estimate.peak))
+            row.append(nbytes(None if first is None else max(first)))
+        row.append(nbytes(estimate.peak))
         if reserved:
-            row.append(
-                "-" if estimate.reserved_peak is None else format_bytes(estimate.reserved_peak)
-            )
-            row.append(format_bytes(result.rooms[0].headroom) if result.rooms else "-")
+            row.append(nbytes(estimate.reserved_peak))
+            row.append(nbytes(result.rooms[0].headroom if result.rooms else None))
         rows.append((*row, _change(result), _status(result)))
     headers = ["test", "device", "forward", "backward", "step"]
     headers += ["first step"] if looped else []
     headers += ["peak"]
     headers += ["reserved", "headroom"] if reserved else []
     headers += ["change", "status"]
-    return tabulate(rows, headers=headers, tablefmt="simple", disable_numparse=True).splitlines()
+    lines = tabulate(rows, headers=headers, tablefmt="simple", disable_numparse=True).splitlines()
+    if any(result.approximate for result in shown):
+        lines.append(_APPROXIMATE_LINE)
+    return lines
 
 
 #: Why an unused entry was not removed, by why its file was not written.
@@ -268,10 +281,11 @@ def _figures(entry: Any) -> dict[str, int | None]:
 
 
 def _result_json(result: Result) -> dict[str, Any]:
-    estimate = _figures(result.estimate)
+    # a stopped trace has no figures (its partial ones are not an estimate)
+    estimate = None if result.stopped is not None else _figures(result.estimate)
     snapshot = None if result.snapshot is None else _figures(result.snapshot)
     delta = None
-    if snapshot is not None:
+    if snapshot is not None and estimate is not None:
         delta = {
             name: value - snapshot[name]
             for name, value in estimate.items()
@@ -284,6 +298,10 @@ def _result_json(result: Result) -> dict[str, Any]:
         "device": result.key.device,
         "status": result.status.value,
         "failed": result.failed,
+        # the figures are approximate: the trace went on past the ops in "unsupported"
+        "approximate": result.approximate,
+        # where and why the trace stopped (status "stopped": "estimate" is null), else null
+        "stopped": result.stopped,
         "snapshot_file": result.file,
         # The torch release whose snapshot directory holds the entry (torchmem_per_torch).
         "torch_release": result.release,
@@ -295,11 +313,11 @@ def _result_json(result: Result) -> dict[str, Any]:
         "allowed": {change.figure: change.allowed for change in result.changes},
         "budgets": dict(result.budgets),
         # the first step's three phases, where the check is of a training loop
-        "first_step": result.estimate.to_json().get("first_step"),
-        "breakdown": dict(result.estimate.breakdown),
+        "first_step": None if estimate is None else result.estimate.to_json().get("first_step"),
+        "breakdown": {} if estimate is None else dict(result.estimate.breakdown),
         "modules": {
             name: {"forward": fwd, "backward": bwd}
-            for name, (fwd, bwd) in result.estimate.modules.items()
+            for name, (fwd, bwd) in (() if estimate is None else result.estimate.modules.items())
         },
         "measured": None if result.estimate.measured is None else dict(result.estimate.measured),
         "unsupported": list(result.estimate.unsupported),

@@ -13,6 +13,7 @@ from torch import nn
 from pytest_torchmem.engine.holdings import converted, holdings_of
 from pytest_torchmem.engine.layouts import sparse_like
 from pytest_torchmem.engine.model_state import Converted, StandIns, hook_failure
+from pytest_torchmem.engine.nesting import one_step
 from pytest_torchmem.engine.parallel import Parallel, applied, local_tensors, model_copy
 from pytest_torchmem.engine.report import Category, MemoryReport, StepPeaks, Unsupported
 from pytest_torchmem.engine.step import (
@@ -25,6 +26,7 @@ from pytest_torchmem.engine.step import (
     run_step,
 )
 from pytest_torchmem.engine.step_function import StepFunction
+from pytest_torchmem.engine.stopped import TraceStopped
 from pytest_torchmem.engine.timeline import CATEGORY_RANK, Analysis, Phase, Timeline, analyze
 from pytest_torchmem.engine.torch_private import private
 from pytest_torchmem.engine.tracing.compiled_program import (
@@ -39,6 +41,7 @@ from pytest_torchmem.engine.tracing.compiled_cuda import CudaProgram
 from pytest_torchmem.engine.tracing.devices.cuda.profiles import GpuProfile, gpu_profile
 from pytest_torchmem.engine.tracing.layers import FAKE_WORLD, WARM_UP_LAYERS, Scene, entered
 from pytest_torchmem.engine.tracing.rules import TraceContext
+from pytest_torchmem.engine.tracing.stops import Stop
 from pytest_torchmem.engine.tracing.tracker import Tracker
 
 __all__ = ["Trace", "adopt", "fake_empty", "fake_standins", "trace"]
@@ -67,6 +70,9 @@ class Trace:
     analysis: Analysis
     device: DeviceModel
     context: TraceContext
+    #: What stopped the trace, if it stopped (:func:`trace` then raises): the report is
+    #: of the part of the step that ran.
+    stop: Stop | None = None
 
 
 def trace(
@@ -100,7 +106,51 @@ def trace(
     again, following it: after a warm-up step that compiles what runs before the
     optimizer step, as for compiled modules; a compiled optimizer step alone is
     compiled where it runs (its optimizer is new in each step).
+
+    A trace that stops raises :class:`~pytest_torchmem.engine.stopped.TraceStopped`,
+    with the partial report and this trace; the program's own errors propagate as
+    they are. A trace started inside the step of another (or of a measurement) is
+    refused (:class:`~pytest_torchmem.engine.nesting.NestedStepError`).
     """
+    with one_step("tm.estimate()"):
+        traced = _traced(
+            model,
+            args,
+            kwargs,
+            device=device,
+            loss_fn=loss_fn,
+            optimizer=optimizer,
+            train=train,
+            keep_output=keep_output,
+            gpu=gpu,
+            cpu=cpu,
+            record_frames=record_frames,
+            parallel=parallel,
+            rank=rank,
+        )
+    if traced.stop is not None:
+        stop = traced.stop
+        raise TraceStopped(traced.report, stop.entry, stop.advice, trace=traced)
+    return traced
+
+
+def _traced(
+    model: nn.Module,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    *,
+    device: DeviceModel,
+    loss_fn: LossFn | None,
+    optimizer: OptimizerFactory | None,
+    train: bool,
+    keep_output: bool,
+    gpu: GpuProfile | None,
+    cpu: CpuProfile | None,
+    record_frames: bool,
+    parallel: Parallel | None,
+    rank: int,
+) -> Trace:
+    """The trace of :func:`trace`, stopped or not."""
     from pytest_torchmem.engine.distributed import settle_autograd_threads
 
     settle_autograd_threads()  # before the first fake mode: measure(parallel=...)'s ranks fork
@@ -319,7 +369,8 @@ def _trace(
         phases=analysis.named,
         iterations=analysis.iterations if isinstance(model, StepFunction) else (),
     )
-    return Trace(report, tracker.timeline, baseline, analysis, device, context), following.met
+    traced = Trace(report, tracker.timeline, baseline, analysis, device, context, tracker.stop)
+    return traced, following.met
 
 
 def _nothing() -> None:
@@ -508,19 +559,19 @@ def _fake_parameter(t: torch.Tensor, requires_grad: bool) -> torch.Tensor:
 
 def _originals(standins: Converted) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """``(stand-in, original)`` of the step's tensors whose values the trace may know:
-    inputs first, then the optimizers' step counts, buffers, attributes, parameters,
-    gradients and the rest of the optimizers' state (the shadows' room is bounded)."""
-    # (an optimizer's step counts, one element each, before the rest: Adam's bias
-    # correction divides by one minus a power of them)
-    counts = [t for t in standins.state if t.numel() == 1]
+    inputs first, then the optimizers' one-element state (the step counts their Python
+    code reads: an optimizer that stepped before the call divides by a function of its
+    count), buffers, attributes, parameters, gradients and the rest of the optimizers'
+    state (the shadows' room is bounded)."""
+    state = dict(standins.baseline_groups())[Category.OPTIMIZER_STATE]
     groups = (
         standins.inputs,
-        counts,
+        [t for t in state if t.numel() <= 1],
         standins.buffers,
         standins.attributes,
         standins.parameters,
         standins.gradients,
-        [t for t in standins.state if t.numel() != 1],
+        [t for t in state if t.numel() > 1],
     )
     pairs = []
     for group in groups:

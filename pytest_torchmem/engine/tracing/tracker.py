@@ -5,7 +5,8 @@ fake kernel, or a rule of the device model in its place), and the tracker
 records the storages of its outputs that it has not seen before (views and
 in-place results share their base's storage and cost nothing), with the
 kernel's scratch that the device's rules add. Where an op cannot run on fake
-tensors, the values the trace knows run it, or the trace stops and says so.
+tensors, the values the trace knows run it, or the trace stops (:attr:`Tracker.stop`,
+:mod:`.stops`).
 
 Its rooms: :mod:`.ledger` keeps the storages (made, freed, resized);
 :mod:`.op_plans` works out once what each op's schema and the device's rules
@@ -50,6 +51,14 @@ from pytest_torchmem.engine.tracing.rules import (
     RuleSet,
     TraceContext,
 )
+from pytest_torchmem.engine.tracing.stops import (
+    CANNOT_RUN,
+    COMPRESSED_SPARSE,
+    VALUES,
+    Stop,
+    stop_of,
+    stopped_here,
+)
 from pytest_torchmem.engine.tracing.sparse_calls import (
     eager_refusal,
     fake_sparse_like,
@@ -57,7 +66,7 @@ from pytest_torchmem.engine.tracing.sparse_calls import (
     sparse_among,
     sparse_in,
 )
-from pytest_torchmem.engine.tracing.user_code import location_in, user_location
+from pytest_torchmem.engine.tracing.user_code import user_location
 from pytest_torchmem.engine.tracing.values import ABSORBING, KnownValues, ValueKind
 
 __all__ = [
@@ -168,6 +177,10 @@ class Tracker(TorchDispatchMode):
         self._inexact: set[Unsupported] = set()
         # The first stand-in given for a value-dependent op, if any (see stopped_by).
         self._assumed: Unsupported | None = None
+        #: What stopped the trace (the first stop), if it stopped: the step's figures are
+        #: then no estimate (the trace raises TraceStopped), even where the step caught
+        #: the stop and went on.
+        self.stop: Stop | None = None
         # Keyed by identity: a WeakKeyDictionary compares keys with ==, which on
         # tensors is an elementwise op (it fails on a closure's labels tensor).
         self._foreign: WeakIdKeyDictionary = WeakIdKeyDictionary()
@@ -361,7 +374,7 @@ class Tracker(TorchDispatchMode):
             # where every argument's value is known, the op runs on them
             known, real_out = self.values.run(func, plan.values, args, kwargs)
             if not known:
-                self._abort(func, f"fake tensors cannot run it ({cannot_run})")
+                self._abort(func, f"fake tensors cannot run it ({cannot_run})", CANNOT_RUN)
             out = self._from_values(plan, real_out, args)
         elif needs_values is not None:
             out, real_out = self._data_dependent(plan, args, kwargs, needs_values)
@@ -420,11 +433,7 @@ class Tracker(TorchDispatchMode):
         tensors have no kernels for them); on a COO one its fake kernel runs, listed."""
         layouts = sorted({str(t.layout).removeprefix("torch.") for t in sparse_in(call.args, call.kwargs)})
         if any(t.layout in COMPRESSED for t in sparse_in(call.args, call.kwargs)):
-            self._abort(
-                call.func,
-                f"an op on a {', '.join(layouts)} tensor: fake tensors have no kernels for "
-                "compressed sparse tensors (measure() runs it)",
-            )
+            self._abort(call.func, f"an op on a {', '.join(layouts)} tensor", COMPRESSED_SPARSE)
         what = what or f"an op on a {', '.join(layouts)} tensor"
         self._report_inexact(
             str(call.func),
@@ -443,7 +452,8 @@ class Tracker(TorchDispatchMode):
             refused = eager_refusal(call) if self.device.type == "cpu" else None
             if refused is not None:
                 raise refused from None
-            self._abort(call.func, f"fake tensors cannot run it on a sparse tensor ({first_line(exc)})")
+            reason = f"fake tensors cannot run it on a sparse tensor ({first_line(exc)})"
+            self._abort(call.func, reason, CANNOT_RUN)
 
     def fake_kernel(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """``func(*args, **kwargs)`` below the tracker: the fake mode's kernel.
@@ -612,12 +622,13 @@ class Tracker(TorchDispatchMode):
             # attributes (a closure's tensor, say): known, so that in-place writes
             # into it allocate nothing, but not charged, as a real run cannot see it.
             if value.layout in COMPRESSED:
-                self.flag(
-                    Unsupported(
+                self._stopped(
+                    stopped_here(
                         f"a {str(value.layout).removeprefix('torch.')} tensor",
                         "it comes from outside the model and the inputs, and fake tensors "
-                        "cannot hold a compressed sparse tensor; the trace stopped here",
+                        "cannot hold a compressed sparse tensor",
                         user_location(),
+                        COMPRESSED_SPARSE,
                     )
                 )
                 raise TraceAborted(str(value.layout))
@@ -666,7 +677,7 @@ class Tracker(TorchDispatchMode):
             return self._from_values(plan, real, args), real
         fallback = self.rules.fallback_rule(func)
         if fallback is None:
-            self._abort(func, f"output depends on tensor values ({why})")
+            self._abort(func, f"output depends on tensor values ({why})", VALUES)
         out, reason = fallback(OpCall(func, args, kwargs, context=self.context))
         if reason is not None:
             entry = Unsupported(str(func), reason, user_location())
@@ -703,42 +714,34 @@ class Tracker(TorchDispatchMode):
         )
         return out.as_strided_(real.shape, real.stride(), real.storage_offset())
 
-    def _abort(self, func: Any, reason: str) -> None:
-        self.unsupported.append(
-            Unsupported(str(func), f"{reason}; the trace stopped here", user_location())
-        )
+    def _abort(self, func: Any, reason: str, advice: str) -> None:
+        """Stop the trace at ``func`` (see :attr:`stop`)."""
+        self._stopped(stopped_here(str(func), reason, user_location(), advice))
         raise TraceAborted(str(func))
+
+    def _stopped(self, stop: Stop) -> None:
+        self.unsupported.append(stop.entry)
+        if self.stop is None:
+            self.stop = stop
 
     def stopped_by(self, exc: BaseException) -> bool:
         """Whether ``exc``, raised out of the traced step, is the trace's failure rather
-        than the program's; if so it is listed in ``unsupported`` (the trace stopped).
+        than the program's; if so the trace stopped (:attr:`stop`), and what stopped it is
+        listed in ``unsupported``.
 
         The trace's: :class:`TraceAborted` (already listed); what fake tensors lack
-        (:func:`fake_tensor_limit`: values read by C++ code or ``.numpy()``, a fake
-        kernel); and any exception raised after a stand-in for a value-dependent op
-        (``.item()``, ``nonzero``) was used, since the real values could have taken
-        the program elsewhere. Everything else (the user's own exceptions, a shape
-        error the real kernel raises too) is the program's and propagates unchanged.
+        (values read by C++ code or ``.numpy()``, a fake kernel); and any exception raised
+        after a stand-in for a value-dependent op (``.item()``, ``nonzero``) was used, since
+        the real values could have taken the program elsewhere (:func:`.stops.stop_of`).
+        Everything else (the user's own exceptions, a shape error the real kernel raises
+        too) is the program's and propagates unchanged.
         """
         if isinstance(exc, TraceAborted):
             return True
-        if not isinstance(exc, Exception):
+        stop = stop_of(exc, self._assumed, self.context.device, self.device)
+        if stop is None:
             return False
-        where = location_in(exc)
-        if fake_tensor_limit(exc):
-            op = "Tensor.numpy" if ".numpy()" in str(exc) else "(tensor values)"
-            reason = f"fake tensors cannot run it ({first_line(exc)})"
-        elif self._assumed is not None:
-            op = type(exc).__name__
-            assumed = self._assumed
-            reason = (
-                f"{first_line(exc)}, raised after {assumed.op}"
-                f"{f' at {assumed.location}' if assumed.location else ''} "
-                "was given a stand-in value"
-            )
-        else:
-            return False
-        self.unsupported.append(Unsupported(op, f"{reason}; the trace stopped here", where))
+        self._stopped(stop)
         return True
 
 
