@@ -95,11 +95,11 @@ def stop_of(
     if fake_tensor_limit(exc):
         op = "Tensor.numpy" if ".numpy()" in str(exc) else "(tensor values)"
         return stopped_here(op, f"fake tensors cannot run it ({first_line(exc)})", where, READS_VALUES)
-    if assumed is None:
-        return None
-    at = f" at {assumed.location}" if assumed.location else ""
-    after = f"after {assumed.op}{at} was given a stand-in value"
+    at = f" at {assumed.location}" if assumed is not None and assumed.location else ""
+    after = f"after {assumed.op}{at} was given a stand-in value" if assumed is not None else ""
     if isinstance(exc, FakeTensorDeviceMismatchError):
+        # (the real device raises too, but in words of the trace's devices: said as the
+        # program saw them, with the fix, and the part of the step that ran)
         # the devices as the program saw them (the fake cuda device's tensors are meta ones)
         names = [device if d == trace_device else str(d) for d in (exc.common_device, exc.device)]
         names.sort(key=lambda name: name != device)  # (the modelled device first)
@@ -109,6 +109,8 @@ def stop_of(
             else f"move every tensor of the step to {device}, as a real run would require"
         )
         return stopped_here(
-            str(exc.func), f"its tensors are on two devices, {' and '.join(names)} ({after})", where, advice
+            str(exc.func), f"its tensors are on two devices, {' and '.join(names)}{f' ({after})' if after else ''}", where, advice
         )
+    if assumed is None:
+        return None
     return stopped_here(type(exc).__name__, f"{first_line(exc)}, raised {after}", where, AFTER_STAND_IN)
