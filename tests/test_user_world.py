@@ -167,3 +167,72 @@ def test_a_generator_function_is_refused(device: str) -> None:
 
     with pytest.raises(TypeError, match="is a generator function: calling it runs none of its body"):
         tm.estimate(steps, (mlp(), torch.randn(2, 32)), device=device)
+
+
+def test_a_model_made_on_the_host_and_moved_to_the_gpu_is_charged_as_a_gpu_charges_it() -> None:
+    """A model the step builds on the host and moves with ``.cuda()``, and a batch it makes
+    on the host and moves: on the fake cuda device the GPU is charged the device copies
+    (each parameter's block allocated where ``.cuda()`` runs), the host copies nothing; the
+    figures are those of the same model handed to the step on the device."""
+
+    def built_and_moved(x: torch.Tensor) -> None:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(256, 1024), nn.GELU(), nn.Linear(1024, 256)).cuda()
+        batch = torch.randn(64, 256).cuda()  # made on the host, copied
+        model(batch + x).square().mean().backward()
+
+    def given(model: nn.Module, x: torch.Tensor) -> None:
+        batch = torch.randn(64, 256, device="cuda")
+        model(batch + x).square().mean().backward()
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 1024), nn.GELU(), nn.Linear(1024, 256))
+    x = torch.randn(64, 256)
+    moved = tm.estimate(built_and_moved, (x,), device="cuda")
+    handed = tm.estimate(given, (model, x), device="cuda")
+    assert moved.unsupported == handed.unsupported == ()
+    assert every_peak(moved) == every_peak(handed)
+    parameters = sum(-(-p.nbytes // 512) * 512 for p in model.parameters())
+    # made in the step, the moved model's blocks are the step's own (activations), the
+    # handed one's are its parameters from the start
+    assert handed.breakdown[tm.Category.PARAMETERS] == parameters
+    assert moved.breakdown[tm.Category.PARAMETERS] == 0
+    with pytest.raises(RuntimeError):  # on the fake cpu device there is no GPU, as on this machine
+        tm.estimate(built_and_moved, (x,))
+
+
+def test_cuda_and_casts_of_the_users_model_on_the_fake_gpu() -> None:
+    model = mlp()
+    x = torch.randn(16, 32)
+
+    def step(model: nn.Module, x: torch.Tensor) -> None:
+        model.cuda().bfloat16()
+        model(x.cuda().bfloat16()).float().square().mean().backward()
+
+    before = fingerprint(model, x)
+    report = tm.estimate(step, (model, x), device="cuda")
+    assert report.unsupported == ()
+    # the bfloat16 parameters (the fp32 ones, converted in place, freed)
+    assert report.peak < tm.estimate(step, (mlp(64), x), device="cuda").peak + 1
+    assert fingerprint(model, x) == before
+
+
+opt = torch.optim.SGD(mlp().parameters(), lr=0.1)  # an unrelated global named opt (item 3)
+
+
+def test_a_step_reading_an_attribute_named_like_an_unrelated_global_is_followed() -> None:
+    """``trainer.opt`` in the step, and a global ``opt`` in this module: the attribute
+    is not the global (the walk reads the globals the code loads as globals)."""
+    from user_code import Trainer
+
+    trainer = Trainer()
+    x = torch.randn(16, 32)
+
+    def step(trainer: Trainer, x: torch.Tensor) -> None:
+        trainer.model(x).sum().backward()
+        trainer.opt.step()
+
+    estimated = tm.estimate(step, (trainer, x))
+    assert every_peak(estimated) == every_peak(tm.measure(step, (trainer, x)))
+    assert estimated.breakdown[tm.Category.PARAMETERS] == sum(p.nbytes for p in trainer.model.parameters())
+    assert opt.state == {} and trainer.opt.state == {}

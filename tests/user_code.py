@@ -208,6 +208,26 @@ def _casts() -> tuple[Any, ...]:
     return casts_and_reloads, (model, torch.randn(16, 32)), (model,)
 
 
+def parametrized(model: nn.Module, x: torch.Tensor) -> None:
+    """Weight norm and an orthogonal map registered in the step, then a step through them."""
+    torch.nn.utils.parametrizations.weight_norm(model[0])
+    torch.nn.utils.parametrize.register_parametrization(model[2], "weight", _Symmetric())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(x).square().mean().backward()
+    opt.step()
+
+
+class _Symmetric(nn.Module):
+    def forward(self, w: torch.Tensor) -> torch.Tensor:
+        return w.triu() + w.triu(1).transpose(-1, -2)
+
+
+def _parametrized() -> tuple[Any, ...]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 64))
+    return parametrized, (model, torch.randn(16, 32)), (model,)
+
+
 def an_optimizer_that_has_stepped(model: nn.Module, x: torch.Tensor, opt: torch.optim.Optimizer) -> None:
     step(model, opt, x)
 
@@ -234,4 +254,5 @@ FAMILIES: dict[str, Callable[[], tuple[Any, ...]]] = {
     "EMA made with copy.deepcopy": _ema,
     "casts, init, load_state_dict, requires_grad_, AveragedModel": _casts,
     "optimizer that has already stepped": _stepped,
+    "parametrizations registered in the step": _parametrized,
 }

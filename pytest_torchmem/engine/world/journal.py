@@ -258,6 +258,8 @@ def _record(kind: str, obj: Any, detail: Any) -> Any:
         return (obj.grad if obj.is_leaf else _MISSING, obj.requires_grad)
     if kind == "generator":
         return detail
+    if kind == "type":
+        return type(obj)
     if kind == "iterator":
         return _position(obj)
     raise ValueError(f"unknown holder kind {kind!r}")
@@ -363,6 +365,9 @@ def _restore(kind: str, obj: Any, detail: Any, saved: Any) -> None:
     elif kind == "tensor":
         grad, requires_grad = saved
         _restore_tensor(obj, grad, requires_grad)
+    elif kind == "type":
+        if type(obj) is not saved:
+            object.__setattr__(obj, "__class__", saved)
     elif kind == "iterator":
         now = _position(obj)
         if not _same_position(now, saved) and isinstance(saved, tuple) and len(saved) > 2 and saved[2] is not None:

@@ -124,8 +124,9 @@ class Slot:
 #: A mutable object the journal records: ``(kind, object, detail)`` where kind is
 #: ``dict``, ``list``, ``set``, ``deque``, ``members`` (detail: the slot names),
 #: ``cell``, ``function`` (its defaults), ``globals`` (detail: the names read),
-#: ``partial``, ``class`` (detail: the attribute names), ``tensor`` (its ``.grad``,
-#: ``requires_grad``), ``generator`` (not restorable: checked after the call).
+#: ``partial``, ``class`` (detail: the attribute names), ``type`` (an object's class),
+#: ``tensor`` (its ``.grad``, ``requires_grad``), ``generator`` and ``iterator`` (their
+#: positions: an iterator over a list is rewound, a generator cannot be).
 Holder = tuple[str, Any, Any]
 
 
@@ -486,6 +487,7 @@ class _Walker:
         """An object's attributes: its ``__dict__`` and ``__slots__`` members."""
         attributes = _own_dict(v)
         if attributes is not None:
+            self.world.holders.append(("type", v, None))
             self.dict(attributes, role, path, depth)
         self.members(v, role, path, depth)
 
@@ -514,6 +516,7 @@ class _Walker:
             world.modules.setdefault(path or "module", m)
         world.module_ids.add(id(m))
         attributes = m.__dict__
+        world.holders.append(("type", m, None))  # (a parametrization makes it a subclass)
         world.holders.append(("dict", attributes, None))
         for name, value in list(attributes.items()):
             if name in ("_parameters", "_buffers") and isinstance(value, dict):
