@@ -382,8 +382,11 @@ PRIVATE: Final = table(
     ),
     Private(
         "torch._subclasses.fake_tensor.FakeTensorDeviceMismatchError",
-        "what a fake tensor raises for an op on tensors of two devices: after a stand-in "
-        "value, the trace stopped, its message says which devices as the program saw them",
+        "what a fake tensor raises for an op on tensors of two devices: the trace stopped, "
+        "its message says which devices as the program saw them (2.10 to 2.12 raise a "
+        "RuntimeError, 'Unhandled FakeTensor Device Propagation for <op>, found two "
+        "different devices <a>, <b>': torch/_subclasses/fake_tensor.py, 2.12.1 line 1050)",
+        since=(2, 13),
     ),
     Private(
         "torch._subclasses.fake_tensor.UnsupportedOperatorException",

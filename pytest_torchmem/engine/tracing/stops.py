@@ -12,6 +12,7 @@ own, which propagate unchanged. The trace then raises
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Final
 
@@ -20,7 +21,7 @@ import torch
 from pytest_torchmem.engine.nesting import NestedStepError
 from pytest_torchmem.engine.report import Unsupported
 from pytest_torchmem.engine.stopped import STOPPED_HERE
-from pytest_torchmem.engine.torch_private import private
+from pytest_torchmem.engine.torch_private import present, private
 from pytest_torchmem.engine.tracing.fake_limits import fake_tensor_limit, first_line
 from pytest_torchmem.engine.tracing.user_code import location_in
 
@@ -35,7 +36,22 @@ __all__ = [
     "stopped_here",
 ]
 
-FakeTensorDeviceMismatchError: Final = private("torch._subclasses.fake_tensor.FakeTensorDeviceMismatchError")
+_MISMATCH_ERROR: Final = "torch._subclasses.fake_tensor.FakeTensorDeviceMismatchError"
+#: What torch 2.10 to 2.12 raise instead (torch/_subclasses/fake_tensor.py, 2.12.1 line 1050).
+_MISMATCH_MESSAGE: Final = re.compile(
+    r"Unhandled FakeTensor Device Propagation for (\S+), found two different devices ([\w:]+), ([\w:]+)"
+)
+
+
+def _device_mismatch(exc: BaseException) -> tuple[str, torch.device, torch.device] | None:
+    """``(op, one device, the other)`` where ``exc`` is a fake tensor's refusal of an op on
+    tensors of two devices, else None."""
+    if present(_MISMATCH_ERROR):
+        if isinstance(exc, private(_MISMATCH_ERROR)):
+            return str(exc.func), exc.common_device, exc.device  # type: ignore[attr-defined]
+        return None
+    found = _MISMATCH_MESSAGE.search(str(exc)) if isinstance(exc, RuntimeError) else None
+    return None if found is None else (found[1], torch.device(found[2]), torch.device(found[3]))
 
 _MEASURE: Final = "or measure the step for real (tm.measure)"
 #: An op with no fake or meta kernel, whose arguments' values the trace does not know.
@@ -97,11 +113,13 @@ def stop_of(
         return stopped_here(op, f"fake tensors cannot run it ({first_line(exc)})", where, READS_VALUES)
     at = f" at {assumed.location}" if assumed is not None and assumed.location else ""
     after = f"after {assumed.op}{at} was given a stand-in value" if assumed is not None else ""
-    if isinstance(exc, FakeTensorDeviceMismatchError):
+    mismatch = _device_mismatch(exc)
+    if mismatch is not None:
         # (the real device raises too, but in words of the trace's devices: said as the
         # program saw them, with the fix, and the part of the step that ran)
         # the devices as the program saw them (the fake cuda device's tensors are meta ones)
-        names = [device if d == trace_device else str(d) for d in (exc.common_device, exc.device)]
+        func, one, other = mismatch
+        names = [device if d == trace_device else str(d) for d in (one, other)]
         names.sort(key=lambda name: name != device)  # (the modelled device first)
         advice = (
             f'move the batch to the device (batch.to("{device}")), as a GPU would require'
@@ -109,7 +127,7 @@ def stop_of(
             else f"move every tensor of the step to {device}, as a real run would require"
         )
         return stopped_here(
-            str(exc.func), f"its tensors are on two devices, {' and '.join(names)}{f' ({after})' if after else ''}", where, advice
+            func, f"its tensors are on two devices, {' and '.join(names)}{f' ({after})' if after else ''}", where, advice
         )
     if assumed is None:
         return None
