@@ -46,7 +46,8 @@ LOOP_LINE = 10
 
 STOPPED = (
     f"cuda: the trace stopped at test_m.py:{LOOP_LINE} in aten.mm.default: its tensors are on two "
-    'devices, cuda and cpu; move the batch to the device (batch.to("cuda")), as a GPU would require'
+    'devices, cuda and cpu; move the batch to the device (batch.to("cuda")), and any tensor the step '
+    "takes from outside its inputs (labels a loss reads: labels.to(logits.device)), as a GPU would require"
 )
 NO_ESTIMATE = (
     "a trace that stops is no estimate: its figures were not compared with the snapshot, and "

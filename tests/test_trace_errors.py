@@ -152,9 +152,9 @@ def test_a_batch_left_on_the_host_stops_the_cuda_trace_at_its_first_op() -> None
     assert stop.entry.op == "aten.mm.default"  # Linear's matmul
     assert stop.entry.location == _line_of("# the batch, on the host")
     assert stop.entry.reason == "its tensors are on two devices, cuda and cpu; the trace stopped here"
-    assert stop.advice == 'move the batch to the device (batch.to("cuda")), as a GPU would require'
+    assert stop.advice == 'move the batch to the device (batch.to("cuda")), and any tensor the step takes from outside its inputs (labels a loss reads: labels.to(logits.device)), as a GPU would require'
     assert str(stop).startswith(f"the trace stopped at {_line_of('# the batch, on the host')} in aten.mm.default:")
-    assert str(stop).endswith('; move the batch to the device (batch.to("cuda")), as a GPU would require')
+    assert str(stop).endswith('; move the batch to the device (batch.to("cuda")), and any tensor the step takes from outside its inputs (labels a loss reads: labels.to(logits.device)), as a GPU would require')
     assert stop.report.backward_peak == 0  # the partial report: it stopped in the forward
 
     def moved(model: nn.Module) -> None:

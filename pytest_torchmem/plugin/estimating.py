@@ -31,13 +31,6 @@ if TYPE_CHECKING:
 
 __all__ = ["DeviceFigures", "Estimator", "device_environment"]
 
-_DEVICE_HINT: Final = (
-    "torchmem: on the fake cuda device the step runs on fake tensors of that device, as it "
-    "would on a GPU: a tensor that loss_fn or the model takes from outside the inputs (labels "
-    "in a closure, a mask made once) must follow the output, e.g. labels.to(logits.device)"
-)
-
-
 def device_environment(
     device: str, gpu: GpuProfile, cpu: str, keep_output: bool = False, loop: bool = False
 ) -> dict[str, Any]:
@@ -147,36 +140,25 @@ class Estimator:
         from pytest_torchmem.engine.tracing.devices import device_model
         from pytest_torchmem.engine.tracing.trace import trace
 
-        try:
-            traces = [
-                trace(
-                    request.model,
-                    request.args,
-                    request.kwargs,
-                    device=dataclasses.replace(device_model(device), rules=self.rules(item, device)),
-                    loss_fn=request.loss_fn,
-                    optimizer=request.optimizer,
-                    train=request.train,
-                    keep_output=request.keep_output,
-                    gpu=gpu if device.startswith("cuda") else None,
-                    cpu=cpu if device == "cpu" else None,
-                    record_frames=self._settings.record_frames,
-                    parallel=parallel,
-                    rank=rank,
-                )
-                for rank in (parallel.ranks() if parallel is not None else [0])
-            ]
-            traced = max(traces, key=lambda one: one.report.peak)
-        except RuntimeError as exc:
-            # (a stopped trace says what to do itself)
-            if (
-                device.startswith("cuda")
-                and "devices" in str(exc)
-                and not isinstance(exc, TraceStopped)
-                and hasattr(exc, "add_note")
-            ):
-                exc.add_note(_DEVICE_HINT)
-            raise
+        traces = [
+            trace(
+                request.model,
+                request.args,
+                request.kwargs,
+                device=dataclasses.replace(device_model(device), rules=self.rules(item, device)),
+                loss_fn=request.loss_fn,
+                optimizer=request.optimizer,
+                train=request.train,
+                keep_output=request.keep_output,
+                gpu=gpu if device.startswith("cuda") else None,
+                cpu=cpu if device == "cpu" else None,
+                record_frames=self._settings.record_frames,
+                parallel=parallel,
+                rank=rank,
+            )
+            for rank in (parallel.ranks() if parallel is not None else [0])
+        ]
+        traced = max(traces, key=lambda one: one.report.peak)
         adjusted = item.ihook.pytest_torchmem_adjust_report(
             item=item, device=device, name=name, report=traced.report
         )

@@ -122,7 +122,9 @@ def stop_of(
         names = [device if d == trace_device else str(d) for d in (one, other)]
         names.sort(key=lambda name: name != device)  # (the modelled device first)
         advice = (
-            f'move the batch to the device (batch.to("{device}")), as a GPU would require'
+            f'move the batch to the device (batch.to("{device}")), and any tensor the step takes '
+            "from outside its inputs (labels a loss reads: labels.to(logits.device)), as a GPU "
+            "would require"
             if device == "cuda"
             else f"move every tensor of the step to {device}, as a real run would require"
         )
