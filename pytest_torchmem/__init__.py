@@ -53,10 +53,10 @@ __all__ = [
     "StepPeaks",
     "Unsupported",
     "TraceStopped",
+    "UnfollowedError",
     "CpuProfile",
     "GpuProfile",
     "TorchReleaseError",
-    "UnfollowedError",
     "parse_bytes",
     "format_bytes",
 ]

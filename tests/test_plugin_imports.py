@@ -49,7 +49,7 @@ def test_public_names_are_the_defining_modules() -> None:
     run_python(
         """
         import pytest_torchmem as tm
-        from pytest_torchmem.engine import advice, api, fitting, gpu_profiles, parallel, phases, report, stopped, torch_release, units
+        from pytest_torchmem.engine import advice, api, fitting, gpu_profiles, parallel, phases, report, stopped, torch_release, units, world
         from pytest_torchmem.engine.tracing.devices.cpu import profiles
 
         assert tm.__all__ == [
@@ -71,13 +71,14 @@ def test_public_names_are_the_defining_modules() -> None:
             "StepPeaks",
             "Unsupported",
             "TraceStopped",
+            "UnfollowedError",
             "CpuProfile",
             "GpuProfile",
             "TorchReleaseError",
             "parse_bytes",
             "format_bytes",
         ], tm.__all__
-        modules = (torch_release, api, stopped, advice, fitting, parallel, phases, report, units, profiles, gpu_profiles)
+        modules = (torch_release, api, stopped, world, advice, fitting, parallel, phases, report, units, profiles, gpu_profiles)
         for name in tm.__all__:
             defining = next(m for m in modules if hasattr(m, name))
             assert getattr(tm, name) is getattr(defining, name), name

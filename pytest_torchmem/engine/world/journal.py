@@ -42,7 +42,7 @@ import torch
 
 from pytest_torchmem.engine.world.reaching import Holder
 
-__all__ = ["Journal", "WorldNotRestored", "checkpoint", "journaling"]
+__all__ = ["Journal", "WorldNotRestored", "checkpoint", "journaling", "refill"]
 
 _MISSING: Final = object()
 
@@ -184,10 +184,8 @@ def _has_state(value: Any) -> bool:
 
 def _empty(obj: Any) -> None:
     """Let go of what ``obj`` holds (its contents come back with :meth:`Journal.restore`)."""
-    if isinstance(obj, collections.OrderedDict):
-        collections.OrderedDict.clear(obj)
-    elif isinstance(obj, dict):
-        dict.clear(obj)
+    if isinstance(obj, dict):
+        refill(obj, [])
     elif isinstance(obj, list):
         list.clear(obj)
     elif isinstance(obj, set):
@@ -200,7 +198,7 @@ def _empty(obj: Any) -> None:
         except AttributeError:
             return
         if type(own) is dict:
-            dict.clear(own)
+            refill(own, [])
 
 
 # -- the journal of the call on this thread, told when the step reaches a checkpoint ----------
@@ -294,18 +292,25 @@ def _same(now: list[Any], saved: list[Any]) -> bool:
     return len(now) == len(saved) and all(a is b for a, b in zip(now, saved))
 
 
+def refill(holder: dict[Any, Any], items: list[tuple[Any, Any]]) -> None:
+    """``holder`` holding ``items``, in order, through its base type's own methods (an
+    ``OrderedDict``'s keep their order; a subclass's methods, which may refuse, are not
+    called)."""
+    if isinstance(holder, collections.OrderedDict):
+        collections.OrderedDict.clear(holder)
+        for key, value in items:
+            collections.OrderedDict.__setitem__(holder, key, value)
+    else:
+        dict.clear(holder)
+        dict.update(holder, items)
+
+
 def _restore(kind: str, obj: Any, detail: Any, saved: Any) -> None:
     if kind == "dict":
         now = list(dict.items(obj))
         if len(now) == len(saved) and all(a is c and b is d for (a, b), (c, d) in zip(now, saved)):
             return
-        if isinstance(obj, collections.OrderedDict):
-            collections.OrderedDict.clear(obj)
-            for key, value in saved:
-                collections.OrderedDict.__setitem__(obj, key, value)
-        else:
-            dict.clear(obj)
-            dict.update(obj, saved)
+        refill(obj, saved)
     elif kind == "list":
         if not _same(list(list.__iter__(obj)), saved):
             list.__setitem__(obj, slice(None), saved)

@@ -4,8 +4,9 @@ Beside the objects a step reaches, training frameworks change the process:
 environment variables (Lightning's ``PL_GLOBAL_SEED``, a launcher's ranks),
 the random number generators a trainer seeds (torch's, Python's, numpy's:
 transformers' ``set_seed``, Lightning's ``seed_everything``),
-torch's global settings (the default dtype, cuDNN's benchmark flag, TF32,
-float32 matmul precision, deterministic algorithms), and libraries' singletons
+torch's global settings (the default dtype, cuDNN's benchmark, deterministic
+and TF32 flags, float32 matmul precision, deterministic algorithms, intra-op
+threads), and libraries' singletons
 (Accelerate's ``PartialState``, ``AcceleratorState`` and ``GradientState``
 share one state per process: made inside a trace of the fake cuda device it
 would say the process has a GPU). :class:`ProcessState` records them, and
@@ -34,10 +35,10 @@ _TORCH_SETTINGS: Final[tuple[tuple[Callable[[], Any], Callable[[Any], None]], ..
         lambda: (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()),
         lambda value: torch.use_deterministic_algorithms(value[0], warn_only=value[1]),
     ),
-    (lambda: torch.backends.cudnn.benchmark, lambda value: setattr(torch.backends.cudnn, "benchmark", value)),
-    (lambda: torch.backends.cudnn.deterministic, lambda value: setattr(torch.backends.cudnn, "deterministic", value)),
-    (lambda: torch.backends.cudnn.allow_tf32, lambda value: setattr(torch.backends.cudnn, "allow_tf32", value)),
-    (lambda: torch.backends.cuda.matmul.allow_tf32, lambda value: setattr(torch.backends.cuda.matmul, "allow_tf32", value)),
+    (
+        lambda: (torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic, torch.backends.cudnn.allow_tf32),
+        lambda value: torch.backends.cudnn.set_flags(_benchmark=value[0], _deterministic=value[1], _allow_tf32=value[2]),
+    ),
     (torch.get_num_threads, torch.set_num_threads),
 )
 

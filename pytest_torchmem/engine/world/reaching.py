@@ -328,6 +328,8 @@ class _Walker:
         self.seen: set[int] = set()
         #: id(tuple) -> whether it holds tensors (tuples are values, walked once each).
         self.tuples: dict[int, bool] = {}
+        #: (id of a globals dict, name) already walked
+        self.globals_seen: set[tuple[int, str]] = set()
         self.data_types = _data_types()
         self.rank = 1
 
@@ -623,13 +625,11 @@ class _Walker:
 
     def globals(self, space: dict[str, Any], name: str, role: Role, depth: int, prefix: str = "") -> None:
         key = (id(space), name)
-        if key in self._globals_seen:
+        if key in self.globals_seen:
             return
-        self._globals_seen.add(key)
+        self.globals_seen.add(key)
         self.world.holders.append(("globals", space, (name,)))
         self.value(space[name], space, "item", name, role, prefix + name, depth + 1)
-
-    _globals_seen: set[tuple[int, str]]
 
     def partial(self, p: functools.partial, role: Role, path: str, depth: int) -> None:  # type: ignore[type-arg]
         self.world.holders.append(("partial", p, None))
@@ -680,6 +680,5 @@ def reach(function: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str,
     """Walk what ``function(*args, **kwargs)`` can reach (see the module); ``names``: the
     names the function gives its positional arguments."""
     walker = _Walker()
-    walker._globals_seen = set()
     walker.call(function, args, kwargs, names)
     return walker.world

@@ -27,7 +27,7 @@ import torch
 from pytest_torchmem.engine.model_state import Converted, HookError, StandIns, converter
 from pytest_torchmem.engine.torch_private import private
 from pytest_torchmem.engine.tracing.user_code import user_location
-from pytest_torchmem.engine.world.journal import Journal, journaling
+from pytest_torchmem.engine.world.journal import Journal, journaling, refill
 from pytest_torchmem.engine.world.process import ProcessState
 from pytest_torchmem.engine.world.reaching import ARGUMENTS, Role, Slot, World, tensors_of
 from pytest_torchmem.engine.world.watching import UnfollowedError, watching
@@ -182,14 +182,7 @@ def _put(slots: list[Slot], made: dict[int, torch.Tensor]) -> None:
             continue
         _set(slot, new)
     for holder in rekeyed.values():
-        items = [(_standin_value(key, made), value) for key, value in dict.items(holder)]
-        if isinstance(holder, collections.OrderedDict):
-            collections.OrderedDict.clear(holder)
-            for key, value in items:
-                collections.OrderedDict.__setitem__(holder, key, value)
-        else:
-            dict.clear(holder)
-            dict.update(holder, items)
+        refill(holder, [(_standin_value(key, made), value) for key, value in dict.items(holder)])
 
 
 def _set(slot: Slot, new: Any) -> None:
