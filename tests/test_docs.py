@@ -54,6 +54,11 @@ def _warm() -> None:
         tm.estimate(model, x, device=device, optimizer=lambda p: torch.optim.Adam(p))
     tm.measure(model, x)
     tm.estimate(torch.compile(model), x)
+    for name in ("transformers", "transformers.trainer", "peft", "accelerate", "lightning"):
+        try:  # (the frameworks a page's examples import, and what they import lazily)
+            __import__(name)
+        except ImportError:
+            pass
 
 
 def _kind(code: str) -> str:

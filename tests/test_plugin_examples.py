@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import shutil
 from pathlib import Path
@@ -22,6 +23,15 @@ SUITES = sorted(path.parent.name for path in EXAMPLES.glob("*/test_*.py"))
 @pytest.fixture(autouse=True, scope="module")
 def _warm() -> None:
     tm.estimate(nn.Linear(2, 2), torch.randn(1, 2))  # see test_plugin_e2e
+    # The frameworks the suites import (and what they import lazily as they train: peft,
+    # by transformers' Trainer), imported before pytester's in-process runs snapshot
+    # sys.modules: a run's teardown drops what it imported, and a later import makes
+    # second copies of their classes (peft then refuses GPT-2's Conv1D of the first).
+    for name in ("transformers", "transformers.trainer", "peft", "accelerate", "lightning"):
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            pass
 
 
 @pytest.fixture(autouse=True)
