@@ -38,6 +38,8 @@ class StepFunction(nn.Module):
         self.__dict__["function"] = function  # a bound method of a module is no child
         #: the names the function gives its positional arguments
         self.__dict__["names"] = names
+        #: the walk made with the function (the first run takes it, later ones walk again)
+        self.__dict__["walked"] = world
         taken: dict[str, nn.Module] = {}
         for path, module in world.modules.items():
             name = _module_name(path, taken)
@@ -48,9 +50,11 @@ class StepFunction(nn.Module):
         return self.function(*args, **kwargs)
 
     def reach(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> World:
-        """The world the function reaches now, called on ``args`` and ``kwargs`` (walked
-        afresh for each run: a run lends it stand-ins, then lets go of it)."""
-        return reach(self.function, args, kwargs, self.names)
+        """The world the function reaches now, called on ``args`` and ``kwargs`` (the walk
+        made with the function for the first run, walked afresh for each later one: a run
+        lends it stand-ins, then lets go of it)."""
+        walked, self.__dict__["walked"] = self.__dict__["walked"], None
+        return walked if walked is not None else reach(self.function, args, kwargs, self.names)
 
 
 def step_function(function: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> StepFunction:
@@ -86,7 +90,7 @@ def _check_callable(function: Callable[..., Any]) -> None:
 def _module_name(path: str, taken: Mapping[str, Any]) -> str:
     base = path.replace(".", "_") or "module"
     name, n = base, 1
-    while name in taken or hasattr(StepFunction, name) or name in ("function", "names"):
+    while name in taken or hasattr(StepFunction, name) or name in ("function", "names", "walked"):
         n += 1
         name = f"{base}_{n}"
     return name

@@ -69,14 +69,16 @@ class Journal:
     def _count_own_references(self) -> None:
         """How many references the journal itself holds to each object it could have to
         drain (its entries' objects, and the objects its records hold), by id."""
-        refs: dict[int, int] = collections.Counter()
+        refs: dict[int, int] = {}
         drainable: dict[int, Any] = {}
         for (kind, obj, _), saved in self._entries:
-            refs[id(obj)] += 1
+            refs[id(obj)] = refs.get(id(obj), 0) + 1
             if kind in _DRAINED:
                 drainable[id(obj)] = obj
             for value in _referenced(kind, saved):
-                refs[id(value)] += 1
+                if type(value) in _NOTHING_HELD:
+                    continue  # (never drained: its count is not needed)
+                refs[id(value)] = refs.get(id(value), 0) + 1
                 if id(value) not in drainable and _has_state(value):
                     drainable[id(value)] = value
         #: what drain() looks at, in the order recorded (entries first): one more reference
@@ -156,6 +158,9 @@ def _referenced(kind: str, saved: Any) -> Iterator[Any]:
     elif kind == "function":
         yield from saved
 
+
+#: Values that hold nothing the call could put there (most of what records hold).
+_NOTHING_HELD: Final = frozenset({type(None), bool, int, float, str, bytes, torch.dtype, torch.device})
 
 #: Objects with attributes that drain() leaves alone: code, classes, tensors.
 _NOT_DRAINED: Final = (

@@ -195,6 +195,7 @@ def is_library_code(filename: str) -> bool:
     return os.path.abspath(filename).startswith(_LIBRARY_DIRS) or "site-packages" in filename
 
 
+@functools.lru_cache(maxsize=4096)
 def _is_user_class(cls: type) -> bool:
     module = sys.modules.get(getattr(cls, "__module__", "") or "")
     filename = getattr(module, "__file__", None)
@@ -232,6 +233,9 @@ _ATOMS: Final = (
     staticmethod,
     classmethod,
 )
+
+#: The atoms met most (a module's flags and sizes), told apart by type alone.
+_PLAIN_ATOMS: Final = frozenset({type(None), bool, int, float, str})
 
 #: The process's machinery: objects of types from these modules are not walked (a
 #: logger reaches every logger of the process, a thread its frames).
@@ -350,6 +354,8 @@ class _Walker:
     def value(self, v: Any, holder: Any, kind: str, name: Any, role: Role, path: str, depth: int) -> None:
         """Walk ``v``, found at ``holder``'s ``kind``/``name``; record its slot if it is a
         tensor or a tuple that holds one."""
+        if type(v) in _PLAIN_ATOMS:
+            return
         if isinstance(v, torch.Tensor):
             if holder is not None:
                 self.world.slots.append(Slot(holder, kind, name, v, role, path, self.rank))
@@ -477,6 +483,8 @@ class _Walker:
             self.seen.add(id(d))
             self.world.objects.append(d)
         self.world.holders.append(("dict", d, None))
+        if not d:
+            return  # (a module's hooks, mostly)
         for key, item in list(dict.items(d)):
             if isinstance(key, torch.Tensor):
                 self.world.slots.append(Slot(d, "key", key, key, role, f"{path} key", self.rank))
