@@ -23,7 +23,7 @@ from pytest_torchmem.engine.containers import map_tensors
 from pytest_torchmem.engine.layouts import parts, sparse_like
 from pytest_torchmem.engine.report import Category, Unsupported
 from pytest_torchmem.engine.torch_private import private
-from pytest_torchmem.engine.twins import Twins, twin
+from pytest_torchmem.engine.twins import twin
 
 __all__ = [
     "Converted",
@@ -358,7 +358,7 @@ class Converted:
     hook_optimizers: list[torch.optim.Optimizer] = field(default_factory=list)
     #: id(stand-in) -> the tensor it stands in for.
     originals: dict[int, torch.Tensor] = field(default_factory=dict)
-    #: Twins of the optimizers among the inputs (a step function's), stepping the stand-ins.
+    #: A step function's optimizers (the user's, holding the stand-ins while it runs).
     optimizers: list[torch.optim.Optimizer] = field(default_factory=list)
     #: id(a sparse tensor's stand-in) -> (stand-in, original) of its parts.
     sparse_parts: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=dict)
@@ -411,12 +411,9 @@ def convert(
         inputs.append(new)
         return new
 
-    twins = Twins(convert_one, convert_input, parameters)
-
     # Every tensor in the inputs' containers (dicts, BatchEncodings, dataclasses,
-    # named tuples, ...), in copies of those containers: the user's stay as they are;
-    # an optimizer among them (a step function's) is a twin that steps the stand-ins.
-    new_args, new_kwargs = map_tensors(convert_input, (args, kwargs), twins)
+    # named tuples, ...), in copies of those containers: the user's stay as they are.
+    new_args, new_kwargs = map_tensors(convert_input, (args, kwargs))
     convert_one.gradients()
     convert_one.keyed.prepare(convert_one)
     return Converted(
@@ -429,7 +426,6 @@ def convert(
         inputs=inputs,
         hook_optimizers=convert_one.keyed.optimizers(),
         originals=convert_one.originals,
-        optimizers=twins.optimizers(),
         sparse_parts=convert_one.sparse_parts,
     )
 

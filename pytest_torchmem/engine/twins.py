@@ -1,65 +1,29 @@
-"""Twins: the step's own copies of the user's stateful objects, acting on stand-ins.
+"""Twins: the built-in step's own copies of optimizers a parameter hook steps, acting on stand-ins.
 
-A step function is given optimizers, LR schedulers and grad scalers; a parameter
-hook may look one up in a dict. Stepped as they are, they would change the
-user's parameters, learning rates and scale. Each gets a *twin*: an object of
-its class, with its hyperparameters, holding the stand-ins of its tensors
-(parameters, state) and its own records, so that the step acts on the twin and
-the user's object is left as it was. :class:`Twins` makes them for one step,
-each once.
+A parameter hook may look an optimizer up in a dict keyed by the parameter (an
+optimizer step fused into backward); the built-in step gives the hook the
+parameter's stand-in. Stepped as it is, the user's optimizer would change the
+user's parameters: the hook gets a *twin*, an object of its class, with its
+hyperparameters, holding the stand-ins of its tensors (parameters, state), so
+that the step acts on the twin and the user's optimizer is left as it was. (A
+step function's optimizers are the user's own, lent stand-ins for the call:
+:mod:`~pytest_torchmem.engine.world`.)
 """
 
 from __future__ import annotations
 
-import copy
 import types
 import weakref
 from collections import defaultdict
 from collections.abc import Callable
-from typing import Any, Final
+from typing import Any
 
 import torch
 
-__all__ = ["TwinError", "Twins", "twin"]
+__all__ = ["TwinError", "twin"]
 
 Convert = Callable[[torch.Tensor], torch.Tensor]
 
-_SCHEDULERS: Final = (torch.optim.lr_scheduler.LRScheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
-
-
-class Twins:
-    """The twins of one step's objects (:meth:`__call__` maps a value to its twin, or
-    returns it: the ``others`` of :func:`~pytest_torchmem.engine.containers.map_tensors`).
-
-    ``convert`` gives a tensor of the user's objects its stand-in, ``convert_input`` one
-    that joins the inputs (a scaler's scale); parameters of an optimizer that no module
-    holds are added to ``parameters``."""
-
-    def __init__(self, convert: Convert, convert_input: Convert, parameters: list[torch.Tensor]) -> None:
-        self.convert = convert
-        self.convert_input = convert_input
-        self.parameters = parameters
-        self.made: dict[int, Any] = {}
-
-    def __call__(self, value: Any) -> Any:
-        if not isinstance(value, (torch.optim.Optimizer, torch.amp.GradScaler, *_SCHEDULERS)):
-            return value
-        made = self.made.get(id(value))
-        if made is not None:
-            return made
-        if isinstance(value, torch.optim.Optimizer):
-            made = twin(value, self.convert)
-            known = {id(p) for p in self.parameters}
-            self.parameters.extend(p for group in made.param_groups for p in group["params"] if id(p) not in known)
-        elif isinstance(value, torch.amp.GradScaler):
-            made = _scaler_twin(value, self.convert_input)
-        else:
-            made = _scheduler_twin(value, self)
-        self.made[id(value)] = made
-        return made
-
-    def optimizers(self) -> list[torch.optim.Optimizer]:
-        return [made for made in self.made.values() if isinstance(made, torch.optim.Optimizer)]
 
 
 def twin(value: Any, convert: Convert) -> Any:
@@ -146,33 +110,3 @@ def _closing_over(function: Any, original: Any, made: Any) -> Any:
 
 class TwinError(TypeError):
     """An object of the step cannot be given stand-ins (see :func:`_rebind`)."""
-
-
-def _scheduler_twin(scheduler: Any, twin_of: Callable[[Any], Any]) -> Any:
-    """A copy of a step function's LR scheduler that schedules the twin of its optimizer
-    (and the twins of the schedulers it chains): the user's keeps its own state."""
-    made = type(scheduler).__new__(type(scheduler))
-    made.__dict__.update(vars(scheduler))
-    _rebind(made, scheduler)
-    for name, value in vars(scheduler).items():
-        if isinstance(value, torch.optim.Optimizer):
-            setattr(made, name, twin_of(value))
-        elif isinstance(value, list) and any(isinstance(v, _SCHEDULERS) for v in value):
-            setattr(made, name, [twin_of(v) for v in value])
-        elif isinstance(value, (list, dict)):  # its records (base learning rates, ...)
-            setattr(made, name, copy.copy(value))
-    return made
-
-
-def _scaler_twin(scaler: torch.amp.GradScaler, convert: Convert) -> torch.amp.GradScaler:
-    """A copy of a step function's ``GradScaler`` (its scale and growth tracker as stand-ins,
-    its per-optimizer records its own): the function's ``scale``, ``step`` and ``update``
-    leave the user's as it was."""
-    made = type(scaler).__new__(type(scaler))  # copy.copy would read the scale (__getstate__)
-    made.__dict__.update(vars(scaler))
-    for name, value in vars(scaler).items():
-        if isinstance(value, torch.Tensor):
-            setattr(made, name, convert(value))
-        elif isinstance(value, dict):  # what step() records per optimizer, until update()
-            setattr(made, name, copy.copy(value))
-    return made

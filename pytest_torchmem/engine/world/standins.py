@@ -17,7 +17,6 @@ puts the world back as it was.
 from __future__ import annotations
 
 import collections
-import functools
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, Final
