@@ -19,6 +19,8 @@ if TYPE_CHECKING:
     from pytest_torchmem.engine.api import estimate, measure
     from pytest_torchmem.engine.fitting import Fit, GpuRoom, Probe, fit, rank_gpus
     from pytest_torchmem.engine.gpu_profiles import GpuProfile
+    from pytest_torchmem.engine.leaks.check import leaks
+    from pytest_torchmem.engine.leaks.report import LeakReport, LeakSource
     from pytest_torchmem.engine.parallel import Parallel
     from pytest_torchmem.engine.phases import phase
     from pytest_torchmem.engine.report import (
@@ -38,6 +40,7 @@ __all__ = [
     "estimate",
     "measure",
     "phase",
+    "leaks",
     "fit",
     "rank_gpus",
     "advise",
@@ -47,6 +50,8 @@ __all__ = [
     "Advice",
     "Suggestion",
     "MemoryReport",
+    "LeakReport",
+    "LeakSource",
     "Parallel",
     "Category",
     "ModulePeak",
@@ -67,6 +72,9 @@ __version__ = "0.1.0"
 _LAZY: Final = {
     "estimate": "pytest_torchmem.engine.api",
     "measure": "pytest_torchmem.engine.api",
+    "leaks": "pytest_torchmem.engine.leaks.check",
+    "LeakReport": "pytest_torchmem.engine.leaks.report",
+    "LeakSource": "pytest_torchmem.engine.leaks.report",
     "fit": "pytest_torchmem.engine.fitting",
     "rank_gpus": "pytest_torchmem.engine.fitting",
     "Fit": "pytest_torchmem.engine.fitting",

@@ -35,6 +35,8 @@ def fingerprint(*roots: Any) -> list[tuple[str, Any]]:
     keep: list[Any] = []
 
     def tensor(path: str, t: torch.Tensor) -> Any:
+        if nn.parameter.is_lazy(t):  # a lazy module's, not made yet: no shape, no data
+            return (type(t).__name__, t.dtype, str(t.device), t.requires_grad, t.grad is None)
         exact = type(t) in (torch.Tensor, nn.Parameter)
         data = None
         if t.device.type != "meta" and exact and t.layout is torch.strided:

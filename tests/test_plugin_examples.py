@@ -97,6 +97,45 @@ def test_a_wider_layer_fails_the_cnn_example_and_names_the_modules(
     )
 
 
+def test_a_kept_loss_and_an_evaluation_without_no_grad_fail_the_leaks_example(
+    pytester: pytest.Pytester,
+) -> None:
+    """The two failures docs/howto/leaks.md shows: each names what grows, where it was
+    made, what holds it and the fix."""
+    suite = copy_suite(pytester, "leaks")
+    module = suite / "test_leaks.py"
+    source = module.read_text()
+    kept = "self.losses.append(loss.item())"
+    summed = 'with torch.no_grad():\n        totals["loss"] += F.cross_entropy(model(x), y).item()'
+    assert kept in source and summed in source
+    source = source.replace(kept, "self.losses.append(loss)")
+    # the total of the losses themselves, without torch.no_grad()
+    module.write_text(source.replace(summed, 'if True:\n        totals["loss"] += F.cross_entropy(model(x), y)'))
+    result = pytester.runpytest_inprocess("leaks", "--torchmem-devices=cpu")
+    assert result.ret == pytest.ExitCode.TESTS_FAILED
+    result.stdout.fnmatch_lines(
+        [
+            "torchmem: leaks/test_leaks.py::test_the_training_step_does_not_leak [[]default[]] leaks on cpu: "
+            "4 B more is held after every iteration, 0 B allowed (memory_budget(leak=...))",
+            "  4 B per iteration: 1 tensor(s) made at leaks/test_leaks.py:* in train_step by "
+            "aten.nll_loss_forward.default, held by self.losses (list)",
+            "  fix: self.losses gains tensors every iteration: keep numbers (.item())*",
+        ]
+    )
+    # the graph kept per iteration, by hand: the first Linear's output (32 x 256 float32:
+    # 32 KiB, saved by GELU), GELU's (32 KiB, saved by the second Linear), log_softmax's
+    # (32 x 10: 1.25 KiB) and nll_loss's total weight (4 B)
+    result.stdout.fnmatch_lines(
+        [
+            "torchmem: leaks/test_leaks.py::test_the_evaluation_does_not_leak [[]default[]] leaks on cpu: "
+            "65.25 KiB more is held after every iteration, 0 B allowed (memory_budget(leak=...))",
+            "  32.00 KiB per iteration: 1 tensor(s) made at leaks/test_leaks.py:* in evaluate by "
+            "aten.addmm.default, held by totals.loss (graph)",
+            "*fix: totals.loss is a tensor whose autograd graph reaches back through every iteration*",
+        ]
+    )
+
+
 def test_ci_workflow_gates_pull_requests_on_the_examples() -> None:
     workflow = (EXAMPLES / "ci" / "memory-regression.yml").read_text()
     assert "\non:\n  pull_request:" in workflow

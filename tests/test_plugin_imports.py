@@ -49,13 +49,15 @@ def test_public_names_are_the_defining_modules() -> None:
     run_python(
         """
         import pytest_torchmem as tm
-        from pytest_torchmem.engine import advice, api, fitting, gpu_profiles, parallel, phases, report, stopped, torch_release, units, world
+        from pytest_torchmem.engine import advice, api, fitting, gpu_profiles, leaks, parallel, phases, report, stopped, torch_release, units, world
+        from pytest_torchmem.engine.leaks import check
         from pytest_torchmem.engine.tracing.devices.cpu import profiles
 
         assert tm.__all__ == [
             "estimate",
             "measure",
             "phase",
+            "leaks",
             "fit",
             "rank_gpus",
             "advise",
@@ -65,6 +67,8 @@ def test_public_names_are_the_defining_modules() -> None:
             "Advice",
             "Suggestion",
             "MemoryReport",
+            "LeakReport",
+            "LeakSource",
             "Parallel",
             "Category",
             "ModulePeak",
@@ -78,7 +82,7 @@ def test_public_names_are_the_defining_modules() -> None:
             "parse_bytes",
             "format_bytes",
         ], tm.__all__
-        modules = (torch_release, api, stopped, world, advice, fitting, parallel, phases, report, units, profiles, gpu_profiles)
+        modules = (torch_release, api, stopped, world, advice, fitting, check, leaks, parallel, phases, report, units, profiles, gpu_profiles)
         for name in tm.__all__:
             defining = next(m for m in modules if hasattr(m, name))
             assert getattr(tm, name) is getattr(defining, name), name

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final
 
 import torch
+from torch import nn
 
 from pytest_torchmem.engine.cpu_profiler import allocator_events
 from pytest_torchmem.engine.layouts import parts
@@ -33,7 +34,7 @@ from pytest_torchmem.engine.report import Category, MemoryReport, StepPeaks, Uns
 from pytest_torchmem.engine.step_function import StepFunction
 from pytest_torchmem.engine.step import ModuleTracker, NoModules, QuietProbe, run_step
 from pytest_torchmem.engine.profiler_events import MarkingProbe, read_events
-from pytest_torchmem.engine.timeline import Phase, StorageInfo, Timeline, analyze
+from pytest_torchmem.engine.timeline import Phase, StorageInfo, Timeline, analyze, held_at_marks
 from pytest_torchmem.engine.torch_private import private
 from pytest_torchmem.engine.tracing.compiled import (
     CacheRegions,
@@ -50,7 +51,7 @@ from pytest_torchmem.engine.request import has_compiled_modules
 if TYPE_CHECKING:
     from pytest_torchmem.engine.request import StepRequest
 
-__all__ = ["measure_step"]
+__all__ = ["measure_held", "measure_step"]
 
 #: The profiler's name for a region of code compiled by dynamo.
 _COMPILED_REGION: Final = "Torch-Compiled Region"
@@ -154,6 +155,22 @@ def _measured(request: StepRequest) -> MemoryReport:
     if flagged:
         report = dataclasses.replace(report, unsupported=(*report.unsupported, *flagged))
     return report
+
+
+def measure_held(request: StepRequest) -> tuple[list[tuple[int, int, int | None]], int, str | None]:
+    """A repeated step (``request.repeat``) run for real: ``(iteration, live bytes, reserved
+    bytes or None)`` as each iteration ends, the bytes live as the step starts, and the
+    machine measured (a leak check's counterpart of the trace)."""
+    devices = [torch.cuda.current_device()] if request.device == "cuda" and torch.cuda.is_available() else []
+    with torch.random.fork_rng(devices=devices):
+        if request.device == "cuda":
+            held: list[tuple[int, int]] = []
+            report = _measure_cuda(request, held=held)
+            (_, base), *ends = held
+            return [(i, a, r) for i, (a, r) in enumerate(ends, 1)], base, report.profile
+        _, timeline, baseline = profile_cpu_step(request)
+    base = sum(timeline.storages[sid].nbytes for sid in baseline)
+    return held_at_marks(timeline, baseline), base, _host_profile_name()
 
 
 @dataclass
@@ -261,7 +278,7 @@ def profile_cpu_step(
     by_ptr: dict[int, int] = {}
     baseline: list[int] = []
     for category, tensors in standins.baseline_groups():
-        for t in (part for tensor in tensors for part in parts(tensor)):
+        for t in (part for tensor in tensors if not nn.parameter.is_lazy(tensor) for part in parts(tensor)):
             storage = t.untyped_storage()
             if storage.data_ptr() in by_ptr or storage.nbytes() == 0:
                 continue
@@ -312,6 +329,7 @@ def profile_cpu_step(
                 train=request.train,
                 probe=probe,
                 keep_output=request.keep_output,
+                repeat=request.repeat,
             )
         del step_model, parameters
         if parallel is not None:
@@ -337,6 +355,7 @@ def _run(request: StepRequest, standins: Converted, probe: Any) -> None:
         train=request.train,
         probe=probe,
         keep_output=request.keep_output,
+        repeat=request.repeat,
     )
 
 
@@ -353,10 +372,12 @@ def _warm_up(
         holdings = holdings_of(request.model, request.args, request.kwargs)
         copies = converted(holdings, request.args, request.kwargs, _copies(device), on_hook_error)
     with lend(holdings, copies, compiled=True):
-        _run(dataclasses.replace(request, optimizer=None), copies, QuietProbe())
+        _run(dataclasses.replace(request, optimizer=None, repeat=None), copies, QuietProbe())
 
 
-def _measure_cuda(request: StepRequest, on_hook_error: HookError | None = None) -> MemoryReport:
+def _measure_cuda(
+    request: StepRequest, on_hook_error: HookError | None = None, held: list[tuple[int, int]] | None = None
+) -> MemoryReport:
     """One step on the GPU, from a defined state.
 
     The state: the caching allocator holds no cached blocks
@@ -384,10 +405,14 @@ def _measure_cuda(request: StepRequest, on_hook_error: HookError | None = None) 
     probe = _CudaPeakProbe(device)
     modules = ModuleTracker(request.model, probe)
     torch.cuda.synchronize(device)
+    if held is not None:  # (a leak check: what is live as the step starts)
+        held.append((0, torch.cuda.memory_allocated(device) - held_allocated))
     torch.cuda.reset_peak_memory_stats(device)
     with imports_outside_the_step(), lend(holdings, standins), modules:
         _run(request, standins, probe)
     del standins
+    if held is not None:  # (a leak check: what each iteration left, less what was held before)
+        held.extend((max(a - held_allocated, 0), max(r - held_reserved, 0)) for a, r in probe.held)
 
     def own(nbytes: int) -> int:
         return max(nbytes - held_allocated, 0) if nbytes else 0
@@ -426,6 +451,8 @@ class _CudaPeakProbe(QuietProbe):
         #: each iteration's peak of each phase, by (phase, iteration)
         self.peaks: dict[tuple[Phase, int], int] = {}
         self.reserved = 0
+        #: (allocated, reserved) as each iteration of a repeated step ends (a leak check)
+        self.held: list[tuple[int, int]] = []
 
     def set_phase(self, phase: Phase | None, iteration: int = 1) -> None:
         torch.cuda.synchronize(self.device)
@@ -435,6 +462,12 @@ class _CudaPeakProbe(QuietProbe):
         self.reserved = max(self.reserved, torch.cuda.max_memory_reserved(self.device))
         torch.cuda.reset_peak_memory_stats(self.device)
         self.phase = None if phase is None else (phase, iteration)
+
+    def iteration_done(self, iteration: int) -> None:
+        torch.cuda.synchronize(self.device)
+        self.held.append(
+            (torch.cuda.memory_allocated(self.device), torch.cuda.memory_reserved(self.device))
+        )
 
     def iteration_peaks(self, iteration: int) -> tuple[int, int, int]:
         """The forward, backward and step peaks of one iteration of the loop."""

@@ -11,6 +11,7 @@ whatever happens inside. The user's model ends as it began.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -115,6 +116,37 @@ class StandIns:
     sparse: Callable[[torch.Tensor, tuple[torch.Tensor, ...]], torch.Tensor] | None = None
 
 
+def _uninitialized(t: torch.Tensor, make: StandIns) -> torch.Tensor:
+    """The stand-in of a lazy module's uninitialized parameter or buffer: uninitialized
+    too, on the stand-ins' device, made real (of the shape the module's first forward
+    gives it) where the module materializes it. A fake one is a fake tensor of a class
+    that is uninitialized until then (torch's cannot wrap one)."""
+    new = make.dense(torch.empty(0, dtype=t.dtype))
+    if type(new) is torch.Tensor:  # a real one (measure)
+        return type(t)(requires_grad=t.requires_grad, device=new.device, dtype=t.dtype)
+    new.requires_grad_(t.requires_grad)
+    if isinstance(t, nn.Parameter):
+        new._is_param = True  # (what makes a fake tensor an nn.Parameter)
+    new.__class__ = _uninitialized_class(type(new))
+    return new
+
+
+@functools.cache
+def _uninitialized_class(kind: type) -> type:
+    """A ``kind`` (a fake tensor's class) that is uninitialized until materialized."""
+
+    def materialize(self: Any, shape: Any, device: Any = None, dtype: Any = None) -> None:
+        self.__class__ = kind
+        with torch.no_grad():
+            self.set_(torch.empty(shape, device=device or self.device, dtype=dtype or self.dtype))
+
+    return type("Uninitialized" + kind.__name__, (nn.parameter.UninitializedTensorMixin, kind), {
+        "cls_to_become": kind,
+        "materialize": materialize,
+        "__module__": __name__,
+    })
+
+
 def _spans_its_storage(t: torch.Tensor) -> bool:
     """Whether ``t`` covers its whole storage with no element stored twice (an
     expanded tensor shares its elements: it is a view of a smaller storage)."""
@@ -159,6 +191,10 @@ class _Converter:
         done = self.tensors.get(id(t))
         if done is not None:
             return done
+        if nn.parameter.is_lazy(t):
+            new = self.tensors[id(t)] = _uninitialized(t, self.make)
+            self.originals[id(new)] = t
+            return new
         if t.layout is torch.strided:
             new = self._dense(t)
         else:

@@ -81,6 +81,9 @@ class MarkingProbe:
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         pass
 
+    def iteration_done(self, iteration: int) -> None:
+        self._mark(f"iteration:{iteration}")
+
     def settle(self) -> None:
         """Mark the end of ``apply``: what it made and left alive is a gradient buffer
         unless a later role says otherwise."""
@@ -157,6 +160,8 @@ def read_events(prof: Any, timeline: Timeline, by_ptr: dict[int, int], probe: Ma
                 timeline.exit(number)
             elif kind == "named":
                 timeline.named(probe.names[number], iteration == "1")
+            elif kind == "iteration":
+                timeline.mark(number)
             elif kind == "settle":
                 settled = (len(timeline.events), set(by_ptr.values()))
                 for sid in by_ptr.values():

@@ -40,6 +40,9 @@ class StepRequest:
     parallel: Any = None
     #: ``compile=``: the model is checked as ``torch.compile(model, **options)`` runs it.
     compile: CompileOptions | None = None
+    #: The step runs that many times, as a loop calls it (a leak check), or None: once (the
+    #: built-in step with an optimizer: a loop of two).
+    repeat: int | None = None
 
 
 def step_request(
@@ -193,8 +196,10 @@ def as_compiled(request: StepRequest, parallel: Any = None) -> StepRequest:
             "parallel.apply, or check the rank eagerly"
         )
     model = request.model
-    marked = "_is_torch_compile" in model.__dict__
+    had = set(model.__dict__)
     compiled = torch.compile(model, **request.compile.kwargs())
-    if not marked:  # torch.compile marks the module it wraps (for nested compiled calls)
-        model.__dict__.pop("_is_torch_compile", None)
+    # torch.compile marks the module it wraps (for nested compiled calls), and a library
+    # that wraps torch.compile may note its arguments there (Lightning: _compile_kwargs)
+    for name in set(model.__dict__) - had:
+        del model.__dict__[name]
     return dataclasses.replace(request, model=compiled)

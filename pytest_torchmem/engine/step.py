@@ -67,6 +67,8 @@ class Probe(Protocol):
 
     def assign_role(self, category: Category, tensors: Iterable[torch.Tensor]) -> None: ...
 
+    def iteration_done(self, iteration: int) -> None: ...
+
 
 class QuietProbe:
     """A probe that listens to nothing (a step run only for its side effects: a warm-up)."""
@@ -87,6 +89,9 @@ class QuietProbe:
         pass
 
     def assign_role(self, category: Category, tensors: Iterable[torch.Tensor]) -> None:
+        pass
+
+    def iteration_done(self, iteration: int) -> None:
         pass
 
 
@@ -271,6 +276,7 @@ def _run_step(
     hook_optimizers: Sequence[torch.optim.Optimizer] = (),
     loop: bool | None = None,
     optimizers: Sequence[torch.optim.Optimizer] = (),
+    repeat: int | None = None,
 ) -> None:
     """Run one step of ``model`` and report its progress to ``probe``.
 
@@ -292,18 +298,28 @@ def _run_step(
     the optimizer, runs the compiled code as often as the traced step will).
 
     A :class:`~pytest_torchmem.engine.step_function.StepFunction` is the user's own
-    step: its function runs on ``args`` and ``kwargs`` (``optimizers``: the twins of
-    those among them), its phases recognised as they come.
+    step: its function runs on ``args`` and ``kwargs`` (``optimizers``: the user's own
+    among them, holding the stand-ins), its phases recognised as they come.
+
+    ``repeat``: the step runs that many times, as a loop calls it (a leak check: the
+    function called again, or the built-in step's iteration run again, on the same
+    objects), and ``probe.iteration_done(i)`` is told as each ends.
     """
     if isinstance(model, StepFunction):
-        run_function(model, args, kwargs, leaves=[*parameters, *inputs], optimizers=optimizers, probe=probe)
+        run_function(
+            model, args, kwargs, leaves=[*parameters, *inputs], optimizers=optimizers, probe=probe, repeat=repeat
+        )
         return
     if not train:
         probe.set_phase(Phase.FORWARD)
-        with torch.no_grad():
-            output = _call(model, args, kwargs)
-            if loss_fn is not None:
-                loss_fn(output)
+        for iteration in range(1, (repeat or 1) + 1):
+            with torch.no_grad():
+                output = _call(model, args, kwargs)
+                if loss_fn is not None:
+                    loss_fn(output)
+                del output
+            if repeat is not None:
+                probe.iteration_done(iteration)
         probe.set_phase(None)
         return
 
@@ -321,11 +337,12 @@ def _run_step(
         probe.prepare_optimizer(opt)
 
     if loop is None:
-        loop = opt is not None or bool(hook_optimizers)
+        loop = opt is not None or bool(hook_optimizers) or repeat is not None
     # each iteration's batch comes with the gradients the inputs had (none, as a rule):
     # the gradient of an input that requires grad is the batch's, not the loop's
     batch_grads = [t.grad for t in inputs] if loop else []
-    for iteration in range(1, (LOOP_ITERATIONS if loop else 1) + 1):
+    iterations = repeat if repeat is not None else (LOOP_ITERATIONS if loop else 1)
+    for iteration in range(1, iterations + 1):
         if iteration > 1:
             for t, grad in zip(inputs, batch_grads):
                 t.grad = grad
@@ -342,6 +359,8 @@ def _run_step(
             keep_output,
             iteration,
         )
+        if repeat is not None:
+            probe.iteration_done(iteration)
     probe.set_phase(None)
     del opt, batch_grads
 

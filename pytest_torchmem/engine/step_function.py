@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from pytest_torchmem.engine.phases import PhaseWatch
+from pytest_torchmem.engine.world.journal import checkpoint
 from pytest_torchmem.engine.world.reaching import World, reach
 
 __all__ = ["StepFunction", "run_function", "step_function"]
@@ -121,17 +122,23 @@ def run_function(
     leaves: Sequence[torch.Tensor],
     optimizers: Sequence[torch.optim.Optimizer],
     probe: Any,
+    repeat: int | None = None,
 ) -> None:
     """Call the step function on the stand-ins, its phases told to ``probe``; what it
-    returns is dropped as the call ends."""
+    returns is dropped as the call ends. ``repeat``: it is called that many times (a leak
+    check), ``probe.iteration_done(i)`` told after each call."""
     with PhaseWatch(probe, list(step.children()), leaves, optimizers).watching():
-        returned = step.function(*args, **kwargs)
-        if inspect.isgenerator(returned) or inspect.iscoroutine(returned) or inspect.isasyncgen(returned):
-            if inspect.iscoroutine(returned):
-                returned.close()
-            raise TypeError(
-                f"the step function returned a {type(returned).__name__}: its body had not run "
-                "(a generator or coroutine runs as it is iterated or awaited); pass a function "
-                "that runs the step"
-            )
-        del returned
+        for call in range(1, (repeat or 1) + 1):
+            returned = step.function(*args, **kwargs)
+            if inspect.isgenerator(returned) or inspect.iscoroutine(returned) or inspect.isasyncgen(returned):
+                if inspect.iscoroutine(returned):
+                    returned.close()
+                raise TypeError(
+                    f"the step function returned a {type(returned).__name__}: its body had not run "
+                    "(a generator or coroutine runs as it is iterated or awaited); pass a function "
+                    "that runs the step"
+                )
+            del returned
+            if repeat is not None:
+                checkpoint()  # (what the call let go of, the journal lets go of too)
+                probe.iteration_done(call)

@@ -29,6 +29,7 @@ __all__ = [
     "StorageInfo",
     "Timeline",
     "analyze",
+    "held_at_marks",
     "replay",
 ]
 
@@ -49,6 +50,7 @@ PHASE: Final = 3  # (PHASE, phase, iteration); phase -1 ends the step
 ENTER: Final = 4  # (ENTER, module index, 0)
 EXIT: Final = 5  # (EXIT, module index, 0)
 NAMED: Final = 6  # (NAMED, index into Timeline.phase_names, 1 begins / 0 ends): tm.phase(name)
+MARK: Final = 7  # (MARK, iteration, 0): the end of an iteration of a repeated step (leaks)
 
 _CATEGORY_ORDER: Final = tuple(Category)
 #: Each category's rank in that order (breakdowns, roles, the baseline's order).
@@ -140,6 +142,10 @@ class Timeline:
             self.phase_names.append(name)
         self.events.append((NAMED, self.phase_names.index(name), int(begin)))
 
+    def mark(self, iteration: int) -> None:
+        """The step's ``iteration`` (from 1) of a repeated run has ended (its locals died)."""
+        self.events.append((MARK, iteration, 0))
+
     def assign_role(self, sid: int, category: Category) -> None:
         """Record the role a storage ends up in (gradient, optimizer state)."""
         current = self.roles.get(sid)
@@ -195,6 +201,8 @@ class Allocator(Protocol):
     def malloc(self, nbytes: int, stream: int = 0) -> Any: ...
 
     def free(self, block: Any) -> None: ...
+
+    def round_size(self, nbytes: int) -> int: ...
 
     @property
     def peak_reserved(self) -> int: ...
@@ -414,3 +422,37 @@ def replay(
                 yield Charge(index, a, -nbytes, block)
             if block is not None and allocator is not None:
                 allocator.free(block)
+
+
+def held_at_marks(
+    timeline: Timeline, baseline: list[int], allocator: Allocator | None = None
+) -> list[tuple[int, int, int | None]]:
+    """``(iteration, live bytes, reserved bytes)`` at each :data:`MARK` of ``timeline``
+    (the end of each iteration of a repeated step), replayed from the live ``baseline``
+    storages as :func:`analyze` replays them; reserved where ``allocator`` is given."""
+    size: dict[int, int] = {}
+    blocks: dict[int, Any] = {}
+    live = 0
+    for sid, nbytes in _baseline_bytes(timeline, baseline):
+        size[sid] = _charge(allocator, blocks, sid, nbytes)
+        live += size[sid]
+    found: list[tuple[int, int, int | None]] = []
+    for kind, a, b in itertools.islice(timeline.events, timeline.step_start, None):
+        if kind == ALLOC or kind == RESIZE:
+            if kind == ALLOC and a in size:
+                continue
+            old = size.get(a, 0)
+            old_block = blocks.pop(a, None)
+            size[a] = _charge(allocator, blocks, a, b, timeline.storages[a].pool)
+            live += size[a] - old
+            if old_block is not None and allocator is not None:
+                allocator.free(old_block)
+        elif kind == FREE:
+            live -= size.pop(a, 0)
+            block = blocks.pop(a, None)
+            if block is not None and allocator is not None:
+                allocator.free(block)
+        elif kind == MARK:
+            reserved = getattr(allocator, "reserved", None) if allocator is not None else None
+            found.append((a, live, reserved))
+    return found

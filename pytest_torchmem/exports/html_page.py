@@ -620,6 +620,8 @@ def _section(view: Mapping[str, Any], index: int) -> str:
     ]
     if rooms:
         parts.append(f'<p class="meta headroom">{_DOT.join(rooms)}</p>')
+    if view.get("leak"):
+        parts.append(_leak(view["leak"]))
     if view["message"]:
         parts.append(f'<pre class="message">{escape(view["message"])}</pre>')
     elif view["acceptable"]:
@@ -636,6 +638,48 @@ def _section(view: Mapping[str, Any], index: int) -> str:
     parts.append(_modules_tables(view))
     parts.append("</section>")
     return "".join(parts)
+
+
+_LEAK_WIDTH: Final = 600
+_LEAK_HEIGHT: Final = 170
+
+
+def _leak(leak: Mapping[str, Any]) -> str:
+    """A leak check's figures, and what is held after each iteration beyond what was held
+    before the first, as bars (``--torchmem-leaks``, ``memory_budget(leak=...)``)."""
+    per, allowed = leak["per_iteration"], leak["allowed"]
+    grows = f"{format_bytes(per)} more held after every iteration" if per > 0 else "no growth per iteration"
+    verdict = "bad" if leak.get("leaks") else "good"
+    text = f'<span class="{verdict}">leak check: <strong>{grows}</strong> (allowed {format_bytes(allowed)})</span>'
+    if leak.get("fragmentation"):
+        text += f'{_DOT}<span class="bad">reserved grows {format_bytes(leak["reserved_per_iteration"])} per iteration: fragmentation</span>'
+    beyond = [held - leak["baseline"] for held in leak["held"]]
+    ticks, y_max = nice_ticks(max([*beyond, 1]) * 1.1)
+    left, right, top, bottom = 70, _LEAK_WIDTH - 10, 10, _LEAK_HEIGHT - 24
+    width = (right - left) / max(len(beyond), 1)
+
+    def sy(value: float) -> float:
+        return bottom - (bottom - top) * value / y_max
+
+    parts = [
+        f'<svg class="leak-chart" viewBox="0 0 {_LEAK_WIDTH} {_LEAK_HEIGHT}" role="img" '
+        'aria-label="memory held after each iteration, beyond what was held before the first">'
+    ]
+    for tick in ticks:
+        parts.append(
+            f'<line class="grid" x1="{left}" x2="{right}" y1="{_num(sy(tick))}" y2="{_num(sy(tick))}"/>'
+            f'<text class="tick" x="{left - 6}" y="{_num(sy(tick) + 4)}">{escape(_compact(tick))}</text>'
+        )
+    for i, value in enumerate(beyond):
+        x = left + i * width + width * 0.15
+        parts.append(
+            f'<rect class="leak-bar" x="{_num(x)}" y="{_num(sy(max(value, 0)))}" width="{_num(width * 0.7)}" '
+            f'height="{_num(bottom - sy(max(value, 0)))}"><title>after iteration {i + 1}: '
+            f"{escape(format_bytes(leak['held'][i]))} held</title></rect>"
+            f'<text class="axis" x="{_num(x + width * 0.35)}" y="{bottom + 16}">{i + 1}</text>'
+        )
+    parts.append("</svg>")
+    return f'<p class="meta leak">{text}</p>' + "".join(parts)
 
 
 def _room(room: Mapping[str, Any]) -> str:
@@ -785,6 +829,11 @@ tr.moved td{background:#fffbea}
 vertical-align:-1px}
 figure.chart{margin:4px 0 0;position:relative}
 svg.chart{display:block;width:100%;height:auto;font-size:12px}
+svg.leak-chart{display:block;width:100%;max-width:600px;height:auto;font-size:11px}
+svg.leak-chart .tick{text-anchor:end;fill:var(--muted)}
+svg.leak-chart .axis{text-anchor:middle;fill:var(--muted)}
+svg.leak-chart .grid{stroke:#e3e6ea}
+svg.leak-chart .leak-bar{fill:#cf222e;opacity:.75}
 svg.chart text{fill:var(--muted)}
 svg.chart .tick{text-anchor:end;font-variant-numeric:tabular-nums}
 svg.chart .band-label{text-anchor:middle;font-weight:600;fill:#3d444d;font-size:12px}

@@ -23,6 +23,7 @@ from pytest_torchmem.plugin.advising import advice_lines
 from pytest_torchmem.plugin.estimating import Estimator
 from pytest_torchmem.plugin.fitting import FitRecord
 from pytest_torchmem.plugin.judging import Result, judge, stopped
+from pytest_torchmem.plugin.leaking import LeakRecord
 from pytest_torchmem.plugin.markers import MARKER, MarkerError, MarkerSpec, parse_gpu, parse_marker
 from pytest_torchmem.plugin.messages import failure_message
 from pytest_torchmem.plugin.outcomes import PendingVerdicts
@@ -272,6 +273,7 @@ class CheckRunner:
             pytest.fail(snapshot, pytrace=False)
         reports: dict[str, MemoryReport] = {}
         results: list[Result] = []
+        stopped_on: set[str] = set()
         for device in devices:
             try:
                 figures = self._estimator.figures(
@@ -293,6 +295,7 @@ class CheckRunner:
             }
             if figures.stopped is not None:
                 # no figures: not compared, not written (the entry there, if any, stays)
+                stopped_on.add(device)
                 why = self._places.locations(str(figures.stopped))
                 result = stopped(partial=figures.entry, why=why, **common)
             else:
@@ -317,7 +320,51 @@ class CheckRunner:
         if any(result.failed for result in results):
             # The test goes on (its later checks run too); the report that ends them fails.
             self._verdicts.add(item.nodeid, failure_message(results, self._config.get_verbosity()))
+        allowed = spec.leak if spec.leak is not None else 0 if settings.leaks else None
+        if allowed is not None:
+            if parallel is not None:
+                if spec.leak is not None:
+                    pytest.fail(
+                        f"torchmem: {item.nodeid}: memory_budget(leak=...) does not check parallel= "
+                        "checks yet; check the step's leaks without parallel= (one process's step "
+                        "leaks as each rank's does)",
+                        pytrace=False,
+                    )
+            else:
+                devices_left = [device for device in devices if device not in stopped_on]
+                self._check_leaks(item, request, name, devices_left, gpu, cpu, allowed)
         return reports
+
+    def _check_leaks(
+        self, item: pytest.Item, request: Any, name: str, devices: list[str], gpu: Any, cpu: Any, allowed: int
+    ) -> None:
+        """The check's leak check on each of ``devices`` (:mod:`~pytest_torchmem.plugin.leaking`),
+        recorded; the test fails where it grows by more than ``allowed`` per iteration."""
+        from pytest_torchmem.engine.leaks.check import leak_check
+        from pytest_torchmem.engine.stopped import TraceStopped
+
+        for device in devices:
+            on_device = dataclasses.replace(request, device=device)
+            try:
+                report = leak_check(
+                    on_device, gpu=gpu if device == "cuda" else None, cpu=cpu if device == "cpu" else None
+                )
+            except TraceStopped as exc:
+                why = self._places.locations(str(exc))
+                self._verdicts.add(item.nodeid, f"torchmem: the leak check of {name!r} on {device} stopped: {why}")
+                continue
+            measured = None
+            if device == "cuda" and self._estimator.measuring():
+                measured = leak_check(on_device, measure=True)
+            record = LeakRecord.of(item.nodeid, name, report, allowed, measured)
+            self._record.leaks.append(record)
+            for view in self._record.views:
+                if view.get("nodeid") == item.nodeid and view.get("name") == name and view.get("device") == device:
+                    view["leak"] = record.to_json()
+            if record.leaks:
+                self._verdicts.add(item.nodeid, self._places.locations(record.failure()))
+            elif record.fragmentation:
+                item.warn(TorchmemWarning(record.warning()))
 
     def _claim(
         self, item: pytest.Item, name: str | None, compiled: str, mesh: str

@@ -215,6 +215,14 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
     _option(
         parser,
+        "leaks",
+        "Also check every check's step for leaks: run it as a loop runs it and fail the test "
+        "where more is held after every iteration than its marker's leak= allows (0 B "
+        "unless it says), naming what holds the growth.",
+        "bool",
+    )
+    _option(
+        parser,
         "per-torch",
         "Keep one snapshot directory per torch minor release (__torchmem__/torch-2.13/), for a "
         "suite whose CI runs several releases: each release compares with, updates and prunes "

@@ -38,7 +38,7 @@ __all__ = [
 #: The figures a ``memory_budget`` marker can cap.
 BUDGETS: Final = ("forward", "backward", "step", "peak")
 _MARKER_KEYS: Final = (
-    *BUDGETS, "devices", "rtol", "atol", "gpu", "cpu", "keep_output", "compile", "mesh", "rank", "fits"
+    *BUDGETS, "devices", "rtol", "atol", "gpu", "cpu", "keep_output", "compile", "mesh", "rank", "fits", "leak"
 )
 #: The ISA levels of CPU profiles: ``tracing.devices.cpu.profiles.ISA_LEVELS``, spelled
 #: out so that reading options and markers needs no torch (a test checks that the two agree).
@@ -73,6 +73,8 @@ class MarkerSpec:
     rank: int | str | None = None
     #: ``fits=``: the GPUs the cuda step must fit (``True``: the one it follows); None: not asked.
     fits: tuple[GpuProfile, ...] | Literal[True] | None = None
+    #: ``leak=``: the growth per iteration a leak check allows (None: no leak check asked).
+    leak: int | None = None
 
     def tolerance(self, default: Tolerance) -> Tolerance:
         return Tolerance(
@@ -235,7 +237,11 @@ def parse_marker(
     fits = None
     if merged.get("fits") is not None:
         fits = parse_fits(merged["fits"], gpus or {}, f"{MARKER}(fits={merged['fits']!r})")
+    leak = None
+    if merged.get("leak") is not None:
+        leak = parse_size(merged["leak"], f"{MARKER}(leak={merged['leak']!r})")
     return MarkerSpec(
+        leak=leak,
         budgets=budgets,
         devices=devices,
         rtol=rtol,

@@ -14,6 +14,7 @@ from typing import Any
 
 from pytest_torchmem.plugin.fitting import FitRecord
 from pytest_torchmem.plugin.judging import Result
+from pytest_torchmem.plugin.leaking import LeakRecord
 from pytest_torchmem.plugin.snapshots import Entry, Key
 
 __all__ = ["CheckRecord", "RunLog"]
@@ -32,6 +33,8 @@ class CheckRecord:
     views: list[dict[str, Any]] = field(default_factory=list)
     #: The ``torchmem.fit`` searches of the run (workers send theirs).
     fits: list[FitRecord] = field(default_factory=list)
+    #: The leak checks of the run (workers send theirs).
+    leaks: list[LeakRecord] = field(default_factory=list)
     #: Tests whose checks began again (a rerun) on this worker: what they checked before
     #: is void, in the controller too.
     restarted: set[str] = field(default_factory=set)
@@ -55,11 +58,13 @@ class CheckRecord:
         self.used -= dropped
         self.views = [view for view in self.views if view.get("nodeid") not in nodeids]
         self.fits = [record for record in self.fits if record.nodeid not in nodeids]
+        self.leaks = [record for record in self.leaks if record.nodeid not in nodeids]
 
     def clear(self) -> None:
         """Forget everything (a worker, once it has sent it)."""
         self.results, self.writes, self.used, self.views = [], {}, set(), []
         self.fits = []
+        self.leaks = []
         self.restarted = set()
 
 

@@ -16,6 +16,7 @@ from typing import Any, Final
 import pytest
 
 from pytest_torchmem.plugin.fitting import FitRecord
+from pytest_torchmem.plugin.leaking import LeakRecord
 from pytest_torchmem.plugin.judging import Result
 from pytest_torchmem.plugin.ledger import CollectionLedger
 from pytest_torchmem.plugin.places import SnapshotPlaces
@@ -98,6 +99,7 @@ class XdistRelay:
             "completed": [list(test) for test in ledger.completed],
             "views": record.views,
             "fits": [fit.to_json() for fit in record.fits],
+            "leaks": [leak.to_json() for leak in record.leaks],
             "restarted": sorted(record.restarted),
             "interrupted": self._writer.interrupted,
         }
@@ -124,4 +126,5 @@ class XdistRelay:
         ledger.narrowed.update(data.get("narrowed", ()))
         record.views.extend(data["views"])
         record.fits.extend(FitRecord.from_json(fit) for fit in data.get("fits", ()))
+        record.leaks.extend(LeakRecord.from_json(leak) for leak in data.get("leaks", ()))
         self._writer.interrupted = self._writer.interrupted or bool(data.get("interrupted"))

@@ -17,6 +17,7 @@ import pytest
 from pytest_torchmem.engine.torch_release import release_problem
 from pytest_torchmem.plugin import releases
 from pytest_torchmem.plugin.fitting import fit_lines
+from pytest_torchmem.plugin.leaking import leak_lines
 from pytest_torchmem.plugin.ledger import CollectionLedger
 from pytest_torchmem.plugin.places import SnapshotPlaces
 from pytest_torchmem.plugin.record import CheckRecord, RunLog
@@ -142,6 +143,7 @@ class Reporter:
             settings={**self._settings.to_json(), "measured_on_gpu": self._measured()},
         )
         report["fits"] = [fit.to_json() for fit in self._record.fits]
+        report["leaks"] = [leak.to_json() for leak in self._record.leaks]
         try:
             atomic_write(path, json.dumps(report, indent=2, sort_keys=True) + "\n")
         except OSError as exc:
@@ -182,7 +184,7 @@ class Reporter:
     def summary_lines(self) -> list[str]:
         """The terminal summary: the table, unused entries, files written, the totals."""
         record, unused, log = self._record, self._ledger.unused, self._log
-        if self._is_worker or not (record.results or unused or log.errors or record.fits):
+        if self._is_worker or not (record.results or unused or log.errors or record.fits or record.leaks):
             return []
         settings = self._settings
         verbosity = self._config.get_verbosity()
@@ -195,6 +197,7 @@ class Reporter:
             not_written=self._writer.not_written,
         )
         lines += fit_lines(record.fits)
+        lines += leak_lines(record.leaks)
         lines += [f"wrote {path}" for path in log.written]
         lines += log.errors
         lines.append(totals_line(totals(record.results, unused)))

@@ -142,6 +142,9 @@ class Settings:
     per_torch_given: bool = False
     #: ``--torchmem-advise``: a check over its budget or GPU estimates what would fit.
     advise: bool = False
+    #: ``--torchmem-leaks``: every check is also a leak check (0 B allowed unless its marker
+    #: says ``leak=``).
+    leaks: bool = False
 
     @classmethod
     def from_config(cls, config: pytest.Config) -> Settings:
@@ -153,6 +156,7 @@ class Settings:
             values["keep_output"] = bool(_option(config, "torchmem_keep_output")[0])
             values["compile"] = bool(_option(config, "torchmem_compile")[0])
             values["advise"] = bool(_option(config, "torchmem_advise")[0])
+            values["leaks"] = bool(_option(config, "torchmem_leaks")[0])
             per_torch, source = _option(config, "torchmem_per_torch")
             values["per_torch"] = bool(per_torch)
             values["per_torch_given"] = bool(per_torch) and source.startswith("--")
@@ -228,6 +232,7 @@ class Settings:
             "keep_output": self.keep_output,
             "compile": self.compile,
             "per_torch": self.per_torch,
+            "leaks": self.leaks,
         }
 
     def gpu_table(self) -> dict[str, GpuProfile]:

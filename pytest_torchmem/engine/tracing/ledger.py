@@ -66,6 +66,11 @@ class StorageLedger:
         self._on_freed = self._freed  # (one bound method for every storage's reference)
         self._resized: dict[int, int] = {}  # sid -> bytes after its last resize
 
+    def storage(self, sid: int) -> Any:
+        """The storage ``sid`` if it is live (its object), else None."""
+        ref = self._refs.get(sid)
+        return ref() if isinstance(ref, _StorageRef) else None
+
     def storage_id(self, t: torch.Tensor) -> int | None:
         """The sid of ``t``'s storage if the ledger knows it."""
         try:

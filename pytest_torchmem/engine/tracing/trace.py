@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any, Final
@@ -90,6 +90,8 @@ def trace(
     record_frames: bool = False,
     parallel: Parallel | None = None,
     rank: int = 0,
+    repeat: int | None = None,
+    at_iteration_end: Callable[[int, Tracker], None] | None = None,
 ) -> Trace:
     """Trace one step of ``model`` on fake tensors of ``device``: its report and timeline.
 
@@ -127,6 +129,8 @@ def trace(
             record_frames=record_frames,
             parallel=parallel,
             rank=rank,
+            repeat=repeat,
+            at_iteration_end=at_iteration_end,
         )
     if traced.stop is not None:
         stop = traced.stop
@@ -149,6 +153,8 @@ def _traced(
     record_frames: bool,
     parallel: Parallel | None,
     rank: int,
+    repeat: int | None = None,
+    at_iteration_end: Callable[[int, Tracker], None] | None = None,
 ) -> Trace:
     """The trace of :func:`trace`, stopped or not."""
     from pytest_torchmem.engine.distributed import settle_autograd_threads
@@ -177,6 +183,8 @@ def _traced(
             record_frames=record_frames,
             parallel=parallel,
             rank=rank,
+            repeat=repeat,
+            at_iteration_end=at_iteration_end,
         )
 
     traced, met = once(follow=bool(found), warm=bool(found))
@@ -203,6 +211,8 @@ def _trace(
     record_frames: bool,
     parallel: Parallel | None,
     rank: int,
+    repeat: int | None = None,
+    at_iteration_end: Callable[[int, Tracker], None] | None = None,
 ) -> tuple[Trace, Phase | None]:
     """One trace (see :func:`trace`); ``follow``: follow the compiled regions (``found``,
     and the compiled functions the step calls); ``warm``: build them in a warm-up step
@@ -249,6 +259,7 @@ def _trace(
         runs_compiled_code=follow,
     )
     baseline = adopt(tracker, standins)
+    tracker.at_iteration_end = at_iteration_end
     tracker.values.adopt(_originals(standins))
     modules: Any = NoModules() if warm else ModuleTracker(step_model, tracker)
     # the router (a torch-function mode) picks eager kernels as this device would; a followed
@@ -338,6 +349,7 @@ def _trace(
                     train=train,
                     probe=tracker,
                     keep_output=keep_output,
+                    repeat=repeat,
                 )
         except Exception as exc:
             if not tracker.stopped_by(exc):
@@ -593,6 +605,8 @@ def adopt(tracker: Tracker, standins: Converted) -> list[int]:
         for tensor in tensors:
             if type(tensor) is FakeTensor and tensor.fake_device != tracker.device:
                 continue  # on the host (an optimizer's step count beside a GPU's parameters)
+            if nn.parameter.is_lazy(tensor):
+                continue  # a lazy module's: it holds nothing until the step materializes it
             for sid in tracker.adopt(tensor, category):
                 if sid not in seen:
                     seen.add(sid)

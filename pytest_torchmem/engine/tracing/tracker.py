@@ -155,6 +155,9 @@ class Tracker(TorchDispatchMode):
         self.context.tracer = self
         self.aliases: Final = aliases
         self._optimizer_hook = optimizer_hook
+        #: Told the end of each iteration of a repeated step (a leak check's look at what it
+        #: keeps), after the timeline marks it.
+        self.at_iteration_end: Callable[[int, Tracker], None] | None = None
         self._runs_compiled_code = runs_compiled_code
         #: The storages (see ledger.py); the timeline is the ledger's.
         self.ledger: Final = StorageLedger(
@@ -270,6 +273,12 @@ class Tracker(TorchDispatchMode):
     def name_phase(self, name: str, begin: bool) -> None:
         self._eager.settle_pending(self.phase, self.module)
         self.timeline.named(name, begin)
+
+    def iteration_done(self, iteration: int) -> None:
+        self._eager.settle(self.phase, self.module, final=True)
+        self.timeline.mark(iteration)
+        if self.at_iteration_end is not None:
+            self.at_iteration_end(iteration, self)
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         if self._optimizer_hook is not None:

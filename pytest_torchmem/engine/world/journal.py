@@ -34,7 +34,7 @@ import functools
 import sys
 import threading
 import types
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any, Final
 
@@ -42,7 +42,7 @@ import torch
 
 from pytest_torchmem.engine.world.reaching import Holder
 
-__all__ = ["Journal", "WorldNotRestored", "checkpoint", "journaling", "refill"]
+__all__ = ["Journal", "WorldNotRestored", "active", "checkpoint", "journaling", "refill"]
 
 _MISSING: Final = object()
 
@@ -54,7 +54,9 @@ class WorldNotRestored(RuntimeError):
 class Journal:
     """What each holder held (see the module)."""
 
-    def __init__(self, holders: Iterable[Holder]) -> None:
+    def __init__(self, holders: Iterable[Holder], paths: Mapping[int, str] | None = None) -> None:
+        #: id() of the user's objects -> the path the walk reached each by (a leak check's names)
+        self.paths: Mapping[int, str] = paths or {}
         self._entries: list[tuple[Holder, Any]] = []
         done: set[tuple[str, int, Any]] = set()
         for holder in holders:
@@ -83,6 +85,10 @@ class Journal:
                     drainable[id(value)] = value
         #: what drain() looks at, in the order recorded (entries first): one more reference
         self._drainable = list(drainable.values())
+        #: the objects the entries record, by id; what drain() emptied of the others, with
+        #: what they held (restore() puts it back)
+        self._recorded = {id(obj) for (_, obj, _), _ in self._entries}
+        self._emptied: list[tuple[Any, Any]] = []
         for obj in self._drainable:
             refs[id(obj)] += 1
         self._refs = refs
@@ -97,6 +103,8 @@ class Journal:
                 if id(obj) in drained or sys.getrefcount(obj) - _OWN_CALL_REFS != self._refs[id(obj)]:
                     continue
                 drained.add(id(obj))
+                if id(obj) not in self._recorded:  # (no entry of its own puts it back)
+                    self._emptied.append((obj, _contents(obj)))
                 _empty(obj)
                 emptied = True
             if not emptied:
@@ -104,10 +112,33 @@ class Journal:
 
     _drained: set[int]
 
+    def held_now(self) -> Iterator[tuple[str, Any]]:
+        """``(path, value)`` of what the recorded containers, objects' attributes and cells
+        hold now (a leak check looks for autograd graphs in them)."""
+        for (kind, obj, _), _saved in self._entries:
+            path = self.paths.get(id(obj), "")
+            if kind == "dict":
+                for key, value in list(dict.items(obj)):
+                    if isinstance(key, str):
+                        yield (f"{path}.{key}" if path else key), value
+                    else:
+                        yield f"{path}[{key!r}]", value
+            elif kind == "list":
+                for i, value in enumerate(list(list.__iter__(obj))):
+                    yield f"{path}[{i}]", value
+            elif kind == "cell":
+                try:
+                    yield path, obj.cell_contents
+                except ValueError:
+                    pass
+
     def restore(self) -> None:
         """Put every holder back as it was recorded (see the module)."""
         self._drainable = []
         failed: list[str] = []
+        for obj, contents in reversed(self._emptied):
+            _refill_emptied(obj, contents)
+        self._emptied = []
         for (kind, obj, detail), saved in reversed(self._entries):
             try:
                 _restore(kind, obj, detail, saved)
@@ -206,6 +237,29 @@ def _empty(obj: Any) -> None:
             refill(own, [])
 
 
+def _contents(obj: Any) -> Any:
+    """What :func:`_empty` lets go of in ``obj``."""
+    if isinstance(obj, dict):
+        return list(dict.items(obj))
+    if isinstance(obj, (list, set, collections.deque)):
+        return list(obj)
+    return list(object.__getattribute__(obj, "__dict__").items())
+
+
+def _refill_emptied(obj: Any, contents: Any) -> None:
+    """``obj``, emptied by :func:`_empty`, holding ``contents`` again."""
+    if isinstance(obj, dict):
+        refill(obj, contents)
+    elif isinstance(obj, list):
+        list.__setitem__(obj, slice(None), contents)
+    elif isinstance(obj, set):
+        set.update(obj, contents)
+    elif isinstance(obj, collections.deque):
+        collections.deque.extend(obj, contents)
+    else:
+        refill(object.__getattribute__(obj, "__dict__"), contents)
+
+
 # -- the journal of the call on this thread, told when the step reaches a checkpoint ----------
 
 _active = threading.local()
@@ -223,6 +277,12 @@ def journaling(journal: Journal) -> Iterator[None]:
         yield
     finally:
         stack.pop()
+
+
+def active() -> Journal | None:
+    """The innermost journal of this thread (a step function's world being lent), or None."""
+    stack = getattr(_active, "journals", None)
+    return stack[-1] if stack else None
 
 
 def checkpoint() -> None:

@@ -143,6 +143,10 @@ class World:
     optimizers: list[torch.optim.Optimizer] = field(default_factory=list)
     #: Every object walked, kept alive (and its id its own) while the world is used.
     objects: list[Any] = field(default_factory=list)
+    #: id() of each object walked (a container, an object, its ``__dict__``, a cell) -> the
+    #: path that reached it first, as the user's code names it (``trainer.losses``): what a
+    #: leak check says holds what grows. (Ids only: valid while the world is lent.)
+    paths: dict[int, str] = field(default_factory=dict)
 
     def release(self) -> None:
         """Let go of what the walk holds (the journal holds what it needs): from here on
@@ -418,6 +422,7 @@ class _Walker:
             return
         self.seen.add(id(v))
         self.world.objects.append(v)
+        self.world.paths.setdefault(id(v), path)
         if isinstance(v, nn.Module):
             self.module(v, path, depth, top=True)
         elif isinstance(v, torch.optim.Optimizer):
@@ -443,7 +448,7 @@ class _Walker:
         elif isinstance(v, types.FunctionType):
             self.function(v, path, depth)
         elif isinstance(v, types.MethodType):
-            self.value(v.__self__, None, "", None, role, _join(path, "__self__"), depth + 1)
+            self.value(v.__self__, None, "", None, role, _join(path, "__self__") if path else "self", depth + 1)
             self.value(v.__func__, None, "", None, role, path, depth + 1)
         elif isinstance(v, functools.partial):
             self.partial(v, role, path, depth)
@@ -482,6 +487,7 @@ class _Walker:
         if id(d) not in self.seen:
             self.seen.add(id(d))
             self.world.objects.append(d)
+            self.world.paths.setdefault(id(d), path)
         self.world.holders.append(("dict", d, None))
         if not d:
             return  # (a module's hooks, mostly)
@@ -525,7 +531,9 @@ class _Walker:
         if top and id(m) not in world.module_ids:
             world.modules.setdefault(path or "module", m)
         world.module_ids.add(id(m))
+        world.paths.setdefault(id(m), path)
         attributes = m.__dict__
+        world.paths.setdefault(id(attributes), path)
         world.holders.append(("type", m, None))  # (a parametrization makes it a subclass)
         world.holders.append(("dict", attributes, None))
         for name, value in list(attributes.items()):
@@ -540,6 +548,7 @@ class _Walker:
                 world.holders.append(("dict", value, None))
                 for key, sub in list(value.items()):
                     if isinstance(sub, nn.Module) and id(sub) not in self.seen:
+                        world.paths.setdefault(id(sub.__dict__), _join(path, key))
                         self.seen.add(id(sub))
                         world.objects.append(sub)
                         self.module(sub, _join(path, key), depth + 1, top=False)
@@ -604,12 +613,13 @@ class _Walker:
                 continue
             self.seen.add(id(cell))
             world.objects.append(cell)
+            world.paths.setdefault(id(cell), f"{name}'s {var}")
             world.holders.append(("cell", cell, None))
             try:
                 contents = cell.cell_contents
             except ValueError:  # an empty cell
                 continue
-            self.value(contents, cell, "cell", var, Role.INPUT, var, depth + 1)
+            self.value(contents, cell, "cell", var, Role.INPUT, f"{name}'s {var}", depth + 1)
         attributes = _own_dict(f)
         if attributes:
             self.dict(attributes, Role.INPUT, name, depth + 1)
@@ -637,6 +647,7 @@ class _Walker:
             return
         self.globals_seen.add(key)
         self.world.holders.append(("globals", space, (name,)))
+        self.world.paths.setdefault(id(space), space.get("__name__", "") or "globals")
         self.value(space[name], space, "item", name, role, prefix + name, depth + 1)
 
     def partial(self, p: functools.partial, role: Role, path: str, depth: int) -> None:  # type: ignore[type-arg]

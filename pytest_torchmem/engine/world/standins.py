@@ -133,7 +133,7 @@ def lent(world: World, made: dict[int, torch.Tensor], *, watch_calls: bool = Tru
     modules the step calls too (not where it runs compiled code: dynamo would trace
     the watch's global hook, and run the region eagerly)."""
     process = ProcessState()
-    journal = Journal(world.holders)
+    journal = Journal(world.holders, world.paths)
     ours = {id(t) for t in made.values()}
     failed = False
     try:
