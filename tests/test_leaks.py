@@ -91,6 +91,7 @@ def test_the_built_in_step_is_checked_as_a_loop_runs_it() -> None:
     assert kept.held == tm.leaks(model, x, measure=True).held
     assert kept.per_iteration == sum(GROWTH["a module appends its activations"])
     assert [source.held_by for source in kept.sources] == ["model.activations"]
+    assert fingerprint(model, x) == before
     model, x = mlp(), batch()
     adamw = tm.leaks(model, x, optimizer=lambda p: torch.optim.AdamW(p))
     assert adamw.held == tm.leaks(model, x, optimizer=lambda p: torch.optim.AdamW(p), measure=True).held
