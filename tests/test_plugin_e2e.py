@@ -404,7 +404,7 @@ class TestX:
         (
             "budget=5",
             "*does not know 'budget'; it takes forward, backward, step, peak, devices, rtol, atol, gpu, cpu, "
-            "keep_output, compile, mesh, rank, fits",
+            "keep_output, compile, mesh, rank, fits, leak",
         ),
         (
             'gpu="H1000"',
@@ -584,6 +584,7 @@ torchmem_keep_output = true
         "keep_output": True,
         "compile": False,
         "per_torch": False,
+        "leaks": False,
         "measured_on_gpu": False,
     }
     assert (pytester.path / "__torchmem__" / "test_m.json").is_file()

@@ -85,7 +85,9 @@ def test_a_leak_fails_its_test_with_what_holds_it_and_the_fix(pytester: pytest.P
     # update does not lift the leak either
     assert (pytester.path / "__torchmem__").is_dir()
     assert _run(pytester, "--torchmem-update").ret == pytest.ExitCode.TESTS_FAILED
-    # the summary and the JSON report
+    # the table's column, the summary and the JSON report
+    (row,) = [line for line in out.splitlines() if line.startswith("test_m.py::test_evaluation ")]
+    assert "leak / iter" in out and f" {tm.format_bytes(GROWTH)} " in row
     assert f"leak: test_m.py::test_evaluation[default, cpu]: {tm.format_bytes(GROWTH)} per iteration, allowed 0 B: leaks" in out
     assert "leak: test_m.py::test_training[default, cpu]: 0 B per iteration, allowed 0 B: no leak" in out
     leaks = {leak["nodeid"].split("::")[1]: leak for leak in json.loads((pytester.path / "report.json").read_text())["leaks"]}

@@ -10,7 +10,8 @@ in place for the step and the originals back after it.
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any, Union
 
 from torch import nn
@@ -18,7 +19,8 @@ from torch import nn
 from pytest_torchmem.engine.model_state import Converted, HookError, ModelTensors, StandIns, collect, convert, substituted
 from pytest_torchmem.engine.step_function import StepFunction
 from pytest_torchmem.engine.world import standins as world_standins
-from pytest_torchmem.engine.world.reaching import World
+from pytest_torchmem.engine.world.journal import Journal
+from pytest_torchmem.engine.world.reaching import World, reach_model
 
 __all__ = ["Holdings", "converted", "holdings_of", "lend"]
 
@@ -28,7 +30,12 @@ Holdings = Union[ModelTensors, World]
 def holdings_of(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Holdings:
     """The tensors of a model, or the world of a step function called on ``args`` and
     ``kwargs`` (walked afresh: a run lends it stand-ins, then lets go of it)."""
-    return model.reach(args, kwargs) if isinstance(model, StepFunction) else collect(model)
+    if isinstance(model, StepFunction):
+        return model.reach(args, kwargs)
+    tensors = collect(model)
+    # what its modules hold: a forward may write into it (a list it appends activations to)
+    tensors.holders = reach_model(model).holders
+    return tensors
 
 
 def converted(
@@ -52,4 +59,16 @@ def lend(holdings: Holdings, standins: Converted, *, compiled: bool = False) -> 
     then not watched for modules it calls: dynamo would trace the watch)."""
     if isinstance(holdings, World):
         return world_standins.lent(holdings, standins.model, watch_calls=not compiled)
-    return substituted(holdings, standins.model)
+    return _model_lent(holdings, standins.model)
+
+
+@contextmanager
+def _model_lent(holdings: ModelTensors, model_standins: dict[int, Any]) -> Iterator[None]:
+    """The built-in step's stand-ins in the model's slots for the block; after it, the
+    originals back, and whatever the step wrote into what the modules held before it."""
+    journal = Journal(holdings.holders)
+    try:
+        with substituted(holdings, model_standins):
+            yield
+    finally:
+        journal.restore()

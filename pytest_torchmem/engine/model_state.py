@@ -60,6 +60,9 @@ class ModelTensors:
     """Every tensor slot of a model, in ``named_modules`` order (shared ones repeated)."""
 
     slots: list[Slot] = field(default_factory=list)
+    #: What the model's modules hold, to be put back after the step (the holders of
+    #: :mod:`pytest_torchmem.engine.world.journal`; set by ``holdings.holdings_of``).
+    holders: list[Any] = field(default_factory=list)
 
     def unique(self, kind: SlotKind) -> list[torch.Tensor]:
         seen: set[int] = set()

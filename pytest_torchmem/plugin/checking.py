@@ -332,7 +332,7 @@ class CheckRunner:
                     )
             else:
                 devices_left = [device for device in devices if device not in stopped_on]
-                self._check_leaks(item, request, name, devices_left, gpu, cpu, allowed)
+                self._check_leaks(item, request, entry_name, devices_left, gpu, cpu, allowed)
         return reports
 
     def _check_leaks(

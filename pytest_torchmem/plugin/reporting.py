@@ -188,7 +188,8 @@ class Reporter:
             return []
         settings = self._settings
         verbosity = self._config.get_verbosity()
-        lines = table_lines(record.results, verbosity=verbosity, gpu=settings.gpu.name)
+        leaks = {(leak.nodeid, leak.name, leak.device): leak for leak in record.leaks}
+        lines = table_lines(record.results, verbosity=verbosity, gpu=settings.gpu.name, leaks=leaks)
         lines += stale_lines(record.results, mode=settings.stale)
         lines += unused_lines(
             unused,

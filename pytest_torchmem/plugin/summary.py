@@ -111,7 +111,11 @@ def _device(result: Result, gpu: str | None) -> str:
 
 
 def table_lines(
-    results: Sequence[Result], *, verbosity: int = 0, gpu: str | None = None
+    results: Sequence[Result],
+    *,
+    verbosity: int = 0,
+    gpu: str | None = None,
+    leaks: Mapping[tuple[str, str, str], Any] | None = None,
 ) -> list[str]:
     """A row per test, check and device: the peaks, the largest change, the status.
 
@@ -122,7 +126,10 @@ def table_lines(
     ``cuda`` check is. A ``cuda`` row of a
     check that followed another GPU profile than the run's (``gpu``, the name the
     header gives) names it: ``cuda (A100)``. Under ``-q`` (``verbosity < 0``) only
-    the rows that are not plain passes. A check whose trace stopped has no figures
+    the rows that are not plain passes. A ``leak / iter`` column (what more is held after
+    every iteration) appears when a leak check was made (``leaks``: its
+    :class:`~pytest_torchmem.plugin.leaking.LeakRecord` by node id, entry name and
+    device). A check whose trace stopped has no figures
     (``-``); an approximate one's are marked ``~``, and a line under the table says
     what that means.
     """
@@ -132,6 +139,8 @@ def table_lines(
     figured = [result for result in shown if result.stopped is None]
     reserved = any(result.estimate.reserved_peak is not None for result in figured)
     looped = any(result.estimate.first_step is not None for result in figured)
+    leaks = leaks or {}
+    leaked = any((result.nodeid, result.key.name, result.key.device) in leaks for result in shown)
     rows = []
     for result in shown:
         estimate = result.estimate
@@ -154,11 +163,15 @@ def table_lines(
         if reserved:
             row.append(nbytes(estimate.reserved_peak))
             row.append(nbytes(result.rooms[0].headroom if result.rooms else None))
+        if leaked:
+            record = leaks.get((result.nodeid, result.key.name, result.key.device))
+            row.append("-" if record is None else format_bytes(record.per_iteration))
         rows.append((*row, _change(result), _status(result)))
     headers = ["test", "device", "forward", "backward", "step"]
     headers += ["first step"] if looped else []
     headers += ["peak"]
     headers += ["reserved", "headroom"] if reserved else []
+    headers += ["leak / iter"] if leaked else []
     headers += ["change", "status"]
     lines = tabulate(rows, headers=headers, tablefmt="simple", disable_numparse=True).splitlines()
     if any(result.approximate for result in shown):

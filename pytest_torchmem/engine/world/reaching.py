@@ -695,6 +695,15 @@ def _slot_names(cls: type) -> tuple[str, ...]:
     return tuple(name for name in slots if isinstance(name, str) and isinstance(cls.__dict__.get(name), types.MemberDescriptorType))
 
 
+def reach_model(model: nn.Module) -> World:
+    """Walk what a model reaches (its modules, their attributes and what those hold): the
+    built-in step's model, whose forward may write into them (a list it appends to)."""
+    walker = _Walker()
+    walker.seen.add(id(model))
+    walker.module(model, "model", 0, top=True)
+    return walker.world
+
+
 def reach(function: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], names: list[str]) -> World:
     """Walk what ``function(*args, **kwargs)`` can reach (see the module); ``names``: the
     names the function gives its positional arguments."""
