@@ -182,9 +182,9 @@ class _StopsUnderAutocast(nn.Module):
 
 
 class _StopsInRecomputation(nn.Module):
-    """A block the trace follows once per step; run a third time (the first
-    checkpointed estimate's recomputation, after the step's forward and the
-    checkpointed one), it reads values."""
+    """A block the trace follows once per step; run a second time in one estimate (the
+    recomputation of a checkpointed one: each estimate starts from the model as the
+    user left it, its count too), it reads values."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -193,7 +193,7 @@ class _StopsInRecomputation(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.calls += 1
-        if self.calls == 3:
+        if self.calls == 2:
             x = torch.from_numpy(x.detach().numpy())
         return self.fc(x)
 

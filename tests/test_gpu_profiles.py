@@ -11,6 +11,7 @@ reduction buffer from Reduce.cuh's ``setReduceConfig`` (as in test_cuda_temporar
 from __future__ import annotations
 
 import dataclasses
+import threading
 from types import SimpleNamespace
 from typing import Any
 
@@ -448,15 +449,23 @@ def test_sm_count_and_threads_per_sm_size_a_reduction_buffer() -> None:
         ], profile
 
 
+#: What a model's forward saw, kept where an estimate does not put it back (it leaves the
+#: user's model as it was, the attributes its forward writes included).
+_SEEN = threading.local()
+
+
 class _Sees(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.linear = nn.Linear(8, 8)
-        self.seen: dict[str, Any] = {}
+
+    @property
+    def seen(self) -> dict[str, Any]:
+        return _SEEN.value
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         properties = torch.cuda.get_device_properties(0)
-        self.seen = {
+        _SEEN.value = {
             "name": torch.cuda.get_device_name(),
             "capability": torch.cuda.get_device_capability(),
             "sms": properties.multi_processor_count,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import pytest
@@ -18,13 +19,22 @@ import pytest_torchmem as tm
 from pytest_torchmem.engine.tracing.devices.cuda.profiles import PROFILES
 
 
+#: What a model's forward saw, kept where an estimate does not put it back (it leaves the
+#: user's model as it was, the attributes its forward writes included).
+_SEEN = threading.local()
+
+
 class _Branches(nn.Module):
     """Takes a "GPU path" (an extra 1 MiB buffer on the device) only where it sees a GPU."""
 
     def __init__(self) -> None:
         super().__init__()
         self.linear = nn.Linear(8, 8)
-        self.seen: list[dict[str, Any]] = []
+        _SEEN.items = []
+
+    @property
+    def seen(self) -> list[dict[str, Any]]:
+        return _SEEN.items
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.linear(x)
@@ -47,7 +57,7 @@ class _Branches(nn.Module):
             )
             scratch = torch.empty(2**18, device=h.device)  # 1 MiB on the GPU
             h = h + scratch[:8] + torch.zeros(8).cuda() + torch.zeros(8).to(h.device)
-        self.seen.append(seen)
+        _SEEN.items.append(seen)
         return h
 
 
