@@ -226,12 +226,14 @@ def _saved_by_graphs(roots: Iterable[tuple[str, Any]], wanted: set[int]) -> dict
 
 def _saved_storages(node: Any) -> Iterable[int]:
     """The storage keys of every tensor the autograd graph from ``node`` saved."""
-    stack, seen = [node], set()
+    # (the nodes are kept, not only their ids: a release whose node objects are made as
+    # they are read would give a freed one's id to the next)
+    stack, seen = [node], {}
     while stack:
         current = stack.pop()
         if current is None or id(current) in seen:
             continue
-        seen.add(id(current))
+        seen[id(current)] = current
         for name in dir(current):
             if not name.startswith("_saved_"):
                 continue
