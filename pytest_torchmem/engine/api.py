@@ -103,10 +103,7 @@ def estimate(
     request = step_request(
         "estimate", model, inputs, device, loss_fn, optimizer, train, keep_output, compile
     )
-    if gpu is not None and request.device != "cuda":
-        raise ValueError(f"gpu={gpu!r} applies to device='cuda' only, not {device!r}")
-    if cpu is not None and request.device != "cpu":
-        raise ValueError(f"cpu={cpu!r} applies to device='cpu' only, not {device!r}")
+    check_profiles(request.device, gpu, cpu)
     profile = gpu_profile(gpu) if request.device == "cuda" else None
     _check_parallel(parallel, request.model)
     request = as_compiled(request, parallel)
@@ -197,3 +194,11 @@ def measure(
     return measure_step(as_compiled(dataclasses.replace(request, parallel=parallel)))
 
 
+
+
+def check_profiles(device: str, gpu: Any, cpu: Any) -> None:
+    """``gpu=`` applies to ``device="cuda"`` only, ``cpu=`` to ``"cpu"`` only."""
+    if gpu is not None and device != "cuda":
+        raise ValueError(f"gpu={gpu!r} applies to device='cuda' only, not {device!r}")
+    if cpu is not None and device != "cpu":
+        raise ValueError(f"cpu={cpu!r} applies to device='cpu' only, not {device!r}")

@@ -20,7 +20,7 @@ from pytest_torchmem.engine.model_state import Converted, HookError, ModelTensor
 from pytest_torchmem.engine.step_function import StepFunction
 from pytest_torchmem.engine.world import standins as world_standins
 from pytest_torchmem.engine.world.journal import Journal
-from pytest_torchmem.engine.world.reaching import World, reach_model
+from pytest_torchmem.engine.world.reaching import World, model_holders
 
 __all__ = ["Holdings", "converted", "holdings_of", "lend"]
 
@@ -34,7 +34,7 @@ def holdings_of(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any])
         return model.reach(args, kwargs)
     tensors = collect(model)
     # what its modules hold: a forward may write into it (a list it appends activations to)
-    tensors.holders = reach_model(model).holders
+    tensors.holders = model_holders(model)
     return tensors
 
 

@@ -108,15 +108,13 @@ def steady_state(baseline: int, held: tuple[int, ...]) -> tuple[int | None, int]
 
 
 def _estimated(request: StepRequest, gpu: Any, cpu: Any) -> LeakReport:
+    from pytest_torchmem.engine.api import check_profiles
     from pytest_torchmem.engine.timeline import held_at_marks
     from pytest_torchmem.engine.tracing.devices import device_model
     from pytest_torchmem.engine.tracing.devices.cpu.profiles import cpu_profile
     from pytest_torchmem.engine.tracing.trace import trace
 
-    if gpu is not None and request.device != "cuda":
-        raise ValueError(f"gpu={gpu!r} applies to device='cuda' only, not {request.device!r}")
-    if cpu is not None and request.device != "cpu":
-        raise ValueError(f"cpu={cpu!r} applies to device='cpu' only, not {request.device!r}")
+    check_profiles(request.device, gpu, cpu)
     device = device_model(request.device)
     profile = gpu_profile(gpu) if request.device == "cuda" else None
     explained = _Explainer(request, device)

@@ -695,13 +695,49 @@ def _slot_names(cls: type) -> tuple[str, ...]:
     return tuple(name for name in slots if isinstance(name, str) and isinstance(cls.__dict__.get(name), types.MemberDescriptorType))
 
 
-def reach_model(model: nn.Module) -> World:
-    """Walk what a model reaches (its modules, their attributes and what those hold): the
-    built-in step's model, whose forward may write into them (a list it appends to)."""
-    walker = _Walker()
-    walker.seen.add(id(model))
-    walker.module(model, "model", 0, top=True)
-    return walker.world
+def model_holders(model: nn.Module) -> list[Holder]:
+    """What the built-in step's model holds that its forward may write into: each module's
+    class and attributes, and the lists, dicts, sets and deques among them (a list it
+    appends activations to, its hooks' dicts), two levels deep. (A step function's world
+    is walked whole; a model's own attributes are what a forward writes, and walking them
+    alone keeps an estimate's cost.)"""
+    holders: list[Holder] = []
+    seen: set[int] = set()
+
+    def container(value: Any, depth: int) -> None:
+        kind = _CONTAINER_KINDS.get(type(value)) or next(
+            (kind for base, kind in _CONTAINER_KINDS.items() if isinstance(value, base)), None
+        )
+        if kind is None or id(value) in seen:
+            return
+        seen.add(id(value))
+        holders.append((kind, value, None))
+        if depth < 2:
+            items = value.values() if isinstance(value, dict) else value
+            for item in list(items):
+                container(item, depth + 1)
+
+    internals = _module_internals()
+    for module in model.modules():
+        holders.append(("type", module, None))
+        holders.append(("dict", module.__dict__, None))
+        for name, value in list(module.__dict__.items()):
+            if name in internals and not value:
+                continue  # (an empty hooks dict: torch's own, and what the engine hooks it puts back)
+            if not isinstance(value, (torch.Tensor, nn.Module)):
+                container(value, 1)
+    return holders
+
+
+@functools.cache
+def _module_internals() -> frozenset[str]:
+    """The attributes every module has (its hooks' dicts, ...), but its parameters',
+    buffers' and submodules' dicts (a forward may register one)."""
+    return frozenset(nn.Module().__dict__) - {"_parameters", "_buffers", "_modules"}
+
+
+#: The containers :func:`model_holders` records, by the journal's kind.
+_CONTAINER_KINDS: Final = {dict: "dict", list: "list", set: "set", collections.deque: "deque"}
 
 
 def reach(function: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], names: list[str]) -> World:
