@@ -175,7 +175,7 @@ def _report(
         baseline=baseline,
         held=held,
         steady_from=steady_from,
-        per_iteration=per_iteration if steady_from is not None else per_iteration,
+        per_iteration=per_iteration,
         sources=sources if per_iteration > 0 else (),
         reserved=reserved,
         reserved_per_iteration=reserved_growth,

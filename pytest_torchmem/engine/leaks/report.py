@@ -9,7 +9,7 @@ memory after every iteration. What it holds more after each one is a leak.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any
 
 __all__ = ["LeakReport", "LeakSource"]
@@ -73,8 +73,8 @@ class LeakReport:
     profile: str | None = None
     #: What the trace could not follow exactly (as :attr:`MemoryReport.unsupported`).
     unsupported: tuple[Any, ...] = ()
+    #: Run for real (``measure=True``), not traced.
     measured: bool = False
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "held", tuple(int(b) for b in self.held))
