@@ -94,6 +94,17 @@ EXHAUSTIVE: Final = (
     "tests/test_public_models.py::test_peft_trains_the_adapters_only",
     # Llama 7B under FSDP2 at 8 and 64 ranks (test_parallel.py: small models against gloo ranks)
     "tests/test_scale.py::test_llama_7b_fsdp2_per_rank_hand_count_on_cuda",
+    # the plugin's behaviours under xdist, each the twin of a one-process run of the same
+    # test (named with its parameter: the one-process run stays in the README's command),
+    # each tens of seconds of workers starting
+    "tests/test_plugin_releases.py::test_another_releases_entries_are_never_unused_here[xdist]",
+    "tests/test_plugin_fit.py::test_torchmem_fit_reports_and_gates_the_largest_size[xdist]",
+    "tests/test_plugin_trace_stops.py::test_a_stopped_check_fails_with_where_and_why_and_writes_no_entry[xdist]",
+    "tests/test_plugin_reliability.py::test_last_failed_update_keeps_the_entries_of_the_tests_it_did_not_run[xdist]",
+    "tests/test_plugin_lifecycle.py::test_update_pass_regress_read_accept[xdist]",
+    "tests/test_plugin_keep_output.py::test_flipping_keep_output_fails_until_the_entry_is_re_recorded[xdist]",
+    "tests/test_html_report.py::test_report_of_a_run_with_passing_regressing_and_missing_checks[xdist]",
+    "tests/test_plugin_reliability.py::test_a_numpy_figure_from_the_adjust_hook_is_taken_as_its_integer[xdist]",
 )
 
 
@@ -110,7 +121,7 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    exhaustive = [item for item in items if item.nodeid.split("[")[0] in EXHAUSTIVE]
+    exhaustive = [item for item in items if item.nodeid in EXHAUSTIVE or item.nodeid.split("[")[0] in EXHAUSTIVE]
     for item in exhaustive:
         item.add_marker(pytest.mark.exhaustive)
     # without --exhaustive they are left out, but for one named on the command line by
