@@ -105,6 +105,7 @@ EXHAUSTIVE: Final = (
     "tests/test_plugin_keep_output.py::test_flipping_keep_output_fails_until_the_entry_is_re_recorded[xdist]",
     "tests/test_html_report.py::test_report_of_a_run_with_passing_regressing_and_missing_checks[xdist]",
     "tests/test_plugin_reliability.py::test_a_numpy_figure_from_the_adjust_hook_is_taken_as_its_integer[xdist]",
+    "tests/test_plugin_leaks.py::test_the_option_checks_every_check[xdist]",
 )
 
 

@@ -106,9 +106,8 @@ def test_leak_allows_growth_up_to_its_size(pytester: pytest.Pytester) -> None:
     assert "within the allowance" in result.stdout.str()
 
 
-def test_the_option_checks_every_check_under_xdist_too(pytester: pytest.Pytester) -> None:
-    # (one process: the tests above, with the marker)
-    workers = ["-n", "2"]
+@pytest.mark.parametrize("workers", [[], ["-n", "2"]], ids=["one process", "xdist"])
+def test_the_option_checks_every_check(pytester: pytest.Pytester, workers: list[str]) -> None:
     pytester.makepyfile(test_m=SUITE.format(marker=""))
     assert _run(pytester, "--torchmem-update", *workers).ret == pytest.ExitCode.OK  # no leak check asked
     result = _run(pytester, "--torchmem-leaks", "--torchmem-json", "report.json", *workers)
