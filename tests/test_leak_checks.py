@@ -99,6 +99,18 @@ def test_the_built_in_step_is_checked_as_a_loop_runs_it() -> None:
     assert fingerprint(model, x) == fingerprint(mlp(), batch())
 
 
+def test_a_compiled_model_is_checked_as_its_compiled_program_runs() -> None:
+    model, x = Caching(), batch()
+    compiled = torch.compile(model)
+    before = fingerprint(model, x)
+    kept = tm.leaks(compiled, x)
+    assert kept.unsupported == ()  # (the compiled program followed, not the eager one)
+    assert kept.held == tm.leaks(compiled, x, measure=True).held
+    assert kept.per_iteration == sum(GROWTH["a module appends its activations"])
+    assert [source.held_by for source in kept.sources] == ["model.activations"]
+    assert fingerprint(model, x) == before
+
+
 def test_a_steady_state_reached_late_runs_more_iterations() -> None:
     def fills_three_times(x: torch.Tensor, cache: list[torch.Tensor]) -> None:
         if len(cache) < 3:

@@ -221,6 +221,7 @@ def _builtin_names(request: StepRequest) -> tuple[dict[int, str], Callable[[], l
     from torch import nn
 
     model = request.model
+    model = getattr(model, "_orig_mod", model)  # (a compiled model's names are its module's)
     modules = list(model.named_modules()) if isinstance(model, nn.Module) else []
     paths = {}
     for name, module in modules:

@@ -307,6 +307,7 @@ def _trace(
                     train=train,
                     keep_output=keep_output,
                     looped=optimizer is not None or bool(standins.hook_optimizers),
+                    repeat=repeat,
                 )
             except Exception:
                 # inductor or dynamo could not build the program (or the model failed, which
@@ -437,12 +438,14 @@ def _warm_up(
     train: bool,
     keep_output: bool,
     looped: bool,
+    repeat: int | None = None,
 ) -> None:
     """One untracked step on fresh fake stand-ins, in which dynamo and our backend
     compile the followed modules and the compiled functions the step calls (the
     optimizer is left out: the traced step makes a new one, whose compiled step is
     compiled anew). ``looped``: the traced step runs as a training loop, and so does
-    this one, running the compiled code as often."""
+    this one, running the compiled code as often; ``repeat``: as often as a leak check
+    runs it."""
     holdings = holdings_of(model, args, kwargs)  # (the traced step's were lent there, and let go of)
     with fake_mode:
         copies = converted(holdings, args, kwargs, fake_standins(where, fake_mode))
@@ -460,6 +463,7 @@ def _warm_up(
             keep_output=keep_output,
             loop=looped,
             optimizers=copies.optimizers,
+            repeat=repeat,
         )
 
 
