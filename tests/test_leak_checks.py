@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 from fingerprint import fingerprint
+from following import follows_compiled
 from leak_patterns import GROWTH, LEAKS, NOT_LEAKS, Caching, batch, growing_batches, mlp
 
 import pytest_torchmem as tm
@@ -99,6 +100,7 @@ def test_the_built_in_step_is_checked_as_a_loop_runs_it() -> None:
     assert fingerprint(model, x) == fingerprint(mlp(), batch())
 
 
+@follows_compiled
 def test_a_compiled_model_is_checked_as_its_compiled_program_runs() -> None:
     model, x = Caching(), batch()
     compiled = torch.compile(model)
