@@ -96,9 +96,7 @@ def estimate(
     """
     require_supported_torch()
     from pytest_torchmem.engine.request import as_compiled, step_request
-    from pytest_torchmem.engine.tracing.devices import device_model
-    from pytest_torchmem.engine.tracing.devices.cpu.profiles import cpu_profile
-    from pytest_torchmem.engine.tracing.trace import trace
+    from pytest_torchmem.engine.tracing.trace import trace_request
 
     request = step_request(
         "estimate", model, inputs, device, loss_fn, optimizer, train, keep_output, compile
@@ -108,20 +106,7 @@ def estimate(
     _check_parallel(parallel, request.model)
     request = as_compiled(request, parallel)
     reports = [
-        trace(
-            request.model,
-            request.args,
-            request.kwargs,
-            device=device_model(request.device),
-            loss_fn=request.loss_fn,
-            optimizer=request.optimizer,
-            train=request.train,
-            keep_output=request.keep_output,
-            gpu=profile,
-            cpu=cpu_profile(cpu) if request.device == "cpu" else None,
-            parallel=parallel,
-            rank=rank,
-        ).report
+        trace_request(request, profile, cpu, parallel=parallel, rank=rank).report
         for rank in (parallel.ranks() if parallel is not None else [0])
     ]
     return highest(reports)

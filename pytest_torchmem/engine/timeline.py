@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Any, Final, NamedTuple, Protocol
@@ -205,6 +205,9 @@ class Allocator(Protocol):
     def round_size(self, nbytes: int) -> int: ...
 
     @property
+    def reserved(self) -> int: ...
+
+    @property
     def peak_reserved(self) -> int: ...
 
 
@@ -386,7 +389,10 @@ class Charge(NamedTuple):
 
 
 def replay(
-    timeline: Timeline, baseline: list[int], allocator: Allocator | None = None
+    timeline: Timeline,
+    baseline: list[int],
+    allocator: Allocator | None = None,
+    at_mark: Callable[[int], None] | None = None,
 ) -> Iterator[Charge]:
     """Every change of the live bytes of ``timeline``, in order, as :func:`analyze` counts them.
 
@@ -394,7 +400,8 @@ def replay(
     (``index`` -1); the events before the step's start are skipped. A storage allocated while
     live is not counted again; a resize charges the new block before giving
     back the old one. With ``allocator`` each storage costs its block, and the
-    allocator is driven as it would be on the device.
+    allocator is driven as it would be on the device. ``at_mark(iteration)`` is told each
+    :data:`MARK`, once the charges before it are taken and their blocks given back.
     """
     size: dict[int, int] = {}
     blocks: dict[int, Any] = {}
@@ -422,37 +429,22 @@ def replay(
                 yield Charge(index, a, -nbytes, block)
             if block is not None and allocator is not None:
                 allocator.free(block)
+        elif kind == MARK and at_mark is not None:
+            at_mark(a)
 
 
 def held_at_marks(
     timeline: Timeline, baseline: list[int], allocator: Allocator | None = None
 ) -> list[tuple[int, int, int | None]]:
     """``(iteration, live bytes, reserved bytes)`` at each :data:`MARK` of ``timeline``
-    (the end of each iteration of a repeated step), replayed from the live ``baseline``
-    storages as :func:`analyze` replays them; reserved where ``allocator`` is given."""
-    size: dict[int, int] = {}
-    blocks: dict[int, Any] = {}
-    live = 0
-    for sid, nbytes in _baseline_bytes(timeline, baseline):
-        size[sid] = _charge(allocator, blocks, sid, nbytes)
-        live += size[sid]
+    (the end of each iteration of a repeated step), as :func:`replay` counts the live bytes;
+    reserved where ``allocator`` is given."""
+    live = [0]
     found: list[tuple[int, int, int | None]] = []
-    for kind, a, b in itertools.islice(timeline.events, timeline.step_start, None):
-        if kind == ALLOC or kind == RESIZE:
-            if kind == ALLOC and a in size:
-                continue
-            old = size.get(a, 0)
-            old_block = blocks.pop(a, None)
-            size[a] = _charge(allocator, blocks, a, b, timeline.storages[a].pool)
-            live += size[a] - old
-            if old_block is not None and allocator is not None:
-                allocator.free(old_block)
-        elif kind == FREE:
-            live -= size.pop(a, 0)
-            block = blocks.pop(a, None)
-            if block is not None and allocator is not None:
-                allocator.free(block)
-        elif kind == MARK:
-            reserved = getattr(allocator, "reserved", None) if allocator is not None else None
-            found.append((a, live, reserved))
+
+    def at_mark(iteration: int) -> None:
+        found.append((iteration, live[0], allocator.reserved if allocator is not None else None))
+
+    for charge in replay(timeline, baseline, allocator, at_mark=at_mark):
+        live[0] += charge.nbytes
     return found

@@ -18,7 +18,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Final
 
-from pytest_torchmem.engine.gpu_profiles import GpuProfile, gpu_profile
+from pytest_torchmem.engine.gpu_profiles import GpuProfile
 from pytest_torchmem.engine.leaks.report import LeakReport, LeakSource
 from pytest_torchmem.engine.torch_release import require_supported_torch
 
@@ -111,28 +111,12 @@ def _estimated(request: StepRequest, gpu: Any, cpu: Any) -> LeakReport:
     from pytest_torchmem.engine.api import check_profiles
     from pytest_torchmem.engine.timeline import held_at_marks
     from pytest_torchmem.engine.tracing.devices import device_model
-    from pytest_torchmem.engine.tracing.devices.cpu.profiles import cpu_profile
-    from pytest_torchmem.engine.tracing.trace import trace
+    from pytest_torchmem.engine.tracing.trace import trace_request
 
     check_profiles(request.device, gpu, cpu)
     device = device_model(request.device)
-    profile = gpu_profile(gpu) if request.device == "cuda" else None
     explained = _Explainer(request, device)
-    traced = trace(
-        request.model,
-        request.args,
-        request.kwargs,
-        device=device,
-        loss_fn=request.loss_fn,
-        optimizer=request.optimizer,
-        train=request.train,
-        keep_output=request.keep_output,
-        gpu=profile,
-        cpu=cpu_profile(cpu) if request.device == "cpu" else None,
-        record_frames=True,
-        repeat=request.repeat,
-        at_iteration_end=explained,
-    )
+    traced = trace_request(request, gpu, cpu, record_frames=True, repeat=request.repeat, at_iteration_end=explained)
     allocator = device.allocator(traced.context) if device.allocator is not None else None
     marks = held_at_marks(traced.timeline, traced.baseline, allocator)
     return _report(

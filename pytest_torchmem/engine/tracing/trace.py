@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import torch
 from torch import nn
@@ -44,7 +44,10 @@ from pytest_torchmem.engine.tracing.rules import TraceContext
 from pytest_torchmem.engine.tracing.stops import Stop
 from pytest_torchmem.engine.tracing.tracker import Tracker
 
-__all__ = ["Trace", "adopt", "fake_empty", "fake_standins", "trace"]
+if TYPE_CHECKING:
+    from pytest_torchmem.engine.request import StepRequest
+
+__all__ = ["Trace", "adopt", "fake_empty", "fake_standins", "trace", "trace_request"]
 
 # torch's private names (engine/torch_private.py)
 FakeTensor: Final = private("torch._subclasses.fake_tensor.FakeTensor")
@@ -191,6 +194,28 @@ def _traced(
     if follows_functions and not found and met is not None:
         traced, _ = once(follow=True, warm=met != Phase.STEP)
     return traced
+
+
+def trace_request(request: StepRequest, gpu: Any = None, cpu: Any = None, **options: Any) -> Trace:
+    """:func:`trace` of ``request``'s step on its device: ``gpu`` (a name or a profile) is
+    the GPU a ``cuda`` step follows, ``cpu`` the CPU profile a ``cpu`` step follows; the
+    other ``options`` as :func:`trace` takes them."""
+    from pytest_torchmem.engine.tracing.devices import device_model
+    from pytest_torchmem.engine.tracing.devices.cpu.profiles import cpu_profile
+
+    return trace(
+        request.model,
+        request.args,
+        request.kwargs,
+        device=device_model(request.device),
+        loss_fn=request.loss_fn,
+        optimizer=request.optimizer,
+        train=request.train,
+        keep_output=request.keep_output,
+        gpu=gpu_profile(gpu) if request.device == "cuda" else None,
+        cpu=cpu_profile(cpu) if request.device == "cpu" else None,
+        **options,
+    )
 
 
 def _trace(
