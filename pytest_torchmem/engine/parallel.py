@@ -19,6 +19,7 @@ from __future__ import annotations
 import copy
 import re
 import sys
+import threading
 import types
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -53,11 +54,22 @@ class Parallel:
     parallelizes the model over a ``DeviceMesh`` of that shape with those
     dimension names. ``rank``: the rank reported, or ``"max"`` for the rank
     with the highest peak.
+
+    Pipeline parallel: ``schedule`` (a schedule class of
+    ``torch.distributed.pipelining``: ``ScheduleGPipe``, ``Schedule1F1B``,
+    ``ScheduleInterleaved1F1B``, ...) and ``microbatches`` (the micro-batches
+    each step splits the batch into); the mesh then has a dimension named
+    ``pipeline`` (``"pp"``), and ``apply`` returns the rank's ``PipelineStage``
+    (or a list of them, for a schedule of several stages per rank), built as
+    the training code builds it.
     """
 
     mesh: Mapping[str, int]
-    apply: Callable[[nn.Module, Any], nn.Module]
+    apply: Callable[[nn.Module, Any], Any]
     rank: int | Literal["max"] = 0
+    schedule: type | None = None
+    microbatches: int | None = None
+    pipeline: str = "pp"
     _shape: tuple[tuple[str, int], ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -85,6 +97,7 @@ class Parallel:
                 "apply=lambda model, mesh: DistributedDataParallel(model, "
                 f"process_group=mesh.get_group()), got {type(self.apply).__name__}"
             )
+        self._check_schedule()
         rank = self.rank
         if rank != "max" and (isinstance(rank, bool) or not isinstance(rank, int)):
             raise TypeError(f"Parallel(rank=...) must be an int or 'max', got {rank!r}")
@@ -94,9 +107,50 @@ class Parallel:
                 f"ranks run from 0 to {self.world - 1}"
             )
 
+    def _check_schedule(self) -> None:
+        if self.schedule is None:
+            if self.microbatches is not None:
+                raise ValueError(
+                    "Parallel(microbatches=...) is the micro-batch count of a pipeline schedule; "
+                    "pass the schedule too, e.g. schedule=torch.distributed.pipelining.ScheduleGPipe"
+                )
+            return
+        from pytest_torchmem.engine.pipeline import check_schedule
+
+        check_schedule(self.schedule, self.microbatches, self.pipeline, dict(self._shape))
+
     def __reduce__(self) -> tuple[Any, ...]:
         # the mesh is a read-only view, which does not pickle (spawned ranks get a copy)
-        return (Parallel, (dict(self._shape), self.apply, self.rank))
+        return (
+            Parallel,
+            (dict(self._shape), self.apply, self.rank, self.schedule, self.microbatches, self.pipeline),
+        )
+
+    @property
+    def pipelined(self) -> bool:
+        """Whether the run is pipeline parallel (a schedule was given)."""
+        return self.schedule is not None
+
+    def coordinates(self, rank: int) -> dict[str, int]:
+        """Rank ``rank``'s coordinate along each dimension of the mesh."""
+        coords: dict[str, int] = {}
+        rest = rank
+        for name, size in reversed(self._shape):
+            coords[name] = rest % size
+            rest //= size
+        return {name: coords[name] for name, _ in self._shape}
+
+    def rank_at(self, coordinates: Mapping[str, int]) -> int:
+        """The rank at ``coordinates`` (one per dimension)."""
+        rank = 0
+        for name, size in self._shape:
+            rank = rank * size + coordinates[name]
+        return rank
+
+    def pipeline_peers(self, rank: int) -> list[int]:
+        """The ranks of ``rank``'s pipeline, stage by stage (its own among them)."""
+        coords = self.coordinates(rank)
+        return [self.rank_at({**coords, self.pipeline: stage}) for stage in range(self.mesh[self.pipeline])]
 
     @property
     def world(self) -> int:
@@ -116,8 +170,12 @@ class Parallel:
 
     @property
     def key(self) -> str:
-        """The mesh as text, ``"dp=2,tp=4"``: how snapshot entries tell meshes apart."""
-        return ",".join(f"{name}={size}" for name, size in self._shape)
+        """The mesh as text, ``"dp=2,tp=4"``: how snapshot entries tell meshes apart; a
+        pipeline's schedule and micro-batches follow (``"pp=2,dp=2,Schedule1F1Bx4"``)."""
+        mesh = ",".join(f"{name}={size}" for name, size in self._shape)
+        if self.schedule is None:
+            return mesh
+        return f"{mesh},{self.schedule.__name__}x{self.microbatches}"
 
     def ranks(self) -> list[int]:
         """The ranks to trace: the one asked for, or every rank for ``"max"``."""
@@ -237,10 +295,11 @@ class _MetaDeviceHandle(types.ModuleType):
     Event = torch.cpu.Event
     StreamContext = torch.cpu.StreamContext
 
-    def __init__(self, streamed: Callable[[int], int]) -> None:
+    def __init__(self) -> None:
         super().__init__("torch.meta")
         self._default = _MetaStream()
-        self._streamed = streamed
+        #: Each tracing thread's ``streamed`` (a pipeline's ranks trace on threads of their own).
+        self._streamed: dict[int, Callable[[int], int]] = {}
         self._next_pool = FIRST_STREAM_POOL
 
     def Stream(self, priority: int = -1) -> _MetaStream:  # noqa: N802 - torch.cuda.Stream's place
@@ -265,12 +324,13 @@ class _MetaDeviceHandle(types.ModuleType):
             yield
             return
         pool = stream.pool if isinstance(stream, _MetaStream) else 0
-        before = self._streamed(pool)
+        streamed = self._streamed.get(threading.get_ident(), lambda pool: 0)
+        before = streamed(pool)
         try:
             with torch.cpu.stream(stream):
                 yield
         finally:
-            self._streamed(before)
+            streamed(before)
 
     @staticmethod
     def synchronize(device: Any = None) -> None:
@@ -293,15 +353,29 @@ class _MetaDeviceHandle(types.ModuleType):
 def _device_handle(device_type: str, streamed: Callable[[int], int]) -> Iterator[None]:
     """``torch.meta`` for the block when the trace is on ``meta`` (the fake cuda device),
     and FSDP2's refusal of parameters on ``meta`` lifted."""
-    if device_type != "meta" or hasattr(torch, "meta"):
+    if device_type != "meta":
         yield
         return
     from pytest_torchmem.engine.torch_replacing import replacing
 
+    thread = threading.get_ident()
+    handle = getattr(torch, "meta", None)
+    if isinstance(handle, _MetaDeviceHandle):  # another rank of a pipeline, on its own thread
+        handle._streamed[thread] = streamed
+        try:
+            yield
+        finally:
+            del handle._streamed[thread]
+        return
+    if handle is not None:
+        yield
+        return
     # the traced tensors are on meta: FSDP2 takes them for parameters not yet materialized
     validate = "torch.distributed.fsdp._fully_shard._fsdp_param_group.FSDPParamGroup._validate_no_meta_params"
+    handle = _MetaDeviceHandle()
+    handle._streamed[thread] = streamed
     # (torch has no attribute meta: the table's entry is marked added, and it is deleted after)
-    with replacing(validate, lambda self: None), replacing("torch.meta", _MetaDeviceHandle(streamed)):
+    with replacing(validate, lambda self: None), replacing("torch.meta", handle):
         yield
 
 
@@ -327,7 +401,25 @@ def _fake_tensor_checks_skipped() -> Iterator[None]:
         with disabled():
             return propagated(self, op_schema)
 
-    with replacing(verify, lambda *args, **kwargs: None), replacing(propagate, unseen):
+    mesh_class = private("torch.distributed.device_mesh.DeviceMesh")
+    slice_mesh = mesh_class.__getitem__
+    mesh_tensor = mesh_class.mesh.fget
+
+    def sub_mesh(self: Any, names: Any) -> Any:
+        with disabled():
+            return slice_mesh(self, names)
+
+    def mesh_of(self: Any) -> Any:
+        with disabled():
+            return mesh_tensor(self)
+
+    with (
+        replacing(verify, lambda *args, **kwargs: None),
+        replacing(propagate, unseen),
+        # a mesh's bookkeeping (its ranks, a dimension's sub-mesh: mesh["dp"]) is real tensors
+        replacing("torch.distributed.device_mesh.DeviceMesh.__getitem__", sub_mesh),
+        replacing("torch.distributed.device_mesh.DeviceMesh.mesh", property(mesh_of)),
+    ):
         yield
 
 
@@ -371,9 +463,10 @@ def _storage_resizes_seen(resized: Callable[[torch.Tensor], None]) -> Iterator[N
     """FSDP2 frees an unsharded parameter with ``storage.resize_(0)`` and makes it
     again with ``storage.resize_(nbytes)``: storage methods, not ops, so they are
     reported to ``resized`` as they happen."""
-    from pytest_torchmem.engine.torch_replacing import replacing
+    from pytest_torchmem.engine.torch_replacing import on_this_thread
 
     fsdp = "torch.distributed.fsdp._fully_shard."
+    # on this thread only: a pipeline's ranks trace on threads of their own, each told of its own
     free = private(fsdp + "_fsdp_param.free_storage")
     alloc = private(fsdp + "_fsdp_param.alloc_storage")
 
@@ -386,9 +479,9 @@ def _storage_resizes_seen(resized: Callable[[torch.Tensor], None]) -> Iterator[N
         resized(tensor)
 
     with (
-        replacing(fsdp + "_fsdp_param.free_storage", free_storage),
-        replacing(fsdp + "_fsdp_param.alloc_storage", alloc_storage),
-        replacing(fsdp + "_fsdp_param_group.alloc_storage", alloc_storage),
+        on_this_thread(fsdp + "_fsdp_param.free_storage", free_storage),
+        on_this_thread(fsdp + "_fsdp_param.alloc_storage", alloc_storage),
+        on_this_thread(fsdp + "_fsdp_param_group.alloc_storage", alloc_storage),
     ):
         yield
 
@@ -409,8 +502,13 @@ def model_copy(model: nn.Module, model_tensors: ModelTensors, standins: Mapping[
 
 
 def applied(parallel: Parallel, model: nn.Module, mesh: Any) -> nn.Module:
-    """Run ``parallel.apply`` on ``model`` and check what it returns."""
+    """Run ``parallel.apply`` on ``model`` and check what it returns (a pipeline's
+    stages: in a :class:`~pytest_torchmem.engine.pipeline.Pipelined` module)."""
     result = parallel.apply(model, mesh)
+    if parallel.pipelined:
+        from pytest_torchmem.engine.pipeline import Pipelined
+
+        return Pipelined.of(result, parallel)
     if not isinstance(result, nn.Module):
         raise TypeError(
             "Parallel(apply=...) must return the parallelized model (an nn.Module), "

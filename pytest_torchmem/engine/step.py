@@ -19,6 +19,7 @@ from torch import nn
 from pytest_torchmem.engine.containers import tensors_in
 from pytest_torchmem.engine.parallel import local_tensors
 from pytest_torchmem.engine.phases import naming_phases
+from pytest_torchmem.engine.pipeline import Pipelined
 from pytest_torchmem.engine.report import ROOT_NAME, Category
 from pytest_torchmem.engine.step_function import StepFunction, run_function
 from pytest_torchmem.engine.timeline import Phase
@@ -310,6 +311,11 @@ def _run_step(
             model, args, kwargs, leaves=[*parameters, *inputs], optimizers=optimizers, probe=probe, repeat=repeat
         )
         return
+    if not train and isinstance(model, Pipelined):
+        raise StepArgumentError(
+            "train=False with Parallel(schedule=...) is not supported yet: a pipeline rank's "
+            "step is its schedule's training step; check the forward of one stage without schedule="
+        )
     if not train:
         probe.set_phase(Phase.FORWARD)
         for iteration in range(1, (repeat or 1) + 1):
@@ -412,15 +418,20 @@ def _train_iteration(
 ) -> None:
     """One iteration of the training loop: forward, loss, backward, the optimizer step and
     ``zero_grad(set_to_none=True)``; its locals (the loss, the output it holds) die on return."""
-    probe.set_phase(Phase.FORWARD, iteration)
-    output = _call(model, args, kwargs)
-    loss = (loss_fn or default_loss)(output)
-    held = output if keep_output else None
-    del output
-    _check_loss(loss)
+    if isinstance(model, Pipelined):
+        # the schedule runs the rank's forwards and backwards, its losses held to the end
+        held = model.run(args, kwargs, loss_fn, probe, iteration)
+        loss = None
+    else:
+        probe.set_phase(Phase.FORWARD, iteration)
+        output = _call(model, args, kwargs)
+        loss = (loss_fn or default_loss)(output)
+        held = output if keep_output else None
+        del output
+        _check_loss(loss)
 
-    probe.set_phase(Phase.BACKWARD, iteration)
-    loss.backward()
+        probe.set_phase(Phase.BACKWARD, iteration)
+        loss.backward()
     probe.assign_role(
         Category.GRADIENTS,
         local_tensors(t.grad for t in trainable + inputs if t.grad is not None),

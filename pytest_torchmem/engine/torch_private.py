@@ -36,6 +36,7 @@ from pytest_torchmem.engine.torch_release import (
 
 __all__ = [
     "COLLECTIVES",
+    "P2P_FUNCTIONS",
     "PRIVATE",
     "Private",
     "TorchPrivateError",
@@ -65,6 +66,18 @@ COLLECTIVES: Final = (
     "reduce_scatter_tensor",
     "_all_gather_base",
     "_reduce_scatter_base",
+)
+
+#: The point-to-point functions of ``torch.distributed`` a pipeline's stages call, each
+#: delivered between the threads of a pipeline's ranks (tracing/pipeline_group.py).
+P2P_FUNCTIONS: Final = (
+    "send",
+    "recv",
+    "isend",
+    "irecv",
+    "batch_isend_irecv",
+    "send_object_list",
+    "recv_object_list",
 )
 
 #: The table: private path -> its entry.
@@ -158,6 +171,17 @@ PRIVATE: Final = table(
             "torch.cuda.set_device",
             "torch.cuda.synchronize",
         )
+    ),
+    *(
+        Private(
+            path,
+            "torch.random.fork_rng saves and restores the GPU generator's state (a pipeline "
+            "stage's metadata inference): a host tensor on the tracing thread, whoever asks "
+            "(gpu_view)",
+            replaced=True,
+            thread_scoped=True,
+        )
+        for path in ("torch.cuda.get_rng_state", "torch.cuda.set_rng_state")
     ),
     Private(
         "torch.cuda.amp.common.amp_definitely_not_available",
@@ -261,16 +285,19 @@ PRIVATE: Final = table(
         "torch.distributed.fsdp._fully_shard._fsdp_param.free_storage",
         "FSDP2 frees an unsharded parameter with storage.resize_(0), which no dispatch mode sees",
         replaced=True,
+        thread_scoped=True,
     ),
     Private(
         "torch.distributed.fsdp._fully_shard._fsdp_param.alloc_storage",
         "FSDP2 makes an unsharded parameter again with storage.resize_(nbytes), unseen as its free",
         replaced=True,
+        thread_scoped=True,
     ),
     Private(
         "torch.distributed.fsdp._fully_shard._fsdp_param_group.alloc_storage",
         "the same function as _fsdp_param.alloc_storage, imported by name into the group's module",
         replaced=True,
+        thread_scoped=True,
     ),
     Private(
         "torch.meta",
@@ -291,6 +318,57 @@ PRIVATE: Final = table(
         )
         for home in ("", ".distributed_c10d")
         for name in COLLECTIVES
+    ),
+    *(
+        Private(
+            f"torch.distributed{home}.{name}",
+            f"{name}, as Python code calls it from torch.distributed{home}: the estimate of a "
+            "pipeline rank delivers it between the threads of the pipeline's ranks "
+            "(tracing/pipeline_group.py)",
+            replaced=True,
+        )
+        for home in ("", ".distributed_c10d")
+        for name in P2P_FUNCTIONS
+    ),
+    Private(
+        "torch.distributed.pipelining.schedules._PipelineSchedule",
+        "the base of every pipelining schedule: what Parallel(schedule=...) accepts (pipeline.py)",
+    ),
+    Private(
+        "torch.distributed.pipelining.stage._PipelineStageBase",
+        "the base of every pipeline stage: what apply returns under Parallel(schedule=...) "
+        "(pipeline.py)",
+    ),
+    Private(
+        "torch.distributed.device_mesh.DeviceMesh",
+        "a device mesh, whose bookkeeping (sub-meshes, the mesh tensor) runs on real tensors",
+    ),
+    Private(
+        "torch.distributed.device_mesh.DeviceMesh.__getitem__",
+        "a dimension's sub-mesh (mesh['dp']) in apply, computed from the mesh's real integer "
+        "tensors with every mode off (parallel._fake_tensor_checks_skipped)",
+        replaced=True,
+    ),
+    Private(
+        "torch.distributed.device_mesh.DeviceMesh.mesh",
+        "the mesh tensor, computed from the mesh's real integer tensors with every mode off",
+        replaced=True,
+    ),
+    Private(
+        "torch.distributed.distributed_c10d._world",
+        "the process's process groups: made thread-local while a pipeline's ranks trace on "
+        "threads of their own (tracing/pipeline_group.py)",
+        replaced=True,
+    ),
+    Private(
+        "torch.testing._internal.distributed.multi_threaded_pg.ThreadLocalWorld",
+        "a world of process groups of each thread's own, as torch's threaded tests make it "
+        "(tracing/pipeline_group.py)",
+    ),
+    Private(
+        "torch._C._distributed_c10d._set_thread_isolation_mode",
+        "process groups registered by name per thread (each pipeline rank's thread makes "
+        "groups of the same names; tracing/pipeline_group.py)",
     ),
     Private(
         "torch._C._distributed_c10d._create_work_from_future",

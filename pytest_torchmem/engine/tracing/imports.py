@@ -85,7 +85,8 @@ class _Finder(MetaPathFinder):
     def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
         for finder in sys.meta_path:
             find = getattr(finder, "find_spec", None)
-            if finder is self or find is None:
+            # (another trace's finder, where a pipeline's ranks trace on threads: one wraps)
+            if isinstance(finder, _Finder) or find is None:
                 continue
             spec = find(name, path, target)
             if spec is None:

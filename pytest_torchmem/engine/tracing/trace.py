@@ -163,6 +163,25 @@ def _traced(
     from pytest_torchmem.engine.distributed import settle_autograd_threads
 
     settle_autograd_threads()  # before the first fake mode: measure(parallel=...)'s ranks fork
+    if parallel is not None and parallel.pipelined:
+        traces = _traced_pipeline(
+            model,
+            args,
+            kwargs,
+            parallel,
+            rank,
+            device=device,
+            loss_fn=loss_fn,
+            optimizer=optimizer,
+            train=train,
+            keep_output=keep_output,
+            gpu=gpu,
+            cpu=cpu,
+            record_frames=record_frames,
+            repeat=repeat,
+            at_iteration_end=at_iteration_end,
+        )
+        return traces[rank]
     # compiled modules run inductor's program (on cuda: built by inductor's cuda backend);
     # compiled functions and optimizer steps are followed on cpu
     found = compiled_modules(model) if parallel is None else CompiledModules()
@@ -194,6 +213,63 @@ def _traced(
     if follows_functions and not found and met is not None:
         traced, _ = once(follow=True, warm=met != Phase.STEP)
     return traced
+
+
+def _traced_pipeline(
+    model: nn.Module,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    parallel: Parallel,
+    rank: int,
+    **options: Any,
+) -> dict[int, Trace]:
+    """The traces of every rank of ``rank``'s pipeline, each traced on a thread of its own
+    (pipeline_group.py), by rank."""
+    import threading
+
+    from pytest_torchmem.engine.tracing.pipeline_group import PipelineGroup, PipelinePeerFailed
+
+    ranks = parallel.pipeline_peers(rank)
+    group = PipelineGroup(ranks)
+    traces: dict[int, Trace] = {}
+    failures: dict[int, BaseException] = {}
+
+    def run(index: int, peer: int) -> None:
+        try:
+            with one_step("tm.estimate()"):
+                traced, _ = _trace(
+                    model,
+                    args,
+                    kwargs,
+                    found=CompiledModules(),
+                    follow=False,
+                    warm=False,
+                    parallel=parallel,
+                    rank=peer,
+                    turn=lambda layers: group.layered(index, layers),
+                    **options,
+                )
+            traces[peer] = traced
+        except BaseException as exc:  # noqa: BLE001 (handed to the calling thread)
+            failures[peer] = exc
+            group.fail(exc)
+        finally:
+            group.finished()
+
+    with group.delivering():
+        threads = [
+            threading.Thread(target=run, args=(index, peer), name=f"torchmem-pipeline-rank-{peer}", daemon=True)
+            for index, peer in enumerate(ranks)
+        ]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    if failures:
+        first = group.failed
+        failure = failures.get(rank)
+        raise (first if failure is None or isinstance(failure, PipelinePeerFailed) else failure) or failure
+    return traces
 
 
 def trace_request(request: StepRequest, gpu: Any = None, cpu: Any = None, **options: Any) -> Trace:
@@ -238,6 +314,7 @@ def _trace(
     rank: int,
     repeat: int | None = None,
     at_iteration_end: Callable[[int, Tracker], None] | None = None,
+    turn: Callable[[Any], Any] | None = None,
 ) -> tuple[Trace, Phase | None]:
     """One trace (see :func:`trace`); ``follow``: follow the compiled regions (``found``,
     and the compiled functions the step calls); ``warm``: build them in a warm-up step
@@ -355,7 +432,8 @@ def _trace(
             gpu=gpu,
         )
         try:
-            with entered(device.layers, scene) as layers:
+            layered = entered(device.layers, scene)
+            with turn(layered) if turn is not None else layered as layers:
                 parameters = standins.parameters
                 if parallel is not None:
                     mesh = layers[FAKE_WORLD.name]

@@ -61,7 +61,7 @@ import torch.cuda.amp.common
 
 from pytest_torchmem.engine.gpu_profiles import GpuProfile
 from pytest_torchmem.engine.torch_private import present, private
-from pytest_torchmem.engine.torch_replacing import appending, replacing
+from pytest_torchmem.engine.torch_replacing import appending, on_this_thread, replacing
 from pytest_torchmem.engine.tracing.imports import importing
 
 __all__ = [
@@ -170,6 +170,13 @@ def gpu_view(profile: Any) -> Iterator[None]:
         "torch.cuda.set_device": lambda device: None,
         "torch.cuda.synchronize": lambda device=None: None,
     }
+    # The generator's state, as torch's own torch.random.fork_rng saves and restores it (a
+    # pipeline stage's metadata inference), on the tracing thread whoever asks: a host
+    # tensor, which the GPU's memory does not count.
+    on_the_thread: dict[str, Callable[..., Any]] = {
+        "torch.cuda.get_rng_state": lambda device="cuda": torch.zeros(16, dtype=torch.uint8),
+        "torch.cuda.set_rng_state": lambda new_state, device="cuda": None,
+    }
 
     def answering(answer: Callable[..., Any], real: list[Callable[..., Any]]) -> Callable[..., Any]:
         def query(*args: Any, **kwargs: Any) -> Any:
@@ -188,6 +195,8 @@ def gpu_view(profile: Any) -> Iterator[None]:
             query = answering(answer, real)
             real.append(replaced.enter_context(replacing(path, query)))
             functools.update_wrapper(query, real[0])
+        for path, answer in on_the_thread.items():
+            replaced.enter_context(on_this_thread(path, answer))
         replaced.enter_context(torch_decides_as_on_the_gpu())
         replaced.enter_context(autocast_opens_cuda_regions(profile))
         yield

@@ -1,0 +1,298 @@
+"""The ranks of one pipeline traced together: a thread per stage, their sends and receives delivered.
+
+A rank of a pipeline-parallel run does not run alone: the first step of a
+schedule agrees on the stages' metadata with the neighbouring stages (the
+shapes of the activations each receives; from torch 2.12, a vote on how to
+infer them), and every micro-batch's activations and gradients go from one
+stage to the next. On a fake process group a receive gets nothing, so one
+rank's trace cannot go on by itself. The estimate of a pipeline rank traces
+every rank of its pipeline (the ranks that share its coordinates on the
+other dimensions of the mesh), each on a thread of its own with its own fake
+mode, tracker and process group (``torch.distributed``'s world made
+thread-local, as torch's own threaded tests make it), and delivers what one
+sends to the other:
+
+- a tensor: its shape and dtype are checked against the receiving buffer
+  (a mismatch is the program's error, as a real run's garbled data would
+  be), and the values the sender's trace knows (a vote, an object's size)
+  become the receiver's;
+- an object (``send_object_list``): the object itself, copied.
+
+Every collective of the other dimensions runs on each thread's fake process
+group as on a lone rank's. The threads run the user's schedule as it is
+written; what makes them wait is only a receive whose send has not come. A
+rank that fails stops the others (their receives raise), and a pipeline
+whose every rank waits for a message no rank will send is reported as such.
+
+The trace's contexts (layers.py) are entered by each thread in stage order,
+all before any step starts, and left in the reverse order once every step
+ended: the replacements of torch's functions nest, each thread's own ones
+acting on its thread only (``on_this_thread``).
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, ExitStack, contextmanager
+from typing import Any, Final
+
+import torch
+
+from pytest_torchmem.engine.torch_private import P2P_FUNCTIONS, private
+
+__all__ = ["PipelineDeadlock", "PipelineGroup", "PipelinePeerFailed"]
+
+_get_current_dispatch_mode_stack: Final = private("torch.utils._python_dispatch._get_current_dispatch_mode_stack")
+
+
+class PipelinePeerFailed(RuntimeError):
+    """Another rank of the pipeline failed, so this one's receive will never come."""
+
+
+class PipelineDeadlock(RuntimeError):
+    """Every rank of the pipeline waits for a message no rank sends."""
+
+
+class _Done:
+    """A completed (or, for a receive, completing on ``wait``) piece of work. A send's
+    work holds its tensor as long as the work lives, as a process group's does (gloo's
+    ``SendWork`` keeps the tensor it sends; NCCL's work its outputs)."""
+
+    def __init__(self, finish: Callable[[], None] | None = None, holds: torch.Tensor | None = None) -> None:
+        self._finish = finish
+        self._holds = holds
+
+    def wait(self, timeout: Any = None) -> bool:
+        if self._finish is not None:
+            finish, self._finish = self._finish, None
+            finish()
+        return True
+
+    def is_completed(self) -> bool:
+        return self._finish is None
+
+    def is_success(self) -> bool:
+        return True
+
+    def exception(self) -> None:
+        return None
+
+    def get_future(self) -> Any:
+        future: torch.futures.Future[Any] = torch.futures.Future()
+        future.set_result(None)
+        return future
+
+
+class PipelineGroup:
+    """The threads of one pipeline's ranks: their messages, turns and failures."""
+
+    def __init__(self, ranks: Sequence[int]) -> None:
+        self.ranks = list(ranks)
+        self._cond = threading.Condition()
+        self._boxes: dict[tuple[int, int], deque[Any]] = {}
+        self._entered = 0
+        #: The ranks (by index) inside their contexts.
+        self._inside: set[int] = set()
+        self._waiting = 0
+        self._alive = len(self.ranks)
+        self._waits: dict[str, tuple[str, Callable[[], bool]]] = {}
+        self.failed: BaseException | None = None
+
+    # -- failures and waiting ---------------------------------------------------
+
+    def _wait_for(self, ready: Callable[[], bool], what: str) -> None:
+        """Wait (holding the condition) until ``ready()``; raise where no rank can make it so."""
+        self._waiting += 1
+        self._waits[threading.current_thread().name] = (what, ready)
+        try:
+            while not ready():
+                if self.failed is not None:
+                    raise PipelinePeerFailed(
+                        f"another rank of the pipeline failed while this one waited for {what}"
+                    ) from None
+                # (a waiter whose wait is over, but which has not woken yet, will go on)
+                if self._waiting >= self._alive and not any(r() for _, r in self._waits.values()):
+                    waits = "; ".join(f"{name} for {it}" for name, (it, _) in sorted(self._waits.items()))
+                    self.failed = PipelineDeadlock(
+                        f"every rank of the pipeline {self.ranks} waits ({waits}): the "
+                        "stages' schedules do not send what the others receive; check that every "
+                        "rank builds the same schedule and that each stage's index is its "
+                        "pipeline coordinate"
+                    )
+                    self._cond.notify_all()
+                    raise self.failed
+                self._cond.wait()
+        finally:
+            self._waiting -= 1
+            self._waits.pop(threading.current_thread().name, None)
+
+    def fail(self, exc: BaseException) -> None:
+        with self._cond:
+            if self.failed is None:
+                self.failed = exc
+            self._cond.notify_all()
+
+    def finished(self) -> None:
+        """A rank's thread ends (done or failed): the others no longer count on it."""
+        with self._cond:
+            self._alive -= 1
+            self._cond.notify_all()
+
+    # -- turns of the contexts ---------------------------------------------------
+
+    @contextmanager
+    def layered(self, index: int, layers: AbstractContextManager[Any]) -> Iterator[Any]:
+        """Enter ``layers`` in stage order, wait until every rank entered, and leave them in
+        the reverse order once the later stages left theirs."""
+        with self._cond:
+            self._wait_for(lambda: self._entered == index, "its turn to set up")
+        with layers as value:
+            with self._cond:
+                self._inside.add(index)
+                self._entered += 1
+                self._cond.notify_all()
+            try:
+                with self._cond:
+                    self._wait_for(lambda: self._entered == len(self.ranks), "the other ranks to set up")
+                yield value
+            except BaseException as exc:
+                self.fail(exc)  # before this rank waits to leave: the others stop waiting for it
+                raise
+            finally:
+                with self._cond:
+                    # leaving is never refused for a peer's failure: the contexts unwind in order
+                    self._alive -= 1  # a rank waiting to leave sends nothing more
+                    self._cond.notify_all()
+                    while any(other > index for other in self._inside):
+                        self._cond.wait()
+                    self._alive += 1
+                    self._inside.discard(index)
+                    self._cond.notify_all()
+
+    # -- messages ------------------------------------------------------------------
+
+    def post(self, src: int, dst: int, payload: Any) -> None:
+        with self._cond:
+            self._boxes.setdefault((src, dst), deque()).append(payload)
+            self._cond.notify_all()
+
+    def take(self, src: int, dst: int) -> Any:
+        with self._cond:
+            box = self._boxes.setdefault((src, dst), deque())
+            self._wait_for(lambda: bool(box), f"a message from rank {src}")
+            return box.popleft()
+
+    # -- torch.distributed's point-to-point functions, delivered -----------------------
+
+    @contextmanager
+    def delivering(self) -> Iterator[None]:
+        """``torch.distributed``'s point-to-point functions deliver between the threads for
+        the block (and a thread-local world of process groups), entered once for all."""
+        import torch.distributed as dist
+        from torch.distributed import distributed_c10d
+
+        from pytest_torchmem.engine.torch_replacing import replacing
+
+        world = private("torch.testing._internal.distributed.multi_threaded_pg.ThreadLocalWorld")
+        isolation = private("torch._C._distributed_c10d._set_thread_isolation_mode")
+        functions = self._functions()
+        with ExitStack() as stack:
+            stack.enter_context(replacing("torch.distributed.distributed_c10d._world", world()))
+            isolation(True)
+            stack.callback(isolation, False)
+            for module in (dist, distributed_c10d):
+                for name in P2P_FUNCTIONS:
+                    stack.enter_context(replacing(f"{module.__name__}.{name}", functions[name]))
+            yield
+
+    def _functions(self) -> dict[str, Callable[..., Any]]:
+        import torch.distributed as dist
+
+        def peer(rank: Any, group: Any, group_rank: Any) -> int:
+            if rank is not None:
+                return int(rank)
+            if group is None:
+                return int(group_rank)
+            return int(dist.get_global_rank(group, group_rank))
+
+        def isend(tensor: torch.Tensor, dst: Any = None, group: Any = None, tag: int = 0, group_dst: Any = None) -> _Done:
+            self.post(dist.get_rank(), peer(dst, group, group_dst), ("tensor", _sent(tensor)))
+            return _Done(holds=tensor)
+
+        def irecv(tensor: torch.Tensor, src: Any = None, group: Any = None, tag: int = 0, group_src: Any = None) -> _Done:
+            me, source = dist.get_rank(), peer(src, group, group_src)
+            return _Done(lambda: _received(tensor, self.take(source, me), source))
+
+        def send(tensor: torch.Tensor, dst: Any = None, group: Any = None, tag: int = 0, group_dst: Any = None) -> None:
+            isend(tensor, dst, group, tag, group_dst)
+
+        def recv(tensor: torch.Tensor, src: Any = None, group: Any = None, tag: int = 0, group_src: Any = None) -> int:
+            irecv(tensor, src, group, tag, group_src).wait()
+            return peer(src, group, group_src)
+
+        def batch_isend_irecv(ops: list[Any]) -> list[_Done]:
+            # the sends first: a batch's receives may wait for a peer's batch that waits for them
+            works = [isend(op.tensor, op.peer, op.group, op.tag) for op in ops if op.op is isend]
+            works += [irecv(op.tensor, op.peer, op.group, op.tag) for op in ops if op.op is irecv]
+            return works
+
+        def send_object_list(objects: list[Any], dst: Any = None, group: Any = None, device: Any = None, group_dst: Any = None, **_: Any) -> None:
+            self.post(dist.get_rank(), peer(dst, group, group_dst), ("objects", copy.deepcopy(objects)))
+
+        def recv_object_list(objects: list[Any], src: Any = None, group: Any = None, device: Any = None, group_src: Any = None, **_: Any) -> int:
+            source = peer(src, group, group_src)
+            kind, got = self.take(source, dist.get_rank())
+            if kind != "objects" or len(got) != len(objects):
+                raise RuntimeError(
+                    f"rank {dist.get_rank()} received {kind} from rank {source} where it expected "
+                    f"{len(objects)} objects: the stages' schedules do not match"
+                )
+            objects[:] = got
+            return 0
+
+        return {
+            "send": send,
+            "recv": recv,
+            "isend": isend,
+            "irecv": irecv,
+            "batch_isend_irecv": batch_isend_irecv,
+            "send_object_list": send_object_list,
+            "recv_object_list": recv_object_list,
+        }
+
+
+def _tracker() -> Any:
+    from pytest_torchmem.engine.tracing.tracker import Tracker
+
+    for mode in reversed(_get_current_dispatch_mode_stack()):
+        if isinstance(mode, Tracker):
+            return mode
+    return None
+
+
+def _sent(tensor: torch.Tensor) -> tuple[tuple[int, ...], torch.dtype, torch.Tensor | None]:
+    tracker = _tracker()
+    value = tracker.values.of(tensor) if tracker is not None else None
+    return tuple(tensor.shape), tensor.dtype, None if value is None else value.clone()
+
+
+def _received(tensor: torch.Tensor, message: tuple[str, Any], source: int) -> None:
+    kind, payload = message
+    if kind != "tensor":
+        raise RuntimeError(f"received {kind} from rank {source} where a tensor was expected")
+    shape, dtype, value = payload
+    if shape != tuple(tensor.shape) or dtype != tensor.dtype:
+        raise RuntimeError(
+            f"rank {source} sent a tensor of shape {list(shape)} ({dtype}) into a buffer of shape "
+            f"{list(tensor.shape)} ({tensor.dtype}): the stages do not agree on what passes between them"
+        )
+    tracker = _tracker()
+    if tracker is None:
+        return
+    if value is None:
+        tracker.values.forget(tensor)
+    else:
+        tracker.values.know(tensor, value)

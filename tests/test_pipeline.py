@@ -1,0 +1,200 @@
+"""Pipeline parallel: ``Parallel(schedule=..., microbatches=...)``, one rank of a
+``torch.distributed.pipelining`` run.
+
+The estimate traces every rank of the rank's pipeline on threads of its own,
+their sends and receives delivered (engine/tracing/pipeline_group.py); the
+ground truth is ``measure(parallel=...)``: the ranks as real gloo processes
+running the same schedule. Figures are compared byte for byte, every rank,
+every phase.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from fingerprint import fingerprint
+from test_parallel import _a_real_run_equal_to, _peaks
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import pytest_torchmem as tm
+
+pytestmark = pytest.mark.skipif(
+    not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
+    reason="needs torch.distributed with gloo",
+)
+
+WIDTH = 64
+BATCH = 16
+MICRO_BATCHES = 4
+
+
+def _schedules() -> dict[str, type]:
+    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
+
+    return {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B}
+
+
+class Layers(nn.Module):
+    def __init__(self, n: int = 4) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.ModuleList([nn.Linear(WIDTH, WIDTH) for _ in range(n)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.relu(layer(x))
+        return x
+
+
+def split(model: Layers, mesh: object, data_parallel: bool = False) -> object:
+    """The rank's stage, as a training script builds it: its share of the layers, wrapped
+    in DDP over the data-parallel dimension where there is one."""
+    from torch.distributed.pipelining import PipelineStage
+
+    pp = mesh["pp"]  # type: ignore[index]
+    stage, stages = pp.get_local_rank(), pp.size()
+    per = len(model.layers) // stages
+    model.layers = nn.ModuleList(list(model.layers)[stage * per : (stage + 1) * per])
+    module: nn.Module = model
+    if data_parallel:
+        module = DDP(model, process_group=mesh["dp"].get_group())  # type: ignore[index]
+    device = torch.device("cuda" if mesh.device_type == "meta" else "cpu")  # type: ignore[attr-defined]
+    return PipelineStage(module, stage, stages, device, group=pp.get_group())
+
+
+def _sgd(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=0.1)
+
+
+@pytest.mark.parametrize("schedule", ["GPipe", "1F1B"])
+def test_two_stages_equal_real_gloo_ranks(schedule: str) -> None:
+    model, x = Layers(), torch.randn(BATCH, WIDTH)
+    before = fingerprint(model, x)
+    for rank in (0, 1):
+        parallel = tm.Parallel(
+            mesh={"pp": 2}, apply=split, rank=rank, schedule=_schedules()[schedule], microbatches=MICRO_BATCHES
+        )
+        estimated = tm.estimate(model, (x,), optimizer=_sgd, parallel=parallel)
+        measured = _a_real_run_equal_to(
+            estimated, lambda: tm.measure(model, (x,), optimizer=_sgd, parallel=parallel)
+        )
+        assert estimated.breakdown == measured.breakdown
+    assert fingerprint(model, x) == before
+
+
+def test_pipeline_by_data_parallel_equals_real_gloo_ranks() -> None:
+    """pp=2 × dp=2, 1F1B, each stage in DDP over its data-parallel group, AdamW."""
+    model, x = Layers(), torch.randn(BATCH, WIDTH)
+    before = fingerprint(model, x)
+    apply = functools.partial(split, data_parallel=True)
+    for rank in range(4):
+        parallel = tm.Parallel(
+            mesh={"pp": 2, "dp": 2}, apply=apply, rank=rank, schedule=_schedules()["1F1B"], microbatches=4
+        )
+        adamw = functools.partial(torch.optim.AdamW, lr=1e-3)
+        estimated = tm.estimate(model, (x,), optimizer=adamw, parallel=parallel)
+        _a_real_run_equal_to(estimated, lambda: tm.measure(model, (x,), optimizer=adamw, parallel=parallel))
+    assert fingerprint(model, x) == before
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_1f1b_holds_fewer_micro_batches_than_gpipe(device: str) -> None:
+    """By hand: stage 0 of two, four micro-batches of 4 × 64 fp32. Each of its two layers
+    keeps its ReLU's output (1,024 B) for backward until the micro-batch's backward: GPipe
+    runs all four forwards first, 1F1B two (the stages' count less the rank) before its
+    first backward, so the first stage's forward peak is 2 × 2 × 1,024 B lower; on cuda
+    each 1,024 B is a 1,024 B block of the caching allocator (a multiple of 512)."""
+    model, x = Layers(), torch.randn(BATCH, WIDTH)
+    peaks = {
+        name: tm.estimate(
+            model,
+            (x,),
+            device=device,
+            optimizer=_sgd,
+            parallel=tm.Parallel(mesh={"pp": 2}, apply=split, rank=0, schedule=schedule, microbatches=4),
+        ).forward_peak
+        for name, schedule in _schedules().items()
+    }
+    assert peaks["GPipe"] - peaks["1F1B"] == (4 - 2) * 2 * 1024
+
+
+def test_every_stage_on_the_fake_cuda_device() -> None:
+    model, x = Layers(), torch.randn(BATCH, WIDTH)
+    before = fingerprint(model, x)
+    reports = [
+        tm.estimate(
+            model,
+            (x,),
+            device="cuda",
+            optimizer=_sgd,
+            parallel=tm.Parallel(
+                mesh={"pp": 2, "dp": 2},
+                apply=functools.partial(split, data_parallel=True),
+                rank=rank,
+                schedule=_schedules()["1F1B"],
+                microbatches=4,
+            ),
+        )
+        for rank in range(4)
+    ]
+    # ranks that differ only by their data-parallel coordinate hold the same
+    assert _peaks(reports[0]) == _peaks(reports[1])
+    assert _peaks(reports[2]) == _peaks(reports[3])
+    assert fingerprint(model, x) == before
+
+
+# -- what is refused, in one line ----------------------------------------------------
+
+
+def test_a_schedule_must_be_a_pipelining_schedule_class() -> None:
+    with pytest.raises(TypeError, match="schedule class of torch.distributed.pipelining"):
+        tm.Parallel(mesh={"pp": 2}, apply=split, schedule="1F1B", microbatches=4)
+
+
+def test_a_schedule_needs_its_micro_batches() -> None:
+    with pytest.raises(ValueError, match="needs microbatches="):
+        tm.Parallel(mesh={"pp": 2}, apply=split, schedule=_schedules()["GPipe"])
+    with pytest.raises(ValueError, match="pass the schedule too"):
+        tm.Parallel(mesh={"pp": 2}, apply=split, microbatches=4)
+
+
+def test_the_mesh_needs_a_pipeline_dimension() -> None:
+    with pytest.raises(ValueError, match="no pipeline dimension 'pp'"):
+        tm.Parallel(mesh={"dp": 2}, apply=split, schedule=_schedules()["GPipe"], microbatches=4)
+
+
+def test_apply_must_return_a_stage() -> None:
+    parallel = tm.Parallel(
+        mesh={"pp": 2}, apply=lambda model, mesh: model, schedule=_schedules()["GPipe"], microbatches=4
+    )
+    with pytest.raises(TypeError, match="must return the rank's pipeline stage"):
+        tm.estimate(Layers(), (torch.randn(BATCH, WIDTH),), optimizer=_sgd, parallel=parallel)
+
+
+def test_ranks_that_wait_for_each_other_are_reported() -> None:
+    """Two ranks each receive before they send: the group says so instead of hanging."""
+    import threading
+
+    from pytest_torchmem.engine.tracing.pipeline_group import PipelineDeadlock, PipelineGroup, PipelinePeerFailed
+
+    group = PipelineGroup([0, 1])
+    raised: list[BaseException] = []
+
+    def rank(me: int) -> None:
+        try:
+            group.take(1 - me, me)
+        except (PipelineDeadlock, PipelinePeerFailed) as exc:
+            raised.append(exc)
+        finally:
+            group.finished()
+
+    threads = [threading.Thread(target=rank, args=(me,)) for me in (0, 1)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(raised) == 2
+    assert any(isinstance(exc, PipelineDeadlock) and "a message from rank" in str(exc) for exc in raised)
