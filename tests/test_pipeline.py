@@ -20,11 +20,17 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import pytest_torchmem as tm
+from pytest_torchmem.engine.torch_release import torch_minor
 
 pytestmark = pytest.mark.skipif(
     not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
     reason="needs torch.distributed with gloo",
 )
+
+#: The releases whose pipelining the estimate follows; it refuses the others
+#: (test_other_releases_are_refused).
+FOLLOWED = (2, 12) <= torch_minor() <= (2, 13)
+follows_pipelining = pytest.mark.skipif(not FOLLOWED, reason="the estimate follows the pipelining of torch 2.12 and 2.13")
 
 WIDTH = 64
 BATCH = 16
@@ -69,6 +75,7 @@ def _sgd(params: list[nn.Parameter]) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=0.1)
 
 
+@follows_pipelining
 @pytest.mark.parametrize("schedule", ["GPipe", "1F1B"])
 def test_two_stages_equal_real_gloo_ranks(schedule: str) -> None:
     model, x = Layers(), torch.randn(BATCH, WIDTH)
@@ -85,6 +92,7 @@ def test_two_stages_equal_real_gloo_ranks(schedule: str) -> None:
     assert fingerprint(model, x) == before
 
 
+@follows_pipelining
 def test_pipeline_by_data_parallel_equals_real_gloo_ranks() -> None:
     """pp=2 × dp=2, 1F1B, each stage in DDP over its data-parallel group, AdamW."""
     model, x = Layers(), torch.randn(BATCH, WIDTH)
@@ -100,6 +108,7 @@ def test_pipeline_by_data_parallel_equals_real_gloo_ranks() -> None:
     assert fingerprint(model, x) == before
 
 
+@follows_pipelining
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
 def test_1f1b_holds_fewer_micro_batches_than_gpipe(device: str) -> None:
     """By hand: stage 0 of two, four micro-batches of 4 × 64 fp32. Each of its two layers
@@ -121,6 +130,7 @@ def test_1f1b_holds_fewer_micro_batches_than_gpipe(device: str) -> None:
     assert peaks["GPipe"] - peaks["1F1B"] == (4 - 2) * 2 * 1024
 
 
+@follows_pipelining
 def test_every_stage_on_the_fake_cuda_device() -> None:
     model, x = Layers(), torch.randn(BATCH, WIDTH)
     before = fingerprint(model, x)
@@ -166,6 +176,7 @@ def test_the_mesh_needs_a_pipeline_dimension() -> None:
         tm.Parallel(mesh={"dp": 2}, apply=split, schedule=_schedules()["GPipe"], microbatches=4)
 
 
+@follows_pipelining
 def test_apply_must_return_a_stage() -> None:
     parallel = tm.Parallel(
         mesh={"pp": 2}, apply=lambda model, mesh: model, schedule=_schedules()["GPipe"], microbatches=4
@@ -198,3 +209,10 @@ def test_ranks_that_wait_for_each_other_are_reported() -> None:
         thread.join()
     assert len(raised) == 2
     assert any(isinstance(exc, PipelineDeadlock) and "a message from rank" in str(exc) for exc in raised)
+
+
+@pytest.mark.skipif(FOLLOWED, reason="this release's pipelining is followed")
+def test_other_releases_are_refused() -> None:
+    parallel = tm.Parallel(mesh={"pp": 2}, apply=split, schedule=_schedules()["GPipe"], microbatches=4)
+    with pytest.raises(NotImplementedError, match="follows the pipelining of torch 2.12 and 2.13"):
+        tm.estimate(Layers(), (torch.randn(BATCH, WIDTH),), optimizer=_sgd, parallel=parallel)

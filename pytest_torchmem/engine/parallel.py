@@ -337,6 +337,10 @@ class _MetaDeviceHandle(types.ModuleType):
         return None
 
     @staticmethod
+    def is_initialized() -> bool:
+        return True
+
+    @staticmethod
     def device_count() -> int:
         return 1
 

@@ -33,6 +33,7 @@ acting on its thread only (``on_this_thread``).
 from __future__ import annotations
 
 import copy
+import math
 import threading
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
@@ -284,7 +285,8 @@ def _received(tensor: torch.Tensor, message: tuple[str, Any], source: int) -> No
     if kind != "tensor":
         raise RuntimeError(f"received {kind} from rank {source} where a tensor was expected")
     shape, dtype, value = payload
-    if shape != tuple(tensor.shape) or dtype != tensor.dtype:
+    # (a process group moves bytes: a 0-d tensor fills a buffer of one element)
+    if math.prod(shape) * dtype.itemsize != tensor.numel() * tensor.element_size():
         raise RuntimeError(
             f"rank {source} sent a tensor of shape {list(shape)} ({dtype}) into a buffer of shape "
             f"{list(tensor.shape)} ({tensor.dtype}): the stages do not agree on what passes between them"
@@ -292,7 +294,7 @@ def _received(tensor: torch.Tensor, message: tuple[str, Any], source: int) -> No
     tracker = _tracker()
     if tracker is None:
         return
-    if value is None:
+    if value is None or dtype != tensor.dtype:
         tracker.values.forget(tensor)
     else:
-        tracker.values.know(tensor, value)
+        tracker.values.know(tensor, value.reshape(tensor.shape))
