@@ -152,7 +152,7 @@ class Pipelined(nn.Module):
             step_kwargs = kwargs if self.has_first else {}
             options: dict[str, Any] = {}
             if self.has_last:
-                options = {"target": self._target(args, kwargs), "losses": losses}
+                options = {"target": self._target(), "losses": losses}
             output = self._schedule.step(*step_args, **options, **step_kwargs)
             del output
         finally:
@@ -162,8 +162,7 @@ class Pipelined(nn.Module):
             probe.set_phase(Phase.BACKWARD, iteration)
         return losses
 
-    def _target(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor:
+    def _target(self) -> torch.Tensor:
         """The target the schedule splits for the loss: empty (no bytes), one row per
         micro-batch; the loss is ``loss_fn`` of the output alone."""
-        device = self._stages[-1].device
-        return torch.empty((self._microbatches, 0), device=device)
+        return torch.empty((self._microbatches, 0), device=self._stages[-1].device)

@@ -163,25 +163,21 @@ def _traced(
     from pytest_torchmem.engine.distributed import settle_autograd_threads
 
     settle_autograd_threads()  # before the first fake mode: measure(parallel=...)'s ranks fork
+    # the options of every trace of the step, whichever way it is traced
+    options: dict[str, Any] = dict(
+        device=device,
+        loss_fn=loss_fn,
+        optimizer=optimizer,
+        train=train,
+        keep_output=keep_output,
+        gpu=gpu,
+        cpu=cpu,
+        record_frames=record_frames,
+        repeat=repeat,
+        at_iteration_end=at_iteration_end,
+    )
     if parallel is not None and parallel.pipelined:
-        traces = _traced_pipeline(
-            model,
-            args,
-            kwargs,
-            parallel,
-            rank,
-            device=device,
-            loss_fn=loss_fn,
-            optimizer=optimizer,
-            train=train,
-            keep_output=keep_output,
-            gpu=gpu,
-            cpu=cpu,
-            record_frames=record_frames,
-            repeat=repeat,
-            at_iteration_end=at_iteration_end,
-        )
-        return traces[rank]
+        return _traced_pipeline(model, args, kwargs, parallel, rank, **options)[rank]
     # compiled modules run inductor's program (on cuda: built by inductor's cuda backend);
     # compiled functions and optimizer steps are followed on cpu
     found = compiled_modules(model) if parallel is None else CompiledModules()
@@ -189,24 +185,7 @@ def _traced(
 
     def once(follow: bool, warm: bool) -> tuple[Trace, Phase | None]:
         return _trace(
-            model,
-            args,
-            kwargs,
-            found=found,
-            follow=follow,
-            warm=warm,
-            device=device,
-            loss_fn=loss_fn,
-            optimizer=optimizer,
-            train=train,
-            keep_output=keep_output,
-            gpu=gpu,
-            cpu=cpu,
-            record_frames=record_frames,
-            parallel=parallel,
-            rank=rank,
-            repeat=repeat,
-            at_iteration_end=at_iteration_end,
+            model, args, kwargs, found=found, follow=follow, warm=warm, parallel=parallel, rank=rank, **options
         )
 
     traced, met = once(follow=bool(found), warm=bool(found))
