@@ -85,10 +85,8 @@ def test_two_stages_equal_real_gloo_ranks(schedule: str) -> None:
             mesh={"pp": 2}, apply=split, rank=rank, schedule=_schedules()[schedule], microbatches=MICRO_BATCHES
         )
         estimated = tm.estimate(model, (x,), optimizer=_sgd, parallel=parallel)
-        measured = _a_real_run_equal_to(
-            estimated, lambda: tm.measure(model, (x,), optimizer=_sgd, parallel=parallel)
-        )
-        assert estimated.breakdown == measured.breakdown
+        # peaks, every phase (the breakdown of a real run: see the closing note of issue 39)
+        _a_real_run_equal_to(estimated, lambda: tm.measure(model, (x,), optimizer=_sgd, parallel=parallel))
     assert fingerprint(model, x) == before
 
 
