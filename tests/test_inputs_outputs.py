@@ -18,7 +18,7 @@ from torch import nn
 
 import pytest_torchmem as tm
 from pytest_torchmem.engine.containers import map_tensors, tensors_in
-from pytest_torchmem.engine.step import default_loss
+from pytest_torchmem.engine.loss import default_loss
 
 F32 = 4
 

@@ -44,7 +44,7 @@ from torch.utils.checkpoint import checkpoint
 
 from pytest_torchmem.engine.containers import map_tensors, tensors_in
 from pytest_torchmem.engine.fitting import Figure, resolved_target
-from pytest_torchmem.engine.step import default_loss
+from pytest_torchmem.engine.loss import default_loss
 from pytest_torchmem.engine.stopped import TraceStopped
 from pytest_torchmem.engine.units import format_bytes
 

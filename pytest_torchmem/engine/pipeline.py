@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from pytest_torchmem.engine.loss import check_loss, default_loss
 from pytest_torchmem.engine.timeline import Phase
 from pytest_torchmem.engine.torch_private import private
 
@@ -104,10 +105,8 @@ class Pipelined(nn.Module):
         raise TypeError("a pipeline rank runs its schedule's step, not a forward (Pipelined.run)")
 
     def _micro_batch_loss(self, output: Any, target: Any) -> torch.Tensor:
-        from pytest_torchmem.engine.step import _check_loss, default_loss
-
         loss = (self._loss or default_loss)(output)
-        _check_loss(loss)
+        check_loss(loss)
         return loss
 
     @property

@@ -10,13 +10,14 @@ up as gradients and optimizer state).
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Final, Protocol
 
 import torch
 from torch import nn
 
 from pytest_torchmem.engine.containers import tensors_in
+from pytest_torchmem.engine.loss import check_loss, default_loss
 from pytest_torchmem.engine.parallel import local_tensors
 from pytest_torchmem.engine.phases import naming_phases
 from pytest_torchmem.engine.pipeline import Pipelined
@@ -33,7 +34,6 @@ __all__ = [
     "Probe",
     "QuietProbe",
     "StepArgumentError",
-    "default_loss",
     "module_names",
     "run_step",
 ]
@@ -107,41 +107,6 @@ class NoModules:
 
     def __exit__(self, *exc: object) -> None:
         return None
-
-
-def default_loss(output: Any) -> torch.Tensor:
-    """``output.loss`` (attribute or key) when it is a scalar tensor, else the sum of
-    every floating-point tensor in ``output`` (in tuples, lists, mappings, dataclasses,
-    named tuples, ``ModelOutput`` objects, nested)."""
-    loss = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)
-    if isinstance(loss, torch.Tensor) and loss.numel() == 1:
-        return loss
-    floats = [t for t in tensors_in(output) if t.is_floating_point()]
-    if not floats:
-        raise ValueError(
-            f"the model's output ({type(output).__name__}) holds no floating-point tensor "
-            "to sum as a loss; pass loss_fn=... to say how to reduce it"
-        )
-    total = floats[0].sum()
-    for t in floats[1:]:
-        total = total + t.sum()
-    return total
-
-
-def _check_loss(loss: Any) -> None:
-    if not isinstance(loss, torch.Tensor):
-        raise TypeError(f"loss_fn must return a scalar tensor, got {type(loss).__name__}")
-    if loss.numel() != 1:
-        raise ValueError(
-            f"loss_fn must return a scalar tensor, got one of shape {tuple(loss.shape)}; "
-            "reduce it, e.g. with .sum() or .mean()"
-        )
-    if not loss.requires_grad:
-        raise ValueError(
-            "the loss does not require grad, so there is nothing to backpropagate: "
-            "no parameter or input that requires grad reached it (pass train=False "
-            "to trace the forward only)"
-        )
 
 
 class ModuleTracker:
@@ -428,7 +393,7 @@ def _train_iteration(
         loss = (loss_fn or default_loss)(output)
         held = output if keep_output else None
         del output
-        _check_loss(loss)
+        check_loss(loss)
 
         probe.set_phase(Phase.BACKWARD, iteration)
         loss.backward()
