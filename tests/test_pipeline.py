@@ -103,6 +103,9 @@ def test_pipeline_by_data_parallel_equals_real_gloo_ranks() -> None:
         adamw = functools.partial(torch.optim.AdamW, lr=1e-3)
         estimated = tm.estimate(model, (x,), optimizer=adamw, parallel=parallel)
         _a_real_run_equal_to(estimated, lambda: tm.measure(model, (x,), optimizer=adamw, parallel=parallel))
+        # DDP's one "module in forward" (ranks' forwards interleave on threads): as it was,
+        # else every later torch.compile splits its graphs for a rank's fake DDP module
+        assert DDP._get_active_ddp_module() is None
     assert fingerprint(model, x) == before
 
 

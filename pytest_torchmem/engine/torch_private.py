@@ -361,6 +361,18 @@ PRIVATE: Final = table(
         replaced=True,
     ),
     Private(
+        "torch.nn.parallel.distributed.DistributedDataParallel._inside_ddp_forward",
+        "DDP's forward marks its module active in one class attribute: made per thread while "
+        "a pipeline's ranks trace on threads (their forwards interleave; tracing/pipeline_group.py)",
+        replaced=True,
+    ),
+    Private(
+        "torch.nn.parallel.distributed.DistributedDataParallel._get_active_ddp_module",
+        "the DDP module in forward, as dynamo asks for it: the thread's own while a pipeline's "
+        "ranks trace on threads (tracing/pipeline_group.py)",
+        replaced=True,
+    ),
+    Private(
         "torch.testing._internal.distributed.multi_threaded_pg.ThreadLocalWorld",
         "a world of process groups of each thread's own, as torch's threaded tests make it "
         "(tracing/pipeline_group.py)",

@@ -207,6 +207,7 @@ class PipelineGroup:
             for module in (dist, distributed_c10d):
                 for name in P2P_FUNCTIONS:
                     stack.enter_context(replacing(f"{module.__name__}.{name}", functions[name]))
+            stack.enter_context(_ddp_forward_per_thread())
             yield
 
     def _functions(self) -> dict[str, Callable[..., Any]]:
@@ -263,6 +264,34 @@ class PipelineGroup:
             "send_object_list": send_object_list,
             "recv_object_list": recv_object_list,
         }
+
+
+@contextmanager
+def _ddp_forward_per_thread() -> Iterator[None]:
+    """DDP's "module in forward" (which dynamo reads to split a compiled graph at its
+    buckets) of each thread's own: torch keeps it in one class attribute, saved and
+    restored around each forward, and ranks' forwards interleaved on threads would leave
+    one rank's DDP module there after the estimate (every later ``torch.compile`` then
+    splits its graphs for it)."""
+    from pytest_torchmem.engine.torch_replacing import replacing
+
+    local = threading.local()
+
+    @contextmanager
+    def inside_ddp_forward(module: Any) -> Iterator[None]:
+        before = getattr(local, "active", None)
+        local.active = module
+        try:
+            yield
+        finally:
+            local.active = before
+
+    ddp = "torch.nn.parallel.distributed.DistributedDataParallel"
+    with (
+        replacing(f"{ddp}._inside_ddp_forward", inside_ddp_forward),
+        replacing(f"{ddp}._get_active_ddp_module", classmethod(lambda cls: getattr(local, "active", None))),
+    ):
+        yield
 
 
 def _tracker() -> Any:
