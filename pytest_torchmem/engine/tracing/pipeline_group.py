@@ -44,6 +44,8 @@ import torch
 
 from pytest_torchmem.engine.torch_private import P2P_FUNCTIONS, private
 
+_no_modes: Final = private("torch.utils._python_dispatch._disable_current_modes")
+
 __all__ = ["PipelineDeadlock", "PipelineGroup", "PipelinePeerFailed"]
 
 _get_current_dispatch_mode_stack: Final = private("torch.utils._python_dispatch._get_current_dispatch_mode_stack")
@@ -242,7 +244,9 @@ class PipelineGroup:
             return works
 
         def send_object_list(objects: list[Any], dst: Any = None, group: Any = None, device: Any = None, group_dst: Any = None, **_: Any) -> None:
-            self.post(dist.get_rank(), peer(dst, group, group_dst), ("objects", copy.deepcopy(objects)))
+            with _no_modes():  # the objects' tensors (none, in torch's own use) out of the trace
+                sent = copy.deepcopy(objects)
+            self.post(dist.get_rank(), peer(dst, group, group_dst), ("objects", sent))
 
         def recv_object_list(objects: list[Any], src: Any = None, group: Any = None, device: Any = None, group_src: Any = None, **_: Any) -> int:
             source = peer(src, group, group_src)
@@ -304,9 +308,15 @@ def _tracker() -> Any:
 
 
 def _sent(tensor: torch.Tensor) -> tuple[tuple[int, ...], torch.dtype, torch.Tensor | None]:
+    """What a send delivers: the tensor's shape, dtype and real value where the trace
+    knows it (a copy, made with every mode off: the rank's trace never sees it, and
+    nothing it holds waits on when the receiving thread takes the message)."""
     tracker = _tracker()
     value = tracker.values.of(tensor) if tracker is not None else None
-    return tuple(tensor.shape), tensor.dtype, None if value is None else value.clone()
+    if value is None:
+        return tuple(tensor.shape), tensor.dtype, None
+    with _no_modes():
+        return tuple(tensor.shape), tensor.dtype, value.clone()
 
 
 def _received(tensor: torch.Tensor, message: tuple[str, Any], source: int) -> None:
@@ -326,4 +336,6 @@ def _received(tensor: torch.Tensor, message: tuple[str, Any], source: int) -> No
     if value is None or dtype != tensor.dtype:
         tracker.values.forget(tensor)
     else:
-        tracker.values.know(tensor, value.reshape(tensor.shape))
+        with _no_modes():
+            value = value.reshape(tensor.shape)
+        tracker.values.know(tensor, value)
