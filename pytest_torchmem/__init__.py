@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING, Any, Final
 
 if TYPE_CHECKING:
     from pytest_torchmem.engine.advice import Advice, Suggestion, advise
-    from pytest_torchmem.engine.api import estimate, measure
+    from pytest_torchmem.engine.api import estimate, every_rank, measure
+    from pytest_torchmem.engine.distinct_ranks import RankFigures
     from pytest_torchmem.engine.fitting import Fit, GpuRoom, Probe, fit, rank_gpus
     from pytest_torchmem.engine.gpu_profiles import GpuProfile
     from pytest_torchmem.engine.leaks.check import leaks
@@ -43,6 +44,7 @@ __all__ = [
     "leaks",
     "fit",
     "rank_gpus",
+    "every_rank",
     "advise",
     "Fit",
     "GpuRoom",
@@ -53,6 +55,7 @@ __all__ = [
     "LeakReport",
     "LeakSource",
     "Parallel",
+    "RankFigures",
     "Category",
     "ModulePeak",
     "StepPeaks",
@@ -85,6 +88,8 @@ _LAZY: Final = {
     "Suggestion": "pytest_torchmem.engine.advice",
     "MemoryReport": "pytest_torchmem.engine.report",
     "Parallel": "pytest_torchmem.engine.parallel",
+    "every_rank": "pytest_torchmem.engine.api",
+    "RankFigures": "pytest_torchmem.engine.distinct_ranks",
     "phase": "pytest_torchmem.engine.phases",
     "Category": "pytest_torchmem.engine.report",
     "ModulePeak": "pytest_torchmem.engine.report",

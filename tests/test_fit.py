@@ -19,7 +19,8 @@ from hypothesis import strategies as st
 from torch import nn
 
 import pytest_torchmem as tm
-from pytest_torchmem.engine.fitting import CUDA_CONTEXT, _search, usable_memory
+from pytest_torchmem.engine.fitting import _search
+from pytest_torchmem.engine.gpu_profiles import CUDA_CONTEXT, usable_memory
 from pytest_torchmem.engine.gpu_profiles import PROFILES
 
 _MiB = 1 << 20

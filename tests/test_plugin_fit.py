@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import pytest_torchmem as tm
-from pytest_torchmem.engine.fitting import usable_memory
+from pytest_torchmem.engine.gpu_profiles import usable_memory
 from pytest_torchmem.engine.gpu_profiles import PROFILES
 
 pytest_plugins = ("pytester",)

@@ -49,7 +49,7 @@ def test_public_names_are_the_defining_modules() -> None:
     run_python(
         """
         import pytest_torchmem as tm
-        from pytest_torchmem.engine import advice, api, fitting, gpu_profiles, leaks, parallel, phases, report, stopped, torch_release, units, world
+        from pytest_torchmem.engine import advice, api, distinct_ranks, fitting, gpu_profiles, leaks, parallel, phases, report, stopped, torch_release, units, world
         from pytest_torchmem.engine.leaks import check
         from pytest_torchmem.engine.tracing.devices.cpu import profiles
 
@@ -60,6 +60,7 @@ def test_public_names_are_the_defining_modules() -> None:
             "leaks",
             "fit",
             "rank_gpus",
+            "every_rank",
             "advise",
             "Fit",
             "GpuRoom",
@@ -70,6 +71,7 @@ def test_public_names_are_the_defining_modules() -> None:
             "LeakReport",
             "LeakSource",
             "Parallel",
+            "RankFigures",
             "Category",
             "ModulePeak",
             "StepPeaks",
@@ -82,7 +84,7 @@ def test_public_names_are_the_defining_modules() -> None:
             "parse_bytes",
             "format_bytes",
         ], tm.__all__
-        modules = (torch_release, api, stopped, world, advice, fitting, check, leaks, parallel, phases, report, units, profiles, gpu_profiles)
+        modules = (torch_release, api, stopped, world, advice, fitting, check, leaks, parallel, distinct_ranks, phases, report, units, profiles, gpu_profiles)
         for name in tm.__all__:
             defining = next(m for m in modules if hasattr(m, name))
             assert getattr(tm, name) is getattr(defining, name), name

@@ -42,6 +42,7 @@ def _warm() -> None:
     # pytester's in-process runs restore sys.modules after each run; what the parallel
     # trace imports (DTensor, DDP, torch.library registrations) must be imported first.
     _expected(2)
+    import torch.distributed.pipelining  # noqa: F401 - registers pippy's ops once
 
 
 @pytest.fixture(autouse=True)
@@ -190,3 +191,133 @@ def test_twice(torchmem):
     stored = _stored(pytester)
     assert sorted(stored["test_it"]) == ["a", "a @ dp=2 rank=0", "a @ dp=4 rank=0"]
     assert list(stored["test_twice"]) == ["a @ dp=2 rank=0"]
+
+
+UNEVEN = """
+import pytest
+import torch
+from torch import nn
+from torch.distributed.fsdp import fully_shard
+import pytest_torchmem as tm
+
+torch.manual_seed(0)
+MODEL, X = nn.Sequential(nn.Sequential(nn.Linear(16, 5), nn.ReLU(), nn.Linear(5, 16))), torch.randn(4, 16)
+
+def fsdp(model, mesh):
+    for block in model:
+        fully_shard(block, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+def adamw(params):
+    return torch.optim.AdamW(params, lr=1e-3)
+"""
+
+
+@pytest.mark.parametrize("where", ["marker", "call"])
+def test_rank_max_records_the_worst_distinct_rank(pytester: pytest.Pytester, where: str) -> None:
+    # FSDP2 over 4 ranks of 5 rows (2, 2, 1, 0): ranks differ, and the entry is the worst's
+    marker, rank = ('@pytest.mark.memory_budget(rank="max")', "") if where == "marker" else ("", ', rank="max"')
+    pytester.makepyfile(
+        test_m=UNEVEN
+        + f"""
+{marker}
+def test_it(torchmem):
+    torchmem.check(MODEL, X, optimizer=adamw, parallel=tm.Parallel({{"dp": 4}}, fsdp{rank}))
+"""
+    )
+    assert pytester.runpytest_inprocess("--torchmem-update").ret == 0
+    stored = _stored(pytester)["test_it"]
+    assert list(stored) == ["default @ dp=4 rank=max"]
+    torch.manual_seed(0)
+    model, x = nn.Sequential(nn.Sequential(nn.Linear(16, 5), nn.ReLU(), nn.Linear(5, 16))), torch.randn(4, 16)
+
+    def fsdp(model: nn.Module, mesh: object) -> nn.Module:
+        from torch.distributed.fsdp import fully_shard
+
+        for block in model:
+            fully_shard(block, mesh=mesh)
+        return fully_shard(model, mesh=mesh)
+
+    for device, options in (("cpu", {"cpu": "avx2:4"}), ("cuda", {})):
+        figures = tm.every_rank(
+            model,
+            x,
+            device=device,
+            optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3),
+            parallel=tm.Parallel({"dp": 4}, fsdp),
+            **options,  # type: ignore[arg-type]
+        )
+        assert len(figures) > 1
+        worst = figures[0].report
+        entry = stored["default @ dp=4 rank=max"][device]
+        assert (entry["forward_peak"], entry["backward_peak"], entry["step_peak"]) == (
+            worst.forward_peak,
+            worst.backward_peak,
+            worst.step_peak,
+        )
+        assert entry.get("reserved_peak") == worst.reserved_peak
+    assert pytester.runpytest_inprocess().ret == 0
+
+
+PIPELINE = """
+import pytest
+import torch
+from torch import nn
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+import pytest_torchmem as tm
+
+torch.manual_seed(0)
+MODEL, X = nn.Sequential(*[nn.Linear(64, 64) for _ in range(4)]), torch.randn(16, 64)
+
+def split(model, mesh):
+    pp = mesh["pp"]
+    stage, stages = pp.get_local_rank(), pp.size()
+    mine = nn.Sequential(*list(model)[stage * 2 : stage * 2 + 2])
+    device = torch.device("cuda" if mesh.device_type == "meta" else "cpu")
+    return PipelineStage(mine, stage, stages, device, group=pp.get_group())
+
+def sgd(params):
+    return torch.optim.SGD(params, lr=0.1)
+"""
+
+
+def test_the_marker_keeps_a_pipelines_schedule(pytester: pytest.Pytester) -> None:
+    from test_pipeline import follows_pipelining
+
+    if follows_pipelining.args[0]:
+        pytest.skip(follows_pipelining.kwargs["reason"])
+    pytester.makeini("[pytest]\ntorchmem_devices = cpu\n")
+    pytester.makepyfile(
+        test_m=PIPELINE
+        + """
+@pytest.mark.memory_budget(rank=1)
+def test_it(torchmem):
+    torchmem.check(MODEL, X, optimizer=sgd, parallel=tm.Parallel({"pp": 2}, split, schedule=Schedule1F1B, microbatches=4))
+"""
+    )
+    assert pytester.runpytest_inprocess("--torchmem-update").ret == 0
+    stored = _stored(pytester)["test_it"]
+    assert list(stored) == ["default @ pp=2,Schedule1F1Bx4 rank=1"]
+    entry = stored["default @ pp=2,Schedule1F1Bx4 rank=1"]["cpu"]
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+    torch.manual_seed(0)
+    model, x = nn.Sequential(*[nn.Linear(64, 64) for _ in range(4)]), torch.randn(16, 64)
+
+    def split(model: nn.Sequential, mesh: Any) -> Any:
+        pp = mesh["pp"]
+        stage = pp.get_local_rank()
+        return PipelineStage(nn.Sequential(*list(model)[stage * 2 : stage * 2 + 2]), stage, 2, torch.device("cpu"), group=pp.get_group())
+
+    report = tm.estimate(
+        model,
+        x,
+        optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
+        cpu="avx2:4",
+        parallel=tm.Parallel({"pp": 2}, split, rank=1, schedule=Schedule1F1B, microbatches=4),
+    )
+    assert (entry["forward_peak"], entry["backward_peak"], entry["step_peak"]) == (
+        report.forward_peak,
+        report.backward_peak,
+        report.step_peak,
+    )

@@ -1,14 +1,16 @@
-"""``python -m pytest_torchmem fit`` and ``rank``: what fits, from the command line.
+"""``python -m pytest_torchmem fit``, ``rank`` and ``ranks``: what fits, from the command line.
 
-Both name a factory, ``module:function`` or ``path/to/file.py:function``, that
+Each names a factory, ``module:function`` or ``path/to/file.py:function``, that
 takes no argument and returns ``(model, inputs_for)`` or ``(model, inputs_for,
 options)``: the model (or a step function), a function from a size to its inputs,
 and :func:`~pytest_torchmem.estimate`'s keyword options (``optimizer``,
 ``loss_fn``, ``keep_output``, ...). ``fit`` searches the largest size that fits
 each GPU or the budget (:func:`~pytest_torchmem.fit`), printing a progress line
 per estimate to stderr; ``rank`` estimates one size on each GPU and ranks them by
-headroom (:func:`~pytest_torchmem.rank_gpus`). torch is imported only here, when
-one of them runs.
+headroom (:func:`~pytest_torchmem.rank_gpus`); ``ranks`` estimates one size on
+every distinct rank of the options' ``parallel=`` and lists them, the worst first
+(:func:`~pytest_torchmem.every_rank`). torch is imported only here, when one of
+them runs.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from tabulate import tabulate
 
 from pytest_torchmem.engine.units import format_bytes, parse_bytes
 
-__all__ = ["FactoryError", "add_commands", "fit_command", "rank_command"]
+__all__ = ["FactoryError", "add_commands", "fit_command", "rank_command", "ranks_command"]
 
 
 class FactoryError(Exception):
@@ -98,6 +100,19 @@ def add_commands(commands: Any, formatter: type[argparse.HelpFormatter], exit_co
     rank.add_argument("--size", type=int, required=True, help="the size to estimate")
     _targets(rank)
     _output(rank)
+    ranks = commands.add_parser(
+        "ranks",
+        help="every distinct rank of a parallel run, the worst first: which runs out of memory first",
+        description=_ranks_help(prog, exit_codes),
+        formatter_class=formatter,
+    )
+    ranks.add_argument("factory", metavar="FACTORY", help=_FACTORY_HELP + "; options hold parallel=tm.Parallel(...)")
+    ranks.add_argument("--size", type=int, required=True, help="the size to estimate")
+    ranks.add_argument(
+        "--device", choices=("cuda", "cpu"), default="cuda", help="the fake device (default cuda)"
+    )
+    ranks.add_argument("--gpu", default=None, metavar="NAME", help="the GPU profile on cuda (default H100)")
+    _output(ranks)
 
 
 def _fit_help(prog: str, exit_codes: str) -> str:
@@ -138,6 +153,23 @@ examples:
   {prog} rank train.py:factory --size 16 --gpu T4,L4,A100-40GB --format markdown
 
 {exit_codes}"""
+
+
+def _ranks_help(prog: str, exit_codes: str) -> str:
+    return f"""\
+Estimate the step at one --size on every distinct rank of the factory's
+parallel=tm.Parallel(...) and list them, the worst first (on cuda the highest
+reserved peak, with the room it leaves on --gpu; on cpu the highest peak). A row
+stands for the ranks whose figures equal its own: the ranks of a data-parallel
+dimension are one row where they hold the same, a pipeline's stages one row each.
+The parallel's rank= is not read.
+
+examples:
+  {prog} ranks train.py:factory --size 8
+  {prog} ranks train.py:factory --size 8 --gpu A100-80GB --format markdown
+
+{exit_codes}
+  (ranks: 1 also when a rank does not fit --gpu)"""
 
 
 def _targets(parser: argparse.ArgumentParser) -> None:
@@ -277,6 +309,87 @@ def rank_command(args: argparse.Namespace) -> tuple[str, int]:
     ]
     headers = ["gpu", "fits", "usable", "reserved", "peak", "headroom"]
     return tabulate(table, headers=headers, tablefmt="github" if args.format == "markdown" else "simple", disable_numparse=True), 0
+
+
+# -- ranks --------------------------------------------------------------------------------------
+
+
+def ranks_command(args: argparse.Namespace) -> tuple[str, int]:
+    """Run ``ranks``; return its output and exit code (1: a rank does not fit the GPU)."""
+    from pytest_torchmem.engine.api import every_rank
+    from pytest_torchmem.engine.parallel import Parallel
+
+    if args.size < 1:
+        raise FactoryError(f"--size must be a positive integer, got {args.size}")
+    if args.gpu is not None:
+        if args.device != "cuda":
+            raise FactoryError("--gpu is for --device cuda")
+        _check_gpus([args.gpu])
+    model, inputs_for, options = _load(
+        args.factory, args.device, {"device": "give --device", "gpu": "give --gpu"}
+    )
+    parallel = options.pop("parallel", None)
+    if not isinstance(parallel, Parallel):
+        raise FactoryError(
+            f"{args.factory}: ranks needs the options to hold parallel=tm.Parallel(mesh=..., apply=...), "
+            f"got {'none' if parallel is None else type(parallel).__name__}"
+        )
+    with _libraries_quiet():
+        figures = every_rank(
+            model, inputs_for(args.size), parallel=parallel, device=args.device, gpu=args.gpu, **options
+        )
+    code = 1 if any(entry.fits is False for entry in figures) else 0
+    cuda = args.device == "cuda"
+    if args.format == "json":
+        rows = [
+            {
+                "rank": entry.rank,
+                "ranks": list(entry.ranks),
+                "coordinates": dict(entry.coordinates),
+                "forward_peak": entry.report.forward_peak,
+                "backward_peak": entry.report.backward_peak,
+                "step_peak": entry.report.step_peak,
+                "peak": entry.report.peak,
+                "reserved_peak": entry.report.reserved_peak,
+                "usable": entry.usable,
+                "headroom": entry.headroom,
+                "fits": entry.fits,
+            }
+            for entry in figures
+        ]
+        return json.dumps(rows, indent=2, sort_keys=True), code
+    size = _bytes_formatter(args.bytes)
+    table = []
+    for entry in figures:
+        report = entry.report
+        row = [
+            entry.rank,
+            ",".join(f"{name}={index}" for name, index in entry.coordinates.items()),
+            _ranks_cell(entry.ranks),
+            size(report.forward_peak),
+            size(report.backward_peak),
+            size(report.step_peak),
+            size(report.peak),
+        ]
+        if cuda:
+            assert report.reserved_peak is not None and entry.headroom is not None
+            row += [size(report.reserved_peak), size(entry.headroom), "yes" if entry.fits else "no"]
+        table.append(row)
+    headers = ["rank", "coordinates", "stands for", "forward", "backward", "step", "peak"]
+    if cuda:
+        headers += ["reserved", "headroom", "fits"]
+    return tabulate(table, headers=headers, tablefmt="github" if args.format == "markdown" else "simple", disable_numparse=True), code
+
+
+def _ranks_cell(ranks: Sequence[int]) -> str:
+    """The ranks a row stands for: runs of consecutive ranks as ``first-last``."""
+    runs: list[list[int]] = []
+    for rank in ranks:
+        if runs and rank == runs[-1][-1] + 1:
+            runs[-1].append(rank)
+        else:
+            runs.append([rank])
+    return ",".join(str(run[0]) if len(run) == 1 else f"{run[0]}-{run[-1]}" for run in runs)
 
 
 # -- shared -------------------------------------------------------------------------------------

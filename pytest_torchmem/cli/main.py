@@ -5,7 +5,7 @@ find what fits.
 reports as tables; ``diff`` compares two of them entry by entry with the
 plugin's own comparison, and exits 1 when a change goes beyond a
 ``--fail-on`` limit. Nothing of these imports torch or pytest: they start fast.
-``fit`` and ``rank`` (:mod:`pytest_torchmem.cli.fitting`) estimate steps, and
+``fit``, ``rank`` and ``ranks`` (:mod:`pytest_torchmem.cli.fitting`) estimate steps, and
 import torch when they run.
 """
 
@@ -20,7 +20,7 @@ from typing import Final, TextIO
 
 from pytest_torchmem import __version__
 from pytest_torchmem.cli.diffing import FailOn, FailOnError, Gate, diff_rows, parse_fail_on
-from pytest_torchmem.cli.fitting import FactoryError, add_commands, fit_command, rank_command
+from pytest_torchmem.cli.fitting import FactoryError, add_commands, fit_command, rank_command, ranks_command
 from pytest_torchmem.cli.listing import (
     SORT_KEYS,
     Style,
@@ -65,7 +65,8 @@ exit codes:
 
 _MAIN_HELP: Final = f"""\
 Show saved pytest-torchmem results, or compare two of them and gate CI on the change;
-find the largest size whose step fits a GPU, and rank GPUs by the room a step leaves.
+find the largest size whose step fits a GPU, rank GPUs by the room a step leaves,
+and list every distinct rank of a parallel run, the worst first.
 
 An input is a snapshot file (tests/__torchmem__/test_x.json), a directory (all
 the snapshot files under it, those of per-release directories such as
@@ -79,6 +80,7 @@ examples:
   {PROG} show tests/
   {PROG} diff base-report.json report.json --fail-on bwd:5%
   {PROG} fit train.py:factory --gpu A100-40GB --name batch
+  {PROG} ranks train.py:factory --size 8 --gpu H100
 
 {_EXIT_CODES}"""
 
@@ -286,6 +288,8 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
             text, code = fit_command(args, sys.stderr)
         elif args.command == "rank":
             text, code = rank_command(args)
+        elif args.command == "ranks":
+            text, code = ranks_command(args)
         else:
             text, code = _show(args) if args.command == "show" else _diff(args)
     except (InputError, UsageError, FactoryError) as exc:

@@ -1,4 +1,4 @@
-"""The public entry points: :func:`estimate` and :func:`measure`."""
+"""The public entry points: :func:`estimate`, :func:`measure` and :func:`every_rank`."""
 
 from __future__ import annotations
 
@@ -13,11 +13,12 @@ from pytest_torchmem.engine.torch_release import require_supported_torch
 if TYPE_CHECKING:  # imported when called, after the torch release is checked
     from torch import nn
 
+    from pytest_torchmem.engine.distinct_ranks import RankFigures
     from pytest_torchmem.engine.parallel import Parallel
     from pytest_torchmem.engine.step import LossFn, OptimizerFactory
     from pytest_torchmem.engine.tracing.devices.cpu.profiles import CpuProfile
 
-__all__ = ["estimate", "measure"]
+__all__ = ["estimate", "every_rank", "measure"]
 
 
 def estimate(
@@ -103,21 +104,49 @@ def estimate(
     )
     check_profiles(request.device, gpu, cpu)
     profile = gpu_profile(gpu) if request.device == "cuda" else None
-    _check_parallel(parallel, request.model)
+    check_parallel(parallel, request.model)
     request = as_compiled(request, parallel)
-    reports = [
-        trace_request(request, profile, cpu, parallel=parallel, rank=rank).report
-        for rank in (parallel.ranks() if parallel is not None else [0])
-    ]
-    return highest(reports)
+    if parallel is not None and parallel.rank == "max":
+        from pytest_torchmem.engine.distinct_ranks import request_ranks
+
+        return request_ranks(request, profile, cpu, parallel)[0].report
+    return trace_request(request, profile, cpu, parallel=parallel, rank=int(parallel.rank) if parallel else 0).report
 
 
-def highest(reports: list[MemoryReport]) -> MemoryReport:
-    """The report with the highest peak (the first of equal ones)."""
-    return max(reports, key=lambda report: report.peak)
+def every_rank(
+    model: nn.Module,
+    inputs: Any,
+    *,
+    parallel: Parallel,
+    device: str = "cpu",
+    loss_fn: LossFn | None = None,
+    optimizer: OptimizerFactory | None = None,
+    train: bool = True,
+    keep_output: bool = False,
+    gpu: str | GpuProfile | None = None,
+    cpu: str | CpuProfile | None = None,
+    compile: bool | Mapping[str, Any] | None = None,
+) -> tuple[RankFigures, ...]:
+    """The figures of every distinct rank of ``parallel``'s mesh, the worst first: the
+    rank that runs out of memory first (on cuda: the highest reserved peak, with the
+    room it leaves on ``gpu``; on cpu: the highest peak). Each entry lists the ranks it
+    stands for (those whose figures are equal to its own); ``parallel.rank`` is not read.
+
+    The options are :func:`estimate`'s; :mod:`~pytest_torchmem.engine.distinct_ranks`
+    says which ranks are traced."""
+    require_supported_torch()
+    from pytest_torchmem.engine.distinct_ranks import request_ranks
+    from pytest_torchmem.engine.request import as_compiled, step_request
+
+    request = step_request("every_rank", model, inputs, device, loss_fn, optimizer, train, keep_output, compile)
+    check_profiles(request.device, gpu, cpu)
+    if parallel is None:
+        raise TypeError("every_rank() needs parallel=tm.Parallel(mesh=..., apply=...)")
+    check_parallel(parallel, request.model)
+    return request_ranks(as_compiled(request, parallel), gpu, cpu, parallel)
 
 
-def _check_parallel(parallel: Any, model: Any = None) -> None:
+def check_parallel(parallel: Any, model: Any = None) -> None:
     from pytest_torchmem.engine.parallel import Parallel
     from pytest_torchmem.engine.step_function import StepFunction
 
@@ -175,7 +204,7 @@ def measure(
     request = step_request(
         "measure", model, inputs, device, loss_fn, optimizer, train, keep_output, compile
     )
-    _check_parallel(parallel, request.model)
+    check_parallel(parallel, request.model)
     return measure_step(as_compiled(dataclasses.replace(request, parallel=parallel)))
 
 

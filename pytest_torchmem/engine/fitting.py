@@ -28,27 +28,15 @@ from typing import TYPE_CHECKING, Any, Final, Literal
 
 from pytest_torchmem.engine.units import format_bytes, parse_bytes
 
+from pytest_torchmem.engine.gpu_profiles import usable_memory
+
 if TYPE_CHECKING:
     from pytest_torchmem.engine.report import MemoryReport
     from pytest_torchmem.engine.gpu_profiles import GpuProfile
 
-__all__ = ["Fit", "GpuRoom", "Probe", "fit", "rank_gpus", "usable_memory", "CUDA_CONTEXT"]
-
-#: Device memory a process loses before its first tensor: the CUDA context (the
-#: driver's per-process state, the kernels of torch's CUDA libraries as they load)
-#: is not allocated through the caching allocator, and is not modelled; this much
-#: is held back from a GPU's memory when asking whether a step fits. Measured
-#: contexts of torch on recent drivers with lazy module loading (CUDA 11.7+'s
-#: default) are 300 to 600 MiB; set ``GpuProfile``'s memory to what your
-#: ``torch.cuda.mem_get_info()`` reports free at start-up to be exact.
-CUDA_CONTEXT: Final = 512 << 20
+__all__ = ["Fit", "GpuRoom", "Probe", "fit", "rank_gpus"]
 
 Figure = Literal["peak", "reserved"]
-
-
-def usable_memory(profile: GpuProfile) -> int:
-    """What a step may take of the GPU ``profile``: its memory less :data:`CUDA_CONTEXT`."""
-    return max(profile.memory - CUDA_CONTEXT, 0)
 
 
 @dataclass(frozen=True, slots=True)

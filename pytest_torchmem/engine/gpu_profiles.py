@@ -52,6 +52,7 @@ from typing import Any, Final
 from pytest_torchmem.engine.units import parse_bytes
 
 __all__ = [
+    "CUDA_CONTEXT",
     "CURRENT",
     "DEFAULT_GPU",
     "GpuProfile",
@@ -60,6 +61,7 @@ __all__ = [
     "gpu_profile",
     "parse_gpu_line",
     "parse_gpu_table",
+    "usable_memory",
 ]
 
 _KiB: Final = 1 << 10
@@ -518,3 +520,18 @@ def parse_gpu_table(lines: Iterable[str]) -> dict[str, GpuProfile]:
             )
         found[profile.name] = profile
     return found
+
+
+#: Device memory a process loses before its first tensor: the CUDA context (the
+#: driver's per-process state, the kernels of torch's CUDA libraries as they load)
+#: is not allocated through the caching allocator, and is not modelled; this much
+#: is held back from a GPU's memory when asking whether a step fits. Measured
+#: contexts of torch on recent drivers with lazy module loading (CUDA 11.7+'s
+#: default) are 300 to 600 MiB; set ``GpuProfile``'s memory to what your
+#: ``torch.cuda.mem_get_info()`` reports free at start-up to be exact.
+CUDA_CONTEXT: Final = 512 << 20
+
+
+def usable_memory(profile: GpuProfile) -> int:
+    """What a step may take of the GPU ``profile``: its memory less :data:`CUDA_CONTEXT`."""
+    return max(profile.memory - CUDA_CONTEXT, 0)

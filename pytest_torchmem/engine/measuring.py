@@ -489,8 +489,8 @@ def _measure_ranks(request: StepRequest) -> MemoryReport:
     ``apply`` reach them as they are, closures included; see
     :mod:`~pytest_torchmem.engine.distributed` for where they are spawned
     instead), meet through a file store, and each measures its own step as
-    ``measure`` does; the report is the asked rank's (``"max"``: the one with
-    the highest peak).
+    ``measure`` does; the report is the asked rank's (``"max"``: the worst,
+    :func:`~pytest_torchmem.engine.distinct_ranks.worst_first`).
     """
     from pytest_torchmem.engine.distributed import run_ranks
 
@@ -504,7 +504,9 @@ def _measure_ranks(request: StepRequest) -> MemoryReport:
     reports = run_ranks(parallel, functools.partial(_rank_report, request))
     parsed = [MemoryReport.from_json(text) for text in reports]
     if parallel.rank == "max":
-        return max(parsed, key=lambda report: report.peak)
+        from pytest_torchmem.engine.distinct_ranks import worst_first
+
+        return min(parsed, key=worst_first)
     return parsed[int(parallel.rank)]
 
 

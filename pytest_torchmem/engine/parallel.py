@@ -37,10 +37,7 @@ if TYPE_CHECKING:
 
     from pytest_torchmem.engine.model_state import ModelTensors
 
-__all__ = ["MAX_FAKE_RANKS", "Parallel", "applied", "fake_world", "local_tensors", "model_copy"]
-
-#: ``rank="max"`` traces every rank up to this world size (uneven shards differ by rank).
-MAX_FAKE_RANKS = 16
+__all__ = ["Parallel", "applied", "fake_world", "local_tensors", "model_copy"]
 
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
@@ -52,8 +49,9 @@ class Parallel:
     ``mesh``: dimension names to sizes, outermost first (``{"dp": 2, "tp": 4}``);
     the world size is their product. ``apply(model, mesh) -> model``
     parallelizes the model over a ``DeviceMesh`` of that shape with those
-    dimension names. ``rank``: the rank reported, or ``"max"`` for the rank
-    with the highest peak.
+    dimension names. ``rank``: the rank reported, or ``"max"`` for the worst
+    of the distinct ranks (:func:`~pytest_torchmem.engine.api.every_rank`:
+    the highest reserved peak on cuda, the highest peak on cpu).
 
     Pipeline parallel: ``schedule`` (a schedule class of
     ``torch.distributed.pipelining``: ``ScheduleGPipe``, ``Schedule1F1B``,
@@ -176,17 +174,6 @@ class Parallel:
         if self.schedule is None:
             return mesh
         return f"{mesh},{self.schedule.__name__}x{self.microbatches}"
-
-    def ranks(self) -> list[int]:
-        """The ranks to trace: the one asked for, or every rank for ``"max"``."""
-        if self.rank != "max":
-            return [int(self.rank)]
-        if self.world > MAX_FAKE_RANKS:
-            raise ValueError(
-                f"Parallel(rank='max') traces every rank, and the mesh {self.key} has "
-                f"{self.world} (at most {MAX_FAKE_RANKS}); name the rank to report, e.g. rank=0"
-            )
-        return list(range(self.world))
 
 
 #: The allocator pool (``StorageInfo.pool``) of the first side stream a program makes

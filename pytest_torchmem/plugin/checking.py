@@ -231,13 +231,13 @@ class CheckRunner:
         __tracebackhide__ = True
         from torch import nn
 
-        from pytest_torchmem.engine.api import _check_parallel
+        from pytest_torchmem.engine.api import check_parallel
         from pytest_torchmem.engine.request import as_compiled, step_request
         from pytest_torchmem.engine.step import StepArgumentError
 
         settings = self._settings
         spec = self.marker_spec(item)
-        _check_parallel(parallel)
+        check_parallel(parallel)
         parallel = _marked_parallel(item, spec, parallel)
         # the settings' keep_output and compile are the built-in step's: a step function
         # runs as written
@@ -256,7 +256,7 @@ class CheckRunner:
             # the arguments, refused in one line: shown at the test's call, not in the
             # engine's validation (this frame is hidden)
             raise exc.with_traceback(None) from None
-        _check_parallel(parallel, request.model)
+        check_parallel(parallel, request.model)
         name, entry_name = self._claim(
             item,
             name,
@@ -517,12 +517,11 @@ def _marked_parallel(item: pytest.Item, spec: MarkerSpec, parallel: Parallel | N
             "has no parallel=, so say how the model is parallelized there",
             pytrace=False,
         )
-    from pytest_torchmem.engine.parallel import Parallel
-
     try:
-        return Parallel(
-            mesh=parallel.mesh if spec.mesh is None else spec.mesh,
-            apply=parallel.apply,
+        # (a pipeline's schedule and micro-batches kept)
+        return dataclasses.replace(
+            parallel,
+            mesh=dict(parallel.mesh) if spec.mesh is None else spec.mesh,
             rank=parallel.rank if spec.rank is None else spec.rank,  # type: ignore[arg-type]
         )
     except (TypeError, ValueError) as exc:

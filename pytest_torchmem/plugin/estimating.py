@@ -135,30 +135,34 @@ class Estimator:
     ) -> tuple[MemoryReport, Trace]:
         """The estimate on ``device`` with this run's rules, as the hooks adjust it,
         and the trace it was read from (``parallel``: of its rank; ``"max"``: the
-        rank with the highest peak)."""
+        worst of the distinct ranks, :mod:`~pytest_torchmem.engine.distinct_ranks`)."""
+        from pytest_torchmem.engine.distinct_ranks import distinct_ranks
         from pytest_torchmem.engine.report import MemoryReport
         from pytest_torchmem.engine.tracing.devices import device_model
-        from pytest_torchmem.engine.tracing.trace import trace
+        from pytest_torchmem.engine.tracing.trace import Trace, trace, trace_ranks
 
-        traces = [
-            trace(
-                request.model,
-                request.args,
-                request.kwargs,
-                device=dataclasses.replace(device_model(device), rules=self.rules(item, device)),
-                loss_fn=request.loss_fn,
-                optimizer=request.optimizer,
-                train=request.train,
-                keep_output=request.keep_output,
-                gpu=gpu if device.startswith("cuda") else None,
-                cpu=cpu if device == "cpu" else None,
-                record_frames=self._settings.record_frames,
-                parallel=parallel,
-                rank=rank,
-            )
-            for rank in (parallel.ranks() if parallel is not None else [0])
-        ]
-        traced = max(traces, key=lambda one: one.report.peak)
+        options: dict[str, Any] = dict(
+            device=dataclasses.replace(device_model(device), rules=self.rules(item, device)),
+            loss_fn=request.loss_fn,
+            optimizer=request.optimizer,
+            train=request.train,
+            keep_output=request.keep_output,
+            gpu=gpu if device.startswith("cuda") else None,
+            cpu=cpu if device == "cpu" else None,
+            record_frames=self._settings.record_frames,
+        )
+        if parallel is not None and parallel.rank == "max":
+            traces: dict[int, Trace] = {}
+
+            def traced_ranks(ranks: Any) -> dict[int, MemoryReport]:
+                got = trace_ranks(request.model, request.args, request.kwargs, parallel=parallel, ranks=ranks, **options)
+                traces.update(got)
+                return {rank: one.report for rank, one in got.items()}
+
+            traced = traces[distinct_ranks(parallel, traced_ranks)[0].rank]
+        else:
+            rank = int(parallel.rank) if parallel is not None else 0
+            traced = trace(request.model, request.args, request.kwargs, parallel=parallel, rank=rank, **options)
         adjusted = item.ihook.pytest_torchmem_adjust_report(
             item=item, device=device, name=name, report=traced.report
         )

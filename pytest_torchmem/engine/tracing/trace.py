@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final
@@ -47,7 +47,7 @@ from pytest_torchmem.engine.tracing.tracker import Tracker
 if TYPE_CHECKING:
     from pytest_torchmem.engine.request import StepRequest
 
-__all__ = ["Trace", "adopt", "fake_empty", "fake_standins", "trace", "trace_request"]
+__all__ = ["Trace", "adopt", "fake_empty", "fake_standins", "trace", "trace_ranks", "trace_request", "trace_request_ranks"]
 
 # torch's private names (engine/torch_private.py)
 FakeTensor: Final = private("torch._subclasses.fake_tensor.FakeTensor")
@@ -95,6 +95,7 @@ def trace(
     rank: int = 0,
     repeat: int | None = None,
     at_iteration_end: Callable[[int, Tracker], None] | None = None,
+    peers: dict[int, Trace] | None = None,
 ) -> Trace:
     """Trace one step of ``model`` on fake tensors of ``device``: its report and timeline.
 
@@ -134,11 +135,33 @@ def trace(
             rank=rank,
             repeat=repeat,
             at_iteration_end=at_iteration_end,
+            peers=peers,
         )
     if traced.stop is not None:
         stop = traced.stop
         raise TraceStopped(traced.report, stop.entry, stop.advice, trace=traced)
     return traced
+
+
+def trace_ranks(
+    model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], *, parallel: Parallel, ranks: Sequence[int], **options: Any
+) -> dict[int, Trace]:
+    """:func:`trace` of each of ``ranks`` of ``parallel`` (``options`` as :func:`trace`
+    takes them), by rank: a pipeline's ranks are traced together, once per pipeline, and
+    the other stages of a pipeline traced for one of ``ranks`` come with it. A trace that
+    stops raises :class:`~pytest_torchmem.engine.stopped.TraceStopped` (the lowest such
+    rank's)."""
+    traces: dict[int, Trace] = {}
+    for rank in ranks:
+        if rank not in traces:
+            peers: dict[int, Trace] = {}
+            traces[rank] = trace(model, args, kwargs, parallel=parallel, rank=rank, peers=peers, **options)
+            for peer, traced in sorted(peers.items()):
+                if traced.stop is not None:
+                    stop = traced.stop
+                    raise TraceStopped(traced.report, stop.entry, stop.advice, trace=traced)
+                traces.setdefault(peer, traced)
+    return traces
 
 
 def _traced(
@@ -158,8 +181,10 @@ def _traced(
     rank: int,
     repeat: int | None = None,
     at_iteration_end: Callable[[int, Tracker], None] | None = None,
+    peers: dict[int, Trace] | None = None,
 ) -> Trace:
-    """The trace of :func:`trace`, stopped or not."""
+    """The trace of :func:`trace`, stopped or not; ``peers`` gets the traces of the
+    other ranks of a pipeline, traced with it."""
     from pytest_torchmem.engine.distributed import settle_autograd_threads
 
     settle_autograd_threads()  # before the first fake mode: measure(parallel=...)'s ranks fork
@@ -177,7 +202,10 @@ def _traced(
         at_iteration_end=at_iteration_end,
     )
     if parallel is not None and parallel.pipelined:
-        return _traced_pipeline(model, args, kwargs, parallel, rank, **options)[rank]
+        group = _traced_pipeline(model, args, kwargs, parallel, rank, **options)
+        if peers is not None:
+            peers.update(group)
+        return group[rank]
     # compiled modules run inductor's program (on cuda: built by inductor's cuda backend);
     # compiled functions and optimizer steps are followed on cpu
     found = compiled_modules(model) if parallel is None else CompiledModules()
@@ -265,13 +293,30 @@ def trace_request(request: StepRequest, gpu: Any = None, cpu: Any = None, **opti
     """:func:`trace` of ``request``'s step on its device: ``gpu`` (a name or a profile) is
     the GPU a ``cuda`` step follows, ``cpu`` the CPU profile a ``cpu`` step follows; the
     other ``options`` as :func:`trace` takes them."""
-    from pytest_torchmem.engine.tracing.devices import device_model
-    from pytest_torchmem.engine.tracing.devices.cpu.profiles import cpu_profile
+    return trace(request.model, request.args, request.kwargs, **_request_options(request, gpu, cpu), **options)
 
-    return trace(
+
+def trace_request_ranks(
+    request: StepRequest, gpu: Any = None, cpu: Any = None, *, parallel: Parallel, ranks: Sequence[int], **options: Any
+) -> dict[int, Trace]:
+    """:func:`trace_ranks` of ``request``'s step on its device (``gpu``, ``cpu`` as
+    :func:`trace_request` takes them)."""
+    return trace_ranks(
         request.model,
         request.args,
         request.kwargs,
+        parallel=parallel,
+        ranks=ranks,
+        **_request_options(request, gpu, cpu),
+        **options,
+    )
+
+
+def _request_options(request: StepRequest, gpu: Any, cpu: Any) -> dict[str, Any]:
+    from pytest_torchmem.engine.tracing.devices import device_model
+    from pytest_torchmem.engine.tracing.devices.cpu.profiles import cpu_profile
+
+    return dict(
         device=device_model(request.device),
         loss_fn=request.loss_fn,
         optimizer=request.optimizer,
@@ -279,7 +324,6 @@ def trace_request(request: StepRequest, gpu: Any = None, cpu: Any = None, **opti
         keep_output=request.keep_output,
         gpu=gpu_profile(gpu) if request.device == "cuda" else None,
         cpu=cpu_profile(cpu) if request.device == "cpu" else None,
-        **options,
     )
 
 

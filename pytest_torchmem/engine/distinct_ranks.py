@@ -1,0 +1,187 @@
+"""Every distinct rank of a parallel run: which rank runs out of memory first, and by how much.
+
+A mesh of hundreds of ranks holds few distinct ones. Along a pipeline's dimension every
+stage differs (its own layers, its own place in the schedule), and one trace of a
+pipeline gives every stage of it. Along the other dimensions (data parallel, FSDP,
+tensor, context, experts) torch splits tensors into chunks (``torch.chunk``: FSDP2's
+shards, DTensor's ``Shard``, a sequence's chunks), whose sizes do not grow from the first
+coordinate to the last: where the first and the last coordinate hold the same, every
+coordinate between does too. So the search traces rank 0's pipeline, then, for each such
+dimension, the pipeline at its last coordinate (the others at 0); a dimension whose two
+ends hold the same is one rank's worth, one whose ends differ is traced at every
+coordinate. Ranks whose figures are equal are then one entry, which lists them.
+
+What the search assumes, and where it would not hold: a program that branches on its
+rank's coordinate other than through the sizes torch gives it (``if rank == 3:``) along
+a dimension whose ends agree.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any, Final
+
+from pytest_torchmem.engine.report import MemoryReport
+from pytest_torchmem.engine.units import format_bytes
+
+if TYPE_CHECKING:
+    from pytest_torchmem.engine.parallel import Parallel
+    from pytest_torchmem.engine.request import StepRequest
+
+__all__ = ["MAX_TRACED_RANKS", "RankFigures", "distinct_ranks", "request_ranks", "worst_first"]
+
+#: At most this many ranks are traced (a pipeline's stages each count): past it, a mesh
+#: whose dimensions all differ end to end is refused rather than traced for minutes.
+MAX_TRACED_RANKS: Final = 256
+
+
+@dataclass(frozen=True)
+class RankFigures:
+    """One distinct rank of a parallel run: the figures of ``rank`` (the one traced), which
+    every rank of ``ranks`` holds, and, on the fake cuda device, the room they leave on
+    the GPU the estimate followed."""
+
+    rank: int
+    ranks: tuple[int, ...]
+    coordinates: Mapping[str, int]
+    report: MemoryReport
+    #: What a step may take of the GPU (its memory less the CUDA context); None on cpu.
+    usable: int | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "coordinates", MappingProxyType(dict(self.coordinates)))
+
+    @property
+    def headroom(self) -> int | None:
+        """Usable memory less the reserved peak (negative: it does not fit); None on cpu."""
+        if self.usable is None or self.report.reserved_peak is None:
+            return None
+        return self.usable - self.report.reserved_peak
+
+    @property
+    def fits(self) -> bool | None:
+        """Whether the ranks' step fits the GPU; None on cpu."""
+        headroom = self.headroom
+        return None if headroom is None else headroom >= 0
+
+    def __str__(self) -> str:
+        where = ", ".join(f"{name}={index}" for name, index in self.coordinates.items())
+        text = f"rank {self.rank} ({where}; {_ranks_text(self.ranks)}): peak {format_bytes(self.report.peak)}"
+        headroom = self.headroom
+        if headroom is not None:
+            reserved = self.report.reserved_peak
+            assert reserved is not None
+            room = "to spare" if headroom >= 0 else "over"
+            text += f", {format_bytes(reserved)} reserved, {format_bytes(abs(headroom))} {room}"
+        return text
+
+
+def _ranks_text(ranks: Sequence[int]) -> str:
+    if len(ranks) == 1:
+        return "1 rank"
+    if list(ranks) == list(range(ranks[0], ranks[0] + len(ranks))):
+        return f"{len(ranks)} ranks: {ranks[0]}-{ranks[-1]}"
+    shown = ", ".join(str(rank) for rank in ranks[:8])
+    return f"{len(ranks)} ranks: {shown}{', ...' if len(ranks) > 8 else ''}"
+
+
+def worst_first(report: MemoryReport) -> tuple[int, int]:
+    """The order of ranks, worst first (as a sort key, ascending): the highest reserved
+    peak (what runs out of a GPU; on cpu there is none), then the highest peak."""
+    reserved = report.reserved_peak if report.reserved_peak is not None else report.peak
+    return (-reserved, -report.peak)
+
+
+def _figures(report: MemoryReport) -> tuple[Any, ...]:
+    """What makes two ranks' figures one: every phase's peak, the reserved peak and the
+    breakdown at the peak."""
+    return (
+        report.forward_peak,
+        report.backward_peak,
+        report.step_peak,
+        report.reserved_peak,
+        tuple(sorted((str(category), nbytes) for category, nbytes in report.breakdown.items())),
+    )
+
+
+def distinct_ranks(
+    parallel: Parallel,
+    traced: Callable[[Sequence[int]], Mapping[int, MemoryReport]],
+    usable: int | None = None,
+) -> tuple[RankFigures, ...]:
+    """The distinct ranks of ``parallel``'s mesh, worst first (:func:`worst_first`; equal
+    ones by rank). ``traced(ranks)`` returns the report of each of ``ranks`` (and may
+    return more: a pipeline's other stages)."""
+    pipeline = parallel.pipeline if parallel.pipelined else None
+    others = [name for name in parallel.names if name != pipeline and parallel.mesh[name] > 1]
+    stages = range(parallel.mesh[pipeline]) if pipeline is not None else range(1)
+    reports: dict[int, MemoryReport] = {}
+
+    def rank(coordinates: Mapping[str, int], stage: int) -> int:
+        at = {name: coordinates.get(name, 0) for name in parallel.names}
+        if pipeline is not None:
+            at[pipeline] = stage
+        return parallel.rank_at(at)
+
+    def trace(ranks: Sequence[int]) -> None:
+        wanted = [one for one in ranks if one not in reports]
+        if len(reports) + len(wanted) > MAX_TRACED_RANKS:
+            raise ValueError(
+                f"the mesh {parallel.key} has ranks that differ along every dimension: telling "
+                f"them apart would trace more than {MAX_TRACED_RANKS} ranks; estimate the ranks "
+                "you need with Parallel(rank=...)"
+            )
+        if wanted:
+            reports.update(traced(wanted))
+
+    # rank 0's pipeline, then each dimension's far end
+    trace([rank({}, stage) for stage in stages])
+    differing: list[str] = []
+    for name in others:
+        end = {name: parallel.mesh[name] - 1}
+        trace([rank(end, stage) for stage in stages])
+        if any(_figures(reports[rank({}, stage)]) != _figures(reports[rank(end, stage)]) for stage in stages):
+            differing.append(name)
+    # every coordinate of the dimensions whose ends differ; each traced rank stands for
+    # the ranks that differ from it only along the others
+    stands_for: dict[int, list[int]] = {}
+    for values in itertools.product(*(range(parallel.mesh[name]) for name in differing)):
+        fixed = dict(zip(differing, values, strict=True))
+        trace([rank(fixed, stage) for stage in stages])
+        for stage in stages:
+            mine = rank(fixed, stage)
+            stands_for[mine] = [
+                one
+                for one in range(parallel.world)
+                if all(parallel.coordinates(one)[name] == index for name, index in fixed.items())
+                and (pipeline is None or parallel.coordinates(one)[pipeline] == stage)
+            ]
+    # ranks of equal figures are one entry
+    merged: dict[tuple[Any, ...], list[int]] = {}
+    for traced_rank in sorted(stands_for):
+        merged.setdefault(_figures(reports[traced_rank]), []).append(traced_rank)
+    entries = []
+    for traced_ranks in merged.values():
+        first = traced_ranks[0]
+        ranks = sorted(one for traced_rank in traced_ranks for one in stands_for[traced_rank])
+        report = reports[first]
+        entries.append(RankFigures(first, tuple(ranks), parallel.coordinates(first), report, usable))
+    return tuple(sorted(entries, key=lambda entry: (*worst_first(entry.report), entry.rank)))
+
+
+def request_ranks(request: StepRequest, gpu: Any, cpu: Any, parallel: Parallel) -> tuple[RankFigures, ...]:
+    """The distinct ranks of a checked step request (``gpu``: a name or a profile), as
+    :func:`~pytest_torchmem.engine.api.every_rank` returns them."""
+    from pytest_torchmem.engine.gpu_profiles import gpu_profile, usable_memory
+    from pytest_torchmem.engine.tracing.trace import trace_request_ranks
+
+    profile = gpu_profile(gpu) if request.device == "cuda" else None
+
+    def traced(ranks: Sequence[int]) -> dict[int, MemoryReport]:
+        traces = trace_request_ranks(request, profile, cpu, parallel=parallel, ranks=ranks)
+        return {rank: one.report for rank, one in traces.items()}
+
+    return distinct_ranks(parallel, traced, usable_memory(profile) if profile is not None else None)
