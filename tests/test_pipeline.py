@@ -29,8 +29,8 @@ pytestmark = pytest.mark.skipif(
 
 #: The releases whose pipelining the estimate follows; it refuses the others
 #: (test_other_releases_are_refused).
-FOLLOWED = (2, 12) <= torch_minor() <= (2, 13)
-follows_pipelining = pytest.mark.skipif(not FOLLOWED, reason="the estimate follows the pipelining of torch 2.12 and 2.13")
+FOLLOWED = (2, 12) <= torch_minor() <= (2, 14)
+follows_pipelining = pytest.mark.skipif(not FOLLOWED, reason="the estimate follows the pipelining of torch 2.12 to 2.14")
 
 WIDTH = 64
 BATCH = 16
@@ -230,5 +230,5 @@ def test_ranks_that_wait_for_each_other_are_reported() -> None:
 @pytest.mark.skipif(FOLLOWED, reason="this release's pipelining is followed")
 def test_other_releases_are_refused() -> None:
     parallel = tm.Parallel(mesh={"pp": 2}, apply=split, schedule=_schedules()["GPipe"], microbatches=4)
-    with pytest.raises(NotImplementedError, match="follows the pipelining of torch 2.12 and 2.13"):
+    with pytest.raises(NotImplementedError, match="follows the pipelining of torch 2.12 to 2.14"):
         tm.estimate(Layers(), (torch.randn(BATCH, WIDTH),), optimizer=_sgd, parallel=parallel)

@@ -361,6 +361,13 @@ PRIVATE: Final = table(
         replaced=True,
     ),
     Private(
+        "torch.distributed.pipelining.schedules.dist",
+        "torch.distributed as the schedules call it: while a pipeline's ranks trace, its groups' "
+        "backend is not 'fake' (2.14+ skip the stages' metadata vote over a fake group; the "
+        "threads deliver it; tracing/pipeline_group.py)",
+        replaced=True,
+    ),
+    Private(
         "torch.nn.parallel.distributed.DistributedDataParallel._inside_ddp_forward",
         "DDP's forward marks its module active in one class attribute: made per thread while "
         "a pipeline's ranks trace on threads (their forwards interleave; tracing/pipeline_group.py)",

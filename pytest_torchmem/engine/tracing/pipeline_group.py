@@ -35,6 +35,7 @@ from __future__ import annotations
 import copy
 import math
 import threading
+import types
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, ExitStack, contextmanager
@@ -210,6 +211,7 @@ class PipelineGroup:
                 for name in P2P_FUNCTIONS:
                     stack.enter_context(replacing(f"{module.__name__}.{name}", functions[name]))
             stack.enter_context(_ddp_forward_per_thread())
+            stack.enter_context(replacing("torch.distributed.pipelining.schedules.dist", _Delivered(dist)))
             yield
 
     def _functions(self) -> dict[str, Callable[..., Any]]:
@@ -268,6 +270,24 @@ class PipelineGroup:
             "send_object_list": send_object_list,
             "recv_object_list": recv_object_list,
         }
+
+
+class _Delivered(types.ModuleType):
+    """``torch.distributed`` as the pipelining schedules see it while the pipeline's ranks
+    trace: the process groups' backend is not ``"fake"`` (torch 2.14 and later decide
+    the stages' metadata without their vote over a fake group, which cannot deliver it:
+    this one does), everything else torch.distributed's own."""
+
+    def __init__(self, dist: types.ModuleType) -> None:
+        super().__init__(dist.__name__)
+        self._dist = dist
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._dist, name)
+
+    def get_backend(self, group: Any = None) -> str:
+        backend = self._dist.get_backend(group)
+        return "delivered" if backend == "fake" else backend
 
 
 @contextmanager

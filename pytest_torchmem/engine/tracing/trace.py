@@ -238,13 +238,13 @@ def _traced_pipeline(
 
     from pytest_torchmem.engine.torch_release import torch_minor
 
-    if not (2, 12) <= torch_minor() <= (2, 13):
+    if not (2, 12) <= torch_minor() <= (2, 14):
         raise NotImplementedError(
-            "estimate(parallel=Parallel(schedule=...)) follows the pipelining of torch 2.12 and "
-            "2.13 so far (torch 2.14 and 2.15 refuse a fake process group's metadata inference "
-            "and agree on it over collectives the estimate does not deliver yet; on 2.10 and "
-            "2.11 its figures are not yet equal to real ranks'); measure(parallel=...) runs "
-            "it on real gloo ranks"
+            "estimate(parallel=Parallel(schedule=...)) follows the pipelining of torch 2.12 to "
+            "2.14 so far (on 2.15 a first stage's backward is 1,024 B above real ranks' in a "
+            "two-stage run, not yet explained; 2.10 and 2.11 keep their process groups where "
+            "a pipeline's threads cannot have worlds of their own); measure(parallel=...) "
+            "runs it on real gloo ranks"
         )
     ranks = parallel.pipeline_peers(rank)
     group = PipelineGroup(ranks)
