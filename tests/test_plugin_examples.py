@@ -44,6 +44,16 @@ def _quiet_plugins(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -
 RELEASE_DIR = "torch-{}.{}".format(*installed_release()[:2])
 
 
+#: Suites of a feature the estimate follows on some releases only: their first and last.
+#: Elsewhere the suite skips itself, and has no snapshots of that release.
+GATED = {"pipeline": ((2, 12), (2, 14))}
+
+
+def runs_here(name: str) -> bool:
+    window = GATED.get(name)
+    return window is None or window[0] <= tuple(installed_release()[:2]) <= window[1]
+
+
 def copy_suite(pytester: pytest.Pytester, name: str) -> Path:
     target = pytester.path / name
     shutil.copytree(EXAMPLES / name, target)
@@ -56,6 +66,9 @@ def test_there_are_the_three_promised_suites() -> None:
     for name in SUITES:
         (module,) = (EXAMPLES / name).glob("test_*.py")
         snapshot = EXAMPLES / name / "__torchmem__" / RELEASE_DIR / f"{module.stem}.json"
+        if not runs_here(name):
+            assert not snapshot.exists(), f"{snapshot}: the suite skips itself on this torch"
+            continue
         assert json.loads(snapshot.read_text())["tests"], f"{snapshot} is not committed for this torch"
 
 
@@ -65,6 +78,11 @@ def test_example_suite_passes_against_its_committed_snapshot(
 ) -> None:
     copy_suite(pytester, name)
     result = pytester.runpytest_inprocess(name, "--torchmem-unused=fail")
+    if not runs_here(name):
+        assert result.ret == 0, result.stdout.str()
+        result.stdout.fnmatch_lines(["*skipped*"])
+        assert "passed" not in result.stdout.str().splitlines()[-1]
+        return
     # On failure, the output says which figure moved: after a deliberate change to
     # a device model, accept it with `pytest --torchmem-update examples/<name>`.
     # (On a machine whose CPU threads or ISA differ from the snapshots', the cpu
