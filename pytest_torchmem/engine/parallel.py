@@ -395,6 +395,13 @@ def _fake_tensor_checks_skipped() -> Iterator[None]:
     mesh_class = private("torch.distributed.device_mesh.DeviceMesh")
     slice_mesh = mesh_class.__getitem__
     mesh_tensor = mesh_class.mesh.fget
+    make_mesh = mesh_class.__init__
+
+    def new_mesh(self: Any, *args: Any, **kwargs: Any) -> None:
+        # a mesh made while the step runs (FSDP2 of DTensor parameters concatenates the
+        # tensor-parallel mesh with its own): its rank coordinates from real tensors
+        with disabled():
+            make_mesh(self, *args, **kwargs)
 
     def sub_mesh(self: Any, names: Any) -> Any:
         with disabled():
@@ -407,9 +414,11 @@ def _fake_tensor_checks_skipped() -> Iterator[None]:
     with (
         replacing(verify, lambda *args, **kwargs: None),
         replacing(propagate, unseen),
-        # a mesh's bookkeeping (its ranks, a dimension's sub-mesh: mesh["dp"]) is real tensors
+        # a mesh's bookkeeping (its ranks, a dimension's sub-mesh: mesh["dp"], a mesh made in
+        # apply) is real tensors
         replacing("torch.distributed.device_mesh.DeviceMesh.__getitem__", sub_mesh),
         replacing("torch.distributed.device_mesh.DeviceMesh.mesh", property(mesh_of)),
+        replacing("torch.distributed.device_mesh.DeviceMesh.__init__", new_mesh),
     ):
         yield
 

@@ -350,6 +350,12 @@ PRIVATE: Final = table(
         replaced=True,
     ),
     Private(
+        "torch.distributed.device_mesh.DeviceMesh.__init__",
+        "a mesh made in apply (FSDP2 of tensor-parallel parameters concatenates the meshes), "
+        "its coordinates computed from real integer tensors with every mode off",
+        replaced=True,
+    ),
+    Private(
         "torch.distributed.device_mesh.DeviceMesh.mesh",
         "the mesh tensor, computed from the mesh's real integer tensors with every mode off",
         replaced=True,
