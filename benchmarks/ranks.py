@@ -1,0 +1,181 @@
+"""Every distinct rank of a pipeline x FSDP x tensor-parallel run, beside each rank on its own.
+
+    python benchmarks/ranks.py [--model small|405b] [--mesh PP,DP,TP] [--device cpu|cuda]
+                               [--microbatches M] [--each] [--check]
+
+A Llama-architecture model (``benchmarks/llama.py``, built on the meta device) is
+split into pipeline stages as torchtitan splits it (the embedding on the first
+stage, the norm and output head on the last, the decoder layers shared out as
+evenly as they go), each stage's layers tensor-parallel over ``tp`` (query, key,
+value and the MLP's first projections column-wise, the attention output and the
+MLP's last projection row-wise) and sharded with FSDP2 over ``dp``, under 1F1B.
+
+It times, in one process:
+
+* ``one rank`` -- ``tm.estimate(..., parallel=Parallel(rank=0))``: rank 0's figures
+  (which trace every stage of its pipeline);
+* ``every rank`` -- ``tm.every_rank(...)``: every distinct rank, the worst first;
+* with ``--each``, ``each rank`` -- ``tm.estimate`` of every rank of the mesh on its
+  own, the cost ``every_rank`` saves, and a check that each rank's figures are
+  those of the entry that stands for it.
+
+``--model 405b`` is Llama 3.1 405B's shape (126 layers, width 16384, 128 query
+heads sharing 8 key/value heads, MLP 53248, vocabulary 128256) on the 512 ranks of
+``--mesh 16,4,8``. The table shows wall and process CPU time, the peak memory of
+this process (``ru_maxrss``), and the ratios. ``--check`` exits 1 when
+``every rank`` takes more than ``TARGET`` times ``one rank``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import resource
+import sys
+import time
+from pathlib import Path
+
+import torch
+from tabulate import tabulate
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import llama  # noqa: E402
+
+import pytest_torchmem as tm  # noqa: E402
+
+CONFIGS = {
+    "small": llama.LlamaConfig(dim=256, layers=8, heads=8, kv_heads=4, ffn=688, vocab=1024),
+    "405b": llama.LlamaConfig(
+        dim=16384, layers=126, heads=128, kv_heads=8, ffn=53248, vocab=128256, rope_theta=500000.0
+    ),
+}
+MESHES = {"small": (4, 2, 2), "405b": (16, 4, 8)}
+#: every rank / one rank: at most this (every rank traces 1 + the dimensions other than
+#: the pipeline's pipelines where each holds the same along them)
+TARGET = 4.0
+
+
+class Stage(nn.Module):
+    """One pipeline stage of :class:`llama.Llama`: its layers, and the embedding or the
+    head where it is the first or the last."""
+
+    def __init__(self, model: llama.Llama, stage: int, stages: int) -> None:
+        super().__init__()
+        count = len(model.layers)
+        first, last = round(stage * count / stages), round((stage + 1) * count / stages)
+        self.inv_freq = model.inv_freq
+        self.tok_embeddings = model.tok_embeddings if stage == 0 else None
+        self.layers = nn.ModuleList(list(model.layers)[first:last])
+        self.norm = model.norm if stage == stages - 1 else None
+        self.output = model.output if stage == stages - 1 else None
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        if self.tok_embeddings is not None:
+            h = self.tok_embeddings(h)
+        positions = torch.arange(h.shape[1], device=h.device, dtype=torch.float32)
+        angles = torch.outer(positions, self.inv_freq)
+        angles = torch.cat((angles, angles), dim=-1)
+        cos, sin = angles.cos().to(h.dtype), angles.sin().to(h.dtype)
+        for layer in self.layers:
+            h = layer(h, cos, sin)
+        if self.output is not None:
+            assert self.norm is not None
+            h = self.output(self.norm(h))
+        return h
+
+
+def stage_of(model: llama.Llama, mesh) -> object:  # type: ignore[no-untyped-def]
+    """The rank's stage, as torchtitan builds it: tensor parallel, then FSDP2, then the stage."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    pp, tp, dp = mesh["pp"], mesh["tp"], mesh["dp"]
+    stage = Stage(model, pp.get_local_rank(), pp.size())
+    plan = {
+        "attention.wq": ColwiseParallel(),
+        "attention.wk": ColwiseParallel(),
+        "attention.wv": ColwiseParallel(),
+        "attention.wo": RowwiseParallel(),
+        "feed_forward.w1": ColwiseParallel(),
+        "feed_forward.w3": ColwiseParallel(),
+        "feed_forward.w2": RowwiseParallel(),
+    }
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for layer in stage.layers:
+        parallelize_module(layer, tp, plan)
+        layer.attention.heads //= tp.size()
+        layer.attention.kv_heads //= tp.size()
+        fully_shard(layer, mesh=dp, mp_policy=policy)
+    fully_shard(stage, mesh=dp, mp_policy=policy)
+    device = torch.device("cuda" if mesh.device_type == "meta" else "cpu")
+    return PipelineStage(stage, pp.get_local_rank(), pp.size(), device, group=pp.get_group())
+
+
+def _timed(fn):  # type: ignore[no-untyped-def]
+    wall, cpu = time.perf_counter(), time.process_time()
+    result = fn()
+    return result, time.perf_counter() - wall, time.process_time() - cpu
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", choices=sorted(CONFIGS), default="small")
+    parser.add_argument("--mesh", help="PP,DP,TP (default: the model's)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda")
+    parser.add_argument("--microbatches", type=int, default=4)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=2048)
+    parser.add_argument("--each", action="store_true", help="also estimate every rank on its own")
+    parser.add_argument("--check", action="store_true")
+    args = parser.parse_args(argv)
+    pp, dp, tp = (int(part) for part in args.mesh.split(",")) if args.mesh else MESHES[args.model]
+    cfg = CONFIGS[args.model]
+    model = llama.build(cfg, dtype=torch.float32)  # float32 shards and AdamW state, bf16 compute
+    tokens = torch.randint(0, cfg.vocab, (args.batch, args.seq), device="meta")
+    parallel = functools.partial(
+        tm.Parallel,
+        mesh={"pp": pp, "dp": dp, "tp": tp},
+        apply=stage_of,
+        schedule=__import__("torch.distributed.pipelining", fromlist=["Schedule1F1B"]).Schedule1F1B,
+        microbatches=args.microbatches,
+    )
+    adamw = functools.partial(torch.optim.AdamW, lr=1e-4)
+    options = {"device": args.device, "optimizer": adamw}
+    print(
+        f"{args.model}: {llama.parameter_count(cfg) / 1e9:.3g} B parameters, mesh pp={pp} x dp={dp} x tp={tp} "
+        f"({pp * dp * tp} ranks), batch {args.batch} x {args.seq} tokens, {args.microbatches} micro-batches, "
+        f"1F1B, on the fake {args.device} device",
+        flush=True,
+    )
+    one, one_wall, one_cpu = _timed(lambda: tm.estimate(model, tokens, parallel=parallel(rank=0), **options))
+    rows = [["one rank (rank 0)", f"{one_wall:.1f}", f"{one_cpu:.1f}", "1.00", tm.format_bytes(one.peak)]]
+    print(f"one rank: {one_wall:.1f} s", flush=True)
+    every, every_wall, every_cpu = _timed(lambda: tm.every_rank(model, tokens, parallel=parallel(), **options))
+    rows.append(
+        ["every rank", f"{every_wall:.1f}", f"{every_cpu:.1f}", f"{every_wall / one_wall:.2f}", tm.format_bytes(every[0].report.peak)]
+    )
+    if args.each:
+        world = pp * dp * tp
+        reports, each_wall, each_cpu = _timed(
+            lambda: [tm.estimate(model, tokens, parallel=parallel(rank=rank), **options) for rank in range(world)]
+        )
+        rows.append(["each rank on its own", f"{each_wall:.1f}", f"{each_cpu:.1f}", f"{each_wall / one_wall:.2f}", tm.format_bytes(max(r.peak for r in reports))])
+        for entry in every:
+            for rank in entry.ranks:
+                assert reports[rank].peak == entry.report.peak, (rank, entry.rank)
+    print(tabulate(rows, headers=["what", "wall s", "cpu s", "x one rank", "peak"], disable_numparse=True))
+    print(f"\nthis process's peak memory: {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB")
+    print("\nevery distinct rank, the worst first:")
+    for entry in every:
+        print(f"  {entry}")
+    if args.check and every_wall > TARGET * one_wall:
+        print(f"every rank took {every_wall / one_wall:.2f} x one rank, above {TARGET}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
