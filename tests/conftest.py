@@ -58,6 +58,20 @@ def _settle_autograd_threads() -> None:
 
 _settle_autograd_threads()
 
+
+def _pipelining_imported() -> None:
+    """``torch.distributed.pipelining`` registers operators (``pippy::_pipe_split``) as it is
+    imported, once per process: imported first inside a pytester run (the pipeline
+    example suite), the run's teardown drops the module, and the next import anywhere in
+    the worker fails on the second registration. Imported here, before any run."""
+    import torch.distributed
+
+    if torch.distributed.is_available():
+        import torch.distributed.pipelining  # noqa: F401
+
+
+_pipelining_imported()
+
 from collections.abc import Iterator  # noqa: E402
 from typing import Final  # noqa: E402
 

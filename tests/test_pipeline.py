@@ -11,6 +11,10 @@ every phase.
 from __future__ import annotations
 
 import functools
+import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -197,15 +201,36 @@ def test_pipeline_by_fsdp_by_tensor_parallel_equals_gloo_ranks(rank: int) -> Non
     adamw = functools.partial(torch.optim.AdamW, lr=1e-3)
     estimated = tm.estimate(model, (x,), optimizer=adamw, parallel=parallel)
     assert estimated.breakdown[tm.Category.BUFFERS] == 0 and estimated.first_step is not None
-    real = []
-    for _ in range(4):
-        measured = tm.measure(model, (x,), optimizer=adamw, parallel=parallel)
-        assert measured.first_step is not None
-        real.append(measured.first_step.forward)
-        assert real[-1] >= estimated.first_step.forward, real
-        if real[-1] == estimated.first_step.forward:
-            return
-    pytest.fail(f"no real run's first forward equals the estimate's {estimated.first_step.forward}: {real}")
+    real = _first_forwards_in_a_fresh_process(rank, estimated.first_step.forward)
+    assert all(one >= estimated.first_step.forward for one in real), real
+    assert real[-1] == estimated.first_step.forward, real
+
+
+def _first_forwards_in_a_fresh_process(rank: int, estimated: int, runs: int = 4) -> list[int]:
+    """The first forward of up to ``runs`` real runs of the 3-D rank, until one equals
+    ``estimated``: measured by an interpreter of its own (tensor parallel's functional
+    collectives in ranks forked from a test process that made other process groups
+    before could not resolve their group by name)."""
+    code = f"""
+import functools, json, sys
+sys.path.insert(0, {str(Path(__file__).resolve().parent)!r})
+import torch
+import pytest_torchmem as tm
+from test_pipeline import BATCH, WIDTH, _Pairs, _schedules, _three_dimensional
+
+parallel = tm.Parallel(mesh={{"pp": 2, "dp": 1, "tp": 2}}, apply=_three_dimensional, rank={rank},
+                       schedule=_schedules()["1F1B"], microbatches=4)
+real = []
+for _ in range({runs}):
+    measured = tm.measure(_Pairs(), (torch.randn(BATCH, WIDTH),), optimizer=functools.partial(torch.optim.AdamW, lr=1e-3), parallel=parallel)
+    real.append(measured.first_step.forward)
+    if real[-1] == {estimated}:
+        break
+print(json.dumps(real))
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 @follows_pipelining

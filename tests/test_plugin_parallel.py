@@ -42,7 +42,6 @@ def _warm() -> None:
     # pytester's in-process runs restore sys.modules after each run; what the parallel
     # trace imports (DTensor, DDP, torch.library registrations) must be imported first.
     _expected(2)
-    import torch.distributed.pipelining  # noqa: F401 - registers pippy's ops once
 
 
 @pytest.fixture(autouse=True)
