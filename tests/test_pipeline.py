@@ -24,7 +24,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import pytest_torchmem as tm
-from pytest_torchmem.engine.torch_release import torch_minor
+from pytest_torchmem.engine.torch_release import PIPELINING, torch_minor
 
 pytestmark = pytest.mark.skipif(
     not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
@@ -33,7 +33,7 @@ pytestmark = pytest.mark.skipif(
 
 #: The releases whose pipelining the estimate follows; it refuses the others
 #: (test_other_releases_are_refused).
-FOLLOWED = (2, 12) <= torch_minor() <= (2, 14)
+FOLLOWED = PIPELINING[0] <= torch_minor() <= PIPELINING[1]
 follows_pipelining = pytest.mark.skipif(not FOLLOWED, reason="the estimate follows the pipelining of torch 2.12 to 2.14")
 
 WIDTH = 64

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import pytest_torchmem as tm
-from pytest_torchmem.engine.torch_release import installed_release
+from pytest_torchmem.engine.torch_release import PIPELINING, installed_release
 
 pytest_plugins = ("pytester",)
 
@@ -46,7 +46,7 @@ RELEASE_DIR = "torch-{}.{}".format(*installed_release()[:2])
 
 #: Suites of a feature the estimate follows on some releases only: their first and last.
 #: Elsewhere the suite skips itself, and has no snapshots of that release.
-GATED = {"pipeline": ((2, 12), (2, 14))}
+GATED = {"pipeline": PIPELINING}
 
 
 def runs_here(name: str) -> bool:

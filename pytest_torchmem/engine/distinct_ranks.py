@@ -148,6 +148,7 @@ def distinct_ranks(
     # every coordinate of the dimensions whose ends differ; each traced rank stands for
     # the ranks that differ from it only along the others
     stands_for: dict[int, list[int]] = {}
+    every = [parallel.coordinates(one) for one in range(parallel.world)]
     for values in itertools.product(*(range(parallel.mesh[name]) for name in differing)):
         fixed = dict(zip(differing, values, strict=True))
         trace([rank(fixed, stage) for stage in stages])
@@ -155,9 +156,9 @@ def distinct_ranks(
             mine = rank(fixed, stage)
             stands_for[mine] = [
                 one
-                for one in range(parallel.world)
-                if all(parallel.coordinates(one)[name] == index for name, index in fixed.items())
-                and (pipeline is None or parallel.coordinates(one)[pipeline] == stage)
+                for one, at in enumerate(every)
+                if all(at[name] == index for name, index in fixed.items())
+                and (pipeline is None or at[pipeline] == stage)
             ]
     # ranks of equal figures are one entry
     merged: dict[tuple[Any, ...], list[int]] = {}

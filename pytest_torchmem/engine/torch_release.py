@@ -18,6 +18,7 @@ from functools import cache
 from typing import Final
 
 __all__ = [
+    "PIPELINING",
     "SUPPORTED",
     "TorchReleaseError",
     "installed_release",
@@ -29,6 +30,10 @@ __all__ = [
 
 #: The first and the last supported minor release of torch (both included).
 SUPPORTED: Final = ((2, 10), (2, 15))
+
+#: The releases whose ``torch.distributed.pipelining`` a pipeline estimate follows, first
+#: and last (tracing/trace.py refuses the others in one line).
+PIPELINING: Final = ((2, 12), (2, 14))
 
 #: Set to ``1`` to run on a torch outside :data:`SUPPORTED` anyway (a nightly,
 #: say): the figures are then unverified, and may be wrong or fail.
