@@ -320,3 +320,47 @@ def test_it(torchmem):
         report.backward_peak,
         report.step_peak,
     )
+
+
+LOSS_PARALLEL = """
+import pytest, torch
+import torch.nn.functional as F
+from torch import nn
+import pytest_torchmem as tm
+
+def vocabulary_parallel(model, mesh):
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+    plan = {"1": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)}
+    return parallelize_module(model, mesh["tp"], plan)
+
+def loss_parallel(model, mesh, tokens):
+    from torch.distributed.tensor.parallel import loss_parallel
+    return loss_parallel()
+
+def cross_entropy(logits):
+    return F.cross_entropy(logits.flatten(0, 1), torch.zeros(logits.shape[0] * logits.shape[1], dtype=torch.long))
+
+torch.manual_seed(0)
+MODEL = nn.Sequential(nn.Embedding(256, 32), nn.Linear(32, 256, bias=False))
+TOKENS = torch.randint(0, 256, (4, 64))
+"""
+
+
+def test_the_marker_keeps_a_train_context(pytester: pytest.Pytester) -> None:
+    """The marker's rank= re-targets the check and keeps its train context
+    (loss_parallel: without it torch refuses the sharded logits' cross-entropy)."""
+    pytester.makeini("[pytest]\ntorchmem_devices = cpu\n")
+    pytester.makepyfile(
+        test_m=LOSS_PARALLEL
+        + """
+@pytest.mark.memory_budget(rank=1)
+def test_it(torchmem):
+    torchmem.check(MODEL, TOKENS, loss_fn=cross_entropy,
+                   parallel=tm.Parallel({"tp": 2}, vocabulary_parallel, train_context=loss_parallel))
+"""
+    )
+    assert pytester.runpytest_inprocess("--torchmem-update").ret == 0
+    stored = _stored(pytester)["test_it"]
+    assert list(stored) == ["default @ tp=2 rank=1"]
+    assert pytester.runpytest_inprocess().ret == 0

@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import gc
-from contextlib import ExitStack
+from contextlib import ExitStack, nullcontext
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final
 
@@ -29,7 +29,7 @@ from pytest_torchmem.engine.holdings import converted, holdings_of, lend
 from pytest_torchmem.engine.model_state import Converted, HookError, StandIns, hook_failure
 from pytest_torchmem.engine.distributed import FreedOnThisThread, collectives_completed_here
 from pytest_torchmem.engine.nesting import one_step
-from pytest_torchmem.engine.parallel import applied, local_tensors, model_copy
+from pytest_torchmem.engine.parallel import applied, entered_per_iteration, local_tensors, model_copy
 from pytest_torchmem.engine.report import Category, MemoryReport, StepPeaks, Unsupported
 from pytest_torchmem.engine.step_function import StepFunction
 from pytest_torchmem.engine.step import ModuleTracker, NoModules, QuietProbe, run_step
@@ -294,6 +294,7 @@ def profile_cpu_step(
     timeline.module_names = modules.names
     with profiler:
         parameters = standins.parameters
+        train_context = nullcontext
         if parallel is not None:
             probe.set_phase(None)  # the events of apply are read from here
             # what apply's collectives made dies on this thread, in sight (not in the step:
@@ -307,6 +308,7 @@ def profile_cpu_step(
             probe.settle()
             probe.assign_role(Category.PARAMETERS, local_tensors(parameters))
             probe.assign_role(Category.BUFFERS, local_tensors(step_model.buffers()))
+            train_context = entered_per_iteration(parallel, step_model, mesh, standins.args, standins.kwargs)
         if parallel is None:
             # read from here: what the step makes before its forward (an optimizer whose
             # constructor makes its state: Adagrad's sums) counts, as the estimate counts it
@@ -330,8 +332,9 @@ def profile_cpu_step(
                 probe=probe,
                 keep_output=request.keep_output,
                 repeat=request.repeat,
+                train_context=train_context,
             )
-        del step_model, parameters
+        del step_model, parameters, train_context
         if parallel is not None:
             # DDP's reducer sits in reference cycles: freed here, seen freed (see _free_released)
             gc.collect()

@@ -22,7 +22,7 @@ import sys
 import threading
 import types
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Final, Literal
@@ -37,7 +37,7 @@ if TYPE_CHECKING:
 
     from pytest_torchmem.engine.model_state import ModelTensors
 
-__all__ = ["Parallel", "applied", "fake_world", "local_tensors", "model_copy"]
+__all__ = ["Parallel", "applied", "entered_per_iteration", "fake_world", "local_tensors", "model_copy"]
 
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
@@ -60,6 +60,16 @@ class Parallel:
     ``pipeline`` (``"pp"``), and ``apply`` returns the rank's ``PipelineStage``
     (or a list of them, for a schedule of several stages per rank), built as
     the training code builds it.
+
+    ``train_context(model, mesh, *args, **kwargs) -> context manager``: the
+    context each iteration's forward and backward run in on the rank (not the
+    optimizer step), as torchtitan's ``train_context`` wraps them; it is called
+    with what ``apply`` returned, the mesh and the step's inputs as the model
+    is called with them. Context parallel:
+    ``lambda model, mesh, x: context_parallel(mesh["cp"], buffers=[x],
+    buffer_seq_dims=[1])``; tensor parallel's ``loss_parallel()``. Inputs the
+    context reshapes in place (``no_restore_buffers``) come back whole to the
+    next iteration, as the loop's next batch does.
     """
 
     mesh: Mapping[str, int]
@@ -68,6 +78,7 @@ class Parallel:
     schedule: type | None = None
     microbatches: int | None = None
     pipeline: str = "pp"
+    train_context: Callable[..., AbstractContextManager[Any]] | None = None
     _shape: tuple[tuple[str, int], ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -95,6 +106,12 @@ class Parallel:
                 "apply=lambda model, mesh: DistributedDataParallel(model, "
                 f"process_group=mesh.get_group()), got {type(self.apply).__name__}"
             )
+        if self.train_context is not None and not callable(self.train_context):
+            raise TypeError(
+                "Parallel(train_context=...) must be a callable (model, mesh, *args, **kwargs) -> "
+                "context manager, e.g. train_context=lambda model, mesh, x: context_parallel("
+                f"mesh['cp'], buffers=[x], buffer_seq_dims=[1]), got {type(self.train_context).__name__}"
+            )
         self._check_schedule()
         rank = self.rank
         if rank != "max" and (isinstance(rank, bool) or not isinstance(rank, int)):
@@ -121,7 +138,15 @@ class Parallel:
         # the mesh is a read-only view, which does not pickle (spawned ranks get a copy)
         return (
             Parallel,
-            (dict(self._shape), self.apply, self.rank, self.schedule, self.microbatches, self.pipeline),
+            (
+                dict(self._shape),
+                self.apply,
+                self.rank,
+                self.schedule,
+                self.microbatches,
+                self.pipeline,
+                self.train_context,
+            ),
         )
 
     @property
@@ -515,6 +540,36 @@ def applied(parallel: Parallel, model: nn.Module, mesh: Any) -> nn.Module:
             f"got {type(result).__name__}; end it with 'return model'"
         )
     return result
+
+
+def entered_per_iteration(
+    parallel: Parallel | None, model: nn.Module, mesh: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Callable[[], AbstractContextManager[Any]]:
+    """The context the rank's forward and backward run in each iteration
+    (``parallel.train_context`` called on what ``apply`` returned, the mesh and the step's
+    inputs; checked as it is entered), or one that does nothing."""
+    made = parallel.train_context if parallel is not None else None
+    if made is None:
+        return nullcontext
+    from pytest_torchmem.engine.pipeline import Pipelined
+
+    if isinstance(model, Pipelined):
+        model = model.applied
+
+    def context() -> AbstractContextManager[Any]:
+        entered = made(model, mesh, *args, **kwargs)
+        if not isinstance(entered, AbstractContextManager) and not (
+            hasattr(entered, "__enter__") and hasattr(entered, "__exit__")
+        ):
+            raise TypeError(
+                "Parallel(train_context=...) must return a context manager (the block each "
+                "iteration's forward and backward run in), got "
+                f"{type(entered).__name__}; e.g. return context_parallel(mesh['cp'], "
+                "buffers=[x], buffer_seq_dims=[1])"
+            )
+        return entered
+
+    return context
 
 
 def local_tensors(tensors: Any) -> list[torch.Tensor]:

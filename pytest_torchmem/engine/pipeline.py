@@ -74,6 +74,8 @@ class Pipelined(nn.Module):
         super().__init__()
         self.stages = nn.ModuleList([stage.submod for stage in stages])
         self._stages = stages
+        #: what ``apply`` returned: the rank's stage, or its list of stages
+        self.applied: Any = stages[0] if len(stages) == 1 else stages
         self._microbatches = microbatches
         self._loss: Callable[[Any], torch.Tensor] | None = None
         made = stages if _is_multi(schedule) else stages[0]
@@ -99,7 +101,9 @@ class Pipelined(nn.Module):
                 "return one stage, or use a schedule of several stages per rank "
                 "(ScheduleInterleaved1F1B, ScheduleLoopedBFS)"
             )
-        return cls(stages, schedule, int(parallel.microbatches))
+        made = cls(stages, schedule, int(parallel.microbatches))
+        made.applied = applied
+        return made
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         raise TypeError("a pipeline rank runs its schedule's step, not a forward (Pipelined.run)")

@@ -10,7 +10,8 @@ up as gradients and optimizer state).
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any, Final, Protocol
 
 import torch
@@ -243,6 +244,7 @@ def _run_step(
     loop: bool | None = None,
     optimizers: Sequence[torch.optim.Optimizer] = (),
     repeat: int | None = None,
+    train_context: Callable[[], AbstractContextManager[Any]] = nullcontext,
 ) -> None:
     """Run one step of ``model`` and report its progress to ``probe``.
 
@@ -270,6 +272,10 @@ def _run_step(
     ``repeat``: the step runs that many times, as a loop calls it (a leak check: the
     function called again, or the built-in step's iteration run again, on the same
     objects), and ``probe.iteration_done(i)`` is told as each ends.
+
+    ``train_context()`` makes the context each iteration's forward and backward run in
+    (``Parallel(train_context=...)``: context parallel); an input it leaves reshaped
+    comes back whole to the next iteration, as the loop's next batch would.
     """
     if isinstance(model, StepFunction):
         run_function(
@@ -284,7 +290,7 @@ def _run_step(
     if not train:
         probe.set_phase(Phase.FORWARD)
         for iteration in range(1, (repeat or 1) + 1):
-            with torch.no_grad():
+            with torch.no_grad(), _batch_whole(inputs), train_context():
                 output = _call(model, args, kwargs)
                 if loss_fn is not None:
                     loss_fn(output)
@@ -329,6 +335,7 @@ def _run_step(
             probe,
             keep_output,
             iteration,
+            train_context,
         )
         if repeat is not None:
             probe.iteration_done(iteration)
@@ -380,23 +387,29 @@ def _train_iteration(
     probe: Probe,
     keep_output: bool,
     iteration: int,
+    train_context: Callable[[], AbstractContextManager[Any]] = nullcontext,
 ) -> None:
-    """One iteration of the training loop: forward, loss, backward, the optimizer step and
-    ``zero_grad(set_to_none=True)``; its locals (the loss, the output it holds) die on return."""
-    if isinstance(model, Pipelined):
-        # the schedule runs the rank's forwards and backwards, its losses held to the end
-        held = model.run(args, kwargs, loss_fn, probe, iteration)
-        loss = None
-    else:
-        probe.set_phase(Phase.FORWARD, iteration)
-        output = _call(model, args, kwargs)
-        loss = (loss_fn or default_loss)(output)
-        held = output if keep_output else None
-        del output
-        check_loss(loss)
+    """One iteration of the training loop: forward, loss, backward (in ``train_context()``),
+    the optimizer step and ``zero_grad(set_to_none=True)``; its locals (the loss, the output
+    it holds) die on return."""
+    with _batch_whole(inputs):
+        if isinstance(model, Pipelined):
+            # the schedule runs the rank's forwards and backwards, its losses held to the end
+            probe.set_phase(Phase.FORWARD, iteration)
+            with train_context():
+                held = model.run(args, kwargs, loss_fn, probe, iteration)
+            loss = None
+        else:
+            probe.set_phase(Phase.FORWARD, iteration)
+            with train_context():
+                output = _call(model, args, kwargs)
+                loss = (loss_fn or default_loss)(output)
+                held = output if keep_output else None
+                del output
+                check_loss(loss)
 
-        probe.set_phase(Phase.BACKWARD, iteration)
-        loss.backward()
+                probe.set_phase(Phase.BACKWARD, iteration)
+                loss.backward()
     probe.assign_role(
         Category.GRADIENTS,
         local_tensors(t.grad for t in trainable + inputs if t.grad is not None),
@@ -409,6 +422,22 @@ def _train_iteration(
         _assign_optimizer_state(probe, [opt])
         opt.zero_grad(set_to_none=True)
     del loss, held
+
+
+@contextmanager
+def _batch_whole(inputs: Sequence[torch.Tensor]) -> Iterator[None]:
+    """The inputs' shapes as they were, after the block: a context that shards the batch
+    in place and keeps it sharded (context parallel's ``no_restore_buffers``) leaves the
+    next iteration the whole batch, as the loop's next one is (its storage is the batch's
+    still: ``resize_`` to a shard keeps the storage)."""
+    layouts = [(t.size(), t.stride(), t.storage_offset()) for t in inputs]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for t, (size, stride, offset) in zip(inputs, layouts):
+                if (t.size(), t.stride(), t.storage_offset()) != (size, stride, offset):
+                    t.as_strided_(size, stride, offset)
 
 
 def _assign_optimizer_state(probe: Probe, optimizers: Sequence[torch.optim.Optimizer]) -> None:

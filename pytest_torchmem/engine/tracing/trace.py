@@ -14,7 +14,7 @@ from pytest_torchmem.engine.holdings import converted, holdings_of
 from pytest_torchmem.engine.layouts import sparse_like
 from pytest_torchmem.engine.model_state import Converted, StandIns, hook_failure
 from pytest_torchmem.engine.nesting import one_step
-from pytest_torchmem.engine.parallel import Parallel, applied, local_tensors, model_copy
+from pytest_torchmem.engine.parallel import Parallel, applied, entered_per_iteration, local_tensors, model_copy
 from pytest_torchmem.engine.report import Category, MemoryReport, StepPeaks, Unsupported
 from pytest_torchmem.engine.step import (
     LossFn,
@@ -246,6 +246,13 @@ def _traced_pipeline(
             "a pipeline's threads cannot have worlds of their own); measure(parallel=...) "
             "runs it on real gloo ranks"
         )
+    if parallel.train_context is not None:
+        raise NotImplementedError(
+            "estimate(parallel=Parallel(schedule=..., train_context=...)) is not followed yet: a "
+            "pipeline's ranks are traced on threads of one process, and a train context such "
+            "as context_parallel() patches torch for the whole process while it lasts; "
+            "measure(parallel=...) runs it on real gloo ranks"
+        )
     ranks = parallel.pipeline_peers(rank)
     group = PipelineGroup(ranks)
     traces: dict[int, Trace] = {}
@@ -468,11 +475,15 @@ def _trace(
             layered = entered(device.layers, scene)
             with turn(layered) if turn is not None else layered as layers:
                 parameters = standins.parameters
+                train_context = nullcontext
                 if parallel is not None:
                     mesh = layers[FAKE_WORLD.name]
                     step_model, parameters = _apply(tracker, parallel, step_model, mesh, standins)
                     scene.step_model = step_model  # (the copy apply replaced is not held)
                     baseline = _set_up(tracker)
+                    train_context = entered_per_iteration(
+                        parallel, step_model, mesh, standins.args, standins.kwargs
+                    )
                 run_step(
                     step_model,
                     standins.args,
@@ -487,7 +498,9 @@ def _trace(
                     probe=tracker,
                     keep_output=keep_output,
                     repeat=repeat,
+                    train_context=train_context,
                 )
+                del train_context
         except Exception as exc:
             if not tracker.stopped_by(exc):
                 raise  # the program's own error
