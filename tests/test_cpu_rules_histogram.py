@@ -87,3 +87,17 @@ def test_histogram_equals_measure(name: str, threads: int) -> None:
 @pytest.mark.parametrize("fn", [lambda x: torch.histc(x, 9), lambda x: torch.histc(x.t(), 4, 0, 1)])
 def test_histc_bfloat16_equals_measure(fn: Callable[..., Any], threads: int) -> None:
     _forward(fn, torch.randn(70, 60, dtype=torch.bfloat16))
+
+
+def test_bincount_bytes_by_hand() -> None:
+    """``bincount`` of 1,000 int64 values in [0, 50): the 50 counts beside the input
+    (its ``min()`` and ``max()``, 8 B each, die before the counts are made); a strided
+    input is copied for the call (``self.contiguous()``, 500 values, the even ones: 49
+    counts, up to 48); float16 weights
+    are copied to double (``weights.to(kDouble)``), the counts double too."""
+    x = torch.arange(1000) % 50
+    assert _forward(lambda x: torch.bincount(x), x) == 8000 + 50 * 8
+    assert _forward(lambda x: torch.bincount(x[::2]), x) == 8000 + 500 * 8 + 49 * 8
+    w = torch.ones(1000, dtype=torch.float16)
+    assert _forward(lambda x, w: torch.bincount(x, weights=w), x, w) == 8000 + 2000 + 1000 * 8 + 50 * 8
+    assert _forward(lambda x: torch.bincount(x[:0], minlength=7), x) == 8000 + 7 * 8

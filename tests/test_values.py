@@ -303,3 +303,40 @@ def test_an_absorbing_operand_decides_an_unknown_one(combine: Callable[..., torc
 def test_an_operand_that_does_not_decide_leaves_it_unknown(combine: Callable[..., torch.Tensor]) -> None:
     flagged = _decided(combine)
     assert len(flagged) == 1 and "the Python value of a tensor is not known" in flagged[0], flagged
+
+
+class _Chooser(nn.Module):
+    """The rows its forward allocates depend on its weights' values, which the first
+    iteration's optimizer step changes through a gradient that autograd writes in place
+    into a zero tensor (``topk``'s backward scatters into zeros), or sums in place (``h``
+    used twice: its node's input buffer adds the second gradient to the first)."""
+
+    def __init__(self, twice: bool) -> None:
+        super().__init__()
+        self.twice = twice
+        self.w = nn.Parameter(torch.tensor([0.5, 0.4, 0.3, -0.1, -0.2, 0.2, 0.1, -0.3]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = int((self.w > 0).sum())  # 5 before the step
+        wide = x.repeat(rows, 1)
+        if self.twice:
+            h = self.w * 1.0
+            chosen = (h * -1.0).sum() + (h * 2.0).sum()  # h's gradient: -1 + 2
+        else:
+            chosen = self.w.topk(2).values.sum()
+        return wide.sum() + chosen
+
+
+@pytest.mark.parametrize("twice", [False, True], ids=["scattered", "accumulated"])
+def test_a_gradient_written_in_place_by_autograd_has_its_values(twice: bool) -> None:
+    """The second iteration allocates by the weights the first one's step left: SGD moves
+    the top two weights (gradient 1, lr 1.5) below zero, or every weight down by 0.35
+    (gradient 1, lr 0.35; either gradient alone moves them otherwise): the values of a
+    gradient that eager autograd writes in place into its first argument are the real
+    ones (once the zeros' or the first gradient's, and the second iteration allocated
+    other rows than a real one)."""
+    x = torch.randn(64, 64)
+    lr = 0.35 if twice else 1.5
+    report = _exact(_Chooser(twice), x, optimizer=lambda params: torch.optim.SGD(params, lr=lr))
+    assert report.first_step is not None
+    assert report.forward_peak != report.first_step.forward

@@ -271,6 +271,11 @@ PRIVATE: Final = table(
         replaced=True,
     ),
     Private(
+        "torch.distributed.distributed_c10d._resolve_process_group",
+        "a functional collective names its group: the rank's index in it and its size, to "
+        "answer an exchange of integer values (expert parallel's token counts)",
+    ),
+    Private(
         "torch.distributed.tensor._sharding_prop.ShardingPropagator._propagate_tensor_meta_non_cached",
         "DTensor runs each op on fake tensors of the global shapes to derive its output's: "
         "run out of the tracker's sight (a rank allocates nothing for it)",

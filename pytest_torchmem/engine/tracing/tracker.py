@@ -100,6 +100,7 @@ _FAKE_TYPES: Final = (FakeTensor,)
 _MADE: Final = ValueKind.MADE
 _COMPUTED: Final = ValueKind.COMPUTED
 _SEEDED: Final = ValueKind.SEEDED
+_EXCHANGED: Final = ValueKind.EXCHANGED
 #: Tensor types the tracker handles itself; other subclasses (DTensor) dispatch first.
 _PLAIN_TYPES: Final = frozenset({torch.Tensor, FakeTensor, torch.nn.Parameter})
 
@@ -346,7 +347,10 @@ class Tracker(TorchDispatchMode):
         if func is _ADD and eager.accumulates_in_place(args, kwargs, self.phase):
             # Autograd's input buffer adds a second gradient in place on plain
             # tensors; on fake ones it cannot tell, so it is done here.
-            return args[0].add_(args[1])
+            summed = args[0].add_(args[1])
+            if self.values.known:
+                self.values.rewritten(func, _COMPUTED, args, kwargs, summed)
+            return summed
         if func is not _ADD and self.phase is _BACKWARD:
             eager.note_running_node()
         if plan.check is not None:  # the real kernel's refusal, raised as the program's error
@@ -415,9 +419,27 @@ class Tracker(TorchDispatchMode):
         values = self.values
         known = values.known
         if (
+            known
+            and plan.implementation is not None
+            and plan.values is _COMPUTED
+            and not plan.written_slots
+            and type(out) is FakeTensor
+            and args
+            and type(args[0]) is FakeTensor
+            and not func.is_view
+            and out.untyped_storage()._cdata == args[0].untyped_storage()._cdata
+        ):
+            # a rule ran the op in place into its first argument, as eager does
+            values.rewritten(func, plan.values, args, kwargs, out)
+        elif (
             real_out is not None
             or plan.values is _MADE
             or plan.values is _SEEDED
+            or (
+                plan.values is _EXCHANGED
+                and type(args[0]) is FakeTensor
+                and id(args[0]) in known
+            )
             or (
                 known
                 and (

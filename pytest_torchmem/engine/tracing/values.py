@@ -50,6 +50,7 @@ from typing import Any, Final
 import torch
 
 from pytest_torchmem.engine.torch_private import private
+from pytest_torchmem.engine.tracing.exchanged_values import EXCHANGES, exchanged
 
 __all__ = [
     "ABSORBING",
@@ -97,6 +98,9 @@ class ValueKind(IntEnum):
     #: Drawn at random (``nondeterministic_seeded``): known on the host, drawn from a
     #: copy of the generator.
     SEEDED = 3
+    #: A functional collective's output: known for an integer tensor of known values,
+    #: each peer taken to hold this rank's (:mod:`exchanged_values`).
+    EXCHANGED = 4
 
 
 #: Ops whose outputs are uninitialised memory, or depend on more than their arguments.
@@ -196,6 +200,8 @@ def value_kind(func: Any) -> ValueKind:
     """The :class:`ValueKind` of ``func``."""
     if func in _FACTORIES or func in _FILLS or func in LIFTS:
         return ValueKind.MADE
+    if func in EXCHANGES:
+        return ValueKind.EXCHANGED
     if func in _OPAQUE or not isinstance(func, _OpOverload):
         return ValueKind.OPAQUE
     if func.namespace not in ("aten", "prims"):
@@ -492,6 +498,16 @@ class KnownValues:
         for t in written:
             self._check_written(t)
 
+    def rewritten(self, func: Any, kind: ValueKind, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
+        """``func``, an out-of-place op, ran in place into its first argument, whose storage
+        ``out`` is (a rule did as the eager kernel does: a backward formula's ``scatter_``
+        into its zeros, autograd's accumulation of a second gradient): that storage now
+        holds the op's result where it is known, else nothing known."""
+        real = self._compute(func, kind, args, kwargs, out) if kind == ValueKind.COMPUTED else None
+        self.forget(out)
+        if isinstance(real, torch.Tensor):
+            self._attach(out, real)
+
     def all_known(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
         """Whether every fake tensor among an op's arguments has a shadow (by identity)."""
         return self._all_known(args) and (not kwargs or self._all_known(kwargs.values()))
@@ -518,6 +534,8 @@ class KnownValues:
             return None
         if kind == ValueKind.SEEDED:
             return self._drawn(func, args, kwargs, out)
+        if kind == ValueKind.EXCHANGED:
+            return self._exchanged(func, args, kwargs, out)
         if kind == ValueKind.COMPUTED and not self.all_known(args, kwargs):
             return self._absorbed(func, args, out)
         fill = _FILLS.get(func)
@@ -542,6 +560,20 @@ class KnownValues:
             return None
         # (an in-place foreach op returns nothing: it wrote its shadows)
         return _WROTE_IN_PLACE if computed is None else computed
+
+    def _exchanged(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> Any:
+        """A collective's output, where its input's value is known and every peer's is
+        taken to be it (see :mod:`exchanged_values`), else None."""
+        if kwargs or not args or not self._small(out):
+            return None
+        value = self.of(args[0])
+        if value is None:
+            return None
+        try:
+            with _DisableTorchDispatch():
+                return exchanged(func, value, args[1:])
+        except Exception:  # noqa: BLE001 - arguments the real collective would refuse
+            return None
 
     def _drawn(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> Any:
         """The values a random op draws on the host, from a copy of its generator (see the

@@ -211,3 +211,34 @@ def _histogramdd(call: OpCall) -> Steps:
         copies += _reshaped("weight", weight, (m,))
     steps += [*copies, *_count(call, self, math.prod(bins)), *_given_back(copies)]
     return [*steps, *_density(call, self, bins)]
+
+
+@CPU.scratch(aten.bincount.default)
+def _bincount(call: OpCall) -> Steps:
+    """``_bincount_cpu`` (``SummaryOps.cpp``): ``self.contiguous()`` and
+    ``weights.contiguous()`` (weights neither float nor double: then ``.to(kDouble)``,
+    the contiguous copy a temporary) for the call; in ``_bincount_cpu_template``,
+    ``self.min()`` and ``self.max()`` (0-dim, each freed as its value is read), then
+    the counts. A 1-d empty input: the counts (``zeros(minlength)``) alone. Its outputs
+    are made from the values (fake tensors cannot run it): known where they are."""
+    self, weights = arg(call, 0, "self"), arg(call, 1, "weights")
+    steps: list[Step] = []
+    held: list[str] = []
+    if not self.is_contiguous():
+        steps.append(Alloc("self.contiguous()", self.numel() * self.element_size()))
+        held.append("self.contiguous()")
+    if isinstance(weights, torch.Tensor):
+        copy = not weights.is_contiguous()
+        if copy:
+            steps.append(Alloc("weights.contiguous()", weights.numel() * weights.element_size()))
+        if weights.dtype != torch.float32 and weights.dtype != torch.float64:
+            steps.append(Alloc("weights.to(kDouble)", weights.numel() * _DOUBLE))
+            held.append("weights.to(kDouble)")
+            if copy:
+                steps.append(Free("weights.contiguous()"))
+        elif copy:
+            held.append("weights.contiguous()")
+    if self.numel() > 0:
+        size = self.element_size()
+        steps += [Alloc("self.min()", size), Free("self.min()"), Alloc("self.max()", size), Free("self.max()")]
+    return [*steps, OUTPUTS, *(Free(tag) for tag in held)]
