@@ -518,3 +518,16 @@ def test_fsdp2_mixed_precision_reserved_on_cuda_counted_by_hand(monkeypatch: pyt
     report = tm.estimate(model, torch.randn(8, 8192), device="cuda", parallel=tm.Parallel({"dp": 8}, bf16))
     default = 32 + 128 + 32 + 32 + 128 + 2
     assert report.reserved_peak == (default + 16 + 128 + 16 + 32) * MiB == 546 * MiB
+
+
+def test_what_apply_leaves_out_of_the_model_it_returns_is_freed() -> None:
+    """``apply`` returns DDP of the model's first layer: the other seven layers, held by
+    the copy apply was given alone, die with it, as in a real run (a trace that kept
+    that copy alive counted all eight layers' parameters)."""
+    from test_pipeline import BATCH, WIDTH, Layers
+
+    model, x = Layers(8), torch.randn(BATCH, WIDTH)
+    parallel = tm.Parallel(mesh={"dp": 2}, apply=lambda m, mesh: DDP(m.layers[0], process_group=mesh.get_group()))
+    estimated = tm.estimate(model, x, parallel=parallel)
+    assert estimated.breakdown[tm.Category.PARAMETERS] == sum(p.nbytes for p in model.layers[0].parameters())
+    _a_real_run_equal_to(estimated, lambda: tm.measure(model, x, parallel=parallel))

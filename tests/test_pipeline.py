@@ -94,6 +94,60 @@ def test_two_stages_equal_real_gloo_ranks(schedule: str) -> None:
     assert fingerprint(model, x) == before
 
 
+def split_in_two(model: Layers, mesh: object, v_shape: bool = False) -> list[object]:
+    """Two stages per rank of four, as a script of several stages per rank builds them:
+    each stage a new module of its share of the layers (the model it was given is
+    dropped, the layers of the other ranks' stages with it). Looped: stages ``rank``
+    and ``rank + ranks``; V-shaped (zero-bubble V, DualPipeV): ``rank`` and
+    ``2 ranks - 1 - rank``."""
+    from torch.distributed.pipelining import PipelineStage
+
+    pp = mesh["pp"]  # type: ignore[index]
+    rank, ranks = pp.get_local_rank(), pp.size()
+    stages, per = 2 * ranks, len(model.layers) // (2 * ranks)
+    mine = (rank, 2 * ranks - 1 - rank) if v_shape else (rank, rank + ranks)
+    return [
+        PipelineStage(
+            nn.Sequential(*[nn.Sequential(layer, nn.ReLU()) for layer in list(model.layers)[i * per : (i + 1) * per]]),
+            i,
+            stages,
+            torch.device("cpu"),
+            group=pp.get_group(),
+        )
+        for i in mine
+    ]
+
+
+@follows_pipelining
+@pytest.mark.parametrize(
+    "schedule",
+    [
+        "ScheduleInterleaved1F1B",
+        "ScheduleLoopedBFS",
+        "ScheduleInterleavedZeroBubble",
+        "ScheduleZBVZeroBubble",
+        "ScheduleDualPipeV",
+    ],
+)
+def test_several_stages_per_rank_equal_real_gloo_ranks(schedule: str) -> None:
+    """Schedules of two stages per rank (pp=2, four stages, eight layers, four
+    micro-batches): each rank, every phase, equal to real gloo ranks; the zero-bubble
+    schedules split each backward into its input's and its weights' gradients."""
+    import torch.distributed.pipelining as pipelining
+
+    made = getattr(pipelining, schedule, None)
+    if made is None:
+        pytest.skip(f"this torch has no {schedule}")
+    model, x = Layers(8), torch.randn(BATCH, WIDTH)
+    before = fingerprint(model, x)
+    apply = functools.partial(split_in_two, v_shape=schedule in ("ScheduleZBVZeroBubble", "ScheduleDualPipeV"))
+    for rank in (0, 1):
+        parallel = tm.Parallel(mesh={"pp": 2}, apply=apply, rank=rank, schedule=made, microbatches=MICRO_BATCHES)
+        estimated = tm.estimate(model, (x,), optimizer=_sgd, parallel=parallel)
+        _a_real_run_equal_to(estimated, lambda: tm.measure(model, (x,), optimizer=_sgd, parallel=parallel))
+    assert fingerprint(model, x) == before
+
+
 @follows_pipelining
 def test_pipeline_by_data_parallel_equals_real_gloo_ranks() -> None:
     """pp=2 × dp=2, 1F1B, each stage in DDP over its data-parallel group, AdamW."""

@@ -56,6 +56,9 @@ def beams_run_on(tracker: Any, model: nn.Module) -> Iterator[None]:
         for owner in type(module).__mro__
         if isinstance(owner.__dict__.get(_DECISION), staticmethod)
     }
+    # (the block outlives the model it was given: parallel='s apply may replace it, and
+    # what only it held dies then, as in a real run)
+    del model
     with ExitStack() as stack:
         for owner in owners:
             stack.enter_context(_going_on(tracker, owner))
