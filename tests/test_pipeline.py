@@ -34,7 +34,7 @@ pytestmark = pytest.mark.skipif(
 #: The releases whose pipelining the estimate follows; it refuses the others
 #: (test_other_releases_are_refused).
 FOLLOWED = PIPELINING[0] <= torch_minor() <= PIPELINING[1]
-follows_pipelining = pytest.mark.skipif(not FOLLOWED, reason="the estimate follows the pipelining of torch 2.12 to 2.14")
+follows_pipelining = pytest.mark.skipif(not FOLLOWED, reason="the estimate follows the pipelining of torch 2.12 to 2.15")
 
 WIDTH = 64
 BATCH = 16
@@ -360,5 +360,5 @@ def test_ranks_that_wait_for_each_other_are_reported() -> None:
 @pytest.mark.skipif(FOLLOWED, reason="this release's pipelining is followed")
 def test_other_releases_are_refused() -> None:
     parallel = tm.Parallel(mesh={"pp": 2}, apply=split, schedule=_schedules()["GPipe"], microbatches=4)
-    with pytest.raises(NotImplementedError, match="follows the pipelining of torch 2.12 to 2.14"):
+    with pytest.raises(NotImplementedError, match="follows the pipelining of torch 2.12 to 2.15"):
         tm.estimate(Layers(), (torch.randn(BATCH, WIDTH),), optimizer=_sgd, parallel=parallel)

@@ -20,8 +20,8 @@ import pytest_torchmem as tm
 
 RELEASE = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
 pytestmark = pytest.mark.skipif(
-    not (2, 12) <= RELEASE <= (2, 14),
-    reason="pytest-torchmem follows the pipelining of torch 2.12 to 2.14",
+    not (2, 12) <= RELEASE <= (2, 15),
+    reason="pytest-torchmem follows the pipelining of torch 2.12 to 2.15",
 )
 
 

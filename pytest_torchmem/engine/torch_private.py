@@ -372,6 +372,14 @@ PRIVATE: Final = table(
         replaced=True,
     ),
     Private(
+        "torch.distributed.pipelining.stage._PipelineStageBase._output_slot_is_releasable",
+        "2.15 releases a stage's sent output once its send completes, but only a plain "
+        "torch.Tensor's (type(output) is torch.Tensor): a traced rank's outputs are fake "
+        "tensors standing for plain ones, released as theirs are (tracing/pipeline_group.py)",
+        since=(2, 15),
+        replaced=True,
+    ),
+    Private(
         "torch.distributed.pipelining.schedules.dist",
         "torch.distributed as the schedules call it: while a pipeline's ranks trace, its groups' "
         "backend is not 'fake' (2.14+ skip the stages' metadata vote over a fake group; the "

@@ -33,7 +33,7 @@ SUPPORTED: Final = ((2, 10), (2, 15))
 
 #: The releases whose ``torch.distributed.pipelining`` a pipeline estimate follows, first
 #: and last (tracing/trace.py refuses the others in one line).
-PIPELINING: Final = ((2, 12), (2, 14))
+PIPELINING: Final = ((2, 12), (2, 15))
 
 #: Set to ``1`` to run on a torch outside :data:`SUPPORTED` anyway (a nightly,
 #: say): the figures are then unverified, and may be wrong or fail.

@@ -43,9 +43,10 @@ from typing import Any, Final
 
 import torch
 
-from pytest_torchmem.engine.torch_private import P2P_FUNCTIONS, private
+from pytest_torchmem.engine.torch_private import P2P_FUNCTIONS, present, private
 
 _no_modes: Final = private("torch.utils._python_dispatch._disable_current_modes")
+FakeTensor: Final = private("torch._subclasses.fake_tensor.FakeTensor")
 
 __all__ = ["PipelineDeadlock", "PipelineGroup", "PipelinePeerFailed"]
 
@@ -212,6 +213,9 @@ class PipelineGroup:
                     stack.enter_context(replacing(f"{module.__name__}.{name}", functions[name]))
             stack.enter_context(_ddp_forward_per_thread())
             stack.enter_context(replacing("torch.distributed.pipelining.schedules.dist", _Delivered(dist)))
+            releasable = "torch.distributed.pipelining.stage._PipelineStageBase._output_slot_is_releasable"
+            if present(releasable):
+                stack.enter_context(replacing(releasable, _plain_outputs_releasable(private(releasable))))
             yield
 
     def _functions(self) -> dict[str, Callable[..., Any]]:
@@ -270,6 +274,19 @@ class PipelineGroup:
             "send_object_list": send_object_list,
             "recv_object_list": recv_object_list,
         }
+
+
+def _plain_outputs_releasable(releasable: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
+    """torch 2.15's ``_output_slot_is_releasable``, a fake tensor answered as the plain
+    tensor it stands for: its other checks read the stage alone (the last stage, DDP,
+    a ``dw_builder``), so they are asked of a plain empty tensor in its place."""
+    with _no_modes():
+        plain = torch.empty(0)
+
+    def output_slot_is_releasable(stage: Any, output: Any) -> Any:
+        return releasable(stage, plain if type(output) is FakeTensor else output)
+
+    return output_slot_is_releasable
 
 
 class _Delivered(types.ModuleType):

@@ -241,10 +241,8 @@ def _traced_pipeline(
     if not PIPELINING[0] <= torch_minor() <= PIPELINING[1]:
         raise NotImplementedError(
             "estimate(parallel=Parallel(schedule=...)) follows the pipelining of torch 2.12 to "
-            "2.14 so far (on 2.15 a first stage's backward is 1,024 B above real ranks' in a "
-            "two-stage run, not yet explained; 2.10 and 2.11 keep their process groups where "
-            "a pipeline's threads cannot have worlds of their own); measure(parallel=...) "
-            "runs it on real gloo ranks"
+            "2.15 (2.10 and 2.11 keep their process groups where a pipeline's threads cannot "
+            "have worlds of their own); measure(parallel=...) runs it on real gloo ranks"
         )
     if parallel.train_context is not None:
         raise NotImplementedError(
