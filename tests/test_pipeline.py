@@ -190,6 +190,39 @@ def test_1f1b_holds_fewer_micro_batches_than_gpipe(device: str) -> None:
 
 
 @follows_pipelining
+def test_a_1f1b_stage_on_cuda_by_hand() -> None:
+    """Rank 0 of two under 1F1B, four micro-batches of 4 × 64 fp32, on the fake H100, its
+    forward peak (the loop's second iteration) block by block: micro-batches 0 and 1 are
+    in flight (1F1B runs stages - rank = 2 forwards before its first backward), each
+    holding its two ReLU outputs for backward, and the peak comes as micro-batch 1's
+    second ReLU is made, before its layer's addmm output is freed. Every tensor of
+    1,024 B is a 1,024 B block (a multiple of 512), a bias of 256 B one of 512 B."""
+    model, x = Layers(), torch.randn(BATCH, WIDTH)
+    parallel = tm.Parallel(mesh={"pp": 2}, apply=split, rank=0, schedule=_schedules()["1F1B"], microbatches=4)
+    report = tm.estimate(model, (x,), device="cuda", optimizer=_sgd, parallel=parallel)
+    block = 1024  # one micro-batch's activation: 4 × 64 fp32
+    parameters = 2 * (WIDTH * WIDTH * 4 + 512)  # the stage's two layers
+    batch = BATCH * WIDTH * 4  # the batch the schedule splits (its micro-batches are views)
+    if torch_minor() < (2, 15):
+        # cuBLAS's workspace (torch's default on sm90: 4,096 KiB × 8), one per handle (the
+        # forward's thread, autograd's device thread), each cached from the first iteration;
+        # cuBLASLt's addmm runs in it (unified workspaces)
+        workspaces = 2 * 8 * 4096 * 1024
+        # the stage's buffers for the gradients stage 1 sends, one per micro-batch, made
+        # when the stage is set up
+        grad_receives = 4 * block
+    else:
+        # 2.15 caches no cuBLAS workspace (TORCH_CUBLAS_WORKSPACE_CACHE unset: each call
+        # takes its own and gives it back) and keeps cuBLASLt's apart: the forward thread's
+        # addmm holds its 1,024 KiB; a gradient's buffer is made when it is received
+        workspaces = 1024 * 1024
+        grad_receives = 0
+    micro_batch_0 = 2 * block  # its two ReLU outputs
+    micro_batch_1 = 2 * block + block  # its two ReLU outputs, and layer 1's addmm output
+    assert report.forward_peak == parameters + batch + workspaces + grad_receives + micro_batch_0 + micro_batch_1
+
+
+@follows_pipelining
 def test_every_stage_on_the_fake_cuda_device() -> None:
     model, x = Layers(), torch.randn(BATCH, WIDTH)
     before = fingerprint(model, x)
