@@ -368,17 +368,22 @@ def test_op_without_fake_kernel_stops_the_trace_with_a_report() -> None:
 
 def test_op_without_fake_kernel_runs_on_known_values_and_is_listed() -> None:
     """On known values its outputs are exact; its kernel's own buffers, which no rule
-    follows, are not: listed, and the trace goes on."""
+    follows (bincount's on cuda: the cpu's are modelled), are not: listed, and the trace
+    goes on."""
 
     class Sparse(nn.Module):
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return torch.bincount(x) * 2
 
-    report = tm.estimate(Sparse(), torch.tensor([1, 2, 3]), train=False)
+    report = tm.estimate(Sparse(), torch.tensor([1, 2, 3]), device="cuda", train=False)
     assert [entry.op for entry in report.unsupported] == ["aten.bincount.default"]
     assert "not modelled" in report.unsupported[0].reason
+    # the input, bincount's 4 int64 bins, then * 2 (cuda wraps no number): a 512 B block each
+    assert report.forward_peak == 3 * 512
+    on_cpu = tm.estimate(Sparse(), torch.tensor([1, 2, 3]), train=False)
+    assert on_cpu.unsupported == ()
     # the input, bincount's 4 int64 bins, then * 2: its wrapped 2 and its output
-    assert report.forward_peak == 3 * 8 + 4 * 8 + 8 + 4 * 8
+    assert on_cpu.forward_peak == 3 * 8 + 4 * 8 + 8 + 4 * 8
 
 
 # -- the report ------------------------------------------------------------------------

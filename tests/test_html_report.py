@@ -320,8 +320,9 @@ def test_ops_not_traced_faithfully_are_listed_where_they_were_called() -> None:
     assert warning.startswith("Approximate: the trace went on past these ops")
     assert "aten.index.Tensor at " + where in warning
     assert [badge.text() for badge in page.find("section")[0].find("span", "badge")] == ["missing", "approximate"]
-    # An op run on its known values (its kernel's buffers not modelled): listed, approximate.
-    listed = view_of(traced(Bincount(), torch.tensor([1, 2, 3]), train=False))
+    # An op run on its known values (its kernel's buffers not modelled, on cuda): listed,
+    # approximate.
+    listed = view_of(traced(Bincount(), torch.tensor([1, 2, 3]), "cuda", train=False))
     assert [row["op"] for row in listed["unsupported"]] == ["aten.bincount.default"]
     assert listed["approximate"]
     # A complete trace is not marked.

@@ -430,12 +430,13 @@ def _batch_whole(inputs: Sequence[torch.Tensor]) -> Iterator[None]:
     in place and keeps it sharded (context parallel's ``no_restore_buffers``) leaves the
     next iteration the whole batch, as the loop's next one is (its storage is the batch's
     still: ``resize_`` to a shard keeps the storage)."""
-    layouts = [(t.size(), t.stride(), t.storage_offset()) for t in inputs]
+    strided = [t for t in inputs if t.layout is torch.strided]  # (a sparse batch: not resized)
+    layouts = [(t.size(), t.stride(), t.storage_offset()) for t in strided]
     try:
         yield
     finally:
         with torch.no_grad():
-            for t, (size, stride, offset) in zip(inputs, layouts):
+            for t, (size, stride, offset) in zip(strided, layouts):
                 if (t.size(), t.stride(), t.storage_offset()) != (size, stride, offset):
                     t.as_strided_(size, stride, offset)
 

@@ -427,6 +427,8 @@ class Tracker(TorchDispatchMode):
             and args
             and type(args[0]) is FakeTensor
             and not func.is_view
+            and out.layout is _STRIDED
+            and args[0].layout is _STRIDED
             and out.untyped_storage()._cdata == args[0].untyped_storage()._cdata
         ):
             # a rule ran the op in place into its first argument, as eager does
