@@ -22,6 +22,7 @@ from fingerprint import fingerprint
 from test_parallel import _a_real_run_equal_to
 from test_pipeline import BATCH, MICRO_BATCHES, WIDTH, Layers, _schedules, _sgd, follows_pipelining, split
 from torch import nn
+from zoo import Attention  # SDPA, causal: what ring attention takes over
 
 import pytest_torchmem as tm
 from pytest_torchmem.engine.torch_release import torch_minor
@@ -37,21 +38,6 @@ class Ring(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-
-
-class Attention(nn.Module):
-    def __init__(self, width: int = 64, heads: int = 4) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.heads = heads
-        self.qkv = nn.Linear(width, 3 * width)
-        self.out = nn.Linear(width, width)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, length, width = x.shape
-        q, k, v = self.qkv(x).view(b, length, 3, self.heads, width // self.heads).permute(2, 0, 3, 1, 4)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.out(y.transpose(1, 2).reshape(b, length, width))
 
 
 def _context_parallel(*seq_dims: int, keep: bool = True):
