@@ -187,12 +187,16 @@ def test_on_cpu_the_estimate_raises_what_real_ranks_raise() -> None:
     """torch has no context parallel on the CPU: its SDPA kernel there has no sharding
     rule. The estimate says so as two real gloo ranks do."""
     model, x = Attention(), torch.randn(2, 64, 64)
+    sdpa = F.scaled_dot_product_attention
     with pytest.raises(NotImplementedError, match="_scaled_dot_product_flash_attention_for_cpu") as estimated:
         tm.estimate(model, (x,), parallel=_cp(2, 1))
     with pytest.raises(RuntimeError) as measured:
         tm.measure(model, (x,), parallel=_cp(2, 1))
     assert "_scaled_dot_product_flash_attention_for_cpu" in str(measured.value)
     assert "does not have a sharding strategy registered" in str(estimated.value)
+    # SDPA is torch's again (2.10 to 2.12 leave ring attention's patch when the block raises)
+    assert F.scaled_dot_product_attention is sdpa
+    tm.estimate(Attention(), torch.randn(2, 64, 64))
 
 
 class Head(nn.Module):

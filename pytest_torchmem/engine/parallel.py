@@ -556,7 +556,8 @@ def entered_per_iteration(
     if isinstance(model, Pipelined):
         model = model.applied
 
-    def context() -> AbstractContextManager[Any]:
+    @contextmanager
+    def context() -> Iterator[None]:
         entered = made(model, mesh, *args, **kwargs)
         if not isinstance(entered, AbstractContextManager) and not (
             hasattr(entered, "__enter__") and hasattr(entered, "__exit__")
@@ -567,9 +568,28 @@ def entered_per_iteration(
                 f"{type(entered).__name__}; e.g. return context_parallel(mesh['cp'], "
                 "buffers=[x], buffer_seq_dims=[1])"
             )
-        return entered
+        with _sdpa_as_it_was(), entered:
+            yield
 
     return context
+
+
+@contextmanager
+def _sdpa_as_it_was() -> Iterator[None]:
+    """``F.scaled_dot_product_attention`` as it was, after the block: ``context_parallel``
+    patches it for ring attention, and torch 2.10 to 2.12 leave the patch (and ring
+    attention's DTensor handlers) in place when the block raises; undone then with
+    torch's own undoing."""
+    functional = torch.nn.functional
+    before = functional.scaled_dot_product_attention
+    try:
+        yield
+    finally:
+        if functional.scaled_dot_product_attention is not before:
+            private(
+                "torch.distributed.tensor.experimental._context_parallel._attention."
+                "_disable_context_parallel_dispatcher_impl"
+            )()
 
 
 def local_tensors(tensors: Any) -> list[torch.Tensor]:

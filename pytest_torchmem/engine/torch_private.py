@@ -271,6 +271,12 @@ PRIVATE: Final = table(
         replaced=True,
     ),
     Private(
+        "torch.distributed.tensor.experimental._context_parallel._attention._disable_context_parallel_dispatcher_impl",
+        "context_parallel() of 2.10 to 2.12 leaves SDPA patched for ring attention when its "
+        "block raises (no try/finally around its yield): a train context that raised in the "
+        "trace is undone with torch's own undoing, so the process's SDPA is as it was",
+    ),
+    Private(
         "torch.distributed.distributed_c10d._resolve_process_group",
         "a functional collective names its group: the rank's index in it and its size, to "
         "answer an exchange of integer values (expert parallel's token counts)",
