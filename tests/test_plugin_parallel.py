@@ -280,22 +280,31 @@ def sgd(params):
 """
 
 
+def _recorded_at_rank_1(pytester: pytest.Pytester, module: str, check: str) -> dict[str, Any]:
+    """The snapshot entries a test of ``module`` (on cpu) records where it runs ``check``
+    under ``memory_budget(rank=1)``: the run with --torchmem-update passes."""
+    pytester.makeini("[pytest]\ntorchmem_devices = cpu\n")
+    pytester.makepyfile(
+        test_m=f"""{module}
+@pytest.mark.memory_budget(rank=1)
+def test_it(torchmem):
+    {check}
+"""
+    )
+    assert pytester.runpytest_inprocess("--torchmem-update").ret == 0
+    return _stored(pytester)["test_it"]
+
+
 def test_the_marker_keeps_a_pipelines_schedule(pytester: pytest.Pytester) -> None:
     from test_pipeline import follows_pipelining
 
     if follows_pipelining.args[0]:
         pytest.skip(follows_pipelining.kwargs["reason"])
-    pytester.makeini("[pytest]\ntorchmem_devices = cpu\n")
-    pytester.makepyfile(
-        test_m=PIPELINE
-        + """
-@pytest.mark.memory_budget(rank=1)
-def test_it(torchmem):
-    torchmem.check(MODEL, X, optimizer=sgd, parallel=tm.Parallel({"pp": 2}, split, schedule=Schedule1F1B, microbatches=4))
-"""
+    stored = _recorded_at_rank_1(
+        pytester,
+        PIPELINE,
+        'torchmem.check(MODEL, X, optimizer=sgd, parallel=tm.Parallel({"pp": 2}, split, schedule=Schedule1F1B, microbatches=4))',
     )
-    assert pytester.runpytest_inprocess("--torchmem-update").ret == 0
-    stored = _stored(pytester)["test_it"]
     assert list(stored) == ["default @ pp=2,Schedule1F1Bx4 rank=1"]
     entry = stored["default @ pp=2,Schedule1F1Bx4 rank=1"]["cpu"]
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
@@ -350,17 +359,11 @@ TOKENS = torch.randint(0, 256, (4, 64))
 def test_the_marker_keeps_a_train_context(pytester: pytest.Pytester) -> None:
     """The marker's rank= re-targets the check and keeps its train context
     (loss_parallel: without it torch refuses the sharded logits' cross-entropy)."""
-    pytester.makeini("[pytest]\ntorchmem_devices = cpu\n")
-    pytester.makepyfile(
-        test_m=LOSS_PARALLEL
-        + """
-@pytest.mark.memory_budget(rank=1)
-def test_it(torchmem):
-    torchmem.check(MODEL, TOKENS, loss_fn=cross_entropy,
-                   parallel=tm.Parallel({"tp": 2}, vocabulary_parallel, train_context=loss_parallel))
-"""
+    stored = _recorded_at_rank_1(
+        pytester,
+        LOSS_PARALLEL,
+        "torchmem.check(MODEL, TOKENS, loss_fn=cross_entropy, "
+        "parallel=tm.Parallel({'tp': 2}, vocabulary_parallel, train_context=loss_parallel))",
     )
-    assert pytester.runpytest_inprocess("--torchmem-update").ret == 0
-    stored = _stored(pytester)["test_it"]
     assert list(stored) == ["default @ tp=2 rank=1"]
     assert pytester.runpytest_inprocess().ret == 0

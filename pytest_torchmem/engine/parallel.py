@@ -559,9 +559,7 @@ def entered_per_iteration(
     @contextmanager
     def context() -> Iterator[None]:
         entered = made(model, mesh, *args, **kwargs)
-        if not isinstance(entered, AbstractContextManager) and not (
-            hasattr(entered, "__enter__") and hasattr(entered, "__exit__")
-        ):
+        if not isinstance(entered, AbstractContextManager):  # (any object with __enter__ and __exit__)
             raise TypeError(
                 "Parallel(train_context=...) must return a context manager (the block each "
                 "iteration's forward and backward run in), got "

@@ -70,12 +70,12 @@ class Pipelined(nn.Module):
     """A rank's pipeline stages and the schedule over them: the module the built-in step
     runs under ``Parallel(schedule=...)``. Its parameters are the stages' submodules'."""
 
-    def __init__(self, stages: list[Any], schedule: type, microbatches: int) -> None:
+    def __init__(self, stages: list[Any], schedule: type, microbatches: int, applied: Any = None) -> None:
         super().__init__()
         self.stages = nn.ModuleList([stage.submod for stage in stages])
         self._stages = stages
         #: what ``apply`` returned: the rank's stage, or its list of stages
-        self.applied: Any = stages[0] if len(stages) == 1 else stages
+        self.applied: Any = applied if applied is not None else stages
         self._microbatches = microbatches
         self._loss: Callable[[Any], torch.Tensor] | None = None
         made = stages if _is_multi(schedule) else stages[0]
@@ -101,9 +101,7 @@ class Pipelined(nn.Module):
                 "return one stage, or use a schedule of several stages per rank "
                 "(ScheduleInterleaved1F1B, ScheduleLoopedBFS)"
             )
-        made = cls(stages, schedule, int(parallel.microbatches))
-        made.applied = applied
-        return made
+        return cls(stages, schedule, int(parallel.microbatches), applied)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         raise TypeError("a pipeline rank runs its schedule's step, not a forward (Pipelined.run)")

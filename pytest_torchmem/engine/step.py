@@ -287,10 +287,11 @@ def _run_step(
             "train=False with Parallel(schedule=...) is not supported yet: a pipeline rank's "
             "step is its schedule's training step; check the forward of one stage without schedule="
         )
+    iteration_context = _keeping_the_batch_whole(train_context, inputs)
     if not train:
         probe.set_phase(Phase.FORWARD)
         for iteration in range(1, (repeat or 1) + 1):
-            with torch.no_grad(), _batch_whole(inputs), train_context():
+            with torch.no_grad(), iteration_context():
                 output = _call(model, args, kwargs)
                 if loss_fn is not None:
                     loss_fn(output)
@@ -335,7 +336,7 @@ def _run_step(
             probe,
             keep_output,
             iteration,
-            train_context,
+            iteration_context,
         )
         if repeat is not None:
             probe.iteration_done(iteration)
@@ -392,24 +393,21 @@ def _train_iteration(
     """One iteration of the training loop: forward, loss, backward (in ``train_context()``),
     the optimizer step and ``zero_grad(set_to_none=True)``; its locals (the loss, the output
     it holds) die on return."""
-    with _batch_whole(inputs):
+    probe.set_phase(Phase.FORWARD, iteration)
+    with train_context():
         if isinstance(model, Pipelined):
             # the schedule runs the rank's forwards and backwards, its losses held to the end
-            probe.set_phase(Phase.FORWARD, iteration)
-            with train_context():
-                held = model.run(args, kwargs, loss_fn, probe, iteration)
+            held = model.run(args, kwargs, loss_fn, probe, iteration)
             loss = None
         else:
-            probe.set_phase(Phase.FORWARD, iteration)
-            with train_context():
-                output = _call(model, args, kwargs)
-                loss = (loss_fn or default_loss)(output)
-                held = output if keep_output else None
-                del output
-                check_loss(loss)
+            output = _call(model, args, kwargs)
+            loss = (loss_fn or default_loss)(output)
+            held = output if keep_output else None
+            del output
+            check_loss(loss)
 
-                probe.set_phase(Phase.BACKWARD, iteration)
-                loss.backward()
+            probe.set_phase(Phase.BACKWARD, iteration)
+            loss.backward()
     probe.assign_role(
         Category.GRADIENTS,
         local_tensors(t.grad for t in trainable + inputs if t.grad is not None),
@@ -424,21 +422,31 @@ def _train_iteration(
     del loss, held
 
 
-@contextmanager
-def _batch_whole(inputs: Sequence[torch.Tensor]) -> Iterator[None]:
-    """The inputs' shapes as they were, after the block: a context that shards the batch
-    in place and keeps it sharded (context parallel's ``no_restore_buffers``) leaves the
-    next iteration the whole batch, as the loop's next one is (its storage is the batch's
-    still: ``resize_`` to a shard keeps the storage)."""
-    strided = [t for t in inputs if t.layout is torch.strided]  # (a sparse batch: not resized)
-    layouts = [(t.size(), t.stride(), t.storage_offset()) for t in strided]
-    try:
-        yield
-    finally:
-        with torch.no_grad():
-            for t, (size, stride, offset) in zip(strided, layouts):
-                if (t.size(), t.stride(), t.storage_offset()) != (size, stride, offset):
-                    t.as_strided_(size, stride, offset)
+def _keeping_the_batch_whole(
+    train_context: Callable[[], AbstractContextManager[Any]], inputs: Sequence[torch.Tensor]
+) -> Callable[[], AbstractContextManager[Any]]:
+    """``train_context``, after whose block the inputs have their shapes again: a context
+    that shards the batch in place and keeps it sharded (context parallel's
+    ``no_restore_buffers``) leaves the next iteration the whole batch, as the loop's next
+    one is (its storage is the batch's still: ``resize_`` to a shard keeps the storage).
+    Without a train context nothing reshapes the inputs: it is returned as it is."""
+    if train_context is nullcontext:
+        return train_context
+
+    @contextmanager
+    def context() -> Iterator[None]:
+        strided = [t for t in inputs if t.layout is torch.strided]  # (a sparse batch: not resized)
+        layouts = [(t.size(), t.stride(), t.storage_offset()) for t in strided]
+        try:
+            with train_context():
+                yield
+        finally:
+            with torch.no_grad():
+                for t, (size, stride, offset) in zip(strided, layouts):
+                    if (t.size(), t.stride(), t.storage_offset()) != (size, stride, offset):
+                        t.as_strided_(size, stride, offset)
+
+    return context
 
 
 def _assign_optimizer_state(probe: Probe, optimizers: Sequence[torch.optim.Optimizer]) -> None:
