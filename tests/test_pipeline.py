@@ -1,8 +1,9 @@
 """Pipeline parallel: ``Parallel(schedule=..., microbatches=...)``, one rank of a
 ``torch.distributed.pipelining`` run.
 
-The estimate traces every rank of the rank's pipeline on threads of its own,
-their sends and receives delivered (engine/tracing/pipeline_group.py); the
+The estimate traces the ranks of the rank's pipeline on threads of their own,
+their sends and receives delivered (engine/tracing/pipeline_group.py): the
+rank's own through the step, the others through the first step's set-up; the
 ground truth is ``measure(parallel=...)``: the ranks as real gloo processes
 running the same schedule. Figures are compared byte for byte, every rank,
 every phase.
@@ -90,6 +91,104 @@ def test_two_stages_equal_real_gloo_ranks(schedule: str) -> None:
         )
         estimated = tm.estimate(model, (x,), optimizer=_sgd, parallel=parallel)
         # peaks, every phase (the breakdown of a real run: see the closing note of issue 39)
+        _a_real_run_equal_to(estimated, lambda: tm.measure(model, (x,), optimizer=_sgd, parallel=parallel))
+    assert fingerprint(model, x) == before
+
+
+class _Counted(nn.Module):
+    """A stage's module that counts its forwards, by stage index."""
+
+    calls: dict[int, int] = {}
+
+    def __init__(self, module: nn.Module, stage: int) -> None:
+        super().__init__()
+        self.module, self.stage = module, stage
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        _Counted.calls[self.stage] = _Counted.calls.get(self.stage, 0) + 1
+        return self.module(x)
+
+
+def _counted_split(model: Layers, mesh: object) -> object:
+    from torch.distributed.pipelining import PipelineStage
+
+    stage = split(model, mesh)
+    return PipelineStage(  # type: ignore[attr-defined]
+        _Counted(stage.submod, stage.stage_index), stage.stage_index, stage.num_stages, stage.device, group=stage.group  # type: ignore[attr-defined]
+    )
+
+
+@follows_pipelining
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_a_rank_alone_traces_its_peers_through_their_set_up_only(device: str) -> None:
+    """A rank's estimate traces its own stage through the step, and each other stage
+    only as far as the first step's set-up (the metadata its neighbours need): after
+    that, what a peer would send is the receive buffer's bytes. Its figures are those
+    of the whole pipeline traced (every_rank traces every stage through the step)."""
+    model, x = Layers(), torch.randn(BATCH, WIDTH)
+    before = fingerprint(model, x)
+    parallel = functools.partial(
+        tm.Parallel, mesh={"pp": 2}, apply=_counted_split, schedule=_schedules()["1F1B"], microbatches=MICRO_BATCHES
+    )
+    whole = {entry.rank: entry.report for entry in tm.every_rank(model, (x,), device=device, optimizer=_sgd, parallel=parallel())}
+    for rank in (0, 1):
+        _Counted.calls.clear()
+        alone = tm.estimate(model, (x,), device=device, optimizer=_sgd, parallel=parallel(rank=rank))
+        peer = 1 - rank
+        # the set-up's metadata inference runs a stage's forward once; two steps, one per
+        # micro-batch each, run the rank's own
+        assert _Counted.calls == {rank: 1 + 2 * MICRO_BATCHES, peer: 1}, _Counted.calls
+        assert alone == whole[rank]
+    assert fingerprint(model, x) == before
+
+
+class _Tokens(nn.Module):
+    """An embedding, then a head over the sequence trimmed to its longest run of tokens
+    (a value: the largest token id, as a length)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embedding, self.head = nn.Embedding(32, 16), nn.Linear(16, 16)
+
+
+class _Embed(nn.Module):
+    def __init__(self, embedding: nn.Embedding) -> None:
+        super().__init__()
+        self.embedding = embedding
+
+    def forward(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.embedding(tokens), tokens
+
+
+class _Trimmed(nn.Module):
+    def __init__(self, head: nn.Linear) -> None:
+        super().__init__()
+        self.head = head
+
+    def forward(self, h: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(h[:, : int(tokens.max().item()) + 1])
+
+
+def _tokens_split(model: _Tokens, mesh: object) -> object:
+    from torch.distributed.pipelining import PipelineStage
+
+    pp = mesh["pp"]  # type: ignore[index]
+    stage = pp.get_local_rank()
+    module = _Embed(model.embedding) if stage == 0 else _Trimmed(model.head)
+    return PipelineStage(module, stage, 2, torch.device("cpu"), group=pp.get_group())
+
+
+@follows_pipelining
+def test_a_value_a_peer_sends_traces_the_whole_pipeline() -> None:
+    """The last stage sizes its output by a value the first stage sends (the token ids
+    it received): traced alone, its peer's bytes have no values, and the pipeline is
+    traced again, every rank through the step, where the value is the one sent."""
+    model, x = _Tokens(), torch.randint(0, 5, (8, 12))
+    before = fingerprint(model, x)
+    for rank in (0, 1):
+        parallel = tm.Parallel(mesh={"pp": 2}, apply=_tokens_split, rank=rank, schedule=_schedules()["GPipe"], microbatches=2)
+        estimated = tm.estimate(model, (x,), optimizer=_sgd, parallel=parallel)
         _a_real_run_equal_to(estimated, lambda: tm.measure(model, (x,), optimizer=_sgd, parallel=parallel))
     assert fingerprint(model, x) == before
 

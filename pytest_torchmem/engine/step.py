@@ -10,6 +10,7 @@ up as gradients and optimizer state).
 from __future__ import annotations
 
 import inspect
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any, Final, Protocol
@@ -120,12 +121,16 @@ class ModuleTracker:
 
     def __init__(self, model: nn.Module, probe: Probe) -> None:
         self.probe = probe
-        self._index: dict[int, int] = {}
+        #: Each module's index, by its id, beside a weak reference to it: a module the
+        #: step drops (a pipeline stage keeps its share of the layers) frees its id for
+        #: a new module, perhaps another rank's (the hooks are global: a pipeline's ranks
+        #: trace on threads of one process)
+        self._index: dict[int, tuple[weakref.ref[nn.Module], int]] = {}
         #: The modules' names, by the index the probe is told (as :func:`module_names`).
         self.names: list[str] = []
         for name, module in model.named_modules():
             if id(module) not in self._index:
-                self._index[id(module)] = len(self._index)
+                self._index[id(module)] = (weakref.ref(module), len(self._index))
                 self.names.append(name or ROOT_NAME)
         self._handles: list[Any] = []
 
@@ -141,11 +146,15 @@ class ModuleTracker:
             handle.remove()
         self._handles = []
 
+    def _indexed(self, module: nn.Module) -> int | None:
+        found = self._index.get(id(module))
+        return found[1] if found is not None and found[0]() is module else None
+
     # The hooks are this package's code: they run without torch-function modes
     # (a device's router would see every tensor query they make).
 
     def _before(self, module: nn.Module, args: Any) -> None:
-        index = self._index.get(id(module))
+        index = self._indexed(module)
         if index is None:
             return
         with _DisableTorchFunction():
@@ -154,7 +163,7 @@ class ModuleTracker:
                 _hook_once(args, self.probe.exit_module, index)
 
     def _after(self, module: nn.Module, args: Any, output: Any) -> None:
-        index = self._index.get(id(module))
+        index = self._indexed(module)
         if index is None:
             return
         with _DisableTorchFunction():

@@ -202,7 +202,13 @@ def _traced(
         at_iteration_end=at_iteration_end,
     )
     if parallel is not None and parallel.pipelined:
-        group = _traced_pipeline(model, args, kwargs, parallel, rank, **options)
+        # a rank alone: its peers are traced through their stages' set-up only, and the
+        # pipeline again, every rank through the step, where a receive from one of them
+        # needed more than its bytes (a value the trace then stopped at, an object)
+        whole = peers is not None
+        group = _traced_pipeline(model, args, kwargs, parallel, rank, whole=whole, **options)
+        if group is None:
+            group = _traced_pipeline(model, args, kwargs, parallel, rank, whole=True, **options)
         if peers is not None:
             peers.update(group)
         return group[rank]
@@ -228,13 +234,22 @@ def _traced_pipeline(
     kwargs: dict[str, Any],
     parallel: Parallel,
     rank: int,
+    *,
+    whole: bool,
     **options: Any,
-) -> dict[int, Trace]:
-    """The traces of every rank of ``rank``'s pipeline, each traced on a thread of its own
-    (pipeline_group.py), by rank."""
+) -> dict[int, Trace] | None:
+    """The traces of the ranks of ``rank``'s pipeline, each traced on a thread of its own
+    (pipeline_group.py), by rank: every rank's (``whole``), or ``rank``'s alone, its peers
+    traced through their set-up only (None where a receive from one of them needed more
+    than its bytes)."""
     import threading
 
-    from pytest_torchmem.engine.tracing.pipeline_group import PipelineGroup, PipelinePeerFailed
+    from pytest_torchmem.engine.tracing.pipeline_group import (
+        PeerGone,
+        PipelineGroup,
+        PipelinePeerFailed,
+        SetUpOnly,
+    )
 
     from pytest_torchmem.engine.torch_release import PIPELINING, torch_minor
 
@@ -252,7 +267,7 @@ def _traced_pipeline(
             "measure(parallel=...) runs it on real gloo ranks"
         )
     ranks = parallel.pipeline_peers(rank)
-    group = PipelineGroup(ranks)
+    group = PipelineGroup(ranks, traced=None if whole else [rank])
     traces: dict[int, Trace] = {}
     failures: dict[int, BaseException] = {}
 
@@ -272,6 +287,8 @@ def _traced_pipeline(
                     **options,
                 )
             traces[peer] = traced
+        except SetUpOnly:
+            pass
         except BaseException as exc:  # noqa: BLE001 (handed to the calling thread)
             failures[peer] = exc
             group.fail(exc)
@@ -287,11 +304,22 @@ def _traced_pipeline(
             thread.start()
         for thread in threads:
             thread.join()
+    if not whole and (isinstance(group.failed, PeerGone) or (group.answered and _unsure(traces.get(rank)))):
+        return None
     if failures:
         first = group.failed
         failure = failures.get(rank)
         raise (first if failure is None or isinstance(failure, PipelinePeerFailed) else failure) or failure
     return traces
+
+
+def _unsure(traced: Trace | None) -> bool:
+    """Whether ``traced`` stopped or flagged something it could not follow (perhaps a
+    value it did not know, where a rank traced no further sent bytes of unknown values)."""
+    if traced is None:
+        return False
+    flagged = set(traced.report.unsupported) - {NCCL_GAP}
+    return traced.stop is not None or bool(flagged)
 
 
 def trace_request(request: StepRequest, gpu: Any = None, cpu: Any = None, **options: Any) -> Trace:
