@@ -22,8 +22,10 @@ It times, in one process:
 ``--model 405b`` is Llama 3.1 405B's shape (126 layers, width 16384, 128 query
 heads sharing 8 key/value heads, MLP 53248, vocabulary 128256) on the 512 ranks of
 ``--mesh 16,4,8``. The table shows wall and process CPU time, the peak memory of
-this process (``ru_maxrss``), and the ratios. ``--check`` exits 1 when
-``every rank`` takes more than ``TARGET`` times ``one rank``.
+this process (``ru_maxrss``), and the ratios. ``--check`` exits 1 when a target of
+issue 39 is missed: ``one rank`` within ``ONE_RANK_S`` seconds, ``every rank``
+within ``EVERY_RANK_S``, the process within ``RSS_GIB`` (the targets are the 405B
+shape's; the small model meets them by far).
 """
 
 from __future__ import annotations
@@ -52,9 +54,10 @@ CONFIGS = {
     ),
 }
 MESHES = {"small": (4, 2, 2), "405b": (16, 4, 8)}
-#: every rank / one rank: at most this (every rank traces 1 + the dimensions other than
-#: the pipeline's pipelines where each holds the same along them)
-TARGET = 4.0
+#: issue 39's targets, for the 405B shape on a laptop-class CPU
+ONE_RANK_S = 30.0
+EVERY_RANK_S = 300.0
+RSS_GIB = 1.0
 
 
 class Stage(nn.Module):
@@ -167,12 +170,22 @@ def main(argv: list[str] | None = None) -> int:
             for rank in entry.ranks:
                 assert reports[rank].peak == entry.report.peak, (rank, entry.rank)
     print(tabulate(rows, headers=["what", "wall s", "cpu s", "x one rank", "peak"], disable_numparse=True))
-    print(f"\nthis process's peak memory: {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB")
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    print(f"\nthis process's peak memory: {rss:.2f} GiB")
     print("\nevery distinct rank, the worst first:")
     for entry in every:
         print(f"  {entry}")
-    if args.check and every_wall > TARGET * one_wall:
-        print(f"every rank took {every_wall / one_wall:.2f} x one rank, above {TARGET}", file=sys.stderr)
+    missed = [
+        f"{what} took {took:.1f}, above {target}"
+        for what, took, target in (
+            ("one rank", one_wall, ONE_RANK_S),
+            ("every rank", every_wall, EVERY_RANK_S),
+            ("the process's memory (GiB)", rss, RSS_GIB),
+        )
+        if took > target
+    ]
+    if args.check and missed:
+        print("\n".join(missed), file=sys.stderr)
         return 1
     return 0
 

@@ -76,6 +76,8 @@ class Trace:
     #: What stopped the trace, if it stopped (:func:`trace` then raises): the report is
     #: of the part of the step that ran.
     stop: Stop | None = None
+    #: How many ops needed tensor values the trace did not know.
+    values_missed: int = 0
 
 
 def trace(
@@ -314,12 +316,9 @@ def _traced_pipeline(
 
 
 def _unsure(traced: Trace | None) -> bool:
-    """Whether ``traced`` stopped or flagged something it could not follow (perhaps a
-    value it did not know, where a rank traced no further sent bytes of unknown values)."""
-    if traced is None:
-        return False
-    flagged = set(traced.report.unsupported) - {NCCL_GAP}
-    return traced.stop is not None or bool(flagged)
+    """Whether ``traced`` needed a tensor's value it did not know (perhaps one a rank
+    traced no further sent as bytes of unknown values)."""
+    return traced is not None and traced.values_missed > 0
 
 
 def trace_request(request: StepRequest, gpu: Any = None, cpu: Any = None, **options: Any) -> Trace:
@@ -557,7 +556,7 @@ def _trace(
         phases=analysis.named,
         iterations=analysis.iterations if isinstance(model, StepFunction) else (),
     )
-    traced = Trace(report, tracker.timeline, baseline, analysis, device, context, tracker.stop)
+    traced = Trace(report, tracker.timeline, baseline, analysis, device, context, tracker.stop, tracker.values_missed)
     return traced, following.met
 
 
