@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 from typing import Final
 
 import torch
@@ -22,6 +23,8 @@ __all__ = ["location_in", "runner_dirs", "user_frames", "user_location"]
 _OWN_DIRS: Final = (
     os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),  # pytest_torchmem/
     os.path.dirname(os.path.abspath(torch.__file__)),
+    # (a thread's start, under the trace of a pipeline's rank: not the user's code)
+    threading.__file__,
 )
 
 
