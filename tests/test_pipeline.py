@@ -183,11 +183,21 @@ def _tokens_split(model: _Tokens, mesh: object) -> object:
 def test_a_value_a_peer_sends_traces_the_whole_pipeline() -> None:
     """The last stage sizes its output by a value the first stage sends (the token ids
     it received): traced alone, its peer's bytes have no values, and the pipeline is
-    traced again, every rank through the step, where the value is the one sent."""
+    traced again, every rank through the step, where the value is the one sent.
+    (Traced alone, it took the length as 1: 9,288 B in forward where real ranks hold
+    13,896.) torch 2.12 refuses the program, whose first stage sends a tensor that
+    needs no gradient: the estimate raises its error, as the real rank does."""
+    from torch.distributed.pipelining._utils import PipeliningMetadataError
+
     model, x = _Tokens(), torch.randint(0, 5, (8, 12))
     before = fingerprint(model, x)
-    for rank in (0, 1):
-        parallel = tm.Parallel(mesh={"pp": 2}, apply=_tokens_split, rank=rank, schedule=_schedules()["GPipe"], microbatches=2)
+    parallel = tm.Parallel(mesh={"pp": 2}, apply=_tokens_split, rank=1, schedule=_schedules()["GPipe"], microbatches=2)
+    if torch_minor() < (2, 13):
+        with pytest.raises(PipeliningMetadataError, match="expecting to send gradients to stage 0"):
+            tm.estimate(model, (x,), optimizer=_sgd, parallel=parallel)
+    else:
+        # (the first step's metadata inference runs the stage on empty tensors, in real
+        # ranks too: the length it reads there is flagged as unknown)
         estimated = tm.estimate(model, (x,), optimizer=_sgd, parallel=parallel)
         _a_real_run_equal_to(estimated, lambda: tm.measure(model, (x,), optimizer=_sgd, parallel=parallel))
     assert fingerprint(model, x) == before
