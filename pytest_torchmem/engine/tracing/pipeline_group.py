@@ -23,9 +23,9 @@ at the first step. Its peers are traced that far only (``traced``: the ranks
 traced through the step); from then on a receive from one of them fills its
 buffer with bytes of values the trace does not know, as the buffer the
 receiving stage made for it says (a rank's memory is its own buffers; what
-fills them moves no byte of its). Where such a value mattered (the rank's
-trace stopped, or flagged a value it did not know) the caller traces the
-whole pipeline again.
+fills them moves no byte of its). Where the rank's trace then needed a
+tensor value it did not know (perhaps one of those), or a peer was asked
+for more than bytes (an object), the caller traces the whole pipeline again.
 
 Every collective of the other dimensions runs on each thread's fake process
 group as on a lone rank's. The threads run the user's schedule as it is

@@ -206,7 +206,7 @@ def _traced(
     if parallel is not None and parallel.pipelined:
         # a rank alone: its peers are traced through their stages' set-up only, and the
         # pipeline again, every rank through the step, where a receive from one of them
-        # needed more than its bytes (a value the trace then stopped at, an object)
+        # needed more than its bytes (a value the trace did not know, an object)
         whole = peers is not None
         group = _traced_pipeline(model, args, kwargs, parallel, rank, whole=whole, **options)
         if group is None:
