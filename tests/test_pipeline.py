@@ -147,8 +147,6 @@ def test_a_value_a_peer_sends_is_delivered() -> None:
         with pytest.raises(PipeliningMetadataError, match="expecting to send gradients to stage 0"):
             tm.estimate(model, (x,), optimizer=_sgd, parallel=parallel)
     else:
-        # (the first step's metadata inference runs the stage on empty tensors, in real
-        # ranks too: the length it reads there is flagged as unknown)
         estimated = tm.estimate(model, (x,), optimizer=_sgd, parallel=parallel)
         _a_real_run_equal_to(estimated, lambda: tm.measure(model, (x,), optimizer=_sgd, parallel=parallel))
     assert fingerprint(model, x) == before
