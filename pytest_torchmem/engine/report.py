@@ -140,6 +140,10 @@ class MemoryReport:
     #: above are the highest of them. Empty for the built-in step (its loop is
     #: :attr:`first_step` and the three peaks).
     iterations: tuple[StepPeaks, ...] = ()
+    #: What the trace replayed instead of tracing it again (a loop's later iterations'
+    #: forward and backward, recorded in its first), or why it traced it: one line each.
+    #: The figures are the same either way, so reports compare equal whatever it says.
+    replayed: tuple[str, ...] = field(default=(), compare=False)
 
     def __post_init__(self) -> None:
         breakdown = {Category(key): int(value) for key, value in self.breakdown.items()}
@@ -150,6 +154,7 @@ class MemoryReport:
         object.__setattr__(self, "unsupported", tuple(self.unsupported))
         iterations = tuple(it if isinstance(it, StepPeaks) else StepPeaks(*it) for it in self.iterations)
         object.__setattr__(self, "iterations", iterations)
+        object.__setattr__(self, "replayed", tuple(self.replayed))
 
     @property
     def peak(self) -> int:
@@ -199,6 +204,7 @@ class MemoryReport:
             "first_step": None if self.first_step is None else self.first_step.to_dict(),
             "phases": dict(self.phases),
             "iterations": [it.to_dict() for it in self.iterations],
+            "replayed": list(self.replayed),
         }
 
     @classmethod
@@ -227,6 +233,7 @@ class MemoryReport:
             first_step=None if first is None else StepPeaks.from_dict(first),
             phases=data.get("phases", {}),
             iterations=tuple(StepPeaks.from_dict(it) for it in data.get("iterations", ())),
+            replayed=tuple(data.get("replayed", ())),
         )
 
     def to_json(self, **kwargs: Any) -> str:

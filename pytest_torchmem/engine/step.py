@@ -35,6 +35,8 @@ __all__ = [
     "OptimizerFactory",
     "Probe",
     "QuietProbe",
+    "Replay",
+    "ReplayFactory",
     "StepArgumentError",
     "module_names",
     "run_step",
@@ -71,6 +73,24 @@ class Probe(Protocol):
     def assign_role(self, category: Category, tensors: Iterable[torch.Tensor]) -> None: ...
 
     def iteration_done(self, iteration: int) -> None: ...
+
+
+class Replay(Protocol):
+    """Replays a loop iteration's forward and backward (tracing/replay.py): the step
+    asks it before running them, and tells it when it ran them."""
+
+    def begin(self, iteration: int) -> tuple[Any, Any] | None:
+        """``(loss, held output)`` where ``iteration``'s forward and backward were
+        replayed (the leaves' gradients set), else None: the step runs them."""
+        ...
+
+    def end(self, iteration: int, loss: Any, held: Any) -> None:
+        """``iteration``'s forward and backward ran: the step keeps ``loss`` and ``held``."""
+        ...
+
+
+#: Makes the :class:`Replay` of a loop: ``(model, leaves whose .grad the step reads)``.
+ReplayFactory = Callable[[nn.Module, list[torch.Tensor]], Replay]
 
 
 class QuietProbe:
@@ -254,6 +274,7 @@ def _run_step(
     optimizers: Sequence[torch.optim.Optimizer] = (),
     repeat: int | None = None,
     train_context: Callable[[], AbstractContextManager[Any]] = nullcontext,
+    replay: ReplayFactory | None = None,
 ) -> None:
     """Run one step of ``model`` and report its progress to ``probe``.
 
@@ -285,6 +306,10 @@ def _run_step(
     ``train_context()`` makes the context each iteration's forward and backward run in
     (``Parallel(train_context=...)``: context parallel); an input it leaves reshaped
     comes back whole to the next iteration, as the loop's next batch would.
+
+    ``replay(model, leaves)``: where the step runs as a loop, a :class:`Replay` that may
+    stand in for the later iterations' forward and backward (an estimate's: the first
+    iteration's events again).
     """
     if isinstance(model, StepFunction):
         run_function(
@@ -329,6 +354,7 @@ def _run_step(
     # the gradient of an input that requires grad is the batch's, not the loop's
     batch_grads = [t.grad for t in inputs] if loop else []
     iterations = repeat if repeat is not None else (LOOP_ITERATIONS if loop else 1)
+    replayer = replay(model, trainable + inputs) if replay is not None and iterations > 1 else None
     for iteration in range(1, iterations + 1):
         if iteration > 1:
             for t, grad in zip(inputs, batch_grads):
@@ -346,11 +372,12 @@ def _run_step(
             keep_output,
             iteration,
             iteration_context,
+            replayer,
         )
         if repeat is not None:
             probe.iteration_done(iteration)
     probe.set_phase(None)
-    del opt, batch_grads
+    del opt, batch_grads, replayer
 
 
 def _check_steps_without_closure(opt: torch.optim.Optimizer) -> None:
@@ -398,25 +425,20 @@ def _train_iteration(
     keep_output: bool,
     iteration: int,
     train_context: Callable[[], AbstractContextManager[Any]] = nullcontext,
+    replay: Replay | None = None,
 ) -> None:
     """One iteration of the training loop: forward, loss, backward (in ``train_context()``),
     the optimizer step and ``zero_grad(set_to_none=True)``; its locals (the loss, the output
-    it holds) die on return."""
+    it holds) die on return. ``replay`` may stand in for the forward and backward."""
     probe.set_phase(Phase.FORWARD, iteration)
-    with train_context():
-        if isinstance(model, Pipelined):
-            # the schedule runs the rank's forwards and backwards, its losses held to the end
-            held = model.run(args, kwargs, loss_fn, probe, iteration)
-            loss = None
-        else:
-            output = _call(model, args, kwargs)
-            loss = (loss_fn or default_loss)(output)
-            held = output if keep_output else None
-            del output
-            check_loss(loss)
-
-            probe.set_phase(Phase.BACKWARD, iteration)
-            loss.backward()
+    replayed = replay.begin(iteration) if replay is not None else None
+    if replayed is not None:
+        loss, held = replayed
+    else:
+        loss, held = _forward_backward(model, args, kwargs, loss_fn, probe, keep_output, iteration, train_context)
+        if replay is not None:
+            replay.end(iteration, loss, held)
+    del replayed
     probe.assign_role(
         Category.GRADIENTS,
         local_tensors(t.grad for t in trainable + inputs if t.grad is not None),
@@ -429,6 +451,33 @@ def _train_iteration(
         _assign_optimizer_state(probe, [opt])
         opt.zero_grad(set_to_none=True)
     del loss, held
+
+
+def _forward_backward(
+    model: nn.Module,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    loss_fn: LossFn | None,
+    probe: Probe,
+    keep_output: bool,
+    iteration: int,
+    train_context: Callable[[], AbstractContextManager[Any]],
+) -> tuple[Any, Any]:
+    """An iteration's forward, loss and backward (in ``train_context()``): ``(loss, the
+    output held)``, what the iteration keeps of them."""
+    with train_context():
+        if isinstance(model, Pipelined):
+            # the schedule runs the rank's forwards and backwards, its losses held to the end
+            return None, model.run(args, kwargs, loss_fn, probe, iteration)
+        output = _call(model, args, kwargs)
+        loss = (loss_fn or default_loss)(output)
+        held = output if keep_output else None
+        del output
+        check_loss(loss)
+
+        probe.set_phase(Phase.BACKWARD, iteration)
+        loss.backward()
+    return loss, held
 
 
 def _keeping_the_batch_whole(

@@ -119,10 +119,28 @@ class StorageLedger:
             info.node = autograd_node()
         # (an op's output is allocated as it is made; a storage adopted before the step is not)
         sid = self.timeline.new_allocation(info) if op else self.timeline.new_storage(info)
+        self._watch(storage, key, sid)
+        return sid
+
+    def bind(self, t: torch.Tensor, sid: int) -> None:
+        """``t``'s storage, new, is the storage ``sid`` (allocated already: a replayed
+        one, replay.py): freed when its last reference dies."""
+        storage = t.untyped_storage()
+        self._watch(storage, storage._cdata, sid)
+
+    def _watch(self, storage: Any, key: int, sid: int) -> None:
         self._live[key] = sid
         ref = self._refs[sid] = _StorageRef(storage, self._on_freed)
         ref.key, ref.sid = key, sid
-        return sid
+
+    def holds(self, sid: int) -> bool:
+        """Whether something the program holds keeps ``sid`` alive (a tensor, or an
+        object :meth:`release_with` watches)."""
+        return sid in self._refs
+
+    def nbytes_now(self, sid: int) -> int:
+        """The bytes of ``sid`` now (after its last resize)."""
+        return self._resized.get(sid, self.timeline.storages[sid].nbytes)
 
     def _freed(self, ref: _StorageRef) -> None:
         key, sid = ref.key, ref.sid

@@ -40,6 +40,7 @@ from pytest_torchmem.engine.tracing.devices.cpu.profiles import CpuProfile
 from pytest_torchmem.engine.tracing.compiled_cuda import CudaProgram
 from pytest_torchmem.engine.tracing.devices.cuda.profiles import GpuProfile, gpu_profile
 from pytest_torchmem.engine.tracing.layers import FAKE_WORLD, WARM_UP_LAYERS, Scene, entered
+from pytest_torchmem.engine.tracing.replay import LoopReplay, replay_enabled
 from pytest_torchmem.engine.tracing.rules import TraceContext
 from pytest_torchmem.engine.tracing.stops import Stop
 from pytest_torchmem.engine.tracing.tracker import Tracker
@@ -430,6 +431,12 @@ def _trace(
         if follow
         else nullcontext(Following(active=False, phase=lambda: tracker.phase))
     )
+    replays: list[LoopReplay] = []
+
+    def replaying(model: nn.Module, leaves: list[torch.Tensor]) -> LoopReplay:
+        replays.append(LoopReplay(tracker, model, leaves))
+        return replays[-1]
+
     with program as following:
         # the compiled programs are built in an untracked step of their own, and the traced
         # step finds them in dynamo's cache (AOTAutograd compiles a backward lazily, at its
@@ -497,6 +504,7 @@ def _trace(
                     keep_output=keep_output,
                     repeat=repeat,
                     train_context=train_context,
+                    replay=replaying if parallel is None and not follow and replay_enabled() else None,
                 )
                 del train_context
         except Exception as exc:
@@ -528,6 +536,7 @@ def _trace(
         first_step=None if analysis.first_step is None else StepPeaks(*analysis.first_step),
         phases=analysis.named,
         iterations=analysis.iterations if isinstance(model, StepFunction) else (),
+        replayed=tuple(line for replay in replays for line in replay.lines),
     )
     traced = Trace(report, tracker.timeline, baseline, analysis, device, context, tracker.stop)
     return traced, following.met

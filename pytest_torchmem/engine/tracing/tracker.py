@@ -193,6 +193,8 @@ class Tracker(TorchDispatchMode):
         self.wrapped_scalars = device.type == "cpu" if wraps_numbers is None else wraps_numbers
         # Inside decomposed(): composite ops run their CompositeImplicitAutograd kernel.
         self._decomposing = 0
+        #: How many ops needed tensor values (a value-dependent op, or one only values run).
+        self.value_reads = 0
 
     def ignore_compile_internals(self) -> bool:  # type: ignore[override]
         # torch reads it on the mode when it is entered (TorchDispatchMode.__enter__)
@@ -270,6 +272,25 @@ class Tracker(TorchDispatchMode):
                 break
         self.module = self._modules[-1] if self._modules else -1
         self.timeline.exit(index)
+
+    def running_modules(self) -> list[int]:
+        """The modules running now, innermost last."""
+        return list(self._modules)
+
+    def resume(self, phase: Phase | None, module: int, modules: Sequence[int]) -> None:
+        """Take up the step where replayed events left it (replay.py): in ``phase``,
+        ``modules`` running (``module`` the innermost)."""
+        self.phase = phase
+        self._modules[:] = modules
+        self.module = module
+
+    def quiet(self) -> bool:
+        """Whether nothing the last ops left is pending (autograd's bookkeeping, a
+        composite's decomposition): a point the step can be replayed from."""
+        eager = self._eager
+        return not (
+            eager.pending_numbers or eager.pending_views or eager.pending_formulas or eager.silent or self._decomposing
+        )
 
     def name_phase(self, name: str, begin: bool) -> None:
         self._eager.settle_pending(self.phase, self.module)
@@ -383,6 +404,8 @@ class Tracker(TorchDispatchMode):
                 if isinstance(exc, UnsupportedOperatorException)
                 else first_line(exc)
             )
+        if cannot_run is not None or needs_values is not None:
+            self.value_reads += 1
         if cannot_run is not None:
             # where every argument's value is known, the op runs on them
             known, real_out = self.values.run(func, plan.values, args, kwargs)

@@ -1,0 +1,151 @@
+"""What replaying a loop's later iterations saves (issue 40), measured side by side.
+
+    python benchmarks/replay.py [--repeats R] [--device cuda|cpu] [--check]
+
+In one process, round by round (so that a machine's changing load hits every
+contender alike), on the fake ``--device`` (default cuda), CPU time medians:
+
+* ``7B loop``: ``estimate`` of a Llama-2-7B-shaped step (``benchmarks/llama.py``,
+  bf16, built on meta, 1 x 4096 tokens, AdamW): the loop's two iterations, the
+  second replayed (``replayed``) and traced again (``traced``, ``TORCHMEM_REPLAY=0``);
+* on a 24-layer transformer (width 1024, 1 x 1024 tokens, float32, meta):
+  ``loop``, the estimate with AdamW (two iterations); ``leaks x4`` and ``leaks x8``,
+  ``tm.leaks`` of the same step for 4 and 8 iterations; ``one iteration``, the
+  estimate without optimizer (forward and backward once); ``plain fake``, forward
+  and backward under a bare ``FakeTensorMode`` (nothing tracked).
+
+The table gives the issue's targets as ratios and times, with the verdict; the figures
+of the replayed and traced runs must be equal (checked here too). ``--check`` exits 1
+when a target is missed. Peak RSS is the process's (everything above included).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import statistics
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+from tabulate import tabulate
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent))
+
+from llama import CONFIGS, LlamaConfig, build  # noqa: E402
+from speed import Contender, _fake_mode, _load  # noqa: E402
+
+import pytest_torchmem as tm  # noqa: E402
+from pytest_torchmem.engine.tracing.replay import ENV  # noqa: E402
+
+GiB = 2**30
+#: The 24-layer transformer of the ratios beside a plain fake step.
+MID = LlamaConfig(dim=1024, layers=24, heads=16, kv_heads=16, ffn=2816, vocab=32000)
+
+
+def _adamw(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=1e-4)
+
+
+def fake_model(cfg: LlamaConfig) -> tuple[Any, Any]:
+    """A bare FakeTensorMode and the model built under it (not timed)."""
+    mode = _fake_mode()
+    with mode:
+        return mode, build(cfg, device="cpu", dtype=torch.float32)
+
+
+def plain_fake(made: tuple[Any, Any], tokens: torch.Tensor) -> None:
+    """Forward and backward under the bare FakeTensorMode (the labels the tokens, as the
+    estimate's): nothing tracked."""
+    mode, model = made
+    with mode:
+        fake = mode.from_tensor(tokens)
+        model(fake, fake)["loss"].backward()
+
+
+def _replay(on: bool) -> None:
+    os.environ[ENV] = "1" if on else "0"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    parser.add_argument("--check", action="store_true")
+    args = parser.parse_args(argv)
+    warnings.filterwarnings("ignore")
+    device = args.device
+
+    big = build(CONFIGS["7b"], dtype=torch.bfloat16)
+    big_tokens = torch.randint(0, CONFIGS["7b"].vocab, (1, 4096))
+    mid = build(MID, dtype=torch.float32)
+    mid_tokens = torch.randint(0, MID.vocab, (1, 1024))
+
+    def estimate_big(on: bool) -> tm.MemoryReport:
+        _replay(on)
+        return tm.estimate(big, (big_tokens, big_tokens), device=device, optimizer=_adamw)
+
+    def leaks(iterations: int) -> Any:
+        _replay(True)
+        return tm.leaks(mid, (mid_tokens, mid_tokens), device=device, optimizer=_adamw, iterations=iterations)
+
+    def loop(_: Any) -> tm.MemoryReport:
+        _replay(True)
+        return tm.estimate(mid, (mid_tokens, mid_tokens), device=device, optimizer=_adamw)
+
+    def once(_: Any) -> tm.MemoryReport:
+        _replay(True)
+        return tm.estimate(mid, (mid_tokens, mid_tokens), device=device)
+
+    contenders = [
+        Contender("7B loop, replayed", lambda: None, lambda _: estimate_big(True)),
+        Contender("7B loop, traced", lambda: None, lambda _: estimate_big(False)),
+        Contender("loop", lambda: None, loop),
+        Contender("leaks x4", lambda: None, lambda _: leaks(4)),
+        Contender("leaks x8", lambda: None, lambda _: leaks(8)),
+        Contender("one iteration", lambda: None, once),
+        Contender("plain fake", lambda: fake_model(MID), lambda made: plain_fake(made, mid_tokens)),
+    ]
+    for round_ in range(args.repeats + 1):  # the first round warms up
+        for contender in contenders:
+            contender.run(record=round_ > 0)
+    _replay(True)
+    cpu = {c.name: statistics.median(c.cpu) for c in contenders}
+    result = {c.name: c.result for c in contenders}
+
+    replayed, traced = result["7B loop, replayed"], result["7B loop, traced"]
+    same = replayed == traced and replayed.to_dict() | {"replayed": 0} == traced.to_dict() | {"replayed": 0}
+    per_extra = (cpu["leaks x8"] - cpu["leaks x4"]) / 4
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    rows = [
+        ("7B loop, replayed (s)", cpu["7B loop, replayed"], "<= 1.5", cpu["7B loop, replayed"] <= 1.5),
+        ("7B replayed / traced", cpu["7B loop, replayed"] / cpu["7B loop, traced"], "(< 1)", None),
+        ("leaks x4 / loop", cpu["leaks x4"] / cpu["loop"], "<= 1.3", cpu["leaks x4"] / cpu["loop"] <= 1.3),
+        ("extra iteration / one iteration", per_extra / cpu["one iteration"], "<= 0.10",
+         per_extra / cpu["one iteration"] <= 0.10),
+        ("loop / plain fake (24 layers)", cpu["loop"] / cpu["plain fake"], "< 1.0", cpu["loop"] / cpu["plain fake"] < 1.0),
+        ("peak RSS (GiB)", rss / GiB, "<= 1", rss <= GiB),
+    ]
+    print(f"fake {device}, {args.repeats} rounds, load {_load()}, torch {torch.__version__}")
+    print(tabulate([(c.name, f"{cpu[c.name]:.2f}", f"{statistics.median(c.wall):.2f}") for c in contenders],
+                   headers=["contender", "CPU s (median)", "wall s (median)"]))
+    print()
+    print(tabulate([(name, f"{value:.3f}", target, "" if ok is None else ("ok" if ok else "MISSED"))
+                    for name, value, target, ok in rows], headers=["target", "measured", "target", "verdict"]))
+    print()
+    print("7B replayed:", "; ".join(replayed.replayed) or "nothing")
+    print("7B figures, replayed and traced:", "equal" if same else "DIFFERENT")
+    print("24-layer loop:", "; ".join(result["loop"].replayed) or "nothing")
+    missed = [name for name, _, _, ok in rows if ok is False]
+    if not same:
+        return 1
+    return 1 if args.check and missed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

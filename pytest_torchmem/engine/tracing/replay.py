@@ -1,0 +1,407 @@
+"""Trace once, replay the rest: a training loop's forward and backward, recorded in its
+first iteration and replayed in the later ones.
+
+The built-in step with an optimizer runs as a loop (step.py): the first iteration
+makes the optimizer's state, the second is the steady state every later one
+repeats. The forward and backward of each iteration are the same Python program
+on the same model and batch, so they dispatch the same ops on the same shapes;
+what differs is what is alive around them (the optimizer's state), and that the
+timeline's analysis and the allocator model see anyway. So the first iteration's
+forward and backward are traced, their events recorded (allocations, frees,
+resizes, module entries and exits, phases), and each later iteration's are those
+events again, on new storages, while the Python program skips them: the tensors
+that leave them alive (the gradients, the loss, an output held) are made as fresh
+fake tensors of the same layouts on the replayed storages, so that the rest of the
+iteration (the optimizer step, ``zero_grad``, the loss dropped) frees them where
+the traced program would.
+
+Replay is proved, not assumed; anything that could make a later iteration differ
+from the first is traced instead, and says why (:attr:`LoopReplay.lines`):
+
+* what the forward and backward made must be gone when the iteration ends, or held
+  by the gradients, the loss and the held output (a cache the model keeps, a
+  tensor a hook appends to a list: a later iteration would not make it, or keep
+  more);
+* nothing alive before them may be freed or resized by them (a buffer the model
+  replaces);
+* no op may have read a tensor's values (``.item()``, ``nonzero``, a boolean mask:
+  the values may differ the next time);
+* the model's own state (every module's attributes, parameters, buffers and
+  hooks) and torch's global switches (grad mode, autocast, SDPA backends, ...) are
+  the same at the start of each iteration's forward as at the first's;
+* the model carries no user hooks (module or parameter hooks may count calls).
+
+A library's cached workspace that the first iteration made (cuBLAS's) is not made
+again: it is left out of the replayed events, as the cache leaves it out of the
+program's.
+
+``TORCHMEM_REPLAY=0`` turns replay off: every iteration is traced (for a check
+that doubts it, and for a bug report).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+import torch
+from torch import nn
+
+from pytest_torchmem.engine.containers import tensors_in
+from pytest_torchmem.engine.timeline import ALLOC, FREE, PHASE, RESIZE, Phase
+from pytest_torchmem.engine.torch_private import private
+
+__all__ = ["LoopReplay", "replay_enabled"]
+
+FakeTensor: Final = private("torch._subclasses.fake_tensor.FakeTensor")
+no_dispatch: Final = private("torch.utils._mode_utils.no_dispatch")
+
+#: The environment variable that turns replay off (``0``).
+ENV: Final = "TORCHMEM_REPLAY"
+_STRIDED: Final = torch.strided
+
+
+def replay_enabled() -> bool:
+    """Whether replay is on (``TORCHMEM_REPLAY`` is not ``0``)."""
+    return os.environ.get(ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+@dataclass(frozen=True, slots=True)
+class _Layout:
+    """A tensor the region left alive: its storage (sid, or None: not on the trace
+    device) and its view of it."""
+
+    sid: int | None
+    nbytes: int
+    dtype: torch.dtype
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+    device: torch.device
+
+
+@dataclass
+class _Record:
+    """The first iteration's forward and backward: where its events are, and what it left."""
+
+    start: int  # its first event
+    first_sid: int  # the first storage it made
+    state: Any  # the model's state and torch's switches as it began
+    value_reads: int  # the tracker's count of value-dependent ops as it began
+    end: int = -1
+    refused: str | None = None
+    module: int = -1
+    modules: tuple[int, ...] = ()
+    grads: list[tuple[int, _Layout]] = field(default_factory=list)
+    loss: _Layout | None = None
+    held: list[_Layout] = field(default_factory=list)
+    #: Storages it made that the iteration's end had to free (those held by tensors).
+    held_sids: frozenset[int] = frozenset()
+    #: Storages it made that stay to the end of the step (a library's cached workspace).
+    kept: frozenset[int] = frozenset()
+
+
+class LoopReplay:
+    """Records the first iteration's forward and backward, replays them in later ones.
+
+    ``tracker`` is the trace's :class:`~pytest_torchmem.engine.tracing.tracker.Tracker`,
+    ``model`` the step's model (its state is compared), ``leaves`` the tensors whose
+    ``.grad`` the step reads (the optimizer's parameters, the inputs).
+    """
+
+    def __init__(self, tracker: Any, model: nn.Module, leaves: Sequence[torch.Tensor]) -> None:
+        self.tracker = tracker
+        self.model = model
+        self.leaves = list(leaves)
+        self._record: _Record | None = None
+        #: The storages the last replay left to the program (its stand-ins'): each must be
+        #: gone when the next iteration begins, as the first iteration's were.
+        self._replayed_held: tuple[int, ...] = ()
+        #: What was replayed, or why not: one line each (the report's ``replayed``).
+        self.lines: list[str] = []
+
+    # -- the step's calls -------------------------------------------------------------
+
+    def begin(self, iteration: int) -> tuple[Any, Any] | None:
+        """The forward and backward of ``iteration`` begin (its forward phase just set):
+        ``(loss, held output)`` where they were replayed (the leaves' gradients set),
+        else None (the step runs them, then calls :meth:`end`)."""
+        tracker = self.tracker
+        if iteration == 1 or self._record is None:
+            self._record = _Record(
+                start=len(tracker.timeline.events),
+                first_sid=len(tracker.timeline.storages),
+                state=self._state(),
+                value_reads=tracker.value_reads,
+            )
+            return None
+        record = self._record
+        why = record.refused or self._differs(record)
+        if why is not None:
+            self._say(f"iteration {iteration}: forward and backward traced ({why})")
+            return None
+        replayed = self._replay(record, iteration)
+        self._say(f"iteration {iteration}: forward and backward replayed from iteration 1")
+        return replayed
+
+    def end(self, iteration: int, loss: Any, held: Any) -> None:
+        """The forward and backward of ``iteration`` ran (traced): ``loss`` and ``held``
+        are what the step keeps of them."""
+        record = self._record
+        if iteration != 1 or record is None or record.end >= 0:
+            return
+        record.end = len(self.tracker.timeline.events)
+        record.refused = self._left(record, loss, held)
+
+    def _say(self, line: str) -> None:
+        if line not in self.lines:
+            self.lines.append(line)
+
+    # -- the proof --------------------------------------------------------------------
+
+    def _state(self) -> tuple[Any, ...]:
+        """The model's state and torch's switches, as a value to compare."""
+        return (_model_state(self.model), _switches(), tuple(t.grad is None for t in self.leaves))
+
+    def _left(self, record: _Record, loss: Any, held: Any) -> str | None:
+        """What the first iteration's forward and backward left (recorded), or why a
+        later iteration cannot replay them."""
+        tracker = self.tracker
+        if tracker.stop is not None:
+            return "the trace stopped"
+        if tracker.value_reads != record.value_reads:
+            return "an op read tensor values, which may differ the next time"
+        if _hooked(self.model, self.leaves):
+            return "the model has hooks, which may act differently the next time"
+        if not tracker.quiet():
+            return "autograd's bookkeeping was still pending"
+        made, touched = _made_and_touched(tracker.timeline, record.start, record.end, record.first_sid)
+        if touched:
+            return "it freed or resized a storage that was alive before it (the model's own state)"
+        ledger = tracker.ledger
+        live = {sid for sid in made if ledger.holds(sid)}
+        record.kept = frozenset(sid for sid in made if not ledger.holds(sid))
+        layouts: dict[int, _Layout] = {}
+        try:
+            for index, t in enumerate(self.leaves):
+                if t.grad is not None:
+                    if record.state[2][index] is False:
+                        return "a gradient was there before the backward, and accumulated"
+                    record.grads.append((index, _layout(t.grad, ledger, record.first_sid)))
+            record.loss = None if loss is None else _layout(loss, ledger, record.first_sid)
+            record.held = [_layout(t, ledger, record.first_sid) for t in tensors_in(held)]
+        except _NotReplayable as exc:
+            return str(exc)
+        for layout in (*(g for _, g in record.grads), record.loss, *record.held):
+            if layout is not None and layout.sid is not None:
+                layouts[layout.sid] = layout
+        unheld = live - layouts.keys()
+        if unheld:
+            return (
+                f"{len(unheld)} storage(s) it made stay alive beside the gradients, the loss and "
+                "the output (a cache the model keeps, a graph something holds)"
+            )
+        if any(tracker.timeline.storages[sid].nbytes != ledger.nbytes_now(sid) for sid in layouts):
+            return "a storage it left alive was resized"
+        record.held_sids = frozenset(layouts)
+        record.module = tracker.module
+        record.modules = tuple(tracker.running_modules())
+        return None
+
+    def _differs(self, record: _Record) -> str | None:
+        """Why this iteration's forward and backward may differ from the first's, or None."""
+        if record.end < 0:
+            return "the first iteration's did not finish"
+        ledger = self.tracker.ledger
+        if any(ledger.holds(sid) for sid in (*record.held_sids, *self._replayed_held)):
+            return "a tensor an earlier iteration's forward or backward made is still alive"
+        events = self.tracker.timeline.events
+        if record.kept and any(kind == FREE and a in record.kept for kind, a, _ in events[record.end :]):
+            return "a buffer the first iteration's made to keep was freed"
+        if self._state() != record.state:
+            return "the model's state or torch's switches changed since the first iteration"
+        if _hooked(self.model, self.leaves):
+            return "the model has hooks, which may act differently the next time"
+        if not self.tracker.quiet():
+            return "autograd's bookkeeping was still pending"
+        return None
+
+    # -- the replay -------------------------------------------------------------------
+
+    def _replay(self, record: _Record, iteration: int) -> tuple[Any, Any]:
+        tracker = self.tracker
+        timeline = tracker.timeline
+        storages = timeline.storages
+        events = timeline.events
+        first = record.first_sid
+        kept = record.kept
+        sids: dict[int, int] = {}
+        for kind, a, b in events[record.start : record.end]:
+            if kind == ALLOC:
+                if a in kept:
+                    continue
+                if a >= first:
+                    new = sids.get(a)
+                    if new is None:
+                        new = sids[a] = len(storages)
+                        storages.append(dataclasses.replace(storages[a]))
+                    a = new
+            elif kind == FREE or kind == RESIZE:
+                if a >= first:
+                    a = sids[a]
+            elif kind == PHASE:
+                b = iteration
+            events.append((kind, a, b))
+        # the tensors the program would hold now, on the replayed storages
+        made: dict[int | None, Any] = {}
+
+        def standin(layout: _Layout) -> torch.Tensor:
+            key = layout.sid
+            storage = made.get(key) if key is not None else None
+            t = _fake(tracker.fake_mode, layout, storage)
+            if key is not None and storage is None:
+                made[key] = t.untyped_storage()
+                tracker.ledger.bind(t, sids[key])
+            return t
+
+        for index, layout in record.grads:
+            self.leaves[index].grad = standin(layout)
+        loss = None if record.loss is None else standin(record.loss)
+        held = [standin(layout) for layout in record.held] if record.held else None
+        self._replayed_held = tuple(sids[sid] for sid in record.held_sids)
+        tracker.resume(Phase.BACKWARD, record.module, record.modules)
+        return loss, held
+
+
+class _NotReplayable(Exception):
+    pass
+
+
+def _layout(t: Any, ledger: Any, first: int) -> _Layout:
+    if type(t) is not FakeTensor or t.layout is not _STRIDED:
+        raise _NotReplayable(f"it left a {type(t).__name__} alive, which replay does not remake")
+    sid = ledger.storage_id(t)
+    if sid is not None and sid < first:
+        raise _NotReplayable("a tensor it left alive views a storage made before it")
+    return _Layout(
+        sid,
+        t.untyped_storage().nbytes(),
+        t.dtype,
+        tuple(t.shape),
+        tuple(t.stride()),
+        t.storage_offset(),
+        t.fake_device,
+    )
+
+
+def _fake(fake_mode: Any, layout: _Layout, storage: Any) -> torch.Tensor:
+    """A fake tensor of ``layout`` on a new fake storage (or on ``storage``), made below
+    every dispatch mode, as the fake mode makes a factory's output."""
+    with no_dispatch():
+        if storage is None:
+            storage = torch.empty(layout.nbytes, dtype=torch.uint8, device="meta").untyped_storage()
+        meta = torch.empty(0, dtype=layout.dtype, device="meta")
+        meta.set_(storage, layout.offset, layout.size, layout.stride)
+    return FakeTensor(fake_mode, meta, layout.device)  # type: ignore[no-any-return]
+
+
+def _made_and_touched(timeline: Any, start: int, end: int, first: int) -> tuple[set[int], bool]:
+    """The storages the events ``start:end`` made and did not free, and whether they
+    freed or resized one made before them."""
+    made: set[int] = set()
+    for kind, a, _ in timeline.events[start:end]:
+        if kind == ALLOC:
+            if a < first:
+                return made, True
+            made.add(a)
+        elif kind == FREE:
+            if a < first:
+                return made, True
+            made.discard(a)
+        elif kind == RESIZE and a < first:
+            return made, True
+    return made, False
+
+
+def _hooked(model: nn.Module, leaves: Sequence[torch.Tensor]) -> bool:
+    """Whether the model or a leaf carries hooks of the user's."""
+    for module in model.modules():
+        if (
+            module._forward_hooks
+            or module._forward_pre_hooks
+            or module._backward_hooks
+            or module._backward_pre_hooks
+        ):
+            return True
+    for t in leaves:
+        if getattr(t, "_backward_hooks", None) or getattr(t, "_post_accumulate_grad_hooks", None):
+            return True
+    modules = nn.modules.module
+    # (the trace's own module tracker adds one global pre-hook and one global hook)
+    return (
+        len(modules._global_forward_pre_hooks) > 1
+        or len(modules._global_forward_hooks) > 1
+        or bool(modules._global_backward_hooks)
+        or bool(getattr(modules, "_global_backward_pre_hooks", None))
+    )
+
+
+_IMMUTABLE: Final = (int, float, bool, str, bytes, type(None), torch.dtype, torch.device)
+
+
+def _model_state(model: nn.Module) -> tuple[Any, ...]:
+    """Every module's attributes, as a value: plain values by value, tensors by identity
+    and layout, other objects by identity (and size, for containers)."""
+    state: list[Any] = []
+    for module in model.modules():
+        for name, value in module.__dict__.items():
+            if name in ("_parameters", "_buffers"):
+                state.append(tuple((key, _tensor_state(t)) for key, t in value.items()))
+            elif name == "_modules":
+                state.append(tuple((key, id(m)) for key, m in value.items()))
+            else:
+                state.append((name, _value_state(value)))
+    return tuple(state)
+
+
+def _tensor_state(t: Any) -> Any:
+    if t is None:
+        return None
+    return (id(t), t.dtype, tuple(t.shape), tuple(t.stride()), t.requires_grad)
+
+
+def _value_state(value: Any) -> Any:
+    if isinstance(value, _IMMUTABLE):
+        return value
+    if isinstance(value, torch.Tensor):
+        return _tensor_state(value)
+    if isinstance(value, (list, dict, set, tuple)):
+        return (type(value), id(value), len(value))
+    return (type(value), id(value))
+
+
+def _switches() -> tuple[Any, ...]:
+    """torch's global switches a forward and backward may follow."""
+    cuda = torch.backends.cuda
+    return (
+        torch.is_grad_enabled(),
+        torch.is_inference_mode_enabled(),
+        torch.get_default_dtype(),
+        torch.are_deterministic_algorithms_enabled(),
+        *(torch.is_autocast_enabled(device) for device in ("cpu", "cuda")),
+        *(torch.get_autocast_dtype(device) for device in ("cpu", "cuda")),
+        torch.is_autocast_cache_enabled(),
+        cuda.flash_sdp_enabled(),
+        cuda.mem_efficient_sdp_enabled(),
+        cuda.math_sdp_enabled(),
+        cuda.cudnn_sdp_enabled(),
+        cuda.matmul.allow_tf32,
+        torch.backends.cudnn.enabled,
+        torch.backends.cudnn.benchmark,
+        torch.backends.cudnn.deterministic,
+        torch.backends.cudnn.allow_tf32,
+        torch.backends.mkldnn.enabled,
+    )

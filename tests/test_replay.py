@@ -1,0 +1,201 @@
+"""Trace once, replay the rest (issue 40): a loop's later iterations replay the first's
+forward and backward, with the same figures as tracing every iteration, or are traced
+where they may differ, and say why."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from fingerprint import fingerprint
+from leak_patterns import Caching, batch, mlp
+from zoo import CASES, Case
+
+import pytest_torchmem as tm
+from pytest_torchmem.engine.tracing.replay import ENV
+
+REPLAYED = "iteration 2: forward and backward replayed from iteration 1"
+
+
+def _both(monkeypatch: pytest.MonkeyPatch, make: Any, **options: Any) -> tuple[tm.MemoryReport, tm.MemoryReport]:
+    """The estimate with replay (the default) and with every iteration traced, each of a
+    fresh model; the user's objects left as they were by both."""
+    reports = []
+    for replay in ("1", "0"):
+        monkeypatch.setenv(ENV, replay)
+        model, inputs = make()
+        before = fingerprint(model, inputs)
+        reports.append(tm.estimate(model, inputs, **options))
+        assert fingerprint(model, inputs) == before
+    return reports[0], reports[1]
+
+
+def _same_figures(replayed: tm.MemoryReport, traced: tm.MemoryReport) -> None:
+    a, b = replayed.to_dict(), traced.to_dict()
+    a.pop("replayed"), b.pop("replayed")
+    assert a == b  # every figure, the breakdown, per-module peaks, first step, unsupported
+
+
+LOOPED = [case for case in CASES if "optimizer" in case.options]
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+@pytest.mark.parametrize("case", LOOPED, ids=lambda case: case.name)
+def test_each_family_replays_to_the_same_bytes(case: Case, device: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    replayed, traced = _both(monkeypatch, case.make, device=device, **case.options)
+    _same_figures(replayed, traced)
+    assert traced.replayed == ()
+    assert len(replayed.replayed) == 1
+    assert replayed.replayed[0] == REPLAYED or "forward and backward traced (" in replayed.replayed[0]
+
+
+def test_the_families_replay() -> None:
+    """Most of the families' loops replay (a test that could pass with replay never
+    happening would prove nothing)."""
+    replayed = [case.name for case in LOOPED if REPLAYED in tm.estimate(*case.make(), **case.options).replayed]
+    assert len(LOOPED) >= 3 and len(replayed) >= len(LOOPED) - 1, replayed
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+@pytest.mark.parametrize("keep_output", [False, True])
+def test_a_language_model_replays_its_loop(device: str, keep_output: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    from benchmarks.llama import LlamaConfig, build
+
+    config = LlamaConfig(dim=128, layers=3, heads=4, kv_heads=2, ffn=256, vocab=500)
+
+    def make() -> tuple[nn.Module, Any]:
+        torch.manual_seed(0)
+        tokens = torch.randint(0, config.vocab, (2, 32))
+        return build(config, dtype=torch.float32), (tokens, tokens)
+
+    replayed, traced = _both(
+        monkeypatch, make, device=device, keep_output=keep_output, optimizer=lambda p: torch.optim.AdamW(p)
+    )
+    _same_figures(replayed, traced)
+    assert replayed.replayed == (REPLAYED,)
+
+
+def test_the_replayed_loop_is_what_a_real_loop_measures() -> None:
+    torch.manual_seed(0)
+    model, x = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 8)), torch.randn(32, 64)
+    options: dict[str, Any] = dict(optimizer=lambda p: torch.optim.AdamW(p))
+    estimated = tm.estimate(model, x, **options)
+    assert estimated.replayed == (REPLAYED,)
+    measured = tm.measure(model, x, **options)
+    assert estimated.phase_peaks() == measured.phase_peaks()
+
+
+class _SecondCallDiffers(nn.Module):
+    """From its second call on, the forward keeps a wider hidden state alive: an
+    iteration that differs from the first (a counter in the module's own state)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = mlp()
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        h = self.net[0](x)
+        if self.calls > 1:
+            h = torch.cat([h, h], dim=0)[: h.shape[0]]
+        return self.net[2](self.net[1](h))
+
+
+class _FirstCallCaches(nn.Module):
+    """Builds a table on its first call and keeps it (a rotary embedding's cache)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = mlp()
+        self.table: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.table is None:
+            self.table = torch.ones(64, 64, device=x.device)
+        return self.net[2](self.net[1](self.net[0](x) @ self.table))
+
+
+class _ReadsValues(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = mlp()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.net[1](self.net[0](x))
+        keep = h[0] > 0  # a boolean mask: how many it keeps depends on the values
+        return self.net[2](h[:, keep].sum(1, keepdim=True).expand(-1, 64))
+
+
+def _hooked() -> nn.Module:
+    model = mlp()
+    model[1].register_forward_hook(lambda module, args, out: None)
+    return model
+
+
+@pytest.mark.parametrize(
+    ("build", "why"),
+    [
+        (_SecondCallDiffers, "the model's state or torch's switches changed since the first iteration"),
+        (_FirstCallCaches, "storage(s) it made stay alive beside the gradients"),
+        (Caching, "storage(s) it made stay alive beside the gradients"),
+        (_ReadsValues, "an op read tensor values"),
+        (_hooked, "the model has hooks"),
+    ],
+    ids=["state", "cache", "kept", "values", "hooks"],
+)
+def test_what_may_differ_is_traced_and_says_why(build: Any, why: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    def make() -> tuple[nn.Module, Any]:
+        torch.manual_seed(0)
+        return build(), batch()
+
+    options: dict[str, Any] = dict(optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
+    replayed, traced = _both(monkeypatch, make, **options)
+    _same_figures(replayed, traced)
+    [line] = replayed.replayed
+    assert line.startswith("iteration 2: forward and backward traced (") and why in line
+    model, x = make()
+    assert replayed.phase_peaks() == tm.measure(model, x, **options).phase_peaks()
+
+
+def test_a_second_iteration_that_differs_is_measured_as_it_runs() -> None:
+    """The case replay must not miss: the second iteration holds more than the first."""
+    torch.manual_seed(0)
+    options: dict[str, Any] = dict(optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
+    estimated = tm.estimate(_SecondCallDiffers(), batch(), **options)
+    assert estimated.first_step is not None and estimated.forward_peak > estimated.first_step.forward
+    torch.manual_seed(0)
+    assert estimated.phase_peaks() == tm.measure(_SecondCallDiffers(), batch(), **options).phase_peaks()
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_a_leak_check_replays_the_same_growth(device: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    held = {}
+    for replay in ("1", "0"):
+        monkeypatch.setenv(ENV, replay)
+        torch.manual_seed(0)
+        report = tm.leaks(mlp(), batch(), device=device, optimizer=lambda p: torch.optim.AdamW(p))
+        held[replay] = (report.held, report.growth, report.per_iteration, report.steady_from)
+    assert held["1"] == held["0"]
+    monkeypatch.setenv(ENV, "1")
+    kept = tm.leaks(Caching(), batch(), device=device, optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
+    assert kept.per_iteration > 0  # (a leak is traced, not replayed away)
+
+
+def test_replay_can_be_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(ENV, "0")
+    assert tm.estimate(mlp(), batch(), optimizer=lambda p: torch.optim.SGD(p, lr=0.1)).replayed == ()
+
+
+def test_a_step_without_a_loop_has_nothing_to_replay() -> None:
+    assert tm.estimate(mlp(), batch()).replayed == ()
+
+
+def test_the_report_says_what_was_replayed_through_json() -> None:
+    report = tm.estimate(mlp(), batch(), optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
+    assert report.replayed == (REPLAYED,)
+    again = tm.MemoryReport.from_json(report.to_json())
+    assert again.replayed == report.replayed and again == report
