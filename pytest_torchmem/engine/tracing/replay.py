@@ -109,19 +109,20 @@ class LoopReplay:
 
     ``tracker`` is the trace's :class:`~pytest_torchmem.engine.tracing.tracker.Tracker`,
     ``model`` the step's model (its state is compared), ``leaves`` the tensors whose
-    ``.grad`` the step reads (the optimizer's parameters, the inputs).
+    ``.grad`` the step reads (the optimizer's parameters, the inputs); ``lines`` gets
+    what was replayed, or why not, one line each (the report's ``replayed``: the replay
+    itself, which holds the step's model, dies with the step).
     """
 
-    def __init__(self, tracker: Any, model: nn.Module, leaves: Sequence[torch.Tensor]) -> None:
+    def __init__(self, tracker: Any, model: nn.Module, leaves: Sequence[torch.Tensor], lines: list[str]) -> None:
         self.tracker = tracker
         self.model = model
         self.leaves = list(leaves)
+        self.lines = lines
         self._record: _Record | None = None
         #: The storages the last replay left to the program (its stand-ins'): each must be
         #: gone when the next iteration begins, as the first iteration's were.
         self._replayed_held: tuple[int, ...] = ()
-        #: What was replayed, or why not: one line each (the report's ``replayed``).
-        self.lines: list[str] = []
 
     # -- the step's calls -------------------------------------------------------------
 

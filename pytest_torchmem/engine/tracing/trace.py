@@ -431,11 +431,10 @@ def _trace(
         if follow
         else nullcontext(Following(active=False, phase=lambda: tracker.phase))
     )
-    replays: list[LoopReplay] = []
+    replayed: list[str] = []  # what the loop replayed, or why not (the report's)
 
     def replaying(model: nn.Module, leaves: list[torch.Tensor]) -> LoopReplay:
-        replays.append(LoopReplay(tracker, model, leaves))
-        return replays[-1]
+        return LoopReplay(tracker, model, leaves, replayed)
 
     with program as following:
         # the compiled programs are built in an untracked step of their own, and the traced
@@ -536,7 +535,7 @@ def _trace(
         first_step=None if analysis.first_step is None else StepPeaks(*analysis.first_step),
         phases=analysis.named,
         iterations=analysis.iterations if isinstance(model, StepFunction) else (),
-        replayed=tuple(line for replay in replays for line in replay.lines),
+        replayed=tuple(replayed),
     )
     traced = Trace(report, tracker.timeline, baseline, analysis, device, context, tracker.stop)
     return traced, following.met
