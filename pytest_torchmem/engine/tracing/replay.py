@@ -93,7 +93,7 @@ class _Record:
     value_reads: int  # the tracker's count of value-dependent ops as it began
     end: int = -1
     refused: str | None = None
-    module: int = -1
+    #: The modules running when it ended (innermost last).
     modules: tuple[int, ...] = ()
     grads: list[tuple[int, _Layout]] = field(default_factory=list)
     loss: _Layout | None = None
@@ -208,8 +208,7 @@ class LoopReplay:
         if any(tracker.timeline.storages[sid].nbytes != ledger.nbytes_now(sid) for sid in layouts):
             return "a storage it left alive was resized"
         record.held_sids = frozenset(layouts)
-        record.module = tracker.module
-        record.modules = tuple(tracker.running_modules())
+        record.modules = tracker.running_modules()
         return None
 
     def _differs(self, record: _Record) -> str | None:
@@ -273,7 +272,7 @@ class LoopReplay:
         loss = None if record.loss is None else standin(record.loss)
         held = [standin(layout) for layout in record.held] if record.held else None
         self._replayed_held = tuple(sids[sid] for sid in record.held_sids)
-        tracker.resume(Phase.BACKWARD, record.module, record.modules)
+        tracker.resume(Phase.BACKWARD, record.modules)
         return loss, held
 
 

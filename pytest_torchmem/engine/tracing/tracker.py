@@ -273,16 +273,16 @@ class Tracker(TorchDispatchMode):
         self.module = self._modules[-1] if self._modules else -1
         self.timeline.exit(index)
 
-    def running_modules(self) -> list[int]:
+    def running_modules(self) -> tuple[int, ...]:
         """The modules running now, innermost last."""
-        return list(self._modules)
+        return tuple(self._modules)
 
-    def resume(self, phase: Phase | None, module: int, modules: Sequence[int]) -> None:
+    def resume(self, phase: Phase | None, modules: Sequence[int]) -> None:
         """Take up the step where replayed events left it (replay.py): in ``phase``,
-        ``modules`` running (``module`` the innermost)."""
+        ``modules`` running, innermost last."""
         self.phase = phase
         self._modules[:] = modules
-        self.module = module
+        self.module = self._modules[-1] if self._modules else -1
 
     def quiet(self) -> bool:
         """Whether nothing the last ops left is pending (autograd's bookkeeping, a
