@@ -36,6 +36,7 @@ from typing import Any, Final
 
 import torch
 
+from pytest_torchmem.engine import threads
 from pytest_torchmem.engine.parallel import Parallel
 from pytest_torchmem.engine.torch_private import COLLECTIVES, private
 
@@ -113,6 +114,7 @@ def run_ranks(parallel: Parallel, body: Callable[[Any], str]) -> list[str]:
         raise RuntimeError("measure(parallel=...) needs torch.distributed with gloo, which this torch lacks")
     methods = multiprocessing.get_all_start_methods()
     if "fork" in methods:
+        threads.wait_until_gone()  # a thread of the engine's still leaving holds MKL's lock (threads.py)
         results, exitcodes = _started(multiprocessing.get_context("fork"), parallel, body)
         if not any(result is not None and result[0] == "forked-autograd" for result in results):
             return _collected(results, exitcodes)

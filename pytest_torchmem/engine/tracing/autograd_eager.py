@@ -21,13 +21,13 @@ the running torch by ``tests/test_torch_constants.py``.
 
 from __future__ import annotations
 
-import threading
 import weakref
 from collections.abc import Callable
 from typing import Any, Final
 
 import torch
 
+from pytest_torchmem.engine import threads
 from pytest_torchmem.engine.timeline import Phase
 from pytest_torchmem.engine.torch_private import private
 from pytest_torchmem.engine.tracing.ledger import StorageLedger
@@ -434,9 +434,7 @@ class _NumbersProbe:
             # In a thread of its own: none of the trace's modes, dispatch-key
             # exclusions or grad mode, which are thread-local.
             box: list[list[Any]] = []
-            worker = threading.Thread(target=lambda: box.append(self._run()), daemon=True)
-            worker.start()
-            worker.join()
+            threads.start(lambda: box.append(self._run())).join()
             found = box[0] if box else []
             if len(_PROBED) >= _PROBED_MAX:
                 _PROBED.clear()

@@ -233,8 +233,7 @@ def _traced_pipeline(
 ) -> dict[int, Trace]:
     """The traces of every rank of ``rank``'s pipeline, each traced on a thread of its own
     (pipeline_group.py), by rank."""
-    import threading
-
+    from pytest_torchmem.engine import threads
     from pytest_torchmem.engine.tracing.pipeline_group import PipelineGroup, PipelinePeerFailed
 
     from pytest_torchmem.engine.torch_release import PIPELINING, torch_minor
@@ -280,13 +279,10 @@ def _traced_pipeline(
             group.finished()
 
     with group.delivering():
-        threads = [
-            threading.Thread(target=run, args=(index, peer), name=f"torchmem-pipeline-rank-{peer}", daemon=True)
-            for index, peer in enumerate(ranks)
+        started = [
+            threads.start(run, index, peer, name=f"torchmem-pipeline-rank-{peer}") for index, peer in enumerate(ranks)
         ]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
+        for thread in started:
             thread.join()
     if failures:
         first = group.failed
