@@ -248,6 +248,33 @@ def test_separate_cublaslt_workspace(monkeypatch: pytest.MonkeyPatch) -> None:
     assert report.breakdown[tm.Category.WORKSPACE] == H100_WS
 
 
+@pytest.mark.parametrize(
+    "release, cublas_too",
+    [((2, 10), True), ((2, 11), True), ((2, 12), False), ((2, 13), False), ((2, 14), False)],
+)
+def test_a_separate_cublaslt_workspace_makes_the_cublas_one_on_2_10_and_2_11(
+    release: tuple[int, int], cublas_too: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """2.10 and 2.11 fetch the cuBLASLt handle as the cuBLAS one
+    (getCurrentCUDABlasHandle() has no setup argument before 2.12: their
+    libtorch_cuda.so exports it without one), which gives the thread's handle its
+    workspace. Seen on an H100 with 2.11.0+cu130 (no variable set): nn.Linear(8, 4)
+    on a (2, 8) batch measured 33.00 MiB in its forward (32 MiB + 1 MiB + the
+    tensors), 65.00 MiB in its backward (the autograd thread's 32 MiB more); the
+    estimate had 1 MiB and 33 MiB."""
+    monkeypatch.setenv("TORCH_CUBLASLT_UNIFIED_WORKSPACE", "0")
+    monkeypatch.setattr(workspaces, "_release", lambda: release)
+    bias, x, w = meta(64), meta(8, 64), meta(64, 64).t()
+    context = TraceContext("cuda", gpu=gpu_profile("H100"))
+    first = list(CUDA.scratch_rule(aten.addmm.default)(OpCall(aten.addmm.default, (bias, x, w), {}, meta(8, 64), context)))
+    kept = [s for s in first if isinstance(s, Keep)]
+    lt = Keep("cublaslt workspace (main thread)", 1 * MiB)
+    assert kept == ([Keep("cublas workspace (main thread)", H100_WS), lt] if cublas_too else [lt])
+    # the thread's plain gemm then finds the cuBLAS workspace made or makes it
+    mm = list(CUDA.scratch_rule(aten.mm.default)(OpCall(aten.mm.default, (x, w), {}, meta(8, 64), context)))
+    assert [s for s in mm if isinstance(s, Keep)] == ([] if cublas_too else [Keep("cublas workspace (main thread)", H100_WS)])
+
+
 def test_no_blas_no_workspace() -> None:
     """Nothing multiplies matrices: no workspace; an empty product calls no BLAS."""
     report = tm.estimate(nn.ReLU(), torch.randn(8, 64), device="cuda", train=False)
@@ -475,6 +502,18 @@ def test_workspace_caching_switch_is_pinned_by_the_installed_libtorch_cuda(
     exists = has_function(cuda_library("libtorch_cuda.so"), r"isCUDABlasWorkspaceCachingEnabled")
     assert exists == (installed_release()[:2] >= (2, 15))
     assert workspaces.workspace_caching() is not exists
+
+
+def test_the_cublaslt_handle_setup_is_pinned_by_the_installed_libtorch_cuda() -> None:
+    """``getCurrentCUDABlasHandle`` takes no argument on 2.10 and 2.11 (``...HandleEv``:
+    the cuBLASLt handle fetched through it gets the cuBLAS workspace) and a ``bool
+    setup`` from 2.12 (``...HandleEb``: the cuBLASLt handle is fetched with
+    ``setup=false``); ``_lt_handle_sets_up`` follows the installed release."""
+    path = cuda_library("libtorch_cuda.so")
+    no_setup = has_function(path, r"^_ZN2at4cuda24getCurrentCUDABlasHandleEv$")
+    with_setup = has_function(path, r"^_ZN2at4cuda24getCurrentCUDABlasHandleEb$")
+    assert no_setup != with_setup
+    assert workspaces._lt_handle_sets_up() is no_setup
 
 
 def test_conv_64bit_indexing_limit_is_pinned_by_the_installed_libtorch_cpu() -> None:

@@ -21,7 +21,9 @@ logic below was read from the torch 2.14.1 CUDA wheel's
   does not exist yet. With ``TORCH_CUBLASLT_UNIFIED_WORKSPACE=0`` cuBLASLt has
   its own map and ``CUBLASLT_WORKSPACE_SIZE`` KiB (default 1024) per (handle,
   stream), and its calls leave the cuBLAS one alone (the Lt handle is fetched
-  with ``setup=false``).
+  with ``setup=false``) from 2.12 on; 2.10 and 2.11 fetch it as the cuBLAS
+  handle, whose workspace is made then too: their first cuBLASLt call of a
+  thread takes both.
 * Handles are per thread (``DeviceThreadHandlePool``): the forward and the
   optimizer run on the calling thread, ``loss.backward()`` runs the CUDA ops on
   the autograd engine's device thread. A step that multiplies matrices in both
@@ -266,18 +268,33 @@ def blas_workspace_steps(call: OpCall, *, lt: bool) -> list[Step]:
         size = cublas_workspace_size(gpu)
         return [Alloc("cublas workspace (this call)", size), Free("cublas workspace (this call)")]
     library = "cublaslt" if lt and not unified_workspaces() else "cublas"
-    key = (library, _thread())
-    if context is not None:
-        seen: set[tuple[str, str]] = context.memo.setdefault(
-            "cuda.blas_workspaces", set()
-        )
-        if key in seen:
-            return []
-        seen.add(key)
-    # (the environment is read for the size only when a workspace is made: once or
-    # twice a trace, not on each of its hundreds of BLAS calls)
-    size = cublaslt_workspace_size(gpu) if library == "cublaslt" else cublas_workspace_size(gpu)
-    return [Keep(f"{library} workspace ({key[1]} thread)", size)]
+    thread = _thread()
+    # 2.10 and 2.11 fetch the cuBLASLt handle as the cuBLAS one, workspace and all
+    # (``getCurrentCUDABlasHandle()`` has no ``setup`` argument before 2.12): a
+    # cuBLASLt call of their own workspace makes the cuBLAS one first
+    libraries = ("cublas", library) if library == "cublaslt" and _lt_handle_sets_up() else (library,)
+    seen: set[tuple[str, str]] = (
+        context.memo.setdefault("cuda.blas_workspaces", set()) if context is not None else set()
+    )
+    steps: list[Step] = []
+    for made in libraries:
+        if (made, thread) in seen:
+            continue
+        seen.add((made, thread))
+        # (the environment is read for the size only when a workspace is made: once or
+        # twice a trace, not on each of its hundreds of BLAS calls)
+        size = cublaslt_workspace_size(gpu) if made == "cublaslt" else cublas_workspace_size(gpu)
+        steps.append(Keep(f"{made} workspace ({thread} thread)", size))
+    return steps
+
+
+def _lt_handle_sets_up() -> bool:
+    """Whether ``getCurrentCUDABlasLtHandle()`` gives the thread's cuBLAS handle its
+    workspace: on 2.10 and 2.11 it returns ``getCurrentCUDABlasHandle()``, which
+    does (their ``libtorch_cuda.so`` exports it without arguments); 2.12 on fetch
+    it with ``setup=false``. Seen on an H100 with 2.11: a first ``addmm`` with a
+    bias on a thread takes 32 MiB and 1 MiB."""
+    return _release() <= (2, 11)
 
 
 def _prefers_cublaslt() -> bool:
