@@ -495,3 +495,31 @@ def test_gpu_profile_applies_to_cuda_only() -> None:
     with pytest.raises(ValueError, match=r"^gpu=GpuProfile\(name='RTX4070TiS'.* applies to device='cuda' only"):
         tm.estimate(nn.Linear(2, 2), torch.randn(1, 2), gpu=rtx4070tis())
 
+
+
+# -- which checks a GPU measures -----------------------------------------------------
+
+
+def test_a_gpu_runs_like_a_profile_of_its_kernel_properties_memory_aside() -> None:
+    h100 = gpu_profile("H100")
+    read = GpuProfile("NVIDIA H100 80GB HBM3", memory=81_559 * 2**20, compute_capability=(9, 0), sm_count=132)
+    assert h100.runs_like(read) and read.runs_like(h100)  # the driver's memory differs: the kernels do not
+    assert h100.runs_like(gpu_profile("H200"))  # the same chip with more memory
+    assert not h100.runs_like(gpu_profile("L4"))
+    assert not gpu_profile("L4").runs_like(gpu_profile("RTX4090"))  # cc 8.9 both, 58 SMs against 128
+    fewer_threads = GpuProfile("H100", memory="80GiB", compute_capability=(9, 0), sm_count=132, max_threads_per_sm=1024)
+    assert not h100.runs_like(fewer_threads)
+
+
+@pytest.mark.parametrize("here, followed, measured", [("H100", "H100", True), ("H100", "L4", False), ("L4", "L4", True)])
+def test_the_plugin_measures_only_the_checks_that_follow_this_gpu(
+    here: str, followed: str, measured: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Seen on an H100 (stop 47): checks that followed an L4 and a custom profile were
+    compared with the H100's measurement and failed as mismatches."""
+    from pytest_torchmem.plugin.estimating import Estimator
+    from pytest_torchmem.plugin.settings import Settings
+
+    monkeypatch.setattr(GpuProfile, "from_device", classmethod(lambda cls, device=None, name=None: gpu_profile(here)))
+    assert Estimator(Settings(measure="on")).measures(gpu_profile(followed)) is measured
+    assert Estimator(Settings(measure="off")).measures(gpu_profile(followed)) is False

@@ -276,6 +276,19 @@ class GpuProfile:
         """What ``torch.cuda.get_device_name()`` answers: ``"NVIDIA H100"``."""
         return self.name if self.name.upper().startswith("NVIDIA") else f"NVIDIA {self.name}"
 
+    def runs_like(self, other: GpuProfile) -> bool:
+        """Whether ``other`` runs a step's kernels as this GPU does: the same compute
+        capability, SMs, threads per SM and shared memory per block, which is all the
+        fake cuda device chooses kernels and workspaces by (the memory sets the room
+        left only). A measurement on ``other`` is the ground truth of an estimate
+        that follows this profile only where it does."""
+        return (
+            self.compute_capability == other.compute_capability
+            and self.sm_count == other.sm_count
+            and self.max_threads_per_sm == other.max_threads_per_sm
+            and self.shared_memory_per_block == other.shared_memory_per_block
+        )
+
     @property
     def builtin(self) -> bool:
         """Whether this is one of the named :data:`PROFILES`, property for property."""

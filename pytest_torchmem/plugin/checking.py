@@ -354,7 +354,7 @@ class CheckRunner:
                 self._verdicts.add(item.nodeid, f"torchmem: the leak check of {name!r} on {device} stopped: {why}")
                 continue
             measured = None
-            if device == "cuda" and self._estimator.measuring():
+            if device == "cuda" and self._estimator.measures(gpu):
                 measured = leak_check(on_device, measure=True)
             record = LeakRecord.of(item.nodeid, name, report, allowed, measured)
             self._record.leaks.append(record)

@@ -88,6 +88,7 @@ class Estimator:
         self._settings: Final = settings
         self._rules: dict[tuple[str, tuple[int, ...]], RuleSet] = {}
         self._measuring: bool | None = None
+        self._here: GpuProfile | None = None  # this machine's GPU, read once where measured
 
     def figures(
         self,
@@ -111,7 +112,7 @@ class Estimator:
             partial = Entry.from_report(stop.report, environment)
             return DeviceFigures(stop.report, stop.trace, partial, (), stop)
         measured = None
-        if device.startswith("cuda") and self.measuring():
+        if device.startswith("cuda") and self.measures(gpu):
             # What measure(device="cuda") does: the step on the real GPU, from
             # the state measuring.py defines (empty caches, no cuBLAS workspace).
             from pytest_torchmem.engine.measuring import measure_step
@@ -227,6 +228,17 @@ class Estimator:
             mode = self._settings.measure
             self._measuring = mode == "on" or (mode == "auto" and gpu_present())
         return self._measuring
+
+    def measures(self, gpu: GpuProfile) -> bool:
+        """Whether a ``cuda`` check that follows ``gpu`` runs its step on the real GPU:
+        where :meth:`measuring`, and this machine's GPU runs kernels as ``gpu`` says
+        (:meth:`GpuProfile.runs_like`). A check that follows another GPU (an L4's
+        estimate on an H100 machine) is not compared with this one's measurement."""
+        if not self.measuring():
+            return False
+        if self._here is None:
+            self._here = GpuProfile.from_device()
+        return gpu.runs_like(self._here)
 
 
 def _whole_bytes(report: MemoryReport) -> MemoryReport:
