@@ -237,6 +237,12 @@ PRIVATE: Final = table(
         )
     ),
     Private(
+        "torch._C._AutoDispatchBelowAutograd",
+        "dispatch below autograd: the cuda router runs _fused_rms_norm as the CUDA kernel, "
+        "not as its CompositeImplicitAutograd decomposition (no meta kernel), its autograd "
+        "node its own (cuda/rms_norm.py)",
+    ),
+    Private(
         "torch.amp.autocast_mode._enter_autocast",
         "how torch.autocast enters a region inside a traced program: the router records it",
     ),

@@ -46,6 +46,7 @@ from torch.overrides import TorchFunctionMode
 from pytest_torchmem.engine.tracing.devices.cuda import kernel_choices as _kernel_choices  # noqa: F401
 from pytest_torchmem.engine.tracing.devices.cuda import placement as _placement  # noqa: F401
 from pytest_torchmem.engine.tracing.devices.cuda import rnn as _rnn  # noqa: F401
+from pytest_torchmem.engine.tracing.devices.cuda import rms_norm as _rms_norm  # noqa: F401
 from pytest_torchmem.engine.torch_private import private
 from pytest_torchmem.engine.tracing.devices.cuda.autocast import AUTOCAST, autocast_policy
 from pytest_torchmem.engine.tracing.devices.cuda.placement import names_cuda

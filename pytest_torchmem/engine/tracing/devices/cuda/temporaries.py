@@ -896,10 +896,36 @@ def _layer_norm_backward(call: OpCall) -> list[Step]:
     input_, normalized_shape = call.args[1], call.args[2]
     weight = call.args[5] if len(call.args) > 5 else None
     mask = list(call.args[7]) if len(call.args) > 7 else [True, True, True]
+    names = [name for index, name in ((1, "dgamma"), (2, "dbeta")) if mask[index]]
+    return _gamma_beta_blocks(call, input_, normalized_shape, weight, names)
+
+
+@CUDA.scratch(aten._fused_rms_norm_backward.default)
+def _rms_norm_backward(call: OpCall) -> list[Step]:
+    """``_fused_rms_norm_backward`` (``layer_norm_kernel.cu``): the layer norm's
+    backward kernels with ``rms_norm=true`` (no mean, no bias): the operands
+    ``expect_contiguous()``, and the weight gradient through the same
+    ``LaunchGammaBetaBackwardCUDAKernel``, so summed per block of 32 rows above
+    64 Ki rows as :func:`_layer_norm_backward` says."""
+    grad_out, input_, normalized_shape, rstd = call.args[:4]
+    weight = call.args[4] if len(call.args) > 4 else None
+    mask = list(call.args[5]) if len(call.args) > 5 else [True, True]
+    copies = [(name, _contiguous_copy(t)) for name, t in (("dY", grad_out), ("X", input_), ("rstd", rstd), ("gamma", weight))]
+    steps: list[Step] = [Alloc(f"{name} contiguous", size) for name, size in copies if size]
+    steps += _gamma_beta_blocks(call, input_, normalized_shape, weight, ["dgamma"] if mask[1] else [])
+    steps += [Free(f"{name} contiguous") for name, size in copies if size]
+    return steps
+
+
+def _gamma_beta_blocks(
+    call: OpCall, input_: Any, normalized_shape: Any, weight: Any, names: list[str]
+) -> list[Step]:
+    """The outputs, then ``LaunchGammaBetaBackwardCUDAKernel``'s per-block buffers of
+    the gradients ``names`` (``"dgamma"``, ``"dbeta"``) where it splits the rows."""
     n = math.prod(int(s) for s in normalized_shape)
     m = input_.numel() // n if n else 0
     gpu = call.context.gpu if call.context is not None else None
-    if weight is None or not (mask[1] or mask[2]):
+    if weight is None or not names:
         return [OUTPUTS]
     rows = _LAYER_NORM_BLOCK_ROWS
     if not (m > _LAYER_NORM_SPLIT_ROWS and n // rows < _sm_count(gpu) // 2):
@@ -910,21 +936,17 @@ def _layer_norm_backward(call: OpCall) -> list[Step]:
     steps: list[Step] = [OUTPUTS]
     partial = torch.empty((blocks_y, n), dtype=weight.dtype, device="meta")
     total = torch.empty((n,), dtype=weight.dtype, device="meta")
-    for index, name in ((1, "dgamma"), (2, "dbeta")):
-        if mask[index]:
-            steps.append(Alloc(f"{name}_blocks", blocks_y * n * isz))
-    for index, name in ((1, "dgamma"), (2, "dbeta")):
-        if mask[index]:
-            steps.append(Alloc(f"{name}_sum", n * isz))
-            steps += reduction_steps(
-                partial, [total], 0, False, context=call.context, tag=f"{name}_sum"
-            )
-            # the sum's buffers, then the preallocated gradient it replaces
-            steps += [
-                Free(f"{name}_sum:semaphores"),
-                Free(f"{name}_sum:buffer"),
-                Free(f"{name}_sum"),
-            ]
+    for name in names:
+        steps.append(Alloc(f"{name}_blocks", blocks_y * n * isz))
+    for name in names:
+        steps.append(Alloc(f"{name}_sum", n * isz))
+        steps += reduction_steps(partial, [total], 0, False, context=call.context, tag=f"{name}_sum")
+        # the sum's buffers, then the preallocated gradient it replaces
+        steps += [
+            Free(f"{name}_sum:semaphores"),
+            Free(f"{name}_sum:buffer"),
+            Free(f"{name}_sum"),
+        ]
     return steps
 
 
