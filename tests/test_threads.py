@@ -1,86 +1,46 @@
-"""The engine's threads and the forks that follow them (``pytest_torchmem/engine/threads.py``).
+"""The engine's threads and the forks that follow them (``engine/threads.py``, ``engine/distributed.py``).
 
 A thread's ``join()`` returns before the operating system's thread has run its
-native destructors; MKL frees the thread's buffers there under a lock, and a
-process forked in that moment waits forever in its first GEMM. CI met it as a
-``measure(parallel=...)`` rank that never answered after a pipeline's estimate
-(tests/test_every_rank.py, stop 46).
+native destructors; MKL frees the thread's buffers there under a spin lock of its
+own (``mm_account_ptr_by_tid``), and a process forked while any thread holds it
+spins forever in its first GEMM. CI met it as a ``measure(parallel=...)`` rank
+that never answered after a pipeline's estimate (tests/test_every_rank.py, stop
+46); a raw fork after the wait still hung once in a README run (another thread
+of the worker held the lock), so a forked rank proves it can multiply matrices
+before it joins the group, and the ranks are forked again where one cannot.
 """
 
 from __future__ import annotations
 
 import os
 import sys
-import time
+import threading
 
 import pytest
 import torch
 from test_pipeline import BATCH, MICRO_BATCHES, WIDTH, Layers, _schedules, _sgd, follows_pipelining, split
 
 import pytest_torchmem as tm
-from pytest_torchmem.engine import threads
+from pytest_torchmem.engine import distributed, threads
 
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="forks and /proc/self/task: Linux")
-
-#: Seconds a forked child's one GEMM may take before it counts as hung (it takes milliseconds).
-CHILD_TIMEOUT = 120.0
-FORKS = 20
-
-
-def _gemm() -> None:
-    a = torch.randn(64, 64)
-    (a @ a).sum()
-
-
-def _forked_gemm_finishes() -> bool:
-    """Fork; the child runs one GEMM and leaves. Whether it left within the timeout.
-
-    The child runs on one thread, as a rank of ``measure(parallel=...)`` does (distributed.py:
-    GNU OpenMP's pool of the parent is not the child's)."""
-    pid = os.fork()
-    if pid == 0:
-        try:
-            torch.set_num_threads(1)
-            _gemm()
-        finally:
-            os._exit(0)
-    deadline = time.monotonic() + CHILD_TIMEOUT
-    delay = 0.001
-    while time.monotonic() < deadline:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            return os.waitstatus_to_exitcode(status) == 0
-        time.sleep(delay)
-        delay = min(delay * 2, 0.1)
-    os.kill(pid, 9)
-    os.waitpid(pid, 0)
-    return False
-
-
-@linux_only
-def test_a_fork_right_after_an_engine_thread_ran_gemms_does_not_hang() -> None:
-    # Without the wait, 46 of 100 such forks hung on the 2.13 CPU wheel (2 cores).
-    _gemm()  # the calling thread's MKL is set up before any fork, as in a trace
-    for _ in range(FORKS):
-        threads.start(_gemm, name="torchmem-test-gemm").join()
-        threads.wait_until_gone()
-        assert _forked_gemm_finishes()
+gloo = pytest.mark.skipif(
+    not torch.distributed.is_available() or not torch.distributed.is_gloo_available(), reason="needs gloo"
+)
 
 
 @linux_only
 def test_the_wait_returns_once_the_thread_is_gone() -> None:
     ids: list[int] = []
-    import threading
-
     threads.start(lambda: ids.append(threading.get_native_id())).join()
     threads.wait_until_gone()
     assert not os.path.exists(f"/proc/self/task/{ids[0]}")
-    started = time.monotonic()
-    threads.wait_until_gone()  # nothing left to wait for: at once
-    assert time.monotonic() - started < 1.0
+    threads.before_fork()  # nothing left to wait for; MKL's buffers given back
+    assert torch.mm(torch.ones(64, 64), torch.ones(64, 64))[0, 0].item() == 64.0  # MKL works on
 
 
-def test_an_error_in_the_thread_still_ends_it(capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_an_error_in_the_thread_still_ends_it() -> None:
     def fails() -> None:
         raise ValueError("the thread's own error")
 
@@ -88,6 +48,48 @@ def test_an_error_in_the_thread_still_ends_it(capsys: pytest.CaptureFixture[str]
     thread.join()
     assert not thread.is_alive()
     threads.wait_until_gone()
+
+
+def _rank(mesh: object) -> str:
+    return str(torch.distributed.get_rank())
+
+
+@linux_only
+@gloo
+def test_ranks_that_do_not_get_ready_are_forked_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first fork's ranks hang where MKL's lock would hold them (in their first
+    GEMM, before the group); they are killed and forked again, and the run's result
+    is the second fork's."""
+    forks: list[int] = []
+    real_before_fork = threads.before_fork
+
+    def counted() -> None:
+        forks.append(1)
+        real_before_fork()
+
+    def stuck_on_the_first_fork() -> None:
+        if len(forks) == 1:  # (the child's copy of the parent's count at its fork)
+            threading.Event().wait()
+
+    monkeypatch.setattr(threads, "before_fork", counted)
+    monkeypatch.setattr(distributed, "_probe_blas", stuck_on_the_first_fork)
+    monkeypatch.setattr(distributed, "READY_TIMEOUT", 10)
+    parallel = tm.Parallel({"dp": 2}, lambda model, mesh: model)
+    assert distributed.run_ranks(parallel, _rank) == ["0", "1"]
+    assert len(forks) >= 2  # (a third where the machine was too busy to start the second in time)
+
+
+@linux_only
+@gloo
+def test_ranks_that_never_get_ready_say_so(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every fork stalls: the ranks start fresh (spawn), and a body that does not
+    pickle is refused with the reason."""
+    monkeypatch.setattr(distributed, "_probe_blas", lambda: threading.Event().wait())
+    monkeypatch.setattr(distributed, "READY_TIMEOUT", 5)
+    monkeypatch.setattr(distributed, "FORK_ATTEMPTS", 1)
+    parallel = tm.Parallel({"dp": 2}, lambda model, mesh: model)
+    with pytest.raises(RuntimeError, match=r"did not start in 1 tries .*do not pickle"):
+        distributed.run_ranks(parallel, lambda mesh: "unpicklable")
 
 
 @follows_pipelining

@@ -58,6 +58,11 @@ MAX_REAL_RANKS: Final = 4
 TIMEOUT: Final = 600
 #: Seconds a rank waits in a collective for the others (one that failed never comes).
 COLLECTIVE_TIMEOUT: Final = 120
+#: Seconds a forked rank may take to multiply two small matrices and run one backward
+#: (milliseconds, on a busy machine seconds); past it the rank is stuck (see ``_rank_main``).
+READY_TIMEOUT: Final = 60
+#: How many times the ranks are forked before they are started fresh (``spawn``).
+FORK_ATTEMPTS: Final = 3
 #: Seconds :meth:`FreedOnThisThread.drain` and :func:`collectives_completed_here` wait
 #: for gloo's threads to let go of a tensor.
 DRAIN_TIMEOUT: Final = 10.0
@@ -66,6 +71,16 @@ DRAIN_TIMEOUT: Final = 10.0
 #: The refusal a forked process meets in ``backward()`` once its parent started autograd's
 #: device threads (``Engine::initialize_device_threads_pool``, engine.cpp).
 _FORKED_AUTOGRAD: Final = "autograd's threading in combination with fork-based multiprocessing"
+_READY: Final = "ready"
+#: The parent's mark of a rank that did not get ready (never sent by a rank).
+_STALLED: Final = "stalled"
+
+
+def _probe_blas() -> None:
+    """A rank's first GEMM (MKL's allocator), before it joins the group: where it never
+    returns, the parent sees the rank not ready and forks the ranks again."""
+    a = torch.ones(128, 128)
+    torch.mm(a, a)
 
 _settled = False
 
@@ -114,23 +129,35 @@ def run_ranks(parallel: Parallel, body: Callable[[Any], str]) -> list[str]:
         raise RuntimeError("measure(parallel=...) needs torch.distributed with gloo, which this torch lacks")
     methods = multiprocessing.get_all_start_methods()
     if "fork" in methods:
-        threads.wait_until_gone()  # a thread of the engine's still leaving holds MKL's lock (threads.py)
-        results, exitcodes = _started(multiprocessing.get_context("fork"), parallel, body)
-        if not any(result is not None and result[0] == "forked-autograd" for result in results):
+        for _ in range(FORK_ATTEMPTS):
+            threads.before_fork()
+            results, exitcodes = _started(multiprocessing.get_context("fork"), parallel, body)
+            if not any(result is not None and result[0] == _STALLED for result in results):
+                break
+        stalled = any(result is not None and result[0] == _STALLED for result in results)
+        if not stalled and not any(result is not None and result[0] == "forked-autograd" for result in results):
             return _collected(results, exitcodes)
+        why = (
+            f"its forked ranks did not start in {FORK_ATTEMPTS} tries (a lock of MKL's held by "
+            "another thread of this process as it forked)"
+            if stalled
+            else "this process has started autograd's device threads (a backward with a GPU "
+            "present, or after a FakeTensorMode on a CUDA build of torch), and a forked process "
+            "cannot run backward after that"
+        )
+    else:
+        why = "this system cannot fork"
     try:
         import pickle
 
         pickle.dumps(body)
     except Exception as exc:
         raise RuntimeError(
-            "measure(parallel=...) starts its ranks as fresh processes here: this process has "
-            "started autograd's device threads (a backward with a GPU present, or after a "
-            "FakeTensorMode on a CUDA build of torch), and a forked process cannot run "
-            "backward after that. The model, the inputs, loss_fn, optimizer and apply then "
-            f"travel pickled, and they do not pickle: {type(exc).__name__}: {exc}. Define the "
-            "functions at module level (functools.partial binds their options), or call "
-            "measure(parallel=...) before any backward in this process"
+            f"measure(parallel=...) starts its ranks as fresh processes here: {why}. The model, "
+            "the inputs, loss_fn, optimizer and apply then travel pickled, and they do not "
+            f"pickle: {type(exc).__name__}: {exc}. Define the functions at module level "
+            "(functools.partial binds their options), or call measure(parallel=...) before any "
+            "backward in this process"
         ) from exc
     results, exitcodes = _started(multiprocessing.get_context("spawn"), parallel, body)
     return _collected(results, exitcodes)
@@ -156,14 +183,25 @@ def _started(
             processes.append(process)
         results: list[tuple[str, str] | None] = [None] * world
         try:
+            # each rank first says it is ready (its probe ran) before it joins the group
             for rank, receive in enumerate(pipes):
-                if receive.poll(TIMEOUT):
-                    try:
-                        results[rank] = receive.recv()
-                    except EOFError:
-                        results[rank] = None
-                if results[rank] is not None and results[rank][0] == "forked-autograd":  # type: ignore[index]
-                    break  # every rank meets it before it joins the group: none waits for another
+                if not receive.poll(READY_TIMEOUT):
+                    results[rank] = (_STALLED, f"rank {rank} did not start within {READY_TIMEOUT} s")
+                    break
+                try:
+                    results[rank] = receive.recv()
+                except EOFError:
+                    results[rank] = None
+                if results[rank] is None or results[rank][0] != _READY:  # type: ignore[index]
+                    break  # (forked-autograd: every rank meets it before it joins the group)
+            else:
+                results = [None] * world
+                for rank, receive in enumerate(pipes):
+                    if receive.poll(TIMEOUT):
+                        try:
+                            results[rank] = receive.recv()
+                        except EOFError:
+                            results[rank] = None
         finally:
             for process in processes:
                 process.join(5)
@@ -192,14 +230,18 @@ def _rank_main(parallel: Parallel, rank: int, store: str, body: Callable[[Any], 
     OpenMP thread pool of a parent that ran parallel regions (GNU OpenMP then
     waits forever for threads the child does not have), and every rank of a
     real launch is its own fresh process anyway. Before it joins the group it
-    runs one backward: a forked rank whose parent's autograd cannot fork says
-    so (``"forked-autograd"``), and is started again fresh.
+    multiplies two small matrices (:func:`_probe_blas`) and runs one backward,
+    then says it is ready: a forked rank whose parent's autograd cannot fork says
+    so (``"forked-autograd"``), and is started again fresh; one that never gets
+    ready (forked while another thread of the parent held a lock of MKL's: its
+    first GEMM spins forever) is killed with the others and forked again.
     """
     code = 0
     try:
         import torch
 
         torch.set_num_threads(1)
+        _probe_blas()
         try:
             one = torch.zeros((), requires_grad=True)
             with torch.enable_grad():
@@ -209,6 +251,7 @@ def _rank_main(parallel: Parallel, rank: int, store: str, body: Callable[[Any], 
                 raise
             send.send(("forked-autograd", str(exc)))
             return
+        send.send((_READY, ""))
         from datetime import timedelta
 
         import torch.distributed as dist

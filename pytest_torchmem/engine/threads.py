@@ -12,19 +12,25 @@ a loop that forked right after such a thread's join, 46 of 100 children hung
 (torch 2.13's CPU wheel, 2 cores); none once the fork waited.
 
 Every thread the engine starts goes through :func:`start`, which records its
-id in the operating system; :func:`wait_until_gone` waits, before a fork,
-until each of them that has ended is gone from ``/proc/self/task``.
+id in the operating system; :func:`before_fork` waits until each of them that
+has ended is gone from ``/proc/self/task``, then has MKL give back its cached
+buffers (``mkl_serv_free_buffers``, which takes the same locks: it waits for a
+thread of anyone's that holds one). Another thread can still take such a lock
+in the moment before the fork; ``measure(parallel=...)`` therefore has each
+forked rank multiply two matrices before it joins the group, and forks the
+ranks again where one never gets that far (``distributed.py``).
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import threading
 import time
 from collections.abc import Callable
 from typing import Any, Final
 
-__all__ = ["start", "wait_until_gone"]
+__all__ = ["before_fork", "start", "wait_until_gone"]
 
 #: Seconds :func:`wait_until_gone` waits for an ended thread to leave.
 GONE_TIMEOUT: Final = 10.0
@@ -71,3 +77,29 @@ def wait_until_gone(timeout: float = GONE_TIMEOUT) -> None:
                 return
         time.sleep(delay)
         delay = min(delay * 2, 0.01)
+
+
+def before_fork() -> None:
+    """Make this process as safe to fork as it can be made: the engine's ended
+    threads gone (:func:`wait_until_gone`), MKL's cached buffers given back."""
+    wait_until_gone()
+    free = _mkl_free_buffers()
+    if free is not None:
+        free()
+
+
+_free_buffers: list[Any] = []
+
+
+def _mkl_free_buffers() -> Any:
+    """MKL's ``mkl_serv_free_buffers`` as torch's CPU library exports it (x86 builds
+    link MKL statically), or None where it has none."""
+    if not _free_buffers:
+        import torch
+
+        path = os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so")
+        try:
+            _free_buffers.append(ctypes.CDLL(path).mkl_serv_free_buffers)
+        except (OSError, AttributeError):
+            _free_buffers.append(None)
+    return _free_buffers[0]
