@@ -13,7 +13,7 @@ MLP's last projection row-wise) and sharded with FSDP2 over ``dp``, under 1F1B.
 It times, in one process:
 
 * ``one rank`` -- ``tm.estimate(..., parallel=Parallel(rank=0))``: rank 0's figures
-  (which trace every stage of its pipeline);
+  (its own stage traced through the step, the others through their set-up only);
 * ``every rank`` -- ``tm.every_rank(...)``: every distinct rank, the worst first;
 * with ``--each``, ``each rank`` -- ``tm.estimate`` of every rank of the mesh on its
   own, the cost ``every_rank`` saves, and a check that each rank's figures are

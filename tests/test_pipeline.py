@@ -1,8 +1,9 @@
 """Pipeline parallel: ``Parallel(schedule=..., microbatches=...)``, one rank of a
 ``torch.distributed.pipelining`` run.
 
-The estimate traces every rank of the rank's pipeline on threads of its own,
-their sends and receives delivered (engine/tracing/pipeline_group.py); the
+The estimate traces the ranks of the rank's pipeline on threads of their own,
+their sends and receives delivered (engine/tracing/pipeline_group.py): the
+rank's own through the step, the others through the first step's set-up; the
 ground truth is ``measure(parallel=...)``: the ranks as real gloo processes
 running the same schedule. Figures are compared byte for byte, every rank,
 every phase.
@@ -94,6 +95,53 @@ def test_two_stages_equal_real_gloo_ranks(schedule: str) -> None:
     assert fingerprint(model, x) == before
 
 
+class _Counted(nn.Module):
+    """A stage's module that counts its forwards, by stage index."""
+
+    calls: dict[int, int] = {}
+
+    def __init__(self, module: nn.Module, stage: int) -> None:
+        super().__init__()
+        self.module, self.stage = module, stage
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        _Counted.calls[self.stage] = _Counted.calls.get(self.stage, 0) + 1
+        return self.module(x)
+
+
+def _counted_split(model: Layers, mesh: object) -> object:
+    from torch.distributed.pipelining import PipelineStage
+
+    stage = split(model, mesh)
+    return PipelineStage(  # type: ignore[attr-defined]
+        _Counted(stage.submod, stage.stage_index), stage.stage_index, stage.num_stages, stage.device, group=stage.group  # type: ignore[attr-defined]
+    )
+
+
+@follows_pipelining
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_a_rank_alone_traces_its_peers_through_their_set_up_only(device: str) -> None:
+    """A rank's estimate traces its own stage through the step, and each other stage
+    only as far as the first step's set-up (the metadata its neighbours need): after
+    that, what a peer would send is the receive buffer's bytes. Its figures are those
+    of the whole pipeline traced (every_rank traces every stage through the step)."""
+    model, x = Layers(), torch.randn(BATCH, WIDTH)
+    before = fingerprint(model, x)
+    parallel = functools.partial(
+        tm.Parallel, mesh={"pp": 2}, apply=_counted_split, schedule=_schedules()["1F1B"], microbatches=MICRO_BATCHES
+    )
+    whole = {entry.rank: entry.report for entry in tm.every_rank(model, (x,), device=device, optimizer=_sgd, parallel=parallel())}
+    for rank in (0, 1):
+        _Counted.calls.clear()
+        alone = tm.estimate(model, (x,), device=device, optimizer=_sgd, parallel=parallel(rank=rank))
+        peer = 1 - rank
+        # the set-up's metadata inference runs a stage's forward once; two steps, one per
+        # micro-batch each, run the rank's own
+        assert _Counted.calls == {rank: 1 + 2 * MICRO_BATCHES, peer: 1}, _Counted.calls
+        assert alone == whole[rank]
+    assert fingerprint(model, x) == before
+
+
 class _Tokens(nn.Module):
     """An embedding, then a head over the sequence trimmed to its longest run of tokens
     (a value: the largest token id, as a length)."""
@@ -132,12 +180,13 @@ def _tokens_split(model: _Tokens, mesh: object) -> object:
 
 
 @follows_pipelining
-def test_a_value_a_peer_sends_is_delivered() -> None:
+def test_a_value_a_peer_sends_traces_the_whole_pipeline() -> None:
     """The last stage sizes its output by a value the first stage sends (the token ids
-    it received): the value delivered is the one sent (without it the length would be
-    taken as 1: 9,288 B in forward where real ranks hold 13,896). torch 2.12 refuses
-    the program, whose first stage sends a tensor that needs no gradient: the
-    estimate raises its error, as the real rank does."""
+    it received): traced alone, its peer's bytes have no values, and the pipeline is
+    traced again, every rank through the step, where the value is the one sent.
+    (Traced alone, it took the length as 1: 9,288 B in forward where real ranks hold
+    13,896.) torch 2.12 refuses the program, whose first stage sends a tensor that
+    needs no gradient: the estimate raises its error, as the real rank does."""
     from torch.distributed.pipelining._utils import PipeliningMetadataError
 
     model, x = _Tokens(), torch.randint(0, 5, (8, 12))
@@ -453,19 +502,3 @@ def test_other_releases_are_refused() -> None:
     parallel = tm.Parallel(mesh={"pp": 2}, apply=split, schedule=_schedules()["GPipe"], microbatches=4)
     with pytest.raises(NotImplementedError, match="follows the pipelining of torch 2.12 to 2.15"):
         tm.estimate(Layers(), (torch.randn(BATCH, WIDTH),), optimizer=_sgd, parallel=parallel)
-
-
-def test_a_module_that_took_a_dropped_modules_id_is_not_counted() -> None:
-    """The per-module hooks are global and index the model's modules by id: a module the
-    step drops (a stage keeps its share of the layers) frees its id, which CPython hands
-    to the next object at that address, perhaps a module of another rank's thread. Seen
-    as a ``layers.2`` among the first of two stages' modules; here the reuse is made by
-    hand, as the address's reuse cannot be forced."""
-    from pytest_torchmem.engine.step import ModuleTracker
-
-    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
-    tracker = ModuleTracker(model, probe=None)  # type: ignore[arg-type]
-    stranger = nn.Linear(2, 2)
-    tracker._index[id(stranger)] = tracker._index[id(model[1])]  # the id, taken over
-    assert tracker._indexed(stranger) is None
-    assert tracker._indexed(model[1]) == 2

@@ -392,6 +392,14 @@ PRIVATE: Final = table(
         replaced=True,
     ),
     Private(
+        "torch.distributed.pipelining.schedules._PipelineSchedule._initialize_pp_stages",
+        "a schedule's set-up of its stages (the metadata vote and inference, the receive "
+        "buffers), the first step's start: a pipeline rank's peers are traced through it only "
+        "(tracing/pipeline_group.py)",
+        since=(2, 12),
+        replaced=True,
+    ),
+    Private(
         "torch.distributed.pipelining.schedules.dist",
         "torch.distributed as the schedules call it: while a pipeline's ranks trace, its groups' "
         "backend is not 'fake' (2.14+ skip the stages' metadata vote over a fake group; the "

@@ -5,18 +5,27 @@ schedule agrees on the stages' metadata with the neighbouring stages (the
 shapes of the activations each receives; from torch 2.12, a vote on how to
 infer them), and every micro-batch's activations and gradients go from one
 stage to the next. On a fake process group a receive gets nothing, so one
-rank's trace cannot go on by itself. The estimate of a pipeline rank traces
-every rank of its pipeline (the ranks that share its coordinates on the
-other dimensions of the mesh), each on a thread of its own with its own fake
-mode, tracker and process group (``torch.distributed``'s world made
-thread-local, as torch's own threaded tests make it), and delivers what one
-sends to the other:
+rank's trace cannot go on by itself. The ranks of its pipeline (the ranks
+that share its coordinates on the other dimensions of the mesh) are traced
+with it, each on a thread of its own with its own fake mode, tracker and
+process group (``torch.distributed``'s world made thread-local, as torch's own
+threaded tests make it), and what one sends is delivered to the other:
 
 - a tensor: its shape and dtype are checked against the receiving buffer
   (a mismatch is the program's error, as a real run's garbled data would
   be), and the values the sender's trace knows (a vote, an object's size)
   become the receiver's;
 - an object (``send_object_list``): the object itself, copied.
+
+A rank estimated alone needs of its peers only what it cannot know by itself:
+the stages' metadata, which they agree on as the schedule sets its stages up
+at the first step. Its peers are traced that far only (``traced``: the ranks
+traced through the step); from then on a receive from one of them fills its
+buffer with bytes of values the trace does not know, as the buffer the
+receiving stage made for it says (a rank's memory is its own buffers; what
+fills them moves no byte of its). Where the rank's trace then needed a
+tensor value it did not know (perhaps one of those), or a peer was asked
+for more than bytes (an object), the caller traces the whole pipeline again.
 
 Every collective of the other dimensions runs on each thread's fake process
 group as on a lone rank's. The threads run the user's schedule as it is
@@ -37,7 +46,7 @@ import math
 import threading
 import types
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import AbstractContextManager, ExitStack, contextmanager
 from typing import Any, Final
 
@@ -48,7 +57,7 @@ from pytest_torchmem.engine.torch_private import P2P_FUNCTIONS, present, private
 _no_modes: Final = private("torch.utils._python_dispatch._disable_current_modes")
 FakeTensor: Final = private("torch._subclasses.fake_tensor.FakeTensor")
 
-__all__ = ["PipelineDeadlock", "PipelineGroup", "PipelinePeerFailed"]
+__all__ = ["PeerGone", "PipelineDeadlock", "PipelineGroup", "PipelinePeerFailed", "SetUpOnly"]
 
 _get_current_dispatch_mode_stack: Final = private("torch.utils._python_dispatch._get_current_dispatch_mode_stack")
 
@@ -59,6 +68,16 @@ class PipelinePeerFailed(RuntimeError):
 
 class PipelineDeadlock(RuntimeError):
     """Every rank of the pipeline waits for a message no rank sends."""
+
+
+class SetUpOnly(BaseException):
+    """A rank traced for its stages' set-up only ends here, its neighbours told what they
+    needed (not an error: a ``BaseException``, which no trace takes for the program's)."""
+
+
+class PeerGone(RuntimeError):
+    """A rank traced for its set-up only was asked for more than a tensor's bytes: the
+    pipeline is traced again, every rank through the step."""
 
 
 class _Done:
@@ -94,8 +113,14 @@ class _Done:
 class PipelineGroup:
     """The threads of one pipeline's ranks: their messages, turns and failures."""
 
-    def __init__(self, ranks: Sequence[int]) -> None:
+    def __init__(self, ranks: Sequence[int], traced: Collection[int] | None = None) -> None:
         self.ranks = list(ranks)
+        #: The ranks traced through the step (the others, through their set-up only).
+        self.traced = set(self.ranks if traced is None else traced)
+        #: The ranks whose set-up is done and who trace no further.
+        self._set_up: set[int] = set()
+        #: How many receives a rank traced no further answered (with bytes of unknown values).
+        self.answered = 0
         self._cond = threading.Condition()
         self._boxes: dict[tuple[int, int], deque[Any]] = {}
         self._entered = 0
@@ -163,6 +188,8 @@ class PipelineGroup:
                 with self._cond:
                     self._wait_for(lambda: self._entered == len(self.ranks), "the other ranks to set up")
                 yield value
+            except SetUpOnly:
+                raise
             except BaseException as exc:
                 self.fail(exc)  # before this rank waits to leave: the others stop waiting for it
                 raise
@@ -179,16 +206,31 @@ class PipelineGroup:
 
     # -- messages ------------------------------------------------------------------
 
+    def set_up_done(self, rank: int) -> None:
+        """``rank``'s schedule has set its stages up (metadata, receive buffers): a rank
+        traced for its set-up only ends (:class:`SetUpOnly`), and answers its neighbours'
+        later receives with bytes of unknown values (a receive's buffer is the receiver's)."""
+        if rank in self.traced:
+            return
+        with self._cond:
+            self._set_up.add(rank)
+            self._cond.notify_all()
+        raise SetUpOnly
+
     def post(self, src: int, dst: int, payload: Any) -> None:
         with self._cond:
-            self._boxes.setdefault((src, dst), deque()).append(payload)
-            self._cond.notify_all()
+            if dst not in self._set_up:  # (a rank traced no further reads nothing more)
+                self._boxes.setdefault((src, dst), deque()).append(payload)
+                self._cond.notify_all()
 
     def take(self, src: int, dst: int) -> Any:
         with self._cond:
             box = self._boxes.setdefault((src, dst), deque())
-            self._wait_for(lambda: bool(box), f"a message from rank {src}")
-            return box.popleft()
+            self._wait_for(lambda: bool(box) or src in self._set_up, f"a message from rank {src}")
+            if box:
+                return box.popleft()
+            self.answered += 1
+            return ("unknown", None)
 
     # -- torch.distributed's point-to-point functions, delivered -----------------------
 
@@ -213,10 +255,24 @@ class PipelineGroup:
                     stack.enter_context(replacing(f"{module.__name__}.{name}", functions[name]))
             stack.enter_context(_ddp_forward_per_thread())
             stack.enter_context(replacing("torch.distributed.pipelining.schedules.dist", _Delivered(dist)))
+            initialize = "torch.distributed.pipelining.schedules._PipelineSchedule._initialize_pp_stages"
+            stack.enter_context(replacing(initialize, self._set_up_then(private(initialize))))
             releasable = "torch.distributed.pipelining.stage._PipelineStageBase._output_slot_is_releasable"
             if present(releasable):
                 stack.enter_context(replacing(releasable, _plain_outputs_releasable(private(releasable))))
             yield
+
+    def _set_up_then(self, initialize: Callable[..., Any]) -> Callable[..., Any]:
+        """The schedule's set-up of its stages, after which a rank traced for its set-up
+        only ends."""
+        import torch.distributed as dist
+
+        def initialize_pp_stages(schedule: Any, *args: Any, **kwargs: Any) -> Any:
+            done = initialize(schedule, *args, **kwargs)
+            self.set_up_done(dist.get_rank())
+            return done
+
+        return initialize_pp_stages
 
     def _functions(self) -> dict[str, Callable[..., Any]]:
         import torch.distributed as dist
@@ -257,6 +313,11 @@ class PipelineGroup:
         def recv_object_list(objects: list[Any], src: Any = None, group: Any = None, device: Any = None, group_src: Any = None, **_: Any) -> int:
             source = peer(src, group, group_src)
             kind, got = self.take(source, dist.get_rank())
+            if kind == "unknown":
+                raise PeerGone(
+                    f"rank {dist.get_rank()} receives objects from rank {source} after their "
+                    "stages were set up"
+                )
             if kind != "objects" or len(got) != len(objects):
                 raise RuntimeError(
                     f"rank {dist.get_rank()} received {kind} from rank {source} where it expected "
@@ -358,6 +419,11 @@ def _sent(tensor: torch.Tensor) -> tuple[tuple[int, ...], torch.dtype, torch.Ten
 
 def _received(tensor: torch.Tensor, message: tuple[str, Any], source: int) -> None:
     kind, payload = message
+    if kind == "unknown":  # from a rank traced no further: the buffer's bytes, values unknown
+        tracker = _tracker()
+        if tracker is not None:
+            tracker.values.forget(tensor)
+        return
     if kind != "tensor":
         raise RuntimeError(f"received {kind} from rank {source} where a tensor was expected")
     shape, dtype, value = payload

@@ -167,6 +167,9 @@ class Tracker(TorchDispatchMode):
         self.timeline: Final = self.ledger.timeline
         self.record_frames: Final = record_frames
         self.unsupported: list[Unsupported] = []
+        #: How many ops needed tensor values the trace did not know (each then stopped
+        #: the trace or followed the op's fallback rule).
+        self.values_missed = 0
         self.phase: Phase | None = None
         self.module = -1
         #: The plans of the trace's ops (see op_plans.py).
@@ -410,6 +413,7 @@ class Tracker(TorchDispatchMode):
             # where every argument's value is known, the op runs on them
             known, real_out = self.values.run(func, plan.values, args, kwargs)
             if not known:
+                self.values_missed += 1
                 self._abort(func, f"fake tensors cannot run it ({cannot_run})", CANNOT_RUN)
             out = self._from_values(plan, real_out, args)
         elif needs_values is not None:
@@ -731,6 +735,7 @@ class Tracker(TorchDispatchMode):
         known, real = self.values.run(func, plan.values, args, kwargs)
         if known:
             return self._from_values(plan, real, args), real
+        self.values_missed += 1
         fallback = self.rules.fallback_rule(func)
         if fallback is None:
             self._abort(func, f"output depends on tensor values ({why})", VALUES)
