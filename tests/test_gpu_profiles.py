@@ -523,3 +523,16 @@ def test_the_plugin_measures_only_the_checks_that_follow_this_gpu(
     monkeypatch.setattr(GpuProfile, "from_device", classmethod(lambda cls, device=None, name=None: gpu_profile(here)))
     assert Estimator(Settings(measure="on")).measures(gpu_profile(followed)) is measured
     assert Estimator(Settings(measure="off")).measures(gpu_profile(followed)) is False
+
+
+def test_a_gpu_without_a_profile_measures_no_check(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A GPU the fake device does not model (ROCm: from_device refuses it) is not taken
+    for any profile's ground truth."""
+    from pytest_torchmem.plugin.estimating import Estimator
+    from pytest_torchmem.plugin.settings import Settings
+
+    def refused(cls, device=None, name=None):  # type: ignore[no-untyped-def]
+        raise GpuProfileError("this torch runs on ROCm")
+
+    monkeypatch.setattr(GpuProfile, "from_device", classmethod(refused))
+    assert Estimator(Settings(measure="on")).measures(gpu_profile("H100")) is False

@@ -82,6 +82,7 @@ def _probe_blas() -> None:
     a = torch.ones(128, 128)
     torch.mm(a, a)
 
+
 _settled = False
 
 
@@ -131,7 +132,7 @@ def run_ranks(parallel: Parallel, body: Callable[[Any], str]) -> list[str]:
     if "fork" in methods:
         for _ in range(FORK_ATTEMPTS):
             threads.before_fork()
-            results, exitcodes = _started(multiprocessing.get_context("fork"), parallel, body)
+            results, exitcodes = _started(multiprocessing.get_context("fork"), parallel, body, READY_TIMEOUT)
             if not any(result is not None and result[0] == _STALLED for result in results):
                 break
         stalled = any(result is not None and result[0] == _STALLED for result in results)
@@ -159,14 +160,16 @@ def run_ranks(parallel: Parallel, body: Callable[[Any], str]) -> list[str]:
             "(functools.partial binds their options), or call measure(parallel=...) before any "
             "backward in this process"
         ) from exc
-    results, exitcodes = _started(multiprocessing.get_context("spawn"), parallel, body)
+    # (a fresh interpreter imports torch before it is ready: the whole run's time)
+    results, exitcodes = _started(multiprocessing.get_context("spawn"), parallel, body, TIMEOUT)
     return _collected(results, exitcodes)
 
 
 def _started(
-    context: Any, parallel: Parallel, body: Callable[[Any], str]
+    context: Any, parallel: Parallel, body: Callable[[Any], str], ready_timeout: float
 ) -> tuple[list[tuple[str, str] | None], list[int | None]]:
-    """Start the ranks in ``context`` and wait for them: each one's result and exit code."""
+    """Start the ranks in ``context`` and wait for them: each one's result and exit code
+    (a rank not ready within ``ready_timeout`` seconds: ``"stalled"``)."""
     world = parallel.world
     with tempfile.TemporaryDirectory(prefix="torchmem-ranks-") as tmp:
         store = os.path.join(tmp, "store")
@@ -185,8 +188,8 @@ def _started(
         try:
             # each rank first says it is ready (its probe ran) before it joins the group
             for rank, receive in enumerate(pipes):
-                if not receive.poll(READY_TIMEOUT):
-                    results[rank] = (_STALLED, f"rank {rank} did not start within {READY_TIMEOUT} s")
+                if not receive.poll(ready_timeout):
+                    results[rank] = (_STALLED, f"rank {rank} did not start within {ready_timeout} s")
                     break
                 try:
                     results[rank] = receive.recv()

@@ -88,7 +88,7 @@ class Estimator:
         self._settings: Final = settings
         self._rules: dict[tuple[str, tuple[int, ...]], RuleSet] = {}
         self._measuring: bool | None = None
-        self._here: GpuProfile | None = None  # this machine's GPU, read once where measured
+        self._here: GpuProfile | bool | None = None  # this machine's GPU (False: none of ours)
 
     def figures(
         self,
@@ -237,8 +237,13 @@ class Estimator:
         if not self.measuring():
             return False
         if self._here is None:
-            self._here = GpuProfile.from_device()
-        return gpu.runs_like(self._here)
+            from pytest_torchmem.engine.gpu_profiles import GpuProfileError
+
+            try:
+                self._here = GpuProfile.from_device()
+            except GpuProfileError:  # (a ROCm GPU: no profile, the fake GPU is NVIDIA's)
+                self._here = False
+        return bool(self._here) and gpu.runs_like(self._here)
 
 
 def _whole_bytes(report: MemoryReport) -> MemoryReport:

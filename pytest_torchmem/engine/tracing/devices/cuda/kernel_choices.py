@@ -37,6 +37,7 @@ __all__ = [
     "CUDNN_BN_MAX_INFERENCE_BATCH",
     "CUDNN_BN_MAX_TRAINING_BATCH",
     "CUDNN_BN_MIN_EPSILON",
+    "suggest_memory_format",
     "use_cudnn_batch_norm",
 ]
 
@@ -73,7 +74,7 @@ def _dropout(router: Router, func: Any, types_: Any, args: tuple[Any, ...], kwar
 # -- batch norm -----------------------------------------------------------------
 
 
-def _suggest_memory_format(t: torch.Tensor) -> torch.memory_format:
+def suggest_memory_format(t: torch.Tensor) -> torch.memory_format:
     """``TensorBase::suggest_memory_format``: channels-last when the strides are."""
     if t.dim() == 4 and not t.is_contiguous() and t.is_contiguous(memory_format=torch.channels_last):
         return torch.channels_last
@@ -122,7 +123,7 @@ def _cudnn_batch_norm(
 ) -> torch.Tensor:
     """The cuDNN branch of ``_batch_norm_impl_index``: contiguous operands, then
     ``cudnn_batch_norm`` (output, save_mean, save_var, reserve)."""
-    input_c = input.contiguous(memory_format=_suggest_memory_format(input))
+    input_c = input.contiguous(memory_format=suggest_memory_format(input))
     rmean = running_mean.contiguous() if running_mean is not None else None
     rvar = running_var.contiguous() if running_var is not None else None
     out = aten.cudnn_batch_norm.default(

@@ -35,6 +35,7 @@ import torch
 
 from pytest_torchmem.engine.torch_private import private
 from pytest_torchmem.engine.tracing.devices.cuda.base import CUDA
+from pytest_torchmem.engine.tracing.devices.cuda.kernel_choices import suggest_memory_format
 from pytest_torchmem.engine.tracing.devices.cuda.routes import Router, VariableFunctions, aten, bind, on_gpu, route
 from pytest_torchmem.engine.tracing.rules import OUTPUTS, Alloc, Free, OpCall, Steps
 
@@ -46,21 +47,12 @@ _BelowAutograd: Final = private("torch._C._AutoDispatchBelowAutograd")
 _CHANNELS_LAST: Final = (torch.channels_last, torch.channels_last_3d)
 
 
-def _suggested_format(t: torch.Tensor) -> torch.memory_format:
-    """``TensorBase::suggest_memory_format``: channels-last when the strides are."""
-    if t.dim() == 4 and not t.is_contiguous() and t.is_contiguous(memory_format=torch.channels_last):
-        return torch.channels_last
-    if t.dim() == 5 and not t.is_contiguous() and t.is_contiguous(memory_format=torch.channels_last_3d):
-        return torch.channels_last_3d
-    return torch.contiguous_format
-
-
 def takes_fused_rms_norm(input: Any, weight: Any) -> bool:
     """Whether ``rms_norm_symint`` calls ``_fused_rms_norm`` for a GPU ``input``."""
     return (
         on_gpu(input)
         and not input.is_nested
-        and _suggested_format(input) not in _CHANNELS_LAST
+        and suggest_memory_format(input) not in _CHANNELS_LAST
         and not input.is_complex()
         and input.dtype.is_floating_point
         and (weight is None or weight.dtype == input.dtype)
