@@ -191,20 +191,11 @@ def _started(
                 if not receive.poll(ready_timeout):
                     results[rank] = (_STALLED, f"rank {rank} did not start within {ready_timeout} s")
                     break
-                try:
-                    results[rank] = receive.recv()
-                except EOFError:
-                    results[rank] = None
+                results[rank] = _received(receive)
                 if results[rank] is None or results[rank][0] != _READY:  # type: ignore[index]
                     break  # (forked-autograd: every rank meets it before it joins the group)
             else:
-                results = [None] * world
-                for rank, receive in enumerate(pipes):
-                    if receive.poll(TIMEOUT):
-                        try:
-                            results[rank] = receive.recv()
-                        except EOFError:
-                            results[rank] = None
+                results = [_received(receive) if receive.poll(TIMEOUT) else None for receive in pipes]
         finally:
             for process in processes:
                 process.join(5)
@@ -212,6 +203,14 @@ def _started(
                     process.kill()
                     process.join()
     return results, [process.exitcode for process in processes]
+
+
+def _received(receive: Any) -> tuple[str, str] | None:
+    """A rank's next message, or None where it closed its end without one."""
+    try:
+        return receive.recv()  # type: ignore[no-any-return]
+    except EOFError:
+        return None
 
 
 def _collected(results: list[tuple[str, str] | None], exitcodes: list[int | None]) -> list[str]:

@@ -24,6 +24,7 @@ ranks again where one never gets that far (``distributed.py``).
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import threading
 import time
@@ -88,18 +89,14 @@ def before_fork() -> None:
         free()
 
 
-_free_buffers: list[Any] = []
-
-
+@functools.cache
 def _mkl_free_buffers() -> Any:
     """MKL's ``mkl_serv_free_buffers`` as torch's CPU library exports it (x86 builds
     link MKL statically), or None where it has none."""
-    if not _free_buffers:
-        import torch
+    import torch
 
-        path = os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so")
-        try:
-            _free_buffers.append(ctypes.CDLL(path).mkl_serv_free_buffers)
-        except (OSError, AttributeError):
-            _free_buffers.append(None)
-    return _free_buffers[0]
+    path = os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so")
+    try:
+        return ctypes.CDLL(path).mkl_serv_free_buffers
+    except (OSError, AttributeError):
+        return None

@@ -444,6 +444,19 @@ PRIVATE: Final = table(
         "function runs",
         replaced=True,
     ),
+    *(
+        Private(
+            f"torch.nn.modules.module.{name}",
+            "the hooks every module runs: a loop's forward and backward are replayed only "
+            "where none but the trace's own module tracker's are registered (tracing/replay.py)",
+        )
+        for name in (
+            "_global_forward_pre_hooks",
+            "_global_forward_hooks",
+            "_global_backward_hooks",
+            "_global_backward_pre_hooks",
+        )
+    ),
     Private(
         "torch._has_compatible_shallow_copy_type",
         "whether a converted fake parameter can take its copy's data in place, as a real one "

@@ -9,6 +9,7 @@ first estimate: nothing here imports torch before.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final, Literal
@@ -88,7 +89,6 @@ class Estimator:
         self._settings: Final = settings
         self._rules: dict[tuple[str, tuple[int, ...]], RuleSet] = {}
         self._measuring: bool | None = None
-        self._here: GpuProfile | bool | None = None  # this machine's GPU (False: none of ours)
 
     def figures(
         self,
@@ -234,16 +234,19 @@ class Estimator:
         where :meth:`measuring`, and this machine's GPU runs kernels as ``gpu`` says
         (:meth:`GpuProfile.runs_like`). A check that follows another GPU (an L4's
         estimate on an H100 machine) is not compared with this one's measurement."""
-        if not self.measuring():
-            return False
-        if self._here is None:
-            from pytest_torchmem.engine.gpu_profiles import GpuProfileError
+        here = self._this_gpu if self.measuring() else None
+        return here is not None and gpu.runs_like(here)
 
-            try:
-                self._here = GpuProfile.from_device()
-            except GpuProfileError:  # (a ROCm GPU: no profile, the fake GPU is NVIDIA's)
-                self._here = False
-        return bool(self._here) and gpu.runs_like(self._here)
+    @functools.cached_property
+    def _this_gpu(self) -> GpuProfile | None:
+        """This machine's GPU, or None where it has no profile (a ROCm GPU: the fake
+        GPU is NVIDIA's)."""
+        from pytest_torchmem.engine.gpu_profiles import GpuProfileError
+
+        try:
+            return GpuProfile.from_device()
+        except GpuProfileError:
+            return None
 
 
 def _whole_bytes(report: MemoryReport) -> MemoryReport:

@@ -58,6 +58,8 @@ __all__ = ["LoopReplay", "replay_enabled"]
 
 FakeTensor: Final = private("torch._subclasses.fake_tensor.FakeTensor")
 no_dispatch: Final = private("torch.utils._mode_utils.no_dispatch")
+#: Where torch keeps the hooks every module runs (entries of engine/torch_private.py).
+_GLOBAL_HOOKS: Final = "torch.nn.modules.module."
 
 #: The environment variable that turns replay off (``0``).
 ENV: Final = "TORCHMEM_REPLAY"
@@ -339,13 +341,12 @@ def _hooked(model: nn.Module, leaves: Sequence[torch.Tensor]) -> bool:
     for t in leaves:
         if getattr(t, "_backward_hooks", None) or getattr(t, "_post_accumulate_grad_hooks", None):
             return True
-    modules = nn.modules.module
     # (the trace's own module tracker adds one global pre-hook and one global hook)
     return (
-        len(modules._global_forward_pre_hooks) > 1
-        or len(modules._global_forward_hooks) > 1
-        or bool(modules._global_backward_hooks)
-        or bool(getattr(modules, "_global_backward_pre_hooks", None))
+        len(private(f"{_GLOBAL_HOOKS}_global_forward_pre_hooks")) > 1
+        or len(private(f"{_GLOBAL_HOOKS}_global_forward_hooks")) > 1
+        or bool(private(f"{_GLOBAL_HOOKS}_global_backward_hooks"))
+        or bool(private(f"{_GLOBAL_HOOKS}_global_backward_pre_hooks"))
     )
 
 

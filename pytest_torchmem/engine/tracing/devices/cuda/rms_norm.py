@@ -17,8 +17,8 @@ The CUDA kernel makes the output (the input's shape and dtype, contiguous) and
 ``rstd`` (``[*batch, 1, ...]`` in the accumulate type: float for half and
 bfloat16) from ``input.expect_contiguous()`` and ``weight.expect_contiguous()``;
 its autograd node (``FusedRmsNormBackward0``) saves the input, the weight and
-``rstd``, and runs ``_fused_rms_norm_backward`` (meta kernel in torch; its
-scratch: ``temporaries.py``). Here the op runs below autograd (its outputs from
+``rstd``, and runs ``_fused_rms_norm_backward`` (meta kernel in torch). The
+contiguous copies and the backward's buffers are scratch rules of ``temporaries.py``. Here the op runs below autograd (its outputs from
 :func:`_fused_outputs`) inside an autograd function that saves those three and
 calls the same backward.
 
@@ -28,7 +28,6 @@ Not routed: CUDA autocast regions (``rms_norm`` runs in float32 there from
 
 from __future__ import annotations
 
-import math
 from typing import Any, Final
 
 import torch
@@ -37,7 +36,7 @@ from pytest_torchmem.engine.torch_private import private
 from pytest_torchmem.engine.tracing.devices.cuda.base import CUDA
 from pytest_torchmem.engine.tracing.devices.cuda.kernel_choices import suggest_memory_format
 from pytest_torchmem.engine.tracing.devices.cuda.routes import Router, VariableFunctions, aten, bind, on_gpu, route
-from pytest_torchmem.engine.tracing.rules import OUTPUTS, Alloc, Free, OpCall, Steps
+from pytest_torchmem.engine.tracing.rules import OpCall
 
 __all__ = ["takes_fused_rms_norm"]
 
@@ -108,20 +107,3 @@ def _fused_outputs(call: OpCall) -> Any:
     out = torch.empty(input.shape, dtype=input.dtype, device=input.device)
     rstd = torch.empty((*input.shape[:axis], *([1] * len(shape))), dtype=_accumulate_type(input.dtype), device=input.device)
     return out, rstd
-
-
-@CUDA.scratch(aten._fused_rms_norm.default)
-def _fused_copies(call: OpCall) -> Steps:
-    """``input.expect_contiguous()`` and ``weight.expect_contiguous()`` before the
-    outputs, freed when the kernel returns."""
-    input, weight = call.arg(0, "input"), call.arg(2, "weight")
-    copies = [
-        (name, math.prod(t.shape) * t.element_size())
-        for name, t in (("X", input), ("gamma", weight))
-        if isinstance(t, torch.Tensor) and not t.is_contiguous()
-    ]
-    return [
-        *(Alloc(f"{name} contiguous", size) for name, size in copies),
-        OUTPUTS,
-        *(Free(f"{name} contiguous") for name, _ in copies),
-    ]

@@ -900,6 +900,18 @@ def _layer_norm_backward(call: OpCall) -> list[Step]:
     return _gamma_beta_blocks(call, input_, normalized_shape, weight, names)
 
 
+@CUDA.scratch(aten._fused_rms_norm.default)
+def _rms_norm_forward(call: OpCall) -> list[Step]:
+    """``_fused_rms_norm_cuda``: ``input.expect_contiguous()`` and
+    ``weight.expect_contiguous()`` before the outputs, freed when the kernel returns."""
+    copies = [(name, _contiguous_copy(call.arg(index, name))) for index, name in ((0, "input"), (2, "weight"))]
+    return [
+        *(Alloc(f"{name} contiguous", size) for name, size in copies if size),
+        OUTPUTS,
+        *(Free(f"{name} contiguous") for name, size in copies if size),
+    ]
+
+
 @CUDA.scratch(aten._fused_rms_norm_backward.default)
 def _rms_norm_backward(call: OpCall) -> list[Step]:
     """``_fused_rms_norm_backward`` (``layer_norm_kernel.cu``): the layer norm's
