@@ -85,7 +85,7 @@ def test_ranks_that_never_get_ready_say_so(monkeypatch: pytest.MonkeyPatch) -> N
     """Every fork stalls: the ranks start fresh (spawn), and a body that does not
     pickle is refused with the reason."""
     monkeypatch.setattr(distributed, "_probe_blas", lambda: threading.Event().wait())
-    monkeypatch.setattr(distributed, "READY_TIMEOUT", 5)
+    monkeypatch.setattr(distributed, "READY_TIMEOUT", 1)  # (they never get ready: no wait is long enough)
     monkeypatch.setattr(distributed, "FORK_ATTEMPTS", 1)
     parallel = tm.Parallel({"dp": 2}, lambda model, mesh: model)
     with pytest.raises(RuntimeError, match=r"did not start in 1 tries .*do not pickle"):

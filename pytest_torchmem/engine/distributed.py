@@ -197,8 +197,12 @@ def _started(
             else:
                 results = [_received(receive) if receive.poll(TIMEOUT) else None for receive in pipes]
         finally:
+            # ranks that answered exit on their own (a few seconds in all to do so); ranks
+            # that stalled, or a run cut short, are killed at once
+            answered = all(result is not None and result[0] not in (_STALLED, _READY) for result in results)
+            deadline = time.monotonic() + (5 if answered else 0)
             for process in processes:
-                process.join(5)
+                process.join(max(0.0, deadline - time.monotonic()))
                 if process.is_alive():
                     process.kill()
                     process.join()
