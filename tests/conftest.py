@@ -101,7 +101,7 @@ EXHAUSTIVE: Final = (
     # (test_a_quantized_state_is_read_by_measure_and_charged_as_optimizer_state: an eager one)
     "tests/test_torchao.py::test_an_8bit_adamw_step_is_exact_and_its_state_is_optimizer_state",
     "tests/test_torchao.py::test_every_low_bit_optimizer_step_is_exact",
-    # torchao's cases on every level at 1 and 2 threads (test_float8_training_is_exact: the host)
+    # torchao's cases on every level at 1 thread, float8 at 2 too (test_float8_training_is_exact: the host)
     "tests/test_torchao.py::test_torchao_is_exact_on_every_level",
     # peft's models' optimizer state and gradients counted by hand on both devices (their
     # figures against measure on cpu, and their cuda traces: test_public_models.py's own)
@@ -120,6 +120,17 @@ EXHAUSTIVE: Final = (
     "tests/test_html_report.py::test_report_of_a_run_with_passing_regressing_and_missing_checks[xdist]",
     "tests/test_plugin_reliability.py::test_a_numpy_figure_from_the_adjust_hook_is_taken_as_its_integer[xdist]",
     "tests/test_plugin_leaks.py::test_the_option_checks_every_check[xdist]",
+    # the same under xdist, whose one-process twins stay (test_plugin_outcomes.py's
+    # outcomes, test_plugin_stopped_updates.py's stops) or that xdist alone can show
+    # (a worker that crashes): each tens of seconds of workers starting
+    "tests/test_plugin_outcomes.py::test_under_xdist_the_workers_reports_carry_the_verdict",
+    "tests/test_plugin_stopped_updates.py::test_under_xdist_a_stop_writes_what_the_table_says_was_written",
+    "tests/test_plugin_reliability.py::test_a_crashed_worker_loses_no_check_it_made_and_the_update_says_so",
+    # the how-tos' slowest examples, each a run of the APIs their own tests cover
+    # (test_generate.py, test_fit.py, test_compiled.py): the documentation's word checked
+    "tests/test_docs.py::test_an_example_of_the_documentation_runs[docs/howto/generation.md#1]",
+    "tests/test_docs.py::test_an_example_of_the_documentation_runs[docs/howto/fit.md#1]",
+    "tests/test_docs.py::test_an_example_of_the_documentation_runs[docs/howto/compiled-models.md#1]",
 )
 
 
