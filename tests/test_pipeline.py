@@ -297,6 +297,16 @@ def test_1f1b_holds_fewer_micro_batches_than_gpipe(device: str) -> None:
 
 
 @follows_pipelining
+def test_the_stages_worlds_leave_the_processs_excepthook() -> None:
+    """Each stage's fake world (a thread each) replaces ``sys.excepthook``, in any order;
+    the estimate puts the process's own back."""
+    hook = sys.excepthook
+    parallel = tm.Parallel(mesh={"pp": 2}, apply=split, rank=0, schedule=_schedules()["1F1B"], microbatches=4)
+    tm.estimate(Layers(), (torch.randn(BATCH, WIDTH),), optimizer=_sgd, parallel=parallel)
+    assert sys.excepthook is hook
+
+
+@follows_pipelining
 def test_a_1f1b_stage_on_cuda_by_hand() -> None:
     """Rank 0 of two under 1F1B, four micro-batches of 4 × 64 fp32, on the fake H100, its
     forward peak (the loop's second iteration) block by block: micro-batches 0 and 1 are

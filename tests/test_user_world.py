@@ -233,3 +233,20 @@ def test_a_step_reading_an_attribute_named_like_an_unrelated_global_is_followed(
     assert every_peak(estimated) == every_peak(tm.measure(step, (trainer, x)))
     assert estimated.breakdown[tm.Category.PARAMETERS] == sum(p.nbytes for p in trainer.model.parameters())
     assert opt.state == {} and trainer.opt.state == {}
+
+
+def _fully_shard(model: nn.Module, mesh: Any) -> nn.Module:
+    from torch.distributed.fsdp import fully_shard
+
+    return fully_shard(model, mesh=mesh["dp"])
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_a_parallel_estimate_leaves_the_processs_excepthook(device: str) -> None:
+    """``init_process_group`` replaces ``sys.excepthook`` with one that prefixes each line
+    of a traceback with ``[rankN]:``; an estimate's fake world must not leave it (the
+    user's next uncaught error would print through one layer per estimate)."""
+    hook = sys.excepthook
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+    tm.estimate(model, torch.randn(4, 8), device=device, parallel=tm.Parallel({"dp": 2}, _fully_shard))
+    assert sys.excepthook is hook

@@ -37,7 +37,15 @@ if TYPE_CHECKING:
 
     from pytest_torchmem.engine.model_state import ModelTensors
 
-__all__ = ["Parallel", "applied", "entered_per_iteration", "fake_world", "local_tensors", "model_copy"]
+__all__ = [
+    "Parallel",
+    "applied",
+    "entered_per_iteration",
+    "excepthook_kept",
+    "fake_world",
+    "local_tensors",
+    "model_copy",
+]
 
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
@@ -205,6 +213,23 @@ class Parallel:
 #: on the fake cuda device; the next ones count up. 0 is the default stream and 1 a
 #: CUDA graph's private pool (``compiled_cuda.GRAPH_POOL``).
 FIRST_STREAM_POOL: Final = 2
+
+
+@contextmanager
+def excepthook_kept() -> Iterator[None]:
+    """``sys.excepthook`` is the user's again after the block.
+
+    ``init_process_group`` replaces it with a hook that prefixes every line of an
+    uncaught exception's traceback with ``[rankN]:`` and calls the hook before it;
+    the fake worlds of an estimate (one per traced rank, from several threads at
+    once under a pipeline) would leave one such layer per world in the user's
+    process. Kept around the whole estimate, not each world: the threads' worlds
+    replace it in any order."""
+    hook = sys.excepthook
+    try:
+        yield
+    finally:
+        sys.excepthook = hook
 
 
 @contextmanager

@@ -14,7 +14,14 @@ from pytest_torchmem.engine.holdings import converted, holdings_of
 from pytest_torchmem.engine.layouts import sparse_like
 from pytest_torchmem.engine.model_state import Converted, StandIns, hook_failure
 from pytest_torchmem.engine.nesting import one_step
-from pytest_torchmem.engine.parallel import Parallel, applied, entered_per_iteration, local_tensors, model_copy
+from pytest_torchmem.engine.parallel import (
+    Parallel,
+    applied,
+    entered_per_iteration,
+    excepthook_kept,
+    local_tensors,
+    model_copy,
+)
 from pytest_torchmem.engine.report import Category, MemoryReport, StepPeaks, Unsupported
 from pytest_torchmem.engine.step import (
     LossFn,
@@ -121,7 +128,7 @@ def trace(
     they are. A trace started inside the step of another (or of a measurement) is
     refused (:class:`~pytest_torchmem.engine.nesting.NestedStepError`).
     """
-    with one_step("tm.estimate()"):
+    with one_step("tm.estimate()"), excepthook_kept():
         traced = _traced(
             model,
             args,
