@@ -128,14 +128,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", choices=sorted(CONFIGS), default="small")
     parser.add_argument("--mesh", help="PP,DP,TP (default: the model's)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda")
-    parser.add_argument("--microbatches", type=int, default=4)
-    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--microbatches", type=int, help="default: the pipeline's stages (1F1B's least)")
+    parser.add_argument("--batch", type=int, help="default: 8, or one sequence per micro-batch where more")
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--each", action="store_true", help="also estimate every rank on its own")
     parser.add_argument("--check", action="store_true")
     args = parser.parse_args(argv)
     pp, dp, tp = (int(part) for part in args.mesh.split(",")) if args.mesh else MESHES[args.model]
     cfg = CONFIGS[args.model]
+    args.microbatches = args.microbatches or pp
+    args.batch = args.batch or max(8, args.microbatches)
     model = llama.build(cfg, dtype=torch.float32)  # float32 shards and AdamW state, bf16 compute
     tokens = torch.randint(0, cfg.vocab, (args.batch, args.seq), device="meta")
     parallel = functools.partial(
