@@ -106,6 +106,9 @@ EXHAUSTIVE: Final = (
     # peft's models' optimizer state and gradients counted by hand on both devices (their
     # figures against measure on cpu, and their cuda traces: test_public_models.py's own)
     "tests/test_public_models.py::test_peft_trains_the_adapters_only",
+    # every family's three-iteration loop replayed on cpu (test_replay.py: on cuda, and
+    # every replayable optimizer on both devices)
+    "tests/test_replay.py::test_each_family_replays_a_longer_loop_to_the_same_bytes_on_cpu",
     # Llama 7B under FSDP2 at 8 and 64 ranks (test_parallel.py: small models against gloo ranks)
     "tests/test_scale.py::test_llama_7b_fsdp2_per_rank_hand_count_on_cuda",
     # the plugin's behaviours under xdist, each the twin of a one-process run of the same

@@ -4,6 +4,7 @@ where they may differ, and say why."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -206,3 +207,141 @@ def test_the_report_says_what_was_replayed_through_json() -> None:
     assert report.replayed == (REPLAYED,)
     again = tm.MemoryReport.from_json(report.to_json())
     assert again.replayed == report.replayed and again == report
+
+
+# -- the optimizer step (replayed from the loop's second iteration on) -----------------
+
+STEP_REPLAYED = "optimizer step replayed from iteration 2"
+
+
+def _leaks_both(monkeypatch: pytest.MonkeyPatch, make: Any, **options: Any) -> tuple[tm.LeakReport, tm.LeakReport]:
+    """``tm.leaks`` with replay and with every iteration traced, each of a fresh model;
+    the user's objects left as they were by both."""
+    reports = []
+    for replay in ("1", "0"):
+        monkeypatch.setenv(ENV, replay)
+        model, inputs = make()
+        before = fingerprint(model, inputs)
+        reports.append(tm.leaks(model, inputs, **options))
+        assert fingerprint(model, inputs) == before
+    monkeypatch.setenv(ENV, "1")
+    return reports[0], reports[1]
+
+
+def _same_held(replayed: tm.LeakReport, traced: tm.LeakReport) -> None:
+    a, b = json.loads(replayed.to_json()), json.loads(traced.to_json())
+    a.pop("replayed"), b.pop("replayed")
+    assert a == b  # what is held and reserved after each iteration, the growth, the sources
+    assert traced.replayed == ()
+
+
+def _mlp_batch() -> tuple[nn.Module, Any]:
+    torch.manual_seed(0)
+    return mlp(), batch()
+
+
+#: torch's optimizers whose step replays (optimizer_replay.STEP_COUNTS_ONLY), with the
+#: options that change the ops their steps run.
+OPTIMIZERS = {
+    "sgd": lambda p: torch.optim.SGD(p, lr=0.1),
+    "sgd-momentum": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, nesterov=True),
+    "adam": lambda p: torch.optim.Adam(p),
+    "adam-amsgrad-single": lambda p: torch.optim.Adam(p, amsgrad=True, foreach=False),
+    "adamw": lambda p: torch.optim.AdamW(p, weight_decay=0.1),
+    "adamw-foreach": lambda p: torch.optim.AdamW(p, foreach=True),
+    "adagrad": lambda p: torch.optim.Adagrad(p),
+    "adamax": lambda p: torch.optim.Adamax(p),
+    "nadam": lambda p: torch.optim.NAdam(p, decoupled_weight_decay=True, weight_decay=0.1),
+    "rmsprop": lambda p: torch.optim.RMSprop(p, momentum=0.9, centered=True),
+    "adadelta": lambda p: torch.optim.Adadelta(p),
+}
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_each_optimizer_replays_its_step_to_the_same_bytes(
+    name: str, device: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    replayed, traced = _leaks_both(monkeypatch, _mlp_batch, device=device, optimizer=OPTIMIZERS[name], iterations=4)
+    _same_held(replayed, traced)
+    assert f"iterations 3 to 4: {STEP_REPLAYED}" in replayed.replayed, replayed.replayed
+
+
+@pytest.mark.parametrize("case", TRAINED, ids=lambda case: case.name)
+def test_each_family_replays_a_longer_loop_to_the_same_bytes(case: Case, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Three iterations on the fake GPU: the forward and backward of the second and third
+    replayed, the optimizer step of the third; what each holds and reserves after each
+    iteration, the same bytes."""
+    replayed, traced = _leaks_both(monkeypatch, case.make, device="cuda", iterations=3, **_looped(case))
+    _same_held(replayed, traced)
+
+
+@pytest.mark.parametrize("case", TRAINED, ids=lambda case: case.name)
+def test_each_family_replays_a_longer_loop_to_the_same_bytes_on_cpu(
+    case: Case, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    replayed, traced = _leaks_both(monkeypatch, case.make, device="cpu", iterations=3, **_looped(case))
+    _same_held(replayed, traced)
+
+
+class _KeepsHistory(torch.optim.SGD):
+    """Keeps a copy of each parameter at every step (state that grows: a leak)."""
+
+    def step(self, closure: Any = None) -> Any:
+        for group in self.param_groups:
+            for p in group["params"]:
+                self.state[p].setdefault("history", []).append(p.detach().clone())
+        return super().step(closure)
+
+
+class _CountsSteps(torch.optim.SGD):
+    """From its third step on, keeps a buffer per parameter (a counter in its own state:
+    a step that differs from the second)."""
+
+    def __init__(self, params: Any) -> None:
+        super().__init__(params, lr=0.1)
+        self.steps = 0
+
+    def step(self, closure: Any = None) -> Any:
+        self.steps += 1
+        if self.steps == 3:
+            for group in self.param_groups:
+                for p in group["params"]:
+                    self.state[p]["late"] = torch.zeros_like(p)
+        return super().step(closure)
+
+
+def _step_hooked(params: Any) -> torch.optim.Optimizer:
+    opt = torch.optim.AdamW(params)
+    opt.register_step_post_hook(lambda optimizer, args, kwargs: None)
+    return opt
+
+
+@pytest.mark.parametrize(
+    ("make", "why"),
+    [
+        (lambda p: torch.optim.RAdam(p), "RAdam's step read tensor values"),
+        (_step_hooked, "the optimizer has step hooks"),
+        (_KeepsHistory, "storage(s) it made stay alive"),
+        (_CountsSteps, "the optimizer's state, its gradients or torch's switches changed"),
+    ],
+    ids=["values", "hooks", "kept", "state"],
+)
+def test_an_optimizer_step_that_may_differ_is_traced_and_says_why(
+    make: Any, why: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    options: dict[str, Any] = dict(optimizer=lambda p: make(p), iterations=4)
+    replayed, traced = _leaks_both(monkeypatch, _mlp_batch, **options)
+    _same_held(replayed, traced)
+    [line] = [line for line in replayed.replayed if "optimizer step" in line]
+    assert line.startswith("iterations 3 to 4: optimizer step traced (") and why in line, line
+    model, x = _mlp_batch()
+    assert replayed.held == tm.leaks(model, x, measure=True, **options).held
+
+
+def test_a_late_change_of_the_optimizer_is_measured_as_it_runs() -> None:
+    """The case replay must not miss: the third step keeps more than the second."""
+    model, x = _mlp_batch()
+    report = tm.leaks(model, x, optimizer=_CountsSteps, iterations=4)
+    growth = report.growth
+    assert growth[2] > 0 and growth[1] == growth[3] == 0, growth

@@ -76,8 +76,9 @@ class Probe(Protocol):
 
 
 class Replay(Protocol):
-    """Replays a loop iteration's forward and backward (tracing/replay.py): the step
-    asks it before running them, and tells it when it ran them."""
+    """Replays a loop iteration's forward and backward, and its optimizer step
+    (tracing/replay.py, tracing/optimizer_replay.py): the step asks it before running
+    them, and tells it when it ran them."""
 
     def begin(self, iteration: int) -> tuple[Any, Any] | None:
         """``(loss, held output)`` where ``iteration``'s forward and backward were
@@ -86,6 +87,14 @@ class Replay(Protocol):
 
     def end(self, iteration: int, loss: Any, held: Any) -> None:
         """``iteration``'s forward and backward ran: the step keeps ``loss`` and ``held``."""
+        ...
+
+    def begin_step(self, iteration: int, optimizer: torch.optim.Optimizer) -> bool:
+        """True where ``iteration``'s optimizer step was replayed, else the step runs it."""
+        ...
+
+    def end_step(self, iteration: int, optimizer: torch.optim.Optimizer) -> None:
+        """``iteration``'s optimizer step ran."""
         ...
 
 
@@ -429,7 +438,8 @@ def _train_iteration(
 ) -> None:
     """One iteration of the training loop: forward, loss, backward (in ``train_context()``),
     the optimizer step and ``zero_grad(set_to_none=True)``; its locals (the loss, the output
-    it holds) die on return. ``replay`` may stand in for the forward and backward."""
+    it holds) die on return. ``replay`` may stand in for the forward and backward, and
+    for the optimizer step."""
     probe.set_phase(Phase.FORWARD, iteration)
     replayed = replay.begin(iteration) if replay is not None else None
     if replayed is not None:
@@ -447,7 +457,10 @@ def _train_iteration(
 
     if opt is not None:
         probe.set_phase(Phase.STEP, iteration)
-        opt.step()
+        if replay is None or not replay.begin_step(iteration, opt):
+            opt.step()
+            if replay is not None:
+                replay.end_step(iteration, opt)
         _assign_optimizer_state(probe, [opt])
         opt.zero_grad(set_to_none=True)
     del loss, held

@@ -187,6 +187,9 @@ class Analysis:
     #: The peak of each of the user's own phases (``tm.phase(name)``): the live bytes
     #: when it begins and at every allocation while it lasts, the highest of its runs.
     named: dict[str, int] = field(default_factory=dict)
+    #: ``(iteration, live bytes, reserved bytes)`` at each :data:`MARK` (the end of each
+    #: iteration of a repeated step), as :func:`held_at_marks` reads them.
+    marks: tuple[tuple[int, int, int | None], ...] = ()
 
     def over_the_call(self) -> Analysis:
         """The figures of a step function: each phase's peak is the highest of its
@@ -272,6 +275,7 @@ def analyze(timeline: Timeline, baseline: list[int], allocator: Allocator | None
     named_peak = [0] * len(timeline.phase_names)
     named_depth = [0] * len(timeline.phase_names)
     named_open: list[int] = []  # the user's phases under way
+    marks: list[tuple[int, int, int | None]] = []
 
     # (the events before the step's start set it up: the baseline is what they left alive)
     start = timeline.step_start
@@ -353,6 +357,8 @@ def analyze(timeline: Timeline, baseline: list[int], allocator: Allocator | None
                 named_depth[a] -= 1
                 if named_depth[a] == 0:
                     named_open.remove(a)
+        elif kind == MARK:
+            marks.append((a, live, allocator.reserved if allocator is not None else None))
 
     if best < 0:  # no phase ever started
         best_cat = list(by_cat)
@@ -373,6 +379,7 @@ def analyze(timeline: Timeline, baseline: list[int], allocator: Allocator | None
         first_step=(first[0], first[1], first[2]) if len(iterations) > 1 else None,
         iterations=tuple((it[0], it[1], it[2]) for it in iterations),
         named=dict(zip(timeline.phase_names, named_peak)),
+        marks=tuple(marks),
     )
 
 

@@ -457,6 +457,14 @@ PRIVATE: Final = table(
             "_global_backward_pre_hooks",
         )
     ),
+    *(
+        Private(
+            f"torch.optim.optimizer.{name}",
+            "the hooks every optimizer's step runs: a loop's optimizer step is replayed only "
+            "where none are registered (tracing/optimizer_replay.py)",
+        )
+        for name in ("_global_optimizer_pre_hooks", "_global_optimizer_post_hooks")
+    ),
     Private(
         "torch._has_compatible_shallow_copy_type",
         "whether a converted fake parameter can take its copy's data in place, as a real one "

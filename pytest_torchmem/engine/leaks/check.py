@@ -109,7 +109,6 @@ def steady_state(baseline: int, held: tuple[int, ...]) -> tuple[int | None, int]
 
 def _estimated(request: StepRequest, gpu: Any, cpu: Any) -> LeakReport:
     from pytest_torchmem.engine.api import check_profiles
-    from pytest_torchmem.engine.timeline import held_at_marks
     from pytest_torchmem.engine.tracing.devices import device_model
     from pytest_torchmem.engine.tracing.trace import trace_request
 
@@ -117,16 +116,15 @@ def _estimated(request: StepRequest, gpu: Any, cpu: Any) -> LeakReport:
     device = device_model(request.device)
     explained = _Explainer(request, device)
     traced = trace_request(request, gpu, cpu, record_frames=True, repeat=request.repeat, at_iteration_end=explained)
-    allocator = device.allocator(traced.context) if device.allocator is not None else None
-    marks = held_at_marks(traced.timeline, traced.baseline, allocator)
     return _report(
         request,
-        marks,
+        list(traced.analysis.marks),
         traced.analysis.baseline,
         traced.report.profile,
         explained.sources,
         traced.report.unsupported,
         measured=False,
+        replayed=traced.report.replayed,
     )
 
 
@@ -146,6 +144,7 @@ def _report(
     unsupported: tuple[Any, ...],
     *,
     measured: bool,
+    replayed: tuple[str, ...] = (),
 ) -> LeakReport:
     held = tuple(live for _, live, _ in marks)
     steady_from, per_iteration = steady_state(baseline, held)
@@ -166,6 +165,7 @@ def _report(
         profile=profile,
         unsupported=unsupported,
         measured=measured,
+        replayed=replayed,
     )
 
 

@@ -9,7 +9,7 @@ memory after every iteration. What it holds more after each one is a leak.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 __all__ = ["LeakReport", "LeakSource"]
@@ -75,6 +75,10 @@ class LeakReport:
     unsupported: tuple[Any, ...] = ()
     #: Run for real (``measure=True``), not traced.
     measured: bool = False
+    #: What the trace replayed instead of tracing it again (the later iterations' forward
+    #: and backward, and optimizer step), or why it traced them (as
+    #: :attr:`MemoryReport.replayed`); reports compare equal whatever it says.
+    replayed: tuple[str, ...] = field(default=(), compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "held", tuple(int(b) for b in self.held))
@@ -83,6 +87,7 @@ class LeakReport:
             self, "sources", tuple(s if isinstance(s, LeakSource) else LeakSource(**s) for s in self.sources)
         )
         object.__setattr__(self, "unsupported", tuple(self.unsupported))
+        object.__setattr__(self, "replayed", tuple(self.replayed))
 
     @property
     def growth(self) -> tuple[int, ...]:
@@ -113,4 +118,5 @@ class LeakReport:
         data["reserved"] = tuple(data.get("reserved", ()))
         data["sources"] = tuple(LeakSource(**s) for s in data.get("sources", ()))
         data["unsupported"] = tuple(data.get("unsupported", ()))
+        data["replayed"] = tuple(data.get("replayed", ()))
         return cls(**data)

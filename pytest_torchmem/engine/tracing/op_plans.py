@@ -52,6 +52,9 @@ class OpFacts:
     tensor_slots: tuple[tuple[int, str], ...]
     written_slots: tuple[tuple[int, str], ...]
     values: ValueKind
+    #: Whether its output depends on its arguments' values (``.item()``, ``equal``,
+    #: ``nonzero``: the tags ATen gives such ops), however the trace answers it.
+    reads_values: bool
 
 
 def op_facts(func: Any) -> OpFacts:
@@ -72,10 +75,13 @@ def op_facts(func: Any) -> OpFacts:
                 if arg.alias_info is not None and arg.alias_info.is_write
             ),
             values=value_kind(func),
+            reads_values=_READS_VALUES.intersection(func.tags) != set(),
         )
         found = _FACTS[id(func)] = (func, facts)
     return found[1]
 
+
+_READS_VALUES: Final = frozenset((torch.Tag.data_dependent_output, torch.Tag.dynamic_output_shape))
 
 #: :func:`op_facts` by ``id(op)``, with the op (which keeps the id its own).
 _FACTS: dict[int, tuple[Any, OpFacts]] = {}
@@ -106,6 +112,8 @@ class OpPlan:
     formula: Formula | None = None
     #: Whether it is the op's plan for sparse arguments (see :meth:`OpPlanner.sparse_plan`).
     sparse: bool = False
+    #: Whether its output depends on its arguments' values (:attr:`OpFacts.reads_values`).
+    reads_values: bool = False
 
 
 class OpPlanner:
@@ -142,6 +150,7 @@ class OpPlanner:
                 written_slots=facts.written_slots,
                 values=facts.values,
                 formula=rules.formula_rule(func),
+                reads_values=facts.reads_values,
             )
         return plan
 

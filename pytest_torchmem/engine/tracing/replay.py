@@ -16,7 +16,8 @@ iteration (the optimizer step, ``zero_grad``, the loss dropped) frees them where
 the traced program would.
 
 Replay is proved, not assumed; anything that could make a later iteration differ
-from the first is traced instead, and says why (:attr:`LoopReplay.lines`):
+from the first is traced instead, and says why (:attr:`LoopReplay.said`: one line per
+thing said, consecutive iterations gathered):
 
 * what the forward and backward made must be gone when the iteration ends, or held
   by the gradients, the loss and the held output (a cache the model keeps, a
@@ -35,13 +36,15 @@ A library's cached workspace that the first iteration made (cuBLAS's) is not mad
 again: it is left out of the replayed events, as the cache leaves it out of the
 program's.
 
+The optimizer step is replayed too, from the loop's second iteration on
+(optimizer_replay.py).
+
 ``TORCHMEM_REPLAY=0`` turns replay off: every iteration is traced (for a check
 that doubts it, and for a bug report).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -51,13 +54,17 @@ import torch
 from torch import nn
 
 from pytest_torchmem.engine.containers import tensors_in
-from pytest_torchmem.engine.timeline import ALLOC, FREE, PHASE, RESIZE, Phase
+from pytest_torchmem.engine.timeline import Phase
 from pytest_torchmem.engine.torch_private import private
+from pytest_torchmem.engine.tracing.optimizer_replay import OptimizerReplay
+from pytest_torchmem.engine.tracing.replay_events import Kept, Said, made_and_touched, replay_events
+from pytest_torchmem.engine.tracing.replay_state import model_state, switches
 
 __all__ = ["LoopReplay", "replay_enabled"]
 
 FakeTensor: Final = private("torch._subclasses.fake_tensor.FakeTensor")
 no_dispatch: Final = private("torch.utils._mode_utils.no_dispatch")
+_DisableTorchFunction: Final = private("torch._C.DisableTorchFunction")
 #: Where torch keeps the hooks every module runs (entries of engine/torch_private.py).
 _GLOBAL_HOOKS: Final = "torch.nn.modules.module."
 
@@ -103,7 +110,7 @@ class _Record:
     #: Storages it made that the iteration's end had to free (those held by tensors).
     held_sids: frozenset[int] = frozenset()
     #: Storages it made that stay to the end of the step (a library's cached workspace).
-    kept: frozenset[int] = frozenset()
+    kept: Kept = field(default_factory=Kept)
 
 
 class LoopReplay:
@@ -120,7 +127,9 @@ class LoopReplay:
         self.tracker = tracker
         self.model = model
         self.leaves = list(leaves)
-        self.lines = lines
+        self.said = Said(lines)
+        #: The optimizer step's replay (optimizer_replay.py), which says what it did here too.
+        self.step = OptimizerReplay(tracker, self.said)
         self._record: _Record | None = None
         #: The storages the last replay left to the program (its stand-ins'): each must be
         #: gone when the next iteration begins, as the first iteration's were.
@@ -144,10 +153,10 @@ class LoopReplay:
         record = self._record
         why = record.refused or self._differs(record)
         if why is not None:
-            self._say(f"iteration {iteration}: forward and backward traced ({why})")
+            self._say(iteration, f"forward and backward traced ({why})")
             return None
         replayed = self._replay(record, iteration)
-        self._say(f"iteration {iteration}: forward and backward replayed from iteration 1")
+        self._say(iteration, "forward and backward replayed from iteration 1")
         return replayed
 
     def end(self, iteration: int, loss: Any, held: Any) -> None:
@@ -159,15 +168,24 @@ class LoopReplay:
         record.end = len(self.tracker.timeline.events)
         record.refused = self._left(record, loss, held)
 
-    def _say(self, line: str) -> None:
-        if line not in self.lines:
-            self.lines.append(line)
+    def begin_step(self, iteration: int, optimizer: torch.optim.Optimizer) -> bool:
+        """The optimizer step of ``iteration`` begins (its phase just set): True where it
+        was replayed, else the step runs it, then calls :meth:`end_step`."""
+        return self.step.begin(iteration, optimizer)
+
+    def end_step(self, iteration: int, optimizer: torch.optim.Optimizer) -> None:
+        """The optimizer step of ``iteration`` ran (traced)."""
+        self.step.end(iteration, optimizer)
+
+    def _say(self, iteration: int, what: str) -> None:
+        self.said(iteration, what)
 
     # -- the proof --------------------------------------------------------------------
 
     def _state(self) -> tuple[Any, ...]:
         """The model's state and torch's switches, as a value to compare."""
-        return (_model_state(self.model), _switches(), tuple(t.grad is None for t in self.leaves))
+        with _DisableTorchFunction():  # (a device's router would see each tensor query)
+            return (model_state(self.model), switches(), tuple(t.grad is None for t in self.leaves))
 
     def _left(self, record: _Record, loss: Any, held: Any) -> str | None:
         """What the first iteration's forward and backward left (recorded), or why a
@@ -181,12 +199,12 @@ class LoopReplay:
             return "the model has hooks, which may act differently the next time"
         if not tracker.quiet():
             return "autograd's bookkeeping was still pending"
-        made, touched = _made_and_touched(tracker.timeline, record.start, record.end, record.first_sid)
+        made, touched = made_and_touched(tracker.timeline, record.start, record.end, record.first_sid)
         if touched:
             return "it freed or resized a storage that was alive before it (the model's own state)"
         ledger = tracker.ledger
         live = {sid for sid in made if ledger.holds(sid)}
-        record.kept = frozenset(sid for sid in made if not ledger.holds(sid))
+        record.kept = Kept(frozenset(sid for sid in made if not ledger.holds(sid)), since=record.end)
         layouts: dict[int, _Layout] = {}
         try:
             for index, t in enumerate(self.leaves):
@@ -220,8 +238,7 @@ class LoopReplay:
         ledger = self.tracker.ledger
         if any(ledger.holds(sid) for sid in (*record.held_sids, *self._replayed_held)):
             return "a tensor an earlier iteration's forward or backward made is still alive"
-        events = self.tracker.timeline.events
-        if record.kept and any(kind == FREE and a in record.kept for kind, a, _ in events[record.end :]):
+        if record.kept.freed(self.tracker.timeline.events):
             return "a buffer the first iteration's made to keep was freed"
         if self._state() != record.state:
             return "the model's state or torch's switches changed since the first iteration"
@@ -235,28 +252,7 @@ class LoopReplay:
 
     def _replay(self, record: _Record, iteration: int) -> tuple[Any, Any]:
         tracker = self.tracker
-        timeline = tracker.timeline
-        storages = timeline.storages
-        events = timeline.events
-        first = record.first_sid
-        kept = record.kept
-        sids: dict[int, int] = {}
-        for kind, a, b in events[record.start : record.end]:
-            if kind == ALLOC:
-                if a in kept:
-                    continue
-                if a >= first:
-                    new = sids.get(a)
-                    if new is None:
-                        new = sids[a] = len(storages)
-                        storages.append(dataclasses.replace(storages[a]))
-                    a = new
-            elif kind == FREE or kind == RESIZE:
-                if a >= first:
-                    a = sids[a]
-            elif kind == PHASE:
-                b = iteration
-            events.append((kind, a, b))
+        sids = replay_events(tracker.timeline, record.start, record.end, record.first_sid, record.kept.sids, iteration)
         # the tensors the program would hold now, on the replayed storages
         made: dict[int | None, Any] = {}
 
@@ -310,24 +306,6 @@ def _fake(fake_mode: Any, layout: _Layout, storage: Any) -> torch.Tensor:
     return FakeTensor(fake_mode, meta, layout.device)  # type: ignore[no-any-return]
 
 
-def _made_and_touched(timeline: Any, start: int, end: int, first: int) -> tuple[set[int], bool]:
-    """The storages the events ``start:end`` made and did not free, and whether they
-    freed or resized one made before them."""
-    made: set[int] = set()
-    for kind, a, _ in timeline.events[start:end]:
-        if kind == ALLOC:
-            if a < first:
-                return made, True
-            made.add(a)
-        elif kind == FREE:
-            if a < first:
-                return made, True
-            made.discard(a)
-        elif kind == RESIZE and a < first:
-            return made, True
-    return made, False
-
-
 def _hooked(model: nn.Module, leaves: Sequence[torch.Tensor]) -> bool:
     """Whether the model or a leaf carries hooks of the user's."""
     for module in model.modules():
@@ -347,62 +325,4 @@ def _hooked(model: nn.Module, leaves: Sequence[torch.Tensor]) -> bool:
         or len(private(f"{_GLOBAL_HOOKS}_global_forward_hooks")) > 1
         or bool(private(f"{_GLOBAL_HOOKS}_global_backward_hooks"))
         or bool(private(f"{_GLOBAL_HOOKS}_global_backward_pre_hooks"))
-    )
-
-
-_IMMUTABLE: Final = (int, float, bool, str, bytes, type(None), torch.dtype, torch.device)
-
-
-def _model_state(model: nn.Module) -> tuple[Any, ...]:
-    """Every module's attributes, as a value: plain values by value, tensors by identity
-    and layout, other objects by identity (and size, for containers)."""
-    state: list[Any] = []
-    for module in model.modules():
-        for name, value in module.__dict__.items():
-            if name in ("_parameters", "_buffers"):
-                state.append(tuple((key, _tensor_state(t)) for key, t in value.items()))
-            elif name == "_modules":
-                state.append(tuple((key, id(m)) for key, m in value.items()))
-            else:
-                state.append((name, _value_state(value)))
-    return tuple(state)
-
-
-def _tensor_state(t: Any) -> Any:
-    if t is None:
-        return None
-    return (id(t), t.dtype, tuple(t.shape), tuple(t.stride()), t.requires_grad)
-
-
-def _value_state(value: Any) -> Any:
-    if isinstance(value, _IMMUTABLE):
-        return value
-    if isinstance(value, torch.Tensor):
-        return _tensor_state(value)
-    if isinstance(value, (list, dict, set, tuple)):
-        return (type(value), id(value), len(value))
-    return (type(value), id(value))
-
-
-def _switches() -> tuple[Any, ...]:
-    """torch's global switches a forward and backward may follow."""
-    cuda = torch.backends.cuda
-    return (
-        torch.is_grad_enabled(),
-        torch.is_inference_mode_enabled(),
-        torch.get_default_dtype(),
-        torch.are_deterministic_algorithms_enabled(),
-        *(torch.is_autocast_enabled(device) for device in ("cpu", "cuda")),
-        *(torch.get_autocast_dtype(device) for device in ("cpu", "cuda")),
-        torch.is_autocast_cache_enabled(),
-        cuda.flash_sdp_enabled(),
-        cuda.mem_efficient_sdp_enabled(),
-        cuda.math_sdp_enabled(),
-        cuda.cudnn_sdp_enabled(),
-        cuda.matmul.allow_tf32,
-        torch.backends.cudnn.enabled,
-        torch.backends.cudnn.benchmark,
-        torch.backends.cudnn.deterministic,
-        torch.backends.cudnn.allow_tf32,
-        torch.backends.mkldnn.enabled,
     )

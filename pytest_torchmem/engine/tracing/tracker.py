@@ -407,7 +407,8 @@ class Tracker(TorchDispatchMode):
                 if isinstance(exc, UnsupportedOperatorException)
                 else first_line(exc)
             )
-        if cannot_run is not None or needs_values is not None:
+        if cannot_run is not None or needs_values is not None or plan.reads_values:
+            # (a fake constant's .item() is answered without needing values: read all the same)
             self.value_reads += 1
         if cannot_run is not None:
             # where every argument's value is known, the op runs on them

@@ -1,0 +1,73 @@
+"""What a replay compares between the region it recorded and the one it stands in for:
+objects' state and torch's global switches, as values (replay.py, optimizer_replay.py)."""
+
+from __future__ import annotations
+
+from typing import Any, Final
+
+import torch
+from torch import nn
+
+__all__ = ["model_state", "switches", "tensor_state", "value_state"]
+
+_IMMUTABLE: Final = (int, float, bool, str, bytes, type(None), torch.dtype, torch.device)
+_PLAIN: Final = frozenset(_IMMUTABLE)  # (the common case, looked up before isinstance)
+
+
+def model_state(model: nn.Module) -> tuple[Any, ...]:
+    """Every module's attributes, as a value: plain values by value, tensors by identity
+    and layout, other objects by identity (and size, for containers)."""
+    state: list[Any] = []
+    add = state.append
+    plain = _PLAIN
+    for module in model.modules():
+        for name, value in module.__dict__.items():
+            if type(value) in plain:
+                add((name, value))
+            elif name in ("_parameters", "_buffers"):
+                add(tuple((key, tensor_state(t)) for key, t in value.items()))
+            elif name == "_modules":
+                add(tuple((key, id(m)) for key, m in value.items()))
+            else:
+                add((name, value_state(value)))
+    return tuple(state)
+
+
+def tensor_state(t: Any) -> Any:
+    if t is None:
+        return None
+    return (id(t), t.dtype, tuple(t.shape), tuple(t.stride()), t.requires_grad)
+
+
+def value_state(value: Any) -> Any:
+    if type(value) in _PLAIN or isinstance(value, _IMMUTABLE):
+        return value
+    if isinstance(value, torch.Tensor):
+        return tensor_state(value)
+    if isinstance(value, (list, dict, set, tuple)):
+        return (type(value), id(value), len(value))
+    return (type(value), id(value))
+
+
+def switches() -> tuple[Any, ...]:
+    """torch's global switches a forward and backward may follow."""
+    cuda = torch.backends.cuda
+    return (
+        torch.is_grad_enabled(),
+        torch.is_inference_mode_enabled(),
+        torch.get_default_dtype(),
+        torch.are_deterministic_algorithms_enabled(),
+        *(torch.is_autocast_enabled(device) for device in ("cpu", "cuda")),
+        *(torch.get_autocast_dtype(device) for device in ("cpu", "cuda")),
+        torch.is_autocast_cache_enabled(),
+        cuda.flash_sdp_enabled(),
+        cuda.mem_efficient_sdp_enabled(),
+        cuda.math_sdp_enabled(),
+        cuda.cudnn_sdp_enabled(),
+        cuda.matmul.allow_tf32,
+        torch.backends.cudnn.enabled,
+        torch.backends.cudnn.benchmark,
+        torch.backends.cudnn.deterministic,
+        torch.backends.cudnn.allow_tf32,
+        torch.backends.mkldnn.enabled,
+    )
