@@ -94,6 +94,16 @@ def test_example_suite_passes_against_its_committed_snapshot(
     assert "cuda" in result.stdout.str()  # both fake devices by default
 
 
+def test_a_suite_passes_after_another_in_the_same_process(pytester: pytest.Pytester) -> None:
+    """Each in-process run drops the modules it imported: the fake GPU's router, once
+    imported in the middle of the first suite's trace, came back in the second's with the
+    CPU's dropout (the script suite's cuda figures 48 KiB over its snapshot)."""
+    for name in ("mlp", "script"):
+        copy_suite(pytester, name)
+        result = pytester.runpytest_inprocess(name, "--torchmem-unused=fail")
+        assert result.ret == 0, result.stdout.str()
+
+
 def test_a_wider_layer_fails_the_cnn_example_and_names_the_modules(
     pytester: pytest.Pytester,
 ) -> None:

@@ -27,6 +27,10 @@ from pytest_torchmem.engine.tracing.devices.cuda import temporaries as _temporar
 from pytest_torchmem.engine.tracing.devices.cuda import workspaces as _workspaces  # noqa: F401
 from pytest_torchmem.engine.tracing.devices.cuda.allocator import AllocatorConfig, CachingAllocator
 from pytest_torchmem.engine.tracing.devices.cuda.base import CUDA
+
+# (imported with the device, never in the middle of a trace: a module that pytester's
+# in-process runs drop and a later trace imports again gave that trace the CPU's dropout)
+from pytest_torchmem.engine.tracing.devices.cuda.router import CudaRouter
 from pytest_torchmem.engine.tracing.rules import TraceContext
 
 __all__ = ["CUDA", "caching_allocator", "router"]
@@ -39,6 +43,4 @@ def caching_allocator(context: TraceContext) -> CachingAllocator:
 
 def router(context: TraceContext) -> Any:
     """The torch-function mode routing CUDA dispatch decisions for this trace."""
-    from pytest_torchmem.engine.tracing.devices.cuda.router import CudaRouter
-
     return CudaRouter(context)
