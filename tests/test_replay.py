@@ -21,16 +21,17 @@ from pytest_torchmem.engine.tracing.replay import ENV
 REPLAYED = "iteration 2: forward and backward replayed from iteration 1"
 
 
-def _both(monkeypatch: pytest.MonkeyPatch, make: Any, **options: Any) -> tuple[tm.MemoryReport, tm.MemoryReport]:
-    """The estimate with replay (the default) and with every iteration traced, each of a
-    fresh model; the user's objects left as they were by both."""
+def _both(monkeypatch: pytest.MonkeyPatch, make: Any, check: Any = tm.estimate, **options: Any) -> tuple[Any, Any]:
+    """``check`` (the estimate, or ``tm.leaks``) with replay (the default) and with every
+    iteration traced, each of a fresh model; the user's objects left as they were by both."""
     reports = []
     for replay in ("1", "0"):
         monkeypatch.setenv(ENV, replay)
         model, inputs = make()
         before = fingerprint(model, inputs)
-        reports.append(tm.estimate(model, inputs, **options))
+        reports.append(check(model, inputs, **options))
         assert fingerprint(model, inputs) == before
+    monkeypatch.setenv(ENV, "1")
     return reports[0], reports[1]
 
 
@@ -215,17 +216,7 @@ STEP_REPLAYED = "optimizer step replayed from iteration 2"
 
 
 def _leaks_both(monkeypatch: pytest.MonkeyPatch, make: Any, **options: Any) -> tuple[tm.LeakReport, tm.LeakReport]:
-    """``tm.leaks`` with replay and with every iteration traced, each of a fresh model;
-    the user's objects left as they were by both."""
-    reports = []
-    for replay in ("1", "0"):
-        monkeypatch.setenv(ENV, replay)
-        model, inputs = make()
-        before = fingerprint(model, inputs)
-        reports.append(tm.leaks(model, inputs, **options))
-        assert fingerprint(model, inputs) == before
-    monkeypatch.setenv(ENV, "1")
-    return reports[0], reports[1]
+    return _both(monkeypatch, make, tm.leaks, **options)  # type: ignore[no-any-return]
 
 
 def _same_held(replayed: tm.LeakReport, traced: tm.LeakReport) -> None:
