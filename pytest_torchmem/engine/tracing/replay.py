@@ -36,8 +36,8 @@ A library's cached workspace that the first iteration made (cuBLAS's) is not mad
 again: it is left out of the replayed events, as the cache leaves it out of the
 program's.
 
-The optimizer step is replayed too, from the loop's second iteration on
-(optimizer_replay.py).
+The optimizer step is replayed too, from the loop's third iteration on, recorded in
+its second (optimizer_replay.py).
 
 ``TORCHMEM_REPLAY=0`` turns replay off: every iteration is traced (for a check
 that doubts it, and for a bug report).
@@ -153,10 +153,10 @@ class LoopReplay:
         record = self._record
         why = record.refused or self._differs(record)
         if why is not None:
-            self._say(iteration, f"forward and backward traced ({why})")
+            self.said(iteration, f"forward and backward traced ({why})")
             return None
         replayed = self._replay(record, iteration)
-        self._say(iteration, "forward and backward replayed from iteration 1")
+        self.said(iteration, "forward and backward replayed from iteration 1")
         return replayed
 
     def end(self, iteration: int, loss: Any, held: Any) -> None:
@@ -176,9 +176,6 @@ class LoopReplay:
     def end_step(self, iteration: int, optimizer: torch.optim.Optimizer) -> None:
         """The optimizer step of ``iteration`` ran (traced)."""
         self.step.end(iteration, optimizer)
-
-    def _say(self, iteration: int, what: str) -> None:
-        self.said(iteration, what)
 
     # -- the proof --------------------------------------------------------------------
 
