@@ -96,8 +96,9 @@ def test_example_suite_passes_against_its_committed_snapshot(
 
 def test_a_suite_passes_after_another_in_the_same_process(pytester: pytest.Pytester) -> None:
     """Each in-process run drops the modules it imported: the fake GPU's router, once
-    imported in the middle of the first suite's trace, came back in the second's with the
-    CPU's dropout (the script suite's cuda figures 48 KiB over its snapshot)."""
+    imported lazily by the first suite's trace, was imported again by the second's while
+    its routes' modules were not (the package kept them as attributes), and ran the CPU's
+    dropout (the script suite's cuda figures 48 KiB over its snapshot)."""
     for name in ("mlp", "script"):
         copy_suite(pytester, name)
         result = pytester.runpytest_inprocess(name, "--torchmem-unused=fail")

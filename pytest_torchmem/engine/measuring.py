@@ -34,7 +34,7 @@ from pytest_torchmem.engine.report import Category, MemoryReport, StepPeaks, Uns
 from pytest_torchmem.engine.step_function import StepFunction
 from pytest_torchmem.engine.step import ModuleTracker, NoModules, QuietProbe, run_step
 from pytest_torchmem.engine.profiler_events import MarkingProbe, read_events
-from pytest_torchmem.engine.timeline import Phase, StorageInfo, Timeline, analyze, held_at_marks
+from pytest_torchmem.engine.timeline import Phase, StorageInfo, Timeline, analyze
 from pytest_torchmem.engine.torch_private import private
 from pytest_torchmem.engine.tracing.compiled import (
     CacheRegions,
@@ -170,7 +170,7 @@ def measure_held(request: StepRequest) -> tuple[list[tuple[int, int, int | None]
             return [(i, a, r) for i, (a, r) in enumerate(ends, 1)], base, report.profile
         _, timeline, baseline = profile_cpu_step(request)
     base = sum(timeline.storages[sid].nbytes for sid in baseline)
-    return held_at_marks(timeline, baseline), base, _host_profile_name()
+    return list(analyze(timeline, baseline).marks), base, _host_profile_name()
 
 
 @dataclass

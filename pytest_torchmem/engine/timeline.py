@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Any, Final, NamedTuple, Protocol
@@ -29,7 +29,6 @@ __all__ = [
     "StorageInfo",
     "Timeline",
     "analyze",
-    "held_at_marks",
     "replay",
 ]
 
@@ -188,7 +187,8 @@ class Analysis:
     #: when it begins and at every allocation while it lasts, the highest of its runs.
     named: dict[str, int] = field(default_factory=dict)
     #: ``(iteration, live bytes, reserved bytes)`` at each :data:`MARK` (the end of each
-    #: iteration of a repeated step), as :func:`held_at_marks` reads them.
+    #: iteration of a repeated step): what is live once the charges before it are taken
+    #: and their blocks given back.
     marks: tuple[tuple[int, int, int | None], ...] = ()
 
     def over_the_call(self) -> Analysis:
@@ -395,20 +395,14 @@ class Charge(NamedTuple):
     block: Any
 
 
-def replay(
-    timeline: Timeline,
-    baseline: list[int],
-    allocator: Allocator | None = None,
-    at_mark: Callable[[int], None] | None = None,
-) -> Iterator[Charge]:
+def replay(timeline: Timeline, baseline: list[int], allocator: Allocator | None = None) -> Iterator[Charge]:
     """Every change of the live bytes of ``timeline``, in order, as :func:`analyze` counts them.
 
     The baseline storages (alive at :attr:`Timeline.step_start`) come first
     (``index`` -1); the events before the step's start are skipped. A storage allocated while
     live is not counted again; a resize charges the new block before giving
     back the old one. With ``allocator`` each storage costs its block, and the
-    allocator is driven as it would be on the device. ``at_mark(iteration)`` is told each
-    :data:`MARK`, once the charges before it are taken and their blocks given back.
+    allocator is driven as it would be on the device.
     """
     size: dict[int, int] = {}
     blocks: dict[int, Any] = {}
@@ -436,22 +430,3 @@ def replay(
                 yield Charge(index, a, -nbytes, block)
             if block is not None and allocator is not None:
                 allocator.free(block)
-        elif kind == MARK and at_mark is not None:
-            at_mark(a)
-
-
-def held_at_marks(
-    timeline: Timeline, baseline: list[int], allocator: Allocator | None = None
-) -> list[tuple[int, int, int | None]]:
-    """``(iteration, live bytes, reserved bytes)`` at each :data:`MARK` of ``timeline``
-    (the end of each iteration of a repeated step), as :func:`replay` counts the live bytes;
-    reserved where ``allocator`` is given."""
-    live = [0]
-    found: list[tuple[int, int, int | None]] = []
-
-    def at_mark(iteration: int) -> None:
-        found.append((iteration, live[0], allocator.reserved if allocator is not None else None))
-
-    for charge in replay(timeline, baseline, allocator, at_mark=at_mark):
-        live[0] += charge.nbytes
-    return found

@@ -28,8 +28,11 @@ from pytest_torchmem.engine.tracing.devices.cuda import workspaces as _workspace
 from pytest_torchmem.engine.tracing.devices.cuda.allocator import AllocatorConfig, CachingAllocator
 from pytest_torchmem.engine.tracing.devices.cuda.base import CUDA
 
-# (imported with the device, never in the middle of a trace: a module that pytester's
-# in-process runs drop and a later trace imports again gave that trace the CPU's dropout)
+# (imported with the device, as its other rule modules are: imported lazily, by the first
+# trace, the router and its routes' modules could be dropped from sys.modules without the
+# package (pytester's in-process runs drop what a run imported); imported again, the
+# router's ``from package import module`` then took the package's stale attributes, whose
+# handlers (dropout's among them) sat in the old ROUTES, not in the new one it read)
 from pytest_torchmem.engine.tracing.devices.cuda.router import CudaRouter
 from pytest_torchmem.engine.tracing.rules import TraceContext
 
