@@ -38,6 +38,7 @@ __all__ = [
     "Replay",
     "ReplayFactory",
     "StepArgumentError",
+    "hook_once",
     "module_names",
     "run_step",
 ]
@@ -253,6 +254,10 @@ def _hook_once(value: Any, fn: Callable[[int], None], index: int) -> None:
             if hook is None:
                 hook = _Once(fn, index)
             t.register_hook(hook)
+
+
+#: (what block_replay.py registers where the module hooks would have)
+hook_once: Final = _hook_once
 
 
 def _call(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

@@ -621,6 +621,11 @@ PRIVATE: Final = table(
         "the backward node whose formula is running (backward attribution, replaced formulas)",
     ),
     Private(
+        "torch._C._autograd._get_sequence_nr",
+        "the sequence number the next autograd node gets: which nodes a block made "
+        "(block replay)",
+    ),
+    Private(
         "torch._C._storage_Use_Count",
         "how many references hold a storage (whether autograd's input buffer alone holds "
         "a gradient, accumulated in place)",

@@ -55,6 +55,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "BEAMS_RUN_ON",
+    "BLOCK_REPLAY",
     "CPU_LAYERS",
     "CUDA_LAYERS",
     "FAKE_MODE",
@@ -100,6 +101,8 @@ class Scene:
     rank: int = 0
     #: The GPU profile the fake cuda device's view answers as.
     gpu: Any = None
+    #: The replay of the model's repeated blocks (block_replay.py), or None.
+    blocks: Any = None
     #: What each layer's context gave on entry, by the layer's name (the fake world's mesh).
     entered: dict[str, Any] = field(default_factory=dict)
 
@@ -235,6 +238,14 @@ GPU_VIEW: Final = Layer(
     "what the program makes on 'cuda' once it sees one is placed by the router",
     lambda scene: gpu_view(scene.gpu) if scene.gpu is not None else None,
 )
+BLOCK_REPLAY: Final = Layer(
+    "block replay",
+    "after the tracker, the router and the module hooks: it sets the forwards of the "
+    "model's repeated blocks for the step only, its replayed events land on the tracker's "
+    "timeline, and it replays the module hooks' events of the blocks' inner modules; it "
+    "runs with torch-function modes off, so the router never sees a replay",
+    lambda scene: scene.blocks,
+)
 BEAMS_RUN_ON: Final = Layer(
     "beams run on",
     "innermost: a beam search of transformers whose stop the trace cannot decide goes on "
@@ -255,6 +266,7 @@ CPU_LAYERS: Final = (
     ROUTER,
     ROUTED_RECOMPUTATION,
     RNG_STATES,
+    BLOCK_REPLAY,
     BEAMS_RUN_ON,
 )
 #: The fake cuda device's layers, outermost first: as cpu's, with the GPU view where cpu
@@ -272,6 +284,7 @@ CUDA_LAYERS: Final = (
     ROUTER,
     ROUTED_RECOMPUTATION,
     GPU_VIEW,
+    BLOCK_REPLAY,
     BEAMS_RUN_ON,
 )
 

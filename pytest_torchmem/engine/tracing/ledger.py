@@ -128,6 +128,16 @@ class StorageLedger:
         storage = t.untyped_storage()
         self._watch(storage, storage._cdata, sid)
 
+    def unbind(self, sid: int) -> Any:
+        """Stop watching the storage ``sid`` (a replay records its free itself): its
+        object, or None."""
+        ref = self._refs.pop(sid, None)
+        if not isinstance(ref, _StorageRef):
+            return None
+        if self._live.get(ref.key) == sid:
+            del self._live[ref.key]
+        return ref()
+
     def _watch(self, storage: Any, key: int, sid: int) -> None:
         self._live[key] = sid
         ref = self._refs[sid] = _StorageRef(storage, self._on_freed)

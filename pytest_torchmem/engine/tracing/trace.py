@@ -32,6 +32,7 @@ from pytest_torchmem.engine.step import (
     module_names,
     run_step,
 )
+from pytest_torchmem.engine.pipeline import Pipelined
 from pytest_torchmem.engine.step_function import StepFunction
 from pytest_torchmem.engine.stopped import TraceStopped
 from pytest_torchmem.engine.timeline import CATEGORY_RANK, Analysis, Phase, Timeline, analyze
@@ -47,6 +48,8 @@ from pytest_torchmem.engine.tracing.devices.cpu.profiles import CpuProfile
 from pytest_torchmem.engine.tracing.compiled_cuda import CudaProgram
 from pytest_torchmem.engine.tracing.devices.cuda.profiles import GpuProfile, gpu_profile
 from pytest_torchmem.engine.tracing.layers import FAKE_WORLD, WARM_UP_LAYERS, Scene, entered
+from pytest_torchmem.engine.tracing.block_replay import BlockReplay, BlockReplayMiss
+from pytest_torchmem.engine.tracing.fake_limits import first_line
 from pytest_torchmem.engine.tracing.replay import LoopReplay, replay_enabled
 from pytest_torchmem.engine.tracing.rules import TraceContext
 from pytest_torchmem.engine.tracing.stops import Stop
@@ -228,9 +231,16 @@ def _traced(
     follows_functions = device.name == "cpu" and parallel is None
 
     def once(follow: bool, warm: bool) -> tuple[Trace, Phase | None]:
-        return _trace(
-            model, args, kwargs, found=found, follow=follow, warm=warm, parallel=parallel, rank=rank, **options
-        )
+        try:
+            return _trace(
+                model, args, kwargs, found=found, follow=follow, warm=warm, parallel=parallel, rank=rank, **options
+            )
+        except BlockReplayMiss as miss:
+            # a replayed block could not stand for its trace after all: traced again, every block
+            return _trace(
+                model, args, kwargs, found=found, follow=follow, warm=warm, parallel=parallel, rank=rank,
+                blocks_missed=str(miss), **options,
+            )
 
     traced, met = once(follow=bool(found), warm=bool(found))
     if follows_functions and not found and met is not None:
@@ -384,6 +394,7 @@ def _trace(
     repeat: int | None = None,
     at_iteration_end: Callable[[int, Tracker], None] | None = None,
     turn: Callable[[Any], Any] | None = None,
+    blocks_missed: str | None = None,
 ) -> tuple[Trace, Phase | None]:
     """One trace (see :func:`trace`); ``follow``: follow the compiled regions (``found``,
     and the compiled functions the step calls); ``warm``: build them in a warm-up step
@@ -394,6 +405,9 @@ def _trace(
     The parts are made first (the stand-ins, the tracker, the router, the compiled
     programs), each given the callbacks it needs; then, inside the compiled programs,
     the warm-up step, and the traced step inside the device's layers (layers.py).
+
+    ``blocks_missed``: why an earlier try's block replay could not stand for the trace
+    (block_replay.py): this one traces every block, and says why.
     """
     context = TraceContext(device.name, gpu=gpu, cpu=cpu)
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True, allow_fallback_kernels=False)
@@ -462,6 +476,15 @@ def _trace(
         else nullcontext(Following(active=False, phase=lambda: tracker.phase))
     )
     replayed: list[str] = []  # what the loop replayed, or why not (the report's)
+    # what the blocks replayed, or why not (the report's, before the loop's)
+    block_lines: list[str] = [] if blocks_missed is None else [f"blocks traced ({blocks_missed})"]
+    replays = parallel is None and not follow and replay_enabled()
+    blocks = (
+        BlockReplay(tracker, step_model, block_lines)
+        if replays and blocks_missed is None and not warm and isinstance(modules, ModuleTracker)
+        and not isinstance(model, (StepFunction, Pipelined))
+        else None
+    )
 
     def replaying(model: nn.Module, leaves: list[torch.Tensor]) -> LoopReplay:
         return LoopReplay(tracker, model, leaves, replayed)
@@ -504,6 +527,7 @@ def _trace(
             parallel=parallel,
             rank=rank,
             gpu=gpu,
+            blocks=blocks,
         )
         try:
             layered = entered(device.layers, scene)
@@ -533,10 +557,15 @@ def _trace(
                     keep_output=keep_output,
                     repeat=repeat,
                     train_context=train_context,
-                    replay=replaying if parallel is None and not follow and replay_enabled() else None,
+                    replay=replaying if replays else None,
                 )
+                if blocks is not None:
+                    blocks.vouch()
                 del train_context
         except Exception as exc:
+            if blocks is not None and blocks.replayed and not isinstance(exc, BlockReplayMiss):
+                # (what stopped may have stopped because of a replay: traced again without)
+                raise BlockReplayMiss(f"the step raised after blocks were replayed ({first_line(exc)})") from exc
             if not tracker.stopped_by(exc):
                 raise  # the program's own error
             tracker.set_phase(None)
@@ -565,7 +594,7 @@ def _trace(
         first_step=None if analysis.first_step is None else StepPeaks(*analysis.first_step),
         phases=analysis.named,
         iterations=analysis.iterations if isinstance(model, StepFunction) else (),
-        replayed=tuple(replayed),
+        replayed=(*block_lines, *replayed),
     )
     traced = Trace(report, tracker.timeline, baseline, analysis, device, context, tracker.stop, tracker.values_missed)
     return traced, following.met

@@ -28,6 +28,8 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from pytest_torchmem.engine.layouts import COMPRESSED, parts
 from pytest_torchmem.engine.report import Category, Unsupported
+from pytest_torchmem.engine.timeline import ENTER as _ENTER
+from pytest_torchmem.engine.timeline import EXIT as _EXIT
 from pytest_torchmem.engine.timeline import Phase
 from pytest_torchmem.engine.torch_private import private
 from pytest_torchmem.engine.tracing.autograd_eager import AutogradAsEager
@@ -198,6 +200,12 @@ class Tracker(TorchDispatchMode):
         self._decomposing = 0
         #: How many ops needed tensor values (a value-dependent op, or one only values run).
         self.value_reads = 0
+        #: Told of each op (``watch(-1, -1)``) and each module's entry and exit
+        #: (``watch(ENTER or EXIT, index)``) before it is recorded, while set (block_replay.py
+        #: watches a block's backward).
+        self.watch: Callable[[int, int], None] | None = None
+        #: How many times the phase was set (a forward's serial).
+        self.phases_set = 0
 
     def ignore_compile_internals(self) -> bool:  # type: ignore[override]
         # torch reads it on the mode when it is entered (TorchDispatchMode.__enter__)
@@ -256,6 +264,7 @@ class Tracker(TorchDispatchMode):
 
     def set_phase(self, phase: Phase | None, iteration: int = 1) -> None:
         self._eager.settle(self.phase, self.module, final=True)
+        self.phases_set += 1
         self.phase = phase
         self._modules.clear()
         self.module = -1
@@ -263,12 +272,16 @@ class Tracker(TorchDispatchMode):
 
     def enter_module(self, index: int) -> None:
         self._eager.settle_pending(self.phase, self.module)
+        if self.watch is not None:
+            self.watch(_ENTER, index)
         self._modules.append(index)
         self.module = index
         self.timeline.enter(index)
 
     def exit_module(self, index: int) -> None:
         self._eager.settle_pending(self.phase, self.module)
+        if self.watch is not None:
+            self.watch(_EXIT, index)
         for pos in range(len(self._modules) - 1, -1, -1):
             if self._modules[pos] == index:
                 del self._modules[pos]
@@ -349,6 +362,8 @@ class Tracker(TorchDispatchMode):
             # its local tensors come back here.
             return NotImplemented
         kwargs = kwargs or {}
+        if self.watch is not None:
+            self.watch(-1, -1)
         eager = self._eager
         if eager.silent and eager.in_silent_node():
             return func(*args, **kwargs)  # a formula replaced by its eager replica

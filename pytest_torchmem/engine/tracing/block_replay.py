@@ -1,0 +1,1044 @@
+"""Trace once, replay the rest, within a forward: a model's repeated blocks (the 24 decoder
+layers of a transformer) traced a few times and replayed the others.
+
+A block is an element of an ``nn.ModuleList`` or ``nn.Sequential`` among at least
+:data:`MIN_BLOCKS` of the same class. Its calls are grouped by what decides the ops
+they dispatch: the block's structure (its modules' classes and attributes, its
+parameters' and buffers' layouts), its arguments (layouts, which share a storage,
+plain values), and torch's switches. In a group:
+
+* the first calls are traced, and each one's storage events recorded as a template
+  (storages renumbered from the window's first, modules as positions in the block),
+  until two consecutive calls give the same template (the first call of a step may
+  make a library's cached workspace, which the next does not);
+* the calls after them are replayed, but for the last three elements of the list: each
+  is one node of a custom autograd function whose forward appends the template's events
+  again, on new storages, and returns fresh fake tensors of the outputs' layouts;
+* the last three elements are traced, their forward compared with the template, and
+  their backward recorded: the events between the node pre-hook of the block's output
+  (every hook on the output has run) and the first event of a node it did not make
+  (autograd runs a block's nodes one after the other: each is ready before any node made
+  before the block, and after every node made after it), the storages it freed by what
+  they were (its own saved activations, the gradient it got, the inputs it saved), and
+  the gradients it left (its input's, its parameters'). Two in a row must be equal (the
+  last block's gradient comes from the head, and may differ); the replayed blocks'
+  backwards append them again.
+
+The module hooks' events of the blocks' inner modules are replayed with them, and the
+hooks the program would have registered on a replayed block's input and output are
+registered (their events fall outside the block's window). What a replayed block kept
+is kept as the program keeps it: the inputs it saves stay referenced until its backward
+drops them where the recording freed them, so that they are freed only if nothing else
+holds them; the gradient it got is freed where the recording freed it.
+
+Whatever the replay cannot prove as it goes raises :class:`BlockReplayMiss`, and the trace
+runs again without it (the report says why); what it can tell before replaying (a block
+that reads tensor values, keeps a tensor, has hooks, changes its attributes, differs
+from the template) leaves its group traced. ``TORCHMEM_REPLAY=0`` turns it off with the
+loop's replay.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+from collections import Counter
+from collections.abc import Callable, Sequence
+from typing import Any, Final
+
+import torch
+from torch import nn
+
+from pytest_torchmem.engine.report import ROOT_NAME
+from pytest_torchmem.engine.step import hook_once
+from pytest_torchmem.engine.timeline import ALLOC, ENTER, EXIT, FREE, NAMED, RESIZE, Phase, StorageInfo
+from pytest_torchmem.engine.torch_private import private
+from pytest_torchmem.engine.tracing.replay_state import switches
+
+__all__ = ["MIN_BLOCKS", "BlockReplay", "BlockReplayMiss"]
+
+FakeTensor: Final = private("torch._subclasses.fake_tensor.FakeTensor")
+no_dispatch: Final = private("torch.utils._mode_utils.no_dispatch")
+tree_flatten: Final = private("torch.utils._pytree.tree_flatten")
+tree_unflatten: Final = private("torch.utils._pytree.tree_unflatten")
+_DisableTorchFunction: Final = private("torch._C.DisableTorchFunction")
+_current_autograd_node: Final = private("torch._C._current_autograd_node")
+_sequence_nr: Final = private("torch._C._autograd._get_sequence_nr")
+_SavedTensor: Final = private("torch._C._autograd.SavedTensor")
+
+#: The fewest elements of one class a list must have for its blocks to be replayed: two
+#: traced to make the template, three traced at the end for the backward, one replayed.
+MIN_BLOCKS: Final = 6
+#: The elements at the end of a list that are traced: their backwards run first, and are
+#: recorded for the replayed ones (the last one's may differ: its gradient comes from
+#: the head).
+_TAIL: Final = 3
+_ACCUMULATE_GRAD: Final = "torch::autograd::AccumulateGrad"
+_STRIDED: Final = torch.strided
+_PLAIN: Final = (int, float, bool, str, bytes, type(None), torch.dtype, torch.device, torch.layout)
+_FORWARD: Final = Phase.FORWARD
+_BACKWARD: Final = Phase.BACKWARD
+
+
+class BlockReplayMiss(Exception):
+    """A replay found, as it went, that it could not stand for the trace: the trace runs
+    again without block replay."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Layout:
+    rank: int  # the storage, by its rank in the window
+    nbytes: int
+    dtype: torch.dtype
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+    device: torch.device
+
+
+@dataclasses.dataclass(frozen=True)
+class _Forward:
+    """A traced block's forward as a template."""
+
+    events: tuple[tuple[int, int, int], ...]  # storages by rank, modules by position
+    infos: tuple[StorageInfo, ...]  # by rank
+    modules: tuple[int | None, ...]  # by rank: the allocating module's position, if in the block
+    spec: Any  # the output's tree
+    outputs: tuple[Any, ...]  # its leaves: a _Layout (and requires_grad), or a plain value
+    saved: frozenset[int]  # ranks alive at its end that the outputs do not hold
+    kept_inputs: tuple[int, ...]  # tensor inputs (by position) its graph saves
+    trailing: tuple[tuple[int, tuple[int, ...]], ...]  # inner modules given only inputs
+    leading: tuple[tuple[int, tuple[int, ...]], ...]  # inner modules returning outputs
+
+    def key(self) -> tuple[Any, ...]:
+        infos = tuple((i.nbytes, i.category, i.phase, i.op, i.pool) for i in self.infos)
+        return (self.events, infos, self.modules, str(self.spec), self.outputs, self.saved,
+                self.kept_inputs, self.trailing, self.leading)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Backward:
+    """A traced block's backward as a template: storages as ``(kind, rank)``: ``b`` made in
+    it, ``f`` made in its forward, ``g`` the gradient it got, ``i`` a tensor input's."""
+
+    events: tuple[tuple[int, Any, int], ...]
+    infos: tuple[StorageInfo, ...]
+    modules: tuple[int | None, ...]
+    grad_out: _Layout  # the gradient it got (rank -1)
+    grads_in: tuple[tuple[int, _Layout], ...]  # (input position, layout; rank -1: grad_out's)
+    param_grads: tuple[_Layout | None, ...]
+
+    def key(self) -> tuple[Any, ...]:
+        infos = tuple((i.nbytes, i.category, i.phase, i.op, i.pool) for i in self.infos)
+        return (self.events, infos, self.modules, self.grad_out, self.grads_in, self.param_grads)
+
+
+@dataclasses.dataclass
+class _Group:
+    """The calls of one list's blocks with one signature."""
+
+    name: str
+    size: int
+    signature: Any
+    last: _Forward | None = None
+    forward: _Forward | None = None
+    backward: _Backward | None = None
+    recorded: _Backward | None = None  # the first backward recorded, awaiting its twin
+    why: str | None = None  # why its blocks are traced
+    start: int = 0  # the first position replayed: after the calls that made the template
+    replayed: int = 0
+    calls: int = 0
+
+
+class BlockReplay:
+    """Replays the repeated blocks of ``model``'s forward and backward (see the module).
+
+    ``tracker`` is the trace's tracker; ``lines`` gets what was replayed, or why not.
+    Entered around the step: it sets each block's ``forward`` (an instance attribute,
+    removed on exit).
+    """
+
+    def __init__(self, tracker: Any, model: nn.Module, lines: list[str]) -> None:
+        self.tracker = tracker
+        self.model = model
+        self.lines = lines
+        self._index = {id(m): i for i, m in enumerate(model.modules())}
+        self._names = {id(m): name or ROOT_NAME for name, m in model.named_modules()}
+        self._where: dict[int, tuple[str, int, int]] = {}  # id(block) -> (list, position, size)
+        self._patched: list[nn.Module] = []
+        self._groups: list[_Group] = []
+        self._busy = False  # a block is running (blocks in blocks are traced)
+        self._recorders: list[_Recorder] = []
+        self._unbound: list[weakref.ref[Any]] = []
+        self._called: dict[int, int] = {}
+
+    # -- entering: the blocks' forwards -------------------------------------------------
+
+    def __enter__(self) -> BlockReplay:
+        owners = Counter(id(p) for m in self.model.modules() for p in m._parameters.values() if p is not None)
+        for container in self.model.modules():
+            if not isinstance(container, (nn.ModuleList, nn.Sequential)):
+                continue
+            by_class: dict[type, list[nn.Module]] = {}
+            for child in container._modules.values():
+                if child is not None:
+                    by_class.setdefault(type(child), []).append(child)
+            for blocks in by_class.values():
+                if len(blocks) < MIN_BLOCKS or len({id(b) for b in blocks}) != len(blocks):
+                    continue
+                name = self._names.get(id(container), "")
+                for position, block in enumerate(blocks):
+                    if id(block) in self._where or "forward" in block.__dict__:
+                        continue
+                    if isinstance(block, torch.jit.ScriptModule):
+                        continue
+                    if any(owners[id(p)] > 1 for p in block.parameters()):
+                        continue  # (a parameter two blocks share sums its gradient over both)
+                    self._where[id(block)] = (name, position, len(blocks))
+                    block.__dict__["forward"] = _BlockForward(self, block)
+                    self._patched.append(block)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for block in self._patched:
+            block.__dict__.pop("forward", None)
+        self._patched.clear()
+        self.tracker.watch = None
+        self._recorders.clear()  # (a block's backward that never ran: its recorder holds its parameters)
+        names = dict.fromkeys(group.name for group in self._groups)
+        for name in names:
+            groups = [group for group in self._groups if group.name == name]
+            replayed = sum(group.replayed for group in groups)
+            if replayed:
+                calls = sum(group.calls for group in groups)
+                self.lines.append(f"{name}: {replayed} of {calls} block calls replayed (forward and backward)")
+                continue
+            # (a call alone in its group, the first of a list given the model's input, says nothing)
+            whys = dict.fromkeys(group.why for group in groups if group.why is not None and group.calls > 1)
+            if not whys and sum(group.calls for group in groups) >= MIN_BLOCKS > max(g.calls for g in groups):
+                whys = {f"its blocks differ: {_difference(groups[-2].signature, groups[-1].signature)}": None}
+            if whys:
+                self.lines.append(f"{name}: blocks traced ({'; '.join(whys)})")
+
+    # -- a block's call ------------------------------------------------------------------
+
+    def call(self, block: nn.Module, forward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        tracker = self.tracker
+        if self._busy or tracker.phase is not _FORWARD or tracker.stop is not None or not tracker.quiet():
+            return forward(*args, **kwargs)
+        name, position, size = self._where[id(block)]
+        leaves, spec = tree_flatten((args, kwargs))
+        with _DisableTorchFunction():
+            signature = (type(block), _structure(block), _arguments(leaves), str(spec), switches())
+        group = self._group(name, size, signature)
+        serial = tracker.phases_set
+        if self._called.get(id(block)) == serial:
+            # (its parameters' gradients would sum over its calls)
+            if group.replayed:
+                raise BlockReplayMiss(f"{name}: a block ran twice in one forward")
+            group.why = group.why or "a block ran twice in one forward"
+        self._called[id(block)] = serial
+        group.calls += 1
+        grad = torch.is_grad_enabled()
+        if (
+            group.forward is not None
+            and group.start <= position < size - _TAIL
+            and (not grad or (group.why is None and all(p.grad is None for p in block.parameters())))
+        ):
+            group.replayed += 1
+            return self._replay(group, block, leaves, grad)
+        return self._record(group, block, position, forward, args, kwargs, leaves, grad)
+
+    def _group(self, name: str, size: int, signature: Any) -> _Group:
+        for group in self._groups:
+            if group.name == name and group.signature == signature:
+                return group
+        group = _Group(name, size, signature)
+        self._groups.append(group)
+        return group
+
+    @property
+    def replayed(self) -> int:
+        """How many block calls were replayed."""
+        return sum(group.replayed for group in self._groups)
+
+    def vouch(self) -> None:
+        """The step ran: raise :class:`BlockReplayMiss` where a replayed block may have made
+        it run otherwise (the replayed outputs' values are not known: an op that needed
+        them stopped the trace, or followed a fallback rule)."""
+        tracker = self.tracker
+        if self.replayed and (tracker.stop is not None or tracker.values_missed):
+            raise BlockReplayMiss("an op needed values that replayed blocks' outputs do not carry")
+        if any(ref() is not None for ref in self._unbound):
+            raise BlockReplayMiss("a gradient a replayed block freed was still held")
+
+    # -- tracing a block: the template --------------------------------------------------
+
+    def _record(
+        self,
+        group: _Group,
+        block: nn.Module,
+        position: int,
+        forward: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        leaves: list[Any],
+        grad: bool,
+    ) -> Any:
+        tracker = self.tracker
+        timeline = tracker.timeline
+        start, first, reads = len(timeline.events), len(timeline.storages), tracker.value_reads
+        s0 = _sequence_nr()
+        inputs = [t for t in leaves if isinstance(t, torch.Tensor)]
+        observer = _Observer(self, block, inputs) if grad else None
+        self._busy = True
+        try:
+            output = forward(*args, **kwargs)
+        finally:
+            self._busy = False
+            if observer is not None:
+                observer.remove()
+        s1 = _sequence_nr()
+        with _DisableTorchFunction():
+            made, why = self._template(block, start, first, reads, output, inputs, grad, observer, (s0, s1))
+            if made is not None and _structure(block) != group.signature[1]:
+                made, why = None, "a block changed its own attributes"
+            if made is None:
+                group.why = group.why or why
+            if made is None or group.why is not None:
+                if group.replayed:
+                    raise BlockReplayMiss(f"{group.name}: a block traced after replayed ones differs ({why})")
+                return output
+            template, ranks = made
+            if group.forward is not None:
+                if template.key() != group.forward.key():
+                    if group.replayed:
+                        raise BlockReplayMiss(f"{group.name}: a block traced after replayed ones differs from them")
+                    group.forward, group.why = None, "its blocks' storage events differ"
+                    return output
+            elif group.last is not None and group.last.key() == template.key():
+                group.forward, group.start = template, position + 1
+            group.last = template
+            if grad and position >= group.size - _TAIL:
+                self._watch_backward(group, block, template, ranks, inputs, output, (s0, s1), first)
+        return output
+
+    def _template(
+        self,
+        block: nn.Module,
+        start: int,
+        first: int,
+        reads: int,
+        output: Any,
+        inputs: list[Any],
+        grad: bool,
+        observer: _Observer | None,
+        sequence: tuple[int, int],
+    ) -> tuple[tuple[_Forward, dict[int, int]] | None, str]:
+        tracker = self.tracker
+        timeline = tracker.timeline
+        if tracker.stop is not None:
+            return None, "the trace stopped"
+        if tracker.value_reads != reads:
+            return None, "a block read tensor values"
+        if not tracker.quiet():
+            return None, "autograd's bookkeeping was pending after a block"
+        if _hooked(block):
+            return None, "its blocks have hooks"
+        positions = self._positions(block)
+        ranks: dict[int, int] = {}
+        events: list[tuple[int, int, int]] = []
+        for kind, a, b in timeline.events[start:]:
+            if kind == ALLOC or kind == FREE or kind == RESIZE:
+                if a < first:
+                    return None, "a block freed or resized a storage made before it"
+                events.append((kind, ranks.setdefault(a, len(ranks)), b))
+            elif kind == ENTER or kind == EXIT:
+                where = positions.get(a)
+                if where is None:
+                    return None, "a block ran a module outside it"
+                events.append((kind, where, 0))
+            elif kind == NAMED:
+                events.append((kind, a, b))
+            else:
+                return None, "a block changed the step's phase"
+        by_rank = sorted(ranks, key=ranks.__getitem__)
+        infos = tuple(timeline.storages[sid] for sid in by_rank)
+        ledger = tracker.ledger
+        out_leaves, spec = tree_flatten(output)
+        outputs: list[Any] = []
+        held: set[int] = set()
+        differentiable = 0
+        for leaf in out_leaves:
+            if isinstance(leaf, torch.Tensor):
+                if type(leaf) is not FakeTensor or leaf.layout is not _STRIDED:
+                    return None, f"a block returned a {type(leaf).__name__}"
+                sid = ledger.storage_id(leaf)
+                if sid is None or sid not in ranks or sid in held:
+                    return None, "a block returned a tensor it did not make, or two on one storage"
+                held.add(sid)
+                differentiable += leaf.requires_grad
+                outputs.append((_layout(leaf, ranks[sid]), leaf.requires_grad))
+            elif type(leaf) in _PLAIN:
+                outputs.append(leaf)
+            else:
+                return None, f"a block returned a {type(leaf).__name__}"
+        if differentiable > 1:
+            return None, "a block returned more than one tensor that requires grad"
+        if grad and differentiable and sum(t.requires_grad for t in inputs) != 1:
+            return None, "a block's backward takes more than one input's gradient, or none"
+        alive = {sid for sid in ranks if ledger.holds(sid)}
+        saved = alive - held
+        if any(ledger.nbytes_now(sid) != timeline.storages[sid].nbytes for sid in alive):
+            return None, "a block resized a storage it left alive"
+        kept: tuple[int, ...] = ()
+        trailing: tuple[Any, ...] = ()
+        leading: tuple[Any, ...] = ()
+        if saved and not grad:
+            return None, "a block keeps tensors it made beside its output"
+        if grad and differentiable:
+            found = _graph(block, out_leaves, inputs, sequence, ledger)
+            if isinstance(found, str):
+                return None, found
+            kept = tuple(i for i, t in enumerate(inputs) if ledger.storage_id(t) in found)
+        if observer is not None:
+            if observer.why is not None:
+                return None, observer.why
+            trailing = tuple(observer.trailing)
+            at = {id(t): i for i, t in enumerate(out_leaves)}
+            leading = tuple((where, tuple(at[id(t)] for t in ts)) for where, ts in observer.leading_of(out_leaves))
+        template = _Forward(
+            tuple(events),
+            infos,
+            tuple(positions.get(info.module) for info in infos),
+            spec,
+            tuple(outputs),
+            frozenset(ranks[sid] for sid in saved),
+            kept,
+            trailing,
+            leading,
+        )
+        return (template, ranks), ""
+
+    def _positions(self, block: nn.Module) -> dict[int, int]:
+        """The module indices of ``block``'s modules, by their position in the block."""
+        return {self._index[id(m)]: position for position, m in enumerate(block.modules())}
+
+    def _absolute(self, block: nn.Module) -> list[int]:
+        return [self._index[id(m)] for m in block.modules()]
+
+    # -- replaying a block ---------------------------------------------------------------
+
+    def _replay(self, group: _Group, block: nn.Module, leaves: list[Any], grad: bool) -> Any:
+        tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
+        with _DisableTorchFunction():
+            if grad:
+                outputs = _Replayed.apply(self, group, block, *tensors)
+            else:
+                outputs = self._forward(None, group, block, tensors)
+            template = group.forward
+            assert template is not None
+            out_leaves: list[Any] = []
+            made = iter(outputs)
+            for spec in template.outputs:
+                out_leaves.append(next(made) if type(spec) is tuple else spec)
+            if grad:
+                # the hooks the inner modules' would have left on the block's input and output
+                absolute = self._absolute(block)
+                positions = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor)]
+                for where, inputs in template.trailing:
+                    hook_once(tuple(leaves[positions[i]] for i in inputs), self.tracker.exit_module, absolute[where])
+                for where, outs in template.leading:
+                    hook_once(tuple(out_leaves[i] for i in outs), self.tracker.enter_module, absolute[where])
+        return tree_unflatten(out_leaves, template.spec)
+
+    def _forward(self, ctx: Any, group: _Group, block: nn.Module, tensors: Sequence[torch.Tensor]) -> tuple[Any, ...]:
+        template = group.forward
+        assert template is not None
+        tracker = self.tracker
+        absolute = self._absolute(block)
+        sids = _append(tracker, template.events, template.infos, template.modules, absolute, {})
+        outputs = []
+        for spec in template.outputs:
+            if type(spec) is tuple:
+                layout, _ = spec
+                t = _fake(tracker.fake_mode, layout)
+                tracker.ledger.bind(t, sids[layout.rank])
+                outputs.append(t)
+        if ctx is not None:
+            ctx.set_materialize_grads(False)
+            ctx.sids = sids
+            ctx.block = block
+            ctx.group = group
+            ctx.kept = {i: tensors[i] for i in template.kept_inputs}
+            ctx.tether = _Tether(tracker.timeline, [sids[r] for r in sorted(template.saved)])
+            for spec, t in zip((s for s in template.outputs if type(s) is tuple), outputs):
+                if not spec[1]:
+                    ctx.mark_non_differentiable(t)
+        return tuple(outputs)
+
+    def _backward(self, ctx: Any, grads: tuple[Any, ...]) -> tuple[Any, ...]:
+        group: _Group = ctx.group
+        block: nn.Module = ctx.block
+        tracker = self.tracker
+        template = group.backward
+        if template is None:
+            raise BlockReplayMiss(
+                f"{group.name}: a replayed block's backward ran before a traced one's was recorded"
+                + (f" ({group.why})" if group.why else "")
+            )
+        if any(ref() is not None for ref in self._unbound):
+            raise BlockReplayMiss(f"{group.name}: a gradient a replayed block freed was still held")
+        self._unbound.clear()
+        params = list(block.parameters())
+        if any(p.grad is not None for p in params):
+            raise BlockReplayMiss(f"{group.name}: a block's parameters had gradients before its backward")
+        got = [g for g in grads if g is not None]
+        if len(got) != 1:
+            raise BlockReplayMiss(f"{group.name}: a replayed block got {len(got)} gradients, not one")
+        ledger = tracker.ledger
+        gsid = ledger.storage_id(got[0])
+        if gsid is None or type(got[0]) is not FakeTensor or _layout(got[0], -1) != template.grad_out:
+            raise BlockReplayMiss(f"{group.name}: a replayed block got a gradient unlike the recorded one's")
+        with _DisableTorchFunction():
+            absolute = self._absolute(block)
+            kept: dict[int, Any] = ctx.kept
+
+            def external(kind: str, rank: int, event: int) -> int | None:
+                if kind == "f":
+                    return ctx.sids[rank]  # type: ignore[no-any-return]
+                if kind == "g":
+                    storage = ledger.unbind(gsid)
+                    if storage is not None:
+                        self._unbound.append(weakref.ref(storage))
+                    return gsid
+                kept.pop(rank, None)  # ("i": the input's reference dropped; freed if it was the last)
+                return None
+
+            sids = _append(tracker, template.events, template.infos, template.modules, absolute, {}, external)
+            kept.clear()
+            ctx.tether.done()
+            out: list[Any] = [None] * (len(ctx.needs_input_grad) - 3)
+            for position, layout in template.grads_in:
+                if layout.rank < 0:  # the gradient it got, handed on (its layout checked above)
+                    out[position] = got[0]
+                    continue
+                t = _fake(tracker.fake_mode, layout)
+                ledger.bind(t, sids[layout.rank])
+                out[position] = t
+            for p, layout in zip(params, template.param_grads):
+                if layout is not None:
+                    t = _fake(tracker.fake_mode, layout)
+                    ledger.bind(t, sids[layout.rank])
+                    p.grad = t
+        return tuple(out)
+
+    # -- recording a traced block's backward --------------------------------------------
+
+    def _watch_backward(
+        self,
+        group: _Group,
+        block: nn.Module,
+        template: _Forward,
+        ranks: dict[int, int],
+        inputs: list[Any],
+        output: Any,
+        sequence: tuple[int, int],
+        first: int,
+    ) -> None:
+        out_leaves, _ = tree_flatten(output)
+        differentiable = [t for t in out_leaves if isinstance(t, torch.Tensor) and t.requires_grad]
+        wanting = [(i, t) for i, t in enumerate(inputs) if t.requires_grad]
+        if len(differentiable) != 1 or len(wanting) != 1:
+            group.why = group.why or "a block's backward takes more than one input's or output's gradient"
+            return
+        recorder = _Recorder(self, group, block, template, ranks, inputs, sequence, first)
+        differentiable[0].register_hook(recorder.got)
+        differentiable[0].grad_fn.register_prehook(recorder.begins)
+        position, t = wanting[0]
+        t.register_hook(lambda grad: recorder.gave(position, grad))
+        self._recorders.append(recorder)
+        self.tracker.watch = self._watch
+
+    def _watch(self, kind: int, index: int) -> None:
+        for recorder in self._recorders:
+            recorder.watch(kind, index)
+
+    def _recorded(self, recorder: _Recorder, template: _Backward | None, why: str) -> None:
+        self._recorders.remove(recorder)
+        if not self._recorders:
+            self.tracker.watch = None
+        group = recorder.group
+        if template is None:
+            group.why = group.why or why
+        elif group.backward is not None:
+            if group.backward.key() != template.key():
+                group.backward, group.why = None, group.why or "its blocks' backwards differ"
+        elif group.recorded is not None and group.recorded.key() == template.key():
+            group.backward = template
+        else:
+            group.recorded = template
+
+
+class _BlockForward:
+    """A block's ``forward`` while the replay is entered (an instance attribute): its class's,
+    called through the replay."""
+
+    __slots__ = ("replay", "forward", "block")
+
+    def __init__(self, replay: BlockReplay, block: nn.Module) -> None:
+        self.replay = replay
+        self.block = weakref.ref(block)
+        self.forward = type(block).forward
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        block = self.block()
+        bound = self.forward.__get__(block)
+        return self.replay.call(block, bound, args, kwargs)
+
+
+class _Replayed(torch.autograd.Function):
+    """A replayed block: one autograd node, its backward the recorded one's events."""
+
+    @staticmethod
+    def forward(ctx: Any, replay: BlockReplay, group: _Group, block: nn.Module, *tensors: torch.Tensor) -> Any:
+        ctx.replay = replay
+        return replay._forward(ctx, group, block, tensors)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> Any:
+        return (None, None, None, *ctx.replay._backward(ctx, grads))
+
+
+class _Tether:
+    """Frees a replayed block's saved activations if its graph dies without a backward (the
+    program's nodes would free them then); its backward frees them itself (:meth:`done`)."""
+
+    __slots__ = ("sids", "timeline")
+
+    def __init__(self, timeline: Any, sids: list[int]) -> None:
+        self.timeline = timeline
+        self.sids = sids
+
+    def done(self) -> None:
+        self.sids = []
+
+    def __del__(self) -> None:
+        for sid in self.sids:
+            self.timeline.free(sid)
+
+
+class _Recorder:
+    """Watches a traced block's backward: the window between its entry and the first event
+    of a node it did not make."""
+
+    def __init__(
+        self,
+        replay: BlockReplay,
+        group: _Group,
+        block: nn.Module,
+        forward: _Forward,
+        ranks: dict[int, int],
+        inputs: list[Any],
+        sequence: tuple[int, int],
+        first: int,
+    ) -> None:
+        self.replay = replay
+        self.group = group
+        self.index = replay._index[id(block)]
+        self.positions = replay._positions(block)
+        self.params = list(block.parameters())
+        self.param_ids = {id(p) for p in self.params}
+        self.forward = forward
+        self.ranks = ranks
+        self.output_sids = {sid for sid, rank in ranks.items() if rank not in forward.saved}
+        ledger = replay.tracker.ledger
+        self.input_sids = {ledger.storage_id(t): i for i, t in enumerate(inputs)}
+        self.input_sids.pop(None, None)
+        self.sequence = sequence
+        self.state = "before"
+        self.start = self.end = self.bfirst = -1
+        self.gsid: int | None = None
+        self.grad_out: _Layout | None = None
+        self.reads = 0
+        self.why = ""
+
+    def owns(self, node: Any) -> bool:
+        if node is None:
+            return False
+        s0, s1 = self.sequence
+        if s0 <= node._sequence_nr() < s1:
+            return True
+        return node.name() == _ACCUMULATE_GRAD and id(node.variable) in self.param_ids
+
+    def got(self, grad: torch.Tensor) -> None:
+        """The gradient of the block's output (before the module hooks' entry)."""
+        tracker = self.replay.tracker
+        self.gsid = tracker.ledger.storage_id(grad)
+        self.grad_out = _layout(grad, -1) if type(grad) is FakeTensor else None
+        if any(p.grad is not None for p in self.params):
+            self.why = "a block's parameters had gradients before its backward"
+
+    def begins(self, grads: Any) -> None:
+        """The block's first node is about to run, every hook on its output run (a node
+        pre-hook: the module hooks' events on the output are the program's own, before)."""
+        tracker = self.replay.tracker
+        if self.state != "before" or tracker.phase is not _BACKWARD:
+            self.why = self.why or "a block's backward began outside the step's backward"
+            return
+        self.state = "in"
+        self.start = len(tracker.timeline.events)
+        self.bfirst = len(tracker.timeline.storages)
+        self.reads = tracker.value_reads
+        if not tracker.quiet():
+            self.why = self.why or "autograd's bookkeeping was pending as a block's backward began"
+
+    def watch(self, kind: int, index: int) -> None:
+        if self.state == "in" and not self.owns(_current_autograd_node()):
+            self.state = "ended"
+            self.end = len(self.replay.tracker.timeline.events)
+
+    def gave(self, position: int, grad: torch.Tensor) -> None:
+        """The gradient of the block's input (the block's backward is over)."""
+        if self.state == "done":
+            return
+        self.state, state = "done", self.state
+        with _DisableTorchFunction():
+            template, why = self._template(position, grad, state)
+        self.replay._recorded(self, template, why)
+
+    def _template(self, position: int, grad: torch.Tensor, state: str) -> tuple[_Backward | None, str]:
+        tracker = self.replay.tracker
+        timeline, ledger = tracker.timeline, tracker.ledger
+        if self.why:
+            return None, self.why
+        if state != "ended":
+            return None, "a block's backward window could not be found"
+        if tracker.stop is not None or tracker.value_reads != self.reads:
+            return None, "a block's backward read tensor values, or the trace stopped"
+        if self.gsid is None or self.grad_out is None:
+            return None, "a block's output gradient was not tracked"
+        first = self.bfirst
+        ranks: dict[int, int] = {}
+        events: list[tuple[int, Any, int]] = []
+        freed_f: set[int] = set()
+        for kind, a, b in timeline.events[self.start : self.end]:
+            if kind == ALLOC or kind == FREE or kind == RESIZE:
+                if a >= first:
+                    events.append((kind, ("b", ranks.setdefault(a, len(ranks))), b))
+                    continue
+                if kind != FREE:
+                    return None, "a block's backward resized a storage made before it"
+                if a in self.ranks:
+                    rank = self.ranks[a]
+                    if a in self.output_sids:
+                        return None, "a block's backward freed its own output"
+                    freed_f.add(rank)
+                    events.append((kind, ("f", rank), b))
+                elif a == self.gsid:
+                    events.append((kind, ("g", 0), b))
+                elif a in self.input_sids:
+                    events.append((kind, ("i", self.input_sids[a]), b))
+                else:
+                    return None, "a block's backward freed a storage it was not given"
+            elif kind == ENTER or kind == EXIT:
+                where = self.positions.get(a)
+                if where is None:
+                    return None, "a block's backward ran a module outside it"
+                events.append((kind, where, 0))
+            else:
+                return None, "a block's backward changed the step's phase"
+        if freed_f != set(self.forward.saved):
+            return None, "a block's backward left activations it saved alive"
+        if any(ev[1][0] == "i" and ev[1][1] not in self.forward.kept_inputs for ev in events if ev[0] == FREE and type(ev[1]) is tuple):
+            return None, "a block's backward freed an input its graph did not save"
+        by_rank = sorted(ranks, key=ranks.__getitem__)
+        infos = tuple(timeline.storages[sid] for sid in by_rank)
+        left: set[int] = set()
+        sid = ledger.storage_id(grad)
+        if type(grad) is not FakeTensor:
+            return None, f"a block's input gradient is a {type(grad).__name__}"
+        if sid == self.gsid:
+            # the gradient it got, summed into in place and handed on (a residual's)
+            if any(ev[1] == ("g", 0) for ev in events) or _layout(grad, -1) != self.grad_out:
+                return None, "a block's backward handed on a view of the gradient it got"
+            grads_in: tuple[tuple[int, _Layout], ...] = ((position, _layout(grad, -1)),)
+        elif sid in ranks:
+            grads_in = ((position, _layout(grad, ranks[sid])),)
+            left.add(sid)
+        else:
+            return None, "a block's input gradient was not made in its backward"
+        param_grads: list[_Layout | None] = []
+        for p in self.params:
+            if p.grad is None:
+                param_grads.append(None)
+                continue
+            psid = ledger.storage_id(p.grad)
+            if type(p.grad) is not FakeTensor or psid not in ranks or psid in left:
+                return None, "a block's parameter gradient was not made in its backward"
+            left.add(psid)
+            param_grads.append(_layout(p.grad, ranks[psid]))
+        alive = {s for s in ranks if ledger.holds(s)}
+        if alive != left:
+            return None, "a block's backward left tensors alive beside its gradients"
+        if any(ledger.nbytes_now(s) != timeline.storages[s].nbytes for s in alive):
+            return None, "a block's backward resized a gradient it left"
+        return (
+            _Backward(
+                tuple(events),
+                infos,
+                tuple(self.positions.get(info.module) for info in infos),
+                self.grad_out,
+                grads_in,
+                tuple(param_grads),
+            ),
+            "",
+        )
+
+
+class _Observer:
+    """Which of a traced block's inner modules the module hooks watch on the block's own
+    input or output (their backward events fall outside the block's window)."""
+
+    def __init__(self, replay: BlockReplay, block: nn.Module, inputs: list[Any]) -> None:
+        self.positions = replay._positions(block)
+        self.index = replay._index
+        self.block = block
+        self.inputs = {id(t): i for i, t in enumerate(inputs) if t.requires_grad}
+        self.trailing: list[tuple[int, tuple[int, ...]]] = []
+        self.outputs: list[tuple[int, list[weakref.ref[Any]]]] = []
+        self.why: str | None = None
+        self._handles = [
+            nn.modules.module.register_module_forward_pre_hook(self._before),
+            nn.modules.module.register_module_forward_hook(self._after, always_call=True),
+        ]
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+    def _where(self, module: nn.Module) -> int | None:
+        if module is self.block:
+            return None
+        index = self.index.get(id(module))
+        return None if index is None else self.positions.get(index)
+
+    def _before(self, module: nn.Module, args: Any) -> None:
+        where = self._where(module)
+        if where is None:
+            return
+        wanting = [t for t in tree_flatten(args)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+        given = [self.inputs[id(t)] for t in wanting if id(t) in self.inputs]
+        if given and len(given) != len(wanting):
+            self.why = "an inner module of a block took its input beside its own tensors"
+        elif given:
+            self.trailing.append((where, tuple(given)))
+
+    def _after(self, module: nn.Module, args: Any, output: Any) -> None:
+        where = self._where(module)
+        if where is None:
+            return
+        wanting = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+        if wanting:
+            self.outputs.append((where, [weakref.ref(t) for t in wanting]))
+
+    def leading_of(self, out_leaves: list[Any]) -> list[tuple[int, list[Any]]]:
+        """The inner modules that returned the block's own output tensors (those alone)."""
+        found = []
+        ids = {id(t) for t in out_leaves if isinstance(t, torch.Tensor)}
+        for where, refs in self.outputs:
+            ts = [r() for r in refs]
+            mine = [t for t in ts if t is not None and id(t) in ids]
+            if mine and len(mine) != len(ts):
+                self.why = "an inner module of a block returned its output beside other tensors"
+            elif mine:
+                found.append((where, mine))
+        return found
+
+
+# -- helpers ---------------------------------------------------------------------------------
+
+
+def _append(
+    tracker: Any,
+    events: Sequence[tuple[int, Any, int]],
+    infos: Sequence[StorageInfo],
+    modules: Sequence[int | None],
+    absolute: list[int],
+    sids: dict[int, int],
+    external: Callable[[str, int, int], int | None] | None = None,
+) -> dict[int, int]:
+    """``events`` again on the timeline: the storages they make new (by rank, in ``sids``),
+    inner modules as ``absolute`` numbers them; the others through ``external``."""
+    timeline = tracker.timeline
+    storages, out = timeline.storages, timeline.events
+    for kind, ref, b in events:
+        if kind == ENTER:
+            tracker.enter_module(absolute[ref])
+        elif kind == EXIT:
+            tracker.exit_module(absolute[ref])
+        elif kind == NAMED:
+            out.append((kind, ref, b))
+        else:
+            if type(ref) is tuple:
+                tag, rank = ref
+                if tag != "b":
+                    assert external is not None
+                    sid = external(tag, rank, kind)
+                    if sid is not None:
+                        out.append((kind, sid, b))
+                    continue
+            else:
+                rank = ref
+            sid = sids.get(rank)
+            if sid is None:
+                where = modules[rank]
+                info = infos[rank]
+                sid = sids[rank] = len(storages)
+                storages.append(info if where is None else _moved(info, absolute[where]))
+            out.append((kind, sid, b))
+    return sids
+
+
+def _moved(info: StorageInfo, module: int) -> StorageInfo:
+    """``info`` made in ``module`` (a replayed block's own): a copy, field by field (the
+    fields are all plain values)."""
+    return StorageInfo(info.nbytes, info.category, info.phase, module, info.op, info.frames, info.node, info.pool)
+
+
+def _layout(t: Any, rank: int) -> _Layout:
+    return _Layout(
+        rank, t.untyped_storage().nbytes(), t.dtype, tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.fake_device
+    )
+
+
+def _fake(fake_mode: Any, layout: _Layout) -> torch.Tensor:
+    with no_dispatch():
+        storage = torch.empty(layout.nbytes, dtype=torch.uint8, device="meta").untyped_storage()
+        meta = torch.empty(0, dtype=layout.dtype, device="meta")
+        meta.set_(storage, layout.offset, layout.size, layout.stride)
+    return FakeTensor(fake_mode, meta, layout.device)  # type: ignore[no-any-return]
+
+
+def _hooked(block: nn.Module) -> bool:
+    return any(
+        m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks
+        for m in block.modules()
+    )
+
+
+def _value(value: Any, depth: int = 0) -> Any:
+    kind = type(value)
+    if kind in _PLAIN or isinstance(value, _PLAIN):
+        return value
+    if isinstance(value, torch.Tensor):
+        return (torch.Tensor, value.dtype, tuple(value.shape), tuple(value.stride()), value.requires_grad)
+    if kind in (list, tuple, set, frozenset, dict) or isinstance(value, dict):
+        if depth > 2 or len(value) > 32:
+            return (kind, id(value))
+        items = value.items() if isinstance(value, dict) else value
+        if kind in (set, frozenset):
+            items = sorted(items, key=repr)
+        return (kind, tuple(_value(v, depth + 1) for v in items))
+    return (kind, id(value))
+
+
+def _structure(block: nn.Module) -> tuple[Any, ...]:
+    """``block``'s modules' classes and attributes, as a value equal between blocks that
+    dispatch the same ops: parameters and buffers by layout, the rest by value."""
+    out: list[Any] = []
+    for module in block.modules():
+        out.append(type(module))
+        for name, value in module.__dict__.items():
+            if name == "forward" and module is block:
+                continue
+            if name in ("_parameters", "_buffers"):
+                out.append(tuple(
+                    (key, None if t is None else (t.dtype, tuple(t.shape), tuple(t.stride()), t.requires_grad,
+                                                  t.grad is None, t.layout))
+                    for key, t in value.items()
+                ))
+            elif name == "_modules":
+                out.append(tuple(value))
+            else:
+                out.append((name, _value(value)))
+    return tuple(out)
+
+
+def _difference(a: tuple[Any, ...], b: tuple[Any, ...]) -> str:
+    """What differs between two calls' signatures, in words."""
+    if a[1] != b[1]:
+        for x, y in zip(a[1], b[1]):
+            if x != y:
+                return f"their attribute {x[0]}" if type(x) is tuple and type(x[0]) is str else "their modules"
+        return "their modules"
+    return "their arguments' layouts" if a[2] != b[2] or a[3] != b[3] else "torch's switches"
+
+
+def _arguments(leaves: list[Any]) -> tuple[Any, ...]:
+    """A call's arguments as a value: tensors by layout, autograd state and which share a
+    storage; the rest by value. (Whether the trace knows a tensor's values is not part of
+    it: a replayed block's outputs carry none, and where an op needs them the trace runs
+    again without replay: :meth:`BlockReplay.vouch`.)"""
+    out: list[Any] = []
+    storages: dict[int, int] = {}
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            if type(leaf) is not FakeTensor or leaf.layout is not _STRIDED:
+                out.append((type(leaf), id(leaf)))
+                continue
+            key = leaf.untyped_storage()._cdata
+            out.append((
+                leaf.dtype, tuple(leaf.shape), tuple(leaf.stride()), leaf.storage_offset(),
+                leaf.untyped_storage().nbytes(), leaf.fake_device, leaf.requires_grad, leaf.grad_fn is None,
+                storages.setdefault(key, len(storages)),
+            ))
+        else:
+            out.append(_value(leaf))
+    return tuple(out)
+
+
+def _graph(
+    block: nn.Module, out_leaves: list[Any], inputs: list[Any], sequence: tuple[int, int], ledger: Any
+) -> set[int] | str:
+    """The storages the block's graph saves, or why the graph cannot be replayed (it reaches
+    tensors the block was not given, it has a custom function)."""
+    s0, s1 = sequence
+    params = {id(p) for p in block.parameters()}
+    given = {id(t) for t in inputs}
+    given_nodes = {id(t.grad_fn) for t in inputs if t.grad_fn is not None}
+    saved: set[int] = set()
+    seen: set[int] = set()
+    stack = [t.grad_fn for t in out_leaves if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+    while stack:
+        node = stack.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        if isinstance(node, torch.autograd.function.BackwardCFunction):
+            return "a block runs a custom autograd function"
+        for attr in dir(node):
+            if attr.startswith("_raw_saved_"):
+                raw = getattr(node, attr)
+                if isinstance(raw, _SavedTensor) and raw.unpack_hook is not None:
+                    return "a block saves tensors through hooks (a checkpoint)"
+            elif attr.startswith("_saved_"):
+                value = getattr(node, attr)
+                for t in value if isinstance(value, (tuple, list)) else (value,):
+                    if isinstance(t, torch.Tensor):
+                        sid = ledger.storage_id(t)
+                        if sid is not None:
+                            saved.add(sid)
+        for next_node, _ in node.next_functions:
+            if next_node is None:
+                continue
+            if next_node.name() == _ACCUMULATE_GRAD:
+                variable = next_node.variable
+                if id(variable) not in params and id(variable) not in given:
+                    return "a block's graph reaches a tensor it was not given"
+                continue
+            if s0 <= next_node._sequence_nr() < s1:
+                stack.append(next_node)
+            elif id(next_node) not in given_nodes:
+                return "a block's graph reaches a tensor it was not given"
+    return saved

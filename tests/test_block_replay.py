@@ -1,0 +1,271 @@
+"""Trace once, replay the rest, within a forward (issue 40): a model's repeated blocks are
+replayed with the same figures as tracing every block, or traced where they may differ,
+and the report says which."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from fingerprint import fingerprint
+
+import pytest_torchmem as tm
+from pytest_torchmem.engine.tracing.replay import ENV
+
+
+def _both(monkeypatch: pytest.MonkeyPatch, make: Any, check: Any = tm.estimate, **options: Any) -> tuple[Any, Any]:
+    """``check`` with replay and with every block traced, each of a fresh model; the user's
+    objects (every module's attributes among them: the blocks' forwards) as they were."""
+    reports = []
+    for replay in ("1", "0"):
+        monkeypatch.setenv(ENV, replay)
+        model, inputs = make()
+        before = fingerprint(model, inputs)
+        dicts = [dict(m.__dict__) for m in model.modules()]
+        reports.append(check(model, inputs, **options))
+        assert fingerprint(model, inputs) == before
+        assert [dict(m.__dict__) for m in model.modules()] == dicts
+    monkeypatch.setenv(ENV, "1")
+    return reports[0], reports[1]
+
+
+def _same_figures(replayed: tm.MemoryReport, traced: tm.MemoryReport) -> None:
+    a, b = replayed.to_dict(), traced.to_dict()
+    a.pop("replayed"), b.pop("replayed")
+    assert a == b  # every figure, the breakdown, per-module peaks, first step, unsupported
+
+
+def _blocks_line(report: tm.MemoryReport, name: str) -> str:
+    [line] = [line for line in report.replayed if line.startswith(f"{name}: ") or line.startswith("blocks traced")]
+    return line
+
+
+def _replayed_calls(report: tm.MemoryReport, name: str) -> int:
+    found = re.fullmatch(rf"{re.escape(name)}: (\d+) of (\d+) block calls replayed \(forward and backward\)",
+                         _blocks_line(report, name))
+    assert found, report.replayed
+    return int(found.group(1))
+
+
+def _adamw(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=1e-3)
+
+
+# -- models: the benchmarks' Llama, torch's own encoder, a residual MLP in a Sequential ---------
+
+
+def _llama(layers: int = 8) -> Any:
+    from benchmarks.llama import LlamaConfig, build
+
+    config = LlamaConfig(dim=128, layers=layers, heads=4, kv_heads=2, ffn=256, vocab=500)
+
+    def make() -> tuple[nn.Module, Any]:
+        torch.manual_seed(0)
+        tokens = torch.randint(0, config.vocab, (2, 32))
+        return build(config, dtype=torch.float32), (tokens, tokens)
+
+    return make
+
+
+class _Encoder(nn.Module):
+    """``nn.TransformerEncoder`` as its users write it: copies of one layer (post-norm or
+    pre-norm), a head, a loss."""
+
+    def __init__(self, norm_first: bool, layers: int = 8) -> None:
+        super().__init__()
+        layer = nn.TransformerEncoderLayer(64, 4, 128, dropout=0.1, batch_first=True, norm_first=norm_first)
+        self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.head = nn.Linear(64, 10)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(self.head(self.encoder(x).mean(1)), y)
+
+
+def _encoder(norm_first: bool) -> Any:
+    def make() -> tuple[nn.Module, Any]:
+        torch.manual_seed(0)
+        return _Encoder(norm_first), (torch.randn(4, 16, 64), torch.randint(0, 10, (4,)))
+
+    return make
+
+
+class _Residual(nn.Module):
+    def __init__(self, width: int = 96) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.up = nn.Linear(width, 4 * width)
+        self.down = nn.Linear(4 * width, width)
+        self.drop = nn.Dropout(0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.drop(self.down(F.gelu(self.up(self.norm(x)))))
+
+
+def _sequential(block: type[nn.Module] = _Residual, blocks: int = 8) -> Any:
+    def make() -> tuple[nn.Module, Any]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(32, 96), *(block() for _ in range(blocks)), nn.Linear(96, 4))
+        return model, torch.randn(16, 32)
+
+    return make
+
+
+MODELS = {
+    "llama": (_llama(), "layers"),
+    "encoder post-norm": (_encoder(False), "encoder.layers"),
+    "encoder pre-norm": (_encoder(True), "encoder.layers"),
+    "sequential": (_sequential(), "(model)"),
+}
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+@pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.parametrize(
+    "options",
+    [dict(optimizer=_adamw), {}, dict(train=False)],
+    ids=["loop", "once", "forward only"],
+)
+def test_repeated_blocks_replay_to_the_same_bytes(
+    name: str, options: dict[str, Any], device: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    make, blocks = MODELS[name]
+    replayed, traced = _both(monkeypatch, make, device=device, **options)
+    _same_figures(replayed, traced)
+    assert traced.replayed == ()
+    # (the first two calls make the template, the first again where it made a cached
+    # workspace; the last two are traced for their backward)
+    assert _replayed_calls(replayed, blocks) >= 1
+
+
+def test_the_sequential_block_names_the_model() -> None:
+    # (a Sequential model's blocks are the model's own children: the report names the root)
+    report = tm.estimate(*_sequential()())
+    assert _replayed_calls(report, "(model)") == 3  # (8 blocks: 2 make the template, 3 traced at the end)
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_a_leak_check_replays_blocks_to_the_same_growth(device: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    replayed, traced = _both(monkeypatch, _llama(6), tm.leaks, device=device, optimizer=_adamw, iterations=3)
+    assert (replayed.held, replayed.growth, replayed.per_iteration) == (traced.held, traced.growth, traced.per_iteration)
+
+
+def test_replayed_blocks_are_what_a_real_run_measures() -> None:
+    make = _sequential()
+    estimated = tm.estimate(*make(), optimizer=_adamw)
+    assert _replayed_calls(estimated, "(model)") == 3
+    assert estimated.phase_peaks() == tm.measure(*make(), optimizer=_adamw).phase_peaks()
+
+
+# -- what may differ between blocks is traced, and says why ------------------------------------
+
+
+class _Caches(_Residual):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.last = super().forward(x)
+        return self.last
+
+
+class _ReadsValues(_Residual):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = super().forward(x)
+        return h[:, h[0] > 0].sum(1, keepdim=True).expand(-1, h.shape[1]) + h
+
+
+class _Scaled(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad * 2
+
+
+class _CustomFunction(_Residual):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _Scaled.apply(super().forward(x))
+
+
+class _Checkpointed(_Residual):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.utils.checkpoint.checkpoint(super().forward, x, use_reentrant=False)
+
+
+class _Numbered(_Residual):
+    count = 0
+
+    def __init__(self) -> None:
+        super().__init__()
+        _Numbered.count += 1
+        self.layer_idx = _Numbered.count  # (as transformers' decoder layers are numbered)
+
+
+@pytest.mark.parametrize(
+    ("block", "why"),
+    [
+        (_Caches, "a block changed its own attributes"),
+        (_ReadsValues, "a block read tensor values"),
+        (_CustomFunction, "a block runs a custom autograd function"),
+        (_Checkpointed, "a block saves tensors through hooks (a checkpoint)"),
+        (_Numbered, "its blocks differ: their attribute layer_idx"),
+    ],
+    ids=["cache", "values", "function", "checkpoint", "numbered"],
+)
+def test_blocks_that_may_differ_are_traced_and_say_why(block: Any, why: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    replayed, traced = _both(monkeypatch, _sequential(block), optimizer=_adamw)
+    _same_figures(replayed, traced)
+    line = _blocks_line(replayed, "(model)")
+    assert line.startswith("(model): blocks traced (") and why in line, replayed.replayed
+
+
+class _SideOutputs(nn.Module):
+    """The loss reads an early block's output only: the last blocks have no backward, and a
+    replayed block's backward runs before any was recorded."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(_Residual() for _ in range(8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        outs = []
+        h = x
+        for block in self.blocks:
+            h = block(h)
+            outs.append(h)
+        return outs[3].square().mean()
+
+
+def test_a_replay_that_cannot_stand_is_traced_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    def make() -> tuple[nn.Module, Any]:
+        torch.manual_seed(0)
+        return _SideOutputs(), (torch.randn(16, 96),)
+
+    replayed, traced = _both(monkeypatch, make, loss_fn=lambda out: out)
+    _same_figures(replayed, traced)
+    assert replayed.replayed[0].startswith("blocks traced (blocks: a replayed block's backward ran before")
+
+
+def test_a_replayed_storage_is_the_recorded_one_in_another_module() -> None:
+    """The copy a replayed block makes of a recorded storage's info keeps every field (it is
+    written field by field, for speed) but the module."""
+    import dataclasses
+
+    from pytest_torchmem.engine.report import Category
+    from pytest_torchmem.engine.timeline import Frame, Phase, StorageInfo
+    from pytest_torchmem.engine.tracing.block_replay import _moved
+
+    values = dict(nbytes=512, category=Category.WORKSPACE, phase=Phase.BACKWARD, module=3, op="aten::mm",
+                  frames=(Frame("model.py", 7, "forward"),), node="MmBackward0", pool=2)
+    assert {f.name for f in dataclasses.fields(StorageInfo)} == set(values)
+    info = StorageInfo(**values)
+    assert _moved(info, 9) == dataclasses.replace(info, module=9)
+
+
+def test_blocks_are_not_replayed_with_replay_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(ENV, "0")
+    assert tm.estimate(*_sequential()(), optimizer=_adamw).replayed == ()
