@@ -1,5 +1,5 @@
-"""Trace once, replay the rest: a training loop's optimizer step, recorded in the loop's
-steady state (its second iteration) and replayed in the later ones.
+"""Trace once, replay the rest: a training loop's optimizer step, recorded once and
+replayed in the later iterations.
 
 The first iteration's step makes the optimizer's state; from the second on, each step
 updates that state and the parameters in place, over gradients of the same layouts:
@@ -8,6 +8,12 @@ increment) is made and freed again each time. So the second iteration's step is 
 its events recorded, and each later one is those events again on new storages, while
 ``optimizer.step()`` is not called (the optimizer is the trace's own, made by the
 ``optimizer=`` factory on the stand-ins, and dropped with the step).
+
+For the optimizers of :data:`FIRST_STEP_REPEATS` the first step is recorded instead: it
+is a later step with the state made first (their state starts as zeros, or is made by
+the constructor, and no branch of their update depends on whether it is new), so the
+second iteration's step is the first's events but for the allocations of the state it
+made, and the loop traces one step, not two.
 
 Proved, not assumed; a step that may differ is traced and says why:
 
@@ -49,12 +55,22 @@ STEP_COUNTS_ONLY: Final = frozenset(
     for name in ("SGD", "Adam", "AdamW", "Adagrad", "Adamax", "NAdam", "RMSprop", "Adadelta")
 )
 
+#: torch's optimizers whose first step is a later step with its state made first (zeros,
+#: ones, or made by the constructor: Adagrad's), every branch of their update the same
+#: whether the state is new or not (read in the sources of every torch release the engine
+#: supports). Not SGD: its first step with momentum copies the gradient into the new
+#: buffer, where a later step scales and adds. Exact classes.
+FIRST_STEP_REPEATS: Final = frozenset(
+    getattr(torch.optim, name) for name in ("Adam", "AdamW", "Adagrad", "Adamax", "NAdam", "RMSprop", "Adadelta")
+)
+
 #: Where torch keeps the hooks every optimizer's step runs (entries of engine/torch_private.py).
 _GLOBAL_HOOKS: Final = "torch.optim.optimizer."
 
 _DisableTorchFunction: Final = private("torch._C.DisableTorchFunction")
 
-#: The iteration whose step is recorded: the loop's steady state (the first makes the state).
+#: The iteration whose step is recorded: the loop's steady state (the first makes the state),
+#: or the first (:data:`FIRST_STEP_REPEATS`).
 RECORDED: Final = 2
 
 
@@ -64,10 +80,13 @@ class _Record:
     first_sid: int  # the first storage it made
     state: Any  # the optimizer's state, its gradients' layouts and torch's switches as it began
     value_reads: int  # the tracker's count of value-dependent ops as it began
+    iteration: int = RECORDED  # the iteration it was recorded in
     end: int = -1
     refused: str | None = None
     #: Storages it made that stay to the end of the step (a library's cached workspace).
     kept: Kept = field(default_factory=Kept)
+    #: The state it made (the first step's): left out of its replays.
+    made_state: frozenset[int] = frozenset()
 
 
 class OptimizerReplay:
@@ -82,7 +101,8 @@ class OptimizerReplay:
     def begin(self, iteration: int, optimizer: torch.optim.Optimizer) -> bool:
         """The step of ``iteration`` begins (its phase just set): True where it was
         replayed, else the caller runs ``optimizer.step()`` and then calls :meth:`end`."""
-        if iteration < RECORDED:
+        first = type(optimizer) in FIRST_STEP_REPEATS
+        if iteration < RECORDED and not first:
             return False
         tracker = self.tracker
         record = self._record
@@ -92,14 +112,17 @@ class OptimizerReplay:
                 first_sid=len(tracker.timeline.storages),
                 state=_state(optimizer),
                 value_reads=tracker.value_reads,
+                iteration=iteration,
             )
             return False
         why = record.refused or self._differs(record, optimizer)
         if why is not None:
             self.said(iteration, f"optimizer step traced ({why})")
             return False
-        replay_events(tracker.timeline, record.start, record.end, record.first_sid, record.kept.sids, iteration)
-        self.said(iteration, f"optimizer step replayed from iteration {RECORDED}")
+        skipped = record.kept.sids | record.made_state
+        replay_events(tracker.timeline, record.start, record.end, record.first_sid, skipped, iteration)
+        made = " (without the state it made)" if record.made_state else ""
+        self.said(iteration, f"optimizer step replayed from iteration {record.iteration}{made}")
         return True
 
     def end(self, iteration: int, optimizer: torch.optim.Optimizer) -> None:
@@ -128,21 +151,32 @@ class OptimizerReplay:
         if touched:
             return "it freed or resized a storage that was alive before it"
         ledger = tracker.ledger
-        held = [sid for sid in made if ledger.holds(sid)]
+        held = {sid for sid in made if ledger.holds(sid)}
+        if record.iteration < RECORDED:
+            # the first step: what it made and left alive must be the state it made
+            state = _state_storages(optimizer, ledger)
+            if not held <= state:
+                return f"{len(held - state)} storage(s) it made stay alive beside its state"
+            record.made_state = frozenset(held)
+            record.state = _state(optimizer)  # (a later step starts from the state it made)
+            held = set()
         if held:
             return f"{len(held)} storage(s) it made stay alive (state the optimizer adds each step)"
-        record.kept = Kept(frozenset(made), since=record.end)
+        record.kept = Kept(frozenset(made - record.made_state), since=record.end)
         return None
 
     def _differs(self, record: _Record, optimizer: torch.optim.Optimizer) -> str | None:
         """Why this iteration's step may differ from the recorded one, or None."""
         if record.end < 0:
-            return f"iteration {RECORDED}'s step did not finish"
+            return f"iteration {record.iteration}'s step did not finish"
         tracker = self.tracker
         if record.kept.freed(tracker.timeline.events):
-            return f"a buffer iteration {RECORDED}'s step made to keep was freed"
+            return f"a buffer iteration {record.iteration}'s step made to keep was freed"
         if _state(optimizer) != record.state:
-            return f"the optimizer's state, its gradients or torch's switches changed since iteration {RECORDED}"
+            return (
+                "the optimizer's state, its gradients or torch's switches changed since iteration "
+                f"{record.iteration}"
+            )
         if _hooked(optimizer):
             return "the optimizer has step hooks, which may act differently the next time"
         if not tracker.quiet():
@@ -176,6 +210,18 @@ def _state_of(optimizer: torch.optim.Optimizer) -> tuple[Any, ...]:
     )
     grads = tuple(_grad_layout(p.grad) for group in optimizer.param_groups for p in group["params"])
     return attributes, groups, state, grads, switches()
+
+
+def _state_storages(optimizer: torch.optim.Optimizer, ledger: Any) -> set[int]:
+    """The storages of the tensors in the optimizer's state."""
+    found = set()
+    for per in optimizer.state.values():
+        for value in per.values():
+            if isinstance(value, torch.Tensor):
+                sid = ledger.storage_id(value)
+                if sid is not None:
+                    found.add(sid)
+    return found
 
 
 def _grad_layout(grad: torch.Tensor | None) -> Any:
