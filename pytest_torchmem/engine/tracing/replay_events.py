@@ -3,7 +3,6 @@ rest of replay.py and optimizer_replay.py), and what the replays say."""
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 from typing import Any
 
@@ -30,7 +29,9 @@ def replay_events(
                 new = sids.get(a)
                 if new is None:
                     new = sids[a] = len(storages)
-                    storages.append(dataclasses.replace(storages[a]))
+                    # (the recorded storage's info, shared: a storage's info is written only
+                    # as it is made, and the replayed one is the same in every field)
+                    storages.append(storages[a])
                 a = new
         elif kind == FREE or kind == RESIZE:
             if a >= first:
