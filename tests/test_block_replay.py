@@ -115,11 +115,25 @@ def _sequential(block: type[nn.Module] = _Residual, blocks: int = 8) -> Any:
     return make
 
 
+def _stages() -> Any:
+    """A backbone's stages in one list: seven blocks of one width, then seven of another
+    (the blocks alike are each stage's, and each stage's last are traced)."""
+
+    def make() -> tuple[nn.Module, Any]:
+        torch.manual_seed(0)
+        wide = [_Residual(96) for _ in range(7)]
+        narrow = [_Residual(64) for _ in range(7)]
+        return nn.Sequential(nn.Linear(32, 96), *wide, nn.Linear(96, 64), *narrow, nn.Linear(64, 4)), torch.randn(8, 32)
+
+    return make
+
+
 MODELS = {
     "llama": (_llama(), "layers"),
     "encoder post-norm": (_encoder(False), "encoder.layers"),
     "encoder pre-norm": (_encoder(True), "encoder.layers"),
     "sequential": (_sequential(), "(model)"),
+    "stages": (_stages(), "(model)"),
 }
 
 
@@ -146,6 +160,13 @@ def test_the_sequential_block_names_the_model() -> None:
     # (a Sequential model's blocks are the model's own children: the report names the root)
     report = tm.estimate(*_sequential()())
     assert _replayed_calls(report, "(model)") == 3  # (8 blocks: 2 make the template, 3 traced at the end)
+
+
+def test_each_stage_of_a_backbone_replays_its_own_blocks() -> None:
+    # (seven of each width: two make each template, three are traced at each stage's end;
+    # a stage's replayed blocks have its own last blocks' backward, never the other's)
+    report = tm.estimate(*_stages()(), optimizer=_adamw)
+    assert _replayed_calls(report, "(model)") == 4
 
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])

@@ -171,6 +171,8 @@ class BlockReplay:
         self._recorders: list[_Recorder] = []
         self._unbound: list[weakref.ref[Any]] = []
         self._called: dict[int, int] = {}
+        #: Why the blocks of a list are all traced, found as they were looked at (by the list's name).
+        self._unlike: dict[str, str] = {}
 
     # -- entering: the blocks' forwards -------------------------------------------------
 
@@ -183,21 +185,36 @@ class BlockReplay:
             for child in container._modules.values():
                 if child is not None:
                     by_class.setdefault(type(child), []).append(child)
-            for blocks in by_class.values():
-                if len(blocks) < MIN_BLOCKS or len({id(b) for b in blocks}) != len(blocks):
+            for same_class in by_class.values():
+                if len(same_class) < MIN_BLOCKS or len({id(b) for b in same_class}) != len(same_class):
                     continue
                 name = self._names.get(id(container), "")
-                for position, block in enumerate(blocks):
-                    if id(block) in self._where or "forward" in block.__dict__:
-                        continue
-                    if isinstance(block, torch.jit.ScriptModule):
-                        continue
-                    if any(owners[id(p)] > 1 for p in block.parameters()):
-                        continue  # (a parameter two blocks share sums its gradient over both)
-                    self._where[id(block)] = (name, position, len(blocks))
-                    block.__dict__["forward"] = _BlockForward(self, block)
-                    self._patched.append(block)
+                # the blocks alike in structure, in order (a backbone's stages widen: each
+                # stage's blocks are a list of their own, whose last ones are traced)
+                by_structure: dict[Any, list[nn.Module]] = {}
+                with _DisableTorchFunction():
+                    for block in same_class:
+                        by_structure.setdefault(_structure(block), []).append(block)
+                for blocks in by_structure.values():
+                    if len(blocks) >= MIN_BLOCKS:
+                        self._patch(name, blocks, owners)
+                if all(len(blocks) < MIN_BLOCKS for blocks in by_structure.values()):
+                    a, b = list(by_structure)[:2]
+                    self._unlike[name] = f"its blocks differ: {_difference((None, a), (None, b))}"
         return self
+
+    def _patch(self, name: str, blocks: list[nn.Module], owners: Counter[int]) -> None:
+        """Set the forwards of ``blocks``, alike in class and structure."""
+        for position, block in enumerate(blocks):
+            if id(block) in self._where or "forward" in block.__dict__:
+                continue
+            if isinstance(block, torch.jit.ScriptModule):
+                continue
+            if any(owners[id(p)] > 1 for p in block.parameters()):
+                continue  # (a parameter two blocks share sums its gradient over both)
+            self._where[id(block)] = (name, position, len(blocks))
+            block.__dict__["forward"] = _BlockForward(self, block)
+            self._patched.append(block)
 
     def __exit__(self, *exc: object) -> None:
         for block in self._patched:
@@ -219,6 +236,9 @@ class BlockReplay:
                 whys = {f"its blocks differ: {_difference(groups[-2].signature, groups[-1].signature)}": None}
             if whys:
                 self.lines.append(f"{name}: blocks traced ({'; '.join(whys)})")
+        for name, why in self._unlike.items():
+            if name not in names:
+                self.lines.append(f"{name}: blocks traced ({why})")
 
     # -- a block's call ------------------------------------------------------------------
 
@@ -948,29 +968,34 @@ def _structure(block: nn.Module) -> tuple[Any, ...]:
     dispatch the same ops: parameters and buffers by layout, the rest by value."""
     out: list[Any] = []
     for module in block.modules():
-        out.append(type(module))
+        out.append(("class", type(module)))
         for name, value in module.__dict__.items():
             if name == "forward" and module is block:
                 continue
             if name in ("_parameters", "_buffers"):
-                out.append(tuple(
+                out.append((name, tuple(
                     (key, None if t is None else (t.dtype, tuple(t.shape), tuple(t.stride()), t.requires_grad,
                                                   t.grad is None, t.layout))
                     for key, t in value.items()
-                ))
+                )))
             elif name == "_modules":
-                out.append(tuple(value))
+                out.append((name, tuple(value)))
             else:
-                out.append((name, _value(value)))
+                out.append(("attribute", name, _value(value)))
     return tuple(out)
 
 
 def _difference(a: tuple[Any, ...], b: tuple[Any, ...]) -> str:
-    """What differs between two calls' signatures, in words."""
+    """What differs between two calls' signatures (or two blocks' structures: ``(None,
+    structure)``), in words."""
     if a[1] != b[1]:
         for x, y in zip(a[1], b[1]):
             if x != y:
-                return f"their attribute {x[0]}" if type(x) is tuple and type(x[0]) is str else "their modules"
+                if x[0] == "attribute":
+                    return f"their attribute {x[1]}"
+                return {"_parameters": "their parameters' layouts", "_buffers": "their buffers' layouts"}.get(
+                    x[0], "their modules"
+                )
         return "their modules"
     return "their arguments' layouts" if a[2] != b[2] or a[3] != b[3] else "torch's switches"
 
