@@ -1023,6 +1023,10 @@ def _arguments(leaves: list[Any]) -> tuple[Any, ...]:
     return tuple(out)
 
 
+def _node_key(node: Any) -> tuple[int, str]:
+    return node._sequence_nr(), node.name()
+
+
 def _graph(
     block: nn.Module, out_leaves: list[Any], inputs: list[Any], sequence: tuple[int, int], ledger: Any
 ) -> set[int] | str:
@@ -1031,15 +1035,18 @@ def _graph(
     s0, s1 = sequence
     params = {id(p) for p in block.parameters()}
     given = {id(t) for t in inputs}
-    given_nodes = {id(t.grad_fn) for t in inputs if t.grad_fn is not None}
+    # (by sequence number and name: a node's Python object is not the same object each
+    # time on every release)
+    given_nodes = {_node_key(t.grad_fn) for t in inputs if t.grad_fn is not None}
     saved: set[int] = set()
-    seen: set[int] = set()
+    seen: set[Any] = set()
     stack = [t.grad_fn for t in out_leaves if isinstance(t, torch.Tensor) and t.grad_fn is not None]
     while stack:
         node = stack.pop()
-        if id(node) in seen:
+        key = _node_key(node)
+        if key in seen:
             continue
-        seen.add(id(node))
+        seen.add(key)
         if isinstance(node, torch.autograd.function.BackwardCFunction):
             return "a block runs a custom autograd function"
         for attr in dir(node):
@@ -1064,6 +1071,6 @@ def _graph(
                 continue
             if s0 <= next_node._sequence_nr() < s1:
                 stack.append(next_node)
-            elif id(next_node) not in given_nodes:
+            elif _node_key(next_node) not in given_nodes:
                 return "a block's graph reaches a tensor it was not given"
     return saved
