@@ -22,6 +22,7 @@ from pytest_torchmem.engine.parallel import (
     local_tensors,
     model_copy,
 )
+from pytest_torchmem.engine.pipeline import Pipelined
 from pytest_torchmem.engine.report import Category, MemoryReport, StepPeaks, Unsupported
 from pytest_torchmem.engine.step import (
     LossFn,
@@ -32,11 +33,11 @@ from pytest_torchmem.engine.step import (
     module_names,
     run_step,
 )
-from pytest_torchmem.engine.pipeline import Pipelined
 from pytest_torchmem.engine.step_function import StepFunction
 from pytest_torchmem.engine.stopped import TraceStopped
 from pytest_torchmem.engine.timeline import CATEGORY_RANK, Analysis, Phase, Timeline, analyze
 from pytest_torchmem.engine.torch_private import private
+from pytest_torchmem.engine.tracing.block_replay import BlockReplay, BlockReplayMiss
 from pytest_torchmem.engine.tracing.compiled_program import (
     CompiledModules,
     Following,
@@ -47,9 +48,8 @@ from pytest_torchmem.engine.tracing.devices import DeviceModel
 from pytest_torchmem.engine.tracing.devices.cpu.profiles import CpuProfile
 from pytest_torchmem.engine.tracing.compiled_cuda import CudaProgram
 from pytest_torchmem.engine.tracing.devices.cuda.profiles import GpuProfile, gpu_profile
-from pytest_torchmem.engine.tracing.layers import FAKE_WORLD, WARM_UP_LAYERS, Scene, entered
-from pytest_torchmem.engine.tracing.block_replay import BlockReplay, BlockReplayMiss
 from pytest_torchmem.engine.tracing.fake_limits import first_line
+from pytest_torchmem.engine.tracing.layers import FAKE_WORLD, WARM_UP_LAYERS, Scene, entered
 from pytest_torchmem.engine.tracing.replay import LoopReplay, replay_enabled
 from pytest_torchmem.engine.tracing.rules import TraceContext
 from pytest_torchmem.engine.tracing.stops import Stop
