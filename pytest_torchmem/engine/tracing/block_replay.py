@@ -53,12 +53,12 @@ from pytest_torchmem.engine.report import ROOT_NAME
 from pytest_torchmem.engine.step import hook_once
 from pytest_torchmem.engine.timeline import ALLOC, ENTER, EXIT, FREE, NAMED, RESIZE, Phase, StorageInfo
 from pytest_torchmem.engine.torch_private import private
+from pytest_torchmem.engine.tracing.replay_events import Layout, layout_of, standin
 from pytest_torchmem.engine.tracing.replay_state import switches
 
 __all__ = ["MIN_BLOCKS", "BlockReplay", "BlockReplayMiss"]
 
 FakeTensor: Final = private("torch._subclasses.fake_tensor.FakeTensor")
-no_dispatch: Final = private("torch.utils._mode_utils.no_dispatch")
 tree_flatten: Final = private("torch.utils._pytree.tree_flatten")
 tree_unflatten: Final = private("torch.utils._pytree.tree_unflatten")
 _DisableTorchFunction: Final = private("torch._C.DisableTorchFunction")
@@ -85,17 +85,6 @@ class BlockReplayMiss(Exception):
     again without block replay."""
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class _Layout:
-    rank: int  # the storage, by its rank in the window
-    nbytes: int
-    dtype: torch.dtype
-    size: tuple[int, ...]
-    stride: tuple[int, ...]
-    offset: int
-    device: torch.device
-
-
 @dataclasses.dataclass(frozen=True)
 class _Forward:
     """A traced block's forward as a template."""
@@ -104,7 +93,7 @@ class _Forward:
     infos: tuple[StorageInfo, ...]  # by rank
     modules: tuple[int | None, ...]  # by rank: the allocating module's position, if in the block
     spec: Any  # the output's tree
-    outputs: tuple[Any, ...]  # its leaves: a _Layout (and requires_grad), or a plain value
+    outputs: tuple[Any, ...]  # its leaves: a Layout (and requires_grad), or a plain value
     saved: frozenset[int]  # ranks alive at its end that the outputs do not hold
     kept_inputs: tuple[int, ...]  # tensor inputs (by position) its graph saves
     trailing: tuple[tuple[int, tuple[int, ...]], ...]  # inner modules given only inputs
@@ -124,9 +113,9 @@ class _Backward:
     events: tuple[tuple[int, Any, int], ...]
     infos: tuple[StorageInfo, ...]
     modules: tuple[int | None, ...]
-    grad_out: _Layout  # the gradient it got (rank -1)
-    grads_in: tuple[tuple[int, _Layout], ...]  # (input position, layout; rank -1: grad_out's)
-    param_grads: tuple[_Layout | None, ...]
+    grad_out: Layout  # the gradient it got (key -1)
+    grads_in: tuple[tuple[int, Layout], ...]  # (input position, layout; key -1: grad_out's)
+    param_grads: tuple[Layout | None, ...]
 
     def key(self) -> tuple[Any, ...]:
         infos = tuple((i.nbytes, i.category, i.phase, i.op, i.pool) for i in self.infos)
@@ -398,7 +387,7 @@ class BlockReplay:
                     return None, "a block returned a tensor it did not make, or two on one storage"
                 held.add(sid)
                 differentiable += leaf.requires_grad
-                outputs.append((_layout(leaf, ranks[sid]), leaf.requires_grad))
+                outputs.append((layout_of(leaf, ranks[sid]), leaf.requires_grad))
             elif type(leaf) in _PLAIN:
                 outputs.append(leaf)
             else:
@@ -482,8 +471,8 @@ class BlockReplay:
         for spec in template.outputs:
             if type(spec) is tuple:
                 layout, _ = spec
-                t = _fake(tracker.fake_mode, layout)
-                tracker.ledger.bind(t, sids[layout.rank])
+                t = standin(tracker.fake_mode, layout)
+                tracker.ledger.bind(t, sids[layout.key])
                 outputs.append(t)
         if ctx is not None:
             ctx.set_materialize_grads(False)
@@ -518,7 +507,7 @@ class BlockReplay:
             raise BlockReplayMiss(f"{group.name}: a replayed block got {len(got)} gradients, not one")
         ledger = tracker.ledger
         gsid = ledger.storage_id(got[0])
-        if gsid is None or type(got[0]) is not FakeTensor or _layout(got[0], -1) != template.grad_out:
+        if gsid is None or type(got[0]) is not FakeTensor or layout_of(got[0], -1) != template.grad_out:
             raise BlockReplayMiss(f"{group.name}: a replayed block got a gradient unlike the recorded one's")
         with _DisableTorchFunction():
             absolute = self._absolute(block)
@@ -540,16 +529,16 @@ class BlockReplay:
             ctx.tether.done()
             out: list[Any] = [None] * (len(ctx.needs_input_grad) - 3)
             for position, layout in template.grads_in:
-                if layout.rank < 0:  # the gradient it got, handed on (its layout checked above)
+                if layout.key < 0:  # the gradient it got, handed on (its layout checked above)
                     out[position] = got[0]
                     continue
-                t = _fake(tracker.fake_mode, layout)
-                ledger.bind(t, sids[layout.rank])
+                t = standin(tracker.fake_mode, layout)
+                ledger.bind(t, sids[layout.key])
                 out[position] = t
             for p, layout in zip(params, template.param_grads):
                 if layout is not None:
-                    t = _fake(tracker.fake_mode, layout)
-                    ledger.bind(t, sids[layout.rank])
+                    t = standin(tracker.fake_mode, layout)
+                    ledger.bind(t, sids[layout.key])
                     p.grad = t
         return tuple(out)
 
@@ -679,7 +668,7 @@ class _Recorder:
         self.state = "before"
         self.start = self.end = self.bfirst = -1
         self.gsid: int | None = None
-        self.grad_out: _Layout | None = None
+        self.grad_out: Layout | None = None
         self.reads = 0
         self.why = ""
 
@@ -695,7 +684,7 @@ class _Recorder:
         """The gradient of the block's output (before the module hooks' entry)."""
         tracker = self.replay.tracker
         self.gsid = tracker.ledger.storage_id(grad)
-        self.grad_out = _layout(grad, -1) if type(grad) is FakeTensor else None
+        self.grad_out = layout_of(grad, -1) if type(grad) is FakeTensor else None
         if any(p.grad is not None for p in self.params):
             self.why = "a block's parameters had gradients before its backward"
 
@@ -780,15 +769,15 @@ class _Recorder:
             return None, f"a block's input gradient is a {type(grad).__name__}"
         if sid == self.gsid:
             # the gradient it got, summed into in place and handed on (a residual's)
-            if any(ev[1] == ("g", 0) for ev in events) or _layout(grad, -1) != self.grad_out:
+            if any(ev[1] == ("g", 0) for ev in events) or layout_of(grad, -1) != self.grad_out:
                 return None, "a block's backward handed on a view of the gradient it got"
-            grads_in: tuple[tuple[int, _Layout], ...] = ((position, _layout(grad, -1)),)
+            grads_in: tuple[tuple[int, Layout], ...] = ((position, layout_of(grad, -1)),)
         elif sid in ranks:
-            grads_in = ((position, _layout(grad, ranks[sid])),)
+            grads_in = ((position, layout_of(grad, ranks[sid])),)
             left.add(sid)
         else:
             return None, "a block's input gradient was not made in its backward"
-        param_grads: list[_Layout | None] = []
+        param_grads: list[Layout | None] = []
         for p in self.params:
             if p.grad is None:
                 param_grads.append(None)
@@ -797,7 +786,7 @@ class _Recorder:
             if type(p.grad) is not FakeTensor or psid not in ranks or psid in left:
                 return None, "a block's parameter gradient was not made in its backward"
             left.add(psid)
-            param_grads.append(_layout(p.grad, ranks[psid]))
+            param_grads.append(layout_of(p.grad, ranks[psid]))
         alive = {s for s in ranks if ledger.holds(s)}
         if alive != left:
             return None, "a block's backward left tensors alive beside its gradients"
@@ -924,20 +913,6 @@ def _moved(info: StorageInfo, module: int) -> StorageInfo:
     """``info`` made in ``module`` (a replayed block's own): a copy, field by field (the
     fields are all plain values)."""
     return StorageInfo(info.nbytes, info.category, info.phase, module, info.op, info.frames, info.node, info.pool)
-
-
-def _layout(t: Any, rank: int) -> _Layout:
-    return _Layout(
-        rank, t.untyped_storage().nbytes(), t.dtype, tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.fake_device
-    )
-
-
-def _fake(fake_mode: Any, layout: _Layout) -> torch.Tensor:
-    with no_dispatch():
-        storage = torch.empty(layout.nbytes, dtype=torch.uint8, device="meta").untyped_storage()
-        meta = torch.empty(0, dtype=layout.dtype, device="meta")
-        meta.set_(storage, layout.offset, layout.size, layout.stride)
-    return FakeTensor(fake_mode, meta, layout.device)  # type: ignore[no-any-return]
 
 
 def _hooked(block: nn.Module) -> bool:

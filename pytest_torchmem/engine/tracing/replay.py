@@ -57,13 +57,20 @@ from pytest_torchmem.engine.containers import tensors_in
 from pytest_torchmem.engine.timeline import Phase
 from pytest_torchmem.engine.torch_private import private
 from pytest_torchmem.engine.tracing.optimizer_replay import OptimizerReplay
-from pytest_torchmem.engine.tracing.replay_events import Kept, Said, made_and_touched, replay_events
+from pytest_torchmem.engine.tracing.replay_events import (
+    Kept,
+    Layout,
+    Said,
+    layout_of,
+    made_and_touched,
+    replay_events,
+    standin,
+)
 from pytest_torchmem.engine.tracing.replay_state import model_state, switches
 
 __all__ = ["LoopReplay", "replay_enabled"]
 
 FakeTensor: Final = private("torch._subclasses.fake_tensor.FakeTensor")
-no_dispatch: Final = private("torch.utils._mode_utils.no_dispatch")
 _DisableTorchFunction: Final = private("torch._C.DisableTorchFunction")
 #: Where torch keeps the hooks every module runs (entries of engine/torch_private.py).
 _GLOBAL_HOOKS: Final = "torch.nn.modules.module."
@@ -78,20 +85,6 @@ def replay_enabled() -> bool:
     return os.environ.get(ENV, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
-@dataclass(frozen=True, slots=True)
-class _Layout:
-    """A tensor the region left alive: its storage (sid, or None: not on the trace
-    device) and its view of it."""
-
-    sid: int | None
-    nbytes: int
-    dtype: torch.dtype
-    size: tuple[int, ...]
-    stride: tuple[int, ...]
-    offset: int
-    device: torch.device
-
-
 @dataclass
 class _Record:
     """The first iteration's forward and backward: where its events are, and what it left."""
@@ -104,9 +97,9 @@ class _Record:
     refused: str | None = None
     #: The modules running when it ended (innermost last).
     modules: tuple[int, ...] = ()
-    grads: list[tuple[int, _Layout]] = field(default_factory=list)
-    loss: _Layout | None = None
-    held: list[_Layout] = field(default_factory=list)
+    grads: list[tuple[int, Layout]] = field(default_factory=list)
+    loss: Layout | None = None
+    held: list[Layout] = field(default_factory=list)
     #: Storages it made that the iteration's end had to free (those held by tensors).
     held_sids: frozenset[int] = frozenset()
     #: Storages it made that stay to the end of the step (a library's cached workspace).
@@ -202,7 +195,7 @@ class LoopReplay:
         ledger = tracker.ledger
         live = {sid for sid in made if ledger.holds(sid)}
         record.kept = Kept(frozenset(sid for sid in made if not ledger.holds(sid)), since=record.end)
-        layouts: dict[int, _Layout] = {}
+        layouts: dict[int, Layout] = {}
         try:
             for index, t in enumerate(self.leaves):
                 if t.grad is not None:
@@ -214,8 +207,8 @@ class LoopReplay:
         except _NotReplayable as exc:
             return str(exc)
         for layout in (*(g for _, g in record.grads), record.loss, *record.held):
-            if layout is not None and layout.sid is not None:
-                layouts[layout.sid] = layout
+            if layout is not None and layout.key is not None:
+                layouts[layout.key] = layout
         unheld = live - layouts.keys()
         if unheld:
             return (
@@ -253,19 +246,19 @@ class LoopReplay:
         # the tensors the program would hold now, on the replayed storages
         made: dict[int | None, Any] = {}
 
-        def standin(layout: _Layout) -> torch.Tensor:
-            key = layout.sid
+        def remade(layout: Layout) -> torch.Tensor:
+            key = layout.key
             storage = made.get(key) if key is not None else None
-            t = _fake(tracker.fake_mode, layout, storage)
+            t = standin(tracker.fake_mode, layout, storage)
             if key is not None and storage is None:
                 made[key] = t.untyped_storage()
                 tracker.ledger.bind(t, sids[key])
             return t
 
         for index, layout in record.grads:
-            self.leaves[index].grad = standin(layout)
-        loss = None if record.loss is None else standin(record.loss)
-        held = [standin(layout) for layout in record.held] if record.held else None
+            self.leaves[index].grad = remade(layout)
+        loss = None if record.loss is None else remade(record.loss)
+        held = [remade(layout) for layout in record.held] if record.held else None
         self._replayed_held = tuple(sids[sid] for sid in record.held_sids)
         tracker.resume(Phase.BACKWARD, record.modules)
         return loss, held
@@ -275,32 +268,13 @@ class _NotReplayable(Exception):
     pass
 
 
-def _layout(t: Any, ledger: Any, first: int) -> _Layout:
+def _layout(t: Any, ledger: Any, first: int) -> Layout:
     if type(t) is not FakeTensor or t.layout is not _STRIDED:
         raise _NotReplayable(f"it left a {type(t).__name__} alive, which replay does not remake")
     sid = ledger.storage_id(t)
     if sid is not None and sid < first:
         raise _NotReplayable("a tensor it left alive views a storage made before it")
-    return _Layout(
-        sid,
-        t.untyped_storage().nbytes(),
-        t.dtype,
-        tuple(t.shape),
-        tuple(t.stride()),
-        t.storage_offset(),
-        t.fake_device,
-    )
-
-
-def _fake(fake_mode: Any, layout: _Layout, storage: Any) -> torch.Tensor:
-    """A fake tensor of ``layout`` on a new fake storage (or on ``storage``), made below
-    every dispatch mode, as the fake mode makes a factory's output."""
-    with no_dispatch():
-        if storage is None:
-            storage = torch.empty(layout.nbytes, dtype=torch.uint8, device="meta").untyped_storage()
-        meta = torch.empty(0, dtype=layout.dtype, device="meta")
-        meta.set_(storage, layout.offset, layout.size, layout.stride)
-    return FakeTensor(fake_mode, meta, layout.device)  # type: ignore[no-any-return]
+    return layout_of(t, sid)
 
 
 def _hooked(model: nn.Module, leaves: Sequence[torch.Tensor]) -> bool:

@@ -1,14 +1,55 @@
 """A recorded region's events, replayed at the timeline's end (the trace-once, replay-the-
-rest of replay.py and optimizer_replay.py), and what the replays say."""
+rest of replay.py, optimizer_replay.py and block_replay.py), the tensors a replay leaves
+(their layouts, and fake tensors of them on the replayed storages), and what the replays
+say."""
 
 from __future__ import annotations
 
 import itertools
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Final
+
+import torch
 
 from pytest_torchmem.engine.timeline import ALLOC, FREE, PHASE, RESIZE
+from pytest_torchmem.engine.torch_private import private
 
-__all__ = ["Kept", "Said", "made_and_touched", "replay_events"]
+__all__ = ["Kept", "Layout", "Said", "layout_of", "made_and_touched", "replay_events", "standin"]
+
+FakeTensor: Final = private("torch._subclasses.fake_tensor.FakeTensor")
+no_dispatch: Final = private("torch.utils._mode_utils.no_dispatch")
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """A tensor a recorded region left: its storage (``key``: its sid, or its rank among the
+    storages of a block's window; None: not on the trace device) and its view of it."""
+
+    key: int | None
+    nbytes: int
+    dtype: torch.dtype
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+    device: torch.device
+
+
+def layout_of(t: Any, key: int | None) -> Layout:
+    """The layout of ``t``, a strided fake tensor, its storage named ``key``."""
+    return Layout(
+        key, t.untyped_storage().nbytes(), t.dtype, tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.fake_device
+    )
+
+
+def standin(fake_mode: Any, layout: Layout, storage: Any = None) -> torch.Tensor:
+    """A fake tensor of ``layout`` on a new fake storage (or on ``storage``), made below
+    every dispatch mode, as the fake mode makes a factory's output."""
+    with no_dispatch():
+        if storage is None:
+            storage = torch.empty(layout.nbytes, dtype=torch.uint8, device="meta").untyped_storage()
+        meta = torch.empty(0, dtype=layout.dtype, device="meta")
+        meta.set_(storage, layout.offset, layout.size, layout.stride)
+    return FakeTensor(fake_mode, meta, layout.device)  # type: ignore[no-any-return]
 
 
 def replay_events(
