@@ -12,32 +12,10 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from fingerprint import fingerprint
+from replay_checks import both, same_figures
 
 import pytest_torchmem as tm
 from pytest_torchmem.engine.tracing.replay import ENV
-
-
-def _both(monkeypatch: pytest.MonkeyPatch, make: Any, check: Any = tm.estimate, **options: Any) -> tuple[Any, Any]:
-    """``check`` with replay and with every block traced, each of a fresh model; the user's
-    objects (every module's attributes among them: the blocks' forwards) as they were."""
-    reports = []
-    for replay in ("1", "0"):
-        monkeypatch.setenv(ENV, replay)
-        model, inputs = make()
-        before = fingerprint(model, inputs)
-        dicts = [dict(m.__dict__) for m in model.modules()]
-        reports.append(check(model, inputs, **options))
-        assert fingerprint(model, inputs) == before
-        assert [dict(m.__dict__) for m in model.modules()] == dicts
-    monkeypatch.setenv(ENV, "1")
-    return reports[0], reports[1]
-
-
-def _same_figures(replayed: tm.MemoryReport, traced: tm.MemoryReport) -> None:
-    a, b = replayed.to_dict(), traced.to_dict()
-    a.pop("replayed"), b.pop("replayed")
-    assert a == b  # every figure, the breakdown, per-module peaks, first step, unsupported
 
 
 def _blocks_line(report: tm.MemoryReport, name: str) -> str:
@@ -148,8 +126,8 @@ def test_repeated_blocks_replay_to_the_same_bytes(
     name: str, options: dict[str, Any], device: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     make, blocks = MODELS[name]
-    replayed, traced = _both(monkeypatch, make, device=device, **options)
-    _same_figures(replayed, traced)
+    replayed, traced = both(monkeypatch, make, device=device, **options)
+    same_figures(replayed, traced)
     assert traced.replayed == ()
     # (the first two calls make the template, the first again where it made a cached
     # workspace; the last two are traced for their backward)
@@ -171,7 +149,7 @@ def test_each_stage_of_a_backbone_replays_its_own_blocks() -> None:
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
 def test_a_leak_check_replays_blocks_to_the_same_growth(device: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    replayed, traced = _both(monkeypatch, _llama(6), tm.leaks, device=device, optimizer=_adamw, iterations=3)
+    replayed, traced = both(monkeypatch, _llama(6), tm.leaks, device=device, optimizer=_adamw, iterations=3)
     assert (replayed.held, replayed.growth, replayed.per_iteration) == (traced.held, traced.growth, traced.per_iteration)
 
 
@@ -238,8 +216,8 @@ class _Numbered(_Residual):
     ids=["cache", "values", "function", "checkpoint", "numbered"],
 )
 def test_blocks_that_may_differ_are_traced_and_say_why(block: Any, why: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    replayed, traced = _both(monkeypatch, _sequential(block), optimizer=_adamw)
-    _same_figures(replayed, traced)
+    replayed, traced = both(monkeypatch, _sequential(block), optimizer=_adamw)
+    same_figures(replayed, traced)
     line = _blocks_line(replayed, "(model)")
     assert line.startswith("(model): blocks traced (") and why in line, replayed.replayed
 
@@ -266,8 +244,8 @@ def test_a_replay_that_cannot_stand_is_traced_again(monkeypatch: pytest.MonkeyPa
         torch.manual_seed(0)
         return _SideOutputs(), (torch.randn(16, 96),)
 
-    replayed, traced = _both(monkeypatch, make, loss_fn=lambda out: out)
-    _same_figures(replayed, traced)
+    replayed, traced = both(monkeypatch, make, loss_fn=lambda out: out)
+    same_figures(replayed, traced)
     assert replayed.replayed[0].startswith("blocks traced (blocks: a replayed block's backward ran before")
 
 

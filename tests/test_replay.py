@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from fingerprint import fingerprint
+from replay_checks import both, same_figures
 from leak_patterns import Caching, batch, mlp
 from zoo import CASES, Case
 
@@ -23,26 +23,6 @@ REPLAYED = "iteration 2: forward and backward replayed from iteration 1"
 #: What the loop's second iteration says of the step of an optimizer of
 #: optimizer_replay.FIRST_STEP_REPEATS (AdamW's, the families' default).
 FIRST_STEP = "optimizer step replayed from iteration 1 (without the state it made)"
-
-
-def _both(monkeypatch: pytest.MonkeyPatch, make: Any, check: Any = tm.estimate, **options: Any) -> tuple[Any, Any]:
-    """``check`` (the estimate, or ``tm.leaks``) with replay (the default) and with every
-    iteration traced, each of a fresh model; the user's objects left as they were by both."""
-    reports = []
-    for replay in ("1", "0"):
-        monkeypatch.setenv(ENV, replay)
-        model, inputs = make()
-        before = fingerprint(model, inputs)
-        reports.append(check(model, inputs, **options))
-        assert fingerprint(model, inputs) == before
-    monkeypatch.setenv(ENV, "1")
-    return reports[0], reports[1]
-
-
-def _same_figures(replayed: tm.MemoryReport, traced: tm.MemoryReport) -> None:
-    a, b = replayed.to_dict(), traced.to_dict()
-    a.pop("replayed"), b.pop("replayed")
-    assert a == b  # every figure, the breakdown, per-module peaks, first step, unsupported
 
 
 def _looped(case: Case) -> dict[str, Any]:
@@ -57,8 +37,8 @@ TRAINED = [case for case in CASES if case.options.get("train", True)]
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
 @pytest.mark.parametrize("case", TRAINED, ids=lambda case: case.name)
 def test_each_family_replays_to_the_same_bytes(case: Case, device: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    replayed, traced = _both(monkeypatch, case.make, device=device, **_looped(case))
-    _same_figures(replayed, traced)
+    replayed, traced = both(monkeypatch, case.make, device=device, **_looped(case))
+    same_figures(replayed, traced)
     assert traced.replayed == ()
     loop, *step = replayed.replayed
     assert loop == REPLAYED or "forward and backward traced (" in loop
@@ -86,10 +66,10 @@ def test_a_language_model_replays_its_loop(device: str, keep_output: bool, monke
         tokens = torch.randint(0, config.vocab, (2, 32))
         return build(config, dtype=torch.float32), (tokens, tokens)
 
-    replayed, traced = _both(
+    replayed, traced = both(
         monkeypatch, make, device=device, keep_output=keep_output, optimizer=lambda p: torch.optim.AdamW(p)
     )
-    _same_figures(replayed, traced)
+    same_figures(replayed, traced)
     assert replayed.replayed == (REPLAYED, f"iteration 2: {FIRST_STEP}")
 
 
@@ -168,8 +148,8 @@ def test_what_may_differ_is_traced_and_says_why(build: Any, why: str, monkeypatc
         return build(), batch()
 
     options: dict[str, Any] = dict(optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
-    replayed, traced = _both(monkeypatch, make, **options)
-    _same_figures(replayed, traced)
+    replayed, traced = both(monkeypatch, make, **options)
+    same_figures(replayed, traced)
     [line] = replayed.replayed
     assert line.startswith("iteration 2: forward and backward traced (") and why in line
     model, x = make()
@@ -222,7 +202,7 @@ STEP_REPLAYED = "optimizer step replayed from iteration 2"
 
 
 def _leaks_both(monkeypatch: pytest.MonkeyPatch, make: Any, **options: Any) -> tuple[tm.LeakReport, tm.LeakReport]:
-    return _both(monkeypatch, make, tm.leaks, **options)  # type: ignore[no-any-return]
+    return both(monkeypatch, make, tm.leaks, **options)  # type: ignore[no-any-return]
 
 
 def _same_held(replayed: tm.LeakReport, traced: tm.LeakReport) -> None:
