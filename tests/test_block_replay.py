@@ -265,6 +265,37 @@ def test_a_replayed_storage_is_the_recorded_one_in_another_module() -> None:
     assert _moved(info, 9) == dataclasses.replace(info, module=9)
 
 
+class _Autocast(nn.Module):
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, *args: Any) -> Any:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return self.inner(*args)
+
+
+@pytest.mark.parametrize(
+    ("name", "said"),
+    [
+        ("llama", "inner.layers: 3 of 8 block calls replayed"),
+        # (its blocks' cast weights stay in autocast's cache past their backward: found as the
+        # backward is recorded, after blocks were replayed, and traced again)
+        ("encoder pre-norm", "blocks traced (inner.encoder.layers: a replayed block's backward ran before"),
+    ],
+)
+def test_blocks_under_autocast_replay_or_are_traced_again(name: str, said: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    make = MODELS[name][0]
+
+    def wrapped() -> tuple[nn.Module, Any]:
+        model, inputs = make()
+        return _Autocast(model), inputs
+
+    replayed, traced = both(monkeypatch, wrapped, optimizer=_adamw)
+    same_figures(replayed, traced)
+    assert replayed.replayed[0].startswith(said), replayed.replayed
+
+
 def test_blocks_are_not_replayed_with_replay_off(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(ENV, "0")
     assert tm.estimate(*_sequential()(), optimizer=_adamw).replayed == ()
