@@ -109,6 +109,14 @@ EXHAUSTIVE: Final = (
     # every family's three-iteration loop replayed on cpu (test_replay.py: on cuda, and
     # every replayable optimizer on both devices)
     "tests/test_replay.py::test_each_family_replays_a_longer_loop_to_the_same_bytes_on_cpu",
+    # torch's encoder's blocks replayed on cpu, each mode (the cuda twins stay, and the cpu
+    # twins of the other models)
+    "tests/test_block_replay.py::test_repeated_blocks_replay_to_the_same_bytes[loop-encoder post-norm-cpu]",
+    "tests/test_block_replay.py::test_repeated_blocks_replay_to_the_same_bytes[loop-encoder pre-norm-cpu]",
+    "tests/test_block_replay.py::test_repeated_blocks_replay_to_the_same_bytes[once-encoder post-norm-cpu]",
+    "tests/test_block_replay.py::test_repeated_blocks_replay_to_the_same_bytes[once-encoder pre-norm-cpu]",
+    "tests/test_block_replay.py::test_repeated_blocks_replay_to_the_same_bytes[forward only-encoder post-norm-cpu]",
+    "tests/test_block_replay.py::test_repeated_blocks_replay_to_the_same_bytes[forward only-encoder pre-norm-cpu]",
     # Llama 7B under FSDP2 at 8 and 64 ranks (test_parallel.py: small models against gloo ranks)
     "tests/test_scale.py::test_llama_7b_fsdp2_per_rank_hand_count_on_cuda",
     # the plugin's behaviours under xdist, each the twin of a one-process run of the same
