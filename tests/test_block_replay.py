@@ -24,7 +24,7 @@ def _blocks_line(report: tm.MemoryReport, name: str) -> str:
 
 
 def _replayed_calls(report: tm.MemoryReport, name: str) -> int:
-    found = re.fullmatch(rf"{re.escape(name)}: (\d+) of (\d+) block calls replayed \(forward and backward\)",
+    found = re.fullmatch(rf"{re.escape(name)}: (\d+) of (\d+) block calls replayed \(forward and backward[^)]*\)",
                          _blocks_line(report, name))
     assert found, report.replayed
     return int(found.group(1))
@@ -211,15 +211,69 @@ class _Numbered(_Residual):
         (_ReadsValues, "a block read tensor values"),
         (_CustomFunction, "a block runs a custom autograd function"),
         (_Checkpointed, "a block saves tensors through hooks (a checkpoint)"),
-        (_Numbered, "its blocks differ: their attribute layer_idx"),
     ],
-    ids=["cache", "values", "function", "checkpoint", "numbered"],
+    ids=["cache", "values", "function", "checkpoint"],
 )
 def test_blocks_that_may_differ_are_traced_and_say_why(block: Any, why: str, monkeypatch: pytest.MonkeyPatch) -> None:
     replayed, traced = both(monkeypatch, _sequential(block), optimizer=_adamw)
     same_figures(replayed, traced)
     line = _blocks_line(replayed, "(model)")
     assert line.startswith("(model): blocks traced (") and why in line, replayed.replayed
+
+
+class _ReadsItsIndex(_Numbered):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = super().forward(x)
+        return h.clone() if self.layer_idx % 2 else h  # (every other block runs one more op)
+
+
+def test_blocks_that_differ_in_an_attribute_their_forward_reads_are_traced(monkeypatch: pytest.MonkeyPatch) -> None:
+    replayed, traced = both(monkeypatch, _sequential(_ReadsItsIndex), optimizer=_adamw)
+    same_figures(replayed, traced)
+    line = _blocks_line(replayed, "(model)")
+    assert line == "(model): blocks traced (its blocks differ in attribute layer_idx, which their forward reads)"
+
+
+def test_blocks_that_differ_in_an_attribute_their_forward_never_reads_replay(monkeypatch: pytest.MonkeyPatch) -> None:
+    # (their classes are swapped for the traced calls, to see what they read: both() checks
+    # the model's fingerprint, types included, and every module's attributes after)
+    replayed, traced = both(monkeypatch, _sequential(_Numbered), optimizer=_adamw)
+    same_figures(replayed, traced)
+    assert _blocks_line(replayed, "(model)") == (
+        "(model): 3 of 8 block calls replayed (forward and backward; their layer_idx, never read, differ)"
+    )
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_transformers_decoder_layers_replay(name: str, device: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """transformers' numbered decoder layers, trained without a KV cache (with one, each
+    layer reads its number to keep its keys and values, and is traced)."""
+    from torchvision_import import import_torchvision
+
+    import_torchvision()  # (before transformers imports it)
+    transformers = pytest.importorskip("transformers")
+
+    def make() -> tuple[nn.Module, Any]:
+        torch.manual_seed(0)
+        if name == "gpt2":
+            config = transformers.GPT2Config(n_layer=8, n_embd=64, n_head=4, vocab_size=128, n_positions=64)
+            model = transformers.GPT2LMHeadModel(config)
+        else:
+            config = transformers.LlamaConfig(
+                num_hidden_layers=8, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                num_key_value_heads=2, vocab_size=128,
+            )
+            model = transformers.LlamaForCausalLM(config)
+        ids = torch.randint(0, 128, (2, 16))
+        return model, {"input_ids": ids, "labels": ids, "use_cache": False}
+
+    replayed, traced = both(monkeypatch, make, device=device, optimizer=_adamw)
+    same_figures(replayed, traced)
+    layers = "transformer.h" if name == "gpt2" else "model.layers"
+    line = _blocks_line(replayed, layers)
+    assert re.fullmatch(rf"{layers}: \d+ of \d+ block calls replayed \(forward and backward; their layer_idx, never "
+                        r"read, differ\)", line), line
 
 
 class _SideOutputs(nn.Module):

@@ -5,7 +5,10 @@ A block is an element of an ``nn.ModuleList`` or ``nn.Sequential`` among at leas
 :data:`MIN_BLOCKS` of the same class. Its calls are grouped by what decides the ops
 they dispatch: the block's structure (its modules' classes and attributes, its
 parameters' and buffers' layouts), its arguments (layouts, which share a storage,
-plain values), and torch's switches. In a group:
+plain values), and torch's switches. A plain attribute the blocks hold different values
+of (transformers' ``layer_idx``) is left out of the structure, and the traced calls are
+watched for reading it (:class:`_Reads`): where one reads it, its group is traced. In a
+group:
 
 * the first calls are traced, and each one's storage events recorded as a template
   (storages renumbered from the window's first, modules as positions in the block),
@@ -76,6 +79,8 @@ _TAIL: Final = 3
 _ACCUMULATE_GRAD: Final = "torch::autograd::AccumulateGrad"
 _STRIDED: Final = torch.strided
 _PLAIN: Final = (int, float, bool, str, bytes, type(None), torch.dtype, torch.device, torch.layout)
+#: The attribute types whose values may differ between blocks replayed alike, if never read.
+_NUMBERS: Final = (int, float, bool, str, type(None))
 _FORWARD: Final = Phase.FORWARD
 _BACKWARD: Final = Phase.BACKWARD
 
@@ -135,6 +140,7 @@ class _Group:
     recorded: _Backward | None = None  # the first backward recorded, awaiting its twin
     why: str | None = None  # why its blocks are traced
     start: int = 0  # the first position replayed: after the calls that made the template
+    free: tuple[str, ...] = ()  # the names of the attributes its blocks differ in (never read)
     replayed: int = 0
     calls: int = 0
 
@@ -162,6 +168,9 @@ class BlockReplay:
         self._called: dict[int, int] = {}
         #: Why the blocks of a list are all traced, found as they were looked at (by the list's name).
         self._unlike: dict[str, str] = {}
+        #: The attributes a block's neighbours hold other plain values of (their places in its
+        #: structure): replayed only where the traced calls never read them.
+        self._free: dict[int, frozenset[int]] = {}
 
     # -- entering: the blocks' forwards -------------------------------------------------
 
@@ -182,18 +191,21 @@ class BlockReplay:
                 # stage's blocks are a list of their own, whose last ones are traced)
                 by_structure: dict[Any, list[nn.Module]] = {}
                 with _DisableTorchFunction():
-                    for block in same_class:
-                        by_structure.setdefault(_structure(block), []).append(block)
+                    structures = [_structure(block) for block in same_class]
+                    free = _free(structures)
+                    for block, structure in zip(same_class, structures):
+                        by_structure.setdefault(_masked(structure, free), []).append(block)
                 for blocks in by_structure.values():
                     if len(blocks) >= MIN_BLOCKS:
-                        self._patch(name, blocks, owners)
+                        self._patch(name, blocks, owners, free)
                 if all(len(blocks) < MIN_BLOCKS for blocks in by_structure.values()):
                     a, b = list(by_structure)[:2]
                     self._unlike[name] = f"its blocks differ: {_difference((None, a), (None, b))}"
         return self
 
-    def _patch(self, name: str, blocks: list[nn.Module], owners: Counter[int]) -> None:
-        """Set the forwards of ``blocks``, alike in class and structure."""
+    def _patch(self, name: str, blocks: list[nn.Module], owners: Counter[int], free: frozenset[int]) -> None:
+        """Set the forwards of ``blocks``, alike in class and structure but for the plain
+        attributes ``free`` (by their place in the structure)."""
         for position, block in enumerate(blocks):
             if id(block) in self._where or "forward" in block.__dict__:
                 continue
@@ -202,6 +214,7 @@ class BlockReplay:
             if any(owners[id(p)] > 1 for p in block.parameters()):
                 continue  # (a parameter two blocks share sums its gradient over both)
             self._where[id(block)] = (name, position, len(blocks))
+            self._free[id(block)] = free
             block.__dict__["forward"] = _BlockForward(self, block)
             self._patched.append(block)
 
@@ -217,7 +230,9 @@ class BlockReplay:
             replayed = sum(group.replayed for group in groups)
             if replayed:
                 calls = sum(group.calls for group in groups)
-                self.lines.append(f"{name}: {replayed} of {calls} block calls replayed (forward and backward)")
+                free = sorted({attribute for group in groups for attribute in group.free})
+                unread = f"; their {', '.join(free)}, never read, differ" if free else ""
+                self.lines.append(f"{name}: {replayed} of {calls} block calls replayed (forward and backward{unread})")
                 continue
             # (a call alone in its group, the first of a list given the model's input, says nothing)
             whys = dict.fromkeys(group.why for group in groups if group.why is not None and group.calls > 1)
@@ -238,7 +253,9 @@ class BlockReplay:
         name, position, size = self._where[id(block)]
         leaves, spec = tree_flatten((args, kwargs))
         with _DisableTorchFunction():
-            signature = (type(block), _structure(block), _arguments(leaves), str(spec), switches())
+            signature = (
+                type(block), _masked(_structure(block), self._free[id(block)]), _arguments(leaves), str(spec), switches()
+            )
         group = self._group(name, size, signature)
         serial = tracker.phases_set
         if self._called.get(id(block)) == serial:
@@ -262,7 +279,8 @@ class BlockReplay:
         for group in self._groups:
             if group.name == name and group.signature == signature:
                 return group
-        group = _Group(name, size, signature)
+        free = tuple(dict.fromkeys(e[1] for e in signature[1] if e[0] == "attribute" and e[2] is _FREE))
+        group = _Group(name, size, signature, free=free)
         self._groups.append(group)
         return group
 
@@ -300,17 +318,22 @@ class BlockReplay:
         s0 = _sequence_nr()
         inputs = [t for t in leaves if isinstance(t, torch.Tensor)]
         observer = _Observer(self, block, inputs) if grad else None
+        watched = _Reads(block, self._free[id(block)])
         self._busy = True
         try:
-            output = forward(*args, **kwargs)
+            with watched:
+                output = forward(*args, **kwargs)
         finally:
             self._busy = False
             if observer is not None:
                 observer.remove()
         s1 = _sequence_nr()
         with _DisableTorchFunction():
-            made, why = self._template(block, start, first, reads, output, inputs, grad, observer, (s0, s1))
-            if made is not None and _structure(block) != group.signature[1]:
+            if watched.read:
+                made, why = None, f"its blocks differ in attribute {watched.read}, which their forward reads"
+            else:
+                made, why = self._template(block, start, first, reads, output, inputs, grad, observer, (s0, s1))
+            if made is not None and _masked(_structure(block), self._free[id(block)]) != group.signature[1]:
                 made, why = None, "a block changed its own attributes"
             if made is None:
                 group.why = group.why or why
@@ -958,6 +981,98 @@ def _structure(block: nn.Module) -> tuple[Any, ...]:
             else:
                 out.append(("attribute", name, _value(value)))
     return tuple(out)
+
+
+class _FreeValue:
+    """Stands for a plain attribute's value where blocks hold different ones."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "<differs>"
+
+
+_FREE: Final = _FreeValue()
+
+
+def _free(structures: list[tuple[Any, ...]]) -> frozenset[int]:
+    """The places of the plain attributes (numbers, strings, booleans) that blocks of one
+    class hold different values of, where their structures are otherwise alike in length
+    and names (transformers' ``layer_idx``)."""
+    first = structures[0]
+    if any(len(s) != len(first) for s in structures):
+        return frozenset()
+    places = set()
+    for place, entry in enumerate(first):
+        if entry[0] != "attribute" or type(entry[2]) not in _NUMBERS:
+            continue
+        if all(s[place][:2] == entry[:2] and type(s[place][2]) in _NUMBERS for s in structures) and any(
+            s[place] != entry for s in structures
+        ):
+            places.add(place)
+    return frozenset(places)
+
+
+def _masked(structure: tuple[Any, ...], free: frozenset[int]) -> tuple[Any, ...]:
+    if not free:
+        return structure
+    return tuple((e[0], e[1], _FREE) if place in free else e for place, e in enumerate(structure))
+
+
+class _Reads:
+    """While entered, notes whether the block's forward reads one of its free attributes
+    (:attr:`read`: its name): the modules that hold them answer attribute reads through a
+    subclass of their own class that looks at each name (their class is theirs again on
+    exit)."""
+
+    def __init__(self, block: nn.Module, free: frozenset[int]) -> None:
+        self.read: str | None = None
+        self._owners: dict[int, tuple[nn.Module, frozenset[str]]] = {}
+        if free:
+            structure = _structure(block)
+            modules = list(block.modules())
+            position = -1
+            for place, entry in enumerate(structure):
+                if entry[0] == "class":
+                    position += 1
+                elif place in free:
+                    module = modules[position]
+                    names = self._owners.get(id(module), (module, frozenset()))[1]
+                    self._owners[id(module)] = (module, names | {entry[1]})
+
+    def __enter__(self) -> _Reads:
+        for module, names in self._owners.values():
+            module.__class__ = _watching(type(module))
+            module.__dict__[_WATCH] = (self, names)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for module, _ in self._owners.values():
+            del module.__dict__[_WATCH]
+            module.__class__ = type(module).__bases__[0]
+
+
+#: Where a watched module keeps its watch (an entry of its __dict__ while the block runs).
+_WATCH: Final = "_torchmem_reads"
+_WATCHING: dict[type, type] = {}
+
+
+def _watching(cls: type) -> type:
+    """``cls`` with attribute reads looked at (made once per class)."""
+    found = _WATCHING.get(cls)
+    if found is None:
+
+        def __getattribute__(self: Any, name: str) -> Any:
+            if name != "__dict__":
+                watch = object.__getattribute__(self, "__dict__").get(_WATCH)
+                if watch is not None and name in watch[1] and watch[0].read is None:
+                    watch[0].read = name
+            return cls.__getattribute__(self, name)
+
+        found = _WATCHING[cls] = type(cls.__name__, (cls,), {"__getattribute__": __getattribute__, "__slots__": ()})
+        found.__qualname__ = cls.__qualname__
+        found.__module__ = cls.__module__
+    return found
 
 
 def _difference(a: tuple[Any, ...], b: tuple[Any, ...]) -> str:
