@@ -57,7 +57,7 @@ from pytest_torchmem.engine.step import hook_once
 from pytest_torchmem.engine.timeline import ALLOC, ENTER, EXIT, FREE, NAMED, RESIZE, Phase, StorageInfo
 from pytest_torchmem.engine.torch_private import private
 from pytest_torchmem.engine.tracing.replay_events import Layout, layout_of, standin
-from pytest_torchmem.engine.tracing.replay_state import switches
+from pytest_torchmem.engine.tracing.replay_state import hooked_modules, switches
 
 __all__ = ["MIN_BLOCKS", "BlockReplay", "BlockReplayMiss"]
 
@@ -253,8 +253,9 @@ class BlockReplay:
         name, position, size = self._where[id(block)]
         leaves, spec = tree_flatten((args, kwargs))
         with _DisableTorchFunction():
+            structure = _structure(block)
             signature = (
-                type(block), _masked(_structure(block), self._free[id(block)]), _arguments(leaves), str(spec), switches()
+                type(block), _masked(structure, self._free[id(block)]), _arguments(leaves), str(spec), switches()
             )
         group = self._group(name, size, signature)
         serial = tracker.phases_set
@@ -273,7 +274,7 @@ class BlockReplay:
         ):
             group.replayed += 1
             return self._replay(group, block, leaves, grad)
-        return self._record(group, block, position, forward, args, kwargs, leaves, grad)
+        return self._record(group, block, position, forward, args, kwargs, leaves, grad, structure)
 
     def _group(self, name: str, size: int, signature: Any) -> _Group:
         for group in self._groups:
@@ -311,6 +312,7 @@ class BlockReplay:
         kwargs: dict[str, Any],
         leaves: list[Any],
         grad: bool,
+        structure: tuple[Any, ...],
     ) -> Any:
         tracker = self.tracker
         timeline = tracker.timeline
@@ -318,7 +320,7 @@ class BlockReplay:
         s0 = _sequence_nr()
         inputs = [t for t in leaves if isinstance(t, torch.Tensor)]
         observer = _Observer(self, block, inputs) if grad else None
-        watched = _Reads(block, self._free[id(block)])
+        watched = _Reads(block, structure, self._free[id(block)])
         self._busy = True
         try:
             with watched:
@@ -375,7 +377,7 @@ class BlockReplay:
             return None, "a block read tensor values"
         if not tracker.quiet():
             return None, "autograd's bookkeeping was pending after a block"
-        if _hooked(block):
+        if hooked_modules(block):
             return None, "its blocks have hooks"
         positions = self._positions(block)
         ranks: dict[int, int] = {}
@@ -938,13 +940,6 @@ def _moved(info: StorageInfo, module: int) -> StorageInfo:
     return StorageInfo(info.nbytes, info.category, info.phase, module, info.op, info.frames, info.node, info.pool)
 
 
-def _hooked(block: nn.Module) -> bool:
-    return any(
-        m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks
-        for m in block.modules()
-    )
-
-
 def _value(value: Any, depth: int = 0) -> Any:
     kind = type(value)
     if kind in _PLAIN or isinstance(value, _PLAIN):
@@ -1025,11 +1020,12 @@ class _Reads:
     subclass of their own class that looks at each name (their class is theirs again on
     exit)."""
 
-    def __init__(self, block: nn.Module, free: frozenset[int]) -> None:
+    def __init__(self, block: nn.Module, structure: tuple[Any, ...], free: frozenset[int]) -> None:
+        """``structure``: ``block``'s (:func:`_structure`); ``free``: the places in it of the
+        attributes to watch."""
         self.read: str | None = None
         self._owners: dict[int, tuple[nn.Module, frozenset[str]]] = {}
         if free:
-            structure = _structure(block)
             modules = list(block.modules())
             position = -1
             for place, entry in enumerate(structure):

@@ -66,7 +66,7 @@ from pytest_torchmem.engine.tracing.replay_events import (
     replay_events,
     standin,
 )
-from pytest_torchmem.engine.tracing.replay_state import model_state, switches
+from pytest_torchmem.engine.tracing.replay_state import hooked_modules, model_state, switches
 
 __all__ = ["LoopReplay", "replay_enabled"]
 
@@ -279,14 +279,8 @@ def _layout(t: Any, ledger: Any, first: int) -> Layout:
 
 def _hooked(model: nn.Module, leaves: Sequence[torch.Tensor]) -> bool:
     """Whether the model or a leaf carries hooks of the user's."""
-    for module in model.modules():
-        if (
-            module._forward_hooks
-            or module._forward_pre_hooks
-            or module._backward_hooks
-            or module._backward_pre_hooks
-        ):
-            return True
+    if hooked_modules(model):
+        return True
     for t in leaves:
         if getattr(t, "_backward_hooks", None) or getattr(t, "_post_accumulate_grad_hooks", None):
             return True
