@@ -276,6 +276,34 @@ def test_transformers_decoder_layers_replay(name: str, device: str, monkeypatch:
                         r"read, differ\)", line), line
 
 
+_KEPT: list[torch.Tensor] = []
+
+
+class _KeepsAside(_Residual):
+    """Keeps a tensor it made in a list of its own module's (not its attributes)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = super().forward(x)
+        _KEPT.append(h.exp())
+        return h
+
+
+def test_frozen_blocks_that_keep_tensors_are_traced(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Frozen blocks under grad mode make no graph: what they keep is kept, not saved for a
+    backward that would free it."""
+
+    def make() -> tuple[nn.Module, Any]:
+        torch.manual_seed(0)
+        _KEPT.clear()
+        model = nn.Sequential(*(_KeepsAside() for _ in range(8)), nn.Linear(96, 4))
+        model[:8].requires_grad_(False)
+        return model, torch.randn(16, 96)
+
+    replayed, traced = both(monkeypatch, make)
+    same_figures(replayed, traced)
+    assert _blocks_line(replayed, "(model)") == "(model): blocks traced (a block keeps tensors it made beside its output)"
+
+
 class _SideOutputs(nn.Module):
     """The loss reads an early block's output only: the last blocks have no backward, and a
     replayed block's backward runs before any was recorded."""

@@ -341,7 +341,9 @@ class BlockReplay:
                 group.why = group.why or why
             if made is None or group.why is not None:
                 if group.replayed:
-                    raise BlockReplayMiss(f"{group.name}: a block traced after replayed ones differs ({why})")
+                    raise BlockReplayMiss(
+                        f"{group.name}: a block traced after replayed ones differs ({why or group.why})"
+                    )
                 return output
             template, ranks = made
             if group.forward is not None:
@@ -428,7 +430,8 @@ class BlockReplay:
         kept: tuple[int, ...] = ()
         trailing: tuple[Any, ...] = ()
         leading: tuple[Any, ...] = ()
-        if saved and not grad:
+        if saved and not (grad and differentiable):
+            # (only a backward frees what a block saved: without one, it keeps them)
             return None, "a block keeps tensors it made beside its output"
         if grad and differentiable:
             found = _graph(block, out_leaves, inputs, sequence, ledger)
