@@ -393,6 +393,19 @@ def _completed_here(collective: Callable[..., Any]) -> Callable[..., Any]:
     return run
 
 
+def _functional_completed_here(wrap: Callable[[torch.Tensor], Any]) -> Callable[[torch.Tensor], Any]:
+    """``_functional_collectives._maybe_wrap_tensor``, the tensor of a functional
+    collective's op waited for first, and let go of by gloo's thread."""
+    wait_tensor = private("torch.distributed._functional_collectives.wait_tensor")
+
+    def completed(tensor: torch.Tensor) -> Any:
+        wait_tensor(tensor)  # done, unregistered: the wrapper's own wait later does nothing
+        _let_go_by_gloo([tensor], [1])  # the op's output: held by its Python object alone
+        return wrap(tensor)
+
+    return completed
+
+
 @contextlib.contextmanager
 def collectives_completed_here() -> Iterator[None]:
     """Run every collective Python code calls to completion where it is called.
@@ -407,7 +420,9 @@ def collectives_completed_here() -> Iterator[None]:
     ``torch.distributed``'s collectives wait for their work and for gloo's
     thread to let go of their tensors before they return (a completed work
     item, when one was asked for), so the program's own drop is the last and
-    is seen. Collectives issued from C++ are not affected, but for DDP's bucket
+    is seen. A functional collective (DTensor's redistributions, ``loss_parallel``'s
+    all-reduces of each token's maximum and sum) is waited for where its op
+    returns, before it is wrapped. Collectives issued from C++ are not affected, but for DDP's bucket
     rebuild (:func:`_rebuild_freed_here`); its reducer's all-reduces write into
     buckets the reducer holds.
     """
@@ -429,6 +444,8 @@ def collectives_completed_here() -> Iterator[None]:
                 if original is not None:
                     replaced.enter_context(replacing(f"{module.__name__}.{name}", _completed_here(original)))
         replaced.enter_context(replacing(path, rebuild_buckets))
+        wrap = "torch.distributed._functional_collectives._maybe_wrap_tensor"
+        replaced.enter_context(replacing(wrap, _functional_completed_here(private(wrap))))
         yield
 
 

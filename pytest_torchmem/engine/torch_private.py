@@ -336,6 +336,17 @@ PRIVATE: Final = table(
         for home in ("", ".distributed_c10d")
         for name in COLLECTIVES
     ),
+    Private(
+        "torch.distributed._functional_collectives._maybe_wrap_tensor",
+        "where every functional collective (DTensor's, loss_parallel's all-reduces) wraps the "
+        "tensor its op made: measure(parallel=...) waits for it there, and for gloo's thread to "
+        "let go of it (distributed.collectives_completed_here)",
+        replaced=True,
+    ),
+    Private(
+        "torch.distributed._functional_collectives.wait_tensor",
+        "a functional collective's wait, made where measure(parallel=...) runs it to its end",
+    ),
     *(
         Private(
             f"torch.distributed{home}.{name}",
