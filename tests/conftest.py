@@ -142,7 +142,48 @@ EXHAUSTIVE: Final = (
     "tests/test_docs.py::test_an_example_of_the_documentation_runs[docs/howto/generation.md#1]",
     "tests/test_docs.py::test_an_example_of_the_documentation_runs[docs/howto/fit.md#1]",
     "tests/test_docs.py::test_an_example_of_the_documentation_runs[docs/howto/compiled-models.md#1]",
+    # the replays' cpu twins, whose cuda twins stay (and test_replay.py's families replaying on
+    # cpu: test_the_families_replay); a longer loop on cuda (the 2-iteration loop stays)
+    "tests/test_replay.py::test_each_family_replays_to_the_same_bytes[*-cpu]",
+    "tests/test_replay.py::test_each_optimizer_replays_its_step_to_the_same_bytes[*-cpu]",
+    "tests/test_replay.py::test_each_family_replays_a_longer_loop_to_the_same_bytes",
+    "tests/test_block_replay.py::test_repeated_blocks_replay_to_the_same_bytes[*-cpu]",
+    "tests/test_block_replay.py::test_transformers_decoder_layers_replay[*-cpu]",
+    "tests/test_block_replay.py::test_fsdp2_units_replay_on_a_rank_to_the_same_bytes[cpu]",
+    "tests/test_block_replay.py::test_fsdp2_units_kept_gathered_after_forward_replay[forward only]",
+    # an optimizer step that keeps more each step, or changes at its third, measured over
+    # four iterations (test_a_late_change_of_the_optimizer_is_measured_as_it_runs: the change)
+    "tests/test_replay.py::test_an_optimizer_step_that_may_differ_is_traced_and_says_why[kept]",
+    "tests/test_replay.py::test_an_optimizer_step_that_may_differ_is_traced_and_says_why[state]",
+    # three of five schedules of several stages per rank against real gloo ranks (the
+    # interleaved 1F1B and zero-bubble V stay)
+    "tests/test_pipeline.py::test_several_stages_per_rank_equal_real_gloo_ranks[ScheduleLoopedBFS]",
+    "tests/test_pipeline.py::test_several_stages_per_rank_equal_real_gloo_ranks[ScheduleInterleavedZeroBubble]",
+    "tests/test_pipeline.py::test_several_stages_per_rank_equal_real_gloo_ranks[ScheduleDualPipeV]",
+    # ranks forked again after a stall: tens of seconds of forks and time-outs
+    "tests/test_threads.py::test_ranks_that_do_not_get_ready_are_forked_again",
+    # the beam search's twins of greedy decoding's (test_generate.py)
+    "tests/test_generate.py::test_the_cache_grows_with_the_tokens_generated[beam]",
+    "tests/test_generate.py::test_an_end_of_sequence_token_makes_the_estimate_an_upper_bound[beam]",
+    # one of each kind of command line stays (test_cli_fit.py)
+    "tests/test_cli_fit.py::test_the_output_carries_no_notice_of_transformers[command1]",
+    "tests/test_cli_fit.py::test_a_factory_that_raises_or_holds_an_unknown_option_is_one_line_and_exit_2[module-factory-raises]",
+    "tests/test_cli_fit.py::test_a_factory_that_raises_or_holds_an_unknown_option_is_one_line_and_exit_2[file-raises]",
+    # a second size of dynamic shapes on the fake cuda device (4 stays)
+    "tests/test_compiled_cuda.py::test_dynamic_shapes[8]",
 )
+
+
+def _exhaustive(nodeid: str) -> bool:
+    """Whether ``nodeid`` is listed in :data:`EXHAUSTIVE`: by its node id, its test's (any
+    parameter), or a pattern with one ``*`` (``[*-cpu]``: every cpu twin)."""
+    for entry in EXHAUSTIVE:
+        head, star, tail = entry.partition("*")
+        if star and nodeid.startswith(head) and nodeid.endswith(tail):
+            return True
+        if nodeid == entry or nodeid.split("[")[0] == entry:
+            return True
+    return False
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -158,7 +199,7 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    exhaustive = [item for item in items if item.nodeid in EXHAUSTIVE or item.nodeid.split("[")[0] in EXHAUSTIVE]
+    exhaustive = [item for item in items if _exhaustive(item.nodeid)]
     for item in exhaustive:
         item.add_marker(pytest.mark.exhaustive)
     # without --exhaustive they are left out, but for one named on the command line by
