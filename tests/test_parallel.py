@@ -280,6 +280,22 @@ def test_fsdp2_shards_parameters_by_world() -> None:
         assert report.breakdown[tm.Category.PARAMETERS] == shard == expected[world]
 
 
+@pytest.mark.parametrize(("size", "count"), [(10, 4), (5, 4), (8, 64), (64, 64), (3, 1), (100, 7), (1, 3)])
+def test_fsdp2s_chunks_are_made_as_read_and_are_its_own(size: int, count: int) -> None:
+    """The trace makes FSDP2's chunks of a parameter as they are read (parallel._Chunks):
+    each the view ``_chunk_with_empty`` makes, the padding empty, on dims 0 and 1."""
+    from pytest_torchmem.engine.parallel import _Chunks
+    from pytest_torchmem.engine.torch_private import private
+
+    chunk_with_empty = private("torch.distributed.fsdp._fully_shard._fsdp_param._chunk_with_empty")
+    for dim, tensor in ((0, torch.randn(size, 3)), (1, torch.randn(2, size))):
+        made, theirs = _Chunks(tensor, count, dim), chunk_with_empty(tensor, count, dim)
+        assert len(made) == len(theirs) == count
+        views = [(t.shape, t.stride(), t.storage_offset(), t.numel() and t.data_ptr()) for t in theirs]
+        assert [(t.shape, t.stride(), t.storage_offset(), t.numel() and t.data_ptr()) for t in made] == views
+        assert [t.shape for t in made[1:3]] == [t.shape for t in theirs[1:3]] and made[-1].shape == theirs[-1].shape
+
+
 def test_fsdp2_backward_and_step_inside_five_real_runs() -> None:
     # FSDP2's backward and step peaks depend on when gloo's threads let go of a
     # collective's buffers; the estimate's schedule (every collective complete

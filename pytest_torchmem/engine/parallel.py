@@ -21,11 +21,11 @@ import re
 import sys
 import threading
 import types
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, Final, Literal
+from typing import TYPE_CHECKING, Any, Final, Literal, overload
 
 import torch
 from torch import nn
@@ -270,6 +270,7 @@ def fake_world(
         with (
             _fake_tensor_checks_skipped(),
             _storage_resizes_seen(resized),
+            _chunks_made_as_read(),
             _device_handle(device_type, streamed),
             _bucket_rebuild_indices_real(),
         ):
@@ -533,6 +534,59 @@ def _storage_resizes_seen(resized: Callable[[torch.Tensor], None]) -> Iterator[N
         on_this_thread(fsdp + "_fsdp_param.alloc_storage", alloc_storage),
         on_this_thread(fsdp + "_fsdp_param_group.alloc_storage", alloc_storage),
     ):
+        yield
+
+
+class _Chunks(Sequence[torch.Tensor]):
+    """``torch.chunk(tensor, count, dim)`` padded with empty tensors to ``count`` (FSDP2's
+    ``_chunk_with_empty``), each chunk made when it is read: the same views, of ``narrow``.
+
+    FSDP2 cuts each parameter into one chunk per rank to keep its own rank's and read
+    the first's size: made all at once, a 70B model's parameters over 64 ranks are
+    ninety thousand fake views, 40% of its estimate."""
+
+    def __init__(self, tensor: torch.Tensor, count: int, dim: int) -> None:
+        self._tensor, self._count, self._dim = tensor, count, dim
+        self._size = tensor.size(dim)
+        self._step = -(-self._size // count)  # torch.chunk's: the last chunk takes what is left
+        self._made = -(-self._size // self._step)
+
+    def __len__(self) -> int:
+        return self._count
+
+    @overload
+    def __getitem__(self, index: int) -> torch.Tensor: ...
+    @overload
+    def __getitem__(self, index: slice) -> list[torch.Tensor]: ...
+
+    def __getitem__(self, index: int | slice) -> torch.Tensor | list[torch.Tensor]:
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(self._count))]
+        if index < 0:
+            index += self._count
+        if not 0 <= index < self._count:
+            raise IndexError(index)
+        if index >= self._made:
+            return self[0].new_empty(0)
+        start = index * self._step
+        return self._tensor.narrow(self._dim, start, min(self._step, self._size - start))
+
+
+@contextmanager
+def _chunks_made_as_read() -> Iterator[None]:
+    """FSDP2's parameters cut into their ranks' chunks one chunk at a time, as read
+    (:class:`_Chunks`)."""
+    from pytest_torchmem.engine.torch_replacing import on_this_thread
+
+    path = "torch.distributed.fsdp._fully_shard._fsdp_param._chunk_with_empty"
+    chunk_with_empty = private(path)
+
+    def chunks(tensor: torch.Tensor, num_chunks: int, dim: int) -> Sequence[torch.Tensor]:
+        if tensor.size(dim) == 0 or num_chunks <= 0:
+            return chunk_with_empty(tensor, num_chunks, dim)  # type: ignore[no-any-return]
+        return _Chunks(tensor, num_chunks, dim)
+
+    with on_this_thread(path, chunks):
         yield
 
 

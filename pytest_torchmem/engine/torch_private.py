@@ -311,6 +311,13 @@ PRIVATE: Final = table(
         thread_scoped=True,
     ),
     Private(
+        "torch.distributed.fsdp._fully_shard._fsdp_param._chunk_with_empty",
+        "FSDP2 cuts each parameter into one view per rank to keep its own: made as read for "
+        "the trace (parallel._Chunks), the same views without the other ranks' tens of thousands",
+        replaced=True,
+        thread_scoped=True,
+    ),
+    Private(
         "torch.distributed.fsdp._fully_shard._fsdp_param_group.alloc_storage",
         "the same function as _fsdp_param.alloc_storage, imported by name into the group's module",
         replaced=True,
