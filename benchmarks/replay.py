@@ -9,6 +9,10 @@ contender alike), on the fake ``--device`` (default cuda), CPU time medians:
 * ``7B loop``: ``estimate`` of a Llama-2-7B-shaped step (``benchmarks/llama.py``,
   bf16, built on meta, 1 x 4096 tokens, AdamW): the loop's two iterations, the
   second replayed (``replayed``) and traced again (``traced``, ``TORCHMEM_REPLAY=0``);
+* ``70B FSDP2/64``: one rank of the Llama-2-70B shape over 64 fake ranks, each decoder
+  layer an FSDP2 unit (``benchmarks/scale.py``'s ``70b-fsdp64``: fp32 shards, bf16
+  compute, 1 x 4096 tokens, AdamW), its blocks replayed and traced (``--no-70b``
+  leaves it out: about 20 s a round);
 * on a 24-layer transformer (width 1024, 1 x 1024 tokens, float32, meta):
   ``loop``, the estimate with AdamW (two iterations); ``leaks x4`` and ``leaks x16``,
   ``tm.leaks`` of the same step for 4 and 16 iterations (an extra iteration's cost is
@@ -84,6 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--check", action="store_true")
+    parser.add_argument("--no-70b", dest="big70", action="store_false")
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore")
     device = args.device
@@ -96,6 +101,20 @@ def main(argv: list[str] | None = None) -> int:
     def estimate_big(on: bool) -> tm.MemoryReport:
         _replay(on)
         return tm.estimate(big, (big_tokens, big_tokens), device=device, optimizer=_adamw)
+
+    huge_tokens = torch.randint(0, CONFIGS["70b"].vocab, (1, 4096))
+
+    def huge() -> Any:
+        """The 70B model, built for each call (not timed) and dropped after it: alive, its
+        objects would slow the other contenders' leak checks, which walk what is alive."""
+        return build(CONFIGS["70b"], dtype=torch.float32)
+
+    def estimate_huge(model: Any, on: bool) -> tm.MemoryReport:
+        from scale import fsdp2_mixed_precision
+
+        _replay(on)
+        fsdp64 = tm.Parallel(mesh={"dp": 64}, apply=fsdp2_mixed_precision)
+        return tm.estimate(model, (huge_tokens, huge_tokens), device=device, optimizer=_adamw, parallel=fsdp64)
 
     def leaks(iterations: int) -> Any:
         _replay(True)
@@ -118,6 +137,11 @@ def main(argv: list[str] | None = None) -> int:
         Contender("one iteration", lambda: None, once),
         Contender("plain fake", lambda: fake_model(MID), lambda made: plain_fake(made, mid_tokens)),
     ]
+    if args.big70:
+        contenders[2:2] = [
+            Contender("70B FSDP2/64, replayed", huge, lambda model: estimate_huge(model, True)),
+            Contender("70B FSDP2/64, traced", huge, lambda model: estimate_huge(model, False)),
+        ]
     for round_ in range(args.repeats + 1):  # the first round warms up
         for contender in contenders:
             contender.run(record=round_ > 0)
@@ -127,6 +151,8 @@ def main(argv: list[str] | None = None) -> int:
 
     replayed, traced = result["7B loop, replayed"], result["7B loop, traced"]
     same = replayed == traced  # (every figure: a report's equality leaves out what it replayed)
+    if args.big70:
+        same = same and result["70B FSDP2/64, replayed"] == result["70B FSDP2/64, traced"]
     per_extra = (cpu["leaks x16"] - cpu["leaks x4"]) / 12
     # the loop's first iteration: the 2-iteration loop but its second (an extra one)
     first = cpu["loop"] - per_extra
@@ -134,6 +160,15 @@ def main(argv: list[str] | None = None) -> int:
     rows = [
         ("7B loop, replayed (s)", cpu["7B loop, replayed"], "<= 1.5", cpu["7B loop, replayed"] <= 1.5),
         ("7B replayed / traced", cpu["7B loop, replayed"] / cpu["7B loop, traced"], "(< 1)", None),
+        *(
+            [
+                ("70B FSDP2/64, replayed (s)", cpu["70B FSDP2/64, replayed"], "<= 8",
+                 cpu["70B FSDP2/64, replayed"] <= 8),
+                ("70B replayed / traced", cpu["70B FSDP2/64, replayed"] / cpu["70B FSDP2/64, traced"], "(< 1)", None),
+            ]
+            if args.big70
+            else []
+        ),
         ("leaks x4 / loop", cpu["leaks x4"] / cpu["loop"], "<= 1.3", cpu["leaks x4"] / cpu["loop"] <= 1.3),
         ("extra iteration / the loop's first", per_extra / first, "<= 0.10", per_extra / first <= 0.10),
         ("extra iteration / one forward and backward", per_extra / cpu["one iteration"], "", None),
@@ -150,7 +185,10 @@ def main(argv: list[str] | None = None) -> int:
                     for name, value, target, ok in rows], headers=["target", "measured", "target", "verdict"]))
     print()
     print("7B replayed:", "; ".join(replayed.replayed) or "nothing")
-    print("7B figures, replayed and traced:", "equal" if same else "DIFFERENT")
+    if args.big70:
+        print("70B FSDP2/64 replayed:", "; ".join(result["70B FSDP2/64, replayed"].replayed) or "nothing")
+    print("figures, replayed and traced (7B" + (", 70B FSDP2/64):" if args.big70 else "):"),
+          "equal" if same else "DIFFERENT")
     print("24-layer loop:", "; ".join(result["loop"].replayed) or "nothing")
     print("24-layer one iteration:", "; ".join(result["one iteration"].replayed) or "nothing")
     missed = [name for name, _, _, ok in rows if ok is False]

@@ -381,3 +381,86 @@ def test_blocks_under_autocast_replay_or_are_traced_again(name: str, said: str, 
 def test_blocks_are_not_replayed_with_replay_off(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(ENV, "0")
     assert tm.estimate(*_sequential()(), optimizer=_adamw).replayed == ()
+
+
+# -- a rank of parallel=: FSDP2's units replay, anything else is traced ------------------------
+
+
+def _fully_shard(reshard_after_forward: bool = True, bf16: bool = False) -> Any:
+    def apply(model: nn.Module, mesh: object) -> nn.Module:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        options: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
+        if bf16:
+            options["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        blocks = model.layers if hasattr(model, "layers") else [m for m in model if isinstance(m, _Residual)]
+        for block in blocks:
+            fully_shard(block, **options)
+        return fully_shard(model, **options)
+
+    return apply
+
+
+def _ddp(model: nn.Module, mesh: Any) -> nn.Module:
+    from torch.nn.parallel import DistributedDataParallel
+
+    return DistributedDataParallel(model, process_group=mesh.get_group())
+
+
+needs_gloo = pytest.mark.skipif(
+    not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
+    reason="needs torch.distributed with gloo",
+)
+
+
+@needs_gloo
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_fsdp2_units_replay_on_a_rank_to_the_same_bytes(device: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each decoder layer an FSDP2 unit (bf16 compute over fp32 shards), rank 1 of 4, an
+    AdamW loop: the all-gathers before each layer's forward and backward and the
+    reduce-scatters after its backward are FSDP2's hooks, outside the layer's forward,
+    traced for every layer; what runs inside replays."""
+    parallel = tm.Parallel(mesh={"dp": 4}, apply=_fully_shard(bf16=True), rank=1)
+    replayed, traced = both(monkeypatch, _llama(), device=device, parallel=parallel, optimizer=_adamw)
+    same_figures(replayed, traced)
+    assert traced.replayed == ()
+    # (8 layers in each of two iterations: 2 or 3 make the template, 3 traced at the end)
+    assert _replayed_calls(replayed, "layers") >= 4
+
+
+@needs_gloo
+@pytest.mark.parametrize("options", [{}, dict(train=False)], ids=["once", "forward only"])
+def test_fsdp2_units_kept_gathered_after_forward_replay(options: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    # (reshard_after_forward=False: a unit's parameters stay gathered from its forward to
+    # its backward, and its backward gathers nothing)
+    parallel = tm.Parallel(mesh={"dp": 2}, apply=_fully_shard(reshard_after_forward=False))
+    replayed, traced = both(monkeypatch, _sequential(), parallel=parallel, **options)
+    same_figures(replayed, traced)
+    assert _replayed_calls(replayed, "(model)") == 3  # (8 blocks: 2 make the template, 3 traced at the end)
+
+
+def _tensor_parallel(model: nn.Module, mesh: Any) -> nn.Module:
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    plan: dict[str, Any] = {}
+    for name, block in model.named_children():
+        if isinstance(block, _Residual):
+            plan[f"{name}.up"], plan[f"{name}.down"] = ColwiseParallel(), RowwiseParallel()
+    return parallelize_module(model, mesh, plan)
+
+
+@needs_gloo
+@pytest.mark.parametrize(
+    "apply",
+    [_ddp, _tensor_parallel],
+    ids=["ddp", "tensor parallel"],
+)
+def test_blocks_under_ddp_or_tensor_parallel_are_traced_and_say_why(
+    apply: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # (DDP's reducer hooks every parameter's gradient in C++, which a replayed backward would
+    # skip; tensor parallel's hooks redistribute the blocks' inputs and outputs as DTensors)
+    parallel = tm.Parallel(mesh={"dp": 2}, apply=apply)
+    replayed, traced = both(monkeypatch, _sequential(), parallel=parallel, optimizer=_adamw)
+    same_figures(replayed, traced)
+    assert replayed.replayed == ("blocks traced (under parallel=, only FSDP2's fully_shard units replay)",)

@@ -39,11 +39,21 @@ runs again without it (the report says why); what it can tell before replaying (
 that reads tensor values, keeps a tensor, has hooks, changes its attributes, differs
 from the template) leaves its group traced. ``TORCHMEM_REPLAY=0`` turns it off with the
 loop's replay.
+
+On a rank of ``parallel=``, the blocks are found once ``apply`` ran, and only FSDP2's
+units replay: a block ``fully_shard`` made a unit of its own, whose own hooks are all its
+FSDP2 state's. Those hooks (the all-gather before the unit's forward and backward, the
+reduce-scatter after its backward, the casts of mixed precision) run around the block's
+forward, not in it, and are traced for every block; the unit's parameters, gathered,
+are what its forward and backward see, and its replayed backward leaves their gradients
+for FSDP2's reduce-scatter as a traced one does. DDP (its reducer hooks each parameter's
+gradient in C++) and tensor parallel (hooks and DTensors) are traced.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import sys
 import weakref
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -153,10 +163,13 @@ class BlockReplay:
     removed on exit).
     """
 
-    def __init__(self, tracker: Any, model: nn.Module, lines: list[str]) -> None:
+    def __init__(self, tracker: Any, model: nn.Module, lines: list[str], *, parallel: bool = False) -> None:
         self.tracker = tracker
         self.model = model
         self.lines = lines
+        #: Under ``parallel=``: the blocks are found once ``apply`` ran (:meth:`attach`), and
+        #: only FSDP2's units replay.
+        self.parallel = parallel
         self._index = {id(m): i for i, m in enumerate(model.modules())}
         self._names = {id(m): name or ROOT_NAME for name, m in model.named_modules()}
         self._where: dict[int, tuple[str, int, int]] = {}  # id(block) -> (list, position, size)
@@ -175,33 +188,44 @@ class BlockReplay:
     # -- entering: the blocks' forwards -------------------------------------------------
 
     def __enter__(self) -> BlockReplay:
-        owners = Counter(id(p) for m in self.model.modules() for p in m._parameters.values() if p is not None)
-        for container in self.model.modules():
-            if not isinstance(container, (nn.ModuleList, nn.Sequential)):
-                continue
-            by_class: dict[type, list[nn.Module]] = {}
-            for child in container._modules.values():
-                if child is not None:
-                    by_class.setdefault(type(child), []).append(child)
-            for same_class in by_class.values():
-                if len(same_class) < MIN_BLOCKS or len({id(b) for b in same_class}) != len(same_class):
-                    continue
-                name = self._names.get(id(container), "")
-                # the blocks alike in structure, in order (a backbone's stages widen: each
-                # stage's blocks are a list of their own, whose last ones are traced)
-                by_structure: dict[Any, list[nn.Module]] = {}
-                with _DisableTorchFunction():
-                    structures = [_structure(block) for block in same_class]
-                    free = _free(structures)
-                    for block, structure in zip(same_class, structures):
-                        by_structure.setdefault(_masked(structure, free), []).append(block)
-                for blocks in by_structure.values():
-                    if len(blocks) >= MIN_BLOCKS:
-                        self._patch(name, blocks, owners, free)
-                if all(len(blocks) < MIN_BLOCKS for blocks in by_structure.values()):
-                    a, b = list(by_structure)[:2]
-                    self._unlike[name] = f"its blocks differ: {_difference((None, a), (None, b))}"
+        if not self.parallel:
+            self._find()
         return self
+
+    def attach(self, model: nn.Module) -> None:
+        """Under ``parallel=``: find the blocks of ``model``, what ``apply`` returned.
+
+        A rank's blocks replay where ``apply`` sharded them in place with FSDP2's
+        ``fully_shard``, each block a unit: its hooks (the all-gather before its forward
+        and backward, the reduce-scatter after its backward) run outside the block's own
+        forward, and are traced for every block; what runs inside is the same on every
+        block. Anything else (DDP's reducer, whose hooks on the parameters' gradients a
+        replayed backward would skip; tensor parallel's DTensors) is traced."""
+        same, self.model = model is self.model, model  # (a copy apply replaced is not held)
+        if not same or any(_foreign_hooks(m) for m in model.modules()):
+            if _lists(model):
+                self.lines.append("blocks traced (under parallel=, only FSDP2's fully_shard units replay)")
+            return
+        self._find()
+
+    def _find(self) -> None:
+        owners = Counter(id(p) for m in self.model.modules() for p in m._parameters.values() if p is not None)
+        for container, same_class in _lists(self.model):
+            name = self._names.get(id(container), "")
+            # the blocks alike in structure, in order (a backbone's stages widen: each
+            # stage's blocks are a list of their own, whose last ones are traced)
+            by_structure: dict[Any, list[nn.Module]] = {}
+            with _DisableTorchFunction():
+                structures = [_structure(block) for block in same_class]
+                free = _free(structures)
+                for block, structure in zip(same_class, structures):
+                    by_structure.setdefault(_masked(structure, free), []).append(block)
+            for blocks in by_structure.values():
+                if len(blocks) >= MIN_BLOCKS:
+                    self._patch(name, blocks, owners, free)
+            if all(len(blocks) < MIN_BLOCKS for blocks in by_structure.values()):
+                a, b = list(by_structure)[:2]
+                self._unlike[name] = f"its blocks differ: {_difference((None, a), (None, b))}"
 
     def _patch(self, name: str, blocks: list[nn.Module], owners: Counter[int], free: frozenset[int]) -> None:
         """Set the forwards of ``blocks``, alike in class and structure but for the plain
@@ -211,6 +235,8 @@ class BlockReplay:
                 continue
             if isinstance(block, torch.jit.ScriptModule):
                 continue
+            if self.parallel and _fsdp_state(block) is None:
+                continue  # (not a unit of its own: its parameters are gathered around another's forward)
             if any(owners[id(p)] > 1 for p in block.parameters()):
                 continue  # (a parameter two blocks share sums its gradient over both)
             self._where[id(block)] = (name, position, len(blocks))
@@ -379,7 +405,7 @@ class BlockReplay:
             return None, "a block read tensor values"
         if not tracker.quiet():
             return None, "autograd's bookkeeping was pending after a block"
-        if hooked_modules(block):
+        if _hooked(block):
             return None, "its blocks have hooks"
         positions = self._positions(block)
         ranks: dict[int, int] = {}
@@ -943,6 +969,80 @@ def _moved(info: StorageInfo, module: int) -> StorageInfo:
     return StorageInfo(info.nbytes, info.category, info.phase, module, info.op, info.frames, info.node, info.pool)
 
 
+def _lists(model: nn.Module) -> list[tuple[nn.Module, list[nn.Module]]]:
+    """The ``nn.ModuleList`` and ``nn.Sequential`` of ``model`` with at least
+    :data:`MIN_BLOCKS` distinct elements of one class, each with those elements."""
+    found = []
+    for container in model.modules():
+        if not isinstance(container, (nn.ModuleList, nn.Sequential)):
+            continue
+        by_class: dict[type, list[nn.Module]] = {}
+        for child in container._modules.values():
+            if child is not None:
+                by_class.setdefault(type(child), []).append(child)
+        found.extend(
+            (container, same_class)
+            for same_class in by_class.values()
+            if len(same_class) >= MIN_BLOCKS and len({id(b) for b in same_class}) == len(same_class)
+        )
+    return found
+
+
+#: A module's hook dicts (``nn.Module.__init__``'s), which run outside its ``forward``.
+_HOOK_DICTS: Final = frozenset({
+    "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks", "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called", "_backward_pre_hooks", "_backward_hooks", "_is_full_backward_hook",
+})
+#: A module's state-dict hooks, which a step never runs (FSDP2 puts its own on the
+#: modules holding parameters).
+_STATE_DICT_HOOKS: Final = frozenset({
+    "_state_dict_hooks", "_state_dict_pre_hooks", "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks",
+})
+#: How torch's composable APIs (``fully_shard``) name the state and registry they put in a
+#: module's ``__dict__`` (``torch.distributed._composable.contract``: a uuid follows).
+_COMPOSABLE_STATE: Final = "__composable_api_state_key_"
+
+
+def _own_hooks(module: nn.Module) -> list[Any]:
+    return [
+        *module._forward_pre_hooks.values(), *module._forward_hooks.values(),
+        *module._backward_pre_hooks.values(), *module._backward_hooks.values(),
+    ]
+
+
+def _fsdp_state(block: nn.Module) -> Any:
+    """The FSDP2 state of ``block`` where ``fully_shard`` made it a unit and every hook of
+    its own is that state's (its forward's pre-hook and hook); else None."""
+    if "torch.distributed.fsdp" not in sys.modules:
+        return None
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    if not isinstance(block, FSDPModule):
+        return None
+    state = fully_shard.state(block)
+    hooks = _own_hooks(block)
+    if state is None or not hooks or any(getattr(hook, "__self__", None) is not state for hook in hooks):
+        return None
+    return state
+
+
+def _foreign_hooks(module: nn.Module) -> bool:
+    """Under ``parallel=``: whether ``module`` is DDP, or carries hooks FSDP2 did not put
+    there (``replicate``'s, a user's)."""
+    if _fsdp_state(module) is not None:
+        return False
+    from torch.nn.parallel import DistributedDataParallel
+
+    return isinstance(module, DistributedDataParallel) or bool(_own_hooks(module))
+
+
+def _hooked(block: nn.Module) -> bool:
+    """Whether one of ``block``'s modules carries hooks, but an FSDP2 unit's own."""
+    if _fsdp_state(block) is None:
+        return hooked_modules(block)
+    return any(hooked_modules(m) for m in block.children())
+
+
 def _value(value: Any, depth: int = 0) -> Any:
     kind = type(value)
     if kind in _PLAIN or isinstance(value, _PLAIN):
@@ -963,11 +1063,16 @@ def _structure(block: nn.Module) -> tuple[Any, ...]:
     """``block``'s modules' classes and attributes, as a value equal between blocks that
     dispatch the same ops: parameters and buffers by layout, the rest by value."""
     out: list[Any] = []
+    unit = _fsdp_state(block) is not None
     for module in block.modules():
         out.append(("class", type(module)))
         for name, value in module.__dict__.items():
             if name == "forward" and module is block:
                 continue
+            if name in _STATE_DICT_HOOKS:
+                continue
+            if unit and module is block and (name in _HOOK_DICTS or name.startswith(_COMPOSABLE_STATE)):
+                continue  # (FSDP2's own, alike on every unit but for the ids: :func:`_fsdp_state`)
             if name in ("_parameters", "_buffers"):
                 out.append((name, tuple(
                     (key, None if t is None else (t.dtype, tuple(t.shape), tuple(t.stride()), t.requires_grad,

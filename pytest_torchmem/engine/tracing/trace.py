@@ -480,9 +480,10 @@ def _trace(
     block_lines: list[str] = [] if blocks_missed is None else [f"blocks traced ({blocks_missed})"]
     replays = parallel is None and not follow and replay_enabled()
     blocks = (
-        BlockReplay(tracker, step_model, block_lines)
-        if replays and blocks_missed is None and not warm and isinstance(modules, ModuleTracker)
-        and not isinstance(model, (StepFunction, Pipelined))
+        BlockReplay(tracker, step_model, block_lines, parallel=parallel is not None)
+        if not follow and replay_enabled() and blocks_missed is None and not warm
+        and isinstance(modules, ModuleTracker) and not isinstance(model, (StepFunction, Pipelined))
+        and (parallel is None or not parallel.pipelined)
         else None
     )
 
@@ -537,6 +538,8 @@ def _trace(
                 if parallel is not None:
                     mesh = layers[FAKE_WORLD.name]
                     step_model, parameters = _apply(tracker, parallel, step_model, mesh, standins)
+                    if blocks is not None:
+                        blocks.attach(step_model)  # (FSDP2's units: sharded in place)
                     scene.step_model = step_model  # (the copy apply replaced is not held)
                     baseline = _set_up(tracker)
                     train_context = entered_per_iteration(
