@@ -405,7 +405,7 @@ class BlockReplay:
             return None, "a block read tensor values"
         if not tracker.quiet():
             return None, "autograd's bookkeeping was pending after a block"
-        if _hooked(block):
+        if _hooked(block, self.parallel):
             return None, "its blocks have hooks"
         positions = self._positions(block)
         ranks: dict[int, int] = {}
@@ -1036,9 +1036,10 @@ def _foreign_hooks(module: nn.Module) -> bool:
     return isinstance(module, DistributedDataParallel) or bool(_own_hooks(module))
 
 
-def _hooked(block: nn.Module) -> bool:
-    """Whether one of ``block``'s modules carries hooks, but an FSDP2 unit's own."""
-    if _fsdp_state(block) is None:
+def _hooked(block: nn.Module, parallel: bool) -> bool:
+    """Whether one of ``block``'s modules carries hooks, but (under ``parallel=``) an FSDP2
+    unit's own."""
+    if not parallel or _fsdp_state(block) is None:
         return hooked_modules(block)
     return any(hooked_modules(m) for m in block.children())
 
@@ -1063,7 +1064,7 @@ def _structure(block: nn.Module) -> tuple[Any, ...]:
     """``block``'s modules' classes and attributes, as a value equal between blocks that
     dispatch the same ops: parameters and buffers by layout, the rest by value."""
     out: list[Any] = []
-    unit = _fsdp_state(block) is not None
+    unit = _fsdp_state(block) is not None  # (only under parallel=: a step without one has no units)
     for module in block.modules():
         out.append(("class", type(module)))
         for name, value in module.__dict__.items():
