@@ -451,16 +451,16 @@ def _tensor_parallel(model: nn.Module, mesh: Any) -> nn.Module:
 
 @needs_gloo
 @pytest.mark.parametrize(
-    "apply",
-    [_ddp, _tensor_parallel],
+    ("mesh", "apply"),
+    [({"dp": 2}, _ddp), ({"tp": 2}, _tensor_parallel)],
     ids=["ddp", "tensor parallel"],
 )
 def test_blocks_under_ddp_or_tensor_parallel_are_traced_and_say_why(
-    apply: Any, monkeypatch: pytest.MonkeyPatch
+    mesh: dict[str, int], apply: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # (DDP's reducer hooks every parameter's gradient in C++, which a replayed backward would
     # skip; tensor parallel's hooks redistribute the blocks' inputs and outputs as DTensors)
-    parallel = tm.Parallel(mesh={"dp": 2}, apply=apply)
+    parallel = tm.Parallel(mesh=mesh, apply=apply)
     replayed, traced = both(monkeypatch, _sequential(), parallel=parallel, optimizer=_adamw)
     same_figures(replayed, traced)
     assert replayed.replayed == ("blocks traced (under parallel=, only FSDP2's fully_shard units replay)",)
