@@ -227,7 +227,7 @@ def test_ranks_run_gloo_work_on_one_thread_each() -> None:
     assert run_ranks(parallel, _gloo_workers) == ["1,1,1"] * 4
 
 
-def _fsdp(reshard_after_forward: bool = True, bf16: bool = False):
+def _fsdp(reshard_after_forward: bool | int = True, bf16: bool = False):
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     def apply(model: nn.Module, mesh: object) -> nn.Module:
@@ -243,10 +243,10 @@ def _fsdp(reshard_after_forward: bool = True, bf16: bool = False):
 
 @pytest.mark.parametrize(
     ("world", "reshard", "bf16"),
-    [(2, True, False), (2, False, True), (4, True, True), (4, False, False)],
-    ids=["w2-reshard", "w2-keep-bf16", "w4-reshard-bf16", "w4-keep"],
+    [(2, True, False), (2, False, True), (4, True, True), (4, False, False), (4, 2, False)],
+    ids=["w2-reshard", "w2-keep-bf16", "w4-reshard-bf16", "w4-keep", "w4-reshard-to-2"],
 )
-def test_fsdp2_forward_equals_gloo_ranks(world: int, reshard: bool, bf16: bool) -> None:
+def test_fsdp2_forward_equals_gloo_ranks(world: int, reshard: bool | int, bf16: bool) -> None:
     # FSDP2's first forward repeats exactly run to run: its all-gathers complete
     # before the block that needs them runs. The loop's forward does too, but where
     # a gloo thread held a buffer of the first step's backward late (then it is

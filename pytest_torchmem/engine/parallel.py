@@ -462,6 +462,15 @@ def _fake_tensor_checks_skipped() -> Iterator[None]:
         with disabled():
             return mesh_tensor(self)
 
+    post_forward = "torch.distributed.fsdp._fully_shard._fully_shard._get_post_forward_mesh_info"
+    post_forward_mesh_info = private(post_forward)
+
+    def post_forward_mesh(*args: Any, **kwargs: Any) -> Any:
+        # (reshard_after_forward=k: FSDP2 reshapes its mesh's rank tensor into k-rank groups
+        # for a mesh of its own, bookkeeping made of real tensors)
+        with disabled():
+            return post_forward_mesh_info(*args, **kwargs)
+
     with (
         replacing(verify, lambda *args, **kwargs: None),
         replacing(propagate, unseen),
@@ -470,6 +479,7 @@ def _fake_tensor_checks_skipped() -> Iterator[None]:
         replacing("torch.distributed.device_mesh.DeviceMesh.__getitem__", sub_mesh),
         replacing("torch.distributed.device_mesh.DeviceMesh.mesh", property(mesh_of)),
         replacing("torch.distributed.device_mesh.DeviceMesh.__init__", new_mesh),
+        replacing(post_forward, post_forward_mesh),
     ):
         yield
 

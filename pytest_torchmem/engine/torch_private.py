@@ -311,6 +311,13 @@ PRIVATE: Final = table(
         thread_scoped=True,
     ),
     Private(
+        "torch.distributed.fsdp._fully_shard._fully_shard._get_post_forward_mesh_info",
+        "FSDP2 with reshard_after_forward=k makes a mesh of k-rank groups from its mesh's rank "
+        "tensor (fully_shard, set_reshard_after_forward): run with the fake mode off, as every "
+        "mesh the trace makes (parallel._fake_tensor_checks_skipped)",
+        replaced=True,
+    ),
+    Private(
         "torch.distributed.fsdp._fully_shard._fsdp_param._chunk_with_empty",
         "FSDP2 cuts each parameter into one view per rank to keep its own: made as read for "
         "the trace (parallel._Chunks), the same views without the other ranks' tens of thousands",
