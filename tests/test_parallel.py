@@ -280,6 +280,41 @@ def test_fsdp2_shards_parameters_by_world() -> None:
         assert report.breakdown[tm.Category.PARAMETERS] == shard == expected[world]
 
 
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_hybrid_sharding_shards_within_a_replica_group(device: str) -> None:
+    """HSDP (``fully_shard`` over a 2-D mesh, replicate x shard): a rank holds its shard
+    group's share of each parameter, whatever the replicas; its gradients are also
+    all-reduced over the replicas (on the fake cuda device FSDP2 requires that
+    all-reduce's stream event, which its streams give)."""
+    model, x = _blocks(4), torch.randn(8, 64)
+    shapes = ((128, 64), (128, 1), (64, 128), (64, 1))
+    # (on cuda each shard is a block of the caching allocator: rounded up to 512 B)
+    rounded = (lambda n: -(-n // 512) * 512) if device == "cuda" else (lambda n: n)
+    for replicas, shards in ((2, 4), (4, 2)):
+        parallel = tm.Parallel({"replicate": replicas, "shard": shards}, _fsdp(), rank=replicas * shards - 1)
+        report = tm.estimate(model, x, optimizer=_adamw, device=device, parallel=parallel)
+        held = 4 * sum(rounded(-(-rows // shards) * cols * 4) for rows, cols in shapes)
+        assert report.breakdown[tm.Category.PARAMETERS] == held
+
+
+def test_hybrid_sharding_forward_equals_gloo_ranks() -> None:
+    # (as test_fsdp2_forward_equals_gloo_ranks: the first step's forward equal, the loop's
+    # equal to one of up to three real runs)
+    model, x = _blocks(4), torch.randn(8, 64)
+    parallel = tm.Parallel(mesh={"replicate": 2, "shard": 2}, apply=_fsdp(), rank=3)
+    estimated = tm.estimate(model, x, optimizer=_adamw, parallel=parallel)
+    assert estimated.first_step is not None
+    loop = []
+    for _ in range(3):
+        measured = tm.measure(model, x, optimizer=_adamw, parallel=parallel)
+        assert measured.first_step is not None
+        assert estimated.first_step.forward == measured.first_step.forward
+        loop.append(measured.forward_peak)
+        if estimated.forward_peak == measured.forward_peak:
+            break
+    assert estimated.forward_peak in loop, (estimated.forward_peak, loop)
+
+
 @pytest.mark.parametrize(("size", "count"), [(10, 4), (5, 4), (8, 64), (64, 64), (3, 1), (100, 7), (1, 3)])
 def test_fsdp2s_chunks_are_made_as_read_and_are_its_own(size: int, count: int) -> None:
     """The trace makes FSDP2's chunks of a parameter as they are read (parallel._Chunks):

@@ -303,6 +303,14 @@ class _MetaStream(torch.cpu.Stream):
         #: while this stream is current is charged to this pool (0: the default stream).
         self.pool = pool
 
+    def record_event(self, event: Any = None) -> Any:
+        """An event recorded on the stream, always complete, returned as a CUDA stream's
+        ``record_event`` returns one (the CPU's returns None): FSDP2's hybrid sharding
+        (HSDP) keeps its all-reduce's event, and refuses a device not ``cpu`` without one."""
+        event = torch.cpu.Event() if event is None else event
+        event.record(self)
+        return event
+
 
 class _MetaDeviceHandle(types.ModuleType):
     """``torch.meta`` for the block: the device module FSDP2 asks the mesh's device type for.
