@@ -17,6 +17,7 @@ from collections.abc import Callable
 import pytest
 import torch
 from exactness import skip_where_native
+from fingerprint import fingerprint
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -295,6 +296,22 @@ def test_hybrid_sharding_shards_within_a_replica_group(device: str) -> None:
         report = tm.estimate(model, x, optimizer=_adamw, device=device, parallel=parallel)
         held = 4 * sum(rounded(-(-rows // shards) * cols * 4) for rows, cols in shapes)
         assert report.breakdown[tm.Category.PARAMETERS] == held
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_fsdp2_cpu_offload_is_refused_in_one_line(device: str) -> None:
+    def offloaded(model: nn.Module, mesh: object) -> nn.Module:
+        from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
+        for block in model:
+            fully_shard(block, mesh=mesh, offload_policy=CPUOffloadPolicy())
+        return fully_shard(model, mesh=mesh, offload_policy=CPUOffloadPolicy())
+
+    model, x = _blocks(2), torch.randn(8, 64)
+    before = fingerprint(model, x)
+    with pytest.raises(NotImplementedError, match=r"does not follow FSDP2's CPU offload .* without the offload policy"):
+        tm.estimate(model, x, optimizer=_adamw, device=device, parallel=tm.Parallel({"dp": 2}, offloaded))
+    assert fingerprint(model, x) == before
 
 
 def test_hybrid_sharding_forward_equals_gloo_ranks() -> None:

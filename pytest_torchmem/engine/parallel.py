@@ -17,6 +17,7 @@ ranks (no processes); ``measure`` over real gloo processes.
 from __future__ import annotations
 
 import copy
+import inspect
 import re
 import sys
 import threading
@@ -470,6 +471,24 @@ def _fake_tensor_checks_skipped() -> Iterator[None]:
         with disabled():
             return mesh_tensor(self)
 
+    offload = "torch.distributed.fsdp._fully_shard._fsdp_param.FSDPParam.__init__"
+    fsdp_param_init = private(offload)
+    fsdp_param_signature = inspect.signature(fsdp_param_init)
+
+    def no_offload(self: Any, *args: Any, **kwargs: Any) -> None:
+        from torch.distributed.fsdp import CPUOffloadPolicy
+
+        bound = fsdp_param_signature.bind_partial(self, *args, **kwargs).arguments
+        if isinstance(bound.get("offload_policy"), CPUOffloadPolicy):
+            raise NotImplementedError(
+                "estimate(parallel=...) does not follow FSDP2's CPU offload "
+                "(fully_shard(offload_policy=CPUOffloadPolicy())) yet: its shards, gradients and "
+                "optimizer state live in pinned host memory, which the trace does not count apart "
+                "from the device's; estimate without the offload policy for what the device "
+                "would hold without it"
+            )
+        fsdp_param_init(self, *args, **kwargs)
+
     post_forward = "torch.distributed.fsdp._fully_shard._fully_shard._get_post_forward_mesh_info"
     post_forward_mesh_info = private(post_forward)
 
@@ -488,6 +507,7 @@ def _fake_tensor_checks_skipped() -> Iterator[None]:
         replacing("torch.distributed.device_mesh.DeviceMesh.mesh", property(mesh_of)),
         replacing("torch.distributed.device_mesh.DeviceMesh.__init__", new_mesh),
         replacing(post_forward, post_forward_mesh),
+        replacing(offload, no_offload),
     ):
         yield
 

@@ -311,6 +311,13 @@ PRIVATE: Final = table(
         thread_scoped=True,
     ),
     Private(
+        "torch.distributed.fsdp._fully_shard._fsdp_param.FSDPParam.__init__",
+        "where FSDP2 takes a parameter with its offload policy: estimate(parallel=...) refuses "
+        "CPU offload there in one line (host memory is not counted apart), before FSDP2 pins "
+        "a shard or checks the stand-ins' device",
+        replaced=True,
+    ),
+    Private(
         "torch.distributed.fsdp._fully_shard._fully_shard._get_post_forward_mesh_info",
         "FSDP2 with reshard_after_forward=k makes a mesh of k-rank groups from its mesh's rank "
         "tensor (fully_shard, set_reshard_after_forward): run with the fake mode off, as every "
