@@ -439,7 +439,10 @@ def _fake_tensor_checks_skipped() -> Iterator[None]:
     check is skipped. DTensor derives each op's global output shape by running
     it on fake tensors of the global shapes, under the fake mode it finds
     active: on a rank that costs no memory, so it runs under a fake mode of
-    its own, out of the tracker's sight.
+    its own, out of the tracker's sight. The meshes made on the way (a
+    sub-mesh, FSDP2's mesh of ``reshard_after_forward=k`` groups) are real
+    tensors; FSDP2's CPU offload, whose host memory the trace does not count
+    apart, is refused where FSDP2 takes a parameter with its policy.
     """
     from pytest_torchmem.engine.torch_replacing import replacing
 
