@@ -67,7 +67,7 @@ from pytest_torchmem.engine.step import hook_once
 from pytest_torchmem.engine.timeline import ALLOC, ENTER, EXIT, FREE, NAMED, RESIZE, Phase, StorageInfo
 from pytest_torchmem.engine.torch_private import private
 from pytest_torchmem.engine.tracing.replay_events import Layout, layout_of, standin
-from pytest_torchmem.engine.tracing.replay_state import hooked_modules, switches
+from pytest_torchmem.engine.tracing.replay_state import hooked_modules, own_hooks, switches
 
 __all__ = ["MIN_BLOCKS", "BlockReplay", "BlockReplayMiss"]
 
@@ -184,6 +184,8 @@ class BlockReplay:
         #: The attributes a block's neighbours hold other plain values of (their places in its
         #: structure): replayed only where the traced calls never read them.
         self._free: dict[int, frozenset[int]] = {}
+        #: Under ``parallel=``: the blocks that are FSDP2 units (:func:`_fsdp_state`), found once.
+        self._units: set[int] = set()
 
     # -- entering: the blocks' forwards -------------------------------------------------
 
@@ -215,8 +217,10 @@ class BlockReplay:
             # the blocks alike in structure, in order (a backbone's stages widen: each
             # stage's blocks are a list of their own, whose last ones are traced)
             by_structure: dict[Any, list[nn.Module]] = {}
+            if self.parallel:
+                self._units.update(id(block) for block in same_class if _fsdp_state(block) is not None)
             with _DisableTorchFunction():
-                structures = [_structure(block) for block in same_class]
+                structures = [_structure(block, id(block) in self._units) for block in same_class]
                 free = _free(structures)
                 for block, structure in zip(same_class, structures):
                     by_structure.setdefault(_masked(structure, free), []).append(block)
@@ -235,7 +239,7 @@ class BlockReplay:
                 continue
             if isinstance(block, torch.jit.ScriptModule):
                 continue
-            if self.parallel and _fsdp_state(block) is None:
+            if self.parallel and id(block) not in self._units:
                 continue  # (not a unit of its own: its parameters are gathered around another's forward)
             if any(owners[id(p)] > 1 for p in block.parameters()):
                 continue  # (a parameter two blocks share sums its gradient over both)
@@ -279,7 +283,7 @@ class BlockReplay:
         name, position, size = self._where[id(block)]
         leaves, spec = tree_flatten((args, kwargs))
         with _DisableTorchFunction():
-            structure = _structure(block)
+            structure = _structure(block, id(block) in self._units)
             signature = (
                 type(block), _masked(structure, self._free[id(block)]), _arguments(leaves), str(spec), switches()
             )
@@ -361,7 +365,8 @@ class BlockReplay:
                 made, why = None, f"its blocks differ in attribute {watched.read}, which their forward reads"
             else:
                 made, why = self._template(block, start, first, reads, output, inputs, grad, observer, (s0, s1))
-            if made is not None and _masked(_structure(block), self._free[id(block)]) != group.signature[1]:
+            unit = id(block) in self._units
+            if made is not None and _masked(_structure(block, unit), self._free[id(block)]) != group.signature[1]:
                 made, why = None, "a block changed its own attributes"
             if made is None:
                 group.why = group.why or why
@@ -405,7 +410,7 @@ class BlockReplay:
             return None, "a block read tensor values"
         if not tracker.quiet():
             return None, "autograd's bookkeeping was pending after a block"
-        if _hooked(block, self.parallel):
+        if _hooked(block, id(block) in self._units):
             return None, "its blocks have hooks"
         positions = self._positions(block)
         ranks: dict[int, int] = {}
@@ -1003,13 +1008,6 @@ _STATE_DICT_HOOKS: Final = frozenset({
 _COMPOSABLE_STATE: Final = "__composable_api_state_key_"
 
 
-def _own_hooks(module: nn.Module) -> list[Any]:
-    return [
-        *module._forward_pre_hooks.values(), *module._forward_hooks.values(),
-        *module._backward_pre_hooks.values(), *module._backward_hooks.values(),
-    ]
-
-
 def _fsdp_state(block: nn.Module) -> Any:
     """The FSDP2 state of ``block`` where ``fully_shard`` made it a unit and every hook of
     its own is that state's (its forward's pre-hook and hook); else None."""
@@ -1020,7 +1018,7 @@ def _fsdp_state(block: nn.Module) -> Any:
     if not isinstance(block, FSDPModule):
         return None
     state = fully_shard.state(block)
-    hooks = _own_hooks(block)
+    hooks = own_hooks(block)
     if state is None or not hooks or any(getattr(hook, "__self__", None) is not state for hook in hooks):
         return None
     return state
@@ -1033,13 +1031,13 @@ def _foreign_hooks(module: nn.Module) -> bool:
         return False
     from torch.nn.parallel import DistributedDataParallel
 
-    return isinstance(module, DistributedDataParallel) or bool(_own_hooks(module))
+    return isinstance(module, DistributedDataParallel) or bool(own_hooks(module))
 
 
-def _hooked(block: nn.Module, parallel: bool) -> bool:
-    """Whether one of ``block``'s modules carries hooks, but (under ``parallel=``) an FSDP2
-    unit's own."""
-    if not parallel or _fsdp_state(block) is None:
+def _hooked(block: nn.Module, unit: bool) -> bool:
+    """Whether one of ``block``'s modules carries hooks, but an FSDP2 unit's own (``unit``:
+    the block is one, under ``parallel=``)."""
+    if not unit:
         return hooked_modules(block)
     return any(hooked_modules(m) for m in block.children())
 
@@ -1060,11 +1058,11 @@ def _value(value: Any, depth: int = 0) -> Any:
     return (kind, id(value))
 
 
-def _structure(block: nn.Module) -> tuple[Any, ...]:
+def _structure(block: nn.Module, unit: bool) -> tuple[Any, ...]:
     """``block``'s modules' classes and attributes, as a value equal between blocks that
-    dispatch the same ops: parameters and buffers by layout, the rest by value."""
+    dispatch the same ops: parameters and buffers by layout, the rest by value (``unit``:
+    the block is an FSDP2 unit, whose own hooks and state are left out)."""
     out: list[Any] = []
-    unit = _fsdp_state(block) is not None  # (only under parallel=: a step without one has no units)
     for module in block.modules():
         out.append(("class", type(module)))
         for name, value in module.__dict__.items():

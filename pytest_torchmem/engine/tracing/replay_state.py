@@ -8,7 +8,7 @@ from typing import Any, Final
 import torch
 from torch import nn
 
-__all__ = ["hooked_modules", "model_state", "switches", "tensor_state", "value_state"]
+__all__ = ["hooked_modules", "model_state", "own_hooks", "switches", "tensor_state", "value_state"]
 
 _IMMUTABLE: Final = (int, float, bool, str, bytes, type(None), torch.dtype, torch.device)
 _PLAIN: Final = frozenset(_IMMUTABLE)  # (the common case, looked up before isinstance)
@@ -33,12 +33,17 @@ def model_state(model: nn.Module) -> tuple[Any, ...]:
     return tuple(state)
 
 
+def own_hooks(module: nn.Module) -> list[Any]:
+    """The forward and backward hooks ``module`` carries of its own (not the global ones)."""
+    return [
+        *module._forward_pre_hooks.values(), *module._forward_hooks.values(),
+        *module._backward_pre_hooks.values(), *module._backward_hooks.values(),
+    ]
+
+
 def hooked_modules(model: nn.Module) -> bool:
     """Whether one of ``model``'s modules carries forward or backward hooks of its own."""
-    return any(
-        m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks
-        for m in model.modules()
-    )
+    return any(own_hooks(m) for m in model.modules())
 
 
 def tensor_state(t: Any) -> Any:
