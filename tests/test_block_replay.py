@@ -4,6 +4,7 @@ and the report says which."""
 
 from __future__ import annotations
 
+import functools
 import re
 from typing import Any
 
@@ -464,3 +465,160 @@ def test_blocks_under_ddp_or_tensor_parallel_are_traced_and_say_why(
     replayed, traced = both(monkeypatch, _sequential(), parallel=parallel, optimizer=_adamw)
     same_figures(replayed, traced)
     assert replayed.replayed == ("blocks traced (under parallel=, only FSDP2's fully_shard units replay)",)
+
+
+# -- tensor parallel inside FSDP2's units, and a pipeline's stages ---------------------------
+
+_TP_PLAN = {
+    "attention.wq": "colwise", "attention.wk": "colwise", "attention.wv": "colwise", "attention.wo": "rowwise",
+    "feed_forward.w1": "colwise", "feed_forward.w3": "colwise", "feed_forward.w2": "rowwise",
+}
+
+
+def _policy(bf16: bool = True) -> Any:
+    """bf16 compute over fp32 shards, gradients reduced in fp32 (torchtitan's); else none."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
+
+
+def _tensor_parallel_units(layers: list[nn.Module], mesh: Any, bf16: bool = True) -> None:
+    """torchtitan's layout: each decoder layer tensor-parallel over ``mesh["tp"]`` (query, key,
+    value and the MLP's first projections by columns, the outputs by rows), then an FSDP2
+    unit over ``mesh["dp"]``."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    tp = mesh["tp"]
+    plan = {name: ColwiseParallel() if kind == "colwise" else RowwiseParallel() for name, kind in _TP_PLAN.items()}
+    for layer in layers:
+        parallelize_module(layer, tp, plan)
+        layer.attention.heads //= tp.size()
+        layer.attention.kv_heads //= tp.size()
+        fully_shard(layer, mesh=mesh["dp"], mp_policy=_policy(bf16))
+
+
+def _tp_fsdp2(model: nn.Module, mesh: Any) -> nn.Module:
+    from torch.distributed.fsdp import fully_shard
+
+    _tensor_parallel_units(list(model.layers), mesh)
+    return fully_shard(model, mesh=mesh["dp"], mp_policy=_policy())
+
+
+@needs_gloo
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_tensor_parallel_inside_fsdp2_units_replays_to_the_same_bytes(
+    device: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """dp 2 x tp 2, rank 1, an AdamW loop: tensor parallel's hooks and DTensor's autograd
+    functions run inside each layer's forward and backward, and the replayed backward
+    leaves DTensor gradients of the recorded layouts for FSDP2's reduce-scatter."""
+    parallel = tm.Parallel(mesh={"dp": 2, "tp": 2}, apply=_tp_fsdp2, rank=1)
+    replayed, traced = both(monkeypatch, _llama(), device=device, parallel=parallel, optimizer=_adamw)
+    same_figures(replayed, traced)
+    assert traced.replayed == ()
+    # (8 layers, two iterations: the first makes the template with 2 or 3, the second
+    # traces only its first, and 3 are traced at the end of each)
+    assert _replayed_calls(replayed, "layers") >= 2 + 4
+
+
+class _Stage(nn.Module):
+    """One pipeline stage of the benchmarks' Llama, as torchtitan splits it: its share of
+    the layers, the embedding on the first, the norm and head on the last."""
+
+    def __init__(self, model: nn.Module, stage: int, stages: int) -> None:
+        super().__init__()
+        count = len(model.layers)
+        self.inv_freq = model.inv_freq
+        self.tok_embeddings = model.tok_embeddings if stage == 0 else None
+        self.layers = nn.ModuleList(list(model.layers)[stage * count // stages : (stage + 1) * count // stages])
+        self.norm = model.norm if stage == stages - 1 else None
+        self.output = model.output if stage == stages - 1 else None
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        if self.tok_embeddings is not None:
+            h = self.tok_embeddings(h)
+        angles = torch.outer(torch.arange(h.shape[1], device=h.device, dtype=torch.float32), self.inv_freq)
+        angles = torch.cat((angles, angles), dim=-1)
+        cos, sin = angles.cos().to(h.dtype), angles.sin().to(h.dtype)
+        for layer in self.layers:
+            h = layer(h, cos, sin)
+        return h if self.output is None else self.output(self.norm(h))
+
+
+def _pipeline_stage(model: nn.Module, mesh: Any, bf16: bool = True) -> Any:
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.pipelining import PipelineStage
+
+    pp = mesh["pp"]
+    stage = _Stage(model, pp.get_local_rank(), pp.size())
+    _tensor_parallel_units(list(stage.layers), mesh, bf16)
+    fully_shard(stage, mesh=mesh["dp"], mp_policy=_policy(bf16))
+    device = torch.device("cuda" if mesh.device_type == "meta" else "cpu")
+    return PipelineStage(stage, pp.get_local_rank(), pp.size(), device, group=pp.get_group())
+
+
+def _pipelined_llama() -> Any:
+    from benchmarks.llama import LlamaConfig, build
+
+    config = LlamaConfig(dim=128, layers=16, heads=4, kv_heads=2, ffn=256, vocab=500)
+
+    def make() -> tuple[nn.Module, Any]:
+        torch.manual_seed(0)
+        return build(config, dtype=torch.float32), torch.randint(0, config.vocab, (8, 32))
+
+    return make
+
+
+def _pipelines_followed() -> bool:
+    from pytest_torchmem.engine.torch_release import PIPELINING, torch_minor
+
+    return PIPELINING[0] <= torch_minor() <= PIPELINING[1]
+
+
+@needs_gloo
+@pytest.mark.skipif(not _pipelines_followed(), reason="the estimate follows the pipelining of torch 2.12 to 2.15")
+@pytest.mark.parametrize(("schedule", "device"), [("1F1B", "cuda"), ("GPipe", "cpu")])
+@pytest.mark.parametrize("stage", ["first", "last"])
+def test_pipeline_stages_replay_their_blocks_to_the_same_bytes(
+    schedule: str, device: str, stage: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """pp 2 x dp 2 x tp 2, 4 micro-batches: each stage's 8 layers (tensor parallel inside
+    FSDP2 units) replay in the set-up's forward and in every micro-batch's; the figures,
+    module by module, are those of the trace of every block."""
+    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
+
+    parallel = tm.Parallel(
+        mesh={"pp": 2, "dp": 2, "tp": 2},
+        apply=_pipeline_stage,
+        schedule=Schedule1F1B if schedule == "1F1B" else ScheduleGPipe,
+        microbatches=4,
+        rank=0 if stage == "first" else 7,
+    )
+    replayed, traced = both(monkeypatch, _pipelined_llama(), device=device, parallel=parallel, optimizer=_adamw)
+    same_figures(replayed, traced)
+    assert traced.replayed == ()
+    # (two iterations of 4 micro-batches, and the set-up's forward: in each forward after
+    # the one that made the template, the first layer and the last 3 are traced, 4 replay)
+    assert _replayed_calls(replayed, "stages.0.layers") >= 2 * 4 * 4 - 4
+
+
+@needs_gloo
+@pytest.mark.skipif(not _pipelines_followed(), reason="the estimate follows the pipelining of torch 2.12 to 2.15")
+def test_a_pipeline_whose_gradients_add_up_over_micro_batches_is_traced_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """FSDP2 without a reduce dtype of its own keeps each micro-batch's gradients on the
+    gathered parameters, where the next micro-batch's backward adds to them: the first stage
+    replayed its warm-up's forwards before any backward ran, and its second micro-batch's
+    replayed backward finds them; the pipeline is traced again, every block, and says why."""
+    from torch.distributed.pipelining import Schedule1F1B
+
+    parallel = tm.Parallel(
+        mesh={"pp": 2, "dp": 2, "tp": 2},
+        apply=functools.partial(_pipeline_stage, bf16=False),
+        schedule=Schedule1F1B,
+        microbatches=4,
+        rank=0,
+    )
+    replayed, traced = both(monkeypatch, _pipelined_llama(), device="cuda", parallel=parallel, optimizer=_adamw)
+    same_figures(replayed, traced)
+    assert replayed.replayed == ("blocks traced (stages.0.layers: a block's parameters had gradients before its backward)",)

@@ -132,21 +132,51 @@ class Pipelined(nn.Module):
         of the last stage)."""
         self._loss = loss_fn
         started: list[bool] = []
+        # (a trace's probe numbers the micro-batches' forwards, each a graph of its own, and
+        # knows the stages' set-up, whose forward and backward run in the forward phase:
+        # block_replay.py groups the blocks' calls by them)
+        new_forward = getattr(probe, "new_forward", None)
 
-        def wrapped(stage: Any) -> Callable[..., Any]:
+        def first_backward(stage: Any) -> Callable[..., Any]:
             backward = type(stage).backward_one_chunk.__get__(stage)
 
-            def first_backward(*a: Any, **k: Any) -> Any:
+            def run(*a: Any, **k: Any) -> Any:
                 if not started:
                     started.append(True)
                     probe.set_phase(Phase.BACKWARD, iteration)
                 return backward(*a, **k)
 
-            return first_backward
+            return run
+
+        def numbered(method: Any) -> Callable[..., Any]:
+            def run(*a: Any, **k: Any) -> Any:
+                new_forward()
+                return method(*a, **k)
+
+            return run
+
+        def setting_up(method: Any, forward: bool) -> Callable[..., Any]:
+            def run(*a: Any, **k: Any) -> Any:
+                if forward:
+                    new_forward()
+                probe.setting_up = True
+                try:
+                    return method(*a, **k)
+                finally:
+                    probe.setting_up = False
+
+            return run
 
         probe.set_phase(Phase.FORWARD, iteration)
+        wrapped = ["backward_one_chunk"]
         for stage in self._stages:
-            stage.backward_one_chunk = wrapped(stage)
+            stage.backward_one_chunk = first_backward(stage)
+            if new_forward is not None:
+                cls = type(stage)
+                stage.forward_one_chunk = numbered(cls.forward_one_chunk.__get__(stage))
+                stage._prepare_forward_infra = setting_up(cls._prepare_forward_infra.__get__(stage), True)
+                stage._prepare_backward_infra = setting_up(cls._prepare_backward_infra.__get__(stage), False)
+                wrapped[1:] = ["forward_one_chunk", "_prepare_forward_infra", "_prepare_backward_infra"]
         losses: list[Any] = []
         try:
             step_args = args if self.has_first else ()
@@ -158,7 +188,8 @@ class Pipelined(nn.Module):
             del output
         finally:
             for stage in self._stages:
-                del stage.backward_one_chunk
+                for name in wrapped:
+                    stage.__dict__.pop(name, None)
         if not started:
             probe.set_phase(Phase.BACKWARD, iteration)
         return losses

@@ -46,13 +46,24 @@ FSDP2 state's. Those hooks (the all-gather before the unit's forward and backwar
 reduce-scatter after its backward, the casts of mixed precision) run around the block's
 forward, not in it, and are traced for every block; the unit's parameters, gathered,
 are what its forward and backward see, and its replayed backward leaves their gradients
-for FSDP2's reduce-scatter as a traced one does. DDP (its reducer hooks each parameter's
-gradient in C++) and tensor parallel (hooks and DTensors) are traced.
+for FSDP2's reduce-scatter as a traced one does. Inside a unit, tensor parallel's
+modules replay with it: their hooks (the redistribution of their inputs and outputs)
+keep no state, DTensor's autograd functions redistribute gradients, and a DTensor
+parameter's replayed gradient is a DTensor of its recorded layout. DDP (its reducer hooks
+each parameter's gradient in C++), other hooks, and blocks that are no unit are traced.
+
+A pipeline rank's stages replay their blocks in each micro-batch's forward and backward:
+each forward is a graph of its own (:meth:`Tracker.new_forward`), and the calls are
+grouped by the step's phase too (under 1F1B the steady state's forwards run in the
+backward phase) and by whether the stages are being set up (their metadata inferred by a
+forward and a backward in the forward phase). A group's template serves every later
+micro-batch.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import sys
 import weakref
 from collections import Counter
@@ -67,7 +78,7 @@ from pytest_torchmem.engine.step import hook_once
 from pytest_torchmem.engine.timeline import ALLOC, ENTER, EXIT, FREE, NAMED, RESIZE, Phase, StorageInfo
 from pytest_torchmem.engine.torch_private import private
 from pytest_torchmem.engine.tracing.replay_events import Layout, layout_of, standin
-from pytest_torchmem.engine.tracing.replay_state import hooked_modules, own_hooks, switches
+from pytest_torchmem.engine.tracing.replay_state import own_hooks, switches
 
 __all__ = ["MIN_BLOCKS", "BlockReplay", "BlockReplayMiss"]
 
@@ -130,7 +141,7 @@ class _Backward:
     modules: tuple[int | None, ...]
     grad_out: Layout  # the gradient it got (key -1)
     grads_in: tuple[tuple[int, Layout], ...]  # (input position, layout; key -1: grad_out's)
-    param_grads: tuple[Layout | None, ...]
+    param_grads: tuple[tuple[Layout, Any] | None, ...]  # (its local tensor's, a DTensor's spec or None)
 
     def key(self) -> tuple[Any, ...]:
         infos = tuple((i.nbytes, i.category, i.phase, i.op, i.pool) for i in self.infos)
@@ -150,6 +161,7 @@ class _Group:
     recorded: _Backward | None = None  # the first backward recorded, awaiting its twin
     why: str | None = None  # why its blocks are traced
     start: int = 0  # the first position replayed: after the calls that made the template
+    made_in: int = -1  # the serial of the forward that made the template (Tracker.forwards)
     free: tuple[str, ...] = ()  # the names of the attributes its blocks differ in (never read)
     replayed: int = 0
     calls: int = 0
@@ -186,6 +198,9 @@ class BlockReplay:
         self._free: dict[int, frozenset[int]] = {}
         #: Under ``parallel=``: the blocks that are FSDP2 units (:func:`_fsdp_state`), found once.
         self._units: set[int] = set()
+        #: Under ``parallel=``: the model is a pipeline rank's stages (its micro-batches' forwards
+        #: each a graph of their own; under 1F1B, the later ones in the step's backward phase).
+        self.pipeline = False
 
     # -- entering: the blocks' forwards -------------------------------------------------
 
@@ -203,12 +218,20 @@ class BlockReplay:
         forward, and are traced for every block; what runs inside is the same on every
         block. Anything else (DDP's reducer, whose hooks on the parameters' gradients a
         replayed backward would skip; tensor parallel's DTensors) is traced."""
-        same, self.model = model is self.model, model  # (a copy apply replaced is not held)
+        from pytest_torchmem.engine.pipeline import Pipelined
+
+        self.pipeline = isinstance(model, Pipelined)
+        # (a copy apply replaced is not held; a pipeline's stages are the copy's, sharded in place)
+        same, self.model = model is self.model or self.pipeline, model
         if not same or any(_foreign_hooks(m) for m in model.modules()):
             if _lists(model):
                 self.lines.append("blocks traced (under parallel=, only FSDP2's fully_shard units replay)")
             return
+        if self.pipeline:
+            self._names = {id(m): name for name, m in model.named_modules() if name}
         self._find()
+        if not self._patched and not self._unlike and _lists(model):
+            self.lines.append("blocks traced (under parallel=, only FSDP2's fully_shard units replay)")
 
     def _find(self) -> None:
         owners = Counter(id(p) for m in self.model.modules() for p in m._parameters.values() if p is not None)
@@ -278,17 +301,24 @@ class BlockReplay:
 
     def call(self, block: nn.Module, forward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         tracker = self.tracker
-        if self._busy or tracker.phase is not _FORWARD or tracker.stop is not None or not tracker.quiet():
+        phase = tracker.phase
+        if (
+            self._busy
+            or (phase is not _FORWARD and (phase is not _BACKWARD or not self.pipeline))
+            or tracker.stop is not None
+            or not tracker.quiet()
+        ):
             return forward(*args, **kwargs)
         name, position, size = self._where[id(block)]
         leaves, spec = tree_flatten((args, kwargs))
         with _DisableTorchFunction():
             structure = _structure(block, id(block) in self._units)
             signature = (
-                type(block), _masked(structure, self._free[id(block)]), _arguments(leaves), str(spec), switches()
+                type(block), _masked(structure, self._free[id(block)]), _arguments(leaves), str(spec), switches(),
+                phase, tracker.setting_up,
             )
         group = self._group(name, size, signature)
-        serial = tracker.phases_set
+        serial = tracker.forwards
         if self._called.get(id(block)) == serial:
             # (its parameters' gradients would sum over its calls)
             if group.replayed:
@@ -299,12 +329,22 @@ class BlockReplay:
         grad = torch.is_grad_enabled()
         if (
             group.forward is not None
-            and group.start <= position < size - _TAIL
+            and self._replayable(group, position, size)
             and (not grad or (group.why is None and all(p.grad is None for p in block.parameters())))
         ):
             group.replayed += 1
             return self._replay(group, block, leaves, grad)
         return self._record(group, block, position, forward, args, kwargs, leaves, grad, structure)
+
+    def _replayable(self, group: _Group, position: int, size: int) -> bool:
+        """Whether the call at ``position`` of ``size`` may be replayed, ``group``'s template
+        made. In the forward that made it, the calls before it are traced; in a later one
+        (a loop's next iteration, a pipeline's next micro-batch), only the first, whose
+        input's gradient goes out of the list (the library workspaces a first call makes
+        are made by then). The last three are always traced: their backwards are recorded,
+        and compared."""
+        lower = group.start if group.made_in == self.tracker.forwards else 1
+        return lower <= position < size - _TAIL
 
     def _group(self, name: str, size: int, signature: Any) -> _Group:
         for group in self._groups:
@@ -384,7 +424,7 @@ class BlockReplay:
                     group.forward, group.why = None, "its blocks' storage events differ"
                     return output
             elif group.last is not None and group.last.key() == template.key():
-                group.forward, group.start = template, position + 1
+                group.forward, group.start, group.made_in = template, position + 1, tracker.forwards
             group.last = template
             if grad and position >= group.size - _TAIL:
                 self._watch_backward(group, block, template, ranks, inputs, output, (s0, s1), first)
@@ -594,11 +634,12 @@ class BlockReplay:
                 t = standin(tracker.fake_mode, layout)
                 ledger.bind(t, sids[layout.key])
                 out[position] = t
-            for p, layout in zip(params, template.param_grads):
-                if layout is not None:
+            for p, made in zip(params, template.param_grads):
+                if made is not None:
+                    layout, spec = made
                     t = standin(tracker.fake_mode, layout)
                     ledger.bind(t, sids[layout.key])
-                    p.grad = t
+                    p.grad = t if spec is None else _dtensor(t, spec)
         return tuple(out)
 
     # -- recording a traced block's backward --------------------------------------------
@@ -621,6 +662,7 @@ class BlockReplay:
             group.why = group.why or "a block's backward takes more than one input's or output's gradient"
             return
         recorder = _Recorder(self, group, block, template, ranks, inputs, sequence, first)
+        recorder.last = self._where[id(block)][1] == group.size - 1
         differentiable[0].register_hook(recorder.got)
         differentiable[0].grad_fn.register_prehook(recorder.begins)
         position, t = wanting[0]
@@ -640,7 +682,9 @@ class BlockReplay:
         if template is None:
             group.why = group.why or why
         elif group.backward is not None:
-            if group.backward.key() != template.key():
+            # (the last block's gradient comes from the head: its backward may differ, as it
+            # did when the template was made; another step's, or micro-batch's, is not compared)
+            if group.backward.key() != template.key() and not recorder.last:
                 group.backward, group.why = None, group.why or "its blocks' backwards differ"
         elif group.recorded is not None and group.recorded.key() == template.key():
             group.backward = template
@@ -730,6 +774,11 @@ class _Recorder:
         self.grad_out: Layout | None = None
         self.reads = 0
         self.why = ""
+        #: The phase its backward runs in: the step's backward, or, for a pipeline stage's
+        #: set-up (its metadata inferred), the forward phase it ran in.
+        self.phase = _FORWARD if replay.tracker.setting_up else _BACKWARD
+        #: Whether the block is its list's last (:meth:`BlockReplay._recorded`).
+        self.last = False
 
     def owns(self, node: Any) -> bool:
         if node is None:
@@ -751,7 +800,7 @@ class _Recorder:
         """The block's first node is about to run, every hook on its output run (a node
         pre-hook: the module hooks' events on the output are the program's own, before)."""
         tracker = self.replay.tracker
-        if self.state != "before" or tracker.phase is not _BACKWARD:
+        if self.state != "before" or tracker.phase is not self.phase:
             self.why = self.why or "a block's backward began outside the step's backward"
             return
         self.state = "in"
@@ -841,11 +890,12 @@ class _Recorder:
             if p.grad is None:
                 param_grads.append(None)
                 continue
-            psid = ledger.storage_id(p.grad)
-            if type(p.grad) is not FakeTensor or psid not in ranks or psid in left:
+            local, spec = _local(p.grad), getattr(p.grad, "_spec", None)
+            psid = ledger.storage_id(local)
+            if type(local) is not FakeTensor or psid not in ranks or psid in left:
                 return None, "a block's parameter gradient was not made in its backward"
             left.add(psid)
-            param_grads.append(layout_of(p.grad, ranks[psid]))
+            param_grads.append((layout_of(local, ranks[psid]), spec))
         alive = {s for s in ranks if ledger.holds(s)}
         if alive != left:
             return None, "a block's backward left tensors alive beside its gradients"
@@ -1025,21 +1075,46 @@ def _fsdp_state(block: nn.Module) -> Any:
 
 
 def _foreign_hooks(module: nn.Module) -> bool:
-    """Under ``parallel=``: whether ``module`` is DDP, or carries hooks FSDP2 did not put
-    there (``replicate``'s, a user's)."""
+    """Under ``parallel=``: whether ``module`` is DDP, or carries hooks neither FSDP2 nor
+    tensor parallel put there (``replicate``'s, a user's)."""
     if _fsdp_state(module) is not None:
         return False
     from torch.nn.parallel import DistributedDataParallel
 
-    return isinstance(module, DistributedDataParallel) or bool(own_hooks(module))
+    return isinstance(module, DistributedDataParallel) or _other_hooks(module)
+
+
+def _other_hooks(module: nn.Module) -> bool:
+    """Whether ``module`` carries hooks of its own that are not tensor parallel's."""
+    return any(_parallel_style_hook(hook) is None for hook in own_hooks(module))
 
 
 def _hooked(block: nn.Module, unit: bool) -> bool:
     """Whether one of ``block``'s modules carries hooks, but an FSDP2 unit's own (``unit``:
-    the block is one, under ``parallel=``)."""
-    if not unit:
-        return hooked_modules(block)
-    return any(hooked_modules(m) for m in block.children())
+    the block is one, under ``parallel=``) and tensor parallel's."""
+    modules = block.modules() if not unit else (m for child in block.children() for m in child.modules())
+    return any(_other_hooks(m) for m in modules)
+
+
+#: Where tensor parallel's ``distribute_module`` makes the hooks it puts on a module.
+_PARALLEL_STYLE_HOOKS: Final = "torch.distributed.tensor._api"
+
+
+def _parallel_style_hook(hook: Any) -> tuple[Any, ...] | None:
+    """A hook tensor parallel put on a module (``parallelize_module``: the redistribution
+    of its input or output, as its ``ParallelStyle`` says), as a value equal between
+    modules parallelised alike; None for any other hook. Such a hook keeps no state: what
+    it does is ops on the tensors it is given, which run inside a replayed block's forward."""
+    code = getattr(hook, "__code__", None)
+    if code is None or getattr(hook, "__module__", None) != _PARALLEL_STYLE_HOOKS:
+        return None
+    cells = dict(zip(code.co_freevars, (cell.cell_contents for cell in hook.__closure__ or ())))
+    prepare = cells.get("input_fn", cells.get("output_fn"))
+    if set(cells) - {"input_fn", "output_fn", "device_mesh"}:
+        return None
+    if isinstance(prepare, functools.partial):
+        return (code, id(cells.get("device_mesh")), prepare.func, prepare.args, tuple(sorted(prepare.keywords.items())))
+    return (code, id(cells.get("device_mesh")), prepare)
 
 
 def _value(value: Any, depth: int = 0) -> Any:
@@ -1072,7 +1147,12 @@ def _structure(block: nn.Module, unit: bool) -> tuple[Any, ...]:
                 continue
             if unit and module is block and (name in _HOOK_DICTS or name.startswith(_COMPOSABLE_STATE)):
                 continue  # (FSDP2's own, alike on every unit but for the ids: :func:`_fsdp_state`)
-            if name in ("_parameters", "_buffers"):
+            if name in _HOOK_DICTS and value and isinstance(value, dict):
+                # (tensor parallel's hooks, by what they do: their handles' ids differ)
+                out.append(("hooks", name, tuple(
+                    _parallel_style_hook(hook) or (type(hook), id(hook)) for hook in value.values()
+                )))
+            elif name in ("_parameters", "_buffers"):
                 out.append((name, tuple(
                     (key, None if t is None else (t.dtype, tuple(t.shape), tuple(t.stride()), t.requires_grad,
                                                   t.grad is None, t.layout))
@@ -1190,7 +1270,9 @@ def _difference(a: tuple[Any, ...], b: tuple[Any, ...]) -> str:
                     x[0], "their modules"
                 )
         return "their modules"
-    return "their arguments' layouts" if a[2] != b[2] or a[3] != b[3] else "torch's switches"
+    if a[2] != b[2] or a[3] != b[3]:
+        return "their arguments' layouts"
+    return "torch's switches" if a[4] != b[4] else "the step's phase"
 
 
 def _arguments(leaves: list[Any]) -> tuple[Any, ...]:
@@ -1214,6 +1296,27 @@ def _arguments(leaves: list[Any]) -> tuple[Any, ...]:
         else:
             out.append(_value(leaf))
     return tuple(out)
+
+
+def _dtensor_function(node: Any) -> bool:
+    """Whether ``node`` is one of DTensor's own autograd functions (``from_local``,
+    ``to_local``, ``redistribute``): its backward redistributes the gradient it gets, ops
+    and collectives a traced block's backward records."""
+    cls = getattr(node, "_forward_cls", None)
+    return cls is not None and cls.__module__.startswith("torch.distributed.tensor.")
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local tensor (whose storage is the rank's), any other tensor itself."""
+    return getattr(t, "_local_tensor", t) if type(t).__name__ == "DTensor" else t
+
+
+def _dtensor(local: torch.Tensor, spec: Any) -> torch.Tensor:
+    """A DTensor of ``local`` laid out as ``spec`` says (a replayed gradient of a parameter
+    tensor parallel sharded)."""
+    from torch.distributed.tensor import DTensor
+
+    return DTensor(local, spec, requires_grad=False)
 
 
 def _node_key(node: Any) -> tuple[int, str]:
@@ -1240,7 +1343,7 @@ def _graph(
         if key in seen:
             continue
         seen.add(key)
-        if isinstance(node, torch.autograd.function.BackwardCFunction):
+        if isinstance(node, torch.autograd.function.BackwardCFunction) and not _dtensor_function(node):
             return "a block runs a custom autograd function"
         for attr in dir(node):
             if attr.startswith("_raw_saved_"):
@@ -1251,7 +1354,7 @@ def _graph(
                 value = getattr(node, attr)
                 for t in value if isinstance(value, (tuple, list)) else (value,):
                     if isinstance(t, torch.Tensor):
-                        sid = ledger.storage_id(t)
+                        sid = ledger.storage_id(_local(t))
                         if sid is not None:
                             saved.add(sid)
         for next_node, _ in node.next_functions:

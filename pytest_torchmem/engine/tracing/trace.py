@@ -219,9 +219,21 @@ def _traced(
         # pipeline again, every rank through the step, where a receive from one of them
         # needed more than its bytes (a value the trace did not know, an object)
         whole = peers is not None
-        group = _traced_pipeline(model, args, kwargs, parallel, rank, whole=whole, **options)
+
+        def pipeline(whole: bool) -> dict[int, Trace] | None:
+            try:
+                return _traced_pipeline(model, args, kwargs, parallel, rank, whole=whole, **options)
+            except BlockReplayMiss as miss:
+                # a replayed block could not stand for its trace after all (a micro-batch's
+                # backward found its parameters holding an earlier one's gradients): the
+                # pipeline traced again, every block
+                return _traced_pipeline(
+                    model, args, kwargs, parallel, rank, whole=whole, blocks_missed=str(miss), **options
+                )
+
+        group = pipeline(whole)
         if group is None:
-            group = _traced_pipeline(model, args, kwargs, parallel, rank, whole=True, **options)
+            group = pipeline(True)
         if peers is not None:
             peers.update(group)
         return group[rank]
@@ -327,6 +339,18 @@ def _traced_pipeline(
         failure = failures.get(rank)
         raise (first if failure is None or isinstance(failure, PipelinePeerFailed) else failure) or failure
     return traces
+
+
+def _inner_miss(exc: BaseException) -> BlockReplayMiss | None:
+    """The :class:`BlockReplayMiss` ``exc`` was raised from or during, if any."""
+    seen: set[int] = set()
+    cause: BaseException | None = exc
+    while cause is not None and id(cause) not in seen:
+        if isinstance(cause, BlockReplayMiss):
+            return cause
+        seen.add(id(cause))
+        cause = cause.__cause__ or cause.__context__
+    return None
 
 
 def _unsure(traced: Trace | None) -> bool:
@@ -483,7 +507,6 @@ def _trace(
         BlockReplay(tracker, step_model, block_lines, parallel=parallel is not None)
         if not follow and replay_enabled() and blocks_missed is None and not warm
         and isinstance(modules, ModuleTracker) and not isinstance(model, (StepFunction, Pipelined))
-        and (parallel is None or not parallel.pipelined)
         else None
     )
 
@@ -567,7 +590,12 @@ def _trace(
                 del train_context
         except Exception as exc:
             if blocks is not None and blocks.replayed and not isinstance(exc, BlockReplayMiss):
-                # (what stopped may have stopped because of a replay: traced again without)
+                # (what stopped may have stopped because of a replay: traced again without; a
+                # miss raised in a replayed backward reaches here wrapped, by autograd or by a
+                # pipeline's stage)
+                inner = _inner_miss(exc)
+                if inner is not None:
+                    raise BlockReplayMiss(str(inner)) from exc
                 raise BlockReplayMiss(f"the step raised after blocks were replayed ({first_line(exc)})") from exc
             if not tracker.stopped_by(exc):
                 raise  # the program's own error

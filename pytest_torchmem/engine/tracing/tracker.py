@@ -204,8 +204,12 @@ class Tracker(TorchDispatchMode):
         #: (``watch(ENTER or EXIT, index)``) before it is recorded, while set (block_replay.py
         #: watches a block's backward).
         self.watch: Callable[[int, int], None] | None = None
-        #: How many times the phase was set (a forward's serial).
-        self.phases_set = 0
+        #: A forward's serial: bumped each time the phase is set, and at each forward of a
+        #: pipeline stage's micro-batch (:meth:`new_forward`).
+        self.forwards = 0
+        #: Whether a pipeline's stages are being set up: their metadata inferred by a forward
+        #: and a backward that run in the step's forward phase.
+        self.setting_up = False
 
     def ignore_compile_internals(self) -> bool:  # type: ignore[override]
         # torch reads it on the mode when it is entered (TorchDispatchMode.__enter__)
@@ -262,9 +266,14 @@ class Tracker(TorchDispatchMode):
 
     # -- the step's progress (the Probe protocol of pytest_torchmem.engine.step) ----
 
+    def new_forward(self) -> None:
+        """A forward of its own begins within the phase (a pipeline stage's micro-batch: its
+        graph, and its backward, are its own)."""
+        self.forwards += 1
+
     def set_phase(self, phase: Phase | None, iteration: int = 1) -> None:
         self._eager.settle(self.phase, self.module, final=True)
-        self.phases_set += 1
+        self.forwards += 1
         self.phase = phase
         self._modules.clear()
         self.module = -1
