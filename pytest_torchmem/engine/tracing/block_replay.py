@@ -341,10 +341,12 @@ class BlockReplay:
         made. In the forward that made it, the calls before it are traced; in a later one
         (a loop's next iteration, a pipeline's next micro-batch), only the first, whose
         input's gradient goes out of the list (the library workspaces a first call makes
-        are made by then). The last three are always traced: their backwards are recorded,
-        and compared."""
+        are made by then). The last three are traced for their backwards, recorded and
+        compared, until a backward recorded twice alike is the template; from then on only
+        the last, whose gradient comes from the head, is."""
         lower = group.start if group.made_in == self.tracker.forwards else 1
-        return lower <= position < size - _TAIL
+        upper = size - 1 if group.backward is not None else size - _TAIL
+        return lower <= position < upper
 
     def _group(self, name: str, size: int, signature: Any) -> _Group:
         for group in self._groups:
