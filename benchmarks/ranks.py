@@ -18,6 +18,9 @@ It times, in one process:
 * with ``--each``, ``each rank`` -- ``tm.estimate`` of every rank of the mesh on its
   own, the cost ``every_rank`` saves, and a check that each rank's figures are
   those of the entry that stands for it.
+* with ``--traced``, ``one rank, traced`` and ``every rank, traced`` -- the same with
+  ``TORCHMEM_REPLAY=0`` (every block of every micro-batch traced, none replayed), side by
+  side, and a check that their figures are the replayed ones'.
 
 ``--model 405b`` is Llama 3.1 405B's shape (126 layers, width 16384, 128 query
 heads sharing 8 key/value heads, MLP 53248, vocabulary 128256) on the 512 ranks of
@@ -32,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import os
 import resource
 import sys
 import time
@@ -132,6 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, help="default: 8, or one sequence per micro-batch where more")
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--each", action="store_true", help="also estimate every rank on its own")
+    parser.add_argument("--traced", action="store_true", help="also time both with every block traced")
     parser.add_argument("--check", action="store_true")
     args = parser.parse_args(argv)
     pp, dp, tp = (int(part) for part in args.mesh.split(",")) if args.mesh else MESHES[args.model]
@@ -162,6 +167,21 @@ def main(argv: list[str] | None = None) -> int:
     rows.append(
         ["every rank", f"{every_wall:.1f}", f"{every_cpu:.1f}", f"{every_wall / one_wall:.2f}", tm.format_bytes(every[0].report.peak)]
     )
+    if args.traced:
+        from pytest_torchmem.engine.tracing.replay import ENV
+
+        os.environ[ENV] = "0"
+        try:
+            traced_one, wall, cpu = _timed(lambda: tm.estimate(model, tokens, parallel=parallel(rank=0), **options))
+            rows.append(["one rank, traced", f"{wall:.1f}", f"{cpu:.1f}", f"{wall / one_wall:.2f}", tm.format_bytes(traced_one.peak)])
+            traced_every, wall, cpu = _timed(lambda: tm.every_rank(model, tokens, parallel=parallel(), **options))
+            rows.append(["every rank, traced", f"{wall:.1f}", f"{cpu:.1f}", f"{wall / one_wall:.2f}", tm.format_bytes(traced_every[0].report.peak)])
+        finally:
+            del os.environ[ENV]
+        assert traced_one == one, "one rank: the traced figures differ from the replayed ones"
+        assert [(e.ranks, e.report) for e in traced_every] == [(e.ranks, e.report) for e in every], (
+            "every rank: the traced figures differ from the replayed ones"
+        )
     if args.each:
         world = pp * dp * tp
         reports, each_wall, each_cpu = _timed(

@@ -288,6 +288,27 @@ PRIVATE: Final = table(
         "answer an exchange of integer values (expert parallel's token counts)",
     ),
     Private(
+        "torch.distributed.fsdp._fully_shard._fsdp_param.FSDPParam.to_accumulated_grad_if_needed",
+        "2.10 to 2.14 move a unit's gradients off its gathered parameters after each backward "
+        "that does not reduce them (a pipeline's micro-batches), into a gradient of the reduce "
+        "dtype, where that differs: a later micro-batch's backward finds none, and its blocks "
+        "may be replayed (2.15 keeps them there, cast up in place)",
+        until=(2, 14),
+    ),
+    Private(
+        "torch.distributed.tensor._api._ToTorchTensor",
+        "DTensor's to_local() as an autograd function: a block whose graph holds it (tensor "
+        "parallel inside an FSDP2 unit) may be replayed, its backward recorded with the block's",
+    ),
+    Private(
+        "torch.distributed.tensor._api._FromTorchTensor",
+        "DTensor.from_local() as an autograd function (block_replay.py, as _ToTorchTensor)",
+    ),
+    Private(
+        "torch.distributed.tensor._redistribute.Redistribute",
+        "DTensor.redistribute() as an autograd function (block_replay.py, as _ToTorchTensor)",
+    ),
+    Private(
         "torch.distributed.tensor._sharding_prop.ShardingPropagator._propagate_tensor_meta_non_cached",
         "DTensor runs each op on fake tensors of the global shapes to derive its output's: "
         "run out of the tracker's sight (a rank allocates nothing for it)",

@@ -76,7 +76,7 @@ from torch import nn
 from pytest_torchmem.engine.report import ROOT_NAME
 from pytest_torchmem.engine.step import hook_once
 from pytest_torchmem.engine.timeline import ALLOC, ENTER, EXIT, FREE, NAMED, RESIZE, Phase, StorageInfo
-from pytest_torchmem.engine.torch_private import private
+from pytest_torchmem.engine.torch_private import present, private
 from pytest_torchmem.engine.tracing.replay_events import Layout, layout_of, standin
 from pytest_torchmem.engine.tracing.replay_state import own_hooks, switches
 
@@ -198,6 +198,8 @@ class BlockReplay:
         self._free: dict[int, frozenset[int]] = {}
         #: Under ``parallel=``: the blocks that are FSDP2 units (:func:`_fsdp_state`), found once.
         self._units: set[int] = set()
+        #: In a pipeline: whether FSDP2 moves each unit's gradients off it (:meth:`_grads_leave`).
+        self._leaving: dict[int, bool] = {}
         #: Under ``parallel=``: the model is a pipeline rank's stages (its micro-batches' forwards
         #: each a graph of their own; under 1F1B, the later ones in the step's backward phase).
         self.pipeline = False
@@ -266,6 +268,8 @@ class BlockReplay:
                 continue  # (not a unit of its own: its parameters are gathered around another's forward)
             if any(owners[id(p)] > 1 for p in block.parameters()):
                 continue  # (a parameter two blocks share sums its gradient over both)
+            if any(id(m) not in self._index for m in block.modules()):
+                continue  # (a module apply made: the step's module hooks do not number it)
             self._where[id(block)] = (name, position, len(blocks))
             self._free[id(block)] = free
             block.__dict__["forward"] = _BlockForward(self, block)
@@ -331,10 +335,32 @@ class BlockReplay:
             group.forward is not None
             and self._replayable(group, position, size)
             and (not grad or (group.why is None and all(p.grad is None for p in block.parameters())))
+            and self._backward_finds_no_gradients(group, block, grad)
         ):
             group.replayed += 1
             return self._replay(group, block, leaves, grad)
         return self._record(group, block, position, forward, args, kwargs, leaves, grad, structure)
+
+    def _backward_finds_no_gradients(self, group: _Group, block: nn.Module, grad: bool) -> bool:
+        """Whether the backward of a call replayed now would find its block's parameters
+        without gradients, as a replayed backward must: in a pipeline, where the
+        micro-batches' backwards add theirs up on the parameters, only the set-up's."""
+        if not grad or not self.pipeline or self.tracker.setting_up or self._grads_leave(block):
+            return True
+        if not group.replayed:
+            group.why = group.why or "a pipeline's micro-batches add up their gradients on the blocks' parameters"
+        return False
+
+    def _grads_leave(self, block: nn.Module) -> bool:
+        """In a pipeline: whether FSDP2 takes ``block``'s gradients off its gathered
+        parameters after each micro-batch's backward, so that a later micro-batch's
+        backward finds none (where it finds some, a replayed one cannot stand for it).
+        2.10 to 2.14 move them into a gradient of the unit's reduce dtype, where that differs
+        from theirs; 2.15, and a unit without a reduce dtype of its own, keep them."""
+        found = self._leaving.get(id(block))
+        if found is None:
+            found = self._leaving[id(block)] = _moved_after_backward(block)
+        return found
 
     def _replayable(self, group: _Group, position: int, size: int) -> bool:
         """Whether the call at ``position`` of ``size`` may be replayed, ``group``'s template
@@ -1076,6 +1102,19 @@ def _fsdp_state(block: nn.Module) -> Any:
     return state
 
 
+def _moved_after_backward(block: nn.Module) -> bool:
+    """Whether FSDP2 moves the gradients of ``block``'s gathered parameters into gradients of
+    its reduce dtype after a backward that does not reduce them (:meth:`BlockReplay._grads_leave`)."""
+    moves = "torch.distributed.fsdp._fully_shard._fsdp_param.FSDPParam.to_accumulated_grad_if_needed"
+    group = getattr(_fsdp_state(block), "_fsdp_param_group", None)
+    if group is None or not present(moves):
+        return False
+    return all(
+        param.reduce_dtype is not None and param.reduce_dtype != (param.param_dtype or param.orig_dtype)
+        for param in group.fsdp_params
+    )
+
+
 def _foreign_hooks(module: nn.Module) -> bool:
     """Under ``parallel=``: whether ``module`` is DDP, or carries hooks neither FSDP2 nor
     tensor parallel put there (``replicate``'s, a user's)."""
@@ -1098,7 +1137,8 @@ def _hooked(block: nn.Module, unit: bool) -> bool:
     return any(_other_hooks(m) for m in modules)
 
 
-#: Where tensor parallel's ``distribute_module`` makes the hooks it puts on a module.
+#: Where tensor parallel's ``distribute_module`` (``torch.distributed.tensor``'s public
+#: function) makes the hooks it puts on a module.
 _PARALLEL_STYLE_HOOKS: Final = "torch.distributed.tensor._api"
 
 
@@ -1108,7 +1148,11 @@ def _parallel_style_hook(hook: Any) -> tuple[Any, ...] | None:
     modules parallelised alike; None for any other hook. Such a hook keeps no state: what
     it does is ops on the tensors it is given, which run inside a replayed block's forward."""
     code = getattr(hook, "__code__", None)
-    if code is None or getattr(hook, "__module__", None) != _PARALLEL_STYLE_HOOKS:
+    if (
+        code is None
+        or getattr(hook, "__module__", None) != _PARALLEL_STYLE_HOOKS
+        or not hook.__qualname__.startswith("distribute_module.<locals>.")
+    ):
         return None
     cells = dict(zip(code.co_freevars, (cell.cell_contents for cell in hook.__closure__ or ())))
     prepare = cells.get("input_fn", cells.get("output_fn"))
@@ -1300,12 +1344,20 @@ def _arguments(leaves: list[Any]) -> tuple[Any, ...]:
     return tuple(out)
 
 
+#: DTensor's own autograd functions (``to_local``, ``from_local``, ``redistribute``).
+_DTENSOR_FUNCTIONS: Final = (
+    "torch.distributed.tensor._api._ToTorchTensor",
+    "torch.distributed.tensor._api._FromTorchTensor",
+    "torch.distributed.tensor._redistribute.Redistribute",
+)
+
+
 def _dtensor_function(node: Any) -> bool:
-    """Whether ``node`` is one of DTensor's own autograd functions (``from_local``,
-    ``to_local``, ``redistribute``): its backward redistributes the gradient it gets, ops
-    and collectives a traced block's backward records."""
+    """Whether ``node`` is one of DTensor's own autograd functions: its backward
+    redistributes the gradient it gets, ops and collectives a traced block's backward
+    records."""
     cls = getattr(node, "_forward_cls", None)
-    return cls is not None and cls.__module__.startswith("torch.distributed.tensor.")
+    return cls is not None and any(cls is private(path) for path in _DTENSOR_FUNCTIONS)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
