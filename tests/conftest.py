@@ -155,6 +155,7 @@ EXHAUSTIVE: Final = (
     "tests/test_block_replay.py::test_pipeline_stages_replay_their_blocks_to_the_same_bytes[last-1F1B-cuda]",
     "tests/test_block_replay.py::test_a_pipeline_whose_gradients_add_up_over_micro_batches_replays_its_set_up_only",
     "tests/test_block_replay.py::test_a_pipeline_replay_that_cannot_stand_is_traced_again",
+    "tests/test_block_replay.py::test_several_stages_per_rank_replay_their_blocks_to_the_same_bytes[*]",
     "tests/test_block_replay.py::test_fsdp2_units_kept_gathered_after_forward_replay[forward only]",
     # an optimizer step that keeps more each step, or changes at its third, measured over
     # four iterations (test_a_late_change_of_the_optimizer_is_measured_as_it_runs: the change)

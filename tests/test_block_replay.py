@@ -610,6 +610,50 @@ def test_pipeline_stages_replay_their_blocks_to_the_same_bytes(
         assert 0 < _replayed_calls(replayed, "stages.0.layers") <= 4
 
 
+def _two_stages_per_rank(model: nn.Module, mesh: Any) -> list[Any]:
+    """A rank's two stages of a schedule of several per rank: ``pp`` ranks hold 2 x ``pp``
+    stages, the rank at ``i`` stages ``i`` and ``i + pp``."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.pipelining import PipelineStage
+
+    pp = mesh["pp"]
+    count = 2 * pp.size()
+    stages = []
+    for index in (pp.get_local_rank(), pp.get_local_rank() + pp.size()):
+        stage = _Stage(model, index, count)
+        _tensor_parallel_units(list(stage.layers), mesh)
+        fully_shard(stage, mesh=mesh["dp"], mp_policy=_policy())
+        device = torch.device("cuda" if mesh.device_type == "meta" else "cpu")
+        stages.append(PipelineStage(stage, index, count, device, group=pp.get_group()))
+    return stages
+
+
+@needs_gloo
+@pytest.mark.skipif(not _pipelines_followed(), reason="the estimate follows the pipelining of torch 2.12 to 2.15")
+@pytest.mark.parametrize("schedule", ["Interleaved1F1B", "LoopedBFS"])
+def test_several_stages_per_rank_replay_their_blocks_to_the_same_bytes(schedule: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two stages per rank of 6 layers each: each stage's list replays in its own groups."""
+    from benchmarks.llama import LlamaConfig, build
+    from torch.distributed.pipelining import ScheduleInterleaved1F1B, ScheduleLoopedBFS
+
+    config = LlamaConfig(dim=128, layers=24, heads=4, kv_heads=2, ffn=256, vocab=500)
+
+    def make() -> tuple[nn.Module, Any]:
+        torch.manual_seed(0)
+        return build(config, dtype=torch.float32), torch.randint(0, config.vocab, (8, 32))
+
+    parallel = tm.Parallel(
+        mesh={"pp": 2, "dp": 2, "tp": 2},
+        apply=_two_stages_per_rank,
+        schedule=ScheduleInterleaved1F1B if schedule == "Interleaved1F1B" else ScheduleLoopedBFS,
+        microbatches=4,
+    )
+    replayed, traced = both(monkeypatch, make, device="cuda", parallel=parallel, optimizer=_adamw)
+    same_figures(replayed, traced)
+    assert _replayed_calls(replayed, "stages.0.layers") > 0
+    assert _replayed_calls(replayed, "stages.1.layers") > 0
+
+
 def _no_reduce_dtype_pipeline(rank: int) -> Any:
     from torch.distributed.pipelining import Schedule1F1B
 
