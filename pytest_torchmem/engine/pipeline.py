@@ -169,6 +169,8 @@ class Pipelined(nn.Module):
 
         probe.set_phase(Phase.FORWARD, iteration)
         wrapped = ["backward_one_chunk"]
+        if new_forward is not None:
+            wrapped += ["forward_one_chunk", "_prepare_forward_infra", "_prepare_backward_infra"]
         for stage in self._stages:
             stage.backward_one_chunk = first_backward(stage)
             if new_forward is not None:
@@ -176,7 +178,6 @@ class Pipelined(nn.Module):
                 stage.forward_one_chunk = numbered(cls.forward_one_chunk.__get__(stage))
                 stage._prepare_forward_infra = setting_up(cls._prepare_forward_infra.__get__(stage), True)
                 stage._prepare_backward_infra = setting_up(cls._prepare_backward_infra.__get__(stage), False)
-                wrapped[1:] = ["forward_one_chunk", "_prepare_forward_infra", "_prepare_backward_infra"]
         losses: list[Any] = []
         try:
             step_args = args if self.has_first else ()

@@ -57,7 +57,8 @@ each forward is a graph of its own (:meth:`Tracker.new_forward`), and the calls 
 grouped by the step's phase too (under 1F1B the steady state's forwards run in the
 backward phase) and by whether the stages are being set up (their metadata inferred by a
 forward and a backward in the forward phase). A group's template serves every later
-micro-batch.
+micro-batch, where FSDP2 takes each backward's gradients off the gathered parameters
+(:meth:`BlockReplay._grads_leave`): a replayed backward must find none there.
 """
 
 from __future__ import annotations
