@@ -470,12 +470,6 @@ def test_blocks_under_ddp_or_tensor_parallel_are_traced_and_say_why(
 
 # -- tensor parallel inside FSDP2's units, and a pipeline's stages ---------------------------
 
-_TP_PLAN = {
-    "attention.wq": "colwise", "attention.wk": "colwise", "attention.wv": "colwise", "attention.wo": "rowwise",
-    "feed_forward.w1": "colwise", "feed_forward.w3": "colwise", "feed_forward.w2": "rowwise",
-}
-
-
 def _policy(bf16: bool = True) -> Any:
     """bf16 compute over fp32 shards, gradients reduced in fp32 (torchtitan's); else none."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -491,7 +485,11 @@ def _tensor_parallel_units(layers: list[nn.Module], mesh: Any, bf16: bool = True
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     tp = mesh["tp"]
-    plan = {name: ColwiseParallel() if kind == "colwise" else RowwiseParallel() for name, kind in _TP_PLAN.items()}
+    plan = {
+        "attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(), "attention.wv": ColwiseParallel(),
+        "attention.wo": RowwiseParallel(), "feed_forward.w1": ColwiseParallel(), "feed_forward.w3": ColwiseParallel(),
+        "feed_forward.w2": RowwiseParallel(),
+    }
     for layer in layers:
         parallelize_module(layer, tp, plan)
         layer.attention.heads //= tp.size()

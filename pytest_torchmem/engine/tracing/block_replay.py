@@ -1358,7 +1358,14 @@ def _dtensor_function(node: Any) -> bool:
     redistributes the gradient it gets, ops and collectives a traced block's backward
     records."""
     cls = getattr(node, "_forward_cls", None)
-    return cls is not None and any(cls is private(path) for path in _DTENSOR_FUNCTIONS)
+    return cls is not None and cls in _dtensor_functions()
+
+
+@functools.cache
+def _dtensor_functions() -> frozenset[type]:
+    """:data:`_DTENSOR_FUNCTIONS`, resolved once (a recorded block's graph asks of each of
+    its custom nodes)."""
+    return frozenset(private(path) for path in _DTENSOR_FUNCTIONS)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
