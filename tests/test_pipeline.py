@@ -507,6 +507,46 @@ def test_ranks_that_wait_for_each_other_are_reported() -> None:
     assert any(isinstance(exc, PipelineDeadlock) and "a message from rank" in str(exc) for exc in raised)
 
 
+@follows_pipelining
+def test_the_stages_threads_trace_one_at_a_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pipeline's ranks are traced on threads of one process, one thread at a time (run
+    side by side, each op handed the interpreter's lock to another thread): no two of
+    them are inside an op's dispatch at once, and the figures are those of the rank
+    traced alone."""
+    import threading
+
+    from pytest_torchmem.engine.tracing.tracker import Tracker
+
+    dispatch = Tracker.__torch_dispatch__
+    lock, inside, most = threading.Lock(), set(), [0]
+    local = threading.local()
+
+    def counted(self: Tracker, func: object, types: object, args: object = (), kwargs: object = None) -> object:
+        depth = getattr(local, "depth", 0)
+        if depth == 0:
+            with lock:
+                inside.add(threading.get_ident())
+                most[0] = max(most[0], len(inside))
+        local.depth = depth + 1
+        try:
+            return dispatch(self, func, types, args, kwargs)
+        finally:
+            local.depth = depth
+            if depth == 0:
+                with lock:
+                    inside.discard(threading.get_ident())
+
+    model, x = Layers(), torch.randn(BATCH, WIDTH)
+    parallel = functools.partial(
+        tm.Parallel, mesh={"pp": 4}, apply=split, schedule=_schedules()["1F1B"], microbatches=8
+    )
+    alone = tm.estimate(model, (x,), device="cuda", optimizer=_sgd, parallel=parallel(rank=2))
+    monkeypatch.setattr(Tracker, "__torch_dispatch__", counted)
+    ranks = {entry.rank: entry.report for entry in tm.every_rank(model, (x,), device="cuda", optimizer=_sgd, parallel=parallel())}
+    assert most[0] == 1
+    assert ranks[2] == alone
+
+
 @pytest.mark.skipif(FOLLOWED, reason="this release's pipelining is followed")
 def test_other_releases_are_refused() -> None:
     parallel = tm.Parallel(mesh={"pp": 2}, apply=split, schedule=_schedules()["GPipe"], microbatches=4)

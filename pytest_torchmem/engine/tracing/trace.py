@@ -304,7 +304,7 @@ def _traced_pipeline(
 
     def run(index: int, peer: int) -> None:
         try:
-            with one_step("tm.estimate()"):
+            with group.running(), one_step("tm.estimate()"):
                 traced, _ = _trace(
                     model,
                     args,
