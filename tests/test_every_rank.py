@@ -119,7 +119,8 @@ def test_uneven_shards_are_told_apart() -> None:
 
 
 def test_a_two_dimensional_mesh(monkeypatch: pytest.MonkeyPatch) -> None:
-    # data parallel over tensor parallel: every rank holds the same, found with 3 traces
+    # data parallel over tensor parallel: every rank holds the same, found with 2 traces
+    # (rank 0 and the far corner, rank 3, which traces as rank 0 does, byte for byte)
     def apply(model: nn.Module, mesh: object) -> nn.Module:
         model = _tensor_parallel(model, mesh["tp"])  # type: ignore[index]
         return model
@@ -128,8 +129,31 @@ def test_a_two_dimensional_mesh(monkeypatch: pytest.MonkeyPatch) -> None:
     parallel = tm.Parallel(mesh={"dp": 2, "tp": 2}, apply=apply)
     traced = _counting_traces(monkeypatch)
     figures = tm.every_rank(model, x, optimizer=_adamw, parallel=parallel)
-    assert traced == [0, 2, 1]
+    assert traced == [0, 3]
+    assert [entry.ranks for entry in figures] == [(0, 1, 2, 3)]
     _agrees_with_each_rank(figures, _each_rank(model, x, parallel, optimizer=_adamw))
+
+
+def test_a_far_corner_that_differs_traces_each_dimensions_far_end(monkeypatch: pytest.MonkeyPatch) -> None:
+    # FSDP2 over dp (4) of a block whose first Linear has 5 rows, the tp dimension (2)
+    # unused: the far corner (rank 7) holds less than rank 0, so each dimension's far end
+    # is traced (dp's, rank 6; tp's, rank 1), and dp, whose ends differ, at every coordinate
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Sequential(nn.Linear(16, 5), nn.ReLU(), nn.Linear(5, 16)))
+    x = torch.randn(4, 16)
+
+    def apply(model: nn.Module, mesh: object) -> nn.Module:
+        return _fsdp()(model, mesh["dp"])  # type: ignore[index]
+
+    parallel = tm.Parallel(mesh={"dp": 4, "tp": 2}, apply=apply)
+    before = fingerprint(model, x)
+    traced = _counting_traces(monkeypatch)
+    figures = tm.every_rank(model, x, optimizer=_adamw, parallel=parallel)
+    assert traced == [0, 7, 6, 1, 2, 4]
+    each = _each_rank(model, x, parallel, optimizer=_adamw)
+    assert len({tuple(map(str, _figures(report))) for report in each}) > 1  # the case is uneven
+    _agrees_with_each_rank(figures, each)
+    assert fingerprint(model, x) == before
 
 
 @follows_pipelining

@@ -139,3 +139,23 @@ def test_replay_lists_every_change_of_the_live_bytes() -> None:
         running += charge.nbytes
         peak = max(peak, running)
     assert peak == analyze(tl, baseline).phase_peaks[0] == 230
+
+
+def _a_step(nbytes: int, freed_after: list[int]) -> Timeline:
+    tl, _ = _timeline()
+    tl.phase(Phase.FORWARD)
+    kept = tl.new_allocation(StorageInfo(nbytes, phase=Phase.FORWARD))
+    other = tl.new_allocation(StorageInfo(20, phase=Phase.FORWARD))
+    tl.phase(None)
+    for sid in freed_after:  # what Python lets go of after the step, in an order of its own
+        tl.free([kept, other][sid])
+    return tl
+
+
+def test_the_digest_is_the_steps_events_and_sizes_until_it_ended() -> None:
+    assert _a_step(40, []).digest() == _a_step(40, [1, 0]).digest() == _a_step(40, [0, 1]).digest()
+    assert _a_step(40, []).digest() != _a_step(41, []).digest()  # one byte more
+    moved = _a_step(40, [])
+    moved.events[-3], moved.events[-2] = moved.events[-2], moved.events[-3]  # the same allocations, in another order
+    assert moved.digest() != _a_step(40, []).digest()
+    assert len(_a_step(40, []).digest()) == 16

@@ -6,14 +6,22 @@ pipeline gives every stage of it. Along the other dimensions (data parallel, FSD
 tensor, context, experts) torch splits tensors into chunks (``torch.chunk``: FSDP2's
 shards, DTensor's ``Shard``, a sequence's chunks), whose sizes do not grow from the first
 coordinate to the last: where the first and the last coordinate hold the same, every
-coordinate between does too. So the search traces rank 0's pipeline, then, for each such
-dimension, the pipeline at its last coordinate (the others at 0); a dimension whose two
-ends hold the same is one rank's worth, one whose ends differ is traced at every
-coordinate. Ranks whose figures are equal are then one entry, which lists them.
+coordinate between does too.
+
+So the search traces rank 0's pipeline, then the pipeline at the far corner, every other
+dimension at its last coordinate. Where each stage's trace there is rank 0's, event for
+event and byte for byte (:meth:`~pytest_torchmem.engine.timeline.Timeline.digest`), no
+size along any dimension shrank at its last coordinate (a size that shrank along one
+dimension is not made up by another, whose sizes do not grow either): every rank holds
+its stage's figures at rank 0, found with two pipelines' traces. Otherwise the search
+traces, for each dimension, the pipeline at its last coordinate (the others at 0); a
+dimension whose two ends hold the same is one rank's worth, one whose ends differ is
+traced at every coordinate. Ranks whose figures are equal are then one entry, which
+lists them.
 
 What the search assumes, and where it would not hold: a program that branches on its
-rank's coordinate other than through the sizes torch gives it (``if rank == 3:``) along
-a dimension whose ends agree.
+rank's coordinate other than through the sizes torch gives it (``if rank == 3:``) at a
+coordinate the search did not trace.
 """
 
 from __future__ import annotations
@@ -22,7 +30,7 @@ import itertools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, Final, NamedTuple
 
 from pytest_torchmem.engine.report import MemoryReport
 from pytest_torchmem.engine.units import format_bytes
@@ -30,12 +38,25 @@ from pytest_torchmem.engine.units import format_bytes
 if TYPE_CHECKING:
     from pytest_torchmem.engine.parallel import Parallel
     from pytest_torchmem.engine.request import StepRequest
+    from pytest_torchmem.engine.tracing.trace import Trace
 
-__all__ = ["MAX_TRACED_RANKS", "RankFigures", "distinct_ranks", "request_ranks", "worst_first"]
+__all__ = ["MAX_TRACED_RANKS", "RankFigures", "TracedRank", "distinct_ranks", "request_ranks", "traced_rank", "worst_first"]
 
 #: At most this many ranks are traced (a pipeline's stages each count): past it, a mesh
 #: whose dimensions all differ end to end is refused rather than traced for minutes.
 MAX_TRACED_RANKS: Final = 256
+
+
+class TracedRank(NamedTuple):
+    """What the search keeps of a traced rank: its report, and the digest of its timeline
+    (:meth:`~pytest_torchmem.engine.timeline.Timeline.digest`)."""
+
+    report: MemoryReport
+    digest: bytes
+
+
+def traced_rank(trace: Trace) -> TracedRank:
+    return TracedRank(trace.report, trace.timeline.digest())
 
 
 @dataclass(frozen=True)
@@ -109,16 +130,16 @@ def _figures(report: MemoryReport) -> tuple[Any, ...]:
 
 def distinct_ranks(
     parallel: Parallel,
-    traced: Callable[[Sequence[int]], Mapping[int, MemoryReport]],
+    traced: Callable[[Sequence[int]], Mapping[int, TracedRank]],
     usable: int | None = None,
 ) -> tuple[RankFigures, ...]:
     """The distinct ranks of ``parallel``'s mesh, worst first (:func:`worst_first`; equal
-    ones by rank). ``traced(ranks)`` returns the report of each of ``ranks`` (and may
-    return more: a pipeline's other stages)."""
+    ones by rank). ``traced(ranks)`` traces each of ``ranks`` (and may trace more: a
+    pipeline's other stages)."""
     pipeline = parallel.pipeline if parallel.pipelined else None
     others = [name for name in parallel.names if name != pipeline and parallel.mesh[name] > 1]
     stages = range(parallel.mesh[pipeline]) if pipeline is not None else range(1)
-    reports: dict[int, MemoryReport] = {}
+    traces: dict[int, TracedRank] = {}
 
     def rank(coordinates: Mapping[str, int], stage: int) -> int:
         at = {name: coordinates.get(name, 0) for name in parallel.names}
@@ -126,32 +147,40 @@ def distinct_ranks(
             at[pipeline] = stage
         return parallel.rank_at(at)
 
-    def trace(ranks: Sequence[int]) -> None:
-        wanted = [one for one in ranks if one not in reports]
-        if len(reports) + len(wanted) > MAX_TRACED_RANKS:
+    def trace(coordinates: Mapping[str, int]) -> None:
+        wanted = [one for one in (rank(coordinates, stage) for stage in stages) if one not in traces]
+        if len(traces) + len(wanted) > MAX_TRACED_RANKS:
             raise ValueError(
                 f"the mesh {parallel.key} has ranks that differ along every dimension: telling "
                 f"them apart would trace more than {MAX_TRACED_RANKS} ranks; estimate the ranks "
                 "you need with Parallel(rank=...)"
             )
         if wanted:
-            reports.update(traced(wanted))
+            traces.update(traced(wanted))
 
-    # rank 0's pipeline, then each dimension's far end
-    trace([rank({}, stage) for stage in stages])
+    def same(coordinates: Mapping[str, int], alike: Callable[[TracedRank], Any]) -> bool:
+        return all(alike(traces[rank({}, stage)]) == alike(traces[rank(coordinates, stage)]) for stage in stages)
+
+    # rank 0's pipeline, then the far corner's: where it traced as rank 0's, no dimension
+    # differs; else each dimension's far end
+    trace({})
     differing: list[str] = []
-    for name in others:
-        end = {name: parallel.mesh[name] - 1}
-        trace([rank(end, stage) for stage in stages])
-        if any(_figures(reports[rank({}, stage)]) != _figures(reports[rank(end, stage)]) for stage in stages):
-            differing.append(name)
+    corner = {name: parallel.mesh[name] - 1 for name in others}
+    if len(others) > 1:
+        trace(corner)
+    if len(others) < 2 or not same(corner, lambda one: one.digest):
+        for name in others:
+            end = {name: parallel.mesh[name] - 1}
+            trace(end)
+            if not same(end, lambda one: _figures(one.report)):
+                differing.append(name)
     # every coordinate of the dimensions whose ends differ; each traced rank stands for
     # the ranks that differ from it only along the others
     stands_for: dict[int, list[int]] = {}
     every = [parallel.coordinates(one) for one in range(parallel.world)]
     for values in itertools.product(*(range(parallel.mesh[name]) for name in differing)):
         fixed = dict(zip(differing, values, strict=True))
-        trace([rank(fixed, stage) for stage in stages])
+        trace(fixed)
         for stage in stages:
             mine = rank(fixed, stage)
             stands_for[mine] = [
@@ -163,12 +192,12 @@ def distinct_ranks(
     # ranks of equal figures are one entry
     merged: dict[tuple[Any, ...], list[int]] = {}
     for traced_rank in sorted(stands_for):
-        merged.setdefault(_figures(reports[traced_rank]), []).append(traced_rank)
+        merged.setdefault(_figures(traces[traced_rank].report), []).append(traced_rank)
     entries = []
     for traced_ranks in merged.values():
         first = traced_ranks[0]
         ranks = sorted(one for traced_rank in traced_ranks for one in stands_for[traced_rank])
-        report = reports[first]
+        report = traces[first].report
         entries.append(RankFigures(first, tuple(ranks), parallel.coordinates(first), report, usable))
     return tuple(sorted(entries, key=lambda entry: (*worst_first(entry.report), entry.rank)))
 
@@ -181,8 +210,8 @@ def request_ranks(request: StepRequest, gpu: Any, cpu: Any, parallel: Parallel) 
 
     profile = gpu_profile(gpu) if request.device == "cuda" else None
 
-    def traced(ranks: Sequence[int]) -> dict[int, MemoryReport]:
+    def traced(ranks: Sequence[int]) -> dict[int, TracedRank]:
         traces = trace_request_ranks(request, profile, cpu, parallel=parallel, ranks=ranks)
-        return {rank: one.report for rank, one in traces.items()}
+        return {rank: traced_rank(one) for rank, one in traces.items()}
 
     return distinct_ranks(parallel, traced, usable_memory(profile) if profile is not None else None)

@@ -11,7 +11,9 @@ by the same code.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import itertools
+from array import array
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from enum import IntEnum
@@ -144,6 +146,21 @@ class Timeline:
     def mark(self, iteration: int) -> None:
         """The step's ``iteration`` (from 1) of a repeated run has ended (its locals died)."""
         self.events.append((MARK, iteration, 0))
+
+    def digest(self) -> bytes:
+        """What the step did, in 16 bytes: every event in its order until the step ended, and
+        every storage's size, role, phase, module, op and pool. Two traces of one program on
+        the same sizes have the same digest; a byte more or less anywhere, and they differ.
+        (What the step leaves is freed after its end as Python lets go of it, in an order
+        of Python's: no figure reads those frees, and the digest leaves them out.)"""
+        events = self.events
+        end = next((i for i in range(len(events) - 1, -1, -1) if events[i][:2] == (PHASE, -1)), len(events) - 1)
+        digest = hashlib.blake2b(digest_size=16)
+        digest.update(array("q", itertools.chain.from_iterable(events[: end + 1])).tobytes())
+        storages = [(one.nbytes, one.category, one.phase, one.module, one.op, one.pool) for one in self.storages]
+        digest.update(repr((storages, sorted(self.roles.items()), self.module_names, self.phase_names)).encode())
+        digest.update(self.step_start.to_bytes(8, "little"))
+        return digest.digest()
 
     def assign_role(self, sid: int, category: Category) -> None:
         """Record the role a storage ends up in (gradient, optimizer state)."""

@@ -137,7 +137,7 @@ class Estimator:
         """The estimate on ``device`` with this run's rules, as the hooks adjust it,
         and the trace it was read from (``parallel``: of its rank; ``"max"``: the
         worst of the distinct ranks, :mod:`~pytest_torchmem.engine.distinct_ranks`)."""
-        from pytest_torchmem.engine.distinct_ranks import distinct_ranks
+        from pytest_torchmem.engine.distinct_ranks import TracedRank, distinct_ranks, traced_rank
         from pytest_torchmem.engine.report import MemoryReport
         from pytest_torchmem.engine.tracing.devices import device_model
         from pytest_torchmem.engine.tracing.trace import Trace, trace, trace_ranks
@@ -155,10 +155,10 @@ class Estimator:
         if parallel is not None and parallel.rank == "max":
             traces: dict[int, Trace] = {}
 
-            def traced_ranks(ranks: Any) -> dict[int, MemoryReport]:
+            def traced_ranks(ranks: Any) -> dict[int, TracedRank]:
                 got = trace_ranks(request.model, request.args, request.kwargs, parallel=parallel, ranks=ranks, **options)
                 traces.update(got)
-                return {rank: one.report for rank, one in got.items()}
+                return {rank: traced_rank(one) for rank, one in got.items()}
 
             traced = traces[distinct_ranks(parallel, traced_ranks)[0].rank]
         else:
