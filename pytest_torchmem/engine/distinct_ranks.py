@@ -56,6 +56,7 @@ class TracedRank(NamedTuple):
 
 
 def traced_rank(trace: Trace) -> TracedRank:
+    """What the search keeps of ``trace`` (its timeline is let go)."""
     return TracedRank(trace.report, trace.timeline.digest())
 
 
