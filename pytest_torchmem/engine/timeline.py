@@ -56,6 +56,8 @@ MARK: Final = 7  # (MARK, iteration, 0): the end of an iteration of a repeated s
 _CATEGORY_ORDER: Final = tuple(Category)
 #: Each category's rank in that order (breakdowns, roles, the baseline's order).
 CATEGORY_RANK: Final = {category: i for i, category in enumerate(_CATEGORY_ORDER)}
+#: A storage's category as a number (:meth:`Timeline.digest`; -1: none yet).
+_CATEGORY_CODE: Final = {None: -1, **CATEGORY_RANK}
 
 
 class Frame(NamedTuple):
@@ -157,9 +159,21 @@ class Timeline:
         end = next((i for i in range(len(events) - 1, -1, -1) if events[i][:2] == (PHASE, -1)), len(events) - 1)
         digest = hashlib.blake2b(digest_size=16)
         digest.update(array("q", itertools.chain.from_iterable(events[: end + 1])).tobytes())
-        storages = [(one.nbytes, one.category, one.phase, one.module, one.op, one.pool) for one in self.storages]
-        digest.update(repr((storages, sorted(self.roles.items()), self.module_names, self.phase_names)).encode())
-        digest.update(self.step_start.to_bytes(8, "little"))
+        # (as numbers: the storages' reprs, their enums' among them, took two thirds of the time)
+        category = _CATEGORY_CODE
+        storages = self.storages
+        digest.update(
+            array(
+                "q",
+                itertools.chain.from_iterable(
+                    (one.nbytes, category[one.category], -1 if one.phase is None else one.phase, one.module, one.pool)
+                    for one in storages
+                ),
+            ).tobytes()
+        )
+        digest.update("\0".join([one.op for one in storages]).encode())
+        roles = sorted((sid, CATEGORY_RANK[role]) for sid, role in self.roles.items())
+        digest.update(repr((roles, self.module_names, self.phase_names, self.step_start)).encode())
         return digest.digest()
 
     def assign_role(self, sid: int, category: Category) -> None:

@@ -166,35 +166,48 @@ class PipelineGroup:
             self._running = None
             self._cond.notify_all()
 
+    @contextmanager
+    def _waiting_turn(self) -> Iterator[Callable[[], None]]:
+        """(holding the condition) The block waits by the function it is given, the turn
+        given up meanwhile; the thread that had the turn takes it back after the block."""
+        mine = self._running is threading.current_thread()
+
+        def wait() -> None:
+            self._give_turn()
+            self._cond.wait()
+
+        try:
+            yield wait
+        finally:
+            if mine:
+                self._take_turn()
+
     def _wait_for(self, ready: Callable[[], bool], what: str) -> None:
         """Wait (holding the condition) until ``ready()``; raise where no rank can make it so."""
         self._waiting += 1
         self._waits[threading.current_thread().name] = (what, ready)
-        mine = self._running is threading.current_thread()
         try:
-            while not ready():
-                if self.failed is not None:
-                    raise PipelinePeerFailed(
-                        f"another rank of the pipeline failed while this one waited for {what}"
-                    ) from None
-                # (a waiter whose wait is over, but which has not woken yet, will go on)
-                if self._waiting >= self._alive and not any(r() for _, r in self._waits.values()):
-                    waits = "; ".join(f"{name} for {it}" for name, (it, _) in sorted(self._waits.items()))
-                    self.failed = PipelineDeadlock(
-                        f"every rank of the pipeline {self.ranks} waits ({waits}): the "
-                        "stages' schedules do not send what the others receive; check that every "
-                        "rank builds the same schedule and that each stage's index is its "
-                        "pipeline coordinate"
-                    )
-                    self._cond.notify_all()
-                    raise self.failed
-                self._give_turn()
-                self._cond.wait()
+            with self._waiting_turn() as wait:
+                while not ready():
+                    if self.failed is not None:
+                        raise PipelinePeerFailed(
+                            f"another rank of the pipeline failed while this one waited for {what}"
+                        ) from None
+                    # (a waiter whose wait is over, but which has not woken yet, will go on)
+                    if self._waiting >= self._alive and not any(r() for _, r in self._waits.values()):
+                        waits = "; ".join(f"{name} for {it}" for name, (it, _) in sorted(self._waits.items()))
+                        self.failed = PipelineDeadlock(
+                            f"every rank of the pipeline {self.ranks} waits ({waits}): the "
+                            "stages' schedules do not send what the others receive; check that every "
+                            "rank builds the same schedule and that each stage's index is its "
+                            "pipeline coordinate"
+                        )
+                        self._cond.notify_all()
+                        raise self.failed
+                    wait()
         finally:
             self._waiting -= 1
             self._waits.pop(threading.current_thread().name, None)
-            if mine:
-                self._take_turn()
 
     def fail(self, exc: BaseException) -> None:
         with self._cond:
@@ -235,12 +248,9 @@ class PipelineGroup:
                     # leaving is never refused for a peer's failure: the contexts unwind in order
                     self._alive -= 1  # a rank waiting to leave sends nothing more
                     self._cond.notify_all()
-                    mine = self._running is threading.current_thread()
-                    while any(other > index for other in self._inside):
-                        self._give_turn()
-                        self._cond.wait()
-                    if mine:
-                        self._take_turn()
+                    with self._waiting_turn() as wait:
+                        while any(other > index for other in self._inside):
+                            wait()
                     self._alive += 1
                     self._inside.discard(index)
                     self._cond.notify_all()
