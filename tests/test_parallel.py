@@ -247,12 +247,15 @@ def _fsdp(reshard_after_forward: bool | int = True, bf16: bool = False):
     [(2, True, False), (2, False, True), (4, True, True), (4, False, False), (4, 2, False), ((2, 2), True, False)],
     ids=["w2-reshard", "w2-keep-bf16", "w4-reshard-bf16", "w4-keep", "w4-reshard-to-2", "hsdp-2x2"],
 )
-def test_fsdp2_forward_equals_gloo_ranks(world: int | tuple[int, int], reshard: bool | int, bf16: bool) -> None:
-    # FSDP2's first forward repeats exactly run to run: its all-gathers complete
-    # before the block that needs them runs. The loop's forward does too, but where
-    # a gloo thread held a buffer of the first step's backward late (then it is
-    # higher: see test_fsdp2_backward_and_step_inside_five_real_runs). (2, 2): hybrid
-    # sharding, over a replicate x shard mesh.
+def test_fsdp2_step_equals_gloo_ranks(world: int | tuple[int, int], reshard: bool | int, bf16: bool) -> None:
+    # Every peak of FSDP2's step, the first step's and the loop's, on real gloo ranks,
+    # run after run. (2, 2): hybrid sharding, over a replicate x shard mesh. A
+    # collective's buffer that gloo's worker thread let go of last is freed where the
+    # profiler does not see it (the clone of its input that gloo's reduce-scatter makes,
+    # held by its work item): it is freed where the step's thread went on after the
+    # collective, though another allocation takes its address first
+    # (tests/test_profiler_events.py). Before, about one run in six on a busy machine
+    # held one block's unsharded gradients (66,304 B) to the end of the step.
     model, x = _blocks(4), torch.randn(8, 64)
     mesh = {"dp": world} if isinstance(world, int) else dict(zip(("replicate", "shard"), world))
     ranks = world if isinstance(world, int) else world[0] * world[1]
@@ -260,16 +263,9 @@ def test_fsdp2_forward_equals_gloo_ranks(world: int | tuple[int, int], reshard: 
     estimated = tm.estimate(model, x, optimizer=_adamw, parallel=parallel)
     skip_where_native(estimated)
     assert estimated.unsupported == () and estimated.first_step is not None
-    loop = []
-    for _ in range(3):
+    for _ in range(2):
         measured = tm.measure(model, x, optimizer=_adamw, parallel=parallel)
-        assert measured.first_step is not None
-        assert estimated.first_step.forward == measured.first_step.forward
-        loop.append(measured.forward_peak)
-        assert estimated.forward_peak <= measured.forward_peak
-        if estimated.forward_peak == measured.forward_peak:
-            break
-    assert estimated.forward_peak in loop, (estimated.forward_peak, loop)
+        assert (_peaks(measured), measured.first_step) == (_peaks(estimated), estimated.first_step)
 
 
 def test_fsdp2_shards_parameters_by_world() -> None:
@@ -331,28 +327,6 @@ def test_fsdp2s_chunks_are_made_as_read_and_are_its_own(size: int, count: int) -
         views = [(t.shape, t.stride(), t.storage_offset(), t.numel() and t.data_ptr()) for t in theirs]
         assert [(t.shape, t.stride(), t.storage_offset(), t.numel() and t.data_ptr()) for t in made] == views
         assert [t.shape for t in made[1:3]] == [t.shape for t in theirs[1:3]] and made[-1].shape == theirs[-1].shape
-
-
-def test_fsdp2_backward_and_step_inside_five_real_runs() -> None:
-    # FSDP2's backward and step peaks depend on when gloo's threads let go of a
-    # collective's buffers; the estimate's schedule (every collective complete
-    # when issued, its buffers dropped as soon as the program drops them) is the
-    # lowest any run shows. Checked at world 2, 4 blocks, AdamW. A buffer held
-    # late in the first step's backward can live into the loop's forward (seen:
-    # one block's unsharded parameters, 66,304 B, in about one run in six): only
-    # the first step's forward is the same in every run.
-    model, x = _blocks(4), torch.randn(8, 64)
-    parallel = tm.Parallel(mesh={"dp": 2}, apply=_fsdp())
-    estimated = tm.estimate(model, x, optimizer=_adamw, parallel=parallel)
-    runs = [tm.measure(model, x, optimizer=_adamw, parallel=parallel) for _ in range(5)]
-    assert estimated.first_step is not None
-    assert {run.first_step.forward for run in runs if run.first_step} == {estimated.first_step.forward}
-    for phase in ("forward_peak", "backward_peak", "step_peak"):
-        real = [getattr(run, phase) for run in runs]
-        assert min(real) <= getattr(estimated, phase) <= max(real), (phase, real)
-    for phase in ("backward", "step"):
-        real = [getattr(run.first_step, phase) for run in runs if run.first_step]
-        assert min(real) <= getattr(estimated.first_step, phase) <= max(real), (phase, real)
 
 
 def test_cuda_lists_nccl_as_not_modelled() -> None:

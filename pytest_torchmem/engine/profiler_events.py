@@ -134,6 +134,7 @@ def read_events(prof: Any, timeline: Timeline, by_ptr: dict[int, int], probe: Ma
     # timeline index where the step's thread went on after the collective
     elsewhere: dict[int, int] = {}
     pending: list[tuple[int, int]] = []  # (sid, time the step's thread goes on after)
+    reused: set[int] = set()  # a collective's storages whose address was taken again
     for at, node in events:
         fields = node.extra_fields
         if pending and (node.start_tid == step_thread or not isinstance(fields, Allocation)):
@@ -185,6 +186,9 @@ def read_events(prof: Any, timeline: Timeline, by_ptr: dict[int, int], probe: Ma
                 module=module,
                 op=_kernel_name(node),
             )
+            unseen = by_ptr.get(fields.ptr)
+            if unseen is not None:  # its address is taken again: it was freed, out of sight
+                _freed_unseen(timeline, unseen, elsewhere, pending, reused)
             sid = timeline.new_storage(info)
             by_ptr[fields.ptr] = sid
             timeline.alloc(sid)
@@ -199,7 +203,7 @@ def read_events(prof: Any, timeline: Timeline, by_ptr: dict[int, int], probe: Ma
             if sid is not None:
                 timeline.free(sid)
     elsewhere.update((sid, len(timeline.events)) for sid, _ in pending)
-    settled = _free_lost(timeline, by_ptr, elsewhere, settled)
+    settled = _free_lost(timeline, by_ptr, elsewhere, settled, reused)
     if settled is not None:
         _free_released(timeline, settled, first)
 
@@ -253,8 +257,33 @@ def _collective_of(node: Any) -> Any:
     return None
 
 
+def _freed_unseen(
+    timeline: Timeline, sid: int, elsewhere: dict[int, int], pending: list[tuple[int, int]], reused: set[int]
+) -> None:
+    """Free ``sid``, whose address an allocation takes again: it was freed where the
+    profiler did not see it.
+
+    A collective's own storage (the clone of its input gloo's reduce-scatter
+    makes, held by its work item) is freed where the step's thread went on after
+    the collective (:func:`_free_lost`), at the latest here; any other is freed
+    here, before the allocation that took its address.
+    """
+    waiting = [entry for entry in pending if entry[0] != sid]
+    if len(waiting) < len(pending):
+        pending[:] = waiting
+        elsewhere[sid] = len(timeline.events)
+    if sid in elsewhere:
+        reused.add(sid)
+    else:
+        timeline.free(sid)
+
+
 def _free_lost(
-    timeline: Timeline, by_ptr: dict[int, int], elsewhere: dict[int, int], settled: tuple[int, set[int]] | None
+    timeline: Timeline,
+    by_ptr: dict[int, int],
+    elsewhere: dict[int, int],
+    settled: tuple[int, set[int]] | None,
+    reused: set[int],
 ) -> tuple[int, set[int]] | None:
     """Free, where the step's thread went on after it, what a collective made and
     freed unseen.
@@ -267,9 +296,11 @@ def _free_lost(
     profiler, whose memory reporting is per thread, does not see it. As the
     estimate, a collective's own buffers die when it completes: before the
     step's thread does anything more.
+    ``reused``: such storages whose address an allocation took again (no longer
+    in ``by_ptr``).
     Returns ``settled`` with its index moved past the frees put before it.
     """
-    live = set(by_ptr.values())
+    live = set(by_ptr.values()) | reused
     lost = sorted(((index, sid) for sid, index in elsewhere.items() if sid in live), reverse=True)
     for index, sid in lost:
         timeline.events.insert(index, (FREE, sid, 0))
