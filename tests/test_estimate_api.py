@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import pickle
 
 import pytest
 import torch
@@ -404,6 +405,15 @@ def test_report_json_round_trip() -> None:
     old.update(schema=1, peak=report.step_peak)
     del old["first_step"]
     assert tm.MemoryReport.from_dict(old).first_step is None
+
+
+def test_a_report_pickles() -> None:
+    # (its mappings are read-only proxies: it travels as its dict, to another process too)
+    model, x = _linear()
+    report = tm.estimate(model, x, optimizer=lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9))
+    again = pickle.loads(pickle.dumps(report))
+    assert again == report and again.modules == report.modules and again.first_step == report.first_step
+    assert isinstance(again.breakdown, type(report.breakdown))
 
 
 def test_a_training_step_runs_as_a_loop_whose_first_step_is_beside_it() -> None:

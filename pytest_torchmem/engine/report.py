@@ -236,6 +236,10 @@ class MemoryReport:
             replayed=tuple(data.get("replayed", ())),
         )
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # its mappings are read-only proxies, which do not pickle: it travels as its dict
+        return (MemoryReport.from_dict, (self.to_dict(),))
+
     def to_json(self, **kwargs: Any) -> str:
         """The report as JSON text (sorted keys, two-space indent unless overridden)."""
         kwargs.setdefault("indent", 2)
