@@ -10,19 +10,33 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 from fingerprint import fingerprint
 from test_parallel import _a_real_run_equal_to, _adamw, _blocks, _ddp, _fsdp, _tensor_parallel
-from test_pipeline import BATCH, MICRO_BATCHES, WIDTH, Layers, _schedules, _sgd, follows_pipelining, split
+from test_pipeline import (
+    BATCH,
+    MICRO_BATCHES,
+    WIDTH,
+    Layers,
+    _Pairs,
+    _schedules,
+    _sgd,
+    _three_dimensional,
+    follows_pipelining,
+    split,
+)
 from torch import nn
 
 import pytest_torchmem as tm
 from pytest_torchmem.engine import distinct_ranks as every_rank_module
+from pytest_torchmem.engine import distributed, traced_beside
 from pytest_torchmem.engine.distinct_ranks import worst_first
 from pytest_torchmem.engine.gpu_profiles import CUDA_CONTEXT, gpu_profile
 
@@ -73,17 +87,18 @@ def _agrees_with_each_rank(figures: tuple[tm.RankFigures, ...], each: list[tm.Me
 
 
 def _counting_traces(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """The ranks the search traces, in order (a pipeline's stages each count)."""
+    """The ranks the search traces in this process, in order (a pipeline's stages each
+    count; not those a forked child traced beside it)."""
     traced: list[int] = []
     real = every_rank_module.distinct_ranks
 
-    def counted(parallel, trace, usable=None):  # type: ignore[no-untyped-def]
+    def counted(parallel, trace, usable=None, beside=None):  # type: ignore[no-untyped-def]
         def counting(ranks):  # type: ignore[no-untyped-def]
             got = trace(ranks)
             traced.extend(sorted(got))
             return got
 
-        return real(parallel, counting, usable)
+        return real(parallel, counting, usable, beside)
 
     monkeypatch.setattr(every_rank_module, "distinct_ranks", counted)
     return traced
@@ -174,6 +189,62 @@ def test_every_stage_of_a_pipeline(device: str, monkeypatch: pytest.MonkeyPatch)
     assert sorted(entry.ranks for entry in figures) == [(0, 1), (2, 3)]
     _agrees_with_each_rank(figures, _each_rank(model, (x,), parallel, device=device, optimizer=_sgd))
     assert fingerprint(model, x) == before
+
+
+def _three_dimensional_pipeline() -> tuple[nn.Module, torch.Tensor, tm.Parallel]:
+    model, x = _Pairs(), torch.randn(BATCH, WIDTH)
+    parallel = tm.Parallel(
+        mesh={"pp": 2, "dp": 2, "tp": 2}, apply=_three_dimensional, schedule=_schedules()["1F1B"], microbatches=4
+    )
+    return model, x, parallel
+
+
+@follows_pipelining
+def test_the_far_corners_pipeline_is_traced_beside_rank_0s(monkeypatch: pytest.MonkeyPatch) -> None:
+    # pp 2 x dp 2 x tp 2 (torchtitan's 3-D rank): this process traces rank 0's pipeline
+    # (ranks 0 and 4), a child forked for it the far corner's (dp 1, tp 1: ranks 3 and 7),
+    # and the figures are those of the search alone
+    enabled = traced_beside.beside_enabled
+    monkeypatch.setattr(traced_beside, "beside_enabled", lambda: True)  # (a one-core machine too)
+    model, x, parallel = _three_dimensional_pipeline()
+    before = fingerprint(model, x)
+    here = _counting_traces(monkeypatch)
+    figures = tm.every_rank(model, (x,), optimizer=_adamw, parallel=parallel)
+    assert here == [0, 4]
+    assert fingerprint(model, x) == before
+    monkeypatch.setattr(traced_beside, "beside_enabled", enabled)
+    monkeypatch.setenv(traced_beside.ENV, "0")  # turned off
+    here.clear()
+    alone = tm.every_rank(model, (x,), optimizer=_adamw, parallel=parallel)
+    assert here == [0, 4, 3, 7]
+    assert figures == alone
+    assert sorted(entry.ranks for entry in figures) == [(0, 1, 2, 3), (4, 5, 6, 7)]
+
+
+def _refused() -> str:
+    return "Unable to handle autograd's threading in combination with fork-based multiprocessing"
+
+
+def _dies() -> str:
+    os._exit(3)
+
+
+def _raises() -> str:
+    raise RuntimeError("a lock this child never gets")
+
+
+@follows_pipelining
+@pytest.mark.parametrize("child", [_refused, _dies, _raises], ids=["autograd refused", "dies", "raises"])
+def test_a_child_that_cannot_trace_leaves_the_pipeline_to_this_process(
+    child: Callable[[], str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(traced_beside, "beside_enabled", lambda: True)
+    monkeypatch.setattr(distributed, "ready_after_fork", child)  # (what the forked child runs first)
+    model, x, parallel = _three_dimensional_pipeline()
+    here = _counting_traces(monkeypatch)
+    figures = tm.every_rank(model, (x,), optimizer=_adamw, parallel=parallel)
+    assert here == [0, 4, 3, 7]
+    assert sorted(entry.ranks for entry in figures) == [(0, 1, 2, 3), (4, 5, 6, 7)]
 
 
 # -- the worst rank ------------------------------------------------------------------

@@ -37,6 +37,7 @@ from pytest_torchmem.engine.units import format_bytes
 
 if TYPE_CHECKING:
     from pytest_torchmem.engine.parallel import Parallel
+    from pytest_torchmem.engine.traced_beside import Beside
     from pytest_torchmem.engine.request import StepRequest
     from pytest_torchmem.engine.tracing.trace import Trace
 
@@ -133,10 +134,13 @@ def distinct_ranks(
     parallel: Parallel,
     traced: Callable[[Sequence[int]], Mapping[int, TracedRank]],
     usable: int | None = None,
+    beside: Callable[[Sequence[int]], Beside[Mapping[int, TracedRank]]] | None = None,
 ) -> tuple[RankFigures, ...]:
     """The distinct ranks of ``parallel``'s mesh, worst first (:func:`worst_first`; equal
     ones by rank). ``traced(ranks)`` traces each of ``ranks`` (and may trace more: a
-    pipeline's other stages)."""
+    pipeline's other stages); ``beside(ranks)``, where given, starts tracing them in a
+    forked child (:mod:`~pytest_torchmem.engine.traced_beside`): the far corner's
+    pipeline, while this process traces rank 0's."""
     pipeline = parallel.pipeline if parallel.pipelined else None
     others = [name for name in parallel.names if name != pipeline and parallel.mesh[name] > 1]
     stages = range(parallel.mesh[pipeline]) if pipeline is not None else range(1)
@@ -164,11 +168,16 @@ def distinct_ranks(
 
     # rank 0's pipeline, then the far corner's: where it traced as rank 0's, no dimension
     # differs; else each dimension's far end
-    trace({})
     differing: list[str] = []
     corner = {name: parallel.mesh[name] - 1 for name in others}
+    aside = None
+    if beside is not None and len(others) > 1 and 2 * len(stages) <= MAX_TRACED_RANKS:
+        aside = beside([rank(corner, stage) for stage in stages])
+    trace({})
+    if aside is not None:
+        traces.update(aside.result() or {})
     if len(others) > 1:
-        trace(corner)
+        trace(corner)  # (what the child did not trace)
     if len(others) < 2 or not same(corner, lambda one: one.digest):
         for name in others:
             end = {name: parallel.mesh[name] - 1}
@@ -209,10 +218,21 @@ def request_ranks(request: StepRequest, gpu: Any, cpu: Any, parallel: Parallel) 
     from pytest_torchmem.engine.gpu_profiles import gpu_profile, usable_memory
     from pytest_torchmem.engine.tracing.trace import trace_request_ranks
 
+    from pytest_torchmem.engine.traced_beside import Beside, beside_enabled
+    from pytest_torchmem.engine.tracing.devices.cpu.profiles import cpu_profile
+
     profile = gpu_profile(gpu) if request.device == "cuda" else None
+    if request.device == "cpu":
+        cpu = cpu_profile(cpu)  # (the host's, as this process runs: a forked child runs one thread)
 
     def traced(ranks: Sequence[int]) -> dict[int, TracedRank]:
         traces = trace_request_ranks(request, profile, cpu, parallel=parallel, ranks=ranks)
         return {rank: traced_rank(one) for rank, one in traces.items()}
 
-    return distinct_ranks(parallel, traced, usable_memory(profile) if profile is not None else None)
+    def beside(ranks: Sequence[int]) -> Beside[Mapping[int, TracedRank]]:
+        return Beside(lambda: traced(ranks))
+
+    # a pipeline's trace is the search's unit of time: one beside another where two cores are
+    pipelined = parallel.pipelined and beside_enabled()
+    usable = usable_memory(profile) if profile is not None else None
+    return distinct_ranks(parallel, traced, usable, beside if pipelined else None)

@@ -44,6 +44,7 @@ __all__ = [
     "MAX_REAL_RANKS",
     "FreedOnThisThread",
     "collectives_completed_here",
+    "ready_after_fork",
     "run_ranks",
     "settle_autograd_threads",
 ]
@@ -81,6 +82,29 @@ def _probe_blas() -> None:
     returns, the parent sees the rank not ready and forks the ranks again."""
     a = torch.ones(128, 128)
     torch.mm(a, a)
+
+
+def ready_after_fork() -> str | None:
+    """Ready a forked child to run a step: its kernels on one thread, its first matrix
+    product and its first backward. Returns why it cannot run backward (its parent had
+    started autograd's device threads), or None.
+
+    A forked child cannot use the OpenMP thread pool of a parent that ran parallel
+    regions (GNU OpenMP then waits forever for threads the child does not have). A
+    child forked while another thread of the parent held a lock of MKL's never
+    returns from its first matrix product: its parent, told nothing, lets it go.
+    """
+    torch.set_num_threads(1)
+    _probe_blas()
+    try:
+        one = torch.zeros((), requires_grad=True)
+        with torch.enable_grad():
+            (one * 1).backward()
+    except RuntimeError as exc:
+        if _FORKED_AUTOGRAD not in str(exc):
+            raise
+        return str(exc)
+    return None
 
 
 _settled = False
@@ -232,30 +256,19 @@ def _collected(results: list[tuple[str, str] | None], exitcodes: list[int | None
 def _rank_main(parallel: Parallel, rank: int, store: str, body: Callable[[Any], str], send: Any) -> None:
     """One rank: join the group, run ``body``, send its result or error, and leave.
 
-    The rank runs its kernels on one thread: a forked child cannot use the
-    OpenMP thread pool of a parent that ran parallel regions (GNU OpenMP then
-    waits forever for threads the child does not have), and every rank of a
-    real launch is its own fresh process anyway. Before it joins the group it
-    multiplies two small matrices (:func:`_probe_blas`) and runs one backward,
-    then says it is ready: a forked rank whose parent's autograd cannot fork says
+    The rank runs its kernels on one thread (:func:`ready_after_fork`), as every
+    rank of a real launch is its own fresh process anyway. Before it joins the
+    group it multiplies two small matrices (:func:`_probe_blas`) and runs one
+    backward, then says it is ready: a forked rank whose parent's autograd cannot fork says
     so (``"forked-autograd"``), and is started again fresh; one that never gets
     ready (forked while another thread of the parent held a lock of MKL's: its
     first GEMM spins forever) is killed with the others and forked again.
     """
     code = 0
     try:
-        import torch
-
-        torch.set_num_threads(1)
-        _probe_blas()
-        try:
-            one = torch.zeros((), requires_grad=True)
-            with torch.enable_grad():
-                (one * 1).backward()
-        except RuntimeError as exc:
-            if _FORKED_AUTOGRAD not in str(exc):
-                raise
-            send.send(("forked-autograd", str(exc)))
+        refused = ready_after_fork()
+        if refused is not None:
+            send.send(("forked-autograd", refused))
             return
         send.send((_READY, ""))
         from datetime import timedelta
