@@ -18,6 +18,9 @@ It times, in one process:
 * with ``--each``, ``each rank`` -- ``tm.estimate`` of every rank of the mesh on its
   own, the cost ``every_rank`` saves, and a check that each rank's figures are
   those of the entry that stands for it.
+* with ``--alone``, ``every rank, one process`` -- ``tm.every_rank`` with
+  ``TORCHMEM_BESIDE=0``: the far corner's pipeline traced after rank 0's in this
+  process, not beside it in a forked child, and a check that the figures are the same.
 * with ``--traced``, ``one rank, traced`` and ``every rank, traced`` -- the same with
   ``TORCHMEM_REPLAY=0`` (every block of every micro-batch traced, none replayed), side by
   side, and a check that their figures are the replayed ones'.
@@ -145,6 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--each", action="store_true", help="also estimate every rank on its own")
     parser.add_argument("--traced", action="store_true", help="also time both with every block traced")
+    parser.add_argument("--alone", action="store_true", help="also time every rank in this process alone")
     parser.add_argument("--check", action="store_true")
     args = parser.parse_args(argv)
     pp, dp, tp = (int(part) for part in args.mesh.split(",")) if args.mesh else MESHES[args.model]
@@ -175,6 +179,16 @@ def main(argv: list[str] | None = None) -> int:
     rows.append(
         ["every rank", f"{every_wall:.1f}", f"{every_cpu:.1f}", f"{every_wall / one_wall:.2f}", tm.format_bytes(every[0].report.peak)]
     )
+    if args.alone:
+        from pytest_torchmem.engine.traced_beside import ENV as BESIDE
+
+        os.environ[BESIDE] = "0"
+        try:
+            alone, wall, cpu = _timed(lambda: tm.every_rank(model, tokens, parallel=parallel(), **options))
+        finally:
+            del os.environ[BESIDE]
+        rows.append(["every rank, one process", f"{wall:.1f}", f"{cpu:.1f}", f"{wall / one_wall:.2f}", tm.format_bytes(alone[0].report.peak)])
+        assert alone == every, "every rank: the figures of one process differ from those traced beside it"
     if args.traced:
         from pytest_torchmem.engine.tracing.replay import ENV
 
