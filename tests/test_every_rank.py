@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import json
+import multiprocessing
 import os
 import subprocess
 import sys
@@ -245,6 +246,22 @@ def test_a_child_that_cannot_trace_leaves_the_pipeline_to_this_process(
     figures = tm.every_rank(model, (x,), optimizer=_adamw, parallel=parallel)
     assert here == [0, 4, 3, 7]
     assert sorted(entry.ranks for entry in figures) == [(0, 1, 2, 3), (4, 5, 6, 7)]
+
+
+def _fails_at_rank_0s_coordinates(model: nn.Module, mesh: object) -> object:
+    if mesh["dp"].get_local_rank() == 0 and mesh["tp"].get_local_rank() == 0:  # type: ignore[index]
+        raise RuntimeError("no stage at dp=0, tp=0")
+    return _three_dimensional(model, mesh)  # type: ignore[arg-type]
+
+
+@follows_pipelining
+def test_where_rank_0s_trace_fails_the_child_beside_it_is_let_go(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(traced_beside, "beside_enabled", lambda: True)
+    model, x, parallel = _three_dimensional_pipeline()
+    parallel = tm.Parallel(**{**_fields(parallel), "apply": _fails_at_rank_0s_coordinates})
+    with pytest.raises(Exception, match="no stage at dp=0, tp=0"):
+        tm.every_rank(model, (x,), optimizer=_adamw, parallel=parallel)
+    assert multiprocessing.active_children() == []  # (the corner's child, which could trace)
 
 
 # -- the worst rank ------------------------------------------------------------------

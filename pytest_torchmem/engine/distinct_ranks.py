@@ -173,7 +173,12 @@ def distinct_ranks(
     aside = None
     if beside is not None and len(others) > 1 and 2 * len(stages) <= MAX_TRACED_RANKS:
         aside = beside([rank(corner, stage) for stage in stages])
-    trace({})
+    try:
+        trace({})
+    except BaseException:
+        if aside is not None:
+            aside.let_go()  # (not left tracing on its own)
+        raise
     if aside is not None:
         traces.update(aside.result() or {})
     if len(others) > 1:

@@ -256,11 +256,11 @@ def _collected(results: list[tuple[str, str] | None], exitcodes: list[int | None
 def _rank_main(parallel: Parallel, rank: int, store: str, body: Callable[[Any], str], send: Any) -> None:
     """One rank: join the group, run ``body``, send its result or error, and leave.
 
-    The rank runs its kernels on one thread (:func:`ready_after_fork`), as every
-    rank of a real launch is its own fresh process anyway. Before it joins the
-    group it multiplies two small matrices (:func:`_probe_blas`) and runs one
-    backward, then says it is ready: a forked rank whose parent's autograd cannot fork says
-    so (``"forked-autograd"``), and is started again fresh; one that never gets
+    Before it joins the group it gets ready (:func:`ready_after_fork`: its
+    kernels on one thread, as every rank of a real launch is its own fresh
+    process anyway; two small matrices multiplied; one backward), then says so:
+    a forked rank whose parent's autograd cannot fork says so
+    (``"forked-autograd"``), and is started again fresh; one that never gets
     ready (forked while another thread of the parent held a lock of MKL's: its
     first GEMM spins forever) is killed with the others and forked again.
     """

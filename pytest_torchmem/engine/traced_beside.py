@@ -85,9 +85,10 @@ class Beside(Generic[T]):
             kind, payload = _message(self._receive)
             return payload if kind == "ok" else None
         finally:
-            self._let_go()
+            self.let_go()
 
-    def _let_go(self) -> None:
+    def let_go(self) -> None:
+        """Leave the child: given a few seconds to end where it is ending, else killed."""
         self._receive.close()
         self._process.join(5 if self._process.exitcode is None else 0)
         if self._process.is_alive():
