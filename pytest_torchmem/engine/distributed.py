@@ -32,7 +32,7 @@ import tempfile
 import time
 import traceback
 from collections.abc import Callable, Iterator
-from typing import Any, Final
+from typing import Any, Final, NoReturn
 
 import torch
 
@@ -43,7 +43,9 @@ from pytest_torchmem.engine.torch_private import COLLECTIVES, private
 __all__ = [
     "MAX_REAL_RANKS",
     "FreedOnThisThread",
+    "READY",
     "collectives_completed_here",
+    "forked_child",
     "ready_after_fork",
     "run_ranks",
     "settle_autograd_threads",
@@ -72,7 +74,8 @@ DRAIN_TIMEOUT: Final = 10.0
 #: The refusal a forked process meets in ``backward()`` once its parent started autograd's
 #: device threads (``Engine::initialize_device_threads_pool``, engine.cpp).
 _FORKED_AUTOGRAD: Final = "autograd's threading in combination with fork-based multiprocessing"
-_READY: Final = "ready"
+#: A forked child's first message once it is ready (:func:`forked_child`).
+READY: Final = "ready"
 #: The parent's mark of a rank that did not get ready (never sent by a rank).
 _STALLED: Final = "stalled"
 
@@ -216,14 +219,14 @@ def _started(
                     results[rank] = (_STALLED, f"rank {rank} did not start within {ready_timeout} s")
                     break
                 results[rank] = _received(receive)
-                if results[rank] is None or results[rank][0] != _READY:  # type: ignore[index]
+                if results[rank] is None or results[rank][0] != READY:  # type: ignore[index]
                     break  # (forked-autograd: every rank meets it before it joins the group)
             else:
                 results = [_received(receive) if receive.poll(TIMEOUT) else None for receive in pipes]
         finally:
             # ranks that answered exit on their own (a few seconds in all to do so); ranks
             # that stalled, or a run cut short, are killed at once
-            answered = all(result is not None and result[0] not in (_STALLED, _READY) for result in results)
+            answered = all(result is not None and result[0] not in (_STALLED, READY) for result in results)
             deadline = time.monotonic() + (5 if answered else 0)
             for process in processes:
                 process.join(max(0.0, deadline - time.monotonic()))
@@ -253,24 +256,44 @@ def _collected(results: list[tuple[str, str] | None], exitcodes: list[int | None
     return [result[1] for result in results if result is not None]
 
 
-def _rank_main(parallel: Parallel, rank: int, store: str, body: Callable[[Any], str], send: Any) -> None:
-    """One rank: join the group, run ``body``, send its result or error, and leave.
+def forked_child(send: Any, work: Callable[[], Any]) -> NoReturn:
+    """A forked child's life: get ready (:func:`ready_after_fork`) and say so, send
+    ``("ok", work())`` or the error, and leave with ``os._exit`` (the parent's pytest
+    session, atexit hooks and buffers are never run twice).
 
-    Before it joins the group it gets ready (:func:`ready_after_fork`: its
-    kernels on one thread, as every rank of a real launch is its own fresh
-    process anyway; two small matrices multiplied; one backward), then says so:
-    a forked rank whose parent's autograd cannot fork says so
-    (``"forked-autograd"``), and is started again fresh; one that never gets
-    ready (forked while another thread of the parent held a lock of MKL's: its
-    first GEMM spins forever) is killed with the others and forked again.
+    Its messages on ``send``: ``(READY, "")``, or ``("forked-autograd", why)`` where its
+    parent's autograd cannot fork; then ``("ok", result)`` or ``("error", traceback)``.
     """
     code = 0
     try:
         refused = ready_after_fork()
         if refused is not None:
             send.send(("forked-autograd", refused))
-            return
-        send.send((_READY, ""))
+        else:
+            send.send((READY, ""))
+            send.send(("ok", work()))
+    except BaseException:  # noqa: BLE001 (everything goes back to the parent; nothing escapes the fork)
+        code = 1
+        with contextlib.suppress(Exception):  # the parent reports the missing result
+            send.send(("error", traceback.format_exc()))
+    finally:
+        send.close()
+        os._exit(code)
+
+
+def _rank_main(parallel: Parallel, rank: int, store: str, body: Callable[[Any], str], send: Any) -> None:
+    """One rank (:func:`forked_child`): join the group, run ``body``, and leave.
+
+    Before it joins the group it gets ready (its kernels on one thread, as every
+    rank of a real launch is its own fresh process anyway; two small matrices
+    multiplied; one backward), then says so: a forked rank whose parent's
+    autograd cannot fork says so (``"forked-autograd"``), and is started again
+    fresh; one that never gets ready (forked while another thread of the parent
+    held a lock of MKL's: its first GEMM spins forever) is killed with the others
+    and forked again.
+    """
+
+    def joined() -> str:
         from datetime import timedelta
 
         import torch.distributed as dist
@@ -286,16 +309,11 @@ def _rank_main(parallel: Parallel, rank: int, store: str, body: Callable[[Any], 
             )
             try:
                 mesh = init_device_mesh("cpu", parallel.sizes, mesh_dim_names=parallel.names)
-                send.send(("ok", body(mesh)))
+                return body(mesh)
             finally:
                 dist.destroy_process_group()
-    except BaseException:  # noqa: BLE001 (everything goes back to the parent; nothing escapes the fork)
-        code = 1
-        with contextlib.suppress(Exception):  # the parent reports the missing result
-            send.send(("error", traceback.format_exc()))
-    finally:
-        send.close()
-        os._exit(code)
+
+    forked_child(send, joined)
 
 
 @contextlib.contextmanager

@@ -10,7 +10,7 @@ corner's pipeline is traced in a child forked for it while this process traces r
 The child is this process as it forked: nothing travels pickled on the way there (the
 model, the inputs, a closure ``apply`` reach it as they are); its figures come back
 pickled. Before it traces it readies itself as ``measure(parallel=...)``'s forked ranks
-do (:func:`~pytest_torchmem.engine.distributed.ready_after_fork`): its kernels on one
+do (:func:`~pytest_torchmem.engine.distributed.forked_child`): its kernels on one
 thread, one matrix product and one backward. Where it is not ready within
 :data:`READY_TIMEOUT`, cannot run backward in a forked process, fails in any way, dies,
 or takes more than :data:`SLOWER` times this process's own trace and
@@ -22,12 +22,13 @@ as without it: the figures are the same either way, only later.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import time
-import traceback
 from collections.abc import Callable
 from typing import Any, Final, Generic, TypeVar
+
+from pytest_torchmem.engine import threads
+from pytest_torchmem.engine.distributed import READY, forked_child
 
 __all__ = ["ENV", "Beside", "beside_enabled"]
 
@@ -41,8 +42,6 @@ READY_TIMEOUT: Final = 60.0
 SLOWER: Final = 3.0
 #: ... and how many seconds more, before it is let go.
 GRACE: Final = 60.0
-
-_READY: Final = "ready"
 
 
 def beside_enabled() -> bool:
@@ -62,12 +61,10 @@ class Beside(Generic[T]):
     def __init__(self, work: Callable[[], T]) -> None:
         import multiprocessing
 
-        from pytest_torchmem.engine import threads
-
         threads.before_fork()
         context = multiprocessing.get_context("fork")
         self._receive, send = context.Pipe(duplex=False)
-        self._process = context.Process(target=_child, args=(work, send), daemon=True)
+        self._process = context.Process(target=forked_child, args=(send, work), daemon=True)
         self._process.start()
         send.close()
         self._started = time.monotonic()
@@ -78,7 +75,7 @@ class Beside(Generic[T]):
         time sets how long the child may still take."""
         own = time.monotonic() - self._started
         try:
-            if not self._receive.poll(READY_TIMEOUT) or _message(self._receive)[0] != _READY:
+            if not self._receive.poll(READY_TIMEOUT) or _message(self._receive)[0] != READY:
                 return None
             if not self._receive.poll(SLOWER * own + GRACE):
                 return None
@@ -101,25 +98,3 @@ def _message(receive: Any) -> tuple[str, Any]:
         return receive.recv()  # type: ignore[no-any-return]
     except (EOFError, OSError):  # it ended with no message (killed, out of memory)
         return ("ended", None)
-
-
-def _child(work: Callable[[], Any], send: Any) -> None:
-    """The child: get ready, do ``work``, send what it returned, and leave (``os._exit``:
-    the parent's pytest session, atexit hooks and buffers are not run twice)."""
-    from pytest_torchmem.engine.distributed import ready_after_fork
-
-    code = 0
-    try:
-        refused = ready_after_fork()
-        if refused is not None:
-            send.send(("refused", refused))
-            return
-        send.send((_READY, None))
-        send.send(("ok", work()))
-    except BaseException:  # noqa: BLE001 (everything goes back to the parent; nothing escapes the fork)
-        code = 1
-        with contextlib.suppress(Exception):
-            send.send(("error", traceback.format_exc()))
-    finally:
-        send.close()
-        os._exit(code)
