@@ -249,13 +249,13 @@ def _fsdp(reshard_after_forward: bool | int = True, bf16: bool = False):
 )
 def test_fsdp2_step_equals_gloo_ranks(world: int | tuple[int, int], reshard: bool | int, bf16: bool) -> None:
     # Every peak of FSDP2's step, the first step's and the loop's, on real gloo ranks,
-    # in every run (CI runs it on each CPU level too). (2, 2): hybrid sharding, over a replicate x shard mesh. A
-    # collective's buffer that gloo's worker thread let go of last is freed where the
-    # profiler does not see it (the clone of its input that gloo's reduce-scatter makes,
-    # held by its work item): it is freed where the step's thread went on after the
-    # collective, though another allocation takes its address first
-    # (tests/test_profiler_events.py). Before, about one run in six on a busy machine
-    # held one block's unsharded gradients (66,304 B) to the end of the step.
+    # in every run (CI runs it on each CPU level too). (2, 2): hybrid sharding, over a
+    # replicate x shard mesh. A collective's buffer that gloo's worker thread let go of
+    # last is freed where the profiler does not see it (the clone of its input that
+    # gloo's reduce-scatter makes, held by its work item): it is freed where the step's
+    # thread went on after the collective, though another allocation takes its address
+    # first (tests/test_profiler_events.py). Before, about one run in six on a busy
+    # machine held one block's unsharded gradients (66,304 B) to the end of the step.
     model, x = _blocks(4), torch.randn(8, 64)
     mesh = {"dp": world} if isinstance(world, int) else dict(zip(("replicate", "shard"), world))
     ranks = world if isinstance(world, int) else world[0] * world[1]
