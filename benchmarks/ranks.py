@@ -32,7 +32,7 @@ this process (``ru_maxrss``; its children's apart: ``every_rank`` traces the far
 corner's pipeline in a child forked beside it, where two cores are), and the ratios.
 The CPU time is this process's and its children's. ``--check`` exits 1 when a target of
 issue 39 is missed: ``one rank`` within ``ONE_RANK_S`` seconds, ``every rank``
-within ``EVERY_RANK_S``, the process within ``RSS_GIB`` (the targets are the 405B
+within ``EVERY_RANK_S``, the process and its largest child each within ``RSS_GIB`` (the targets are the 405B
 shape's; the small model meets them by far).
 """
 
