@@ -26,6 +26,7 @@ coordinate the search did not trace.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -134,13 +135,12 @@ def distinct_ranks(
     parallel: Parallel,
     traced: Callable[[Sequence[int]], Mapping[int, TracedRank]],
     usable: int | None = None,
-    beside: Callable[[Sequence[int]], Beside[Mapping[int, TracedRank]]] | None = None,
+    beside: bool = False,
 ) -> tuple[RankFigures, ...]:
     """The distinct ranks of ``parallel``'s mesh, worst first (:func:`worst_first`; equal
     ones by rank). ``traced(ranks)`` traces each of ``ranks`` (and may trace more: a
-    pipeline's other stages); ``beside(ranks)``, where given, starts tracing them in a
-    forked child (:mod:`~pytest_torchmem.engine.traced_beside`): the far corner's
-    pipeline, while this process traces rank 0's."""
+    pipeline's other stages); with ``beside``, the far corner's in a forked child
+    (:mod:`~pytest_torchmem.engine.traced_beside`) while this process traces rank 0's."""
     pipeline = parallel.pipeline if parallel.pipelined else None
     others = [name for name in parallel.names if name != pipeline and parallel.mesh[name] > 1]
     stages = range(parallel.mesh[pipeline]) if pipeline is not None else range(1)
@@ -170,17 +170,10 @@ def distinct_ranks(
     # differs; else each dimension's far end
     differing: list[str] = []
     corner = {name: parallel.mesh[name] - 1 for name in others}
-    aside = None
-    if beside is not None and len(others) > 1 and 2 * len(stages) <= MAX_TRACED_RANKS:
-        aside = beside([rank(corner, stage) for stage in stages])
-    try:
+    with _beside(traced, [rank(corner, stage) for stage in stages], beside and len(others) > 1) as aside:
         trace({})
-    except BaseException:
         if aside is not None:
-            aside.let_go()  # (not left tracing on its own)
-        raise
-    if aside is not None:
-        traces.update(aside.result() or {})
+            traces.update(aside.result() or {})
     if len(others) > 1:
         trace(corner)  # (what the child did not trace)
     if len(others) < 2 or not same(corner, lambda one: one.digest):
@@ -217,14 +210,25 @@ def distinct_ranks(
     return tuple(sorted(entries, key=lambda entry: (*worst_first(entry.report), entry.rank)))
 
 
+def _beside(
+    traced: Callable[[Sequence[int]], Mapping[int, TracedRank]], ranks: list[int], forks: bool
+) -> contextlib.AbstractContextManager[Beside[Mapping[int, TracedRank]] | None]:
+    """``traced(ranks)`` in a child forked now, where ``forks`` (None otherwise); the child is
+    let go when the block ends, whatever it has done by then."""
+    if not forks or 2 * len(ranks) > MAX_TRACED_RANKS:  # (refused by the search, in this process)
+        return contextlib.nullcontext()
+    from pytest_torchmem.engine.traced_beside import Beside
+
+    return Beside(lambda: traced(ranks))
+
+
 def request_ranks(request: StepRequest, gpu: Any, cpu: Any, parallel: Parallel) -> tuple[RankFigures, ...]:
     """The distinct ranks of a checked step request (``gpu``: a name or a profile), as
     :func:`~pytest_torchmem.engine.api.every_rank` returns them."""
     from pytest_torchmem.engine.gpu_profiles import gpu_profile, usable_memory
-    from pytest_torchmem.engine.tracing.trace import trace_request_ranks
-
-    from pytest_torchmem.engine.traced_beside import Beside, beside_enabled
+    from pytest_torchmem.engine.traced_beside import beside_enabled
     from pytest_torchmem.engine.tracing.devices.cpu.profiles import cpu_profile
+    from pytest_torchmem.engine.tracing.trace import trace_request_ranks
 
     profile = gpu_profile(gpu) if request.device == "cuda" else None
     if request.device == "cpu":
@@ -234,10 +238,6 @@ def request_ranks(request: StepRequest, gpu: Any, cpu: Any, parallel: Parallel) 
         traces = trace_request_ranks(request, profile, cpu, parallel=parallel, ranks=ranks)
         return {rank: traced_rank(one) for rank, one in traces.items()}
 
-    def beside(ranks: Sequence[int]) -> Beside[Mapping[int, TracedRank]]:
-        return Beside(lambda: traced(ranks))
-
     # a pipeline's trace is the search's unit of time: one beside another where two cores are
-    pipelined = parallel.pipelined and beside_enabled()
-    usable = usable_memory(profile) if profile is not None else None
-    return distinct_ranks(parallel, traced, usable, beside if pipelined else None)
+    beside = parallel.pipelined and beside_enabled()
+    return distinct_ranks(parallel, traced, usable_memory(profile) if profile is not None else None, beside)

@@ -56,7 +56,8 @@ def beside_enabled() -> bool:
 
 
 class Beside(Generic[T]):
-    """``work()`` running in a child forked now; :meth:`result` waits for what it returned."""
+    """``work()`` running in a child forked now; :meth:`result` waits for what it returned.
+    A context manager: the child is let go when the block ends."""
 
     def __init__(self, work: Callable[[], T]) -> None:
         import multiprocessing
@@ -68,6 +69,12 @@ class Beside(Generic[T]):
         self._process.start()
         send.close()
         self._started = time.monotonic()
+
+    def __enter__(self) -> Beside[T]:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.let_go()  # (a child not asked for its result, its caller's trace failed: killed)
 
     def result(self) -> T | None:
         """What ``work()`` returned in the child, or None where it did not (the caller
@@ -86,6 +93,8 @@ class Beside(Generic[T]):
 
     def let_go(self) -> None:
         """Leave the child: given a few seconds to end where it is ending, else killed."""
+        if self._receive.closed:
+            return
         self._receive.close()
         self._process.join(5 if self._process.exitcode is None else 0)
         if self._process.is_alive():
