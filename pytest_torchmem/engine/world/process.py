@@ -93,8 +93,9 @@ def _set_numpy_state(state: Any) -> None:
 
 
 def _torch_state() -> bytes:
-    # (as bytes: a tensor kept would be memory measure() sees held through the step)
-    return torch.get_rng_state().numpy().tobytes()
+    # (as bytes: a tensor kept would be memory measure() sees held through the step;
+    # through a list, not .numpy(): numpy is not one of the plugin's dependencies)
+    return bytes(torch.get_rng_state().tolist())
 
 
 def _set_torch_state(state: bytes) -> None:
