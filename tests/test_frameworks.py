@@ -46,7 +46,7 @@ def _script() -> tuple[Any, ...]:
 
 def _accelerate(mixed_precision: str) -> Any:
     def build() -> tuple[Any, ...]:
-        example = _example("accelerate")
+        example = _example("accelerate_loop")
         model = example.make_model()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         return example.train, (model, opt, example.make_loader(), mixed_precision)
@@ -60,7 +60,7 @@ def _hf_trainer() -> tuple[Any, ...]:
 
 
 def _lightning() -> tuple[Any, ...]:
-    example = _example("lightning")
+    example = _example("lightning_trainer")
     return example.fit, (example.Classifier(), example.make_loader())
 
 

@@ -9,8 +9,8 @@ it finds the GPU (an H100) and puts the model and every batch there, as on a
 real machine. The model, the optimizer and the loader are left as they were,
 and so is Accelerate's process-wide state.
 
-Run it with ``pytest examples/accelerate`` (``pip install accelerate``); accept
-a change with ``pytest --torchmem-update examples/accelerate``.
+Run it with ``pytest examples/accelerate_loop`` (``pip install accelerate``);
+accept a change with ``pytest --torchmem-update examples/accelerate_loop``.
 """
 
 import pytest
@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-accelerate = pytest.importorskip("accelerate")
+accelerate = pytest.importorskip("accelerate", reason="needs Accelerate: pip install accelerate")
 
 
 def make_model() -> nn.Module:

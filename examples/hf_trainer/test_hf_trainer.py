@@ -8,8 +8,9 @@ reads the device it runs on when the trainer first asks, so on the fake
 each batch there, as on a real machine. The model (a small GPT-2 made from a
 config) and the dataset are left as they were.
 
-Run it with ``pytest examples/hf_trainer`` (``pip install transformers``);
-accept a change with ``pytest --torchmem-update examples/hf_trainer``.
+Run it with ``pytest examples/hf_trainer`` (``pip install transformers accelerate``:
+the ``Trainer`` needs Accelerate); accept a change with
+``pytest --torchmem-update examples/hf_trainer``.
 """
 
 import tempfile
@@ -17,7 +18,10 @@ import tempfile
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers")
+transformers = pytest.importorskip(
+    "transformers", reason="needs transformers: pip install transformers accelerate"
+)
+pytest.importorskip("accelerate", reason="transformers' Trainer needs Accelerate: pip install accelerate")
 
 
 def make_model():

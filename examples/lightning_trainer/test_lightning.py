@@ -7,8 +7,8 @@ optimizer's closure. On the fake ``cuda`` device the trainer finds the GPU (an
 H100), as on a real machine. The module and the data loader are left as they
 were.
 
-Run it with ``pytest examples/lightning`` (``pip install lightning``); accept a
-change with ``pytest --torchmem-update examples/lightning``.
+Run it with ``pytest examples/lightning_trainer`` (``pip install lightning``);
+accept a change with ``pytest --torchmem-update examples/lightning_trainer``.
 """
 
 import pytest
@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-L = pytest.importorskip("lightning")
+L = pytest.importorskip("lightning", reason="needs Lightning: pip install lightning")
 
 
 class Classifier(L.LightningModule):
