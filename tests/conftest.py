@@ -179,6 +179,9 @@ EXHAUSTIVE: Final = (
     # the beam search's twins of greedy decoding's (test_generate.py)
     "tests/test_generate.py::test_the_cache_grows_with_the_tokens_generated[beam]",
     "tests/test_generate.py::test_an_end_of_sequence_token_makes_the_estimate_an_upper_bound[beam]",
+    # every example suite with the optional packages hidden (the frameworks' suites and a
+    # step function's stay)
+    "tests/test_plugin_examples.py::test_without_the_optional_packages_each_suite_passes_or_names_what_to_install[every suite]",
     # one of each kind of command line stays (test_cli_fit.py)
     "tests/test_cli_fit.py::test_the_output_carries_no_notice_of_transformers[command1]",
     "tests/test_cli_fit.py::test_a_factory_that_raises_or_holds_an_unknown_option_is_one_line_and_exit_2[module-factory-raises]",

@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+import ast
 import importlib
+import importlib.metadata
 import json
+import os
+import re
 import shutil
+import subprocess
+import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -12,6 +19,8 @@ import torch
 from torch import nn
 
 import pytest_torchmem as tm
+from examples_verdict import installed, verdict
+
 from pytest_torchmem.engine.torch_release import PIPELINING, installed_release
 
 pytest_plugins = ("pytester",)
@@ -196,3 +205,116 @@ def test_the_examples_docs_describe_the_entries_as_they_are_recorded() -> None:
     for text in (readme, workflow):
         for stale in ("cpu_threads", "cpu_isa", "OMP_NUM_THREADS", "thread count the snapshots"):
             assert stale not in text, stale
+
+
+# -- a fresh machine: only what the README's main job installs --------------------------------
+
+ROOT = EXAMPLES.parent
+
+
+def _extras() -> set[str]:
+    """The top-level names of the packages the test extras add (pyproject.toml)."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    return {re.split(r"[<>=!~\[ ]", requirement)[0].replace("-", "_") for requirement in project["optional-dependencies"]["test"]}
+
+
+def test_no_example_folder_can_stand_in_for_a_package() -> None:
+    """Regression guard (issue 53): pytest puts ``examples/`` on ``sys.path`` (the folder of
+    its conftest), so where Lightning was not installed ``importorskip("lightning")``
+    imported the folder ``examples/lightning`` as a namespace package, and the README's
+    main job stopped at collection instead of skipping the suite. No suite's folder may be
+    named as a package an example imports, a package installed here, a package of the test
+    extras or a module of the standard library."""
+    imported: set[str] = set()
+    for path in EXAMPLES.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                imported |= {alias.name.partition(".")[0] for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                imported.add(node.module.partition(".")[0])
+            elif isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "importorskip":
+                imported.add(ast.literal_eval(node.args[0]).partition(".")[0])
+    assert {"lightning", "accelerate", "transformers"} <= imported  # (the scan sees the frameworks' suites)
+    taken = imported | set(importlib.metadata.packages_distributions()) | _extras() | set(sys.stdlib_module_names)
+    folders = {path.name for path in EXAMPLES.iterdir() if path.is_dir()}
+    assert not folders & taken, f"example folders named as packages: {sorted(folders & taken)}"
+
+
+#: What the test extras install that the README's main job (``pip install torch==2.13.0 -e .``)
+#: does not: hidden from a run of the example suites, as on a fresh machine. (numpy too:
+#: torch runs without it, and so must the plugin.)
+HIDDEN = ("numpy", "transformers", "accelerate", "lightning", "lightning_fabric", "pytorch_lightning",
+          "torchmetrics", "peft", "torchao", "torchvision", "expecttest")
+
+_HIDING = f"""
+import importlib.machinery, sys
+
+HIDDEN = {HIDDEN!r}
+
+
+class PathFinderWithoutTheHidden:
+    # sys.path's finder, to which the hidden packages are not there: neither their modules
+    # (importlib.util.find_spec gives None, import raises ModuleNotFoundError) nor their
+    # distributions (importlib.metadata)
+    @staticmethod
+    def find_spec(name, path=None, target=None):
+        if name.partition(".")[0] in HIDDEN:
+            return None
+        return importlib.machinery.PathFinder.find_spec(name, path, target)
+
+    @staticmethod
+    def find_distributions(*args, **kwargs):
+        for found in importlib.machinery.PathFinder.find_distributions(*args, **kwargs):
+            if (found.metadata["Name"] or "").lower().replace("-", "_") not in HIDDEN:
+                yield found
+
+    @staticmethod
+    def invalidate_caches():
+        importlib.machinery.PathFinder.invalidate_caches()
+
+
+sys.meta_path[:] = [
+    PathFinderWithoutTheHidden if finder is importlib.machinery.PathFinder else finder for finder in sys.meta_path
+]
+import pytest
+
+sys.exit(pytest.main(sys.argv[1:]))
+"""
+
+#: The README's command runs the suites that skip for a missing framework, and a step
+#: function's (the plugin's own use of numpy failed there); the exhaustive run, every suite.
+WITHOUT_EXTRAS = {
+    "frameworks and a step function": ["accelerate_loop", "hf_trainer", "lightning_trainer", "script"],
+    "every suite": SUITES,
+}
+
+
+@pytest.mark.parametrize("chosen", list(WITHOUT_EXTRAS))
+def test_without_the_optional_packages_each_suite_passes_or_names_what_to_install(chosen: str, tmp_path: Path) -> None:
+    """Regression guard (issue 53): on a fresh machine, with only what the README's main job
+    installs, ``pytest examples`` stopped at collection (a folder stood in for Lightning),
+    and the step functions' suites failed (the plugin read torch's random state through
+    numpy). Run as a newcomer runs it, with the test extras and numpy hidden: each suite
+    passes, or skips with one line that names the package and the ``pip install`` that
+    enables it."""
+    junit = tmp_path / "examples.xml"
+    environment = {name: value for name, value in os.environ.items() if not name.startswith("PYTEST_")}
+    names = [name for name in WITHOUT_EXTRAS[chosen] if runs_here(name)]
+    run = subprocess.run(
+        [sys.executable, "-c", _HIDING, "-p", "no:cacheprovider", "-p", "no:xdist", f"--junitxml={junit}",
+         *(f"examples/{name}" for name in names)],
+        cwd=ROOT, env=environment, capture_output=True, text=True,
+    )
+    assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-3000:]
+    lines, problems = verdict(junit, names, lambda name: name not in HIDDEN and installed(name))
+    assert not problems, run.stdout[-6000:]
+    skipped = sorted(line for line in lines if ": skipped: " in line)
+    assert skipped == [
+        "examples/accelerate_loop/: skipped: needs Accelerate: pip install accelerate",
+        "examples/hf_trainer/: skipped: needs transformers: pip install transformers accelerate",
+        "examples/lightning_trainer/: skipped: needs Lightning: pip install lightning",
+    ]
+    # the newcomer reads the same lines at the end of the run
+    summary = run.stdout.partition("example suites skipped")[2]
+    assert all(line.replace(": skipped: ", ": ") in summary for line in skipped), run.stdout[-3000:]
+    assert "numpy" not in run.stdout.lower()
