@@ -434,6 +434,7 @@ def test_scatter_reduce_mean_divides_by_counts() -> None:
     assert _forward(model.fn, x) == forward
 
 
+@pytest.mark.filterwarnings(r"ignore:index_reduce\(\) is in beta:UserWarning")
 def test_index_reduce_counts() -> None:
     """``index_reduce`` of a 1-D (5,) float tensor keeps ``counts`` (20 B) whatever the
     reduction, and for ``mean`` the ``counts == 0`` mask (8 + 4 + 5 B); a 2-D (5, 3)

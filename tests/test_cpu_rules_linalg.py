@@ -196,6 +196,7 @@ _FORWARD: dict[str, tuple[Callable[..., Any], Callable[[], tuple[torch.Tensor, .
 
 
 @pytest.mark.parametrize("name", _CASES)
+@pytest.mark.filterwarnings(r"ignore:torch\.cholesky is deprecated:UserWarning")  # (the deprecated case's own)
 def test_step_equals_measure(name: str, threads: int) -> None:
     fn, make = _CASES[name]
     torch.manual_seed(0)

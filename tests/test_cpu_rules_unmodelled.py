@@ -56,6 +56,7 @@ def test_unmodelled_kernels_are_flagged(fn: Callable[..., Any], train: bool, wor
         lambda x: F.interpolate(x[None, None], scale_factor=2, mode="bilinear", antialias=True),
     ],
 )
+@pytest.mark.filterwarnings(r"ignore:index_reduce\(\) is in beta:UserWarning")
 def test_modelled_forms_are_not_flagged_and_exact(fn: Callable[..., Any], threads: int) -> None:
     x = torch.randn(4, 4, requires_grad=True)
     estimated = tm.estimate(Lambda(fn), x)

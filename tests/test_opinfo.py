@@ -21,6 +21,13 @@ from opinfo_harness import OpResult, Outcome, op_infos, op_name, run_op
 
 SAMPLES = 2
 
+#: The deprecations torch warns of as OpInfo's samples call the deprecated ops they cover.
+pytestmark = [
+    pytest.mark.filterwarnings(r"ignore:torch\.\w+ is deprecated in favor of torch\.linalg:UserWarning"),
+    pytest.mark.filterwarnings("ignore:stft with return_complex=False is deprecated:UserWarning"),
+    pytest.mark.filterwarnings("ignore:A window was not provided:UserWarning"),
+]
+
 #: Common ops whose samples the estimate matches byte for byte.
 _EXACT = (
     "add",
