@@ -24,8 +24,11 @@ class Private:
 
     Of a replaced name: ``thread_scoped``, only the thread that replaced it (the
     tracing thread) gets the replacement's answers, every other thread the
-    original's; ``added``, torch has no such attribute in any release of the
-    window, and the replacement adds it for its block."""
+    original's; ``by_reader``, a module's global that only the readers the
+    replacement accepts read replaced (the traced program's code), the module's
+    own code and every other reader the original; ``added``, torch has no such
+    attribute in any release of the window, and the replacement adds it for its
+    block."""
 
     path: str
     why: str
@@ -34,6 +37,7 @@ class Private:
     replaced: bool = False
     cuda_only: bool = False
     thread_scoped: bool = False
+    by_reader: bool = False
     added: bool = False
 
     def expected(self, release: Release, cuda_build: bool | None = None) -> bool:

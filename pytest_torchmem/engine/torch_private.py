@@ -34,6 +34,27 @@ from pytest_torchmem.engine.torch_release import (
     supported_range,
 )
 
+#: The caching allocator's statistics as ``torch.cuda`` (and ``torch.cuda.memory``) and
+#: ``torch.accelerator`` (and ``torch.accelerator.memory``) name them.
+_STATISTICS: Final = (
+    "memory_allocated",
+    "max_memory_allocated",
+    "memory_reserved",
+    "max_memory_reserved",
+    "memory_stats",
+    "reset_peak_memory_stats",
+    "reset_accumulated_memory_stats",
+)
+_CUDA_MEMORY: Final = (
+    *_STATISTICS,
+    "mem_get_info",
+    "reset_max_memory_allocated",
+    "reset_max_memory_cached",
+    "memory_cached",
+    "max_memory_cached",
+)
+_ACCELERATOR_MEMORY: Final = (*_STATISTICS, "get_memory_info")
+
 __all__ = [
     "COLLECTIVES",
     "P2P_FUNCTIONS",
@@ -182,6 +203,90 @@ PRIVATE: Final = table(
             thread_scoped=True,
         )
         for path in ("torch.cuda.get_rng_state", "torch.cuda.set_rng_state")
+    ),
+    Private(
+        "torch._subclasses.fake_tensor.FakeTensor.record_stream",
+        "the program records a fake cuda tensor on one of its streams: nothing to do, the "
+        "block's allocated bytes go when the tensor does (gpu_view.py, streams.py)",
+        replaced=True,
+        thread_scoped=True,
+    ),
+    *(
+        Private(
+            path,
+            "what the program asks of the current accelerator on the tracing thread: the "
+            "profile's GPU (gpu_view.py)",
+            replaced=True,
+            thread_scoped=True,
+        )
+        for path in (
+            "torch.get_device_module",
+            "torch.cuda.is_current_stream_capturing",
+            *(
+                f"torch.accelerator.{name}"
+                for name in (
+                    "is_available",
+                    "current_accelerator",
+                    "device_count",
+                    "current_device_index",
+                    "current_device_idx",
+                    "set_device_index",
+                    "set_device_idx",
+                    "synchronize",
+                    "get_device_capability",
+                )
+            ),
+        )
+    ),
+    *(
+        Private(
+            path,
+            "the program's CUDA streams on the tracing thread: the trace's, each with an "
+            "allocator pool of its own (streams.py)",
+            replaced=True,
+            thread_scoped=True,
+        )
+        for path in (
+            "torch.cuda.current_stream",
+            "torch.cuda.default_stream",
+            "torch.cuda.set_stream",
+            "torch.cuda.stream",
+            "torch.accelerator.current_stream",
+            "torch.accelerator.set_stream",
+        )
+    ),
+    *(
+        Private(
+            path,
+            "the stream and event classes the program makes and checks against on the "
+            "tracing thread: the trace's (streams.py)",
+            replaced=True,
+            by_reader=True,
+        )
+        for path in (
+            "torch.cuda.Stream",
+            "torch.cuda.Event",
+            "torch.cuda.StreamContext",
+            "torch.Stream",
+            "torch.Event",
+            "torch.accelerator.device_index",
+        )
+    ),
+    *(
+        Private(
+            f"{home}.{name}",
+            "the caching allocator's statistics the program reads on the tracing thread: the "
+            "trace's figures so far (memory_stats.py)",
+            replaced=True,
+            thread_scoped=True,
+        )
+        for home, names in (
+            ("torch.cuda", _CUDA_MEMORY),
+            ("torch.cuda.memory", _CUDA_MEMORY),
+            ("torch.accelerator", _ACCELERATOR_MEMORY),
+            ("torch.accelerator.memory", _ACCELERATOR_MEMORY),
+        )
+        for name in names
     ),
     Private(
         "torch.cuda.amp.common.amp_definitely_not_available",
@@ -574,7 +679,33 @@ PRIVATE: Final = table(
     Private(
         "torch._subclasses.fake_tensor.FakeTensor",
         "the fake tensors every traced value is (isinstance checks, stand-ins made "
-        "without a dispatch: trace.fake_empty)",
+        "without a dispatch: trace.fake_empty); the program that looks it up by name "
+        "finds a class no tensor is an instance of, as in a real run (real_run_view.py)",
+        replaced=True,
+        by_reader=True,
+    ),
+    # what the program asks about the trace, answered as a real run (real_run_view.py)
+    Private(
+        "torch._subclasses.FakeTensor",
+        "the program that looks FakeTensor up by name finds a class no tensor is an "
+        "instance of, as in a real run (transformers' is_tracing)",
+        replaced=True,
+        by_reader=True,
+    ),
+    *(
+        Private(
+            path,
+            "the program's question whether a tensor is fake, or a fake or dispatch mode is "
+            "on: the trace's are not, as in a real run",
+            replaced=True,
+            by_reader=True,
+        )
+        for path in (
+            "torch._subclasses.fake_tensor.is_fake",
+            "torch._subclasses.fake_tensor.maybe_get_fake_mode",
+            "torch.utils._python_dispatch.is_in_torch_dispatch_mode",
+            "torch.utils._python_dispatch._get_current_dispatch_mode",
+        )
     ),
     Private(
         "torch._subclasses.fake_tensor.FakeTensorMode",

@@ -262,7 +262,8 @@ COMPILED_ENTRIES: Final = (
     ),
     Private(
         "torch._subclasses.fake_tensor.FakeTensor.is_meta",
-        "the check replace_random_passes makes of a value: a fake cuda tensor is not meta there",
+        "the check replace_random_passes makes of a value: a fake cuda tensor is not meta "
+        "there; nor is it to the program on the tracing thread (gpu_view.py)",
         replaced=True,
     ),
     Private(
@@ -281,7 +282,10 @@ COMPILED_ENTRIES: Final = (
     ),
     Private(
         "torch._guards.detect_fake_mode",
-        "the fake mode of the graph inductor compiles for cuda",
+        "the fake mode of the graph inductor compiles for cuda; to the program it finds "
+        "none where the one it finds is the trace's, as in a real run (real_run_view.py)",
+        replaced=True,
+        by_reader=True,
     ),
     Private(
         "torch._decomp.decomposition_table",

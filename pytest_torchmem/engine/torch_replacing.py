@@ -8,6 +8,9 @@ however the block ends, on exception too:
   an option of a torch config module) or adds one torch lacks (an ``added`` entry);
 - :func:`on_this_thread` replaces a function for the tracing thread only (a
   ``thread_scoped`` entry), every other thread getting the original's answers;
+- :func:`replacing_for_readers` replaces a module's global for the readers it
+  accepts only (a ``by_reader`` entry), the module's own code and every other
+  reader reading the original;
 - :func:`appending` adds an item to a private list;
 - :func:`replacing_item` sets one key of a private dict;
 - :func:`swapped`, the core of :func:`replacing`, for an attribute outside torch;
@@ -23,7 +26,9 @@ from __future__ import annotations
 
 import functools
 import importlib
+import sys
 import threading
+import types
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -31,7 +36,15 @@ from typing import Any
 from pytest_torchmem.engine.private_name import Private
 from pytest_torchmem.engine.torch_private import _missing, _resolve, entry
 
-__all__ = ["appending", "in_effect", "on_this_thread", "replacing", "replacing_item", "swapped"]
+__all__ = [
+    "appending",
+    "in_effect",
+    "on_this_thread",
+    "replacing",
+    "replacing_for_readers",
+    "replacing_item",
+    "swapped",
+]
 
 #: The tabled paths replaced now, in the order they were entered (by any thread).
 _in_effect: list[str] = []
@@ -206,3 +219,42 @@ def on_this_thread(path: str, answer: Callable[..., Any]) -> Iterator[Callable[.
         real.append(original)
         functools.update_wrapper(scoped, original)
         yield original
+
+
+@contextmanager
+def replacing_for_readers(path: str, value: Any, reads_it: Callable[[types.FrameType], bool]) -> Iterator[Any]:
+    """Replace the module global at ``path`` (a ``by_reader`` entry) with ``value`` for the
+    readers whose frame ``reads_it`` accepts, for the block, yielding the original.
+
+    Every other reader gets the original, and so does the module's own code, which reads
+    its globals from its dictionary: the module's dictionary is left alone, and the module
+    is given, for the block, a class of its own in which the name is a property that asks
+    ``reads_it`` about the frame that looks it up (``module.name``, ``from module import
+    name``). A name bound before the block (``from module import name`` at import) is the
+    original's, whoever reads it.
+    """
+    found = _replaceable(path)
+    if not found.by_reader:
+        raise ValueError(f"{path} is not marked by_reader=True in PRIVATE")
+    owner_path, _, name = path.rpartition(".")
+    try:
+        module = _resolve(owner_path)
+        original = vars(module)[name]
+    except (ImportError, AttributeError, KeyError) as exc:
+        raise _missing(path, exc) from None
+    if not isinstance(module, types.ModuleType):
+        raise TypeError(f"{owner_path} is a {type(module).__name__}, not a module")
+
+    def read(self: types.ModuleType) -> Any:
+        return value if reads_it(sys._getframe(1)) else vars(self)[name]
+
+    outer = type(module)
+    reading = type(outer.__name__, (outer,), {name: property(read), "__doc__": outer.__doc__})
+    module.__class__ = reading
+    try:
+        with _held(path):
+            yield original
+    finally:
+        if type(module) is not reading:
+            raise RuntimeError(f"{owner_path}'s class was changed inside the replacement of {path}")
+        module.__class__ = outer

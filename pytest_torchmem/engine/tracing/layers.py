@@ -21,7 +21,8 @@ The order follows four rules:
    above it on the mode stack, and the tracker must see each op first and hand
    it to the fake mode below.
 4. What changes what the program sees or calls (the router, the routed
-   recomputation, the RNG state copies, the GPU view, the beam search's stop)
+   recomputation, the RNG state copies, a real run's answers, the GPU view, the
+   beam search's stop)
    comes after the tracker: it is on only while the step (and ``apply``) runs,
    and whatever the program makes under it is fake and charged. The layers
    outside it are entered and left with torch answering as it does.
@@ -38,10 +39,12 @@ from pytest_torchmem.engine.holdings import lend
 from pytest_torchmem.engine.parallel import fake_world
 from pytest_torchmem.engine.tracing.compiled import watch_compiled
 from pytest_torchmem.engine.tracing.devices.cuda.gpu_view import gpu_view
+from pytest_torchmem.engine.tracing.devices.cuda.streams import GpuStreams
 from pytest_torchmem.engine.tracing.devices.routing import routed_recomputation
 from pytest_torchmem.engine.tracing.generation import beams_run_on
 from pytest_torchmem.engine.tracing.imports import imports_outside_the_step
 from pytest_torchmem.engine.tracing.module_methods import module_methods_on_fakes
+from pytest_torchmem.engine.tracing.real_run_view import real_run_view
 from pytest_torchmem.engine.tracing.rng_states import charged_rng_states
 
 if TYPE_CHECKING:
@@ -66,6 +69,7 @@ __all__ = [
     "MODULE_HOOKS",
     "MODULE_METHODS",
     "RNG_STATES",
+    "REAL_RUN_VIEW",
     "ROUTED_RECOMPUTATION",
     "ROUTER",
     "STAND_INS",
@@ -101,6 +105,9 @@ class Scene:
     rank: int = 0
     #: The GPU profile the fake cuda device's view answers as.
     gpu: Any = None
+    #: The caching allocator's statistics so far, as the GPU view answers the program
+    #: (cuda/memory_stats.py), or None.
+    memory: Any = None
     #: The replay of the model's repeated blocks (block_replay.py), or None.
     blocks: Any = None
     #: What each layer's context gave on entry, by the layer's name (the fake world's mesh).
@@ -231,12 +238,23 @@ RNG_STATES: Final = Layer(
     "keeps are made as fake tensors, charged as the CPU allocator sees them",
     lambda scene: charged_rng_states(),
 )
+REAL_RUN_VIEW: Final = Layer(
+    "a real run's answers",
+    "after the fake mode, the tracker and the router, whose modes it tells from the "
+    "program's: on only while the step runs, on the tracing thread, the program's "
+    "questions whether it is traced (a FakeTensor, a fake or dispatch mode) get a real "
+    "run's answers, and every layer outside it is entered and left with torch answering "
+    "as it does",
+    lambda scene: real_run_view(scene.fake_mode),
+)
 GPU_VIEW: Final = Layer(
     "GPU view",
     "after the tracker and the router: on only while the step runs, on the tracing thread, "
     "so that every layer outside it is entered and left with the devices as they are, and "
     "what the program makes on 'cuda' once it sees one is placed by the router",
-    lambda scene: gpu_view(scene.gpu) if scene.gpu is not None else None,
+    lambda scene: (
+        gpu_view(scene.gpu, GpuStreams(_tracker(scene).charge_to), scene.memory) if scene.gpu is not None else None
+    ),
 )
 BLOCK_REPLAY: Final = Layer(
     "block replay",
@@ -266,6 +284,7 @@ CPU_LAYERS: Final = (
     ROUTER,
     ROUTED_RECOMPUTATION,
     RNG_STATES,
+    REAL_RUN_VIEW,
     BLOCK_REPLAY,
     BEAMS_RUN_ON,
 )
@@ -283,6 +302,7 @@ CUDA_LAYERS: Final = (
     MODULE_METHODS,
     ROUTER,
     ROUTED_RECOMPUTATION,
+    REAL_RUN_VIEW,
     GPU_VIEW,
     BLOCK_REPLAY,
     BEAMS_RUN_ON,
@@ -306,4 +326,5 @@ WARM_UP_LAYERS: Final = (
     ),
     FAKE_MODE,
     MODULE_METHODS,
+    REAL_RUN_VIEW,
 )

@@ -47,6 +47,7 @@ from pytest_torchmem.engine.tracing.compiled_program import (
 from pytest_torchmem.engine.tracing.devices import DeviceModel
 from pytest_torchmem.engine.tracing.devices.cpu.profiles import CpuProfile
 from pytest_torchmem.engine.tracing.compiled_cuda import CudaProgram
+from pytest_torchmem.engine.tracing.devices.cuda.memory_stats import MemorySoFar
 from pytest_torchmem.engine.tracing.devices.cuda.profiles import GpuProfile, gpu_profile
 from pytest_torchmem.engine.tracing.fake_limits import first_line
 from pytest_torchmem.engine.tracing.layers import FAKE_WORLD, WARM_UP_LAYERS, Scene, entered
@@ -551,6 +552,11 @@ def _trace(
             parallel=parallel,
             rank=rank,
             gpu=gpu,
+            memory=(
+                MemorySoFar(tracker.timeline, lambda: baseline, lambda: device.allocator(context), gpu_profile(gpu))
+                if gpu is not None and device.allocator is not None
+                else None
+            ),
             blocks=blocks,
         )
         try:

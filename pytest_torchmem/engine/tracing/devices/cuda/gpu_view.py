@@ -49,9 +49,8 @@ import os
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
-from pathlib import Path
 from threading import get_ident
-from types import SimpleNamespace
+from types import FrameType, SimpleNamespace
 from typing import Any, Final
 
 import torch
@@ -61,8 +60,11 @@ import torch.cuda.amp.common
 
 from pytest_torchmem.engine.gpu_profiles import GpuProfile
 from pytest_torchmem.engine.torch_private import present, private
-from pytest_torchmem.engine.torch_replacing import appending, on_this_thread, replacing
+from pytest_torchmem.engine.torch_replacing import appending, on_this_thread, replacing, replacing_for_readers
+from pytest_torchmem.engine.tracing.devices.cuda.memory_stats import MemorySoFar
+from pytest_torchmem.engine.tracing.devices.cuda.streams import CudaEvent, CudaStream, GpuStreams, StreamContext
 from pytest_torchmem.engine.tracing.imports import importing
+from pytest_torchmem.engine.tracing.the_program import NOT_THE_PROGRAM, TORCH_DIR, from_the_program, is_the_program, looks_it_up
 
 __all__ = [
     "KERNEL_DEVICE_LISTS",
@@ -78,26 +80,6 @@ _FAKE_TENSOR: Final = "torch._subclasses.fake_tensor.FakeTensor"
 FakeTensor: Final = private(_FAKE_TENSOR)
 
 _CUDA: Final = torch.device("cuda", 0)
-#: Code whose callers keep seeing the trace's real devices.
-_INTERNAL: Final = (
-    os.path.dirname(os.path.abspath(torch.__file__)),
-    str(Path(__file__).resolve().parents[4]),  # pytest_torchmem/
-)
-
-
-#: Where the code that keeps seeing the trace's devices lives: torch, this package,
-#: and Python's frozen modules.
-_NOT_THE_PROGRAM: Final = (*_INTERNAL, "<frozen")
-
-
-def _from_the_program(thread: int) -> bool:
-    """Whether the caller of the caller (a query's caller) is the model's or a library's
-    code, on the tracing thread ``thread``, where the view is not put aside."""
-    return (
-        get_ident() == thread
-        and not importing()
-        and not sys._getframe(2).f_code.co_filename.startswith(_NOT_THE_PROGRAM)
-    )
 
 
 def gpu_properties(profile: GpuProfile) -> SimpleNamespace:
@@ -126,31 +108,44 @@ def gpu_properties(profile: GpuProfile) -> SimpleNamespace:
 
 
 @contextmanager
-def gpu_view(profile: Any) -> Iterator[None]:
-    """Within a fake cuda trace: the program sees the GPU ``profile`` describes, on this thread."""
+def gpu_view(profile: Any, streams: GpuStreams | None = None, memory: MemorySoFar | None = None) -> Iterator[None]:
+    """Within a fake cuda trace: the program sees the GPU ``profile`` describes, on this
+    thread; with ``streams``, its CUDA streams and events; with ``memory``, the caching
+    allocator's statistics so far."""
     tracing = get_ident()
     real_device_of: Callable[[Any], torch.device]  # FakeTensor.device's getter, bound below
     real_is_cuda = torch.Tensor.is_cuda
+    real_is_meta = torch.Tensor.is_meta
     real_get_device = torch.Tensor.get_device
     getframe = sys._getframe
 
     def device(self: FakeTensor) -> torch.device:
         # Asked thousands of times a step, mostly by torch's fake-tensor cache: the
         # caller's frame is read first, here, without _from_the_program's call.
-        if getframe(1).f_code.co_filename.startswith(_NOT_THE_PROGRAM) or get_ident() != tracing or importing():
+        if getframe(1).f_code.co_filename.startswith(NOT_THE_PROGRAM) or get_ident() != tracing or importing():
             return real_device_of(self)
         seen = real_device_of(self)
         return _CUDA if seen.type == "meta" else seen
 
     def is_cuda(self: FakeTensor) -> bool:
-        if self.fake_device.type == "meta" and _from_the_program(tracing):
+        if self.fake_device.type == "meta" and from_the_program(tracing):
             return True
         return real_is_cuda.__get__(self)  # type: ignore[no-any-return]
 
+    def is_meta(self: FakeTensor) -> bool:
+        if self.fake_device.type == "meta" and from_the_program(tracing):
+            return False
+        return real_is_meta.__get__(self)  # type: ignore[no-any-return]
+
     def get_device(self: FakeTensor) -> int:
-        if self.fake_device.type == "meta" and _from_the_program(tracing):
+        if self.fake_device.type == "meta" and from_the_program(tracing):
             return 0
         return real_get_device(self)  # type: ignore[no-any-return]
+
+    def record_stream(self: FakeTensor, stream: Any) -> None:
+        if from_the_program(tracing):
+            return None  # (streams.py: the block's allocated bytes go at its free, as here)
+        return real_record_stream(self, stream)  # type: ignore[no-any-return]
 
     properties = gpu_properties(profile)
     answers: dict[str, Callable[..., Any]] = {
@@ -169,7 +164,53 @@ def gpu_view(profile: Any) -> Iterator[None]:
         # (a trainer sets the device and synchronizes, as on a machine with a GPU).
         "torch.cuda.set_device": lambda device: None,
         "torch.cuda.synchronize": lambda device=None: None,
+        "torch.cuda.is_current_stream_capturing": lambda: False,
+        # torch.accelerator: the GPU is the current accelerator
+        "torch.accelerator.is_available": lambda: True,
+        "torch.accelerator.current_accelerator": lambda check_available=False: torch.device("cuda"),
+        "torch.accelerator.device_count": lambda: 1,
+        "torch.accelerator.current_device_index": lambda: 0,
+        "torch.accelerator.current_device_idx": lambda: 0,
+        "torch.accelerator.set_device_index": lambda device: None,
+        "torch.accelerator.set_device_idx": lambda device: None,
+        "torch.accelerator.synchronize": lambda device=None: None,
+        "torch.accelerator.get_device_capability": lambda device=None: {"supported_dtypes": _cuda_dtypes()},
     }
+    if streams is not None:
+        answers.update(
+            {
+                "torch.cuda.current_stream": lambda device=None: streams.current,
+                "torch.cuda.default_stream": lambda device=None: streams.default,
+                "torch.cuda.set_stream": streams.set_current,
+                "torch.cuda.stream": StreamContext,
+                "torch.accelerator.current_stream": lambda device=None: streams.current,
+                "torch.accelerator.set_stream": streams.set_current,
+            }
+        )
+    if memory is not None:
+        statistics = {
+            "memory_allocated": memory.memory_allocated,
+            "max_memory_allocated": memory.max_memory_allocated,
+            "memory_reserved": memory.memory_reserved,
+            "max_memory_reserved": memory.max_memory_reserved,
+            "memory_stats": memory.memory_stats,
+            "reset_peak_memory_stats": memory.reset_peaks,
+            "reset_accumulated_memory_stats": lambda device=None: None,
+        }
+        for home in ("torch.cuda", "torch.cuda.memory", "torch.accelerator", "torch.accelerator.memory"):
+            answers.update({f"{home}.{name}": answer for name, answer in statistics.items()})
+        for home in ("torch.cuda", "torch.cuda.memory"):
+            answers.update(
+                {
+                    f"{home}.mem_get_info": memory.mem_get_info,
+                    f"{home}.reset_max_memory_allocated": memory.reset_peaks,
+                    f"{home}.reset_max_memory_cached": memory.reset_peaks,
+                    f"{home}.memory_cached": memory.memory_reserved,
+                    f"{home}.max_memory_cached": memory.max_memory_reserved,
+                }
+            )
+        for home in ("torch.accelerator", "torch.accelerator.memory"):
+            answers[f"{home}.get_memory_info"] = memory.mem_get_info
     # The generator's state, as torch's own torch.random.fork_rng saves and restores it (a
     # pipeline stage's metadata inference), on the tracing thread whoever asks: a host
     # tensor, which the GPU's memory does not count.
@@ -180,17 +221,42 @@ def gpu_view(profile: Any) -> Iterator[None]:
 
     def answering(answer: Callable[..., Any], real: list[Callable[..., Any]]) -> Callable[..., Any]:
         def query(*args: Any, **kwargs: Any) -> Any:
-            if _from_the_program(tracing):
+            if from_the_program(tracing):
                 return answer(*args, **kwargs)
             return real[0](*args, **kwargs)
 
         return query
 
+    def get_device_module(device: Any = None) -> Any:
+        # (torch.get_device_module(): the current accelerator's module, torch.cuda on a GPU)
+        return torch.cuda if device is None else real_get_device_module(device)
+
+    def reads_it(frame: FrameType) -> bool:
+        return looks_it_up(frame) and is_the_program(frame, tracing)
+
     with ExitStack() as replaced:
         real_device_of = replaced.enter_context(replacing(f"{_FAKE_TENSOR}.device", property(device))).fget
         replaced.enter_context(replacing(f"{_FAKE_TENSOR}.is_cuda", property(is_cuda)))
+        replaced.enter_context(replacing(f"{_FAKE_TENSOR}.is_meta", property(is_meta)))
         replaced.enter_context(replacing(f"{_FAKE_TENSOR}.get_device", get_device))
+        real_record_stream = replaced.enter_context(replacing(f"{_FAKE_TENSOR}.record_stream", record_stream))
+        real_get_device_module = replaced.enter_context(
+            replacing("torch.get_device_module", answering(get_device_module, [torch.get_device_module]))
+        )
+        if streams is not None:
+            replaced.enter_context(streams.on())
+            for path, made in (
+                ("torch.cuda.Stream", CudaStream),
+                ("torch.cuda.Event", CudaEvent),
+                ("torch.Stream", _any_stream(CudaStream)),
+                ("torch.Event", _any_stream(CudaEvent)),
+                ("torch.cuda.StreamContext", StreamContext),
+            ):
+                replaced.enter_context(replacing_for_readers(path, made, reads_it))
+        replaced.enter_context(replacing_for_readers("torch.accelerator.device_index", _DeviceIndex, reads_it))
         for path, answer in answers.items():
+            if not present(path):
+                continue
             real: list[Callable[..., Any]] = []
             query = answering(answer, real)
             real.append(replaced.enter_context(replacing(path, query)))
@@ -200,6 +266,46 @@ def gpu_view(profile: Any) -> Iterator[None]:
         replaced.enter_context(torch_decides_as_on_the_gpu())
         replaced.enter_context(autocast_opens_cuda_regions(profile))
         yield
+
+
+class _DeviceIndex:
+    """``torch.accelerator.device_index(i)``: the one GPU is current whatever ``i`` is."""
+
+    def __init__(self, device: Any, /) -> None:
+        self.idx = device
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+
+@functools.cache
+def _cuda_dtypes() -> frozenset[torch.dtype]:
+    """What ``torch.accelerator.get_device_capability()`` lists for a GPU: every dtype."""
+    return frozenset(value for value in vars(torch).values() if isinstance(value, torch.dtype))
+
+
+def _any_stream(cuda_kind: type) -> type:
+    """``torch.Stream`` / ``torch.Event`` for the program: made on the GPU unless another
+    device is named (the current accelerator's, as on a machine with a GPU); every stream
+    (event) is an instance of it, as of torch's."""
+    real = torch.Stream if issubclass(cuda_kind, torch.Stream) else torch.Event
+
+    class _Meta(type):
+        def __call__(cls, device: Any = None, *args: Any, **kwargs: Any) -> Any:
+            if device is None or torch.device(device).type == "cuda":
+                return cuda_kind(device, *args, **kwargs) if real is torch.Stream else cuda_kind(**kwargs)
+            return real(device, *args, **kwargs)
+
+        def __instancecheck__(cls, instance: Any) -> bool:
+            return isinstance(instance, real)
+
+        def __subclasscheck__(cls, subclass: type) -> bool:
+            return issubclass(subclass, real)
+
+    return _Meta(real.__name__, (), {"__module__": "torch", "__qualname__": real.__qualname__, "__doc__": real.__doc__})
 
 
 # -- torch's own decisions by device type ---------------------------------------------
@@ -293,7 +399,7 @@ def torch_decides_as_on_the_gpu() -> Iterator[None]:
 # -- autocast ---------------------------------------------------------------------------
 
 #: Where ``torch.autocast`` asks whether it may enter a ``cuda`` region with a dtype.
-_AUTOCAST_MODE: Final = os.path.join(_INTERNAL[0], "amp", "autocast_mode.py")
+_AUTOCAST_MODE: Final = os.path.join(TORCH_DIR, "amp", "autocast_mode.py")
 
 
 @contextmanager
@@ -317,7 +423,7 @@ def autocast_opens_cuda_regions(profile: Any) -> Iterator[None]:
 
     def is_bf16_supported(including_emulation: bool = True) -> bool:
         caller = sys._getframe(1).f_code.co_filename
-        if get_ident() == tracing and (caller == _AUTOCAST_MODE or not caller.startswith(_NOT_THE_PROGRAM)):
+        if get_ident() == tracing and (caller == _AUTOCAST_MODE or not caller.startswith(NOT_THE_PROGRAM)):
             return bool(profile.bf16)
         return bool(outer_bf16(including_emulation))
 
