@@ -227,7 +227,8 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    exhaustive = [item for item in items if _exhaustive(item.nodeid)]
+    # (listed here, or marked where the test is written: a matrix's rows beyond its quick ones)
+    exhaustive = [item for item in items if _exhaustive(item.nodeid) or item.get_closest_marker("exhaustive")]
     for item in exhaustive:
         item.add_marker(pytest.mark.exhaustive)
     # without --exhaustive they are left out, but for one named on the command line by

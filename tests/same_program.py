@@ -49,8 +49,8 @@ class Op:
         return f"{self.name}({arguments}) at {self.where}"
 
 
-#: Ops that say nothing of the program's branch and that a fake run adds or drops: the
-#: detach a checkpoint or a hook makes of a saved tensor is still recorded.
+#: Ops that say nothing of the program's branch and that a fake run adds or drops (and
+#: the profiler's ``record_function`` ranges, which ``measure`` adds: ``profiler.*``).
 IGNORED = frozenset({"prim.device.default", "aten._local_scalar_dense.default", "aten.lift_fresh.default"})
 
 
@@ -73,7 +73,7 @@ class OpRecorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         name = str(func)
-        if name not in IGNORED:
+        if name not in IGNORED and not name.startswith("profiler."):
             flat, _ = tree_flatten((args, kwargs or {}))
             tensors = tuple((tuple(t.shape), str(t.dtype)) for t in flat if isinstance(t, torch.Tensor))
             self.ops.append(Op(name, tensors, _where()))

@@ -775,6 +775,14 @@ PRIVATE: Final = table(
         "torch._C._len_torch_dispatch_stack",
         "whether the fake mode alone is under the tracker (its dispatch is then called directly)",
     ),
+    *(
+        Private(
+            f"torch.utils._python_dispatch.{name}",
+            "what the trace makes for its own accounting is made below the dispatch modes "
+            "the program entered itself (the_program.out_of_the_programs_sight)",
+        )
+        for name in ("_pop_mode", "_push_mode")
+    ),
     Private(
         "torch._C._len_torch_function_stack",
         "the router's place on the torch-function mode stack (it steps aside for dynamo)",
@@ -858,7 +866,13 @@ PRIVATE: Final = table(
     Private(
         "torch.utils.checkpoint._recomputation_hook",
         "non-reentrant checkpointing's recomputation re-enters the device router "
-        "(routing.routed_recomputation)",
+        "(routing.routed_unpacking)",
+        replaced=True,
+    ),
+    Private(
+        "torch._C._autograd._push_saved_tensors_default_hooks",
+        "the program's saved-tensor unpack hooks re-enter the device router in backward "
+        "(routing.routed_unpacking: activation offloading's copies back to the GPU)",
         replaced=True,
     ),
     Private(

@@ -21,7 +21,7 @@ The order follows four rules:
    above it on the mode stack, and the tracker must see each op first and hand
    it to the fake mode below.
 4. What changes what the program sees or calls (the router, the routed
-   recomputation, the RNG state copies, a real run's answers, the GPU view, the
+   unpacking, the RNG state copies, a real run's answers, the GPU view, the
    beam search's stop)
    comes after the tracker: it is on only while the step (and ``apply``) runs,
    and whatever the program makes under it is fake and charged. The layers
@@ -40,7 +40,7 @@ from pytest_torchmem.engine.parallel import fake_world
 from pytest_torchmem.engine.tracing.compiled import watch_compiled
 from pytest_torchmem.engine.tracing.devices.cuda.gpu_view import gpu_view
 from pytest_torchmem.engine.tracing.devices.cuda.streams import GpuStreams
-from pytest_torchmem.engine.tracing.devices.routing import routed_recomputation
+from pytest_torchmem.engine.tracing.devices.routing import routed_unpacking
 from pytest_torchmem.engine.tracing.generation import beams_run_on
 from pytest_torchmem.engine.tracing.imports import imports_outside_the_step
 from pytest_torchmem.engine.tracing.module_methods import module_methods_on_fakes
@@ -70,7 +70,7 @@ __all__ = [
     "MODULE_METHODS",
     "RNG_STATES",
     "REAL_RUN_VIEW",
-    "ROUTED_RECOMPUTATION",
+    "ROUTED_UNPACKING",
     "ROUTER",
     "STAND_INS",
     "Scene",
@@ -226,11 +226,11 @@ ROUTER: Final = Layer(
     "(a followed compiled optimizer step has it step aside)",
     lambda scene: scene.router,
 )
-ROUTED_RECOMPUTATION: Final = Layer(
-    "routed recomputation",
-    "after the router: a checkpoint's recomputation re-enters the router, so it is on only "
-    "while the router is",
-    lambda scene: routed_recomputation(scene.routing) if scene.routing is not None else None,
+ROUTED_UNPACKING: Final = Layer(
+    "routed unpacking",
+    "after the router: backward's unpack hooks (a checkpoint's recomputation, the "
+    "program's saved-tensor hooks) re-enter the router, so it is on only while the router is",
+    lambda scene: routed_unpacking(scene.routing) if scene.routing is not None else None,
 )
 RNG_STATES: Final = Layer(
     "charged RNG states",
@@ -282,7 +282,7 @@ CPU_LAYERS: Final = (
     TRACKER,
     MODULE_METHODS,
     ROUTER,
-    ROUTED_RECOMPUTATION,
+    ROUTED_UNPACKING,
     RNG_STATES,
     REAL_RUN_VIEW,
     BLOCK_REPLAY,
@@ -301,7 +301,7 @@ CUDA_LAYERS: Final = (
     TRACKER,
     MODULE_METHODS,
     ROUTER,
-    ROUTED_RECOMPUTATION,
+    ROUTED_UNPACKING,
     REAL_RUN_VIEW,
     GPU_VIEW,
     BLOCK_REPLAY,

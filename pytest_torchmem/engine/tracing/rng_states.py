@@ -21,6 +21,7 @@ import torch
 
 from pytest_torchmem.engine.torch_private import private
 from pytest_torchmem.engine.torch_replacing import replacing
+from pytest_torchmem.engine.tracing.the_program import dispatch_depth, out_of_the_programs_sight
 
 __all__ = ["charged_rng_states"]
 
@@ -38,12 +39,15 @@ def charged_rng_states() -> Iterator[None]:
     """Within a fake trace on ``cpu``: RNG state copies are fake tensors of their real size."""
     real_get, real_set = torch.get_rng_state, torch.set_rng_state
     nbytes = real_get().numel()
+    ours = dispatch_depth()
 
     def get_rng_state() -> torch.Tensor:
         if _get_dispatch_mode(_FAKE_KEY) is None:
             # dynamo, compiling with every mode popped, saves and restores the real state
             return real_get()
-        return torch.empty(nbytes, dtype=torch.uint8, device="cpu")
+        # (made outside the dispatcher in a real run: the program's own modes see nothing)
+        with out_of_the_programs_sight(ours):
+            return torch.empty(nbytes, dtype=torch.uint8, device="cpu")
 
     def set_rng_state(new_state: Any) -> None:
         if not isinstance(new_state, _FakeTensor):

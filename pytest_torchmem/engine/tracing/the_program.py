@@ -13,6 +13,8 @@ from __future__ import annotations
 import dis
 import os
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from threading import get_ident
 from types import FrameType
@@ -20,9 +22,23 @@ from typing import Final
 
 import torch
 
+from pytest_torchmem.engine.torch_private import private
 from pytest_torchmem.engine.tracing.imports import importing
 
-__all__ = ["NOT_THE_PROGRAM", "TORCH_DIR", "from_the_program", "is_the_program", "looks_it_up"]
+__all__ = [
+    "NOT_THE_PROGRAM",
+    "TORCH_DIR",
+    "dispatch_depth",
+    "from_the_program",
+    "is_the_program",
+    "looks_it_up",
+    "out_of_the_programs_sight",
+]
+
+# torch's private names (engine/torch_private.py)
+_len_dispatch_stack: Final = private("torch._C._len_torch_dispatch_stack")
+_pop_mode: Final = private("torch.utils._python_dispatch._pop_mode")
+_push_mode: Final = private("torch.utils._python_dispatch._push_mode")
 
 #: torch's own code.
 TORCH_DIR: Final = os.path.dirname(os.path.abspath(torch.__file__))
@@ -62,3 +78,24 @@ def looks_it_up(frame: FrameType) -> bool:
     module attributes a compiled region looked up as the region is called, with the
     caller's frame on top (``getattr(module, "name")`` is such a call too)."""
     return frame.f_code.co_code[frame.f_lasti] in _LOOKUPS
+
+
+def dispatch_depth() -> int:
+    """How many dispatch modes are on the stack now (before the step: the trace's own)."""
+    return int(_len_dispatch_stack())
+
+
+@contextmanager
+def out_of_the_programs_sight(depth: int) -> Iterator[None]:
+    """The block dispatches below the dispatch modes the program entered itself (those
+    above the ``depth`` the trace's own took, :func:`dispatch_depth`): what the trace makes
+    for its own accounting (a copy made outside the dispatcher in a real run), the
+    program's modes (a profiler, a recorder) do not see."""
+    popped = []
+    while _len_dispatch_stack() > depth:
+        popped.append(_pop_mode())
+    try:
+        yield
+    finally:
+        for mode in reversed(popped):
+            _push_mode(mode)

@@ -108,6 +108,27 @@ def _index_with_masks(call: OpCall) -> tuple[Any, str | None]:
     return aten.index.Tensor(t, expanded), None if exact else _UPPER
 
 
+@COMMON.fallback(aten._ctc_loss.Tensor)
+def _ctc_loss_lengths_as_tensors(call: OpCall) -> tuple[Any, str | None]:
+    """``ctc_loss`` with its lengths as tensors (``ctc_loss_tensor``, ``LossCTC.cpp``: the
+    lengths read as integer lists on the host): ``neg_log_likelihood`` of the batch and
+    ``log_alpha`` of ``(batch, input length, 2 * longest target + 1)``, as both the CPU and
+    the CUDA kernel make them (``ctc_loss_cpu_template``, ``ctc_loss_gpu_template``). The
+    longest target is the target lengths' largest value: known where they come from the
+    step's inputs (transformers' CTC heads count them from the labels), else the targets'
+    whole length is assumed."""
+    log_probs, targets = call.args[0], call.args[1]
+    target_lengths = call.value(call.args[3])
+    batch = log_probs.size(1) if log_probs.dim() == 3 else 1
+    if target_lengths is not None:
+        longest, reason = (int(target_lengths.max()) if target_lengths.numel() else 0), None
+    else:
+        longest, reason = targets.size(-1), _UPPER
+    neg_log_likelihood = log_probs.new_empty((batch,) if log_probs.dim() == 3 else ())
+    log_alpha = log_probs.new_empty((batch, log_probs.size(0), 2 * longest + 1))
+    return (neg_log_likelihood, log_alpha), reason
+
+
 @COMMON.implementation(aten.allclose.default)
 def _allclose(call: OpCall) -> bool:
     """``at::allclose`` (``TensorCompare.cpp``): ``isclose(...).all().item()``, run

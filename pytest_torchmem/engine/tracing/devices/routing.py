@@ -16,7 +16,10 @@ from typing import Any, ClassVar, Final
 from pytest_torchmem.engine.torch_private import present, private
 from pytest_torchmem.engine.torch_replacing import replacing
 
-__all__ = ["COMPOSITE_MODULES", "BodyRouting", "routed_recomputation"]
+__all__ = ["COMPOSITE_MODULES", "BodyRouting", "routed_unpacking"]
+
+# torch's private names (engine/torch_private.py)
+_get_current_function_mode_stack: Final = private("torch.overrides._get_current_function_mode_stack")
 
 #: Modules whose Python functions run with the router active: their bodies call
 #: what the routers route (``F.multi_head_attention_forward`` calls ``dropout``
@@ -93,24 +96,52 @@ def _never(*args: Any) -> bool:
 
 
 @contextmanager
-def routed_recomputation(mode: Any) -> Iterator[None]:
-    """Keep the torch-function ``mode`` routing in non-reentrant checkpointing's recomputation.
+def routed_unpacking(mode: Any) -> Iterator[None]:
+    """Keep the torch-function ``mode`` routing in what autograd runs from a saved
+    tensor's unpack hook, in backward.
 
-    Autograd runs the recomputation (in backward, from a saved tensor's unpack
-    hook) without the torch-function modes of the forward, so a router would
-    route the forward and not its recomputation: a fake cuda forward saves the
-    efficient-attention and ``native_dropout`` outputs while the recomputation
-    takes the math and ``bernoulli_`` paths, and checkpointing refuses the
-    mismatch (``CheckpointError``), where a GPU recomputes the same kernels.
-    The recomputation opens ``torch.utils.checkpoint._recomputation_hook``;
-    while this context is active, that also re-enters ``mode``.
+    Autograd runs backward without the torch-function modes of the forward (the
+    step's ``backward()`` runs inside the router's own handler, the router popped),
+    so a router routes the forward and not what backward's unpack hooks do:
+
+    * non-reentrant checkpointing's recomputation: a fake cuda forward saves the
+      efficient-attention and ``native_dropout`` outputs while the recomputation
+      takes the math and ``bernoulli_`` paths, and checkpointing refuses the
+      mismatch (``CheckpointError``), where a GPU recomputes the same kernels; the
+      recomputation opens ``torch.utils.checkpoint._recomputation_hook``;
+    * the program's own saved-tensor hooks (``torch.autograd.graph.saved_tensors_hooks``:
+      activation offloading brings each tensor back to the GPU there, ``.to("cuda")``,
+      which the router places on the traced device), pushed through
+      ``torch._C._autograd._push_saved_tensors_default_hooks``.
+
+    While this context is active both re-enter ``mode`` (where it is not on the stack
+    already).
     """
-    real: Any = None
+    real_hook: Any = None
+    real_push: Any = None
+
+    @contextmanager
+    def routing() -> Iterator[None]:
+        if mode in _get_current_function_mode_stack():
+            yield
+        else:
+            with mode:
+                yield
 
     @contextmanager
     def recomputing(*args: Any, **kwargs: Any) -> Iterator[Any]:
-        with real(*args, **kwargs) as hook, mode:
+        with real_hook(*args, **kwargs) as hook, routing():
             yield hook
 
-    with replacing("torch.utils.checkpoint._recomputation_hook", recomputing) as real:
+    def push(pack_hook: Any, unpack_hook: Any) -> Any:
+        def unpack(packed: Any) -> Any:
+            with routing():
+                return unpack_hook(packed)
+
+        return real_push(pack_hook, unpack)
+
+    with (
+        replacing("torch.utils.checkpoint._recomputation_hook", recomputing) as real_hook,
+        replacing("torch._C._autograd._push_saved_tensors_default_hooks", push) as real_push,
+    ):
         yield

@@ -23,6 +23,7 @@ from typing import Any
 
 from pytest_torchmem.engine.tracing.devices.cuda import kernels as _kernels  # noqa: F401
 from pytest_torchmem.engine.tracing.devices.cuda import masks as _masks  # noqa: F401
+from pytest_torchmem.engine.tracing.devices.cuda import pinned as _pinned  # noqa: F401
 from pytest_torchmem.engine.tracing.devices.cuda import temporaries as _temporaries  # noqa: F401
 from pytest_torchmem.engine.tracing.devices.cuda import workspaces as _workspaces  # noqa: F401
 from pytest_torchmem.engine.tracing.devices.cuda.allocator import AllocatorConfig, CachingAllocator

@@ -221,7 +221,7 @@ def gpu_view(profile: Any, streams: GpuStreams | None = None, memory: MemorySoFa
 
     def answering(answer: Callable[..., Any], real: list[Callable[..., Any]]) -> Callable[..., Any]:
         def query(*args: Any, **kwargs: Any) -> Any:
-            if from_the_program(tracing):
+            if from_the_program(tracing) or _asks_for_the_program(getframe(1), tracing):
                 return answer(*args, **kwargs)
             return real[0](*args, **kwargs)
 
@@ -266,6 +266,16 @@ def gpu_view(profile: Any, streams: GpuStreams | None = None, memory: MemorySoFa
         replaced.enter_context(torch_decides_as_on_the_gpu())
         replaced.enter_context(autocast_opens_cuda_regions(profile))
         yield
+
+
+#: torch's code that asks about the device on the program's behalf, and acts on the
+#: answer in the program's sight: the DataLoader pins its batches where there is an
+#: accelerator (``pin_memory=True``, what transformers' Trainer asks by default).
+_FOR_THE_PROGRAM: Final = (os.path.join(TORCH_DIR, "utils", "data") + os.sep,)
+
+
+def _asks_for_the_program(frame: FrameType, thread: int) -> bool:
+    return get_ident() == thread and frame.f_code.co_filename.startswith(_FOR_THE_PROGRAM) and not importing()
 
 
 class _DeviceIndex:
