@@ -179,6 +179,21 @@ EXHAUSTIVE: Final = (
     # the beam search's twins of greedy decoding's (test_generate.py)
     "tests/test_generate.py::test_the_cache_grows_with_the_tokens_generated[beam]",
     "tests/test_generate.py::test_an_end_of_sequence_token_makes_the_estimate_an_upper_bound[beam]",
+    # the example suites beyond the three promised ones and the leak checks, each a pytest
+    # run against its snapshots: the README's main job runs them all (and CI's release
+    # suites name the test, so that every release runs them)
+    *(
+        f"tests/test_plugin_examples.py::test_example_suite_passes_against_its_committed_snapshot[{name}]"
+        for name in ("generation", "pipeline", "fsdp", "script", "training_loop", "accelerate_loop", "hf_trainer", "lightning_trainer")
+    ),
+    # GPT-2 compiled on the fake cuda device (test_compiled_cuda.py's transformer family stays)
+    "tests/test_public_models.py::test_the_fake_cuda_device_follows_it_compiled",
+    # pp x DDP against real gloo ranks (the two-stage schedules and pp x FSDP x TP stay)
+    "tests/test_pipeline.py::test_pipeline_by_data_parallel_equals_real_gloo_ranks",
+    # the plugin's compiled and eager entries side by side (its regression report stays)
+    "tests/test_plugin_compile.py::test_eager_and_compiled_entries_side_by_side",
+    # a graph break in a compiled module on cuda (its cpu twin, test_compiled.py's, stays)
+    "tests/test_compiled_cuda.py::test_the_cuda_program_is_followed[graph break]",
     # every example suite with the optional packages hidden (the frameworks' suites and a
     # step function's stay)
     "tests/test_plugin_examples.py::test_without_the_optional_packages_each_suite_passes_or_names_what_to_install[every suite]",
@@ -232,9 +247,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in exhaustive:
         item.add_marker(pytest.mark.exhaustive)
     # without --exhaustive they are left out, but for one named on the command line by
-    # its node id (.ci/run's release suite names one level of the accuracy families)
+    # its node id or its test's (.ci/run's release suites name one level of the accuracy
+    # families, and every example suite's run)
     named = set(config.args)
-    left_out = [item for item in exhaustive if item.nodeid not in named]
+    left_out = [item for item in exhaustive if item.nodeid not in named and item.nodeid.split("[")[0] not in named]
     if not config.getoption("--exhaustive") and left_out:
         config.hook.pytest_deselected(items=left_out)
         gone = set(left_out)

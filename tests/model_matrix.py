@@ -183,7 +183,9 @@ def _frozen_half(model: nn.Module) -> nn.Module:
 
 
 def _checkpointed(model: nn.Module) -> nn.Module:
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    # (transformers 5 names it activation checkpointing; 4.x gradient checkpointing)
+    enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+    enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model
 
 

@@ -26,6 +26,7 @@ pytestmark = [
     pytest.mark.filterwarnings(r"ignore:torch\.\w+ is deprecated in favor of torch\.linalg:UserWarning"),
     pytest.mark.filterwarnings("ignore:stft with return_complex=False is deprecated:UserWarning"),
     pytest.mark.filterwarnings("ignore:A window was not provided:UserWarning"),
+    pytest.mark.filterwarnings(r"ignore:index_reduce\(\) is in beta:UserWarning"),
 ]
 
 #: Common ops whose samples the estimate matches byte for byte.

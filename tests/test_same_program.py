@@ -36,6 +36,9 @@ import pytest_torchmem as tm
 
 pytest.importorskip("transformers", reason="the model families are transformers'")
 
+#: (peft asks transformers 5 by the name it deprecated)
+pytestmark = pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
+
 
 def step(model: Any, batch: dict[str, Any], configuration: str, label: str | None = None) -> None:
     """One training step as a script writes it: forward (under the configuration's
@@ -99,19 +102,16 @@ def check(family: str, configuration: str, layers: int | None = None) -> dict[st
     }
 
 
-#: The rows the README's command checks: one of each kind of model and of configuration.
+#: The rows the README's command checks: a decoder without its cache and checkpointed, a
+#: sliding-window decoder on a padded batch, a mixture of experts, an encoder with eager
+#: attention, an encoder-decoder with LoRA adapters (CI's exhaustive run checks the rest).
 QUICK = (
     ("llama", "no cache"),
     ("llama", "checkpointed"),
     ("mistral", "padded"),
-    ("gemma2", "packed"),
     ("qwen2-moe", "as made"),
-    ("gpt2", "ignored labels"),
     ("bert", "eager attention"),
     ("t5", "lora"),
-    ("whisper", "frozen half"),
-    ("vit", "bf16 autocast"),
-    ("resnet18", "as made"),
 )
 
 
@@ -143,7 +143,7 @@ def test_the_trace_dispatches_the_real_runs_ops_and_its_figures_are_measures(fam
 #: in the configurations that change what a block does (its cache, its checkpoint, its
 #: mask, its adapters).
 REPLAYED = ("as made", "no cache", "checkpointed", "padded", "lora")
-QUICK_REPLAYED = (("llama", "no cache"), ("bert", "padded"))
+QUICK_REPLAYED = (("llama", "no cache"),)
 
 
 def _replay_marks(case: tuple[str, str]) -> Any:
