@@ -184,8 +184,10 @@ def _frozen_half(model: nn.Module) -> nn.Module:
 
 def _checkpointed(model: nn.Module) -> nn.Module:
     # (transformers 5 names it activation checkpointing; 4.x gradient checkpointing)
-    enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
-    enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model
 
 

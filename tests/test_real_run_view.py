@@ -389,3 +389,29 @@ def test_activation_offloading_takes_the_saved_activations_off_the_gpu(layers: i
     # every saved tensor went to a pinned host buffer: each matmul's input and weight (the
     # first's input needs no gradient: its weight is not saved) and each ReLU's output
     assert _seen() == [[True] * (3 * layers - 1)]
+
+
+def _checkpointed_llama_step(model: nn.Module, batch: dict[str, torch.Tensor], offload: bool) -> None:
+    model = model.to("cuda")
+    model.activation_checkpointing_enable(offload=offload)  # (made where the script runs: it finds the GPU)
+    model(**{name: tensor.to("cuda") for name, tensor in batch.items()}).loss.backward()
+
+
+def test_transformers_activation_offloading_takes_each_checkpointed_layers_input_off_the_gpu() -> None:
+    """transformers' own offloading (``activation_checkpointing_enable(offload=True)``:
+    ``save_on_cpu`` around each layer's checkpoint) on a 4- and an 8-layer Llama: each layer
+    more is one more checkpointed input (2 x 32 x 64 float32: 16 KiB) held on the host
+    instead of the GPU at the forward's peak; the backward, which brings them back one
+    layer at a time, peaks as without offloading."""
+    pytest.importorskip("transformers")
+    from model_matrix import made
+
+    offloaded: dict[int, int] = {}
+    for layers in (4, 8):
+        model, batch, _ = made("llama", "as made", layers)
+        plain = tm.estimate(_checkpointed_llama_step, (model, batch, False), device="cuda")
+        off = tm.estimate(_checkpointed_llama_step, (model, batch, True), device="cuda")
+        assert plain.unsupported == off.unsupported == ()
+        assert off.backward_peak == plain.backward_peak
+        offloaded[layers] = plain.forward_peak - off.forward_peak
+    assert offloaded[8] - offloaded[4] == 4 * 2 * 32 * 64 * 4
