@@ -385,7 +385,10 @@ def test_activation_offloading_takes_the_saved_activations_off_the_gpu(layers: i
     plain = tm.estimate(_offloading_step, (weights, x, False), device="cuda")
     offloaded = tm.estimate(_offloading_step, (weights, x, True), device="cuda")
     assert offloaded.unsupported == plain.unsupported == ()
+    assert tm.estimate(nn.Linear(4, 4), torch.randn(2, 4)).host_peak is None  # (cuda only)
     assert plain.forward_peak - offloaded.forward_peak == (layers + 1 - 3) * 4 * MiB
+    # the host copies, shown apart: every saved tensor's, held until backward unpacks it
+    assert (plain.host_peak, offloaded.host_peak) == (0, (3 * layers - 1) * 4 * MiB)
     # every saved tensor went to a pinned host buffer: each matmul's input and weight (the
     # first's input needs no gradient: its weight is not saved) and each ReLU's output
     assert _seen() == [[True] * (3 * layers - 1)]

@@ -144,6 +144,10 @@ class MemoryReport:
     #: forward and backward, recorded in its first), or why it traced it: one line each.
     #: The figures are the same either way, so reports compare equal whatever it says.
     replayed: tuple[str, ...] = field(default=(), compare=False)
+    #: cuda only (``estimate``): the highest bytes of host memory the step held at once of
+    #: what it made on the host (pinned buffers, offloaded activations, batches made on the
+    #: CPU): the GPU's figures above do not count them. None elsewhere.
+    host_peak: int | None = None
 
     def __post_init__(self) -> None:
         breakdown = {Category(key): int(value) for key, value in self.breakdown.items()}
@@ -205,6 +209,7 @@ class MemoryReport:
             "phases": dict(self.phases),
             "iterations": [it.to_dict() for it in self.iterations],
             "replayed": list(self.replayed),
+            "host_peak": self.host_peak,
         }
 
     @classmethod
@@ -234,6 +239,7 @@ class MemoryReport:
             phases=data.get("phases", {}),
             iterations=tuple(StepPeaks.from_dict(it) for it in data.get("iterations", ())),
             replayed=tuple(data.get("replayed", ())),
+            host_peak=data.get("host_peak"),
         )
 
     def __reduce__(self) -> tuple[Any, ...]:

@@ -31,6 +31,7 @@ __all__ = [
     "StorageInfo",
     "Timeline",
     "analyze",
+    "highest",
     "replay",
 ]
 
@@ -424,6 +425,15 @@ class Charge(NamedTuple):
     nbytes: int
     #: The allocator's block, when an allocator is replayed (None otherwise).
     block: Any
+
+
+def highest(timeline: Timeline) -> int:
+    """The most bytes the storages of ``timeline`` (all made in it: no baseline) held at once."""
+    live = best = 0
+    for charge in replay(timeline, []):
+        live += charge.nbytes
+        best = max(best, live)
+    return best
 
 
 def replay(timeline: Timeline, baseline: list[int], allocator: Allocator | None = None) -> Iterator[Charge]:

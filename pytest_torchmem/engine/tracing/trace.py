@@ -35,7 +35,7 @@ from pytest_torchmem.engine.step import (
 )
 from pytest_torchmem.engine.step_function import StepFunction
 from pytest_torchmem.engine.stopped import TraceStopped
-from pytest_torchmem.engine.timeline import CATEGORY_RANK, Analysis, Phase, Timeline, analyze
+from pytest_torchmem.engine.timeline import CATEGORY_RANK, Analysis, Phase, Timeline, analyze, highest
 from pytest_torchmem.engine.torch_private import private
 from pytest_torchmem.engine.tracing.block_replay import BlockReplay, BlockReplayMiss
 from pytest_torchmem.engine.tracing.compiled_program import (
@@ -632,6 +632,7 @@ def _trace(
         phases=analysis.named,
         iterations=analysis.iterations if isinstance(model, StepFunction) else (),
         replayed=(*block_lines, *replayed),
+        host_peak=None if tracker.host is None else highest(tracker.host.timeline),
     )
     traced = Trace(report, tracker.timeline, baseline, analysis, device, context, tracker.stop, tracker.values_missed)
     return traced, following.met

@@ -173,6 +173,10 @@ class Tracker(TorchDispatchMode):
             device, record_frames=record_frames, module_names=list(module_names), on_sparse=self._met_sparse
         )
         self.timeline: Final = self.ledger.timeline
+        #: On the fake cuda device (traced on ``meta``), the host storages the step makes
+        #: (pinned buffers, offloaded activations, batches made on the CPU): not the GPU's
+        #: memory, kept apart (the report's ``host_peak``); None on cpu.
+        self.host: Final = StorageLedger(torch.device("cpu")) if device.type == "meta" else None
         self.record_frames: Final = record_frames
         self.unsupported: list[Unsupported] = []
         #: How many ops needed tensor values the trace did not know (each then stopped
@@ -615,6 +619,8 @@ class Tracker(TorchDispatchMode):
                 if device == self.device and not t._is_zerotensor():
                     # (a zero tensor, sgn's gradient say, has no memory)
                     self._track(t, None, plan.name, self.phase, self.module)
+                elif self.host is not None and device.type == "cpu" and t.layout is _STRIDED:
+                    self.host.track(t, None, plan.name, self.phase, self.module)
             elif isinstance(t, (tuple, list)):
                 self._record_outputs(plan, t)
 
