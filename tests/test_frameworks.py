@@ -83,6 +83,8 @@ CUDA_LISTED = {
 # (on cpu the Trainer's DataLoader asks to pin its batches and finds no accelerator: a real
 # run on a machine without a GPU warns so too; on the fake cuda device it pins them)
 @pytest.mark.filterwarnings("ignore:'pin_memory' argument is set as true but no accelerator is found:UserWarning")
+# (torch 2.10's DataLoader pins with a device argument it deprecated itself: as on a GPU)
+@pytest.mark.filterwarnings("ignore:The argument 'device' of Tensor.(pin_memory|is_pinned)\\(\\) is deprecated:DeprecationWarning")
 def test_each_framework_is_measure_on_cpu_finds_the_fake_gpu_and_leaves_everything_as_it_was(name: str) -> None:
     torch.manual_seed(0)
     function, arguments = FRAMEWORKS[name]()
