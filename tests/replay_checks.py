@@ -37,4 +37,5 @@ def both(monkeypatch: pytest.MonkeyPatch, make: Any, check: Any = tm.estimate, *
 def same_figures(replayed: tm.MemoryReport, traced: tm.MemoryReport) -> None:
     a, b = replayed.to_dict(), traced.to_dict()
     a.pop("replayed"), b.pop("replayed")
+    a.pop("host_peak"), b.pop("host_peak")  # (cuda's host memory: not known where the trace replayed)
     assert a == b  # every figure, the breakdown, per-module peaks, first step, unsupported

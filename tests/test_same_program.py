@@ -165,6 +165,67 @@ def test_six_layers_deep_block_replay_gives_the_traced_figures(family: str, conf
     assert result["replayed"] == result["every block"], result["replay lines"]
 
 
+# -- on cuda: torch's own fake cuda tensors as the oracle ------------------------------------
+
+#: Cases whose forward reads no tensor value (torch's fake mode, unlike the trace, knows
+#: none: BART's SDPA mask, ViT's and Llama's forwards read one).
+ORACLE_CASES = (
+    *((family, "eager attention") for family in ("bert", "distilbert", "gpt2", "bart", "whisper")),
+    *((family, "as made") for family in ("bert", "distilbert", "gpt2", "whisper")),
+)
+
+
+def _forward(model: Any, batch: dict[str, Any], label: str) -> None:
+    """The forward and loss as a script on a GPU runs them (model and batch moved there)."""
+    model = model.to("cuda")
+    with recording(label):
+        loss_of(model(**{name: tensor.to("cuda") for name, tensor in batch.items()}))
+
+
+def _torchs_fake_cuda_forward(family: str, configuration: str, batch: dict[str, Any]) -> list[Any]:
+    """The ops of the same forward under torch's own ``FakeTensorMode`` on ``cuda`` (the
+    model made there), the program answered as a real run by the trace's own real-run
+    view (transformers asks whether its tensors are fake)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from same_program import OpRecorder
+
+    from pytest_torchmem.engine.tracing.real_run_view import real_run_view
+
+    ops: list[Any] = []
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        with torch.device("cuda"):
+            model, _, _ = made(family, configuration)
+        model.train()
+        fake = {name: mode.from_tensor(tensor).to("cuda") for name, tensor in batch.items()}
+        with real_run_view(mode), OpRecorder(ops):
+            loss_of(model(**fake))
+    return ops
+
+
+@pytest.mark.skipif(
+    torch.version.cuda is None,
+    reason="a CPU build's fake cuda tensors abort under autograd (DESIGN's hazards); CI's CUDA builds run it",
+)
+@pytest.mark.parametrize(("family", "attention"), ORACLE_CASES)
+def test_on_a_cuda_build_the_fake_gpus_forward_dispatches_torchs_own_fake_cuda_ops(family: str, attention: str) -> None:
+    """On a CUDA build (no GPU needed), torch's own fake cuda tensors run the composites'
+    C++ bodies with ``is_cuda()`` true: the GPU's branches (dropout's ``native_dropout``,
+    the norms' kernels). The fake cuda device's forward dispatches the same ops, in order.
+    Without a GPU torch's scaled-dot-product attention falls back to its math path (the
+    backend check asks the device), where the fake GPU picks a GPU's kernel: with SDPA the
+    two agree up to the first attention, and part there."""
+    model, batch, _ = made(family, attention)
+    tm.estimate(_forward, (model, batch, "fake gpu"), device="cuda")
+    ours = recorded("fake gpu")
+    torchs = _torchs_fake_cuda_forward(family, attention, batch)
+    difference = first_difference(torchs, ours)
+    if attention == "eager attention":
+        assert difference is None, difference
+    else:
+        first_attention = next(i for i, op in enumerate(ours) if "scaled_dot_product" in op.name)
+        assert difference is not None and difference.startswith(f"op {first_attention} of"), difference
+
+
 if __name__ == "__main__":  # the matrix as a table
     from torchvision_import import import_torchvision
 

@@ -146,8 +146,10 @@ class MemoryReport:
     replayed: tuple[str, ...] = field(default=(), compare=False)
     #: cuda only (``estimate``): the highest bytes of host memory the step held at once of
     #: what it made on the host (pinned buffers, offloaded activations, batches made on the
-    #: CPU): the GPU's figures above do not count them. None elsewhere.
-    host_peak: int | None = None
+    #: CPU): the GPU's figures above do not count them. None elsewhere, and where the trace
+    #: replayed (a loop's later iterations, repeated blocks: replays repeat the GPU's work),
+    #: so that it takes no part in a report's equality, as :attr:`replayed` does not.
+    host_peak: int | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         breakdown = {Category(key): int(value) for key, value in self.breakdown.items()}

@@ -632,7 +632,12 @@ def _trace(
         phases=analysis.named,
         iterations=analysis.iterations if isinstance(model, StepFunction) else (),
         replayed=(*block_lines, *replayed),
-        host_peak=None if tracker.host is None else highest(tracker.host.timeline),
+        # (replays repeat the device's events only: where one replayed, the host's are unknown)
+        host_peak=(
+            None
+            if tracker.host is None or (blocks is not None and blocks.replayed) or any(" replayed from " in line for line in replayed)
+            else highest(tracker.host.timeline)
+        ),
     )
     traced = Trace(report, tracker.timeline, baseline, analysis, device, context, tracker.stop, tracker.values_missed)
     return traced, following.met

@@ -11,13 +11,19 @@ thread; every other thread of the process keeps the real answers):
 
 * the code of the model and its libraries sees the GPU the profile names: a
   fake tensor of the device answers ``.device`` with ``cuda:0``, ``.is_cuda``
-  with True and ``.get_device()`` with 0, ``torch.cuda``'s queries answer as
-  that GPU would, and ``torch.backends.cuda.is_built()``,
+  with True, ``.is_meta`` with False and ``.get_device()`` with 0,
+  ``torch.cuda``'s queries answer as that GPU would,
+  ``torch.backends.cuda.is_built()``,
   ``torch.backends.cuda.is_flash_attention_available()`` and
-  ``torch.backends.cudnn.is_available()`` answer as a CUDA build does;
-  torch's own code and this package's still see ``meta`` (they route the
-  step), so only callers outside them are answered so; the tensors the
-  program then makes on "cuda" are placed by the device's router;
+  ``torch.backends.cudnn.is_available()`` answer as a CUDA build does, and
+  ``torch.accelerator`` and ``torch.get_device_module()`` name the GPU; its
+  streams and events are the trace's (:mod:`.streams`), and ``torch.cuda``'s
+  (and ``torch.accelerator``'s) memory statistics the trace's figures so far
+  (:mod:`.memory_stats`); torch's own code and this package's still see
+  ``meta`` (they route the step), so only callers outside them are answered
+  so (:mod:`~pytest_torchmem.engine.tracing.the_program`), but for the
+  DataLoader, which asks for the program whether to pin its batches; the
+  tensors the program then makes on "cuda" are placed by the device's router;
 * torch's own decisions by device type (:func:`torch_decides_as_on_the_gpu`):
   torch's lists of the devices that have foreach, fused and capturable
   optimizer kernels count the trace's ``meta`` device as ``cuda``, and its
@@ -36,10 +42,9 @@ device's kernels are answered through the lists instead, where torch keeps
 them.
 
 Not redirected (the answer stays the CPU-only build's): queries made from
-C++, ``torch.cuda`` functions beyond the queries below
-(streams, events, memory statistics), module attributes such as
-``torch.version.cuda`` (``None``: a value cannot tell who reads it), and code
-that reads a tensor's device from C++ (custom extensions).
+C++, module attributes such as ``torch.version.cuda`` (``None``: a value
+cannot tell who reads it), and code that reads a tensor's device from C++
+(custom extensions).
 """
 
 from __future__ import annotations
@@ -291,10 +296,9 @@ class _DeviceIndex:
         return None
 
 
-@functools.cache
-def _cuda_dtypes() -> frozenset[torch.dtype]:
+def _cuda_dtypes() -> set[torch.dtype]:
     """What ``torch.accelerator.get_device_capability()`` lists for a GPU: every dtype."""
-    return frozenset(value for value in vars(torch).values() if isinstance(value, torch.dtype))
+    return {value for value in vars(torch).values() if isinstance(value, torch.dtype)}
 
 
 def _any_stream(cuda_kind: type) -> type:

@@ -10,10 +10,11 @@ with :func:`place`.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Final
 
 import torch
 
+from pytest_torchmem.engine.torch_release import torch_minor
 from pytest_torchmem.engine.tracing.devices.cuda.routes import TRACE_DEVICE, Router, route
 
 __all__ = ["names_cuda", "place"]
@@ -67,3 +68,25 @@ def _tensor_to(router: Router, func: Any, types_: Any, args: tuple[Any, ...], kw
     if "device" in kwargs and names_cuda(kwargs["device"]):
         kwargs = {**kwargs, "device": TRACE_DEVICE}
     return func(*(place(a) for a in args), **kwargs)
+
+
+#: The last release whose ``t[index] = number`` makes the number a tensor on ``t``'s device
+#: for any device but CUDA (``THPVariable_setitem``: on CUDA, a CPU scalar made without a
+#: dispatch, then ``fill_``); 2.15 fills with the number itself on every device.
+_SETITEM_SCALAR_ON_DEVICE_UNTIL: Final = (2, 14)
+
+
+@route(torch.Tensor.__setitem__)
+def _setitem(router: Router, func: Any, types_: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``t[index] = number`` on the GPU: the number made a host scalar of ``t``'s dtype, as
+    CUDA's path makes it (then ``select``, ``fill_``), not a tensor on the trace's ``meta``
+    device (``scalar_tensor``, charged a block, then ``copy_``), up to torch 2.14."""
+    self, index, value = args
+    if (
+        isinstance(value, (bool, int, float, complex))
+        and isinstance(self, torch.Tensor)
+        and self.device.type == TRACE_DEVICE.type
+        and torch_minor() <= _SETITEM_SCALAR_ON_DEVICE_UNTIL
+    ):
+        value = torch.tensor(value, dtype=self.dtype)
+    return func(self, index, value, **kwargs)
