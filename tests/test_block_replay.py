@@ -237,8 +237,8 @@ def test_blocks_that_differ_in_an_attribute_their_forward_reads_are_traced(monke
 
 
 def test_blocks_that_differ_in_an_attribute_their_forward_never_reads_replay(monkeypatch: pytest.MonkeyPatch) -> None:
-    # (their classes are swapped for the traced calls, to see what they read: both() checks
-    # the model's fingerprint, types included, and every module's attributes after)
+    # (what the traced calls read is watched without touching the blocks: both() checks the
+    # model's fingerprint, types included, and every module's attributes after)
     replayed, traced = both(monkeypatch, _sequential(_Numbered), optimizer=_adamw)
     same_figures(replayed, traced)
     assert _blocks_line(replayed, "(model)") == (
@@ -303,7 +303,8 @@ def test_frozen_blocks_that_keep_tensors_are_traced(monkeypatch: pytest.MonkeyPa
 
     replayed, traced = both(monkeypatch, make)
     same_figures(replayed, traced)
-    assert _blocks_line(replayed, "(model)") == "(model): blocks traced (a block keeps tensors it made beside its output)"
+    # (what they keep, they keep in a global list: the watch sees its length change)
+    assert _blocks_line(replayed, "(model)") == "(model): blocks traced (a block assigns or changes the global _KEPT)"
 
 
 class _SideOutputs(nn.Module):
@@ -363,9 +364,9 @@ class _Autocast(nn.Module):
     ("name", "said"),
     [
         ("llama", "inner.layers: 3 of 8 block calls replayed"),
-        # (its blocks' cast weights stay in autocast's cache past their backward: found as the
-        # backward is recorded, after blocks were replayed, and traced again)
-        ("encoder pre-norm", "blocks traced (inner.encoder.layers: a replayed block's backward ran before"),
+        # (its blocks' cast weights stay in autocast's cache, alive beyond the block's output
+        # and its graph: found as the first block is traced)
+        ("encoder pre-norm", "inner.encoder.layers: blocks traced (a block keeps a tensor it made beyond its output and its graph)"),
     ],
 )
 def test_blocks_under_autocast_replay_or_are_traced_again(name: str, said: str, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -818,6 +818,11 @@ PRIVATE: Final = table(
         "(block replay)",
     ),
     Private(
+        "torch._C._autograd._top_saved_tensors_default_hooks",
+        "the saved-tensor hooks a block's call runs under (a checkpoint or an offloader "
+        "the caller put around it): calls under unlike hooks are not replayed alike",
+    ),
+    Private(
         "torch._C._storage_Use_Count",
         "how many references hold a storage (whether autograd's input buffer alone holds "
         "a gradient, accumulated in place)",

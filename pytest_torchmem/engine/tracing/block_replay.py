@@ -7,8 +7,9 @@ they dispatch: the block's structure (its modules' classes and attributes, its
 parameters' and buffers' layouts), its arguments (layouts, which share a storage,
 plain values), and torch's switches. A plain attribute the blocks hold different values
 of (transformers' ``layer_idx``) is left out of the structure, and the traced calls are
-watched for reading it (:class:`_Reads`): where one reads it, its group is traced. In a
-group:
+watched for reading it (:class:`replay_watch.Watch`, which also sees a global assigned,
+and the plain globals read: a replay stands in only while they hold the values read):
+where one reads it, its group is traced. In a group:
 
 * the first calls are traced, and each one's storage events recorded as a template
   (storages renumbered from the window's first, modules as positions in the block),
@@ -79,7 +80,8 @@ from pytest_torchmem.engine.step import hook_once
 from pytest_torchmem.engine.timeline import ALLOC, ENTER, EXIT, FREE, NAMED, RESIZE, Phase, StorageInfo
 from pytest_torchmem.engine.torch_private import present, private
 from pytest_torchmem.engine.tracing.replay_events import Layout, layout_of, standin
-from pytest_torchmem.engine.tracing.replay_state import own_hooks, switches
+from pytest_torchmem.engine.tracing.replay_state import global_hooks, own_hooks, parameter_hooks, switches
+from pytest_torchmem.engine.tracing.replay_watch import Watch, unchanged
 
 __all__ = ["MIN_BLOCKS", "BlockReplay", "BlockReplayMiss"]
 
@@ -90,6 +92,7 @@ _DisableTorchFunction: Final = private("torch._C.DisableTorchFunction")
 _current_autograd_node: Final = private("torch._C._current_autograd_node")
 _sequence_nr: Final = private("torch._C._autograd._get_sequence_nr")
 _SavedTensor: Final = private("torch._C._autograd.SavedTensor")
+_top_saved_tensors_hooks: Final = private("torch._C._autograd._top_saved_tensors_default_hooks")
 
 #: The fewest elements of one class a list must have for its blocks to be replayed: two
 #: traced to make the template, three traced at the end for the backward, one replayed.
@@ -164,6 +167,8 @@ class _Group:
     start: int = 0  # the first position replayed: after the calls that made the template
     made_in: int = -1  # the serial of the forward that made the template (Tracker.forwards)
     free: tuple[str, ...] = ()  # the names of the attributes its blocks differ in (never read)
+    #: the plain globals its traced calls read, with the values read (:class:`Watch`)
+    globals: dict[tuple[int, str], tuple[dict[str, Any], str, Any]] = dataclasses.field(default_factory=dict)
     replayed: int = 0
     calls: int = 0
 
@@ -319,8 +324,8 @@ class BlockReplay:
         with _DisableTorchFunction():
             structure = _structure(block, id(block) in self._units)
             signature = (
-                type(block), _masked(structure, self._free[id(block)]), _arguments(leaves), str(spec), switches(),
-                phase, tracker.setting_up,
+                type(block), _masked(structure, self._free[id(block)]), _arguments(leaves), str(spec),
+                (*switches(), _saving()), phase, tracker.setting_up,
             )
         group = self._group(name, size, signature)
         serial = tracker.forwards
@@ -331,6 +336,11 @@ class BlockReplay:
             group.why = group.why or "a block ran twice in one forward"
         self._called[id(block)] = serial
         group.calls += 1
+        changed = unchanged(tuple(group.globals.values()))
+        if changed is not None:
+            if group.replayed:
+                raise BlockReplayMiss(f"{name}: the global {changed}, which its blocks read, changed")
+            group.why = group.why or f"the global {changed}, which its blocks read, changed"
         grad = torch.is_grad_enabled()
         if (
             group.forward is not None
@@ -419,7 +429,7 @@ class BlockReplay:
         s0 = _sequence_nr()
         inputs = [t for t in leaves if isinstance(t, torch.Tensor)]
         observer = _Observer(self, block, inputs) if grad else None
-        watched = _Reads(block, structure, self._free[id(block)])
+        watched = Watch(_free_names(structure, self._free[id(block)]))
         self._busy = True
         try:
             with watched:
@@ -430,8 +440,11 @@ class BlockReplay:
                 observer.remove()
         s1 = _sequence_nr()
         with _DisableTorchFunction():
+            group.globals.update(watched.globals)
             if watched.read:
                 made, why = None, f"its blocks differ in attribute {watched.read}, which their forward reads"
+            elif watched.wrote:
+                made, why = None, f"a block assigns or changes the global {watched.wrote}"
             else:
                 made, why = self._template(block, start, first, reads, output, inputs, grad, observer, (s0, s1))
             unit = id(block) in self._units
@@ -481,6 +494,10 @@ class BlockReplay:
             return None, "autograd's bookkeeping was pending after a block"
         if _hooked(block, id(block) in self._units):
             return None, "its blocks have hooks"
+        if global_hooks():
+            return None, "a module hook is registered for every module"
+        if parameter_hooks(block):
+            return None, "its blocks' parameters have hooks"
         positions = self._positions(block)
         ranks: dict[int, int] = {}
         events: list[tuple[int, int, int]] = []
@@ -537,6 +554,8 @@ class BlockReplay:
             found = _graph(block, out_leaves, inputs, sequence, ledger)
             if isinstance(found, str):
                 return None, found
+            if saved - found:
+                return None, "a block keeps a tensor it made beyond its output and its graph"
             kept = tuple(i for i, t in enumerate(inputs) if ledger.storage_id(t) in found)
         if observer is not None:
             if observer.why is not None:
@@ -1172,12 +1191,54 @@ def _value(value: Any, depth: int = 0) -> Any:
         return (torch.Tensor, value.dtype, tuple(value.shape), tuple(value.stride()), value.requires_grad)
     if kind in (list, tuple, set, frozenset, dict) or isinstance(value, dict):
         if depth > 2 or len(value) > 32:
-            return (kind, id(value))
+            return (kind, id(value), len(value))
         items = value.items() if isinstance(value, dict) else value
         if kind in (set, frozenset):
             items = sorted(items, key=repr)
         return (kind, tuple(_value(v, depth + 1) for v in items))
+    if depth == 0 and not isinstance(value, nn.Module) and type(getattr(value, "__dict__", None)) is dict:
+        # (an object the blocks share, a config: what it holds of plain values, which the
+        # program may change between the blocks' calls)
+        return (kind, id(value), tuple((k, v) for k, v in vars(value).items() if type(v) in _PLAIN))
     return (kind, id(value))
+
+
+def _saving() -> Any:
+    """The saved-tensor hooks a call runs under (a checkpoint, ``save_on_cpu``, an
+    offloader the caller put around it), as a value equal between calls under hooks that
+    do the same: their functions' code and the plain values they close over."""
+    hooks = _top_saved_tensors_hooks(False)
+    if hooks is None:
+        return None
+    out = []
+    for hook in hooks:
+        function = getattr(hook, "__func__", hook)
+        code = getattr(function, "__code__", None)
+        if code is None:
+            out.append((type(hook), id(hook)))
+            continue
+        cells = []
+        for cell in function.__closure__ or ():
+            try:
+                value = cell.cell_contents
+            except ValueError:  # (empty)
+                value = None
+            cells.append(value if type(value) in _PLAIN else type(value))
+        out.append((code, tuple(cells)))
+    return tuple(out)
+
+
+def _class_attributes(cls: type) -> tuple[Any, ...]:
+    """The plain values and containers ``cls`` and its bases up to ``nn.Module`` hold (a
+    class-level list a block appends to, a class-level counter)."""
+    out = []
+    for base in cls.__mro__:
+        if base is nn.Module or base is object:
+            break
+        for name, value in vars(base).items():
+            if type(value) in _PLAIN or type(value) in (list, dict, set):
+                out.append((name, _value(value, 1)))
+    return tuple(out)
 
 
 def _structure(block: nn.Module, unit: bool) -> tuple[Any, ...]:
@@ -1187,6 +1248,7 @@ def _structure(block: nn.Module, unit: bool) -> tuple[Any, ...]:
     out: list[Any] = []
     for module in block.modules():
         out.append(("class", type(module)))
+        out.append(("class attributes", _class_attributes(type(module))))
         for name, value in module.__dict__.items():
             if name == "forward" and module is block:
                 continue
@@ -1248,61 +1310,9 @@ def _masked(structure: tuple[Any, ...], free: frozenset[int]) -> tuple[Any, ...]
     return tuple((e[0], e[1], _FREE) if place in free else e for place, e in enumerate(structure))
 
 
-class _Reads:
-    """While entered, notes whether the block's forward reads one of its free attributes
-    (:attr:`read`: its name): the modules that hold them answer attribute reads through a
-    subclass of their own class that looks at each name (their class is theirs again on
-    exit)."""
-
-    def __init__(self, block: nn.Module, structure: tuple[Any, ...], free: frozenset[int]) -> None:
-        """``structure``: ``block``'s (:func:`_structure`); ``free``: the places in it of the
-        attributes to watch."""
-        self.read: str | None = None
-        self._owners: dict[int, tuple[nn.Module, frozenset[str]]] = {}
-        if free:
-            modules = list(block.modules())
-            position = -1
-            for place, entry in enumerate(structure):
-                if entry[0] == "class":
-                    position += 1
-                elif place in free:
-                    module = modules[position]
-                    names = self._owners.get(id(module), (module, frozenset()))[1]
-                    self._owners[id(module)] = (module, names | {entry[1]})
-
-    def __enter__(self) -> _Reads:
-        for module, names in self._owners.values():
-            module.__class__ = _watching(type(module))
-            module.__dict__[_WATCH] = (self, names)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for module, _ in self._owners.values():
-            del module.__dict__[_WATCH]
-            module.__class__ = type(module).__bases__[0]
-
-
-#: Where a watched module keeps its watch (an entry of its __dict__ while the block runs).
-_WATCH: Final = "_torchmem_reads"
-_WATCHING: dict[type, type] = {}
-
-
-def _watching(cls: type) -> type:
-    """``cls`` with attribute reads looked at (made once per class)."""
-    found = _WATCHING.get(cls)
-    if found is None:
-
-        def __getattribute__(self: Any, name: str) -> Any:
-            if name != "__dict__":
-                watch = object.__getattribute__(self, "__dict__").get(_WATCH)
-                if watch is not None and name in watch[1] and watch[0].read is None:
-                    watch[0].read = name
-            return cls.__getattribute__(self, name)
-
-        found = _WATCHING[cls] = type(cls.__name__, (cls,), {"__getattribute__": __getattribute__, "__slots__": ()})
-        found.__qualname__ = cls.__qualname__
-        found.__module__ = cls.__module__
-    return found
+def _free_names(structure: tuple[Any, ...], free: frozenset[int]) -> frozenset[str]:
+    """The names of the attributes at the places ``free`` of ``structure``."""
+    return frozenset(structure[place][1] for place in free)
 
 
 def _difference(a: tuple[Any, ...], b: tuple[Any, ...]) -> str:
@@ -1313,13 +1323,15 @@ def _difference(a: tuple[Any, ...], b: tuple[Any, ...]) -> str:
             if x != y:
                 if x[0] == "attribute":
                     return f"their attribute {x[1]}"
-                return {"_parameters": "their parameters' layouts", "_buffers": "their buffers' layouts"}.get(
-                    x[0], "their modules"
-                )
+                return {
+                    "_parameters": "their parameters' layouts",
+                    "_buffers": "their buffers' layouts",
+                    "class attributes": "their classes' attributes",
+                }.get(x[0], "their modules")
         return "their modules"
     if a[2] != b[2] or a[3] != b[3]:
         return "their arguments' layouts"
-    return "torch's switches" if a[4] != b[4] else "the step's phase"
+    return "torch's switches or the saved-tensor hooks they run under" if a[4] != b[4] else "the step's phase"
 
 
 def _arguments(leaves: list[Any]) -> tuple[Any, ...]:

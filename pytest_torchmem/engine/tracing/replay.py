@@ -30,7 +30,9 @@ thing said, consecutive iterations gathered):
 * the model's own state (every module's attributes, parameters, buffers and
   hooks) and torch's global switches (grad mode, autocast, SDPA backends, ...) are
   the same at the start of each iteration's forward as at the first's;
-* the model carries no user hooks (module or parameter hooks may count calls).
+* the model carries no user hooks (module or parameter hooks may count calls);
+* the program's code assigns no global (a counter), and the plain globals it reads (a
+  flag) hold the values they had (:class:`replay_watch.Watch`).
 
 A library's cached workspace that the first iteration made (cuBLAS's) is not made
 again: it is left out of the replayed events, as the cache leaves it out of the
@@ -47,6 +49,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -66,14 +69,13 @@ from pytest_torchmem.engine.tracing.replay_events import (
     replay_events,
     standin,
 )
-from pytest_torchmem.engine.tracing.replay_state import hooked_modules, model_state, switches
+from pytest_torchmem.engine.tracing.replay_state import global_hooks, hooked_modules, model_state, switches
+from pytest_torchmem.engine.tracing.replay_watch import Watch, unchanged
 
 __all__ = ["LoopReplay", "replay_enabled"]
 
 FakeTensor: Final = private("torch._subclasses.fake_tensor.FakeTensor")
 _DisableTorchFunction: Final = private("torch._C.DisableTorchFunction")
-#: Where torch keeps the hooks every module runs (entries of engine/torch_private.py).
-_GLOBAL_HOOKS: Final = "torch.nn.modules.module."
 
 #: The environment variable that turns replay off (``0``).
 ENV: Final = "TORCHMEM_REPLAY"
@@ -104,6 +106,8 @@ class _Record:
     held_sids: frozenset[int] = frozenset()
     #: Storages it made that stay to the end of the step (a library's cached workspace).
     kept: Kept = field(default_factory=Kept)
+    #: What it read and assigned of the program's globals.
+    watch: Watch = field(default_factory=Watch)
 
 
 class LoopReplay:
@@ -152,6 +156,14 @@ class LoopReplay:
         self.said(iteration, "forward and backward replayed from iteration 1")
         return replayed
 
+    def watching(self, iteration: int) -> AbstractContextManager[Any]:
+        """Entered around the first iteration's forward and backward: what they read and
+        assign of the program's globals (:class:`Watch`)."""
+        record = self._record
+        if iteration != 1 or record is None or record.end >= 0:
+            return nullcontext()
+        return record.watch
+
     def end(self, iteration: int, loss: Any, held: Any) -> None:
         """The forward and backward of ``iteration`` ran (traced): ``loss`` and ``held``
         are what the step keeps of them."""
@@ -160,6 +172,8 @@ class LoopReplay:
             return
         record.end = len(self.tracker.timeline.events)
         record.refused = self._left(record, loss, held)
+        if record.refused is None and record.watch.wrote is not None:
+            record.refused = f"it assigns or changes the global {record.watch.wrote}, which may make the next iteration differ"
 
     def begin_step(self, iteration: int, optimizer: torch.optim.Optimizer) -> bool:
         """The optimizer step of ``iteration`` begins (its phase just set): True where it
@@ -232,6 +246,9 @@ class LoopReplay:
             return "a buffer the first iteration's made to keep was freed"
         if self._state() != record.state:
             return "the model's state or torch's switches changed since the first iteration"
+        changed = unchanged(tuple(record.watch.globals.values()))
+        if changed is not None:
+            return f"the global {changed}, which it read, changed since the first iteration"
         if _hooked(self.model, self.leaves):
             return "the model has hooks, which may act differently the next time"
         if not self.tracker.quiet():
@@ -284,10 +301,4 @@ def _hooked(model: nn.Module, leaves: Sequence[torch.Tensor]) -> bool:
     for t in leaves:
         if getattr(t, "_backward_hooks", None) or getattr(t, "_post_accumulate_grad_hooks", None):
             return True
-    # (the trace's own module tracker adds one global pre-hook and one global hook)
-    return (
-        len(private(f"{_GLOBAL_HOOKS}_global_forward_pre_hooks")) > 1
-        or len(private(f"{_GLOBAL_HOOKS}_global_forward_hooks")) > 1
-        or bool(private(f"{_GLOBAL_HOOKS}_global_backward_hooks"))
-        or bool(private(f"{_GLOBAL_HOOKS}_global_backward_pre_hooks"))
-    )
+    return global_hooks()

@@ -8,10 +8,13 @@ from typing import Any, Final
 import torch
 from torch import nn
 
-__all__ = ["hooked_modules", "model_state", "own_hooks", "switches", "tensor_state", "value_state"]
+from pytest_torchmem.engine.torch_private import private
+
+__all__ = ["global_hooks", "hooked_modules", "parameter_hooks", "model_state", "own_hooks", "switches", "tensor_state", "value_state"]
 
 _IMMUTABLE: Final = (int, float, bool, str, bytes, type(None), torch.dtype, torch.device)
 _PLAIN: Final = frozenset(_IMMUTABLE)  # (the common case, looked up before isinstance)
+_GLOBAL_HOOKS: Final = "torch.nn.modules.module."
 
 
 def model_state(model: nn.Module) -> tuple[Any, ...]:
@@ -39,6 +42,27 @@ def own_hooks(module: nn.Module) -> list[Any]:
         *module._forward_pre_hooks.values(), *module._forward_hooks.values(),
         *module._backward_pre_hooks.values(), *module._backward_hooks.values(),
     ]
+
+
+def global_hooks() -> bool:
+    """Whether a module hook of the user's is registered for every module
+    (``register_module_forward_hook``, ...): the trace's own module tracker adds one
+    global pre-hook and one global hook."""
+    return (
+        len(private(f"{_GLOBAL_HOOKS}_global_forward_pre_hooks")) > 1
+        or len(private(f"{_GLOBAL_HOOKS}_global_forward_hooks")) > 1
+        or bool(private(f"{_GLOBAL_HOOKS}_global_backward_hooks"))
+        or bool(private(f"{_GLOBAL_HOOKS}_global_backward_pre_hooks"))
+    )
+
+
+def parameter_hooks(module: nn.Module) -> bool:
+    """Whether one of ``module``'s parameters carries a hook of its own (on its gradient,
+    or after it accumulates)."""
+    return any(
+        getattr(p, "_backward_hooks", None) or getattr(p, "_post_accumulate_grad_hooks", None)
+        for p in module.parameters()
+    )
 
 
 def hooked_modules(model: nn.Module) -> bool:

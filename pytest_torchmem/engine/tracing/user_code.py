@@ -18,9 +18,10 @@ import torch
 from pytest_torchmem.engine.timeline import Frame
 from pytest_torchmem.engine.tracing.generated_code import is_generated, user_frames_at
 
-__all__ = ["location_in", "runner_dirs", "user_frames", "user_location"]
+__all__ = ["OWN_DIRS", "location_in", "runner_dirs", "user_frames", "user_location"]
 
-_OWN_DIRS: Final = (
+#: Where torch's and this package's code lives: not the user's.
+OWN_DIRS: Final = (
     os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),  # pytest_torchmem/
     os.path.dirname(os.path.abspath(torch.__file__)),
     # (a thread's start, under the trace of a pipeline's rank: not the user's code)
@@ -44,7 +45,7 @@ def user_frames(limit: int = 16, stop: tuple[str, ...] = ()) -> tuple[Frame, ...
         filename = code.co_filename
         if filename.startswith(stop):
             break
-        if not filename.startswith(_OWN_DIRS):
+        if not filename.startswith(OWN_DIRS):
             frames.extend(_users(filename, frame.f_lineno, code.co_name))
         frame = frame.f_back
     return tuple(frames[:limit])
@@ -55,8 +56,8 @@ def _users(filename: str, line: int, function: str) -> list[Frame]:
     package's), or, for a line of a compiled region's program, the user's lines its
     graph node came from."""
     if is_generated(filename):
-        return [Frame(*frame) for frame in user_frames_at(filename, line) if not frame[0].startswith(_OWN_DIRS)]
-    if filename.startswith(_OWN_DIRS) or filename.startswith("<"):
+        return [Frame(*frame) for frame in user_frames_at(filename, line) if not frame[0].startswith(OWN_DIRS)]
+    if filename.startswith(OWN_DIRS) or filename.startswith("<"):
         return []
     return [Frame(filename, line, function)]
 

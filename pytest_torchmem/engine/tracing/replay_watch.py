@@ -1,0 +1,199 @@
+"""What a traced block reads and writes outside its tensors, seen without touching it: the
+interpreter's trace function over the frames of the user's code while the block runs.
+
+Block replay stands one block's recorded events in for another's only where both run
+the same program. Their structures (modules, attributes, parameters) are compared
+beforehand; what a forward reads as it runs is watched here, where nothing the user's
+code can look at changes (its classes, its instances and its registries are left as
+they are; only ``sys.gettrace()`` sees the watch, and a tracer already set, a debugger's
+or coverage's, is still called):
+
+* an attribute the blocks hold different values of (transformers' ``layer_idx``): an
+  attribute load of that name on any object (``self.layer_idx``, ``getattr(self,
+  "layer_idx")``, a string constant of the name, ``__dict__``, ``vars``);
+* a global a function that ran assigns (``global calls; calls += 1``): the block changes
+  state outside itself, and the next call may not do what this one did;
+* the global plain values (a number, a string, a flag) the functions that ran load, kept
+  with their values, so that a replay stands in only while every one is unchanged; a
+  global list, dict, set or deque by its length (a block that appends its input to one
+  changes it: that is a global assigned).
+
+Attribute reads are seen instruction by instruction (a read in a branch not taken is no
+read), in the frames whose code loads a watched name; globals by the frames that ran.
+The loop's replay watches the first iteration for globals only: that costs one call of
+the trace function per frame.
+
+The frames of torch's, this package's and Python's own code are not watched (they read
+no user attribute by its name), only the user's and its libraries'; each code object's
+instructions are looked at once.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import dis
+import os
+import site
+import sys
+import sysconfig
+from collections.abc import Callable
+from types import CodeType, FrameType
+from typing import Any, Final
+
+import torch
+
+from pytest_torchmem.engine.tracing.user_code import OWN_DIRS
+
+__all__ = ["Watch", "unchanged"]
+
+_ATTRIBUTE_LOADS: Final = frozenset({"LOAD_ATTR", "LOAD_METHOD", "LOAD_SUPER_ATTR"})
+_PLAIN: Final = (int, float, bool, str, bytes, type(None), torch.dtype, torch.device)
+#: The containers whose length a global's entry keeps (a list a block appends to).
+_CONTAINERS: Final = (list, dict, set, collections.deque, bytearray)
+_MISSING: Final = object()
+#: The files not watched: torch's, this package's and Python's own (a directory's name
+#: ends in its separator: torchvision's files are the user's), but packages installed
+#: under Python's own directory.
+_OWN: Final = tuple(d if d.endswith(".py") else d + os.sep for d in OWN_DIRS)
+_PYTHON: Final = tuple(os.path.join(sysconfig.get_paths()[key], "") for key in ("stdlib", "platstdlib"))
+_INSTALLED: Final = tuple(os.path.join(d, "") for d in {*site.getsitepackages(), site.getusersitepackages()})
+
+@dataclasses.dataclass(frozen=True)
+class _Code:
+    """What one code object's instructions do that a watch looks at (made once)."""
+
+    reads: dict[int, str]  # by offset: an attribute load or a string constant (its name), __dict__, vars
+    assigns: tuple[str, ...]  # the globals it assigns or deletes
+    loads: tuple[str, ...]  # the globals it loads
+
+
+_NOTHING: Final = _Code({}, (), ())
+_CODES: dict[CodeType, _Code] = {}
+
+
+def _code(code: CodeType) -> _Code:
+    found = _CODES.get(code)
+    if found is None:
+        filename = code.co_filename
+        if filename.startswith(_OWN) or (filename.startswith(_PYTHON) and not filename.startswith(_INSTALLED)):
+            found = _NOTHING
+        else:
+            reads: dict[int, str] = {}
+            assigns: dict[str, None] = {}
+            loads: dict[str, None] = {}
+            for instruction in dis.get_instructions(code):
+                name, argval = instruction.opname, instruction.argval
+                if name in _ATTRIBUTE_LOADS:
+                    reads[instruction.offset] = argval
+                elif name == "LOAD_CONST" and type(argval) is str and argval != "__dict__":
+                    # (getattr's name; not "__dict__" by name: object.__getattribute__(self,
+                    # "__dict__") is how a class's own attribute lookup reads its instance)
+                    reads[instruction.offset] = argval
+                elif name in ("STORE_GLOBAL", "DELETE_GLOBAL"):
+                    assigns[argval] = None
+                elif name in ("LOAD_GLOBAL", "LOAD_NAME"):
+                    loads[argval] = None
+                    if argval == "vars":
+                        reads[instruction.offset] = argval
+            found = _Code(reads, tuple(assigns), tuple(loads))
+        _CODES[code] = found
+    return found
+
+
+class Watch:
+    """While entered, watches the user's frames (see the module): :attr:`read` is the
+    first of ``names`` read (instruction by instruction, in the frames whose code loads
+    one), :attr:`wrote` the first global a frame that ran assigns (or a global container
+    whose length changed), :attr:`globals` the plain globals and containers the frames
+    that ran load, with their values as each frame began."""
+
+    def __init__(self, names: frozenset[str] = frozenset()) -> None:
+        self.names = names
+        self._reads = names | {"__dict__", "vars"} if names else names
+        self.read: str | None = None
+        self.wrote: str | None = None
+        #: (the globals' dict, the name, the value read) of each plain global loaded
+        self.globals: dict[tuple[int, str], tuple[dict[str, Any], str, Any]] = {}
+        self._before: Callable[..., Any] | None = None
+
+    def __enter__(self) -> Watch:
+        self._before = before = sys.gettrace()
+        if before is not None:
+            sys.settrace(self._call)
+            return self
+        # (the common case, called for every frame of the step: torch's own at once)
+        known, nothing, call = _CODES.get, _NOTHING, self._call
+
+        def first(frame: FrameType, event: str, arg: Any) -> Any:
+            if known(frame.f_code) is nothing:
+                return None
+            return call(frame, event, arg)
+
+        sys.settrace(first)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        sys.settrace(self._before)
+        if self.wrote is None:
+            self.wrote = unchanged(tuple(self.globals.values()))
+
+    def _call(self, frame: FrameType, event: str, arg: Any) -> Any:
+        before = self._before
+        theirs = before(frame, event, arg) if before is not None else None
+        code = _code(frame.f_code)
+        if code is _NOTHING:
+            return theirs
+        if code.assigns and self.wrote is None:
+            self.wrote = code.assigns[0]
+        if code.loads:
+            scope = frame.f_globals
+            for name in code.loads:
+                value = scope.get(name, _MISSING)
+                kind = type(value)
+                if kind in _PLAIN:  # (not a builtin, a module, a function or a class)
+                    self.globals.setdefault((id(scope), name), (scope, name, value))
+                elif kind in _CONTAINERS:
+                    self.globals.setdefault((id(scope), name), (scope, name, _Sized(value)))
+        reads, watched = code.reads, self._reads
+        if self.read is not None or not watched or watched.isdisjoint(reads.values()):
+            return theirs
+        frame.f_trace_opcodes = True
+
+        def local(frame: FrameType, event: str, arg: Any) -> Any:
+            nonlocal theirs
+            if event == "opcode":
+                name = reads.get(frame.f_lasti)
+                if name is not None and name in watched and self.read is None:
+                    self.read = name if name in self.names else f"{name} (every attribute)"
+            elif theirs is not None:
+                theirs = theirs(frame, event, arg)
+            return local
+
+        return local
+
+
+class _Sized:
+    """A global container as it was read: the object and its length."""
+
+    __slots__ = ("container", "length")
+
+    def __init__(self, container: Any) -> None:
+        self.container = container
+        self.length = len(container)
+
+    def __eq__(self, other: object) -> bool:
+        return other is self.container and len(self.container) == self.length
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+def unchanged(reads: tuple[tuple[dict[str, Any], str, Any], ...]) -> str | None:
+    """The first of the globals ``reads`` (:attr:`Watch.globals`) whose value changed since
+    it was read (a container: another object, or another length), or None."""
+    for scope, name, value in reads:
+        now = scope.get(name, _MISSING)
+        if now is not value and not value == now:
+            return name
+    return None
+
