@@ -6,6 +6,7 @@ devices, leak checks included; and the watch changes nothing the user's code can
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable
 from typing import Any
 
@@ -444,3 +445,30 @@ def test_transformers_checkpointed_layers_give_the_traced_figures(name: str, dev
     make = _transformers_model(name.split(",")[0])
     replayed, traced = both(monkeypatch, make, device=device, optimizer=_adamw)
     same_figures(replayed, traced)
+
+
+GARBAGE_COLLECTIONS = 0
+
+
+def _counts_collections(phase: str, info: Any) -> None:
+    global GARBAGE_COLLECTIONS
+    GARBAGE_COLLECTIONS += 1
+
+
+class Collects(Block):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gc.collect()
+        return super().forward(x)
+
+
+def test_a_garbage_collector_callback_is_not_the_programs_code(monkeypatch: pytest.MonkeyPatch) -> None:
+    # (hypothesis registers one that assigns a global: it runs wherever the collector runs)
+    gc.callbacks.append(_counts_collections)
+    try:
+        replayed, traced = both(monkeypatch, _make(Collects), optimizer=_adamw)
+    finally:
+        gc.callbacks.remove(_counts_collections)
+    same_figures(replayed, traced)
+    assert GARBAGE_COLLECTIONS > 0
+    assert replayed.replayed[1] == "iteration 2: forward and backward replayed from iteration 1", replayed.replayed
+    assert "block calls replayed" in replayed.replayed[0], replayed.replayed

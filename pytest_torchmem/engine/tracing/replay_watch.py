@@ -33,6 +33,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import dis
+import gc
 import os
 import site
 import sys
@@ -116,8 +117,12 @@ class Watch:
         #: (the globals' dict, the name, the value read) of each plain global loaded
         self.globals: dict[tuple[int, str], tuple[dict[str, Any], str, Any]] = {}
         self._before: Callable[..., Any] | None = None
+        self._asides: set[Any] = set()  # the garbage collector's callbacks' code
+        self._aside = 0  # how deep in one (or in a finalizer) the program is
 
     def __enter__(self) -> Watch:
+        self._asides = {getattr(getattr(cb, "__func__", cb), "__code__", None) for cb in gc.callbacks}
+        self._aside = 0
         self._before = before = sys.gettrace()
         if before is not None:
             sys.settrace(self._call)
@@ -141,9 +146,25 @@ class Watch:
     def _call(self, frame: FrameType, event: str, arg: Any) -> Any:
         before = self._before
         theirs = before(frame, event, arg) if before is not None else None
+        if self._aside:
+            return theirs
         code = _code(frame.f_code)
         if code is _NOTHING:
             return theirs
+        if frame.f_code in self._asides or frame.f_code.co_name == "__del__":
+            # (a garbage collector's callback or a finalizer, run wherever the collector
+            # ran: not the program's code; neither is what it calls)
+            self._aside += 1
+
+            def aside(frame: FrameType, event: str, arg: Any) -> Any:
+                nonlocal theirs
+                if event == "return":
+                    self._aside -= 1
+                if theirs is not None:
+                    theirs = theirs(frame, event, arg)
+                return aside
+
+            return aside
         if code.assigns and self.wrote is None:
             self.wrote = code.assigns[0]
         if code.loads:
