@@ -86,10 +86,6 @@ class Replay(Protocol):
         replayed (the leaves' gradients set), else None: the step runs them."""
         ...
 
-    def watching(self, iteration: int) -> AbstractContextManager[Any]:
-        """Entered around ``iteration``'s forward and backward where the step runs them."""
-        ...
-
     def end(self, iteration: int, loss: Any, held: Any) -> None:
         """``iteration``'s forward and backward ran: the step keeps ``loss`` and ``held``."""
         ...
@@ -454,8 +450,7 @@ def _train_iteration(
     if replayed is not None:
         loss, held = replayed
     else:
-        with replay.watching(iteration) if replay is not None else nullcontext():
-            loss, held = _forward_backward(model, args, kwargs, loss_fn, probe, keep_output, iteration, train_context)
+        loss, held = _forward_backward(model, args, kwargs, loss_fn, probe, keep_output, iteration, train_context)
         if replay is not None:
             replay.end(iteration, loss, held)
     del replayed

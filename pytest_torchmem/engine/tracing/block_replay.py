@@ -64,6 +64,7 @@ micro-batch, where FSDP2 takes each backward's gradients off the gathered parame
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import sys
@@ -429,10 +430,12 @@ class BlockReplay:
         s0 = _sequence_nr()
         inputs = [t for t in leaves if isinstance(t, torch.Tensor)]
         observer = _Observer(self, block, inputs) if grad else None
+        # (a group traced for a reason already is not watched: the trace function slows
+        # every frame the call runs)
         watched = Watch(_free_names(structure, self._free[id(block)]))
         self._busy = True
         try:
-            with watched:
+            with watched if group.why is None else contextlib.nullcontext():
                 output = forward(*args, **kwargs)
         finally:
             self._busy = False

@@ -31,8 +31,9 @@ thing said, consecutive iterations gathered):
   hooks) and torch's global switches (grad mode, autocast, SDPA backends, ...) are
   the same at the start of each iteration's forward as at the first's;
 * the model carries no user hooks (module or parameter hooks may count calls);
-* the program's code assigns no global (a counter), and the plain globals it reads (a
-  flag) hold the values they had (:class:`replay_watch.Watch`).
+* the plain globals and global containers of the modules that define the model's
+  classes (a counter the forward steps, a flag) hold the values they had
+  (:func:`replay_watch.module_globals`).
 
 A library's cached workspace that the first iteration made (cuBLAS's) is not made
 again: it is left out of the replayed events, as the cache leaves it out of the
@@ -49,7 +50,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -70,7 +70,7 @@ from pytest_torchmem.engine.tracing.replay_events import (
     standin,
 )
 from pytest_torchmem.engine.tracing.replay_state import global_hooks, hooked_modules, model_state, switches
-from pytest_torchmem.engine.tracing.replay_watch import Watch, unchanged
+from pytest_torchmem.engine.tracing.replay_watch import module_globals, unchanged
 
 __all__ = ["LoopReplay", "replay_enabled"]
 
@@ -106,8 +106,8 @@ class _Record:
     held_sids: frozenset[int] = frozenset()
     #: Storages it made that stay to the end of the step (a library's cached workspace).
     kept: Kept = field(default_factory=Kept)
-    #: What it read and assigned of the program's globals.
-    watch: Watch = field(default_factory=Watch)
+    #: The globals of the modules that define the model's classes, as it began.
+    globals: tuple[Any, ...] = ()
 
 
 class LoopReplay:
@@ -145,6 +145,7 @@ class LoopReplay:
                 first_sid=len(tracker.timeline.storages),
                 state=self._state(),
                 value_reads=tracker.value_reads,
+                globals=module_globals(self.model),
             )
             return None
         record = self._record
@@ -156,14 +157,6 @@ class LoopReplay:
         self.said(iteration, "forward and backward replayed from iteration 1")
         return replayed
 
-    def watching(self, iteration: int) -> AbstractContextManager[Any]:
-        """Entered around the first iteration's forward and backward: what they read and
-        assign of the program's globals (:class:`Watch`)."""
-        record = self._record
-        if iteration != 1 or record is None or record.end >= 0:
-            return nullcontext()
-        return record.watch
-
     def end(self, iteration: int, loss: Any, held: Any) -> None:
         """The forward and backward of ``iteration`` ran (traced): ``loss`` and ``held``
         are what the step keeps of them."""
@@ -172,8 +165,6 @@ class LoopReplay:
             return
         record.end = len(self.tracker.timeline.events)
         record.refused = self._left(record, loss, held)
-        if record.refused is None and record.watch.wrote is not None:
-            record.refused = f"it assigns or changes the global {record.watch.wrote}, which may make the next iteration differ"
 
     def begin_step(self, iteration: int, optimizer: torch.optim.Optimizer) -> bool:
         """The optimizer step of ``iteration`` begins (its phase just set): True where it
@@ -246,9 +237,9 @@ class LoopReplay:
             return "a buffer the first iteration's made to keep was freed"
         if self._state() != record.state:
             return "the model's state or torch's switches changed since the first iteration"
-        changed = unchanged(tuple(record.watch.globals.values()))
+        changed = unchanged(record.globals)
         if changed is not None:
-            return f"the global {changed}, which it read, changed since the first iteration"
+            return f"the global {changed} of the model's code changed since the first iteration"
         if _hooked(self.model, self.leaves):
             return "the model has hooks, which may act differently the next time"
         if not self.tracker.quiet():

@@ -20,8 +20,8 @@ or coverage's, is still called):
 
 Attribute reads are seen instruction by instruction (a read in a branch not taken is no
 read), in the frames whose code loads a watched name; globals by the frames that ran.
-The loop's replay watches the first iteration for globals only: that costs one call of
-the trace function per frame.
+The loop's replay does not trace: it compares the globals of the modules that define the
+model's classes at the start of each iteration (:func:`module_globals`).
 
 The frames of torch's, this package's and Python's own code are not watched (they read
 no user attribute by its name), only the user's and its libraries'; each code object's
@@ -46,7 +46,7 @@ import torch
 
 from pytest_torchmem.engine.tracing.user_code import OWN_DIRS
 
-__all__ = ["Watch", "unchanged"]
+__all__ = ["Watch", "module_globals", "unchanged"]
 
 _ATTRIBUTE_LOADS: Final = frozenset({"LOAD_ATTR", "LOAD_METHOD", "LOAD_SUPER_ATTR"})
 _PLAIN: Final = (int, float, bool, str, bytes, type(None), torch.dtype, torch.device)
@@ -218,3 +218,30 @@ def unchanged(reads: tuple[tuple[dict[str, Any], str, Any], ...]) -> str | None:
             return name
     return None
 
+
+
+def module_globals(model: Any) -> tuple[tuple[dict[str, Any], str, Any], ...]:
+    """The plain globals and global containers of the modules that define ``model``'s
+    classes (and their bases, torch's and Python's own left out), as :attr:`Watch.globals`
+    holds them: what the loop's replay compares at the start of each iteration (a counter
+    the forward steps, a flag it sets), at the cost of a look at those modules' globals."""
+    modules: dict[str, None] = {}
+    for module in model.modules():
+        for cls in type(module).__mro__:
+            modules[cls.__module__] = None
+    found = []
+    for name in modules:
+        module = sys.modules.get(name)
+        path = getattr(module, "__file__", None)
+        if module is None or path is None:
+            continue
+        if path.startswith(_OWN) or (path.startswith(_PYTHON) and not path.startswith(_INSTALLED)):
+            continue
+        scope = vars(module)
+        for key, value in scope.items():
+            kind = type(value)
+            if kind in _PLAIN and not key.startswith("__"):
+                found.append((scope, key, value))
+            elif kind in _CONTAINERS:
+                found.append((scope, key, _Sized(value)))
+    return tuple(found)
