@@ -10,10 +10,11 @@ from torch import nn
 
 from pytest_torchmem.engine.torch_private import private
 
-__all__ = ["global_hooks", "hooked_modules", "parameter_hooks", "model_state", "own_hooks", "switches", "tensor_state", "value_state"]
+__all__ = ["IMMUTABLE", "global_hooks", "hooked_modules", "parameter_hooks", "model_state", "own_hooks", "switches", "tensor_state", "value_state"]
 
-_IMMUTABLE: Final = (int, float, bool, str, bytes, type(None), torch.dtype, torch.device)
-_PLAIN: Final = frozenset(_IMMUTABLE)  # (the common case, looked up before isinstance)
+#: The types of the values compared by value (replay_watch.py keeps globals of these too).
+IMMUTABLE: Final = (int, float, bool, str, bytes, type(None), torch.dtype, torch.device)
+_PLAIN: Final = frozenset(IMMUTABLE)  # (the common case, looked up before isinstance)
 _GLOBAL_HOOKS: Final = "torch.nn.modules.module."
 
 
@@ -77,7 +78,7 @@ def tensor_state(t: Any) -> Any:
 
 
 def value_state(value: Any) -> Any:
-    if type(value) in _PLAIN or isinstance(value, _IMMUTABLE):
+    if type(value) in _PLAIN or isinstance(value, IMMUTABLE):
         return value
     if isinstance(value, torch.Tensor):
         return tensor_state(value)

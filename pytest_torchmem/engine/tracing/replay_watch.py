@@ -42,14 +42,12 @@ from collections.abc import Callable
 from types import CodeType, FrameType
 from typing import Any, Final
 
-import torch
-
+from pytest_torchmem.engine.tracing.replay_state import IMMUTABLE
 from pytest_torchmem.engine.tracing.user_code import OWN_DIRS
 
 __all__ = ["Watch", "module_globals", "unchanged"]
 
 _ATTRIBUTE_LOADS: Final = frozenset({"LOAD_ATTR", "LOAD_METHOD", "LOAD_SUPER_ATTR"})
-_PLAIN: Final = (int, float, bool, str, bytes, type(None), torch.dtype, torch.device)
 #: The containers whose length a global's entry keeps (a list a block appends to).
 _CONTAINERS: Final = (list, dict, set, collections.deque, bytearray)
 _MISSING: Final = object()
@@ -59,6 +57,23 @@ _MISSING: Final = object()
 _OWN: Final = tuple(d if d.endswith(".py") else d + os.sep for d in OWN_DIRS)
 _PYTHON: Final = tuple(os.path.join(sysconfig.get_paths()[key], "") for key in ("stdlib", "platstdlib"))
 _INSTALLED: Final = tuple(os.path.join(d, "") for d in {*site.getsitepackages(), site.getusersitepackages()})
+
+
+def _not_users(path: str) -> bool:
+    """Whether the file at ``path`` is torch's, this package's or Python's own."""
+    return path.startswith(_OWN) or (path.startswith(_PYTHON) and not path.startswith(_INSTALLED))
+
+
+def _entry(scope: dict[str, Any], name: str, value: Any) -> tuple[dict[str, Any], str, Any] | None:
+    """A global as :attr:`Watch.globals` keeps it: a plain value by value, a container by
+    its length; None for the rest (a builtin, a module, a function, a class, an object)."""
+    kind = type(value)
+    if kind in IMMUTABLE:
+        return (scope, name, value)
+    if kind in _CONTAINERS:
+        return (scope, name, _Sized(value))
+    return None
+
 
 @dataclasses.dataclass(frozen=True)
 class _Code:
@@ -76,8 +91,7 @@ _CODES: dict[CodeType, _Code] = {}
 def _code(code: CodeType) -> _Code:
     found = _CODES.get(code)
     if found is None:
-        filename = code.co_filename
-        if filename.startswith(_OWN) or (filename.startswith(_PYTHON) and not filename.startswith(_INSTALLED)):
+        if _not_users(code.co_filename):
             found = _NOTHING
         else:
             reads: dict[int, str] = {}
@@ -170,12 +184,11 @@ class Watch:
         if code.loads:
             scope = frame.f_globals
             for name in code.loads:
-                value = scope.get(name, _MISSING)
-                kind = type(value)
-                if kind in _PLAIN:  # (not a builtin, a module, a function or a class)
-                    self.globals.setdefault((id(scope), name), (scope, name, value))
-                elif kind in _CONTAINERS:
-                    self.globals.setdefault((id(scope), name), (scope, name, _Sized(value)))
+                key = (id(scope), name)
+                if key not in self.globals:
+                    entry = _entry(scope, name, scope.get(name, _MISSING))
+                    if entry is not None:
+                        self.globals[key] = entry
         reads, watched = code.reads, self._reads
         if self.read is not None or not watched or watched.isdisjoint(reads.values()):
             return theirs
@@ -219,7 +232,6 @@ def unchanged(reads: tuple[tuple[dict[str, Any], str, Any], ...]) -> str | None:
     return None
 
 
-
 def module_globals(model: Any) -> tuple[tuple[dict[str, Any], str, Any], ...]:
     """The plain globals and global containers of the modules that define ``model``'s
     classes (and their bases, torch's and Python's own left out), as :attr:`Watch.globals`
@@ -233,15 +245,11 @@ def module_globals(model: Any) -> tuple[tuple[dict[str, Any], str, Any], ...]:
     for name in modules:
         module = sys.modules.get(name)
         path = getattr(module, "__file__", None)
-        if module is None or path is None:
-            continue
-        if path.startswith(_OWN) or (path.startswith(_PYTHON) and not path.startswith(_INSTALLED)):
+        if module is None or path is None or _not_users(path):
             continue
         scope = vars(module)
         for key, value in scope.items():
-            kind = type(value)
-            if kind in _PLAIN and not key.startswith("__"):
-                found.append((scope, key, value))
-            elif kind in _CONTAINERS:
-                found.append((scope, key, _Sized(value)))
+            entry = None if key.startswith("__") else _entry(scope, key, value)
+            if entry is not None:
+                found.append(entry)
     return tuple(found)
