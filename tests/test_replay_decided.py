@@ -470,3 +470,47 @@ def test_a_garbage_collector_callback_is_not_the_programs_code(monkeypatch: pyte
     assert ELSEWHERE["collections"] > 0
     assert replayed.replayed[1] == "iteration 2: forward and backward replayed from iteration 1", replayed.replayed
     assert "block calls replayed" in replayed.replayed[0], replayed.replayed
+
+
+# -- what a block's graph holds that no tensor of the trace is: a wrapped number ----------------
+
+
+class DividesByANumber(Block):
+    """``x / 3.0``: autograd's node saves the 0-dim tensor 3.0 was wrapped in (GPT-2's
+    attention divides its scores so), until the backward frees it."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(F.gelu(self.up(x))) / 3.0
+
+
+class DividesAViewByANumber(Block):
+    """The same in place on a view: the node that saved it is inside a CopySlices."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.gelu(self.up(x))
+        h[:, :WIDTH] /= 3.0
+        return x + self.down(h)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.exhaustive)])
+@pytest.mark.parametrize("block", [DividesByANumber, DividesAViewByANumber], ids=["out of place", "in place on a view"])
+def test_a_block_whose_graph_saves_a_wrapped_number_replays(block: type, device: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    replayed, traced = both(monkeypatch, _make(block), device=device, optimizer=_adamw)
+    same_figures(replayed, traced)
+    assert "block calls replayed" in replayed.replayed[0], replayed.replayed
+
+
+def test_the_module_trackers_of_traces_are_not_a_users_global_hook() -> None:
+    """A pipeline's ranks trace on threads of one process: each trace's module tracker
+    registers its global hooks, and none of them is the user's."""
+    from pytest_torchmem.engine.step import ModuleTracker, QuietProbe
+    from pytest_torchmem.engine.tracing.replay_state import global_hooks
+
+    model = _make(Block)()[0]
+    with ModuleTracker(model, QuietProbe()), ModuleTracker(model, QuietProbe()):
+        assert not global_hooks()
+        handle = nn.modules.module.register_module_forward_pre_hook(lambda module, args: None)
+        try:
+            assert global_hooks()
+        finally:
+            handle.remove()

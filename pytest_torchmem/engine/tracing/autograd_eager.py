@@ -469,6 +469,12 @@ class _Token:
     """An object to hold a weak reference to."""
 
 
+def number_holders(node: Any) -> list[Any]:
+    """The tokens of the wrapped numbers a CopySlices ``node`` holds that the trace charged
+    (:meth:`AutogradAsEager._charge_number_until`): each keeps its number's storage."""
+    return list(node.metadata.get(_TOKENS, ())) if _is_copy_slices(node) else []
+
+
 def _probe_spec(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
         return (_PROBE_TENSOR, value.dtype, value.requires_grad)

@@ -80,6 +80,7 @@ from pytest_torchmem.engine.report import ROOT_NAME
 from pytest_torchmem.engine.step import hook_once
 from pytest_torchmem.engine.timeline import ALLOC, ENTER, EXIT, FREE, NAMED, RESIZE, Phase, StorageInfo
 from pytest_torchmem.engine.torch_private import present, private
+from pytest_torchmem.engine.tracing.autograd_eager import number_holders
 from pytest_torchmem.engine.tracing.replay_events import Layout, layout_of, standin
 from pytest_torchmem.engine.tracing.replay_state import global_hooks, own_hooks, parameter_hooks, switches
 from pytest_torchmem.engine.tracing.replay_watch import Watch, unchanged
@@ -557,7 +558,7 @@ class BlockReplay:
             found = _graph(block, out_leaves, inputs, sequence, ledger)
             if isinstance(found, str):
                 return None, found
-            if saved - found:
+            if any(not _holds(ledger.holder(sid), found) for sid in saved - found):
                 return None, "a block keeps a tensor it made beyond its output and its graph"
             kept = tuple(i for i, t in enumerate(inputs) if ledger.storage_id(t) in found)
         if observer is not None:
@@ -1396,6 +1397,14 @@ def _dtensor(local: torch.Tensor, spec: Any) -> torch.Tensor:
     return DTensor(local, spec, requires_grad=False)
 
 
+def _holds(holder: Any, found: set[int]) -> bool:
+    """Whether ``holder`` (:meth:`StorageLedger.holder`: a wrapped number's tensor, a
+    node's token) is among what :func:`_graph` found its graph holds."""
+    if holder is None:
+        return False
+    return (holder._cdata if isinstance(holder, torch.Tensor) else id(holder)) in found
+
+
 def _node_key(node: Any) -> tuple[int, str]:
     return node._sequence_nr(), node.name()
 
@@ -1403,8 +1412,9 @@ def _node_key(node: Any) -> tuple[int, str]:
 def _graph(
     block: nn.Module, out_leaves: list[Any], inputs: list[Any], sequence: tuple[int, int], ledger: Any
 ) -> set[int] | str:
-    """The storages the block's graph saves, or why the graph cannot be replayed (it reaches
-    tensors the block was not given, it has a custom function)."""
+    """The storages the block's graph saves, and the keys (:func:`_holds`) of what holds
+    the wrapped numbers it saved; or why the graph cannot be replayed (it reaches tensors
+    the block was not given, it has a custom function)."""
     s0, s1 = sequence
     params = {id(p) for p in block.parameters()}
     given = {id(t) for t in inputs}
@@ -1422,6 +1432,7 @@ def _graph(
         seen.add(key)
         if isinstance(node, torch.autograd.function.BackwardCFunction) and not _dtensor_function(node):
             return "a block runs a custom autograd function"
+        saved.update(id(token) for token in number_holders(node))
         for attr in dir(node):
             if attr.startswith("_raw_saved_"):
                 raw = getattr(node, attr)
@@ -1434,6 +1445,8 @@ def _graph(
                         sid = ledger.storage_id(_local(t))
                         if sid is not None:
                             saved.add(sid)
+                        elif type(t) is torch.Tensor:  # (a wrapped number, held by the node)
+                            saved.add(t._cdata)
         for next_node, _ in node.next_functions:
             if next_node is None:
                 continue

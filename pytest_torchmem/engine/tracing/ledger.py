@@ -232,6 +232,12 @@ class StorageLedger:
         """Keep ``ref``, a weak reference whose callback releases ``sid``, while ``sid`` lives."""
         self._refs[sid] = ref
 
+    def holder(self, sid: int) -> Any:
+        """What keeps the storage ``sid`` that :meth:`held` made (the object of its weak
+        reference: a saved wrapped number's tensor, a node's token), or None."""
+        ref = self._refs.get(sid)
+        return None if ref is None or isinstance(ref, _StorageRef) else ref()
+
     def release(self, sid: int) -> None:
         """Free the storage :meth:`held` made."""
         self._refs.pop(sid, None)

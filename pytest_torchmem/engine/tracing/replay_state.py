@@ -8,6 +8,7 @@ from typing import Any, Final
 import torch
 from torch import nn
 
+from pytest_torchmem.engine.step import ModuleTracker
 from pytest_torchmem.engine.torch_private import private
 
 __all__ = ["IMMUTABLE", "global_hooks", "hooked_modules", "parameter_hooks", "model_state", "own_hooks", "switches", "tensor_state", "value_state"]
@@ -47,13 +48,12 @@ def own_hooks(module: nn.Module) -> list[Any]:
 
 def global_hooks() -> bool:
     """Whether a module hook of the user's is registered for every module
-    (``register_module_forward_hook``, ...): the trace's own module tracker adds one
-    global pre-hook and one global hook."""
-    return (
-        len(private(f"{_GLOBAL_HOOKS}_global_forward_pre_hooks")) > 1
-        or len(private(f"{_GLOBAL_HOOKS}_global_forward_hooks")) > 1
-        or bool(private(f"{_GLOBAL_HOOKS}_global_backward_hooks"))
-        or bool(private(f"{_GLOBAL_HOOKS}_global_backward_pre_hooks"))
+    (``register_module_forward_hook``, ...): the traces' own module trackers add a global
+    pre-hook and a global hook each (a pipeline's ranks trace on threads of one process)."""
+    return any(
+        not isinstance(getattr(hook, "__self__", None), ModuleTracker)
+        for kind in ("forward_pre_hooks", "forward_hooks", "backward_hooks", "backward_pre_hooks")
+        for hook in private(f"{_GLOBAL_HOOKS}_global_{kind}").values()
     )
 
 
