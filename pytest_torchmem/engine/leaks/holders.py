@@ -95,8 +95,8 @@ def explain(
                 viewing[wanted[key]].append(obj)
     graphs = _saved_by_graphs(roots, set(wanted))
     groups: dict[tuple[str, str, str, str, str], list[int]] = defaultdict(list)
-    for key, sid in wanted.items():
-        held_by, how = _holder(viewing.get(sid, []), paths)
+    holders = _holders([viewing.get(sid, []) for sid in wanted.values()], paths)
+    for (key, sid), (held_by, how) in zip(wanted.items(), holders):
         if not held_by and key in graphs:
             root = graphs[key]
             # (a tensor in a list: each iteration appended one, with its graph)
@@ -143,33 +143,71 @@ def _module(timeline: Timeline, info: StorageInfo) -> str:
     return timeline.module_names[info.module] if 0 <= info.module < len(timeline.module_names) else ""
 
 
-def _holder(tensors: list[torch.Tensor], paths: Mapping[int, str]) -> tuple[str, str]:
-    """The first of the user's objects that holds one of ``tensors``, through Python's
-    references, and how: ``(path, how)``, or ``("", "")``."""
-    if not tensors:
-        return "", ""
-    own = {id(tensors)}
-    #: id(object) -> what it was reached from (the object it holds), on the way up
-    below: dict[int, Any] = {}
-    queue: deque[tuple[Any, int]] = deque((t, 0) for t in tensors)
-    seen = {id(t) for t in tensors}
-    while queue:
-        obj, depth = queue.popleft()
-        if depth >= _DEPTH:
-            continue
-        referrers = gc.get_referrers(obj)
-        own.add(id(referrers))
+def _holders(groups: list[list[torch.Tensor]], paths: Mapping[int, str]) -> list[tuple[str, str]]:
+    """For each group of tensors, the first of the user's objects that holds one of them,
+    through Python's references, and how: ``(path, how)``, or ``("", "")``.
+
+    Each group is searched breadth first, up to :data:`_DEPTH` references back, as if
+    alone; the groups go up one level together, so that the heap is scanned once a level
+    (``gc.get_referrers`` of every object of the level) rather than once an object (each
+    scan is as long as the heap: a process that ran many tests holds millions of
+    objects)."""
+    found: list[tuple[str, str]] = [("", "")] * len(groups)
+    #: The search's own containers, which hold what it looks at (no holders of the user's).
+    own = {id(groups), *(id(tensors) for tensors in groups)}
+
+    def ours(container: Any) -> Any:
+        own.add(id(container))
+        return container
+
+    # each search: its group's index, its level's objects, the ids it has seen, and, by
+    # id, what each object it reached was reached from
+    searches = [
+        (index, ours(list(tensors)), {id(t) for t in tensors}, ours({}))
+        for index, tensors in enumerate(groups)
+        if tensors
+    ]
+    for _ in range(_DEPTH):
+        if not searches:
+            break
+        level = ours([obj for search in searches for obj in search[1]])
+        wanted = {id(obj) for obj in level}
+        referrers = ours(gc.get_referrers(*level))
+        #: id(object) -> the objects that refer to it, in the order of the heap
+        holding: dict[int, list[Any]] = ours({})
         for holder in referrers:
-            if id(holder) in seen or id(holder) in own or _is_frame_or_ours(holder):
+            if id(holder) in own:
                 continue
-            seen.add(id(holder))
-            below[id(holder)] = obj
-            path = paths.get(id(holder))
-            if path is not None:
-                return _named(holder, path, below)
-            queue.append((holder, depth + 1))
+            for held in {id(held) for held in gc.get_referents(holder)} & wanted:
+                entry = holding.get(held)
+                if entry is None:
+                    entry = holding[held] = ours([])
+                entry.append(holder)
         del referrers
-    return "", ""
+        still = []
+        for index, objects, seen, below in searches:
+            after = ours([])
+            named = None
+            for obj in objects:
+                for holder in holding.get(id(obj), ()):
+                    if id(holder) in seen or id(holder) in own or _is_frame_or_ours(holder):
+                        continue
+                    seen.add(id(holder))
+                    below[id(holder)] = obj
+                    path = paths.get(id(holder))
+                    if path is not None:
+                        named = _named(holder, path, below)
+                        break
+                    after.append(holder)
+                if named is not None:
+                    break
+            if named is not None:
+                found[index] = named
+            elif after:
+                still.append((index, after, seen, below))
+        searches = still
+        del level, holding
+    return found
 
 
 def _named(holder: Any, path: str, below: Mapping[int, Any]) -> tuple[str, str]:
