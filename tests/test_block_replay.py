@@ -276,6 +276,8 @@ def test_transformers_decoder_layers_replay(name: str, device: str, monkeypatch:
     line = _blocks_line(replayed, layers)
     assert re.fullmatch(rf"{layers}: \d+ of \d+ block calls replayed \(forward and backward; their layer_idx, never "
                         r"read, differ\)", line), line
+    # (the masks read the positions' values: made of arange, alike in each iteration)
+    assert "iteration 2: forward and backward replayed from iteration 1" in replayed.replayed, replayed.replayed
 
 
 _KEPT: list[torch.Tensor] = []

@@ -125,6 +125,55 @@ class _ReadsValues(nn.Module):
         return self.net[2](h[:, keep].sum(1, keepdim=True).expand(-1, 64))
 
 
+class _CountsInABuffer(nn.Module):
+    """Steps a counter buffer in place and branches on its value: odd calls keep a wider
+    hidden state (a buffer's values change from one iteration to the next)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = mlp()
+        self.register_buffer("calls", torch.zeros((), dtype=torch.int64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        h = self.net[0](x)
+        if int(self.calls) % 2 == 0:
+            h = torch.cat([h, h], dim=0)[: h.shape[0]]
+        return self.net[2](self.net[1](h))
+
+
+class _FlipsItsInput(nn.Module):
+    """Branches on its input's sign, then negates its input in place: the next iteration
+    reads other values of the same tensor."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = mlp()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        wide = bool(x[0, 0] > 0)
+        x.neg_()
+        h = self.net[0](x)
+        if wide:
+            h = torch.cat([h, h], dim=0)[: h.shape[0]]
+        return self.net[2](self.net[1](h))
+
+
+class _DrawsOnTheHost(nn.Module):
+    """Branches on a number drawn at random on the host (its generator advances)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = mlp()
+        self.generator = torch.Generator().manual_seed(0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.net[0](x)
+        if float(torch.rand((), generator=self.generator)) > 0.5:
+            h = torch.cat([h, h], dim=0)[: h.shape[0]]
+        return self.net[2](self.net[1](h))
+
+
 def _hooked() -> nn.Module:
     model = mlp()
     model[1].register_forward_hook(lambda module, args, out: None)
@@ -137,10 +186,13 @@ def _hooked() -> nn.Module:
         (_SecondCallDiffers, "the model's state or torch's switches changed since the first iteration"),
         (_FirstCallCaches, "storage(s) it made stay alive beside the gradients"),
         (Caching, "storage(s) it made stay alive beside the gradients"),
-        (_ReadsValues, "an op read tensor values"),
+        (_ReadsValues, "an op read tensor values, which may differ"),
+        (_CountsInABuffer, "an op read tensor values, which may differ"),
+        (_FlipsItsInput, "an op read tensor values, and the step's inputs were written"),
+        (_DrawsOnTheHost, "an op read tensor values, which may differ"),
         (_hooked, "the model has hooks"),
     ],
-    ids=["state", "cache", "kept", "values", "hooks"],
+    ids=["state", "cache", "kept", "values", "a buffer's values", "its input written", "a random draw", "hooks"],
 )
 def test_what_may_differ_is_traced_and_says_why(build: Any, why: str, monkeypatch: pytest.MonkeyPatch) -> None:
     def make() -> tuple[nn.Module, Any]:
@@ -154,6 +206,38 @@ def test_what_may_differ_is_traced_and_says_why(build: Any, why: str, monkeypatc
     assert line.startswith("iteration 2: forward and backward traced (") and why in line
     model, x = make()
     assert replayed.phase_peaks() == tm.measure(model, x, **options).phase_peaks()
+
+
+class _ReadsItsInput(nn.Module):
+    """Keeps as many rows as its input has positive first elements, and builds a mask from
+    positions, as transformers' masks are built: values read each iteration alike (made
+    of the step's input and of ``arange``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = mlp()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = int((x[:, 0] > 0).sum())
+        positions = torch.arange(x.shape[0], device=x.device)
+        if bool((positions[1:] - positions[:-1] == 1).all()):
+            rows += 1
+        h = self.net[1](self.net[0](x[:rows]))
+        return self.net[2](torch.cat([h, h]))
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_values_read_alike_each_iteration_replay(device: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    def make() -> tuple[nn.Module, Any]:
+        torch.manual_seed(0)
+        return _ReadsItsInput(), batch()
+
+    options: dict[str, Any] = dict(device=device, optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
+    replayed, traced = both(monkeypatch, make, **options)
+    same_figures(replayed, traced)
+    assert replayed.replayed[0] == REPLAYED, replayed.replayed
+    if device == "cpu":
+        assert replayed.phase_peaks() == tm.measure(*make(), **options).phase_peaks()
 
 
 def test_a_second_iteration_that_differs_is_measured_as_it_runs() -> None:

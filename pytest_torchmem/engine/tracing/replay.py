@@ -25,8 +25,12 @@ thing said, consecutive iterations gathered):
   more);
 * nothing alive before them may be freed or resized by them (a buffer the model
   replaces);
-* no op may have read a tensor's values (``.item()``, ``nonzero``, a boolean mask:
-  the values may differ the next time);
+* no op may have read a tensor's values (``.item()``, ``nonzero``, a boolean mask)
+  that the next iteration may not give alike: values made only of the step's inputs
+  (the same tensors each iteration, unless the step writes them) and of what factories
+  make of numbers are the same each time (transformers' masks read the positions
+  ``arange`` made); those of parameters, buffers, gradients, optimizer state and random
+  draws are not (:meth:`KnownValues.settled`);
 * the model's own state (every module's attributes, parameters, buffers and
   hooks) and torch's global switches (grad mode, autocast, SDPA backends, ...) are
   the same at the start of each iteration's forward as at the first's;
@@ -94,7 +98,11 @@ class _Record:
     start: int  # its first event
     first_sid: int  # the first storage it made
     state: Any  # the model's state and torch's switches as it began
-    value_reads: int  # the tracker's count of value-dependent ops as it began
+    #: The tracker's counts, as it began, of the value reads that another iteration may
+    #: not give alike, and of value reads and writes into the step's inputs.
+    unsettled_reads: int
+    value_reads: int
+    inputs_written: int
     end: int = -1
     refused: str | None = None
     #: The modules running when it ended (innermost last).
@@ -144,7 +152,9 @@ class LoopReplay:
                 start=len(tracker.timeline.events),
                 first_sid=len(tracker.timeline.storages),
                 state=self._state(),
+                unsettled_reads=tracker.unsettled_reads,
                 value_reads=tracker.value_reads,
+                inputs_written=tracker.values.inputs_written,
                 globals=module_globals(self.model),
             )
             return None
@@ -188,8 +198,10 @@ class LoopReplay:
         tracker = self.tracker
         if tracker.stop is not None:
             return "the trace stopped"
-        if tracker.value_reads != record.value_reads:
+        if tracker.unsettled_reads != record.unsettled_reads:
             return "an op read tensor values, which may differ the next time"
+        if tracker.value_reads != record.value_reads and tracker.values.inputs_written != record.inputs_written:
+            return "an op read tensor values, and the step's inputs were written: they differ the next time"
         if _hooked(self.model, self.leaves):
             return "the model has hooks, which may act differently the next time"
         if not tracker.quiet():

@@ -470,7 +470,7 @@ def _trace(
     )
     baseline = adopt(tracker, standins)
     tracker.at_iteration_end = at_iteration_end
-    tracker.values.adopt(_originals(standins))
+    _know_values(tracker, standins)
     modules: Any = NoModules() if warm else ModuleTracker(step_model, tracker)
     # the router (a torch-function mode) picks eager kernels as this device would; a followed
     # compiled program has its kernels picked by inductor, and dynamo's cache entries guard on
@@ -830,15 +830,23 @@ def _fake_parameter(t: torch.Tensor, requires_grad: bool) -> torch.Tensor:
     return t
 
 
-def _originals(standins: Converted) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def _know_values(tracker: Tracker, standins: Converted) -> None:
+    """The trace knows the values of the step's tensors that :func:`_originals` lists
+    (a function of its own: a list of them held while the step runs would keep the
+    stand-ins the program drops alive, as FSDP2 drops the whole parameters it shards)."""
+    inputs, others = _originals(standins)
+    tracker.values.adopt(inputs, inputs=True)
+    tracker.values.adopt(others)
+
+
+def _originals(standins: Converted) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], list[tuple[torch.Tensor, torch.Tensor]]]:
     """``(stand-in, original)`` of the step's tensors whose values the trace may know:
-    inputs first, then the optimizers' one-element state (the step counts their Python
-    code reads: an optimizer that stepped before the call divides by a function of its
-    count), buffers, attributes, parameters, gradients and the rest of the optimizers'
-    state (the shadows' room is bounded)."""
+    the inputs', then the others': the optimizers' one-element state (the step counts
+    their Python code reads: an optimizer that stepped before the call divides by a
+    function of its count), buffers, attributes, parameters, gradients and the rest of
+    the optimizers' state (the shadows' room is bounded)."""
     state = dict(standins.baseline_groups())[Category.OPTIMIZER_STATE]
-    groups = (
-        standins.inputs,
+    others = (
         [t for t in state if t.numel() <= 1],
         standins.buffers,
         standins.attributes,
@@ -846,6 +854,10 @@ def _originals(standins: Converted) -> list[tuple[torch.Tensor, torch.Tensor]]:
         standins.gradients,
         [t for t in state if t.numel() > 1],
     )
+    return _pairs(standins, (standins.inputs,)), _pairs(standins, others)
+
+
+def _pairs(standins: Converted, groups: Sequence[Sequence[torch.Tensor]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
     pairs = []
     for group in groups:
         for t in group:

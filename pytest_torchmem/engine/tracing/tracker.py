@@ -210,6 +210,9 @@ class Tracker(TorchDispatchMode):
         self._decomposing = 0
         #: How many ops needed tensor values (a value-dependent op, or one only values run).
         self.value_reads = 0
+        #: How many of them read values that another iteration of the step may not give
+        #: alike (not :meth:`KnownValues.settled`).
+        self.unsettled_reads = 0
         #: Told of each op (``watch(-1, -1)``) and each module's entry and exit
         #: (``watch(ENTER or EXIT, index)``) before it is recorded, while set (block_replay.py
         #: watches a block's backward).
@@ -449,6 +452,8 @@ class Tracker(TorchDispatchMode):
         if cannot_run is not None or needs_values is not None or plan.reads_values:
             # (a fake constant's .item() is answered without needing values: read all the same)
             self.value_reads += 1
+            if not self.values.settled(args, kwargs):
+                self.unsettled_reads += 1
         if cannot_run is not None:
             # where every argument's value is known, the op runs on them
             known, real_out = self.values.run(func, plan.values, args, kwargs)

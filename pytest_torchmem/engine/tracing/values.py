@@ -218,6 +218,11 @@ class _Storage:
     real: torch.UntypedStorage
     nbytes: int
     ids: set[int] = field(default_factory=set)
+    #: Whether its values are the same in each iteration of the step (see
+    #: :meth:`KnownValues.settled`).
+    settled: bool = False
+    #: Whether it is one of the step's inputs (each iteration's, the same tensors).
+    input: bool = False
 
 
 @dataclass(eq=False, slots=True)
@@ -295,6 +300,9 @@ class KnownValues:
         self.known: dict[int, _Known] = {}
         self._storages: dict[int, _Storage] = {}
         self.nbytes = 0  # held by the shadows' storages
+        #: How many ops wrote into a storage of the step's inputs (whose values a later
+        #: iteration then reads changed).
+        self.inputs_written = 0
         #: id(a generator the step draws from; None: the default) -> (it, its copy, or None
         #: once a draw could not be made for real)
         self._generators: dict[int, tuple[Any, torch.Generator | None]] = {}
@@ -350,10 +358,11 @@ class KnownValues:
 
     # -- the step's own tensors -------------------------------------------------
 
-    def adopt(self, pairs: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    def adopt(self, pairs: Iterable[tuple[torch.Tensor, torch.Tensor]], *, inputs: bool = False) -> None:
         """Know the values of fake stand-ins from their real originals, in order,
         while the limits allow: ``(fake, original)`` pairs. The originals are copied
-        (once per storage), never written."""
+        (once per storage), never written. ``inputs``: they are the step's inputs (their
+        values are each iteration's until the step writes them)."""
         copies: dict[int, tuple[int, torch.UntypedStorage]] = {}
         for fake, original in pairs:
             if not _readable(original):
@@ -369,7 +378,7 @@ class KnownValues:
                     nbytes = real_storage.nbytes()
                     if nbytes != fake.untyped_storage().nbytes() or not self._room(nbytes, fake):
                         continue
-                    storage = self._storages[key] = _Storage(_copy_of(real_storage), nbytes)
+                    storage = self._storages[key] = _Storage(_copy_of(real_storage), nbytes, settled=inputs, input=inputs)
                     self.nbytes += nbytes
                 copied = copies[real_storage._cdata] = (key, storage.real)
             self._add(fake, _view(copied[1], fake), key)
@@ -481,10 +490,15 @@ class KnownValues:
         """Give ``out`` the values ``func`` computes, where they are known; forget the
         values of what it wrote in place (``written``) where they are not.
         ``real_out``: the real outputs, if :meth:`run` made them already."""
+        settled = None
+        if written:
+            self._wrote(written)
+            settled = self._settles(kind, args, kwargs)  # (before the shadows are written)
         if real_out is None:
             real_out = self._compute(func, kind, args, kwargs, out)
             if real_out is _WROTE_IN_PLACE:
                 for t in written:
+                    self._unsettle(t, bool(settled))
                     self._check_written(t)
                 return
             if real_out is None:
@@ -494,9 +508,15 @@ class KnownValues:
                     if t is not kept:
                         self.forget(t)
                 return
-        self._attach(out, real_out)
+        if settled is None:
+            settled = self._settles(kind, args, kwargs)
+        self._attach(out, real_out, settled)
         for t in written:
             self._check_written(t)
+
+    def _settles(self, kind: ValueKind, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+        """Whether an op of ``kind`` on these arguments makes settled values."""
+        return kind == ValueKind.MADE or (kind == ValueKind.COMPUTED and self.settled(args, kwargs))
 
     def rewritten(self, func: Any, kind: ValueKind, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
         """``func``, an out-of-place op, ran in place into its first argument, whose storage
@@ -504,9 +524,43 @@ class KnownValues:
         into its zeros, autograd's accumulation of a second gradient): that storage now
         holds the op's result where it is known, else nothing known."""
         real = self._compute(func, kind, args, kwargs, out) if kind == ValueKind.COMPUTED else None
+        settled = real is not None and self.settled(args, kwargs)
+        self._wrote(out)
         self.forget(out)
         if isinstance(real, torch.Tensor):
-            self._attach(out, real)
+            self._attach(out, real, settled)
+
+    def settled(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+        """Whether every fake tensor among an op's arguments holds values that each
+        iteration of the step gives it alike: computed only from the step's inputs (not
+        written since) and from what factories make of numbers. The step's parameters,
+        gradients, optimizer state and buffers change from one iteration to the next, and
+        random draws advance their generator: what is made of them is not settled."""
+        storages = self._storages
+        for value in (*args, *kwargs.values()):
+            kind = type(value)
+            if kind is list or kind is tuple:
+                if not self.settled(value, {}):
+                    return False
+            elif kind is FakeTensor:
+                key = _storage_key(value)
+                storage = storages.get(key) if key is not None else None
+                if storage is None or not storage.settled or not _fits(value, storage.nbytes):
+                    return False
+            elif isinstance(value, torch.Tensor):
+                return False
+        return True
+
+    def _wrote(self, written: Any) -> None:
+        """Count the writes into the step's inputs among ``written``."""
+        for t in written if isinstance(written, (list, tuple)) else (written,):
+            if isinstance(t, (list, tuple)):
+                self._wrote(t)
+                continue
+            key = _storage_key(t) if isinstance(t, FakeTensor) else None
+            storage = self._storages.get(key) if key is not None else None
+            if storage is not None and storage.input:
+                self.inputs_written += 1
 
     def all_known(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
         """Whether every fake tensor among an op's arguments has a shadow (by identity)."""
@@ -657,11 +711,13 @@ class KnownValues:
             real = _view(_new_storage(out.untyped_storage().nbytes()), out)
             return real.fill_(value)
 
-    def _attach(self, out: Any, real: Any) -> None:
+    def _attach(self, out: Any, real: Any, settled: bool = False) -> None:
+        """Know ``out`` to hold ``real``; ``settled``: made only of settled values (see
+        :meth:`settled`)."""
         if isinstance(out, (tuple, list)):
             if isinstance(real, (tuple, list)) and len(real) == len(out):
                 for o, r in zip(out, real):
-                    self._attach(o, r)
+                    self._attach(o, r, settled)
             return
         if not isinstance(out, FakeTensor) or not isinstance(real, torch.Tensor):
             return
@@ -674,6 +730,7 @@ class KnownValues:
         storage = self._storages.get(key)
         if storage is not None:
             # a view of (or an in-place write into) a known storage: its shadow is there
+            storage.settled = storage.settled and settled
             if _fits(out, storage.nbytes):
                 self._add(out, _view(storage.real, out), key)
             return
@@ -686,9 +743,21 @@ class KnownValues:
             shadow = _view(_new_storage(nbytes), out)
             with _DisableTorchDispatch(), torch.no_grad():
                 shadow.copy_(real)
-        self._storages[key] = _Storage(shadow.untyped_storage(), nbytes)
+        self._storages[key] = _Storage(shadow.untyped_storage(), nbytes, settled=settled)
         self.nbytes += nbytes
         self._add(out, shadow, key)
+
+    def _unsettle(self, t: Any, settled: bool) -> None:
+        """``t`` was written in place by its shadow's op: its storage stays settled only if
+        what was written is."""
+        if isinstance(t, (list, tuple)):
+            for v in t:
+                self._unsettle(v, settled)
+            return
+        key = _storage_key(t) if isinstance(t, FakeTensor) else None
+        storage = self._storages.get(key) if key is not None else None
+        if storage is not None:
+            storage.settled = storage.settled and settled
 
     def _check_written(self, t: Any) -> None:
         """After a real in-place op: the written tensor's shadow must still be a view
