@@ -13,6 +13,12 @@ contender alike), on the fake ``--device`` (default cuda), CPU time medians:
   layer an FSDP2 unit (``benchmarks/scale.py``'s ``70b-fsdp64``: fp32 shards, bf16
   compute, 1 x 4096 tokens, AdamW), its blocks replayed and traced (``--no-70b``
   leaves it out: about 20 s a round);
+* ``--transformers``: the same with transformers' own ``LlamaForCausalLM`` at Llama-2's
+  7B shape (built on meta, bf16, 1 x 4096 tokens, AdamW), as users train it: with the
+  cache as its config has it (``use_cache=True``) and without (``use_cache=False``, what
+  fine-tuning scripts and gradient checkpointing set), each replayed and traced; with
+  ``--transformers-70b``, also its 70B shape, one rank of FSDP2 over 64 (each decoder
+  layer a unit, as above), with and without the cache (about 40 s a call);
 * on a 24-layer transformer (width 1024, 1 x 1024 tokens, float32, meta):
   ``loop``, the estimate with AdamW (two iterations); ``leaks x4`` and ``leaks x16``,
   ``tm.leaks`` of the same step for 4 and 16 iterations (an extra iteration's cost is
@@ -79,6 +85,66 @@ def plain_fake(made: tuple[Any, Any], tokens: torch.Tensor) -> None:
         model(fake, fake)["loss"].backward()
 
 
+def _transformers_llama(size: str) -> Any:
+    """transformers' LlamaForCausalLM at Llama-2's ``size`` ("7b", "70b"), built on meta."""
+    # (before transformers, which imports torchvision: see tests/torchvision_import.py)
+    sys.path.insert(0, str(HERE.parent / "tests"))
+    from torchvision_import import import_torchvision
+
+    import_torchvision()
+    import transformers
+
+    shapes = {
+        "7b": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+                   num_key_value_heads=32),
+        "70b": dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
+                    num_key_value_heads=8),
+    }[size]
+    config = transformers.LlamaConfig(vocab_size=32000, max_position_embeddings=4096, **shapes)
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(config)
+    return model if size == "70b" else model.to(torch.bfloat16)
+
+
+def _transformers_fsdp(model: Any, mesh: Any) -> Any:
+    """FSDP2 per decoder layer and root, as :func:`scale.fsdp2_mixed_precision`."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
+    return fully_shard(model, mesh=mesh, mp_policy=policy)
+
+
+def _transformers_contenders(device: str, big: bool) -> list[Contender]:
+    """transformers' Llama-2 7B (and 70B, one FSDP2 rank of 64), with and without the
+    cache, each replayed and traced."""
+    ids = torch.randint(0, 32000, (1, 4096))
+    contenders = []
+    seven = _transformers_llama("7b")
+    for cache in (True, False):
+        inputs = {"input_ids": ids, "labels": ids, "use_cache": cache}
+        for on in (True, False):
+            def run(_: Any, inputs: Any = inputs, on: bool = on) -> tm.MemoryReport:
+                _replay(on)
+                return tm.estimate(seven, inputs, device=device, optimizer=_adamw)
+
+            name = f"transformers 7B{'' if cache else ' no cache'}, {'replayed' if on else 'traced'}"
+            contenders.append(Contender(name, lambda: None, run))
+    if big:
+        fsdp64 = tm.Parallel(mesh={"dp": 64}, apply=_transformers_fsdp)
+        for cache in (True, False):
+            inputs = {"input_ids": ids, "labels": ids, "use_cache": cache}
+            for on in (True, False):
+                def run_big(model: Any, inputs: Any = inputs, on: bool = on) -> tm.MemoryReport:
+                    _replay(on)
+                    return tm.estimate(model, inputs, device=device, optimizer=_adamw, parallel=fsdp64)
+
+                name = f"transformers 70B FSDP2/64{'' if cache else ' no cache'}, {'replayed' if on else 'traced'}"
+                contenders.append(Contender(name, lambda: _transformers_llama("70b"), run_big))
+    return contenders
+
+
 def _replay(on: bool) -> None:
     os.environ[ENV] = "1" if on else "0"
 
@@ -89,6 +155,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--check", action="store_true")
     parser.add_argument("--no-70b", dest="big70", action="store_false")
+    parser.add_argument("--transformers", action="store_true")
+    parser.add_argument("--transformers-70b", dest="transformers70", action="store_true")
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore")
     device = args.device
@@ -142,6 +210,8 @@ def main(argv: list[str] | None = None) -> int:
             Contender("70B FSDP2/64, replayed", huge, lambda model: estimate_huge(model, True)),
             Contender("70B FSDP2/64, traced", huge, lambda model: estimate_huge(model, False)),
         ]
+    if args.transformers or args.transformers70:
+        contenders[2:2] = _transformers_contenders(device, args.transformers70)
     for round_ in range(args.repeats + 1):  # the first round warms up
         for contender in contenders:
             contender.run(record=round_ > 0)
@@ -191,6 +261,12 @@ def main(argv: list[str] | None = None) -> int:
           "equal" if same else "DIFFERENT")
     print("24-layer loop:", "; ".join(result["loop"].replayed) or "nothing")
     print("24-layer one iteration:", "; ".join(result["one iteration"].replayed) or "nothing")
+    for name in [c.name for c in contenders if c.name.startswith("transformers") and c.name.endswith("replayed")]:
+        twin = name.removesuffix("replayed") + "traced"
+        equal = result[name] == result[twin]
+        same = same and equal
+        print(f"{name}: {cpu[name]:.2f} s (traced {cpu[twin]:.2f} s, figures {'equal' if equal else 'DIFFERENT'}):",
+              "; ".join(result[name].replayed) or "nothing")
     missed = [name for name, _, _, ok in rows if ok is False]
     if not same:
         return 1

@@ -455,7 +455,7 @@ exec("collections = 0\ndef count(phase, info):\n    global collections\n    coll
 
 class Collects(Block):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gc.collect()
+        gc.collect(0)  # (the youngest generation: its callbacks run as a whole collection's do, in a moment)
         return super().forward(x)
 
 
