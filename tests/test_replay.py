@@ -188,7 +188,7 @@ def _hooked() -> nn.Module:
         (Caching, "storage(s) it made stay alive beside the gradients"),
         (_ReadsValues, "an op read tensor values, which may differ"),
         (_CountsInABuffer, "an op read tensor values, which may differ"),
-        (_FlipsItsInput, "an op read tensor values, and the step's inputs were written"),
+        (_FlipsItsInput, "an op read tensor values, and the step wrote in place what it read them from"),
         (_DrawsOnTheHost, "an op read tensor values, which may differ"),
         (_hooked, "the model has hooks"),
     ],

@@ -27,10 +27,11 @@ thing said, consecutive iterations gathered):
   replaces);
 * no op may have read a tensor's values (``.item()``, ``nonzero``, a boolean mask)
   that the next iteration may not give alike: values made only of the step's inputs
-  (the same tensors each iteration, unless the step writes them) and of what factories
-  make of numbers are the same each time (transformers' masks read the positions
-  ``arange`` made); those of parameters, buffers, gradients, optimizer state and random
-  draws are not (:meth:`KnownValues.settled`);
+  and of what factories make of numbers are the same each time (transformers' masks
+  read the positions ``arange`` made), unless the step writes such a tensor in place
+  that was there when its first iteration began (its input; a tensor it keeps); those of
+  parameters, buffers, gradients, optimizer state and random draws are not
+  (:meth:`KnownValues.settled`);
 * the model's own state (every module's attributes, parameters, buffers and
   hooks) and torch's global switches (grad mode, autocast, SDPA backends, ...) are
   the same at the start of each iteration's forward as at the first's;
@@ -99,12 +100,15 @@ class _Record:
     first_sid: int  # the first storage it made
     state: Any  # the model's state and torch's switches as it began
     #: The tracker's counts, as it began, of the value reads that another iteration may
-    #: not give alike, and of value reads and writes into the step's inputs.
+    #: not give alike and of every value read, and where its known values were
+    #: (:meth:`KnownValues.mark`).
     unsettled_reads: int
     value_reads: int
-    inputs_written: int
+    values_mark: tuple[int, int]
     end: int = -1
     refused: str | None = None
+    #: Whether its forward and backward read tensor values.
+    read_values: bool = False
     #: The modules running when it ended (innermost last).
     modules: tuple[int, ...] = ()
     grads: list[tuple[int, Layout]] = field(default_factory=list)
@@ -154,7 +158,7 @@ class LoopReplay:
                 state=self._state(),
                 unsettled_reads=tracker.unsettled_reads,
                 value_reads=tracker.value_reads,
-                inputs_written=tracker.values.inputs_written,
+                values_mark=tracker.values.mark(),
                 globals=module_globals(self.model),
             )
             return None
@@ -174,6 +178,7 @@ class LoopReplay:
         if iteration != 1 or record is None or record.end >= 0:
             return
         record.end = len(self.tracker.timeline.events)
+        record.read_values = self.tracker.value_reads != record.value_reads
         record.refused = self._left(record, loss, held)
 
     def begin_step(self, iteration: int, optimizer: torch.optim.Optimizer) -> bool:
@@ -200,8 +205,6 @@ class LoopReplay:
             return "the trace stopped"
         if tracker.unsettled_reads != record.unsettled_reads:
             return "an op read tensor values, which may differ the next time"
-        if tracker.value_reads != record.value_reads and tracker.values.inputs_written != record.inputs_written:
-            return "an op read tensor values, and the step's inputs were written: they differ the next time"
         if _hooked(self.model, self.leaves):
             return "the model has hooks, which may act differently the next time"
         if not tracker.quiet():
@@ -249,6 +252,8 @@ class LoopReplay:
             return "a buffer the first iteration's made to keep was freed"
         if self._state() != record.state:
             return "the model's state or torch's switches changed since the first iteration"
+        if record.read_values and self.tracker.values.rewritten_since(record.values_mark):
+            return "an op read tensor values, and the step wrote in place what it read them from: they differ the next time"
         changed = unchanged(record.globals)
         if changed is not None:
             return f"the global {changed} of the model's code changed since the first iteration"

@@ -221,8 +221,8 @@ class _Storage:
     #: Whether its values are the same in each iteration of the step (see
     #: :meth:`KnownValues.settled`).
     settled: bool = False
-    #: Whether it is one of the step's inputs (each iteration's, the same tensors).
-    input: bool = False
+    #: Its place in the order the shadows' storages were made (:meth:`KnownValues.mark`).
+    serial: int = 0
 
 
 @dataclass(eq=False, slots=True)
@@ -300,9 +300,10 @@ class KnownValues:
         self.known: dict[int, _Known] = {}
         self._storages: dict[int, _Storage] = {}
         self.nbytes = 0  # held by the shadows' storages
-        #: How many ops wrote into a storage of the step's inputs (whose values a later
-        #: iteration then reads changed).
-        self.inputs_written = 0
+        self._serial = 0  # the serial of the next storage
+        #: The serials of the settled storages written in place, in order (a value an
+        #: iteration read, that a later one reads changed, if the storage is older).
+        self._settled_writes: list[int] = []
         #: id(a generator the step draws from; None: the default) -> (it, its copy, or None
         #: once a draw could not be made for real)
         self._generators: dict[int, tuple[Any, torch.Generator | None]] = {}
@@ -378,7 +379,7 @@ class KnownValues:
                     nbytes = real_storage.nbytes()
                     if nbytes != fake.untyped_storage().nbytes() or not self._room(nbytes, fake):
                         continue
-                    storage = self._storages[key] = _Storage(_copy_of(real_storage), nbytes, settled=inputs, input=inputs)
+                    storage = self._storages[key] = self._new(_copy_of(real_storage), nbytes, inputs)
                     self.nbytes += nbytes
                 copied = copies[real_storage._cdata] = (key, storage.real)
             self._add(fake, _view(copied[1], fake), key)
@@ -551,16 +552,31 @@ class KnownValues:
                 return False
         return True
 
+    def mark(self) -> tuple[int, int]:
+        """Where the trace is, for :meth:`rewritten_since`."""
+        return len(self._settled_writes), self._serial
+
+    def rewritten_since(self, mark: tuple[int, int]) -> bool:
+        """Whether an op wrote in place, since :meth:`mark` gave ``mark``, into a settled
+        storage made before it (the step's input, what an earlier iteration made and
+        kept): what was read of it then is not what is read now."""
+        writes, serial = mark
+        return any(s < serial for s in self._settled_writes[writes:])
+
+    def _new(self, real: torch.UntypedStorage, nbytes: int, settled: bool) -> _Storage:
+        self._serial += 1
+        return _Storage(real, nbytes, settled=settled, serial=self._serial - 1)
+
     def _wrote(self, written: Any) -> None:
-        """Count the writes into the step's inputs among ``written``."""
+        """Keep the serials of the settled storages among ``written``."""
         for t in written if isinstance(written, (list, tuple)) else (written,):
             if isinstance(t, (list, tuple)):
                 self._wrote(t)
                 continue
             key = _storage_key(t) if isinstance(t, FakeTensor) else None
             storage = self._storages.get(key) if key is not None else None
-            if storage is not None and storage.input:
-                self.inputs_written += 1
+            if storage is not None and storage.settled:
+                self._settled_writes.append(storage.serial)
 
     def all_known(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
         """Whether every fake tensor among an op's arguments has a shadow (by identity)."""
@@ -743,7 +759,7 @@ class KnownValues:
             shadow = _view(_new_storage(nbytes), out)
             with _DisableTorchDispatch(), torch.no_grad():
                 shadow.copy_(real)
-        self._storages[key] = _Storage(shadow.untyped_storage(), nbytes, settled=settled)
+        self._storages[key] = self._new(shadow.untyped_storage(), nbytes, settled)
         self.nbytes += nbytes
         self._add(out, shadow, key)
 
