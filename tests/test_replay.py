@@ -125,53 +125,56 @@ class _ReadsValues(nn.Module):
         return self.net[2](h[:, keep].sum(1, keepdim=True).expand(-1, 64))
 
 
-class _CountsInABuffer(nn.Module):
-    """Steps a counter buffer in place and branches on its value: odd calls keep a wider
-    hidden state (a buffer's values change from one iteration to the next)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.net = mlp()
-        self.register_buffer("calls", torch.zeros((), dtype=torch.int64))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.calls += 1
-        h = self.net[0](x)
-        if int(self.calls) % 2 == 0:
-            h = torch.cat([h, h], dim=0)[: h.shape[0]]
-        return self.net[2](self.net[1](h))
-
-
-class _FlipsItsInput(nn.Module):
-    """Branches on its input's sign, then negates its input in place: the next iteration
-    reads other values of the same tensor."""
+class _BranchesOnValues(nn.Module):
+    """Keeps a wider hidden state where :meth:`wide` says so, from values an op read."""
 
     def __init__(self) -> None:
         super().__init__()
         self.net = mlp()
 
+    def wide(self, x: torch.Tensor) -> bool:
+        raise NotImplementedError
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        wide = bool(x[0, 0] > 0)
-        x.neg_()
+        wide = self.wide(x)
         h = self.net[0](x)
         if wide:
             h = torch.cat([h, h], dim=0)[: h.shape[0]]
         return self.net[2](self.net[1](h))
 
 
-class _DrawsOnTheHost(nn.Module):
-    """Branches on a number drawn at random on the host (its generator advances)."""
+class _CountsInABuffer(_BranchesOnValues):
+    """Steps a counter buffer in place and is wide on even calls (a buffer's values change
+    from one iteration to the next)."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.net = mlp()
+        self.register_buffer("calls", torch.zeros((), dtype=torch.int64))
+
+    def wide(self, x: torch.Tensor) -> bool:
+        self.calls += 1
+        return int(self.calls) % 2 == 0
+
+
+class _FlipsItsInput(_BranchesOnValues):
+    """Is wide by its input's sign, then negates its input in place: the next iteration
+    reads other values of the same tensor."""
+
+    def wide(self, x: torch.Tensor) -> bool:
+        wide = bool(x[0, 0] > 0)
+        x.neg_()
+        return wide
+
+
+class _DrawsOnTheHost(_BranchesOnValues):
+    """Is wide by a number drawn at random on the host (its generator advances)."""
+
+    def __init__(self) -> None:
+        super().__init__()
         self.generator = torch.Generator().manual_seed(0)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.net[0](x)
-        if float(torch.rand((), generator=self.generator)) > 0.5:
-            h = torch.cat([h, h], dim=0)[: h.shape[0]]
-        return self.net[2](self.net[1](h))
+    def wide(self, x: torch.Tensor) -> bool:
+        return float(torch.rand((), generator=self.generator)) > 0.5
 
 
 def _hooked() -> nn.Module:
@@ -208,14 +211,10 @@ def test_what_may_differ_is_traced_and_says_why(build: Any, why: str, monkeypatc
     assert replayed.phase_peaks() == tm.measure(model, x, **options).phase_peaks()
 
 
-class _ReadsItsInput(nn.Module):
+class _ReadsItsInput(_BranchesOnValues):
     """Keeps as many rows as its input has positive first elements, and builds a mask from
     positions, as transformers' masks are built: values read each iteration alike (made
     of the step's input and of ``arange``)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.net = mlp()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = int((x[:, 0] > 0).sum())
