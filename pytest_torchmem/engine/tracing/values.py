@@ -537,20 +537,19 @@ class KnownValues:
         written since) and from what factories make of numbers. The step's parameters,
         gradients, optimizer state and buffers change from one iteration to the next, and
         random draws advance their generator: what is made of them is not settled."""
-        storages = self._storages
-        for value in (*args, *kwargs.values()):
-            kind = type(value)
-            if kind is list or kind is tuple:
-                if not self.settled(value, {}):
-                    return False
-            elif kind is FakeTensor:
-                key = _storage_key(value)
-                storage = storages.get(key) if key is not None else None
+        for value in _leaves((*args, *kwargs.values())):
+            if type(value) is FakeTensor:
+                storage = self._storage_of(value)
                 if storage is None or not storage.settled or not _fits(value, storage.nbytes):
                     return False
             elif isinstance(value, torch.Tensor):
                 return False
         return True
+
+    def _storage_of(self, t: Any) -> _Storage | None:
+        """The known storage the fake tensor ``t`` views, if any."""
+        key = _storage_key(t) if isinstance(t, FakeTensor) else None
+        return self._storages.get(key) if key is not None else None
 
     def mark(self) -> tuple[int, int]:
         """Where the trace is, for :meth:`rewritten_since`."""
@@ -569,12 +568,8 @@ class KnownValues:
 
     def _wrote(self, written: Any) -> None:
         """Keep the serials of the settled storages among ``written``."""
-        for t in written if isinstance(written, (list, tuple)) else (written,):
-            if isinstance(t, (list, tuple)):
-                self._wrote(t)
-                continue
-            key = _storage_key(t) if isinstance(t, FakeTensor) else None
-            storage = self._storages.get(key) if key is not None else None
+        for t in _leaves(written):
+            storage = self._storage_of(t)
             if storage is not None and storage.settled:
                 self._settled_writes.append(storage.serial)
 
@@ -766,14 +761,10 @@ class KnownValues:
     def _unsettle(self, t: Any, settled: bool) -> None:
         """``t`` was written in place by its shadow's op: its storage stays settled only if
         what was written is."""
-        if isinstance(t, (list, tuple)):
-            for v in t:
-                self._unsettle(v, settled)
-            return
-        key = _storage_key(t) if isinstance(t, FakeTensor) else None
-        storage = self._storages.get(key) if key is not None else None
-        if storage is not None:
-            storage.settled = storage.settled and settled
+        for v in _leaves(t):
+            storage = self._storage_of(v)
+            if storage is not None:
+                storage.settled = storage.settled and settled
 
     def _check_written(self, t: Any) -> None:
         """After a real in-place op: the written tensor's shadow must still be a view
@@ -793,6 +784,15 @@ class KnownValues:
             or _geometry(entry.shadow) != _geometry(t)
         ):
             self.forget(t)
+
+
+def _leaves(values: Any) -> Iterator[Any]:
+    """``values``, with the items of the lists and tuples among them in their place."""
+    if type(values) is list or type(values) is tuple:
+        for value in values:
+            yield from _leaves(value)
+    else:
+        yield values
 
 
 def _all_strided(out: Any) -> bool:
