@@ -280,6 +280,113 @@ def test_transformers_decoder_layers_replay(name: str, device: str, monkeypatch:
     assert "iteration 2: forward and backward replayed from iteration 1" in replayed.replayed, replayed.replayed
 
 
+# -- per-instance callables: a fine-tuning library's layers each hold their own closure ------
+
+
+def _gelu_call(scale: float) -> Any:
+    def _attention_call(x: torch.Tensor) -> torch.Tensor:
+        return F.gelu(x) * scale
+
+    return _attention_call
+
+
+class _HoldsACall(_Residual):
+    """Calls a callable of its own between its projections (a closure each instance made,
+    as a fine-tuning library's attention layers hold ``_attention_call``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.call = _gelu_call(1.0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.drop(self.down(self.call(self.up(self.norm(x)))))
+
+
+class _HoldsABoundMethod(_HoldsACall):
+    def __init__(self) -> None:
+        super().__init__()
+        self.call = self.activation
+
+    def activation(self, x: torch.Tensor) -> torch.Tensor:
+        return F.gelu(self.norm.weight[:1] * x)
+
+
+class _HoldsAPartial(_HoldsACall):
+    def __init__(self) -> None:
+        super().__init__()
+        self.call = functools.partial(F.gelu, approximate="tanh")
+
+
+class _HoldsALambda(_HoldsACall):
+    def __init__(self) -> None:
+        super().__init__()
+        self.call = lambda x: F.gelu(x).square()
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+@pytest.mark.parametrize("block", [_HoldsACall, _HoldsABoundMethod, _HoldsAPartial, _HoldsALambda],
+                         ids=["closure", "bound method", "partial", "lambda"])
+def test_blocks_holding_their_own_closure_of_one_function_replay(
+    block: type[nn.Module], device: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each block's callable is another object, of one function (its code, defaults and
+    what it closes over alike; a bound method's object is each block itself): one program."""
+    replayed, traced = both(monkeypatch, _sequential(block), device=device, optimizer=_adamw)
+    same_figures(replayed, traced)
+    assert _replayed_calls(replayed, "(model)") == 3
+    if device == "cpu":
+        assert replayed.phase_peaks() == tm.measure(*_sequential(block)(), optimizer=_adamw).phase_peaks()
+
+
+class _HoldsItsOwnScale(_HoldsACall):
+    """Every other block closes over another scale (which one holds which moves no byte)."""
+
+    made = 0
+
+    def __init__(self) -> None:
+        super().__init__()
+        _HoldsItsOwnScale.made += 1
+        self.call = _gelu_call(1.0 if _HoldsItsOwnScale.made % 2 else 2.0)
+
+
+def _counter() -> Any:
+    calls = 0
+
+    def gated(x: torch.Tensor) -> torch.Tensor:
+        nonlocal calls
+        calls += 1
+        return x * x.sigmoid() if calls % 2 else x  # (every other call saves two more tensors)
+
+    return gated
+
+
+_COUNTED = _counter()
+
+
+class _CallsACountingClosure(_Residual):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _COUNTED(super().forward(x))
+
+
+@pytest.mark.parametrize(
+    ("block", "why"),
+    [
+        (_HoldsItsOwnScale, "(model): blocks traced (its blocks differ: their attribute call)"),
+        (_CallsACountingClosure, "(model): blocks traced (a block assigns or changes the variable calls of a closure)"),
+    ],
+    ids=["closes over another value", "steps a closure's counter"],
+)
+def test_blocks_whose_closures_differ_or_change_are_traced(block: Any, why: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # (7 blocks: the counter's parity at a block differs in the loop's second iteration,
+    # which the loop's replay sees in the closure's variable)
+    replayed, traced = both(monkeypatch, _sequential(block, blocks=7), optimizer=_adamw)
+    same_figures(replayed, traced)
+    assert _blocks_line(replayed, "(model)") == why
+    if block is _CallsACountingClosure:
+        assert ("iteration 2: forward and backward traced (the global _COUNTED's variable calls of the model's code "
+                "changed since the first iteration)") in replayed.replayed
+
+
 _KEPT: list[torch.Tensor] = []
 
 

@@ -68,6 +68,7 @@ import contextlib
 import dataclasses
 import functools
 import sys
+import types
 import weakref
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -448,7 +449,7 @@ class BlockReplay:
             if watched.read:
                 made, why = None, f"its blocks differ in attribute {watched.read}, which their forward reads"
             elif watched.wrote:
-                made, why = None, f"a block assigns or changes the global {watched.wrote}"
+                made, why = None, f"a block assigns or changes {watched.wrote}"
             else:
                 made, why = self._template(block, start, first, reads, output, inputs, grad, observer, (s0, s1))
             unit = id(block) in self._units
@@ -1187,24 +1188,53 @@ def _parallel_style_hook(hook: Any) -> tuple[Any, ...] | None:
     return (code, id(cells.get("device_mesh")), prepare)
 
 
-def _value(value: Any, depth: int = 0) -> Any:
+def _value(value: Any, depth: int = 0, within: dict[int, str] | None = None) -> Any:
+    """``value`` as a value equal between blocks that run the same program with it: plain
+    values by value, tensors by layout, small containers by their items; a function by its
+    code, defaults and what it closes over, a bound method by its function and object, a
+    partial by its parts (the per-instance closures a fine-tuning library's layers hold);
+    a module of the block (``within``: the block's modules by id) by its name in the block;
+    the rest by identity."""
     kind = type(value)
     if kind in _PLAIN or isinstance(value, _PLAIN):
         return value
     if isinstance(value, torch.Tensor):
         return (torch.Tensor, value.dtype, tuple(value.shape), tuple(value.stride()), value.requires_grad)
+    if within is not None and id(value) in within:
+        return (nn.Module, within[id(value)])
     if kind in (list, tuple, set, frozenset, dict) or isinstance(value, dict):
         if depth > 2 or len(value) > 32:
             return (kind, id(value), len(value))
         items = value.items() if isinstance(value, dict) else value
         if kind in (set, frozenset):
             items = sorted(items, key=repr)
-        return (kind, tuple(_value(v, depth + 1) for v in items))
+        return (kind, tuple(_value(v, depth + 1, within) for v in items))
+    if depth <= 2 and kind in _CALLABLES:
+        deeper = functools.partial(_value, depth=depth + 1, within=within)
+        if kind is types.FunctionType:
+            cells = tuple(deeper(_contents(cell)) for cell in value.__closure__ or ())
+            return (kind, value.__code__, id(value.__globals__), deeper(value.__defaults__),
+                    deeper(value.__kwdefaults__), cells)
+        if kind is types.MethodType:
+            return (kind, deeper(value.__func__), deeper(value.__self__))
+        return (kind, deeper(value.func), deeper(value.args), deeper(value.keywords))
     if depth == 0 and not isinstance(value, nn.Module) and type(getattr(value, "__dict__", None)) is dict:
         # (an object the blocks share, a config: what it holds of plain values, which the
         # program may change between the blocks' calls)
         return (kind, id(value), tuple((k, v) for k, v in vars(value).items() if type(v) in _PLAIN))
     return (kind, id(value))
+
+
+#: The callables :func:`_value` takes by their parts.
+_CALLABLES: Final = (types.FunctionType, types.MethodType, functools.partial)
+_EMPTY: Final = object()
+
+
+def _contents(cell: Any) -> Any:
+    try:
+        return cell.cell_contents
+    except ValueError:  # (a cell not yet filled)
+        return _EMPTY
 
 
 def _saving() -> Any:
@@ -1221,14 +1251,8 @@ def _saving() -> Any:
         if code is None:
             out.append((type(hook), id(hook)))
             continue
-        cells = []
-        for cell in function.__closure__ or ():
-            try:
-                value = cell.cell_contents
-            except ValueError:  # (empty)
-                value = None
-            cells.append(value if type(value) in _PLAIN else type(value))
-        out.append((code, tuple(cells)))
+        cells = (_contents(cell) for cell in function.__closure__ or ())
+        out.append((code, tuple(value if type(value) in _PLAIN else type(value) for value in cells)))
     return tuple(out)
 
 
@@ -1250,6 +1274,7 @@ def _structure(block: nn.Module, unit: bool) -> tuple[Any, ...]:
     dispatch the same ops: parameters and buffers by layout, the rest by value (``unit``:
     the block is an FSDP2 unit, whose own hooks and state are left out)."""
     out: list[Any] = []
+    within = {id(module): name for name, module in block.named_modules(remove_duplicate=False)}
     for module in block.modules():
         out.append(("class", type(module)))
         out.append(("class attributes", _class_attributes(type(module))))
@@ -1274,7 +1299,7 @@ def _structure(block: nn.Module, unit: bool) -> tuple[Any, ...]:
             elif name == "_modules":
                 out.append((name, tuple(value)))
             else:
-                out.append(("attribute", name, _value(value)))
+                out.append(("attribute", name, _value(value, within=within)))
     return tuple(out)
 
 

@@ -11,8 +11,10 @@ or coverage's, is still called):
 * an attribute the blocks hold different values of (transformers' ``layer_idx``): an
   attribute load of that name on any object (``self.layer_idx``, ``getattr(self,
   "layer_idx")``, a string constant of the name, ``__dict__``, ``vars``);
-* a global a function that ran assigns (``global calls; calls += 1``): the block changes
-  state outside itself, and the next call may not do what this one did;
+* a global a function that ran assigns (``global calls; calls += 1``), or a variable of an
+  enclosing function it assigns (``nonlocal calls``: a closure's, which outlives the
+  call): the block changes state outside itself, and the next call may not do what this
+  one did;
 * the global plain values (a number, a string, a flag) the functions that ran load, kept
   with their values, so that a replay stands in only while every one is unchanged; a
   global list, dict, set or deque by its length (a block that appends its input to one
@@ -38,6 +40,7 @@ import os
 import site
 import sys
 import sysconfig
+import types
 from collections.abc import Callable
 from types import CodeType, FrameType
 from typing import Any, Final
@@ -80,7 +83,7 @@ class _Code:
     """What one code object's instructions do that a watch looks at (made once)."""
 
     reads: dict[int, str]  # by offset: an attribute load or a string constant (its name), __dict__, vars
-    assigns: tuple[str, ...]  # the globals it assigns or deletes
+    assigns: tuple[str, ...]  # the globals and closures' variables it assigns or deletes, in words
     loads: tuple[str, ...]  # the globals it loads
 
 
@@ -106,7 +109,10 @@ def _code(code: CodeType) -> _Code:
                     # "__dict__") is how a class's own attribute lookup reads its instance)
                     reads[instruction.offset] = argval
                 elif name in ("STORE_GLOBAL", "DELETE_GLOBAL"):
-                    assigns[argval] = None
+                    assigns[f"the global {argval}"] = None
+                elif name in ("STORE_DEREF", "DELETE_DEREF") and argval in code.co_freevars:
+                    # (a nonlocal: the cell is the enclosing function's, kept by the closure)
+                    assigns[f"the variable {argval} of a closure"] = None
                 elif name in ("LOAD_GLOBAL", "LOAD_NAME"):
                     loads[argval] = None
                     if argval == "vars":
@@ -119,8 +125,8 @@ def _code(code: CodeType) -> _Code:
 class Watch:
     """While entered, watches the user's frames (see the module): :attr:`read` is the
     first of ``names`` read (instruction by instruction, in the frames whose code loads
-    one), :attr:`wrote` the first global a frame that ran assigns (or a global container
-    whose length changed), :attr:`globals` the plain globals and containers the frames
+    one), :attr:`wrote` the first global or closure's variable a frame that ran assigns
+    (or a global container whose length changed), in words, :attr:`globals` the plain globals and containers the frames
     that ran load, with their values as each frame began."""
 
     def __init__(self, names: frozenset[str] = frozenset()) -> None:
@@ -155,7 +161,8 @@ class Watch:
     def __exit__(self, *exc: object) -> None:
         sys.settrace(self._before)
         if self.wrote is None:
-            self.wrote = unchanged(tuple(self.globals.values()))
+            changed = unchanged(tuple(self.globals.values()))
+            self.wrote = None if changed is None else f"the global {changed}"
 
     def _call(self, frame: FrameType, event: str, arg: Any) -> Any:
         before = self._before
@@ -235,8 +242,9 @@ def unchanged(reads: tuple[tuple[dict[str, Any], str, Any], ...]) -> str | None:
 def module_globals(model: Any) -> tuple[tuple[dict[str, Any], str, Any], ...]:
     """The plain globals and global containers of the modules that define ``model``'s
     classes (and their bases, torch's and Python's own left out), as :attr:`Watch.globals`
-    holds them: what the loop's replay compares at the start of each iteration (a counter
-    the forward steps, a flag it sets), at the cost of a look at those modules' globals."""
+    holds them, and the variables of the closures among them: what the loop's replay
+    compares at the start of each iteration (a counter the forward steps, a flag it sets),
+    at the cost of a look at those modules' globals."""
     modules: dict[str, None] = {}
     for module in model.modules():
         for cls in type(module).__mro__:
@@ -249,7 +257,31 @@ def module_globals(model: Any) -> tuple[tuple[dict[str, Any], str, Any], ...]:
             continue
         scope = vars(module)
         for key, value in scope.items():
-            entry = None if key.startswith("__") else _entry(scope, key, value)
+            if key.startswith("__"):
+                continue
+            entry = _entry(scope, key, value)
             if entry is not None:
                 found.append(entry)
+            elif type(value) is types.FunctionType and value.__closure__:
+                # (a closure made at import, its variables stepped by ``nonlocal``: a counter)
+                for name, cell in zip(value.__code__.co_freevars, value.__closure__):
+                    cells = _Cell(cell)
+                    entry = _entry(cells, f"{key}'s variable {name}", cells.get(name, _MISSING))
+                    if entry is not None:
+                        found.append(entry)
     return tuple(found)
+
+
+class _Cell:
+    """A closure's variable, read as :func:`unchanged` reads a global from its scope."""
+
+    __slots__ = ("cell",)
+
+    def __init__(self, cell: Any) -> None:
+        self.cell = cell
+
+    def get(self, name: str, default: Any) -> Any:
+        try:
+            return self.cell.cell_contents
+        except ValueError:  # (not yet filled)
+            return default
