@@ -747,7 +747,10 @@ class BlockReplay:
 
 class _BlockForward:
     """A block's ``forward`` while the replay is entered (an instance attribute): its class's,
-    called through the replay."""
+    called through the replay. To the program it is the bound method it stands for: its
+    signature (``inspect.signature``, through ``__wrapped__``), ``__self__``, ``__func__``,
+    name, code and documentation (a library that passes an argument only to the layers
+    whose forward takes it asks)."""
 
     __slots__ = ("replay", "forward", "block")
 
@@ -760,6 +763,20 @@ class _BlockForward:
         block = self.block()
         bound = self.forward.__get__(block)
         return self.replay.call(block, bound, args, kwargs)
+
+    @property
+    def __wrapped__(self) -> Any:
+        return self.forward.__get__(self.block())
+
+    @property  # type: ignore[override]
+    def __doc__(self) -> str | None:  # type: ignore[override]
+        return self.forward.__doc__
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__wrapped__, name)
+
+    def __repr__(self) -> str:
+        return repr(self.__wrapped__)
 
 
 class _Replayed(torch.autograd.Function):
