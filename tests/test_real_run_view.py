@@ -20,7 +20,13 @@ import pytest
 import torch
 import torch.fx
 from torch import nn
+from torch._guards import detect_fake_mode as bound_detect_fake_mode
+from torch._subclasses.fake_tensor import FakeTensor as BoundFakeTensor
+from torch._subclasses.fake_tensor import is_fake as bound_is_fake
+from torch._subclasses.fake_tensor import maybe_get_fake_mode as bound_maybe_get_fake_mode
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import _get_current_dispatch_mode as bound_current_dispatch_mode
+from torch.utils._python_dispatch import is_in_torch_dispatch_mode as bound_is_in_torch_dispatch_mode
 from torch.utils.data import DataLoader, TensorDataset
 
 import pytest_torchmem as tm
@@ -61,6 +67,13 @@ def _questions(x: torch.Tensor) -> dict[str, Any]:
         "is_functional_tensor": torch._is_functional_tensor(x),
         "is_meta": x.is_meta,
         "device": x.device.type,
+        # (the same, bound by name at this module's import, as torchao's MX formats bind is_fake)
+        "bound isinstance FakeTensor": isinstance(x, BoundFakeTensor),
+        "bound is_fake": bound_is_fake(x),
+        "bound maybe_get_fake_mode": bound_maybe_get_fake_mode(x),
+        "bound detect_fake_mode": bound_detect_fake_mode((x,)),
+        "bound is_in_torch_dispatch_mode": bound_is_in_torch_dispatch_mode(),
+        "bound current dispatch mode": bound_current_dispatch_mode(),
     }
     try:
         from transformers.utils.import_utils import is_tracing
@@ -90,7 +103,33 @@ _UNTRACED = {
     "is_functional_tensor": False,
     "is_meta": False,
     "transformers is_tracing": False,
+    "bound isinstance FakeTensor": False,
+    "bound is_fake": False,
+    "bound maybe_get_fake_mode": None,
+    "bound detect_fake_mode": None,
+    "bound is_in_torch_dispatch_mode": False,
+    "bound current dispatch mode": None,
 }
+
+#: The names this module bound, as torch has them: an estimate binds them back.
+_BOUND = {
+    "BoundFakeTensor": "torch._subclasses.fake_tensor.FakeTensor",
+    "bound_is_fake": "torch._subclasses.fake_tensor.is_fake",
+    "bound_maybe_get_fake_mode": "torch._subclasses.fake_tensor.maybe_get_fake_mode",
+    "bound_detect_fake_mode": "torch._guards.detect_fake_mode",
+    "bound_is_in_torch_dispatch_mode": "torch.utils._python_dispatch.is_in_torch_dispatch_mode",
+    "bound_current_dispatch_mode": "torch.utils._python_dispatch._get_current_dispatch_mode",
+}
+
+
+def _bound_as_torch_has_them() -> bool:
+    import importlib
+
+    def torchs(path: str) -> Any:
+        module, _, name = path.rpartition(".")
+        return vars(importlib.import_module(module))[name]
+
+    return all(globals()[name] is torchs(path) for name, path in _BOUND.items())
 
 
 class _Asking(nn.Module):
@@ -120,6 +159,7 @@ def test_on_cpu_the_program_gets_a_real_runs_answers_and_its_figures_are_measure
     assert traced and traced[0] == real[0]
     assert all(answer == _UNTRACED[key] for key, answer in traced[0].items() if key in _UNTRACED), traced[0]
     assert estimated.phase_peaks() == measured.phase_peaks()
+    assert _bound_as_torch_has_them()
 
 
 def test_on_cuda_the_program_gets_a_gpus_answers() -> None:
@@ -130,6 +170,7 @@ def test_on_cuda_the_program_gets_a_gpus_answers() -> None:
     assert answers == {key: _UNTRACED[key] for key in answers if key != "device"} | {"device": "cuda"}
     without = tm.estimate(nn.Linear(16, 16), torch.randn(8, 16), device="cuda")
     assert report.forward_peak == without.forward_peak  # (no "traced" megabyte)
+    assert _bound_as_torch_has_them()
 
 
 class _Own(TorchDispatchMode):

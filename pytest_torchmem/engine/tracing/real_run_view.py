@@ -27,17 +27,24 @@ The compile, export, JIT and FX questions (``torch.compiler.is_compiling()``,
 ``torch.fx._symbolic_trace.is_fx_tracing()``) and ``torch._is_functional_tensor``
 already answer as a real run does: the trace is none of them.
 
+The same names bound in the program's modules before the trace (``from
+torch._subclasses.fake_tensor import is_fake`` at a module's import: torchao's MX
+formats ask ``is_fake`` so, to choose the compiled program's kernel)
+are bound to the same answers while the trace runs, and bound back after: only the
+program's code reads its modules' globals (on any thread, while the trace runs).
+
 What cannot be answered so: ``type(t)`` (the trace's tensors are
-``FakeTensor``\\ s), the class bound by name before the trace (``from
-torch._subclasses.fake_tensor import FakeTensor`` at a module's import), and a
-lookup through ``getattr(module, "FakeTensor")`` (a read from C code, as dynamo's
-guards make: :func:`~pytest_torchmem.engine.tracing.the_program.looks_it_up`);
-no library this package is tested against asks in these ways.
+``FakeTensor``\\ s), and a lookup through ``getattr(module, "FakeTensor")`` (a read
+from C code, as dynamo's guards make:
+:func:`~pytest_torchmem.engine.tracing.the_program.looks_it_up`); no library this
+package is tested against asks in these ways.
 """
 
 from __future__ import annotations
 
 import functools
+import sys
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from threading import get_ident
@@ -46,7 +53,7 @@ from typing import Any, Final
 
 from pytest_torchmem.engine.torch_private import private
 from pytest_torchmem.engine.torch_replacing import replacing_for_readers
-from pytest_torchmem.engine.tracing.the_program import is_the_program, looks_it_up
+from pytest_torchmem.engine.tracing.the_program import NOT_THE_PROGRAM, is_the_program, looks_it_up
 
 __all__ = ["FAKE_TENSOR_NAMES", "never_an_instance", "real_run_view"]
 
@@ -112,9 +119,89 @@ def real_run_view(fake_mode: Any) -> Iterator[None]:
         f"{_DISPATCH}._get_current_dispatch_mode": get_current_dispatch_mode,
     }
     with ExitStack() as stack:
+        bound: dict[int, tuple[Any, Any]] = {}
         for path, answer in answers.items():
             original = stack.enter_context(replacing_for_readers(path, answer, reads_it))
+            bound[id(original)] = (original, answer)
             if callable(answer) and not isinstance(answer, type):
                 real[path.rpartition(".")[2]] = original
                 functools.update_wrapper(answer, original)
+        stack.enter_context(_bound_in_the_programs_modules(bound))
         yield
+
+
+#: The modules looked at, by their names in ``sys.modules``: the module, how many globals
+#: it had, and the names among them bound to an original then (none: not the program's).
+#: A module is looked at again where its globals are more or fewer.
+_LOOKED: dict[str, tuple[Any, int, tuple[str, ...]]] = {}
+#: Each tracing thread's answers, by the id of the original they answer for.
+_ANSWERS: dict[int, dict[int, Any]] = {}
+#: The bindings made while traces run (globals, name, original, stand-in), and how many
+#: traces run (the stages of a pipeline trace on threads of one process).
+_SWAPPED: list[tuple[dict[str, Any], str, Any, Any]] = []
+_RUNNING: list[int] = [0]
+_LOCK: Final = threading.Lock()
+
+
+@functools.cache
+def _stand_in(original: Any) -> Any:
+    """What a name bound to ``original`` is bound to while traces run: the class no tensor
+    is an instance of, or a function that answers as the calling thread's trace does (the
+    original where the thread traces nothing)."""
+    if isinstance(original, type):
+        return never_an_instance()
+
+    @functools.wraps(original)
+    def answer(*args: Any, **kwargs: Any) -> Any:
+        return _ANSWERS.get(get_ident(), {}).get(id(original), original)(*args, **kwargs)
+
+    return answer
+
+
+@contextmanager
+def _bound_in_the_programs_modules(answers: dict[int, tuple[Any, Any]]) -> Iterator[None]:
+    """For the block, on this thread, the globals of the program's modules (not torch's,
+    not this package's) bound to an original of ``answers`` (by id: the original and its
+    answer) answer as its answer does; bound back when the last trace running ends (the
+    stages of a pipeline trace on threads of one process), where the module has not
+    bound them again."""
+    thread = get_ident()
+    with _LOCK:
+        outer = _ANSWERS.get(thread)  # (a trace inside a trace on this thread: the outer's, after)
+        _ANSWERS[thread] = {key: answer for key, (_, answer) in answers.items()}
+        if not _RUNNING[0]:
+            _bind(answers)
+        _RUNNING[0] += 1
+    try:
+        yield
+    finally:
+        with _LOCK:
+            if outer is None:
+                del _ANSWERS[thread]
+            else:
+                _ANSWERS[thread] = outer
+            _RUNNING[0] -= 1
+            if not _RUNNING[0]:
+                for scope, name, original, stand_in in _SWAPPED:
+                    if scope.get(name) is stand_in:
+                        scope[name] = original
+                _SWAPPED.clear()
+
+
+def _bind(answers: dict[int, tuple[Any, Any]]) -> None:
+    for key, module in list(sys.modules.items()):
+        scope = getattr(module, "__dict__", None)
+        if type(scope) is not dict:
+            continue
+        seen = _LOOKED.get(key)
+        if seen is None or seen[0] is not module or seen[1] != len(scope):
+            path = getattr(module, "__file__", None)
+            program = isinstance(path, str) and not path.startswith(NOT_THE_PROGRAM)
+            names = tuple(name for name, value in list(scope.items()) if id(value) in answers) if program else ()
+            seen = _LOOKED[key] = (module, len(scope), names)
+        for name in seen[2]:
+            value = scope.get(name)
+            found = answers.get(id(value))
+            if found is not None and found[0] is value:
+                scope[name] = stand_in = _stand_in(value)
+                _SWAPPED.append((scope, name, value, stand_in))
