@@ -134,6 +134,12 @@ def real_run_view(fake_mode: Any) -> Iterator[None]:
 #: it had, and the names among them bound to an original then (none: not the program's).
 #: A module is looked at again where its globals are more or fewer.
 _LOOKED: dict[str, tuple[Any, int, tuple[str, ...]]] = {}
+#: The names found bound to an original, (globals, name), when ``sys.modules`` held as
+#: many modules as it holds now (looked at again where an import added one: a module
+#: that binds such a name after its import, when no other module is imported since, is
+#: not found).
+_FOUND: list[tuple[dict[str, Any], str]] = []
+_LOOKED_AT: list[int] = [0]
 #: Each tracing thread's answers, by the id of the original they answer for.
 _ANSWERS: dict[int, dict[int, Any]] = {}
 #: The bindings made while traces run (globals, name, original, stand-in), and how many
@@ -189,6 +195,21 @@ def _bound_in_the_programs_modules(answers: dict[int, tuple[Any, Any]]) -> Itera
 
 
 def _bind(answers: dict[int, tuple[Any, Any]]) -> None:
+    if len(sys.modules) != _LOOKED_AT[0]:
+        _look(answers)
+        _LOOKED_AT[0] = len(sys.modules)
+    for scope, name in _FOUND:
+        value = scope.get(name)
+        found = answers.get(id(value))
+        if found is not None and found[0] is value:
+            scope[name] = stand_in = _stand_in(value)
+            _SWAPPED.append((scope, name, value, stand_in))
+
+
+def _look(answers: dict[int, tuple[Any, Any]]) -> None:
+    """Find the names the program's modules bind to an original of ``answers``
+    (:data:`_FOUND`), looking again at the modules whose globals are more or fewer since."""
+    _FOUND.clear()
     for key, module in list(sys.modules.items()):
         scope = getattr(module, "__dict__", None)
         if type(scope) is not dict:
@@ -199,9 +220,4 @@ def _bind(answers: dict[int, tuple[Any, Any]]) -> None:
             program = isinstance(path, str) and not path.startswith(NOT_THE_PROGRAM)
             names = tuple(name for name, value in list(scope.items()) if id(value) in answers) if program else ()
             seen = _LOOKED[key] = (module, len(scope), names)
-        for name in seen[2]:
-            value = scope.get(name)
-            found = answers.get(id(value))
-            if found is not None and found[0] is value:
-                scope[name] = stand_in = _stand_in(value)
-                _SWAPPED.append((scope, name, value, stand_in))
+        _FOUND.extend((scope, name) for name in seen[2])
