@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     if against != here:
         print(f"no ratios are recorded for {here}: compared with those of {against}")
     print(tabulate(
-        [(n, f"{cpu[n]:.2f}", f"{r:.3f}", f"{recorded[against][n]:.3f}", "SLOWER" if n in slower else "ok")
+        [(n, f"{cpu[n]:.2f}", f"{r:.3f}", recorded[against].get(n, "-"), "SLOWER" if n in slower else "ok")
          for n, r in ratios.items()],
         headers=["estimate", "CPU s (median)", "ratio to the yardstick", "recorded", "verdict"],
     ))
