@@ -412,14 +412,15 @@ class _PassesWhatTheForwardTakes(nn.Module):
         for block in self.blocks:
             forward = block.forward
             _SEEN.append((str(inspect.signature(forward)), forward.__name__, forward.__self__ is block,
-                              forward.__func__ is type(block).forward, forward.__doc__))
+                          forward.__func__ is type(block).forward, forward.__doc__))
             h = block(h, scale=2.0) if "scale" in inspect.signature(forward).parameters else block(h)
         return self.out(h)
 
 
 def test_a_replayed_blocks_forward_looks_like_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
     """While blocks replay, a block's ``forward`` is the bound method to the program: a
-    signature that hid ``scale`` made every block skip it (forward -92,420 B, silently)."""
+    signature that hid ``scale`` made every block skip it (another program's figures,
+    silently), and reading its ``__name__`` raised."""
 
     def make() -> tuple[nn.Module, Any]:
         torch.manual_seed(0)
