@@ -22,10 +22,14 @@ from torch import nn
 
 import pytest_torchmem as tm
 
-pytestmark = pytest.mark.skipif(
-    not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
-    reason="needs torch.distributed with gloo",
-)
+pytestmark = [
+    pytest.mark.skipif(
+        not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
+        reason="needs torch.distributed with gloo",
+    ),
+    # (the functional collectives user code calls, under the names torch 2.13 deprecates)
+    pytest.mark.filterwarnings("ignore:`torch.distributed._functional_collectives.*` is deprecated:FutureWarning"),
+]
 
 
 class Experts(nn.Module):

@@ -36,8 +36,12 @@ import pytest_torchmem as tm
 
 pytest.importorskip("transformers", reason="the model families are transformers'")
 
-#: (peft asks transformers 5 by the name it deprecated)
-pytestmark = pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
+#: (peft asks transformers 5 by the name it deprecated; peft sets fan_in_fan_out itself on
+#: GPT-2's Conv1D layers, as LoRA's users leave it)
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning"),
+    pytest.mark.filterwarnings("ignore:fan_in_fan_out is set to False but the target module is `Conv1D`:UserWarning"),
+]
 
 
 def step(model: Any, batch: dict[str, Any], configuration: str, label: str | None = None) -> None:
