@@ -173,6 +173,24 @@ def test_on_cuda_the_program_gets_a_gpus_answers() -> None:
     assert _bound_as_torch_has_them()
 
 
+class _LazyModule:
+    """An entry of ``sys.modules`` as lazy loaders make them: any attribute it lacks is an
+    import, which fails here."""
+
+    __slots__ = ()
+
+    def __getattr__(self, name: str) -> Any:
+        raise ImportError(f"a lazy module imported {name}")
+
+
+def test_an_entry_of_sys_modules_that_imports_on_every_look_is_left_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+
+    monkeypatch.setitem(sys.modules, "_torchmem_lazy_module", _LazyModule())
+    monkeypatch.setitem(sys.modules, "_torchmem_blocked_module", None)
+    assert tm.estimate(_Asking(), torch.randn(8, 16)).phase_peaks() == tm.measure(_Asking(), torch.randn(8, 16)).phase_peaks()
+
+
 class _Own(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         return func(*args, **(kwargs or {}))

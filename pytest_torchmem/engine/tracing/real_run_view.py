@@ -211,12 +211,15 @@ def _look(answers: dict[int, tuple[Any, Any]]) -> None:
     (:data:`_FOUND`), looking again at the modules whose globals are more or fewer since."""
     _FOUND.clear()
     for key, module in list(sys.modules.items()):
-        scope = getattr(module, "__dict__", None)
+        try:  # (not through the object's __getattr__: a lazy module's may import, or raise)
+            scope = object.__getattribute__(module, "__dict__")
+        except AttributeError:
+            continue
         if type(scope) is not dict:
             continue
         seen = _LOOKED.get(key)
         if seen is None or seen[0] is not module or seen[1] != len(scope):
-            path = getattr(module, "__file__", None)
+            path = scope.get("__file__")  # (from its globals: a lazy module's __getattr__ may import)
             program = isinstance(path, str) and not path.startswith(NOT_THE_PROGRAM)
             names = tuple(name for name, value in list(scope.items()) if id(value) in answers) if program else ()
             seen = _LOOKED[key] = (module, len(scope), names)
