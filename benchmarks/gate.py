@@ -41,12 +41,6 @@ SLACK = 1.25
 YARDSTICK = "yardstick"
 
 
-def _adamw(params: Any) -> Any:
-    import torch
-
-    return torch.optim.AdamW(params, lr=1e-4)
-
-
 def machine_class() -> str:
     from pytest_torchmem.engine.tracing.devices.cpu.profiles import host_profile
 
@@ -54,30 +48,15 @@ def machine_class() -> str:
 
 
 def contenders() -> list[Any]:
-    """The four estimates (replay on, as by default) and the yardstick."""
+    """The four estimates, replayed (as by default): ``benchmarks/replay.py``'s transformers
+    contenders, named as ``gate.json`` names them; and the yardstick."""
     import torch
-    from replay import MID, _transformers_fsdp, _transformers_llama, fake_model, plain_fake
+    from replay import MID, _transformers_contenders, fake_model, plain_fake
     from speed import Contender
 
-    import pytest_torchmem as tm
-
-    ids = torch.randint(0, 32000, (1, 4096))
-    seven = _transformers_llama("7b")
-    fsdp64 = tm.Parallel(mesh={"dp": 64}, apply=_transformers_fsdp)
-    out = []
-    for cache in (True, False):
-        inputs = {"input_ids": ids, "labels": ids, "use_cache": cache}
-        suffix = "" if cache else " no cache"
-
-        def run(_: Any, inputs: Any = inputs) -> tm.MemoryReport:
-            return tm.estimate(seven, inputs, device="cuda", optimizer=_adamw)
-
-        def run_big(model: Any, inputs: Any = inputs) -> tm.MemoryReport:
-            return tm.estimate(model, inputs, device="cuda", optimizer=_adamw, parallel=fsdp64)
-
-        out.append(Contender(f"7B{suffix}", lambda: None, run))
-        # (the 70B model built for each call, not timed, and dropped after it)
-        out.append(Contender(f"70B{suffix}", lambda: _transformers_llama("70b"), run_big))
+    out = [c for c in _transformers_contenders("cuda", big=True) if c.name.endswith(", replayed")]
+    for c in out:  # ("transformers 70B FSDP2/64 no cache, replayed": "70B no cache")
+        c.name = c.name.removeprefix("transformers ").removesuffix(", replayed").replace(" FSDP2/64", "")
     tokens = torch.randint(0, MID.vocab, (1, 1024))
     out.append(Contender(YARDSTICK, lambda: fake_model(MID), lambda made: plain_fake(made, tokens)))
     return out
@@ -91,11 +70,9 @@ def main(argv: list[str] | None = None) -> int:
     warnings.filterwarnings("ignore")
     sys.path[:0] = [str(HERE), str(HERE.parent)]
     import torch
-    from replay import _replay
     from speed import _load
     from tabulate import tabulate
 
-    _replay(True)
     racing = contenders()
     for round_ in range(args.repeats + 1):  # the first round warms up
         for contender in racing:

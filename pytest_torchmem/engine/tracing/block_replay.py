@@ -84,7 +84,7 @@ from pytest_torchmem.engine.torch_private import present, private
 from pytest_torchmem.engine.tracing.autograd_eager import number_holders
 from pytest_torchmem.engine.tracing.replay_events import Layout, layout_of, standin
 from pytest_torchmem.engine.tracing.replay_state import global_hooks, own_hooks, parameter_hooks, switches
-from pytest_torchmem.engine.tracing.replay_watch import Watch, unchanged
+from pytest_torchmem.engine.tracing.replay_watch import Watch, cell_contents, unchanged
 
 __all__ = ["MIN_BLOCKS", "BlockReplay", "BlockReplayMiss"]
 
@@ -1210,8 +1210,8 @@ def _value(value: Any, depth: int = 0, within: dict[int, str] | None = None) -> 
     values by value, tensors by layout, small containers by their items; a function by its
     code, defaults and what it closes over, a bound method by its function and object, a
     partial by its parts (the per-instance closures a fine-tuning library's layers hold);
-    a module of the block (``within``: the block's modules by id) by its name in the block;
-    the rest by identity."""
+    a module of the block (``within``: the block's modules by id) by its place in the
+    block; the rest by identity."""
     kind = type(value)
     if kind in _PLAIN or isinstance(value, _PLAIN):
         return value
@@ -1229,7 +1229,7 @@ def _value(value: Any, depth: int = 0, within: dict[int, str] | None = None) -> 
     if depth <= 2 and kind in _CALLABLES:
         deeper = functools.partial(_value, depth=depth + 1, within=within)
         if kind is types.FunctionType:
-            cells = tuple(deeper(_contents(cell)) for cell in value.__closure__ or ())
+            cells = tuple(deeper(cell_contents(cell, _EMPTY)) for cell in value.__closure__ or ())
             return (kind, value.__code__, id(value.__globals__), deeper(value.__defaults__),
                     deeper(value.__kwdefaults__), cells)
         if kind is types.MethodType:
@@ -1244,14 +1244,8 @@ def _value(value: Any, depth: int = 0, within: dict[int, str] | None = None) -> 
 
 #: The callables :func:`_value` takes by their parts.
 _CALLABLES: Final = (types.FunctionType, types.MethodType, functools.partial)
+#: What a closure's cell not yet filled holds, to :func:`_value`.
 _EMPTY: Final = object()
-
-
-def _contents(cell: Any) -> Any:
-    try:
-        return cell.cell_contents
-    except ValueError:  # (a cell not yet filled)
-        return _EMPTY
 
 
 def _saving() -> Any:
@@ -1268,7 +1262,7 @@ def _saving() -> Any:
         if code is None:
             out.append((type(hook), id(hook)))
             continue
-        cells = (_contents(cell) for cell in function.__closure__ or ())
+        cells = (cell_contents(cell, _EMPTY) for cell in function.__closure__ or ())
         out.append((code, tuple(value if type(value) in _PLAIN else type(value) for value in cells)))
     return tuple(out)
 
@@ -1291,8 +1285,9 @@ def _structure(block: nn.Module, unit: bool) -> tuple[Any, ...]:
     dispatch the same ops: parameters and buffers by layout, the rest by value (``unit``:
     the block is an FSDP2 unit, whose own hooks and state are left out)."""
     out: list[Any] = []
-    within = {id(module): name for name, module in block.named_modules(remove_duplicate=False)}
-    for module in block.modules():
+    modules = list(block.modules())
+    within = {id(module): place for place, module in enumerate(modules)}  # (by place: one walk)
+    for module in modules:
         out.append(("class", type(module)))
         out.append(("class attributes", _class_attributes(type(module))))
         for name, value in module.__dict__.items():

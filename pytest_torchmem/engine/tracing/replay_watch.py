@@ -48,7 +48,7 @@ from typing import Any, Final
 from pytest_torchmem.engine.tracing.replay_state import IMMUTABLE
 from pytest_torchmem.engine.tracing.user_code import OWN_DIRS
 
-__all__ = ["Watch", "module_globals", "unchanged"]
+__all__ = ["Watch", "cell_contents", "module_globals", "unchanged"]
 
 _ATTRIBUTE_LOADS: Final = frozenset({"LOAD_ATTR", "LOAD_METHOD", "LOAD_SUPER_ATTR"})
 #: The containers whose length a global's entry keeps (a list a block appends to).
@@ -126,8 +126,9 @@ class Watch:
     """While entered, watches the user's frames (see the module): :attr:`read` is the
     first of ``names`` read (instruction by instruction, in the frames whose code loads
     one), :attr:`wrote` the first global or closure's variable a frame that ran assigns
-    (or a global container whose length changed), in words, :attr:`globals` the plain globals and containers the frames
-    that ran load, with their values as each frame began."""
+    (or a global container whose length changed), in words, :attr:`globals` the plain
+    globals and containers the frames that ran load, with their values as each frame
+    began."""
 
     def __init__(self, names: frozenset[str] = frozenset()) -> None:
         self.names = names
@@ -272,6 +273,14 @@ def module_globals(model: Any) -> tuple[tuple[dict[str, Any], str, Any], ...]:
     return tuple(found)
 
 
+def cell_contents(cell: Any, default: Any = None) -> Any:
+    """What a closure's ``cell`` holds, ``default`` where it is not yet filled."""
+    try:
+        return cell.cell_contents
+    except ValueError:
+        return default
+
+
 class _Cell:
     """A closure's variable, read as :func:`unchanged` reads a global from its scope."""
 
@@ -281,7 +290,4 @@ class _Cell:
         self.cell = cell
 
     def get(self, name: str, default: Any) -> Any:
-        try:
-            return self.cell.cell_contents
-        except ValueError:  # (not yet filled)
-            return default
+        return cell_contents(self.cell, default)
