@@ -157,6 +157,18 @@ EXHAUSTIVE: Final = (
     "tests/test_block_replay.py::test_a_pipeline_replay_that_cannot_stand_is_traced_again",
     "tests/test_block_replay.py::test_several_stages_per_rank_replay_their_blocks_to_the_same_bytes[*]",
     "tests/test_block_replay.py::test_fsdp2_units_kept_gathered_after_forward_replay[forward only]",
+    # the KV cache's replays: transformers' Llama on both devices, GPT-2 and the sliding layers on
+    # cpu, the cache kept through the backward or dropped before it (the step's default: GPT-2
+    # on cuda and measure stay), the cuda leak check and forward, the blocks doing more with
+    # their number on cpu (the cpu leak check, the own blocks and the cuda cases stay)
+    "tests/test_replay_kv_cache.py::test_transformers_decoders_filling_their_cache_replay[llama-*]",
+    "tests/test_replay_kv_cache.py::test_transformers_decoders_filling_their_cache_replay[gpt2-cpu]",
+    "tests/test_replay_kv_cache.py::test_layers_sliding_and_not_in_turn_are_traced_and_say_why",
+    "tests/test_replay_kv_cache.py::test_a_cache_held_through_the_backward_or_dropped_before_it_replays_to_the_same_bytes[output kept-*]",
+    "tests/test_replay_kv_cache.py::test_a_cache_held_through_the_backward_or_dropped_before_it_replays_to_the_same_bytes[output dropped-*]",
+    "tests/test_replay_kv_cache.py::test_a_leak_check_of_a_decoder_filling_its_cache_replays_to_the_same_growth[cuda]",
+    "tests/test_replay_kv_cache.py::test_forward_only_a_decoder_filling_its_cache_replays[cuda]",
+    "tests/test_replay_kv_cache.py::test_blocks_doing_more_with_their_number_or_cache_are_traced_and_say_why[cpu-*]",
     # an optimizer step that keeps more each step, or changes at its third, measured over
     # four iterations (test_a_late_change_of_the_optimizer_is_measured_as_it_runs: the change)
     "tests/test_replay.py::test_an_optimizer_step_that_may_differ_is_traced_and_says_why[kept]",

@@ -250,8 +250,8 @@ def test_blocks_that_differ_in_an_attribute_their_forward_never_reads_replay(mon
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
 @pytest.mark.parametrize("name", ["gpt2", "llama"])
 def test_transformers_decoder_layers_replay(name: str, device: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """transformers' numbered decoder layers, trained without a KV cache (with one, each
-    layer reads its number to keep its keys and values, and is traced)."""
+    """transformers' numbered decoder layers, trained without a KV cache (with one:
+    tests/test_replay_kv_cache.py)."""
     from torchvision_import import import_torchvision
 
     import_torchvision()  # (before transformers imports it)

@@ -82,6 +82,7 @@ from pytest_torchmem.engine.step import hook_once
 from pytest_torchmem.engine.timeline import ALLOC, ENTER, EXIT, FREE, NAMED, RESIZE, Phase, StorageInfo
 from pytest_torchmem.engine.torch_private import present, private
 from pytest_torchmem.engine.tracing.autograd_eager import number_holders
+from pytest_torchmem.engine.tracing import replay_caches
 from pytest_torchmem.engine.tracing.replay_events import Layout, layout_of, standin
 from pytest_torchmem.engine.tracing.replay_state import global_hooks, own_hooks, parameter_hooks, switches
 from pytest_torchmem.engine.tracing.replay_watch import Watch, cell_contents, unchanged
@@ -131,11 +132,17 @@ class _Forward:
     kept_inputs: tuple[int, ...]  # tensor inputs (by position) its graph saves
     trailing: tuple[tuple[int, tuple[int, ...]], ...]  # inner modules given only inputs
     leading: tuple[tuple[int, tuple[int, ...]], ...]  # inner modules returning outputs
+    #: what it left in the KV caches it was given (replay_caches.py): (the cache's position
+    #: among the call's leaves, the attribute whose value picks the cache's layer, and that
+    #: layer's attributes set: a plain value, or a Layout and requires_grad)
+    writes: tuple[tuple[int, str, tuple[tuple[str, Any], ...]], ...] = ()
+    #: the ranks of the tensors it left there that its graph saves too (freed when both let go)
+    cached_saved: frozenset[int] = frozenset()
 
     def key(self) -> tuple[Any, ...]:
         infos = tuple((i.nbytes, i.category, i.phase, i.op, i.pool) for i in self.infos)
         return (self.events, infos, self.modules, str(self.spec), self.outputs, self.saved,
-                self.kept_inputs, self.trailing, self.leading)
+                self.kept_inputs, self.trailing, self.leading, self.writes, self.cached_saved)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -297,8 +304,15 @@ class BlockReplay:
             if replayed:
                 calls = sum(group.calls for group in groups)
                 free = sorted({attribute for group in groups for attribute in group.free})
-                unread = f"; their {', '.join(free)}, never read, differ" if free else ""
-                self.lines.append(f"{name}: {replayed} of {calls} block calls replayed (forward and backward{unread})")
+                picking = sorted({n for group in groups if group.forward for _, n, _ in group.forward.writes})
+                unread = [attribute for attribute in free if attribute not in picking]
+                said = "".join(
+                    f"; their {', '.join(attributes)}, {words}, differ"
+                    for attributes, words in ((picking, "read only to pick the layer of the KV cache they fill"),
+                                         (unread, "never read"))
+                    if attributes
+                )
+                self.lines.append(f"{name}: {replayed} of {calls} block calls replayed (forward and backward{said})")
                 continue
             # (a call alone in its group, the first of a list given the model's input, says nothing)
             whys = dict.fromkeys(group.why for group in groups if group.why is not None and group.calls > 1)
@@ -324,11 +338,15 @@ class BlockReplay:
             return forward(*args, **kwargs)
         name, position, size = self._where[id(block)]
         leaves, spec = tree_flatten((args, kwargs))
+        free = self._free[id(block)]
         with _DisableTorchFunction():
             structure = _structure(block, id(block) in self._units)
+            # (the KV caches it is given: the layers its numbers pick, as they are before the call)
+            caches = [leaf for leaf in leaves if replay_caches.known(leaf)] if free else []
+            slots = tuple(replay_caches.slot_state(cache, structure[place][2]) for cache in caches for place in sorted(free))
             signature = (
-                type(block), _masked(structure, self._free[id(block)]), _arguments(leaves), str(spec),
-                (*switches(), _saving()), phase, tracker.setting_up,
+                type(block), _masked(structure, free), _arguments(leaves), str(spec),
+                (*switches(), _saving()), phase, tracker.setting_up, slots,
             )
         group = self._group(name, size, signature)
         serial = tracker.forwards
@@ -352,8 +370,8 @@ class BlockReplay:
             and self._backward_finds_no_gradients(group, block, grad)
         ):
             group.replayed += 1
-            return self._replay(group, block, leaves, grad)
-        return self._record(group, block, position, forward, args, kwargs, leaves, grad, structure)
+            return self._replay(group, block, leaves, grad, structure)
+        return self._record(group, block, position, forward, args, kwargs, leaves, grad, structure, caches)
 
     def _backward_finds_no_gradients(self, group: _Group, block: nn.Module, grad: bool) -> bool:
         """Whether the backward of a call replayed now would find its block's parameters
@@ -425,6 +443,7 @@ class BlockReplay:
         leaves: list[Any],
         grad: bool,
         structure: tuple[Any, ...],
+        caches: list[Any],
     ) -> Any:
         tracker = self.tracker
         timeline = tracker.timeline
@@ -434,7 +453,8 @@ class BlockReplay:
         observer = _Observer(self, block, inputs) if grad else None
         # (a group traced for a reason already is not watched: the trace function slows
         # every frame the call runs)
-        watched = Watch(_free_names(structure, self._free[id(block)]))
+        snapshots = [replay_caches.snapshot(cache) for cache in caches]
+        watched = Watch(_free_names(structure, self._free[id(block)]), replay_caches.update_code if caches else None)
         self._busy = True
         try:
             with watched if group.why is None else contextlib.nullcontext():
@@ -451,7 +471,13 @@ class BlockReplay:
             elif watched.wrote:
                 made, why = None, f"a block assigns or changes {watched.wrote}"
             else:
-                made, why = self._template(block, start, first, reads, output, inputs, grad, observer, (s0, s1))
+                writes = _cache_writes(watched.indexed, snapshots, leaves, structure, self._free[id(block)])
+                if isinstance(writes, str):
+                    made, why = None, writes
+                else:
+                    made, why = self._template(
+                        block, start, first, reads, output, inputs, grad, observer, (s0, s1), writes
+                    )
             unit = id(block) in self._units
             if made is not None and _masked(_structure(block, unit), self._free[id(block)]) != group.signature[1]:
                 made, why = None, "a block changed its own attributes"
@@ -488,6 +514,7 @@ class BlockReplay:
         grad: bool,
         observer: _Observer | None,
         sequence: tuple[int, int],
+        writes: tuple[tuple[int, str, tuple[tuple[str, Any], ...]], ...],
     ) -> tuple[tuple[_Forward, dict[int, int]] | None, str]:
         tracker = self.tracker
         timeline = tracker.timeline
@@ -545,11 +572,29 @@ class BlockReplay:
             return None, "a block returned more than one tensor that requires grad"
         if grad and differentiable and sum(t.requires_grad for t in inputs) != 1:
             return None, "a block's backward takes more than one input's gradient, or none"
+        # (what it left in a KV cache: the cache holds it, as it holds a replayed block's)
+        left: list[tuple[int, str, tuple[tuple[str, Any], ...]]] = []
+        cached: set[int] = set()
+        for position, name, attributes in writes:
+            values = []
+            for attribute, value in attributes:
+                if type(value) in _PLAIN:
+                    values.append((attribute, value))
+                    continue
+                if type(value) is not FakeTensor or value.layout is not _STRIDED:
+                    return None, f"a block left a {type(value).__name__} in its KV cache"
+                sid = ledger.storage_id(value)
+                if sid is None or sid not in ranks or sid in held or sid in cached:
+                    return None, "a block left a tensor in its KV cache that it did not make, or two on one storage"
+                cached.add(sid)
+                values.append((attribute, (layout_of(value, ranks[sid]), value.requires_grad)))
+            left.append((position, name, tuple(values)))
         alive = {sid for sid in ranks if ledger.holds(sid)}
-        saved = alive - held
+        saved = alive - held - cached
         if any(ledger.nbytes_now(sid) != timeline.storages[sid].nbytes for sid in alive):
             return None, "a block resized a storage it left alive"
         kept: tuple[int, ...] = ()
+        graph_cached: frozenset[int] = frozenset()
         trailing: tuple[Any, ...] = ()
         leading: tuple[Any, ...] = ()
         if saved and not (grad and differentiable):
@@ -562,6 +607,7 @@ class BlockReplay:
             if any(not _holds(ledger.holder(sid), found) for sid in saved - found):
                 return None, "a block keeps a tensor it made beyond its output and its graph"
             kept = tuple(i for i, t in enumerate(inputs) if ledger.storage_id(t) in found)
+            graph_cached = frozenset(ranks[sid] for sid in cached & found)
         if observer is not None:
             if observer.why is not None:
                 return None, observer.why
@@ -578,6 +624,8 @@ class BlockReplay:
             kept,
             trailing,
             leading,
+            tuple(left),
+            graph_cached,
         )
         return (template, ranks), ""
 
@@ -590,15 +638,21 @@ class BlockReplay:
 
     # -- replaying a block ---------------------------------------------------------------
 
-    def _replay(self, group: _Group, block: nn.Module, leaves: list[Any], grad: bool) -> Any:
+    def _replay(self, group: _Group, block: nn.Module, leaves: list[Any], grad: bool, structure: tuple[Any, ...]) -> Any:
         tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
+        template = group.forward
+        assert template is not None
+        # (the KV cache layers its numbers pick: where it leaves what the template left)
+        free = self._free[id(block)]
+        slots = [
+            (replay_caches.layer(leaves[position], _number(structure, free, name)), attributes)
+            for position, name, attributes in template.writes
+        ]
         with _DisableTorchFunction():
             if grad:
-                outputs = _Replayed.apply(self, group, block, *tensors)
+                outputs = _Replayed.apply(self, group, block, slots, *tensors)
             else:
-                outputs = self._forward(None, group, block, tensors)
-            template = group.forward
-            assert template is not None
+                outputs = self._forward(None, group, block, slots, tensors)
             out_leaves: list[Any] = []
             made = iter(outputs)
             for spec in template.outputs:
@@ -613,7 +667,9 @@ class BlockReplay:
                     hook_once(tuple(out_leaves[i] for i in outs), self.tracker.enter_module, absolute[where])
         return tree_unflatten(out_leaves, template.spec)
 
-    def _forward(self, ctx: Any, group: _Group, block: nn.Module, tensors: Sequence[torch.Tensor]) -> tuple[Any, ...]:
+    def _forward(
+        self, ctx: Any, group: _Group, block: nn.Module, slots: list[tuple[Any, Any]], tensors: Sequence[torch.Tensor]
+    ) -> tuple[Any, ...]:
         template = group.forward
         assert template is not None
         tracker = self.tracker
@@ -626,7 +682,23 @@ class BlockReplay:
                 t = standin(tracker.fake_mode, layout)
                 tracker.ledger.bind(t, sids[layout.key])
                 outputs.append(t)
+        # what it leaves in its KV cache's layer, held by the cache and (until its backward
+        # drops it where the program's graph did) by the node, as the program's are
+        cached: dict[int, torch.Tensor] = {}
+        for layer, attributes in slots:
+            for attribute, value in attributes:
+                if type(value) is tuple:
+                    layout, requires_grad = value
+                    t = standin(tracker.fake_mode, layout)
+                    tracker.ledger.bind(t, sids[layout.key])
+                    if requires_grad:
+                        t.requires_grad_(True)
+                    if layout.key in template.cached_saved:
+                        cached[layout.key] = t
+                    value = t
+                setattr(layer, attribute, value)
         if ctx is not None:
+            ctx.cached = cached
             ctx.set_materialize_grads(False)
             ctx.sids = sids
             ctx.block = block
@@ -665,8 +737,14 @@ class BlockReplay:
             absolute = self._absolute(block)
             kept: dict[int, Any] = ctx.kept
 
+            cached: dict[int, torch.Tensor] = ctx.cached
+
             def external(kind: str, rank: int, event: int) -> int | None:
                 if kind == "f":
+                    if rank in cached:
+                        # (the graph's reference dropped: freed if the cache no longer holds it)
+                        del cached[rank]
+                        return None
                     return ctx.sids[rank]  # type: ignore[no-any-return]
                 if kind == "g":
                     storage = ledger.unbind(gsid)
@@ -679,7 +757,12 @@ class BlockReplay:
             sids = _append(tracker, template.events, template.infos, template.modules, absolute, {}, external)
             kept.clear()
             ctx.tether.done()
-            out: list[Any] = [None] * (len(ctx.needs_input_grad) - 3)
+            # (what the recorded backward did not free, its KV cache held: it must still)
+            left = [ctx.sids[rank] for rank in cached]
+            cached.clear()
+            if not all(ledger.holds(sid) for sid in left):
+                raise BlockReplayMiss(f"{group.name}: a replayed block's KV cache was dropped before its backward")
+            out: list[Any] = [None] * (len(ctx.needs_input_grad) - 4)
             for position, layout in template.grads_in:
                 if layout.key < 0:  # the gradient it got, handed on (its layout checked above)
                     out[position] = got[0]
@@ -783,13 +866,15 @@ class _Replayed(torch.autograd.Function):
     """A replayed block: one autograd node, its backward the recorded one's events."""
 
     @staticmethod
-    def forward(ctx: Any, replay: BlockReplay, group: _Group, block: nn.Module, *tensors: torch.Tensor) -> Any:
+    def forward(
+        ctx: Any, replay: BlockReplay, group: _Group, block: nn.Module, slots: list[Any], *tensors: torch.Tensor
+    ) -> Any:
         ctx.replay = replay
-        return replay._forward(ctx, group, block, tensors)
+        return replay._forward(ctx, group, block, slots, tensors)
 
     @staticmethod
     def backward(ctx: Any, *grads: Any) -> Any:
-        return (None, None, None, *ctx.replay._backward(ctx, grads))
+        return (None, None, None, None, *ctx.replay._backward(ctx, grads))
 
 
 class _Tether:
@@ -833,7 +918,9 @@ class _Recorder:
         self.param_ids = {id(p) for p in self.params}
         self.forward = forward
         self.ranks = ranks
-        self.output_sids = {sid for sid, rank in ranks.items() if rank not in forward.saved}
+        self.output_sids = {
+            sid for sid, rank in ranks.items() if rank not in forward.saved and rank not in forward.cached_saved
+        }
         ledger = replay.tracker.ledger
         self.input_sids = {ledger.storage_id(t): i for i, t in enumerate(inputs)}
         self.input_sids.pop(None, None)
@@ -935,7 +1022,7 @@ class _Recorder:
                 events.append((kind, where, 0))
             else:
                 return None, "a block's backward changed the step's phase"
-        if freed_f != set(self.forward.saved):
+        if freed_f - self.forward.cached_saved != set(self.forward.saved):
             return None, "a block's backward left activations it saved alive"
         if any(ev[1][0] == "i" and ev[1][1] not in self.forward.kept_inputs for ev in events if ev[0] == FREE and type(ev[1]) is tuple):
             return None, "a block's backward freed an input its graph did not save"
@@ -1345,6 +1432,50 @@ def _free(structures: list[tuple[Any, ...]]) -> frozenset[int]:
     return frozenset(places)
 
 
+def _number(structure: tuple[Any, ...], free: frozenset[int], name: str) -> int | None:
+    """The value ``structure`` holds of the attribute ``name`` at its places ``free``, where
+    every such place holds one int (a decoder layer's ``layer_idx``, in it and its
+    attention), else None."""
+    values = {structure[place][2] for place in free if structure[place][1] == name}
+    if len(values) != 1:
+        return None
+    [value] = values
+    return value if type(value) is int else None
+
+
+def _cache_writes(
+    indexed: dict[str, int],
+    snapshots: list[replay_caches.Snapshot],
+    leaves: list[Any],
+    structure: tuple[Any, ...],
+    free: frozenset[int],
+) -> tuple[tuple[int, str, tuple[tuple[str, Any], ...]], ...] | str:
+    """What a traced call left in the KV caches it was given (``snapshots``, taken before
+    it): for each cache it handed one of its numbers (``indexed``, by the attribute's name:
+    :class:`Watch`), the attributes it set on the layer its number picks; or why it cannot
+    be replayed, in words. A cache it changed without one is one it changed otherwise."""
+    if len(indexed) > 1 or any(count != 1 for count in indexed.values()) or len(snapshots) > 1 and indexed:
+        return "a block handed its numbers to KV caches more than once"
+    out = []
+    for snapshot in snapshots:
+        name = next(iter(indexed), None)
+        found = replay_caches.written(snapshot)
+        if found is None:
+            if name is not None:
+                return "a block handed its number to its KV cache, which kept nothing"
+            continue
+        if isinstance(found, str):
+            return found
+        if name is None:
+            return "a block changed a layer of its KV cache without its number"
+        index, attributes = found
+        if _number(structure, free, name) != index:
+            return f"a block changed a layer of its KV cache other than its {name} picks"
+        position = next(i for i, leaf in enumerate(leaves) if leaf is snapshot.cache)
+        out.append((position, name, attributes))
+    return tuple(out)
+
+
 def _masked(structure: tuple[Any, ...], free: frozenset[int]) -> tuple[Any, ...]:
     if not free:
         return structure
@@ -1372,7 +1503,9 @@ def _difference(a: tuple[Any, ...], b: tuple[Any, ...]) -> str:
         return "their modules"
     if a[2] != b[2] or a[3] != b[3]:
         return "their arguments' layouts"
-    return "torch's switches or the saved-tensor hooks they run under" if a[4] != b[4] else "the step's phase"
+    if a[4] != b[4]:
+        return "torch's switches or the saved-tensor hooks they run under"
+    return "the layers of the KV cache they are given" if a[7] != b[7] else "the step's phase"
 
 
 def _arguments(leaves: list[Any]) -> tuple[Any, ...]:

@@ -10,7 +10,11 @@ or coverage's, is still called):
 
 * an attribute the blocks hold different values of (transformers' ``layer_idx``): an
   attribute load of that name on any object (``self.layer_idx``, ``getattr(self,
-  "layer_idx")``, a string constant of the name, ``__dict__``, ``vars``);
+  "layer_idx")``, a string constant of the name, ``__dict__``, ``vars``); but a load whose
+  value goes straight into a call of ``update`` on a local variable, where the function
+  called is one ``indexes`` accepts (``cache.update(k, v, self.layer_idx)``: a KV cache's,
+  which picks one of its layers by the number: replay_caches.py), is counted apart
+  (:attr:`Watch.indexed`; the frame's locals are not looked at, which would keep them);
 * a global a function that ran assigns (``global calls; calls += 1``), or a variable of an
   enclosing function it assigns (``nonlocal calls``: a closure's, which outlives the
   call): the block changes state outside itself, and the next call may not do what this
@@ -83,11 +87,12 @@ class _Code:
     """What one code object's instructions do that a watch looks at (made once)."""
 
     reads: dict[int, str]  # by offset: an attribute load or a string constant (its name), __dict__, vars
+    indexes: dict[int, int]  # by offset: an attribute load passed straight to ``<local>.update(...)``: the call's
     assigns: tuple[str, ...]  # the globals and closures' variables it assigns or deletes, in words
     loads: tuple[str, ...]  # the globals it loads
 
 
-_NOTHING: Final = _Code({}, (), ())
+_NOTHING: Final = _Code({}, {}, (), ())
 _CODES: dict[CodeType, _Code] = {}
 
 
@@ -117,23 +122,75 @@ def _code(code: CodeType) -> _Code:
                     loads[argval] = None
                     if argval == "vars":
                         reads[instruction.offset] = argval
-            found = _Code(reads, tuple(assigns), tuple(loads))
+            found = _Code(reads, _update_arguments(code), tuple(assigns), tuple(loads))
         _CODES[code] = found
+    return found
+
+
+#: Instructions that push one value (or two) and do nothing else; and those that push none.
+_PUSH_ONE: Final = frozenset({"LOAD_FAST", "LOAD_FAST_CHECK", "LOAD_FAST_BORROW", "LOAD_CONST", "LOAD_SMALL_INT",
+                              "LOAD_DEREF"})
+_PUSH_TWO: Final = frozenset({"LOAD_FAST_LOAD_FAST", "LOAD_FAST_BORROW_LOAD_FAST_BORROW"})
+_PUSH_NONE: Final = frozenset({"KW_NAMES", "PRECALL", "NOP"})
+_LOCALS: Final = frozenset({"LOAD_FAST", "LOAD_FAST_CHECK", "LOAD_FAST_BORROW"})
+
+
+def _pushes(instruction: dis.Instruction) -> int | None:
+    name = instruction.opname
+    return 1 if name in _PUSH_ONE else 2 if name in _PUSH_TWO else 0 if name in _PUSH_NONE else None
+
+
+def _update_arguments(code: CodeType) -> dict[int, int]:
+    """The attribute loads of ``code`` whose value is an argument of a call of ``update``
+    on a local variable, and nothing else (``cache.update(k, v, self.layer_idx, kwargs=kw)``:
+    between the method and the call only loads of locals and constants), by offset: the
+    call's offset."""
+    ops = list(dis.get_instructions(code))
+    found: dict[int, int] = {}
+    for i, op in enumerate(ops):
+        if op.opname != "LOAD_ATTR" or i < 3 or _pushes(ops[i - 1]) != 1:
+            continue
+        after, j = 0, i + 1
+        while j < len(ops) and (pushed := _pushes(ops[j])) is not None:
+            after, j = after + pushed, j + 1
+        if j == len(ops) or ops[j].opname not in ("CALL", "CALL_KW") or ops[j].arg is None:
+            continue
+        if ops[j].opname == "CALL_KW":
+            after -= 1  # (the keywords' names, a constant)
+        before = ops[j].arg - 1 - after  # the arguments before this one
+        if after < 0 or before < 0:
+            continue
+        k = i - 2
+        while before > 0 and k >= 0 and (pushed := _pushes(ops[k])):
+            before, k = before - pushed, k - 1
+        method = ops[k] if k >= 1 and before == 0 else None
+        if (
+            method is not None
+            and method.opname in ("LOAD_METHOD", "LOAD_ATTR")
+            and method.argval == "update"
+            and ops[k - 1].opname in _LOCALS
+        ):
+            found[op.offset] = ops[j].offset
     return found
 
 
 class Watch:
     """While entered, watches the user's frames (see the module): :attr:`read` is the
     first of ``names`` read (instruction by instruction, in the frames whose code loads
-    one), :attr:`wrote` the first global or closure's variable a frame that ran assigns
+    one), :attr:`indexed` how many reads of each of ``names`` went straight into a call of
+    ``update`` whose code ``indexes`` accepts, :attr:`wrote` the first global or closure's variable a frame that ran assigns
     (or a global container whose length changed), in words, :attr:`globals` the plain
     globals and containers the frames that ran load, with their values as each frame
     began."""
 
-    def __init__(self, names: frozenset[str] = frozenset()) -> None:
+    def __init__(self, names: frozenset[str] = frozenset(), indexes: Callable[[CodeType], bool] | None = None) -> None:
         self.names = names
         self._reads = names | {"__dict__", "vars"} if names else names
+        self._indexes = indexes
         self.read: str | None = None
+        self.indexed: dict[str, int] = {}
+        #: a read handed to ``update``, until the function called is seen: (name, the call's offset)
+        self._pending: tuple[str, int] | None = None
         self.wrote: str | None = None
         #: (the globals' dict, the name, the value read) of each plain global loaded
         self.globals: dict[tuple[int, str], tuple[dict[str, Any], str, Any]] = {}
@@ -152,7 +209,7 @@ class Watch:
         known, nothing, call = _CODES.get, _NOTHING, self._call
 
         def first(frame: FrameType, event: str, arg: Any) -> Any:
-            if known(frame.f_code) is nothing:
+            if known(frame.f_code) is nothing and self._pending is None:
                 return None
             return call(frame, event, arg)
 
@@ -170,6 +227,13 @@ class Watch:
         theirs = before(frame, event, arg) if before is not None else None
         if self._aside:
             return theirs
+        if self._pending is not None:
+            # (the function a read was handed to: a KV cache's update, or a read)
+            name, self._pending = self._pending[0], None
+            if self._indexes is not None and self._indexes(frame.f_code):
+                self.indexed[name] = self.indexed.get(name, 0) + 1
+            elif self.read is None:
+                self.read = name
         code = _code(frame.f_code)
         if code is _NOTHING:
             return theirs
@@ -201,12 +265,23 @@ class Watch:
         if self.read is not None or not watched or watched.isdisjoint(reads.values()):
             return theirs
         frame.f_trace_opcodes = True
+        sites = code.indexes if self._indexes is not None else {}
 
         def local(frame: FrameType, event: str, arg: Any) -> Any:
             nonlocal theirs
             if event == "opcode":
-                name = reads.get(frame.f_lasti)
+                offset = frame.f_lasti
+                pending = self._pending
+                if pending is not None and offset > pending[1]:
+                    # (the call ran no Python function: not a KV cache's update)
+                    self._pending = None
+                    self.read = self.read or pending[0]
+                name = reads.get(offset)
                 if name is not None and name in watched and self.read is None:
+                    call = sites.get(offset)
+                    if call is not None and name in self.names:
+                        self._pending = (name, call)
+                        return local
                     self.read = name if name in self.names else f"{name} (every attribute)"
             elif theirs is not None:
                 theirs = theirs(frame, event, arg)
