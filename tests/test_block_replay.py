@@ -14,6 +14,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from fingerprint import fingerprint
 from replay_checks import both, same_figures
 
 import pytest_torchmem as tm
@@ -851,3 +852,47 @@ def test_a_pipeline_replay_that_cannot_stand_is_traced_again(monkeypatch: pytest
     replayed, traced = both(monkeypatch, _pipelined_llama(), device="cuda", parallel=_no_reduce_dtype_pipeline(0), optimizer=_adamw)
     same_figures(replayed, traced)
     assert replayed.replayed == ("blocks traced (stages.0.layers: a block's parameters had gradients before its backward)",)
+
+
+# -- a step function's blocks -----------------------------------------------------------------
+
+
+def _one_step(model: nn.Module, batch: Any, opt: torch.optim.Optimizer) -> None:
+    model(*batch)["loss"].backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def _accumulating(model: nn.Module, batch: Any, opt: torch.optim.Optimizer) -> None:
+    # (the second micro-batch's blocks find their parameters' gradients: traced)
+    tokens, labels = batch
+    for part in range(2):
+        model(tokens[part:part + 1], labels[part:part + 1])["loss"].backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def _three_steps(model: nn.Module, batch: Any, opt: torch.optim.Optimizer) -> None:
+    for _ in range(3):
+        _one_step(model, batch, opt)
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+@pytest.mark.parametrize("step", [_one_step, _accumulating, _three_steps], ids=["one step", "accumulating", "three steps"])
+def test_a_step_functions_blocks_replay_to_the_same_bytes(step: Any, device: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The blocks of the models a step function reaches replay as the built-in step's do
+    (the engine's own hooks on them, which count module calls and refuse modules the walk
+    did not reach, are the replay's to skip). (A step function of transformers' Llama is
+    ``measure`` on cpu: tests/test_replay_kv_cache.py.)"""
+    make = _llama(8)
+    reports = []
+    for replay in ("1", "0"):
+        monkeypatch.setenv(ENV, replay)
+        model, batch = make()
+        opt = _adamw(model.parameters())
+        before = fingerprint(model, batch, opt)
+        reports.append(tm.estimate(step, (model, batch, opt), device=device))
+        assert fingerprint(model, batch, opt) == before
+    replayed, traced = reports
+    same_figures(replayed, traced)
+    assert _replayed_calls(replayed, "model.layers") > 0

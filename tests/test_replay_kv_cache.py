@@ -16,9 +16,11 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from fingerprint import fingerprint
 from replay_checks import both, same_figures
 
 import pytest_torchmem as tm
+from pytest_torchmem.engine.tracing.replay import ENV
 
 PICKS = "read only to pick the layer of the KV cache they fill"
 
@@ -251,3 +253,43 @@ def test_blocks_doing_more_with_their_number_or_cache_are_traced_and_say_why(
     replayed, traced = both(monkeypatch, _made(block, cache), device=device, optimizer=_adamw)
     same_figures(replayed, traced)
     _traced(replayed, "layers", why)
+
+
+# -- in a step function: the output, and its cache, kept through the backward or not ----------
+
+
+def _keeps_the_output(model: nn.Module, batch: dict[str, Any], opt: torch.optim.Optimizer) -> None:
+    out = model(**batch)
+    out.loss.backward()  # (the output, and its cache, alive through the backward)
+    opt.step()
+    opt.zero_grad()
+    del out
+
+
+def _drops_the_output(model: nn.Module, batch: dict[str, Any], opt: torch.optim.Optimizer) -> None:
+    loss = model(**batch).loss  # (the cache dropped before the backward)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+@pytest.mark.parametrize("step", [_keeps_the_output, _drops_the_output], ids=["keeps", "drops"])
+def test_a_step_functions_decoder_filling_its_cache_replays_to_the_same_bytes(
+    step: Any, device: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    make = _decoder("llama", True)
+    reports = []
+    for replay in ("1", "0"):
+        monkeypatch.setenv(ENV, replay)
+        model, batch = make()
+        opt = _adamw(model.parameters())
+        before = fingerprint(model, batch, opt)
+        reports.append(tm.estimate(step, (model, batch, opt), device=device))
+        assert fingerprint(model, batch, opt) == before
+    replayed, traced = reports
+    same_figures(replayed, traced)
+    _replays(replayed, "model.model.layers")
+    if device == "cpu":
+        model, batch = make()
+        assert replayed.phase_peaks() == tm.measure(step, (model, batch, _adamw(model.parameters()))).phase_peaks()

@@ -62,6 +62,10 @@ class PhaseWatch:
     ``probe``.
     """
 
+    #: Its module hooks count the depth of module calls, a pre-hook and a hook a call: a
+    #: replayed block (block_replay.py) skips its inner modules' pairs together.
+    REPLAY_NEUTRAL: Final = True
+
     def __init__(
         self,
         probe: Any,

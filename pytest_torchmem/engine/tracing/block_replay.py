@@ -84,7 +84,7 @@ from pytest_torchmem.engine.torch_private import present, private
 from pytest_torchmem.engine.tracing.autograd_eager import number_holders
 from pytest_torchmem.engine.tracing import replay_caches
 from pytest_torchmem.engine.tracing.replay_events import Layout, layout_of, standin
-from pytest_torchmem.engine.tracing.replay_state import global_hooks, own_hooks, parameter_hooks, switches
+from pytest_torchmem.engine.tracing.replay_state import global_hooks, neutral, own_hooks, parameter_hooks, switches
 from pytest_torchmem.engine.tracing.replay_watch import Watch, cell_contents, unchanged
 
 __all__ = ["MIN_BLOCKS", "BlockReplay", "BlockReplayMiss"]
@@ -1377,6 +1377,10 @@ def _structure(block: nn.Module, unit: bool) -> tuple[Any, ...]:
     for module in modules:
         out.append(("class", type(module)))
         out.append(("class attributes", _class_attributes(type(module))))
+        # (the engine's own neutral hooks, by their handles' ids: the hooks' dicts and those
+        # that say how each is called)
+        skipped = {key for hooks in (module._forward_pre_hooks, module._forward_hooks) for key, hook in hooks.items()
+                   if neutral(hook)}
         for name, value in module.__dict__.items():
             if name == "forward" and module is block:
                 continue
@@ -1386,9 +1390,12 @@ def _structure(block: nn.Module, unit: bool) -> tuple[Any, ...]:
                 continue  # (FSDP2's own, alike on every unit but for the ids: :func:`_fsdp_state`)
             if name in _HOOK_DICTS and value and isinstance(value, dict):
                 # (tensor parallel's hooks, by what they do: their handles' ids differ)
-                out.append(("hooks", name, tuple(
-                    _parallel_style_hook(hook) or (type(hook), id(hook)) for hook in value.values()
-                )))
+                hooks = tuple(
+                    _parallel_style_hook(hook) or (type(hook), id(hook)) for key, hook in value.items()
+                    if key not in skipped
+                )
+                # (none left: as an empty dict of hooks is)
+                out.append(("hooks", name, hooks) if hooks else ("attribute", name, _value(type(value)())))
             elif name in ("_parameters", "_buffers"):
                 out.append((name, tuple(
                     (key, None if t is None else (t.dtype, tuple(t.shape), tuple(t.stride()), t.requires_grad,

@@ -11,7 +11,7 @@ from torch import nn
 from pytest_torchmem.engine.step import ModuleTracker
 from pytest_torchmem.engine.torch_private import private
 
-__all__ = ["IMMUTABLE", "global_hooks", "hooked_modules", "parameter_hooks", "model_state", "own_hooks", "switches", "tensor_state", "value_state"]
+__all__ = ["IMMUTABLE", "global_hooks", "hooked_modules", "model_state", "neutral", "own_hooks", "parameter_hooks", "switches", "tensor_state", "value_state"]
 
 #: The types of the values compared by value (replay_watch.py keeps globals of these too).
 IMMUTABLE: Final = (int, float, bool, str, bytes, type(None), torch.dtype, torch.device)
@@ -38,11 +38,25 @@ def model_state(model: nn.Module) -> tuple[Any, ...]:
     return tuple(state)
 
 
+def neutral(hook: Any) -> bool:
+    """Whether ``hook`` is one of the engine's own that a replay may skip: it, or the
+    object it is bound to, says so (``REPLAY_NEUTRAL``): a step function's ``PhaseWatch``,
+    whose module pre-hooks and hooks count the depth of module calls in pairs, which a
+    replayed block's inner modules skip together; the world's watch, whose global
+    pre-hook refuses a module the walk did not reach (a traced block's were all called)."""
+    return (getattr(hook, "REPLAY_NEUTRAL", False) is True
+            or getattr(getattr(hook, "__self__", None), "REPLAY_NEUTRAL", False) is True)
+
+
 def own_hooks(module: nn.Module) -> list[Any]:
-    """The forward and backward hooks ``module`` carries of its own (not the global ones)."""
+    """The forward and backward hooks ``module`` carries of its own (not the global ones,
+    nor the engine's :func:`neutral` ones)."""
     return [
-        *module._forward_pre_hooks.values(), *module._forward_hooks.values(),
-        *module._backward_pre_hooks.values(), *module._backward_hooks.values(),
+        hook
+        for hooks in (module._forward_pre_hooks, module._forward_hooks, module._backward_pre_hooks,
+                      module._backward_hooks)
+        for hook in hooks.values()
+        if not neutral(hook)
     ]
 
 
@@ -51,7 +65,7 @@ def global_hooks() -> bool:
     (``register_module_forward_hook``, ...): the traces' own module trackers add a global
     pre-hook and a global hook each (a pipeline's ranks trace on threads of one process)."""
     return any(
-        not isinstance(getattr(hook, "__self__", None), ModuleTracker)
+        not isinstance(getattr(hook, "__self__", None), ModuleTracker) and not neutral(hook)
         for kind in ("forward_pre_hooks", "forward_hooks", "backward_hooks", "backward_pre_hooks")
         for hook in private(f"{_GLOBAL_HOOKS}_global_{kind}").values()
     )

@@ -507,7 +507,7 @@ def _trace(
     blocks = (
         BlockReplay(tracker, step_model, block_lines, parallel=parallel is not None)
         if not follow and replay_enabled() and blocks_missed is None and not warm
-        and isinstance(modules, ModuleTracker) and not isinstance(model, (StepFunction, Pipelined))
+        and isinstance(modules, ModuleTracker) and not isinstance(model, Pipelined)
         else None
     )
 

@@ -104,6 +104,9 @@ def watching(
                 f"step the real parameters; {_FIX}"
             )
 
+    # (a replayed block's inner modules are not called: each was, in the traced block it replays)
+    module_called.REPLAY_NEUTRAL = True  # type: ignore[attr-defined]
+
     with ExitStack() as stack:
         for path in (
             "torch.nn.modules.module.Module.__init__",
