@@ -21,7 +21,7 @@ import pytest_torchmem as tm
 from pytest_torchmem.engine.tracing.devices import device_model
 from pytest_torchmem.engine.tracing.devices.cuda.profiles import gpu_profile
 from pytest_torchmem.engine.tracing.trace import trace
-from pytest_torchmem.engine.units import format_bytes
+from pytest_torchmem.engine.figures.units import format_bytes
 from pytest_torchmem.exports.html_page import json_for_script, nice_ticks, render
 from pytest_torchmem.exports.html_report import Downsampler, check_view, display_path, write_report
 from pytest_torchmem.plugin.snapshots import Entry, Key

@@ -19,8 +19,8 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
-from pytest_torchmem.engine.report import Category
-from pytest_torchmem.engine.units import format_bytes, format_delta
+from pytest_torchmem.engine.figures.report import Category
+from pytest_torchmem.engine.figures.units import format_bytes, format_delta
 
 __all__ = ["COLORS", "escape", "json_for_script", "nice_ticks", "render"]
 

@@ -17,9 +17,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
-from pytest_torchmem.engine.report import ROOT_NAME, Category
-from pytest_torchmem.engine.timeline import PHASE, StorageInfo, Timeline, replay
-from pytest_torchmem.engine.units import format_bytes, format_delta
+from pytest_torchmem.engine.figures.report import ROOT_NAME, Category
+from pytest_torchmem.engine.figures.timeline import PHASE, StorageInfo, Timeline, replay
+from pytest_torchmem.engine.figures.units import format_bytes, format_delta
 from pytest_torchmem.plugin.snapshots import atomic_write
 from pytest_torchmem.plugin.judging import Result, figures_of
 from pytest_torchmem.plugin.messages import failure_message, stale_reason

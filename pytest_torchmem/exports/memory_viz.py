@@ -53,7 +53,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final, NamedTuple
 
 from pytest_torchmem import __version__
-from pytest_torchmem.engine.timeline import PHASE, Charge, Frame, Phase, Timeline, replay
+from pytest_torchmem.engine.figures.timeline import PHASE, Charge, Frame, Phase, Timeline, replay
 
 if TYPE_CHECKING:
     from pytest_torchmem.engine.tracing.devices.cuda.allocator import CachingAllocator, Segment

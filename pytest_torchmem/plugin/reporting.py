@@ -14,7 +14,7 @@ from typing import Any, Final
 
 import pytest
 
-from pytest_torchmem.engine.torch_release import release_problem
+from pytest_torchmem.engine.torch_compat.torch_release import release_problem
 from pytest_torchmem.plugin import releases
 from pytest_torchmem.plugin.fitting import fit_lines
 from pytest_torchmem.plugin.leaking import leak_lines

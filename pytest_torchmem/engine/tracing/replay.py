@@ -61,9 +61,9 @@ from typing import Any, Final
 import torch
 from torch import nn
 
-from pytest_torchmem.engine.containers import tensors_in
-from pytest_torchmem.engine.timeline import Phase
-from pytest_torchmem.engine.torch_private import private
+from pytest_torchmem.engine.user.containers import tensors_in
+from pytest_torchmem.engine.figures.timeline import Phase
+from pytest_torchmem.engine.torch_compat.torch_private import private
 from pytest_torchmem.engine.tracing.optimizer_replay import OptimizerReplay
 from pytest_torchmem.engine.tracing.replay_events import (
     Kept,

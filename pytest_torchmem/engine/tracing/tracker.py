@@ -26,12 +26,12 @@ from typing import Any, Final
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from pytest_torchmem.engine.layouts import COMPRESSED, parts
-from pytest_torchmem.engine.report import Category, Unsupported
-from pytest_torchmem.engine.timeline import ENTER as _ENTER
-from pytest_torchmem.engine.timeline import EXIT as _EXIT
-from pytest_torchmem.engine.timeline import Phase
-from pytest_torchmem.engine.torch_private import private
+from pytest_torchmem.engine.user.layouts import COMPRESSED, parts
+from pytest_torchmem.engine.figures.report import Category, Unsupported
+from pytest_torchmem.engine.figures.timeline import ENTER as _ENTER
+from pytest_torchmem.engine.figures.timeline import EXIT as _EXIT
+from pytest_torchmem.engine.figures.timeline import Phase
+from pytest_torchmem.engine.torch_compat.torch_private import private
 from pytest_torchmem.engine.tracing.autograd_eager import AutogradAsEager
 from pytest_torchmem.engine.tracing.fake_limits import (
     NEEDS_VALUES,
@@ -68,7 +68,7 @@ from pytest_torchmem.engine.tracing.sparse_calls import (
     sparse_among,
     sparse_in,
 )
-from pytest_torchmem.engine.tracing.user_code import user_location
+from pytest_torchmem.engine.user.user_code import user_location
 from pytest_torchmem.engine.tracing.values import ABSORBING, KnownValues, ValueKind
 
 __all__ = [
@@ -79,7 +79,7 @@ __all__ = [
     "fake_tensor_limit",
 ]
 
-# torch's private names (engine/torch_private.py), bound once: the dispatch reads them per op.
+# torch's private names (engine/torch_compat/torch_private.py), bound once: the dispatch reads them per op.
 _DisableTorchFunction: Final = private("torch._C.DisableTorchFunction")
 _set_eval_frame: Final = private("torch._C._dynamo.eval_frame.set_eval_frame")
 _len_torch_dispatch_stack: Final = private("torch._C._len_torch_dispatch_stack")
@@ -277,7 +277,7 @@ class Tracker(TorchDispatchMode):
         it is freed, from 0 it is a new block."""
         self.ledger.storage_resized(t)
 
-    # -- the step's progress (the Probe protocol of pytest_torchmem.engine.step) ----
+    # -- the step's progress (the Probe protocol of pytest_torchmem.engine.step.built_in) ----
 
     def new_forward(self) -> None:
         """A forward of its own begins within the phase (a pipeline stage's micro-batch: its

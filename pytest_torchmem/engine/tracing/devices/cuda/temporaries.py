@@ -64,8 +64,8 @@ from typing import Any, Final
 
 import torch
 
-from pytest_torchmem.engine.gpu_profiles import DEFAULT_GPU, PROFILES
-from pytest_torchmem.engine.torch_private import private
+from pytest_torchmem.engine.figures.gpu_profiles import DEFAULT_GPU, PROFILES
+from pytest_torchmem.engine.torch_compat.torch_private import private
 from pytest_torchmem.engine.tracing.devices.cuda.base import CUDA
 from pytest_torchmem.engine.tracing.devices.memo import BoundedMemo
 from pytest_torchmem.engine.tracing.devices.tensor_iterator import (
@@ -103,7 +103,7 @@ __all__ = [
     "reduction_steps",
 ]
 
-# torch's private names (engine/torch_private.py)
+# torch's private names (engine/torch_compat/torch_private.py)
 make_contiguous_strides_for: Final = private("torch._prims_common.make_contiguous_strides_for")
 
 aten = torch.ops.aten
