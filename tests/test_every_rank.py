@@ -38,7 +38,7 @@ from torch import nn
 import pytest_torchmem as tm
 from pytest_torchmem.engine import every_rank as every_rank_module
 from pytest_torchmem.engine.parallel import real_ranks as distributed, traced_beside
-from pytest_torchmem.engine.every_rank import worst_first
+from pytest_torchmem.engine.figures.report import worst_first
 from pytest_torchmem.engine.figures.gpu_profiles import CUDA_CONTEXT, gpu_profile
 
 pytestmark = pytest.mark.skipif(

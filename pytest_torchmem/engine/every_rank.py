@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Final, NamedTuple
 
-from pytest_torchmem.engine.figures.report import MemoryReport
+from pytest_torchmem.engine.figures.report import MemoryReport, worst_first
 from pytest_torchmem.engine.figures.units import format_bytes
 
 if TYPE_CHECKING:
@@ -42,7 +42,7 @@ if TYPE_CHECKING:
     from pytest_torchmem.engine.step.request import StepRequest
     from pytest_torchmem.engine.tracing.trace import Trace
 
-__all__ = ["MAX_TRACED_RANKS", "RankFigures", "TracedRank", "distinct_ranks", "request_ranks", "traced_rank", "worst_first"]
+__all__ = ["MAX_TRACED_RANKS", "RankFigures", "TracedRank", "distinct_ranks", "request_ranks", "traced_rank"]
 
 #: At most this many ranks are traced (a pipeline's stages each count): past it, a mesh
 #: whose dimensions all differ end to end is refused rather than traced for minutes.
@@ -112,13 +112,6 @@ def _ranks_text(ranks: Sequence[int]) -> str:
     return f"{len(ranks)} ranks: {shown}{', ...' if len(ranks) > 8 else ''}"
 
 
-def worst_first(report: MemoryReport) -> tuple[int, int]:
-    """The order of ranks, worst first (as a sort key, ascending): the highest reserved
-    peak (what runs out of a GPU; on cpu there is none), then the highest peak."""
-    reserved = report.reserved_peak if report.reserved_peak is not None else report.peak
-    return (-reserved, -report.peak)
-
-
 def _figures(report: MemoryReport) -> tuple[Any, ...]:
     """What makes two ranks' figures one: every phase's peak, the reserved peak and the
     breakdown at the peak."""
@@ -137,7 +130,7 @@ def distinct_ranks(
     usable: int | None = None,
     beside: bool = False,
 ) -> tuple[RankFigures, ...]:
-    """The distinct ranks of ``parallel``'s mesh, worst first (:func:`worst_first`; equal
+    """The distinct ranks of ``parallel``'s mesh, worst first (:func:`~pytest_torchmem.engine.figures.report.worst_first`; equal
     ones by rank). ``traced(ranks)`` traces each of ``ranks`` (and may trace more: a
     pipeline's other stages); with ``beside``, the far corner's in a forked child
     (:mod:`~pytest_torchmem.engine.parallel.traced_beside`) while this process traces rank 0's."""

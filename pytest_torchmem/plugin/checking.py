@@ -425,14 +425,14 @@ class CheckRunner:
     def _export(self, result: Result, traced: Trace) -> None:
         """Keep what ``--torchmem-timeline`` and ``--torchmem-html`` ask for of one check."""
         if self._settings.timeline_dir is not None:
-            from pytest_torchmem.exports.memory_viz import write_timeline
+            from pytest_torchmem.plugin.exports.memory_viz import write_timeline
 
             try:
                 write_timeline(self._settings.timeline_dir, result, traced)
             except OSError as exc:
                 self._log.errors.append(f"torchmem: could not write a timeline: {exc}")
         if self._settings.html_path is not None:
-            from pytest_torchmem.exports.html_report import check_view
+            from pytest_torchmem.plugin.exports.html_report import check_view
 
             self._record.views.append(check_view(result, traced, root=self._config.invocation_params.dir))
 

@@ -9,7 +9,7 @@ from enum import Enum
 from types import MappingProxyType
 from typing import Any, Final
 
-__all__ = ["Category", "ModulePeak", "StepPeaks", "Unsupported", "MemoryReport", "SCHEMA_VERSION"]
+__all__ = ["Category", "ModulePeak", "StepPeaks", "Unsupported", "MemoryReport", "SCHEMA_VERSION", "worst_first"]
 
 #: Version of the report's JSON form; bumped on any incompatible change. Schema 2: a
 #: training step's figures are its loop's, the first step beside them (``first_step``);
@@ -257,3 +257,10 @@ class MemoryReport:
     @classmethod
     def from_json(cls, text: str) -> MemoryReport:
         return cls.from_dict(json.loads(text))
+
+
+def worst_first(report: MemoryReport) -> tuple[int, int]:
+    """The order of ranks, worst first (as a sort key, ascending): the highest reserved
+    peak (what runs out of a GPU; on cpu there is none), then the highest peak."""
+    reserved = report.reserved_peak if report.reserved_peak is not None else report.peak
+    return (-reserved, -report.peak)

@@ -30,7 +30,7 @@ from pytest_torchmem.engine.user.model_state import Converted, HookError, StandI
 from pytest_torchmem.engine.parallel.real_ranks import FreedOnThisThread, collectives_completed_here
 from pytest_torchmem.engine.step.nesting import one_step
 from pytest_torchmem.engine.parallel.mesh import applied, entered_per_iteration, local_tensors, model_copy
-from pytest_torchmem.engine.figures.report import Category, MemoryReport, StepPeaks, Unsupported
+from pytest_torchmem.engine.figures.report import Category, MemoryReport, StepPeaks, Unsupported, worst_first
 from pytest_torchmem.engine.step.step_function import StepFunction
 from pytest_torchmem.engine.step.built_in import ModuleTracker, NoModules, QuietProbe, run_step
 from pytest_torchmem.engine.measuring.profiler_events import MarkingProbe, read_events
@@ -497,7 +497,7 @@ def _measure_ranks(request: StepRequest) -> MemoryReport:
     :mod:`~pytest_torchmem.engine.parallel.real_ranks` for where they are spawned
     instead), meet through a file store, and each measures its own step as
     ``measure`` does; the report is the asked rank's (``"max"``: the worst,
-    :func:`~pytest_torchmem.engine.every_rank.worst_first`).
+    :func:`~pytest_torchmem.engine.figures.report.worst_first`).
     """
     from pytest_torchmem.engine.parallel.real_ranks import run_ranks
 
@@ -511,8 +511,6 @@ def _measure_ranks(request: StepRequest) -> MemoryReport:
     reports = run_ranks(parallel, functools.partial(_rank_report, request))
     parsed = [MemoryReport.from_json(text) for text in reports]
     if parallel.rank == "max":
-        from pytest_torchmem.engine.every_rank import worst_first
-
         return min(parsed, key=worst_first)
     return parsed[int(parallel.rank)]
 

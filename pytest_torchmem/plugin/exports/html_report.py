@@ -3,7 +3,7 @@
 :func:`check_view` reduces the trace of one check on one device to a small
 JSON-ready dict (pytest-xdist workers send these to the controller);
 :func:`write_report` turns the views of a run into one self-contained page
-(:mod:`pytest_torchmem.exports.html_page`) and writes it atomically.
+(:mod:`pytest_torchmem.plugin.exports.html_page`) and writes it atomically.
 
 This module does not import torch: the controller of an xdist run writes the
 page without tracing anything.
@@ -475,7 +475,7 @@ def write_report(
 ) -> None:
     """Write the page of ``views`` to ``path``: a temporary file beside it, then a rename,
     so that a reader never sees half a page. ``environment`` is shown in the header."""
-    from pytest_torchmem.exports.html_page import render
+    from pytest_torchmem.plugin.exports.html_page import render
 
     text = render(order(views), environment)
     # The snapshot files' writer: temporary file in the same folder, fsync, rename.

@@ -1,4 +1,4 @@
-"""The HTML report's page: views of checks (:func:`~pytest_torchmem.exports.html_report.check_view`)
+"""The HTML report's page: views of checks (:func:`~pytest_torchmem.plugin.exports.html_report.check_view`)
 become one self-contained HTML document.
 
 Everything is inline: the CSS, the charts (SVG drawn here, readable without
