@@ -79,7 +79,7 @@ import torch
 
 from pytest_torchmem.engine.torch_compat.torch_private import private
 from pytest_torchmem.engine.tracing.devices.cuda.base import CUDA
-from pytest_torchmem.engine.tracing.devices.cuda.temporaries import reduction_steps
+from pytest_torchmem.engine.tracing.devices.cuda.reduce_launch import reduction_steps
 from pytest_torchmem.engine.tracing.devices.memo import BoundedMemo
 from pytest_torchmem.engine.tracing.devices.tensor_iterator import non_overlapping_and_dense
 from pytest_torchmem.engine.tracing.rules import (
