@@ -90,6 +90,7 @@ def test_the_finder_sees_a_cycle() -> None:
 #: layer, between the engine and the pytest surface.
 LAYERS: tuple[str, ...] = (
     # The engine, by job.
+    "pytest_torchmem.engine",  # its module map and its modules' old names: it imports none
     "pytest_torchmem.engine.figures",  # the report, timelines, units, GPU profiles: no torch
     "pytest_torchmem.engine.torch_compat",  # torch releases, private names, replacing them
     "pytest_torchmem.engine.user",  # the user's world, model state, containers, the loss
@@ -101,7 +102,6 @@ LAYERS: tuple[str, ...] = (
     "pytest_torchmem.engine.api",  # estimate, measure, every_rank
     "pytest_torchmem.engine.leaks",
     "pytest_torchmem.engine.fit",  # fit, rank_gpus, advise
-    "pytest_torchmem.engine",  # its module map
     # The public names, the pytest surface, the command line.
     "pytest_torchmem",
     "pytest_torchmem.plugin",

@@ -9,4 +9,13 @@ runs gloo processes on this machine, as ``measure(parallel=...)`` does. :mod:`.t
 keeps the engine's own threads, which a fork waits for.
 """
 
+from typing import Any
+
+from pytest_torchmem.engine import moved_attribute
+
 __all__: list[str] = []
+
+
+def __getattr__(name: str) -> Any:
+    """The names of ``engine/parallel.py`` (release 0.1.0), now :mod:`.mesh`'s, until the next release."""
+    return moved_attribute(__name__, "mesh", name)
