@@ -18,7 +18,7 @@ buffers (``mkl_serv_free_buffers``, which takes the same locks: it waits for a
 thread of anyone's that holds one). Another thread can still take such a lock
 in the moment before the fork; ``measure(parallel=...)`` therefore has each
 forked rank multiply two matrices before it joins the group, and forks the
-ranks again where one never gets that far (``distributed.py``).
+ranks again where one never gets that far (``real_ranks.py``).
 """
 
 from __future__ import annotations

@@ -373,7 +373,7 @@ PRIVATE: Final = table(
     # -- parallel (DDP, FSDP2, DTensor) -----------------------------------------------
     Private(
         "torch.testing._internal.distributed.fake_pg.FakeStore",
-        "the store of the fake process group the estimate's ranks join (parallel.py)",
+        "the store of the fake process group the estimate's ranks join (parallel/mesh.py)",
     ),
     Private(
         "torch.nn.parallel.distributed._verify_param_shape_across_processes",
@@ -507,12 +507,12 @@ PRIVATE: Final = table(
     ),
     Private(
         "torch.distributed.pipelining.schedules._PipelineSchedule",
-        "the base of every pipelining schedule: what Parallel(schedule=...) accepts (pipeline.py)",
+        "the base of every pipelining schedule: what Parallel(schedule=...) accepts (parallel/pipeline.py)",
     ),
     Private(
         "torch.distributed.pipelining.stage._PipelineStageBase",
         "the base of every pipeline stage: what apply returns under Parallel(schedule=...) "
-        "(pipeline.py)",
+        "(parallel/pipeline.py)",
     ),
     Private(
         "torch.distributed.device_mesh.DeviceMesh",
@@ -646,7 +646,7 @@ PRIVATE: Final = table(
         Private(
             f"torch.{owner}.{method}",
             "the modules and optimizers a step function makes (constructed or copied) are its "
-            "own; any other it calls that its walk did not reach is refused (world/watching.py): "
+            "own; any other it calls that its walk did not reach is refused (user/watching.py): "
             "public, wrapped while a step function runs, always calling the original",
             replaced=True,
         )
@@ -675,7 +675,7 @@ PRIVATE: Final = table(
         "optimizer states and float8 tensors)",
     ),
     # -- core: the tracer, the trace, the step, measure (tracker.py, trace.py, values.py,
-    # -- rules.py, rng_states.py, routing.py, step.py, containers.py, request.py, measuring.py)
+    # -- rules.py, rng_states.py, routing.py, step/built_in.py, user/containers.py, step/request.py, measuring/runs.py)
     Private(
         "torch._subclasses.fake_tensor.FakeTensor",
         "the fake tensors every traced value is (isinstance checks, stand-ins made "
@@ -846,7 +846,7 @@ PRIVATE: Final = table(
     ),
     Private(
         "torch.nn.Module._compiled_call_impl",
-        "what module.compile() sets: a model holding compiled modules (request.py)",
+        "what module.compile() sets: a model holding compiled modules (step/request.py)",
     ),
     Private(
         "torch._ops.OpOverload",
@@ -858,15 +858,15 @@ PRIVATE: Final = table(
     ),
     Private(
         "torch.utils._pytree.tree_flatten",
-        "one level of a container the user passes (containers.py)",
+        "one level of a container the user passes (user/containers.py)",
     ),
     Private(
         "torch.utils._pytree.tree_unflatten",
-        "a container the user passes, rebuilt with stand-ins (containers.py)",
+        "a container the user passes, rebuilt with stand-ins (user/containers.py)",
     ),
     Private(
         "torch.utils._pytree.tree_leaves",
-        "the tensors of a module's arguments and output (step.py's module hooks)",
+        "the tensors of a module's arguments and output (step/built_in.py's module hooks)",
     ),
     Private(
         "torch.utils.checkpoint._recomputation_hook",
