@@ -15,15 +15,9 @@ from importlib import import_module
 from typing import TYPE_CHECKING, Any, Final
 
 if TYPE_CHECKING:
-    from pytest_torchmem.engine.fit.advice import Advice, Suggestion, advise
     from pytest_torchmem.engine.api import estimate, every_rank, measure
     from pytest_torchmem.engine.every_rank import RankFigures
-    from pytest_torchmem.engine.fit.search import Fit, GpuRoom, Probe, fit, rank_gpus
     from pytest_torchmem.engine.figures.gpu_profiles import GpuProfile
-    from pytest_torchmem.engine.leaks.check import leaks
-    from pytest_torchmem.engine.leaks.report import LeakReport, LeakSource
-    from pytest_torchmem.engine.parallel.mesh import Parallel
-    from pytest_torchmem.engine.step.phases import phase
     from pytest_torchmem.engine.figures.report import (
         Category,
         MemoryReport,
@@ -32,9 +26,15 @@ if TYPE_CHECKING:
         Unsupported,
     )
     from pytest_torchmem.engine.figures.stopped import TraceStopped
+    from pytest_torchmem.engine.figures.units import format_bytes, parse_bytes
+    from pytest_torchmem.engine.fit.advice import Advice, Suggestion, advise
+    from pytest_torchmem.engine.fit.search import Fit, GpuRoom, Probe, fit, rank_gpus
+    from pytest_torchmem.engine.leaks.check import leaks
+    from pytest_torchmem.engine.leaks.report import LeakReport, LeakSource
+    from pytest_torchmem.engine.parallel.mesh import Parallel
+    from pytest_torchmem.engine.step.phases import phase
     from pytest_torchmem.engine.torch_compat.torch_release import TorchReleaseError
     from pytest_torchmem.engine.tracing.devices.cpu.profiles import CpuProfile
-    from pytest_torchmem.engine.figures.units import format_bytes, parse_bytes
     from pytest_torchmem.engine.user import UnfollowedError
 
 __all__ = [
