@@ -105,3 +105,20 @@ def test_every_old_name_leads_to_a_module_there_is() -> None:
     for old, new in MOVED.items():
         assert importlib.util.find_spec(new) is not None, (old, new)
         assert new.startswith("pytest_torchmem.engine."), new
+
+
+def test_a_rooms_own_module_is_imported_alone() -> None:
+    """``from pytest_torchmem.engine.parallel import threads`` imports threads, not the module
+    whose names the room gives (``mesh``, with torch's distributed package behind it)."""
+    run_python(
+        """
+        import sys
+        import warnings
+
+        warnings.simplefilter("error")
+        from pytest_torchmem.engine.parallel import threads
+
+        assert threads.__name__ == "pytest_torchmem.engine.parallel.threads"
+        assert "pytest_torchmem.engine.parallel.mesh" not in sys.modules
+        """
+    )

@@ -35,6 +35,7 @@ from __future__ import annotations
 import importlib
 import importlib.abc
 import importlib.machinery
+import importlib.util
 import sys
 import warnings
 from types import MappingProxyType, ModuleType
@@ -125,8 +126,9 @@ def __getattr__(name: str) -> Any:
 
 def moved_attribute(package: str, module: str, name: str) -> Any:
     """``name`` of ``package.module``, looked up on ``package`` (whose name the module had
-    until release 0.1.0), with a DeprecationWarning; an AttributeError for any other name."""
-    if name.startswith("__"):
+    until release 0.1.0), with a DeprecationWarning; an AttributeError for any other name,
+    a submodule's first (the import system then imports it, and nothing more)."""
+    if name.startswith("__") or importlib.util.find_spec(f"{package}.{name}") is not None:
         raise AttributeError(f"module {package!r} has no attribute {name!r}")
     moved = importlib.import_module(f"{package}.{module}")
     if name not in getattr(moved, "__all__", ()):
