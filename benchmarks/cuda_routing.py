@@ -235,7 +235,7 @@ def _tensors(value: Any) -> Iterator[torch.Tensor]:
 def _logging_tracker_class() -> type:
     """A :class:`Tracker` that also logs each op it dispatches (made lazily: the
     import is the project's)."""
-    from pytest_torchmem.engine.report import Category
+    from pytest_torchmem.engine.figures.report import Category
     from pytest_torchmem.engine.tracing import tracker as tracker_module
 
     prim_device = torch.ops.prim.device.default
@@ -343,8 +343,8 @@ def _metrics(tracker: Any, allocator: Any) -> dict[str, dict[str, int]]:
     """Per phase: bytes allocated by ops (``allocated``; ``workspace`` of them by the
     CUDA rules' workspaces), live bytes at its start, its peak (storage bytes) and
     its peak through the caching-allocator model (block bytes)."""
-    from pytest_torchmem.engine.report import Category
-    from pytest_torchmem.engine.timeline import ALLOC, FREE, PHASE, RESIZE, analyze
+    from pytest_torchmem.engine.figures.report import Category
+    from pytest_torchmem.engine.figures.timeline import ALLOC, FREE, PHASE, RESIZE, analyze
 
     timeline = tracker.timeline
     size = {sid: timeline.storages[sid].nbytes for sid in tracker.baseline}
@@ -403,8 +403,8 @@ def _phase_status(options: dict[str, Any], failure: dict[str, Any] | None, abort
 
 def trace_case(case: Any, device: Any, *, gpu: str | None = None) -> dict[str, Any]:
     """One step of ``case`` through the project's tracer on ``device`` (a DeviceModel), logged."""
-    from pytest_torchmem.engine.request import step_request
-    from pytest_torchmem.engine.stopped import TraceStopped
+    from pytest_torchmem.engine.step.request import step_request
+    from pytest_torchmem.engine.figures.stopped import TraceStopped
     from pytest_torchmem.engine.tracing.devices.cuda import caching_allocator
     from pytest_torchmem.engine.tracing.devices.cuda.profiles import gpu_profile
     from pytest_torchmem.engine.tracing.rules import TraceContext
@@ -496,7 +496,7 @@ def _unsupported(entry: Any) -> str:
 
 def _last_phase(tracker: Any) -> Any:
     """The phase the step was in when it stopped: the last phase event before the end."""
-    from pytest_torchmem.engine.timeline import PHASE, Phase
+    from pytest_torchmem.engine.figures.timeline import PHASE, Phase
 
     phases = [a for kind, a, _ in tracker.timeline.events if kind == PHASE and a >= 0]
     return Phase(phases[-1]) if phases else None
@@ -524,9 +524,9 @@ def step_probe(case: Any, device: Any, prepare: Callable[[Any, Any], None] | Non
     ``optimizer.step()`` and ``zero_grad(set_to_none=True)``, logged."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from pytest_torchmem.engine.model_state import collect, convert, substituted
-    from pytest_torchmem.engine.report import Category
-    from pytest_torchmem.engine.timeline import Phase
+    from pytest_torchmem.engine.user.model_state import collect, convert, substituted
+    from pytest_torchmem.engine.figures.report import Category
+    from pytest_torchmem.engine.figures.timeline import Phase
     from pytest_torchmem.engine.tracing.devices.cuda import caching_allocator
     from pytest_torchmem.engine.tracing.devices.cuda.profiles import gpu_profile
     from pytest_torchmem.engine.tracing.rules import TraceContext

@@ -21,8 +21,8 @@ from typing import Any
 import torch
 
 import pytest_torchmem as tm
-from pytest_torchmem.engine import measuring, profiler_events
-from pytest_torchmem.engine.request import step_request
+from pytest_torchmem.engine.measuring import profiler_events, runs as measuring
+from pytest_torchmem.engine.step.request import step_request
 from pytest_torchmem.engine.tracing import tracker as tracker_module
 
 

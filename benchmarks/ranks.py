@@ -180,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
         ["every rank", f"{every_wall:.1f}", f"{every_cpu:.1f}", f"{every_wall / one_wall:.2f}", tm.format_bytes(every[0].report.peak)]
     )
     if args.alone:
-        from pytest_torchmem.engine.traced_beside import ENV as BESIDE
+        from pytest_torchmem.engine.parallel.traced_beside import ENV as BESIDE
 
         os.environ[BESIDE] = "0"
         try:

@@ -15,27 +15,27 @@ from importlib import import_module
 from typing import TYPE_CHECKING, Any, Final
 
 if TYPE_CHECKING:
-    from pytest_torchmem.engine.advice import Advice, Suggestion, advise
     from pytest_torchmem.engine.api import estimate, every_rank, measure
-    from pytest_torchmem.engine.distinct_ranks import RankFigures
-    from pytest_torchmem.engine.fitting import Fit, GpuRoom, Probe, fit, rank_gpus
-    from pytest_torchmem.engine.gpu_profiles import GpuProfile
-    from pytest_torchmem.engine.leaks.check import leaks
-    from pytest_torchmem.engine.leaks.report import LeakReport, LeakSource
-    from pytest_torchmem.engine.parallel import Parallel
-    from pytest_torchmem.engine.phases import phase
-    from pytest_torchmem.engine.report import (
+    from pytest_torchmem.engine.every_rank import RankFigures
+    from pytest_torchmem.engine.figures.gpu_profiles import GpuProfile
+    from pytest_torchmem.engine.figures.report import (
         Category,
         MemoryReport,
         ModulePeak,
         StepPeaks,
         Unsupported,
     )
-    from pytest_torchmem.engine.stopped import TraceStopped
-    from pytest_torchmem.engine.torch_release import TorchReleaseError
+    from pytest_torchmem.engine.figures.stopped import TraceStopped
+    from pytest_torchmem.engine.figures.units import format_bytes, parse_bytes
+    from pytest_torchmem.engine.fit.advice import Advice, Suggestion, advise
+    from pytest_torchmem.engine.fit.search import Fit, GpuRoom, Probe, fit, rank_gpus
+    from pytest_torchmem.engine.leaks.check import leaks
+    from pytest_torchmem.engine.leaks.report import LeakReport, LeakSource
+    from pytest_torchmem.engine.parallel.mesh import Parallel
+    from pytest_torchmem.engine.step.phases import phase
+    from pytest_torchmem.engine.torch_compat.torch_release import TorchReleaseError
     from pytest_torchmem.engine.tracing.devices.cpu.profiles import CpuProfile
-    from pytest_torchmem.engine.units import format_bytes, parse_bytes
-    from pytest_torchmem.engine.world import UnfollowedError
+    from pytest_torchmem.engine.user import UnfollowedError
 
 __all__ = [
     "estimate",
@@ -78,30 +78,30 @@ _LAZY: Final = {
     "leaks": "pytest_torchmem.engine.leaks.check",
     "LeakReport": "pytest_torchmem.engine.leaks.report",
     "LeakSource": "pytest_torchmem.engine.leaks.report",
-    "fit": "pytest_torchmem.engine.fitting",
-    "rank_gpus": "pytest_torchmem.engine.fitting",
-    "Fit": "pytest_torchmem.engine.fitting",
-    "GpuRoom": "pytest_torchmem.engine.fitting",
-    "Probe": "pytest_torchmem.engine.fitting",
-    "advise": "pytest_torchmem.engine.advice",
-    "Advice": "pytest_torchmem.engine.advice",
-    "Suggestion": "pytest_torchmem.engine.advice",
-    "MemoryReport": "pytest_torchmem.engine.report",
-    "Parallel": "pytest_torchmem.engine.parallel",
+    "fit": "pytest_torchmem.engine.fit.search",
+    "rank_gpus": "pytest_torchmem.engine.fit.search",
+    "Fit": "pytest_torchmem.engine.fit.search",
+    "GpuRoom": "pytest_torchmem.engine.fit.search",
+    "Probe": "pytest_torchmem.engine.fit.search",
+    "advise": "pytest_torchmem.engine.fit.advice",
+    "Advice": "pytest_torchmem.engine.fit.advice",
+    "Suggestion": "pytest_torchmem.engine.fit.advice",
+    "MemoryReport": "pytest_torchmem.engine.figures.report",
+    "Parallel": "pytest_torchmem.engine.parallel.mesh",
     "every_rank": "pytest_torchmem.engine.api",
-    "RankFigures": "pytest_torchmem.engine.distinct_ranks",
-    "phase": "pytest_torchmem.engine.phases",
-    "Category": "pytest_torchmem.engine.report",
-    "ModulePeak": "pytest_torchmem.engine.report",
-    "StepPeaks": "pytest_torchmem.engine.report",
-    "Unsupported": "pytest_torchmem.engine.report",
-    "UnfollowedError": "pytest_torchmem.engine.world",
-    "TraceStopped": "pytest_torchmem.engine.stopped",
+    "RankFigures": "pytest_torchmem.engine.every_rank",
+    "phase": "pytest_torchmem.engine.step.phases",
+    "Category": "pytest_torchmem.engine.figures.report",
+    "ModulePeak": "pytest_torchmem.engine.figures.report",
+    "StepPeaks": "pytest_torchmem.engine.figures.report",
+    "Unsupported": "pytest_torchmem.engine.figures.report",
+    "UnfollowedError": "pytest_torchmem.engine.user",
+    "TraceStopped": "pytest_torchmem.engine.figures.stopped",
     "CpuProfile": "pytest_torchmem.engine.tracing.devices.cpu.profiles",
-    "GpuProfile": "pytest_torchmem.engine.gpu_profiles",
-    "TorchReleaseError": "pytest_torchmem.engine.torch_release",
-    "parse_bytes": "pytest_torchmem.engine.units",
-    "format_bytes": "pytest_torchmem.engine.units",
+    "GpuProfile": "pytest_torchmem.engine.figures.gpu_profiles",
+    "TorchReleaseError": "pytest_torchmem.engine.torch_compat.torch_release",
+    "parse_bytes": "pytest_torchmem.engine.figures.units",
+    "format_bytes": "pytest_torchmem.engine.figures.units",
 }
 
 

@@ -51,7 +51,7 @@ def _settle_autograd_threads() -> None:
     build a backward under a fake mode starts autograd's device threads, after which
     measure(parallel=...) must spawn its ranks (pickling the test's local functions)
     instead of forking them; which test ran first would decide it."""
-    from pytest_torchmem.engine.distributed import settle_autograd_threads
+    from pytest_torchmem.engine.parallel.real_ranks import settle_autograd_threads
 
     settle_autograd_threads()
 

@@ -16,7 +16,7 @@ from profiled import every_peak
 import pytest_torchmem as tm
 from pytest_torchmem.engine.tracing.devices.cpu import CPU
 from pytest_torchmem.engine.tracing.devices.cpu.base import NATIVE_INSTRUCTIONS
-from pytest_torchmem.engine.torch_release import torch_minor
+from pytest_torchmem.engine.torch_compat.torch_release import torch_minor
 from pytest_torchmem.engine.tracing.rules import Alloc, OpCall, RuleSet
 
 

@@ -103,7 +103,7 @@ def test_checkpointing_charges_each_regions_rng_stash(reentrant: bool) -> None:
 def test_the_loops_figures_are_its_steady_state(case: Case, monkeypatch: pytest.MonkeyPatch) -> None:
     """A real loop's third step repeats its second: ``measure`` run for three steps (its
     figures then the third's) equals the estimate's loop, the first step's included."""
-    from pytest_torchmem.engine import step
+    from pytest_torchmem.engine.step import built_in as step
 
     model, inputs = case.make()
     estimated = tm.estimate(model, inputs, **case.options)

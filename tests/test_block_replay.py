@@ -18,7 +18,7 @@ from fingerprint import fingerprint
 from replay_checks import both, same_figures
 
 import pytest_torchmem as tm
-from pytest_torchmem.engine.torch_private import present
+from pytest_torchmem.engine.torch_compat.torch_private import present
 from pytest_torchmem.engine.tracing.replay import ENV
 
 
@@ -500,8 +500,8 @@ def test_a_replayed_storage_is_the_recorded_one_in_another_module() -> None:
     written field by field, for speed) but the module."""
     import dataclasses
 
-    from pytest_torchmem.engine.report import Category
-    from pytest_torchmem.engine.timeline import Frame, Phase, StorageInfo
+    from pytest_torchmem.engine.figures.report import Category
+    from pytest_torchmem.engine.figures.timeline import Frame, Phase, StorageInfo
     from pytest_torchmem.engine.tracing.block_replay import _moved
 
     values = dict(nbytes=512, category=Category.WORKSPACE, phase=Phase.BACKWARD, module=3, op="aten::mm",
@@ -732,7 +732,7 @@ def _pipelined_llama() -> Any:
 
 
 def _pipelines_followed() -> bool:
-    from pytest_torchmem.engine.torch_release import PIPELINING, torch_minor
+    from pytest_torchmem.engine.torch_compat.torch_release import PIPELINING, torch_minor
 
     return PIPELINING[0] <= torch_minor() <= PIPELINING[1]
 

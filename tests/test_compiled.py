@@ -71,9 +71,9 @@ def test_a_compiled_function_on_cuda_is_listed_as_traced_eagerly() -> None:
 def test_the_private_names_of_compiled_models_are_where_the_table_says() -> None:
     """Each private dynamo and inductor name of compiled models is present in exactly the
     releases its entry names (since/until): following is blocked nowhere it need not be."""
-    from pytest_torchmem.engine.torch_private import present
-    from pytest_torchmem.engine.torch_private_compiled import COMPILED_ENTRIES
-    from pytest_torchmem.engine.torch_release import installed_release
+    from pytest_torchmem.engine.torch_compat.torch_private import present
+    from pytest_torchmem.engine.torch_compat.torch_private_compiled import COMPILED_ENTRIES
+    from pytest_torchmem.engine.torch_compat.torch_release import installed_release
 
     release = installed_release()[:2]
     assert {e.path: present(e.path) for e in COMPILED_ENTRIES} == {
@@ -501,7 +501,7 @@ def test_an_estimate_leaves_no_file_behind(tmp_path: pathlib.Path, monkeypatch: 
 def test_the_compiled_programs_buffers_are_made_at_the_users_lines() -> None:
     """Each buffer inductor's program allocates, in forward and backward, is made at the
     line of the user's code its graph node came from, not in inductor's output module."""
-    from pytest_torchmem.engine.timeline import Phase
+    from pytest_torchmem.engine.figures.timeline import Phase
     from pytest_torchmem.engine.tracing.devices import device_model
     from pytest_torchmem.engine.tracing.trace import trace
 

@@ -25,7 +25,7 @@ from torch import nn
 from zoo import Attention  # SDPA, causal: what ring attention takes over
 
 import pytest_torchmem as tm
-from pytest_torchmem.engine.torch_release import torch_minor
+from pytest_torchmem.engine.torch_compat.torch_release import torch_minor
 
 pytestmark = pytest.mark.skipif(
     not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),

@@ -21,7 +21,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from zoo import CASES
 
 import pytest_torchmem as tm
-from pytest_torchmem.engine.torch_release import torch_minor
+from pytest_torchmem.engine.torch_compat.torch_release import torch_minor
 from pytest_torchmem.engine.tracing.devices.cpu import CPU
 from pytest_torchmem.engine.tracing.devices.cpu.blas import onednn_gemm_accumulator_bytes
 from pytest_torchmem.engine.tracing.rules import OpCall

@@ -10,7 +10,7 @@ import torch
 from exactness import Lambda, assert_exact
 
 import pytest_torchmem as tm
-from pytest_torchmem.engine.torch_release import installed_release
+from pytest_torchmem.engine.torch_compat.torch_release import installed_release
 
 F32 = 4
 

@@ -13,7 +13,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import pytest_torchmem as tm
-from pytest_torchmem.engine.torch_release import installed_release
+from pytest_torchmem.engine.torch_compat.torch_release import installed_release
 
 F32, I64 = 4, 8
 BF16 = torch.bfloat16

@@ -19,7 +19,7 @@ from exactness import Lambda, assert_exact
 
 import pytest_torchmem as tm
 from pytest_torchmem.engine.tracing.devices.cpu import CPU, lapack
-from pytest_torchmem.engine.torch_release import installed_release, torch_minor
+from pytest_torchmem.engine.torch_compat.torch_release import installed_release, torch_minor
 from pytest_torchmem.engine.tracing.rules import Alloc, OpCall
 
 F32, I32, I64 = 4, 4, 8

@@ -22,7 +22,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import pytest_torchmem as tm
-from pytest_torchmem.engine.torch_release import torch_minor
+from pytest_torchmem.engine.torch_compat.torch_release import torch_minor
 from pytest_torchmem.engine.tracing.devices.cpu import CPU
 from pytest_torchmem.engine.tracing.devices.cpu.profiles import host_profile
 from pytest_torchmem.engine.tracing.rules import OUTPUTS, Alloc, Free, Inexact, OpCall

@@ -11,7 +11,7 @@ import torch
 from exactness import Lambda, assert_exact
 
 import pytest_torchmem as tm
-from pytest_torchmem.engine.torch_release import torch_minor
+from pytest_torchmem.engine.torch_compat.torch_release import torch_minor
 
 F32 = 4
 

@@ -16,7 +16,7 @@ import re
 
 import pytest
 
-from pytest_torchmem.engine.torch_release import installed_release
+from pytest_torchmem.engine.torch_compat.torch_release import installed_release
 from pytest_torchmem.engine.tracing.devices.cuda.allocator import (
     SIZE_MAX,
     AllocatorConfig,
@@ -838,7 +838,7 @@ def test_a_long_timeline_replays_quickly() -> None:
 def _freed_then_taken(pool: int) -> int:
     """A 4 KiB forward buffer freed, then another 4 KiB one made in ``pool``: the
     reserved peak of the step through the caching-allocator model."""
-    from pytest_torchmem.engine.timeline import Phase, StorageInfo, Timeline, analyze
+    from pytest_torchmem.engine.figures.timeline import Phase, StorageInfo, Timeline, analyze
 
     t = Timeline()
     first = t.new_storage(StorageInfo(4096, phase=Phase.FORWARD, op="aten.empty.memory_format"))

@@ -17,7 +17,7 @@ from fingerprint import fingerprint
 from torch import nn
 
 import pytest_torchmem as tm
-from pytest_torchmem.engine.torch_release import installed_release
+from pytest_torchmem.engine.torch_compat.torch_release import installed_release
 from pytest_torchmem.engine.tracing.devices.cuda import CUDA
 from pytest_torchmem.engine.tracing.devices.cuda.profiles import gpu_profile
 from pytest_torchmem.engine.tracing.devices.cuda.rms_norm import takes_fused_rms_norm

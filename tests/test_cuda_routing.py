@@ -25,9 +25,9 @@ from torch.nn.attention import sdpa_kernel
 
 import pytest_torchmem as tm
 import pytest_torchmem.engine.tracing.trace as trace_module
-from pytest_torchmem.engine.report import Category
-from pytest_torchmem.engine.timeline import ALLOC, PHASE
-from pytest_torchmem.engine.torch_release import installed_release
+from pytest_torchmem.engine.figures.report import Category
+from pytest_torchmem.engine.figures.timeline import ALLOC, PHASE
+from pytest_torchmem.engine.torch_compat.torch_release import installed_release
 from pytest_torchmem.engine.tracing.devices.cuda import CUDA
 from pytest_torchmem.engine.tracing.devices.cuda.kernels import flash_num_splits
 from pytest_torchmem.engine.tracing.devices.cuda.profiles import gpu_profile

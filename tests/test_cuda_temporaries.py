@@ -14,7 +14,7 @@ from torch import nn
 import pytest_torchmem as tm
 from pytest_torchmem.engine.tracing.devices.cuda import CUDA
 from pytest_torchmem.engine.tracing.devices.cuda.profiles import gpu_profile
-from pytest_torchmem.engine.tracing.devices.cuda import temporaries
+from pytest_torchmem.engine.tracing.devices.cuda import reduce_launch, temporaries
 from pytest_torchmem.engine.tracing.devices.cuda.temporaries import cub_sort_pairs_temp_bytes
 from pytest_torchmem.engine.tracing.rules import (
     OUTPUTS,
@@ -307,8 +307,8 @@ def test_reduction_thread_counts_are_pinned_by_the_installed_header() -> None:
         r"struct mnt_wrapper\s*<\s*c10::complex<double>\s*>\s*\{\s*static constexpr int MAX_NUM_THREADS = (\d+);", text
     )
     assert generic is not None and complex_double is not None
-    assert int(generic.group(1)) == temporaries.MAX_REDUCE_THREADS == 512
-    assert int(complex_double.group(1)) == temporaries.MAX_REDUCE_THREADS_COMPLEX_DOUBLE == 256
+    assert int(generic.group(1)) == reduce_launch.MAX_REDUCE_THREADS == 512
+    assert int(complex_double.group(1)) == reduce_launch.MAX_REDUCE_THREADS_COMPLEX_DOUBLE == 256
 
 
 def test_reduction_launch_constants_are_pinned_by_the_installed_header() -> None:
@@ -317,19 +317,19 @@ def test_reduction_launch_constants_are_pinned_by_the_installed_header() -> None
     values per thread, the warp split at ``block_height * 16``, ``sizeof(int)``
     semaphores, and the block width capped at the device's warp size (32 on NVIDIA)."""
     text = _cuda_branch(header_text(REDUCE_CUH))
-    assert _values(r"\bint vt0\s*=\s*(\d+)", text) == {temporaries.REDUCE_VT0}
-    assert _values(r"\bint vec_size\s*=\s*(\d+);", text) == {temporaries.OUTPUT_VEC_SIZE}
+    assert _values(r"\bint vt0\s*=\s*(\d+)", text) == {reduce_launch.REDUCE_VT0}
+    assert _values(r"\bint vec_size\s*=\s*(\d+);", text) == {reduce_launch.OUTPUT_VEC_SIZE}
     assert _values(r"\bdim0 >= (\d+) && iter\.num_reduce_dims\(\) == 1", text) == {
-        temporaries.VECTORIZE_INPUT_MIN_DIM0
+        reduce_launch.VECTORIZE_INPUT_MIN_DIM0
     }
-    assert _values(r"constexpr int min_values_per_thread = (\d+);", text) == {temporaries.MIN_VALUES_PER_THREAD}
-    assert _values(r"constexpr int max_values_per_thread = (\d+);", text) == {temporaries.MAX_VALUES_PER_THREAD}
+    assert _values(r"constexpr int min_values_per_thread = (\d+);", text) == {reduce_launch.MIN_VALUES_PER_THREAD}
+    assert _values(r"constexpr int max_values_per_thread = (\d+);", text) == {reduce_launch.MAX_VALUES_PER_THREAD}
     assert _values(r"std::min<int>\(block_height \* (\d+), max_values_per_thread\)", text) == {
-        temporaries.WARP_SPLIT_FACTOR
+        reduce_launch.WARP_SPLIT_FACTOR
     }
-    assert "return sizeof(int) * grid().x;" in text and temporaries.SEMAPHORE_BYTES == 4
+    assert "return sizeof(int) * grid().x;" in text and reduce_launch.SEMAPHORE_BYTES == 4
     assert "block_width = std::min(dim0_pow2, int(at::cuda::warp_size()));" in text
-    assert temporaries.WARP_SIZE == 32
+    assert reduce_launch.WARP_SIZE == 32
 
 
 def test_foreach_chunk_size_is_pinned_by_the_installed_header() -> None:

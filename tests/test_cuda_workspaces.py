@@ -15,7 +15,7 @@ from torch import nn
 import pytest_torchmem as tm
 from pytest_torchmem.engine.tracing.devices.cuda import CUDA
 from pytest_torchmem.engine.tracing.devices.cuda.profiles import gpu_profile
-from pytest_torchmem.engine.torch_release import installed_release
+from pytest_torchmem.engine.torch_compat.torch_release import installed_release
 from pytest_torchmem.engine.tracing.devices.cuda import workspaces
 from pytest_torchmem.engine.tracing.devices.cuda.workspaces import (
     ConvWorkspacePolicy,

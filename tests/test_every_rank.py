@@ -36,10 +36,10 @@ from test_pipeline import (
 from torch import nn
 
 import pytest_torchmem as tm
-from pytest_torchmem.engine import distinct_ranks as every_rank_module
-from pytest_torchmem.engine import distributed, traced_beside
-from pytest_torchmem.engine.distinct_ranks import worst_first
-from pytest_torchmem.engine.gpu_profiles import CUDA_CONTEXT, gpu_profile
+from pytest_torchmem.engine import every_rank as every_rank_module
+from pytest_torchmem.engine.parallel import real_ranks as distributed, traced_beside
+from pytest_torchmem.engine.figures.report import worst_first
+from pytest_torchmem.engine.figures.gpu_profiles import CUDA_CONTEXT, gpu_profile
 
 pytestmark = pytest.mark.skipif(
     not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),

@@ -19,9 +19,9 @@ from hypothesis import strategies as st
 from torch import nn
 
 import pytest_torchmem as tm
-from pytest_torchmem.engine.fitting import _search
-from pytest_torchmem.engine.gpu_profiles import CUDA_CONTEXT, usable_memory
-from pytest_torchmem.engine.gpu_profiles import PROFILES
+from pytest_torchmem.engine.fit.search import _search
+from pytest_torchmem.engine.figures.gpu_profiles import CUDA_CONTEXT, usable_memory
+from pytest_torchmem.engine.figures.gpu_profiles import PROFILES
 
 _MiB = 1 << 20
 _GiB = 1 << 30

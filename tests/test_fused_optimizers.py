@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 import pytest_torchmem as tm
-from pytest_torchmem.engine.torch_release import installed_release
+from pytest_torchmem.engine.torch_compat.torch_release import installed_release
 
 RELEASE = installed_release()[:2]
 

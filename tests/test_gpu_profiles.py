@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 import pytest_torchmem as tm
-from pytest_torchmem.engine.gpu_profiles import (
+from pytest_torchmem.engine.figures.gpu_profiles import (
     PROFILES,
     GpuProfile,
     GpuProfileError,

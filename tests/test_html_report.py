@@ -21,9 +21,9 @@ import pytest_torchmem as tm
 from pytest_torchmem.engine.tracing.devices import device_model
 from pytest_torchmem.engine.tracing.devices.cuda.profiles import gpu_profile
 from pytest_torchmem.engine.tracing.trace import trace
-from pytest_torchmem.engine.units import format_bytes
-from pytest_torchmem.exports.html_page import json_for_script, nice_ticks, render
-from pytest_torchmem.exports.html_report import Downsampler, check_view, display_path, write_report
+from pytest_torchmem.engine.figures.units import format_bytes
+from pytest_torchmem.plugin.exports.html_page import json_for_script, nice_ticks, render
+from pytest_torchmem.plugin.exports.html_report import Downsampler, check_view, display_path, write_report
 from pytest_torchmem.plugin.snapshots import Entry, Key
 from pytest_torchmem.plugin.judging import Tolerance, judge, stopped
 
@@ -636,7 +636,7 @@ def test_the_page_runs_in_a_browser(views: list[dict[str, Any]], tmp_path: Path)
 
 
 def views_in_page_order(views: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    from pytest_torchmem.exports.html_report import order
+    from pytest_torchmem.plugin.exports.html_report import order
 
     return list(order(views))
 

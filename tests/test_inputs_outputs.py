@@ -17,8 +17,8 @@ import torch
 from torch import nn
 
 import pytest_torchmem as tm
-from pytest_torchmem.engine.containers import map_tensors, tensors_in
-from pytest_torchmem.engine.loss import default_loss
+from pytest_torchmem.engine.user.containers import map_tensors, tensors_in
+from pytest_torchmem.engine.user.loss import default_loss
 
 F32 = 4
 

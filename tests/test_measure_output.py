@@ -19,7 +19,7 @@ import textwrap
 
 import pytest
 
-from pytest_torchmem.engine.cpu_profiler import stderr_without
+from pytest_torchmem.engine.measuring.cpu_profiler import stderr_without
 
 pytest_plugins = ("pytester",)
 

@@ -24,10 +24,10 @@ from typing import Any
 import pytest
 from torch.cuda import _memory_viz
 
-from pytest_torchmem.engine.report import Category
-from pytest_torchmem.engine.timeline import Frame, Phase, StorageInfo, Timeline
+from pytest_torchmem.engine.figures.report import Category
+from pytest_torchmem.engine.figures.timeline import Frame, Phase, StorageInfo, Timeline
 from pytest_torchmem.engine.tracing.devices.cuda.allocator import AllocatorConfig, CachingAllocator
-from pytest_torchmem.exports.memory_viz import (
+from pytest_torchmem.plugin.exports.memory_viz import (
     CPU_BASE_ADDRESS,
     EXPANDABLE_BASE_ADDRESS,
     EXPANDABLE_WINDOW,

@@ -15,7 +15,7 @@ import torch
 
 pytest.importorskip("expecttest", reason="torch's OpInfo database needs expecttest")
 
-from pytest_torchmem.engine.torch_release import installed_release
+from pytest_torchmem.engine.torch_compat.torch_release import installed_release
 
 from opinfo_harness import OpResult, Outcome, op_infos, op_name, run_op
 

@@ -222,7 +222,7 @@ def test_ranks_run_gloo_work_on_one_thread_each() -> None:
     work item is let go of before the next runs: DDP's rebuild drops the first step's
     bucket on the rank's thread, seen (with gloo's two workers, a busy machine's
     descheduled worker freed it unseen and the loop read 66,304 B high)."""
-    from pytest_torchmem.engine.distributed import run_ranks
+    from pytest_torchmem.engine.parallel.real_ranks import run_ranks
 
     parallel = tm.Parallel({"dp": 2, "tp": 2}, lambda model, mesh: model)
     assert run_ranks(parallel, _gloo_workers) == ["1,1,1"] * 4
@@ -316,8 +316,8 @@ def test_fsdp2_cpu_offload_is_refused_in_one_line(device: str) -> None:
 def test_fsdp2s_chunks_are_made_as_read_and_are_its_own(size: int, count: int) -> None:
     """The trace makes FSDP2's chunks of a parameter as they are read (parallel._Chunks):
     each the view ``_chunk_with_empty`` makes, the padding empty, on dims 0 and 1."""
-    from pytest_torchmem.engine.parallel import _Chunks
-    from pytest_torchmem.engine.torch_private import private
+    from pytest_torchmem.engine.parallel.mesh import _Chunks
+    from pytest_torchmem.engine.torch_compat.torch_private import private
 
     chunk_with_empty = private("torch.distributed.fsdp._fully_shard._fsdp_param._chunk_with_empty")
     for dim, tensor in ((0, torch.randn(size, 3)), (1, torch.randn(2, size))):

@@ -25,7 +25,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import pytest_torchmem as tm
-from pytest_torchmem.engine.torch_release import PIPELINING, torch_minor
+from pytest_torchmem.engine.torch_compat.torch_release import PIPELINING, torch_minor
 
 pytestmark = pytest.mark.skipif(
     not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),

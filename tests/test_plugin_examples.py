@@ -21,7 +21,7 @@ from torch import nn
 import pytest_torchmem as tm
 from examples_verdict import installed, verdict
 
-from pytest_torchmem.engine.torch_release import PIPELINING, installed_release
+from pytest_torchmem.engine.torch_compat.torch_release import PIPELINING, installed_release
 
 pytest_plugins = ("pytester",)
 

@@ -12,8 +12,8 @@ import torch
 from torch import nn
 
 import pytest_torchmem as tm
-from pytest_torchmem.engine.gpu_profiles import usable_memory
-from pytest_torchmem.engine.gpu_profiles import PROFILES
+from pytest_torchmem.engine.figures.gpu_profiles import usable_memory
+from pytest_torchmem.engine.figures.gpu_profiles import PROFILES
 
 pytest_plugins = ("pytester",)
 
@@ -148,7 +148,7 @@ def test_tower(torchmem):
 def test_advise_adds_what_would_fit_to_the_failure(pytester: pytest.Pytester) -> None:
     """--torchmem-advise (and its ini twin): the failure of a check over its budget lists
     the changes that bring it down, each with tm.advise's figure of the changed step."""
-    from pytest_torchmem.engine.advice import advise
+    from pytest_torchmem.engine.fit.advice import advise
 
     namespace: dict[str, Any] = {}
     exec(TOWER.format(budget="1"), namespace)  # noqa: S102 - the test's own module text

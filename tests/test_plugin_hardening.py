@@ -29,7 +29,7 @@ from torch import nn
 
 import pytest_torchmem as tm
 from pytest_torchmem.engine.tracing.devices import DEVICES
-from pytest_torchmem.engine.gpu_profiles import PROFILES
+from pytest_torchmem.engine.figures.gpu_profiles import PROFILES
 from pytest_torchmem.plugin.snapshots import DEVICE_KEYS, FILE_SCHEMA, Key, SnapshotFile
 
 pytest_plugins = ("pytester",)

@@ -49,7 +49,12 @@ def test_public_names_are_the_defining_modules() -> None:
     run_python(
         """
         import pytest_torchmem as tm
-        from pytest_torchmem.engine import advice, api, distinct_ranks, fitting, gpu_profiles, leaks, parallel, phases, report, stopped, torch_release, units, world
+        from pytest_torchmem.engine import api, every_rank, leaks, user
+        from pytest_torchmem.engine.figures import gpu_profiles, report, stopped, units
+        from pytest_torchmem.engine.fit import advice, search as fitting
+        from pytest_torchmem.engine.parallel import mesh as parallel
+        from pytest_torchmem.engine.step import phases
+        from pytest_torchmem.engine.torch_compat import torch_release
         from pytest_torchmem.engine.leaks import check
         from pytest_torchmem.engine.tracing.devices.cpu import profiles
 
@@ -84,7 +89,7 @@ def test_public_names_are_the_defining_modules() -> None:
             "parse_bytes",
             "format_bytes",
         ], tm.__all__
-        modules = (torch_release, api, stopped, world, advice, fitting, check, leaks, parallel, distinct_ranks, phases, report, units, profiles, gpu_profiles)
+        modules = (torch_release, api, stopped, user, advice, fitting, check, leaks, parallel, every_rank, phases, report, units, profiles, gpu_profiles)
         for name in tm.__all__:
             defining = next(m for m in modules if hasattr(m, name))
             assert getattr(tm, name) is getattr(defining, name), name
@@ -132,7 +137,7 @@ def test_a_suite_that_checks_no_memory_never_imports_torch(pytester: pytest.Pyte
 
 
 def test_the_plugins_default_gpu_is_the_device_models() -> None:
-    from pytest_torchmem.engine import gpu_profiles as profiles
+    from pytest_torchmem.engine.figures import gpu_profiles as profiles
     from pytest_torchmem.plugin.settings import DEFAULT_GPU, known_devices
 
     assert DEFAULT_GPU == profiles.DEFAULT_GPU

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from pytest_torchmem.engine.report import Category, MemoryReport, ModulePeak, Unsupported
+from pytest_torchmem.engine.figures.report import Category, MemoryReport, ModulePeak, Unsupported
 from pytest_torchmem.plugin.releases import Release, recorded_release
 from pytest_torchmem.plugin.snapshots import (
     FILE_SCHEMA,

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from pytest_torchmem.engine.gpu_profiles import PROFILES, GpuProfile
+from pytest_torchmem.engine.figures.gpu_profiles import PROFILES, GpuProfile
 from pytest_torchmem.plugin.snapshots import Entry, Key
 from pytest_torchmem.plugin.judging import EnvChange, Result, Status, Tolerance, judge
 from pytest_torchmem.plugin.markers import MarkerError, parse_marker

@@ -1,5 +1,5 @@
 """Reading the profiler's event tree into a timeline: what a thread other than the
-step's freed, out of the profiler's sight (engine/profiler_events.py).
+step's freed, out of the profiler's sight (engine/measuring/profiler_events.py).
 
 The profiler's memory reporting is per thread: a storage whose last reference a gloo
 worker thread lets go of is freed where the profiler does not see it. These trees are
@@ -16,9 +16,9 @@ from typing import Any
 import pytest
 import torch
 
-from pytest_torchmem.engine import profiler_events
-from pytest_torchmem.engine.profiler_events import MARK, MarkingProbe, read_events
-from pytest_torchmem.engine.timeline import Phase, StorageInfo, Timeline, analyze
+from pytest_torchmem.engine.measuring import profiler_events
+from pytest_torchmem.engine.measuring.profiler_events import MARK, MarkingProbe, read_events
+from pytest_torchmem.engine.figures.timeline import Phase, StorageInfo, Timeline, analyze
 
 STEP_THREAD = 1
 GLOO_THREAD = 2

@@ -30,7 +30,7 @@ from torch.utils._python_dispatch import is_in_torch_dispatch_mode as bound_is_i
 from torch.utils.data import DataLoader, TensorDataset
 
 import pytest_torchmem as tm
-from pytest_torchmem.engine.gpu_profiles import usable_memory
+from pytest_torchmem.engine.figures.gpu_profiles import usable_memory
 from pytest_torchmem.engine.tracing.devices.cuda.profiles import PROFILES
 
 #: What the traced program saw, kept where an estimate does not put it back.

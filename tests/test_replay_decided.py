@@ -503,7 +503,7 @@ def test_a_block_whose_graph_saves_a_wrapped_number_replays(block: type, device:
 def test_the_module_trackers_of_traces_are_not_a_users_global_hook() -> None:
     """A pipeline's ranks trace on threads of one process: each trace's module tracker
     registers its global hooks, and none of them is the user's."""
-    from pytest_torchmem.engine.step import ModuleTracker, QuietProbe
+    from pytest_torchmem.engine.step.built_in import ModuleTracker, QuietProbe
     from pytest_torchmem.engine.tracing.replay_state import global_hooks
 
     model = _make(Block)()[0]

@@ -16,7 +16,7 @@ import torch
 from exactness import flagged_native
 
 import pytest_torchmem as tm
-from pytest_torchmem.engine.report import Category
+from pytest_torchmem.engine.figures.report import Category
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 

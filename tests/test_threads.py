@@ -1,4 +1,4 @@
-"""The engine's threads and the forks that follow them (``engine/threads.py``, ``engine/distributed.py``).
+"""The engine's threads and the forks that follow them (``engine/parallel/threads.py``, ``engine/parallel/real_ranks.py``).
 
 A thread's ``join()`` returns before the operating system's thread has run its
 native destructors; MKL frees the thread's buffers there under a spin lock of its
@@ -21,7 +21,7 @@ import torch
 from test_pipeline import BATCH, MICRO_BATCHES, WIDTH, Layers, _schedules, _sgd, follows_pipelining, split
 
 import pytest_torchmem as tm
-from pytest_torchmem.engine import distributed, threads
+from pytest_torchmem.engine.parallel import real_ranks as distributed, threads
 
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="forks and /proc/self/task: Linux")
 gloo = pytest.mark.skipif(

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from pytest_torchmem.engine.report import Category, ModulePeak
-from pytest_torchmem.engine.timeline import Charge, Phase, StorageInfo, Timeline, analyze, replay
+from pytest_torchmem.engine.figures.report import Category, ModulePeak
+from pytest_torchmem.engine.figures.timeline import Charge, Phase, StorageInfo, Timeline, analyze, replay
 
 
 def _timeline() -> tuple[Timeline, list[int]]:

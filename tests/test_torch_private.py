@@ -1,4 +1,4 @@
-"""The one table of private torch names (``engine/torch_private.py``), held to the running torch.
+"""The one table of private torch names (``engine/torch_compat/torch_private.py``), held to the running torch.
 
 Three guards, run on every release of the window (``.ci/torch-venv``):
 
@@ -19,8 +19,8 @@ import pytest
 import torch
 
 import pytest_torchmem
-from pytest_torchmem.engine import torch_private
-from pytest_torchmem.engine.torch_private import (
+from pytest_torchmem.engine.torch_compat import torch_private
+from pytest_torchmem.engine.torch_compat.torch_private import (
     PRIVATE,
     Private,
     TorchPrivateError,
@@ -28,8 +28,8 @@ from pytest_torchmem.engine.torch_private import (
     private,
     private_name,
 )
-from pytest_torchmem.engine.torch_release import installed_release, supported_range
-from pytest_torchmem.engine.torch_replacing import appending, replacing
+from pytest_torchmem.engine.torch_compat.torch_release import installed_release, supported_range
+from pytest_torchmem.engine.torch_compat.torch_replacing import appending, replacing
 
 PACKAGE = Path(pytest_torchmem.__file__).parent
 RELEASE = installed_release()[:2]
@@ -240,7 +240,7 @@ def test_private_name_is_the_attribute_once_present() -> None:
 
 # -- (c) no private torch name outside the table ---------------------------------------
 
-THE_TABLE = "engine/torch_private.py"
+THE_TABLE = "engine/torch_compat/torch_private.py"
 
 
 def _is_private(parts: list[str]) -> bool:
@@ -310,15 +310,15 @@ def _names_by_module() -> dict[str, list[tuple[int, str]]]:
 
 
 def test_no_module_names_a_private_torch_name_outside_the_table() -> None:
-    """Every private torch name is read through engine/torch_private.py (private(), or
-    replaced through engine/torch_replacing.py), where it is written down with why and
+    """Every private torch name is read through engine/torch_compat/torch_private.py (private(), or
+    replaced through engine/torch_compat/torch_replacing.py), where it is written down with why and
     in which releases."""
     strays = {
         module: names
         for module, names in _names_by_module().items()
         if module != THE_TABLE
     }
-    assert not strays, "private torch names outside engine/torch_private.py:\n" + "\n".join(
+    assert not strays, "private torch names outside engine/torch_compat/torch_private.py:\n" + "\n".join(
         f"  pytest_torchmem/{module}:{line}: {name}" for module, names in strays.items() for line, name in names
     )
 

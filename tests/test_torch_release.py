@@ -1,4 +1,4 @@
-"""The supported torch releases (``engine/torch_release.py``): one clear line outside them.
+"""The supported torch releases (``engine/torch_compat/torch_release.py``): one clear line outside them.
 
 Outside the window (2.10 to 2.15) an estimate refuses at once with one line that
 names the installed torch, the window and the pip command; in pytest, a test
@@ -18,8 +18,8 @@ from torch import nn
 
 import pytest_torchmem
 import pytest_torchmem as tm
-from pytest_torchmem.engine import torch_release
-from pytest_torchmem.engine.torch_release import (
+from pytest_torchmem.engine.torch_compat import torch_release
+from pytest_torchmem.engine.torch_compat.torch_release import (
     ANY_RELEASE_VARIABLE,
     SUPPORTED,
     TorchReleaseError,

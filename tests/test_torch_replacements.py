@@ -2,7 +2,7 @@
 
 The engine replaces torch attributes while it traces (the GPU view, inductor's
 device queries, the RNG state copies, FSDP2's storage calls, ...), always through
-one mechanism (``engine/torch_replacing.py``: ``replacing``, ``appending``,
+one mechanism (``engine/torch_compat/torch_replacing.py``: ``replacing``, ``appending``,
 ``replacing_item``), each path an entry of the table marked ``replaced``. These
 tests take a picture of torch (every callable, class, module and container a
 torch module or a torch class holds, by identity) before an estimate, at points
@@ -36,9 +36,9 @@ from torch import nn
 
 import pytest_torchmem
 import pytest_torchmem as tm
-from pytest_torchmem.engine import torch_private, torch_replacing
-from pytest_torchmem.engine.torch_private import PRIVATE
-from pytest_torchmem.engine.torch_replacing import in_effect
+from pytest_torchmem.engine.torch_compat import torch_private, torch_replacing
+from pytest_torchmem.engine.torch_compat.torch_private import PRIVATE
+from pytest_torchmem.engine.torch_compat.torch_replacing import in_effect
 from pytest_torchmem.engine.tracing import compiled_program, inductor_device
 from pytest_torchmem.engine.tracing.compiled_cuda import CudaProgram
 from pytest_torchmem.engine.tracing.tracker import Tracker
@@ -449,7 +449,7 @@ def test_a_dict_item_is_put_back_or_taken_out() -> None:
 # -- no module writes a torch attribute but through the mechanism ------------------------
 
 PACKAGE = Path(pytest_torchmem.__file__).parent
-THE_MECHANISM = "engine/torch_replacing.py"
+THE_MECHANISM = "engine/torch_compat/torch_replacing.py"
 
 
 def _root(node: ast.AST) -> str | None:

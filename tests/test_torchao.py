@@ -33,12 +33,12 @@ from profiled import as_measured_here, every_peak, measure_torchao, reachable
 from torchao_cases import CASES, FLOAT8, OPTIMIZERS
 
 import pytest_torchmem as tm
-from pytest_torchmem.engine.layouts import parts
+from pytest_torchmem.engine.user.layouts import parts
 
 #: (torchao's low-bit optimizer states, compiled: AOTAutograd's cache asks them for a hash
 #: torchao does not give)
 pytestmark = pytest.mark.filterwarnings("ignore:OptimState.* does not implement _stable_hash_for_caching:UserWarning")
-from pytest_torchmem.engine.report import Category
+from pytest_torchmem.engine.figures.report import Category
 from pytest_torchmem.engine.tracing.devices.cpu.profiles import ISA_LEVELS, CpuProfile
 
 

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pytest_torchmem.engine.units import format_bytes, format_delta, parse_bytes
+from pytest_torchmem.engine.figures.units import format_bytes, format_delta, parse_bytes
 
 
 @pytest.mark.parametrize(

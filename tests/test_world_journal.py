@@ -1,4 +1,4 @@
-"""The journal of a step function's world (``engine/world/journal.py``): what it puts back,
+"""The journal of a step function's world (``engine/user/journal.py``): what it puts back,
 and what it lets go of while the step runs, as the program does."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import weakref
 
 import torch
 
-from pytest_torchmem.engine.world.journal import Journal, checkpoint, journaling
-from pytest_torchmem.engine.world.reaching import global_names, reach
+from pytest_torchmem.engine.user.journal import Journal, checkpoint, journaling
+from pytest_torchmem.engine.user.reaching import global_names, reach
 
 
 class Holder:

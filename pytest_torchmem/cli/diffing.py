@@ -15,7 +15,7 @@ from decimal import Decimal
 from typing import Final
 
 from pytest_torchmem.cli.saved import Saved
-from pytest_torchmem.engine.units import parse_bytes
+from pytest_torchmem.engine.figures.units import parse_bytes
 from pytest_torchmem.plugin.snapshots import Key
 from pytest_torchmem.plugin.judging import (
     FIGURES,

@@ -33,7 +33,7 @@ from typing import Any, Final, TextIO
 
 from tabulate import tabulate
 
-from pytest_torchmem.engine.units import format_bytes, parse_bytes
+from pytest_torchmem.engine.figures.units import format_bytes, parse_bytes
 
 __all__ = ["FactoryError", "add_commands", "fit_command", "rank_command", "ranks_command"]
 
@@ -198,7 +198,7 @@ def _output(parser: argparse.ArgumentParser) -> None:
 
 def fit_command(args: argparse.Namespace, err: TextIO) -> tuple[str, int]:
     """Run ``fit``; return its output and exit code."""
-    from pytest_torchmem.engine.fitting import fit
+    from pytest_torchmem.engine.fit.search import fit
 
     sizes = _sizes(args.sizes)
     gpus = _names(args.gpus)
@@ -280,7 +280,7 @@ def _fit_table(found: Sequence[Any], args: argparse.Namespace) -> str:
 
 def rank_command(args: argparse.Namespace) -> tuple[str, int]:
     """Run ``rank``; return its output and exit code."""
-    from pytest_torchmem.engine.fitting import rank_gpus
+    from pytest_torchmem.engine.fit.search import rank_gpus
 
     if args.size < 1:
         raise FactoryError(f"--size must be a positive integer, got {args.size}")
@@ -317,7 +317,7 @@ def rank_command(args: argparse.Namespace) -> tuple[str, int]:
 def ranks_command(args: argparse.Namespace) -> tuple[str, int]:
     """Run ``ranks``; return its output and exit code (1: a rank does not fit the GPU)."""
     from pytest_torchmem.engine.api import every_rank
-    from pytest_torchmem.engine.parallel import Parallel
+    from pytest_torchmem.engine.parallel.mesh import Parallel
 
     if args.size < 1:
         raise FactoryError(f"--size must be a positive integer, got {args.size}")
@@ -452,7 +452,7 @@ def _names(values: Sequence[str]) -> list[str]:
 
 
 def _check_gpus(names: Sequence[str]) -> None:
-    from pytest_torchmem.engine.gpu_profiles import gpu_profile
+    from pytest_torchmem.engine.figures.gpu_profiles import gpu_profile
 
     for name in names:
         try:

@@ -11,7 +11,7 @@ from tabulate import tabulate
 
 from pytest_torchmem.cli.diffing import ADDED, REMOVED, FailOn, Gate, Row, diff_totals
 from pytest_torchmem.cli.saved import Loaded, Saved
-from pytest_torchmem.engine.units import format_bytes, format_delta
+from pytest_torchmem.engine.figures.units import format_bytes, format_delta
 from pytest_torchmem.plugin.snapshots import Entry
 from pytest_torchmem.plugin.judging import FIGURES, Status, figures_of
 from pytest_torchmem.plugin.messages import change_line, moved_lines

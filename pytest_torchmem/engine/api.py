@@ -6,16 +6,16 @@ import dataclasses
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from pytest_torchmem.engine.gpu_profiles import GpuProfile, gpu_profile
-from pytest_torchmem.engine.report import MemoryReport
-from pytest_torchmem.engine.torch_release import require_supported_torch
+from pytest_torchmem.engine.figures.gpu_profiles import GpuProfile, gpu_profile
+from pytest_torchmem.engine.figures.report import MemoryReport
+from pytest_torchmem.engine.torch_compat.torch_release import require_supported_torch
 
 if TYPE_CHECKING:  # imported when called, after the torch release is checked
     from torch import nn
 
-    from pytest_torchmem.engine.distinct_ranks import RankFigures
-    from pytest_torchmem.engine.parallel import Parallel
-    from pytest_torchmem.engine.step import LossFn, OptimizerFactory
+    from pytest_torchmem.engine.every_rank import RankFigures
+    from pytest_torchmem.engine.parallel.mesh import Parallel
+    from pytest_torchmem.engine.step.built_in import LossFn, OptimizerFactory
     from pytest_torchmem.engine.tracing.devices.cpu.profiles import CpuProfile
 
 __all__ = ["estimate", "every_rank", "measure"]
@@ -59,7 +59,7 @@ def estimate(
 
     ``device="cuda"`` needs no GPU: the step is traced on fake tensors and
     charged through a model of CUDA's caching allocator, following the GPU
-    ``gpu`` names: a name from :data:`pytest_torchmem.engine.gpu_profiles.PROFILES`
+    ``gpu`` names: a name from :data:`pytest_torchmem.engine.figures.gpu_profiles.PROFILES`
     (default ``"H100"``), a :class:`~pytest_torchmem.GpuProfile` made from a GPU's
     properties (``tm.GpuProfile("RTX4070TiS", memory="16 GiB",
     compute_capability="8.9", sm_count=66)``), or ``"current"``: this machine's
@@ -86,17 +86,17 @@ def estimate(
     opt)`` with the modules, tensors, optimizers, LR schedulers and grad scalers
     among its arguments as stand-ins (left as they were); its forward, backward
     and optimizer steps are recognised where they run, and each phase's figure is
-    the highest of its iterations (:mod:`~pytest_torchmem.engine.step_function`).
+    the highest of its iterations (:mod:`~pytest_torchmem.engine.step.step_function`).
     ``loss_fn``, ``optimizer``, ``train``, ``keep_output``, ``compile`` and
     ``parallel`` are the built-in step's, and do not apply to it. A callable that
     cannot take ``inputs`` (the model's factory passed in place of the model) is
     refused with a ``TypeError`` that says so.
 
     A torch outside the supported window raises
-    :class:`~pytest_torchmem.engine.torch_release.TorchReleaseError` at once.
+    :class:`~pytest_torchmem.engine.torch_compat.torch_release.TorchReleaseError` at once.
     """
     require_supported_torch()
-    from pytest_torchmem.engine.request import as_compiled, step_request
+    from pytest_torchmem.engine.step.request import as_compiled, step_request
     from pytest_torchmem.engine.tracing.trace import trace_request
 
     request = step_request(
@@ -107,7 +107,7 @@ def estimate(
     check_parallel(parallel, request.model)
     request = as_compiled(request, parallel)
     if parallel is not None and parallel.rank == "max":
-        from pytest_torchmem.engine.distinct_ranks import request_ranks
+        from pytest_torchmem.engine.every_rank import request_ranks
 
         return request_ranks(request, profile, cpu, parallel)[0].report
     return trace_request(request, profile, cpu, parallel=parallel, rank=int(parallel.rank) if parallel else 0).report
@@ -132,11 +132,11 @@ def every_rank(
     room it leaves on ``gpu``; on cpu: the highest peak). Each entry lists the ranks it
     stands for (those whose figures are equal to its own); ``parallel.rank`` is not read.
 
-    The options are :func:`estimate`'s; :mod:`~pytest_torchmem.engine.distinct_ranks`
+    The options are :func:`estimate`'s; :mod:`~pytest_torchmem.engine.every_rank`
     says which ranks are traced."""
     require_supported_torch()
-    from pytest_torchmem.engine.distinct_ranks import request_ranks
-    from pytest_torchmem.engine.request import as_compiled, step_request
+    from pytest_torchmem.engine.every_rank import request_ranks
+    from pytest_torchmem.engine.step.request import as_compiled, step_request
 
     request = step_request("every_rank", model, inputs, device, loss_fn, optimizer, train, keep_output, compile)
     check_profiles(request.device, gpu, cpu)
@@ -147,8 +147,8 @@ def every_rank(
 
 
 def check_parallel(parallel: Any, model: Any = None) -> None:
-    from pytest_torchmem.engine.parallel import Parallel
-    from pytest_torchmem.engine.step_function import StepFunction
+    from pytest_torchmem.engine.parallel.mesh import Parallel
+    from pytest_torchmem.engine.step.step_function import StepFunction
 
     if parallel is not None and not isinstance(parallel, Parallel):
         raise TypeError(
@@ -196,9 +196,9 @@ def measure(
     entries of a measurement are its own, invalidated when it returns.
     """
     require_supported_torch()
-    from pytest_torchmem.engine.distributed import settle_autograd_threads
-    from pytest_torchmem.engine.measuring import measure_step
-    from pytest_torchmem.engine.request import as_compiled, step_request
+    from pytest_torchmem.engine.parallel.real_ranks import settle_autograd_threads
+    from pytest_torchmem.engine.measuring.runs import measure_step
+    from pytest_torchmem.engine.step.request import as_compiled, step_request
 
     settle_autograd_threads()  # before any fake mode: forked ranks can run backward
     request = step_request(

@@ -13,10 +13,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from pytest_torchmem.engine.gpu_profiles import GpuProfile
+from pytest_torchmem.engine.figures.gpu_profiles import GpuProfile
 
 if TYPE_CHECKING:
-    from pytest_torchmem.engine.request import StepRequest
+    from pytest_torchmem.engine.step.request import StepRequest
     from pytest_torchmem.plugin.judging import Result
 
 __all__ = ["advice_lines"]
@@ -40,8 +40,8 @@ def advice_lines(request: StepRequest, result: Result, gpu: GpuProfile, cpu: Any
     why = _not_advised(request)
     if why is not None:
         return (f"no advice (--torchmem-advise): {why}",)
-    from pytest_torchmem.engine.advice import advise
-    from pytest_torchmem.engine.stopped import TraceStopped
+    from pytest_torchmem.engine.fit.advice import advise
+    from pytest_torchmem.engine.figures.stopped import TraceStopped
 
     options: dict[str, Any] = {
         "loss_fn": request.loss_fn,
@@ -69,7 +69,7 @@ def _not_advised(request: StepRequest) -> str | None:
     """Why the check's step cannot be advised on, or None."""
     from torch import nn
 
-    from pytest_torchmem.engine.step_function import StepFunction
+    from pytest_torchmem.engine.step.step_function import StepFunction
 
     if isinstance(request.model, StepFunction) or not isinstance(request.model, nn.Module):
         return "a step function is your own code: the advice changes a module's built-in step"

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 import pytest
 
-from pytest_torchmem.engine.units import format_bytes
+from pytest_torchmem.engine.figures.units import format_bytes
 from pytest_torchmem.plugin.advising import advice_lines
 from pytest_torchmem.plugin.estimating import Estimator
 from pytest_torchmem.plugin.fitting import FitRecord
@@ -41,9 +41,9 @@ from pytest_torchmem.plugin.snapshots import (
 if TYPE_CHECKING:
     from torch import nn
 
-    from pytest_torchmem.engine.parallel import Parallel
-    from pytest_torchmem.engine.report import MemoryReport
-    from pytest_torchmem.engine.step import LossFn, OptimizerFactory
+    from pytest_torchmem.engine.parallel.mesh import Parallel
+    from pytest_torchmem.engine.figures.report import MemoryReport
+    from pytest_torchmem.engine.step.built_in import LossFn, OptimizerFactory
     from pytest_torchmem.engine.tracing.trace import Trace
 
 __all__ = ["DEFAULT_NAME", "CheckRunner", "TorchmemWarning"]
@@ -189,7 +189,7 @@ class CheckRunner:
         """Fail the test asking for the ``torchmem`` fixture (an error at setup, one line)
         where the installed torch is outside the supported window."""
         __tracebackhide__ = True
-        from pytest_torchmem.engine.torch_release import TorchReleaseError, require_supported_torch
+        from pytest_torchmem.engine.torch_compat.torch_release import TorchReleaseError, require_supported_torch
 
         try:
             require_supported_torch()
@@ -232,8 +232,8 @@ class CheckRunner:
         from torch import nn
 
         from pytest_torchmem.engine.api import check_parallel
-        from pytest_torchmem.engine.request import as_compiled, step_request
-        from pytest_torchmem.engine.step import StepArgumentError
+        from pytest_torchmem.engine.step.request import as_compiled, step_request
+        from pytest_torchmem.engine.step.built_in import StepArgumentError
 
         settings = self._settings
         spec = self.marker_spec(item)
@@ -341,7 +341,7 @@ class CheckRunner:
         """The check's leak check on each of ``devices`` (:mod:`~pytest_torchmem.plugin.leaking`),
         recorded; the test fails where it grows by more than ``allowed`` per iteration."""
         from pytest_torchmem.engine.leaks.check import leak_check
-        from pytest_torchmem.engine.stopped import TraceStopped
+        from pytest_torchmem.engine.figures.stopped import TraceStopped
 
         for device in devices:
             on_device = dataclasses.replace(request, device=device)
@@ -425,14 +425,14 @@ class CheckRunner:
     def _export(self, result: Result, traced: Trace) -> None:
         """Keep what ``--torchmem-timeline`` and ``--torchmem-html`` ask for of one check."""
         if self._settings.timeline_dir is not None:
-            from pytest_torchmem.exports.memory_viz import write_timeline
+            from pytest_torchmem.plugin.exports.memory_viz import write_timeline
 
             try:
                 write_timeline(self._settings.timeline_dir, result, traced)
             except OSError as exc:
                 self._log.errors.append(f"torchmem: could not write a timeline: {exc}")
         if self._settings.html_path is not None:
-            from pytest_torchmem.exports.html_report import check_view
+            from pytest_torchmem.plugin.exports.html_report import check_view
 
             self._record.views.append(check_view(result, traced, root=self._config.invocation_params.dir))
 
@@ -453,7 +453,7 @@ class CheckRunner:
         """``torchmem.fit``: :func:`pytest_torchmem.fit` against the test's GPU (``gpu``, else
         the marker's, else the run's) or ``budget``, a progress line per estimate on the
         terminal; the test fails, as a failed check does, below ``at_least``."""
-        from pytest_torchmem.engine.fitting import fit
+        from pytest_torchmem.engine.fit.search import fit
 
         if at_least is not None and (isinstance(at_least, bool) or not isinstance(at_least, int) or at_least < 1):
             raise TypeError(f"torchmem.fit(at_least=...) takes a positive int, got {at_least!r}")

@@ -16,17 +16,17 @@ from typing import TYPE_CHECKING, Any, Final, Literal
 
 import pytest
 
-from pytest_torchmem.engine.gpu_profiles import GpuProfile
-from pytest_torchmem.engine.stopped import TraceStopped
+from pytest_torchmem.engine.figures.gpu_profiles import GpuProfile
+from pytest_torchmem.engine.figures.stopped import TraceStopped
 from pytest_torchmem.plugin import releases
 from pytest_torchmem.plugin.headroom import Room, room
 from pytest_torchmem.plugin.settings import Settings, gpu_present
 from pytest_torchmem.plugin.snapshots import Entry
 
 if TYPE_CHECKING:
-    from pytest_torchmem.engine.parallel import Parallel
-    from pytest_torchmem.engine.report import MemoryReport
-    from pytest_torchmem.engine.request import StepRequest
+    from pytest_torchmem.engine.parallel.mesh import Parallel
+    from pytest_torchmem.engine.figures.report import MemoryReport
+    from pytest_torchmem.engine.step.request import StepRequest
     from pytest_torchmem.engine.tracing.rules import RuleSet
     from pytest_torchmem.engine.tracing.trace import Trace
 
@@ -114,8 +114,8 @@ class Estimator:
         measured = None
         if device.startswith("cuda") and self.measures(gpu):
             # What measure(device="cuda") does: the step on the real GPU, from
-            # the state measuring.py defines (empty caches, no cuBLAS workspace).
-            from pytest_torchmem.engine.measuring import measure_step
+            # the state measuring/runs.py defines (empty caches, no cuBLAS workspace).
+            from pytest_torchmem.engine.measuring.runs import measure_step
 
             measured = measure_step(dataclasses.replace(request, device="cuda"))
         environment = device_environment(
@@ -136,9 +136,9 @@ class Estimator:
     ) -> tuple[MemoryReport, Trace]:
         """The estimate on ``device`` with this run's rules, as the hooks adjust it,
         and the trace it was read from (``parallel``: of its rank; ``"max"``: the
-        worst of the distinct ranks, :mod:`~pytest_torchmem.engine.distinct_ranks`)."""
-        from pytest_torchmem.engine.distinct_ranks import TracedRank, distinct_ranks, traced_rank
-        from pytest_torchmem.engine.report import MemoryReport
+        worst of the distinct ranks, :mod:`~pytest_torchmem.engine.every_rank`)."""
+        from pytest_torchmem.engine.every_rank import TracedRank, distinct_ranks, traced_rank
+        from pytest_torchmem.engine.figures.report import MemoryReport
         from pytest_torchmem.engine.tracing.devices import device_model
         from pytest_torchmem.engine.tracing.trace import Trace, trace, trace_ranks
 
@@ -241,7 +241,7 @@ class Estimator:
     def _this_gpu(self) -> GpuProfile | None:
         """This machine's GPU, or None where it has no profile (a ROCm GPU: the fake
         GPU is NVIDIA's)."""
-        from pytest_torchmem.engine.gpu_profiles import GpuProfileError
+        from pytest_torchmem.engine.figures.gpu_profiles import GpuProfileError
 
         try:
             return GpuProfile.from_device()

@@ -16,9 +16,9 @@ from pytest_torchmem.plugin.checking import CheckRunner
 if TYPE_CHECKING:
     from torch import nn
 
-    from pytest_torchmem.engine.parallel import Parallel
-    from pytest_torchmem.engine.report import MemoryReport
-    from pytest_torchmem.engine.step import LossFn, OptimizerFactory
+    from pytest_torchmem.engine.parallel.mesh import Parallel
+    from pytest_torchmem.engine.figures.report import MemoryReport
+    from pytest_torchmem.engine.step.built_in import LossFn, OptimizerFactory
 
 __all__ = ["TorchmemFixture"]
 

@@ -3,7 +3,7 @@
 A check's step fits a GPU when the caching allocator's reserved peak (the
 segments it holds, fragmentation included: what runs out) stays within the GPU's
 usable memory, its memory as the device reports it less what the CUDA context
-takes outside the allocator (:func:`pytest_torchmem.engine.gpu_profiles.usable_memory`).
+takes outside the allocator (:func:`pytest_torchmem.engine.figures.gpu_profiles.usable_memory`).
 Every cuda check reports its headroom on the GPU it follows; ``memory_budget(fits=...)``
 makes fitting a condition of passing, on that GPU (``fits=True``) or on others it
 names (each estimated on its own: their kernels differ).
@@ -15,9 +15,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from pytest_torchmem.engine.gpu_profiles import CUDA_CONTEXT, usable_memory
-from pytest_torchmem.engine.gpu_profiles import GpuProfile
-from pytest_torchmem.engine.units import format_bytes
+from pytest_torchmem.engine.figures.gpu_profiles import CUDA_CONTEXT, usable_memory
+from pytest_torchmem.engine.figures.gpu_profiles import GpuProfile
+from pytest_torchmem.engine.figures.units import format_bytes
 
 __all__ = ["Room", "room"]
 

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 import pytest
 
 if TYPE_CHECKING:
-    from pytest_torchmem.engine.report import MemoryReport
+    from pytest_torchmem.engine.figures.report import MemoryReport
     from pytest_torchmem.engine.tracing.rules import RuleSet
 
 __all__ = ["pytest_torchmem_add_rules", "pytest_torchmem_adjust_report"]
@@ -59,7 +59,7 @@ def pytest_torchmem_adjust_report(
 
     ``item`` is the test, ``name`` the check's name (``"default"`` unless
     ``torchmem.check(..., name=...)`` says otherwise). Return a new
-    :class:`~pytest_torchmem.engine.report.MemoryReport` (e.g. made with
+    :class:`~pytest_torchmem.engine.figures.report.MemoryReport` (e.g. made with
     ``dataclasses.replace``) to use it instead, or ``None`` to keep the
     estimate. The first implementation that returns a report wins. The
     adjusted report is what is compared, written to the snapshot and

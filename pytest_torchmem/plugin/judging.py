@@ -14,7 +14,7 @@ from decimal import Decimal
 from enum import Enum
 from typing import Any, Final
 
-from pytest_torchmem.engine.units import format_bytes
+from pytest_torchmem.engine.figures.units import format_bytes
 from pytest_torchmem.plugin.headroom import Room
 from pytest_torchmem.plugin.releases import Release
 from pytest_torchmem.plugin.snapshots import Entry, Key

@@ -16,7 +16,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from pytest_torchmem.engine.units import format_bytes
+from pytest_torchmem.engine.figures.units import format_bytes
 
 __all__ = ["LeakRecord", "leak_lines"]
 

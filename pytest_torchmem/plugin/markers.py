@@ -13,9 +13,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal
 
-from pytest_torchmem.engine.compiling import CompileOptions, compile_options
-from pytest_torchmem.engine.gpu_profiles import PROFILES, GpuProfile, gpu_profile
-from pytest_torchmem.engine.units import parse_bytes
+from pytest_torchmem.engine.step.compiling import CompileOptions, compile_options
+from pytest_torchmem.engine.figures.gpu_profiles import PROFILES, GpuProfile, gpu_profile
+from pytest_torchmem.engine.figures.units import parse_bytes
 from pytest_torchmem.plugin.judging import Tolerance
 
 __all__ = [
@@ -273,7 +273,7 @@ def parse_fits(
 
 
 def parse_compile(value: Any, where: str) -> CompileOptions | None:
-    """``compile=`` (:func:`~pytest_torchmem.engine.compiling.compile_options`): None for
+    """``compile=`` (:func:`~pytest_torchmem.engine.step.compiling.compile_options`): None for
     an eager check."""
     try:
         return compile_options(value, where)

@@ -9,8 +9,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Final
 
-from pytest_torchmem.engine.report import ROOT_NAME
-from pytest_torchmem.engine.units import format_bytes, format_delta
+from pytest_torchmem.engine.figures.report import ROOT_NAME
+from pytest_torchmem.engine.figures.units import format_bytes, format_delta
 from pytest_torchmem.plugin.judging import (
     Change,
     Mismatch,

@@ -1,7 +1,7 @@
 """What the run says about its checks: header, JSON and HTML reports, summary, exit status.
 
 The lines and the JSON data are made by :mod:`~pytest_torchmem.plugin.summary`
-and the HTML page by :mod:`~pytest_torchmem.exports.html_report`; the reporter
+and the HTML page by :mod:`~pytest_torchmem.plugin.exports.html_report`; the reporter
 writes them once, at the end of the run, in the process that is not a
 pytest-xdist worker (which sends its checks on instead).
 """
@@ -14,7 +14,7 @@ from typing import Any, Final
 
 import pytest
 
-from pytest_torchmem.engine.torch_release import release_problem
+from pytest_torchmem.engine.torch_compat.torch_release import release_problem
 from pytest_torchmem.plugin import releases
 from pytest_torchmem.plugin.fitting import fit_lines
 from pytest_torchmem.plugin.leaking import leak_lines
@@ -154,7 +154,7 @@ class Reporter:
         path = self._settings.html_path
         if path is None:
             return
-        from pytest_torchmem.exports.html_report import write_report
+        from pytest_torchmem.plugin.exports.html_report import write_report
 
         try:
             write_report(path, self._record.views, environment=self.environment())

@@ -14,7 +14,7 @@ from typing import Any, Final
 
 import pytest
 
-from pytest_torchmem.engine.gpu_profiles import (
+from pytest_torchmem.engine.figures.gpu_profiles import (
     DEFAULT_GPU,
     PROFILES,
     GpuProfile,

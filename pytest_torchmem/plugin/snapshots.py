@@ -59,7 +59,7 @@ from typing import TYPE_CHECKING, Any, Final
 from pytest_torchmem.plugin.releases import Release
 
 if TYPE_CHECKING:
-    from pytest_torchmem.engine.report import MemoryReport
+    from pytest_torchmem.engine.figures.report import MemoryReport
 
 __all__ = [
     "SNAPSHOT_DIR",

@@ -13,7 +13,7 @@ from typing import Any, Final
 
 from tabulate import tabulate
 
-from pytest_torchmem.engine.units import format_bytes, format_delta
+from pytest_torchmem.engine.figures.units import format_bytes, format_delta
 from pytest_torchmem.plugin.snapshots import Key, legacy_cpu
 from pytest_torchmem.plugin.judging import Result, Status, release_change
 from pytest_torchmem.plugin.messages import PER_TORCH_HINT, stale_reason

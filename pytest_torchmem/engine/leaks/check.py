@@ -18,12 +18,12 @@ import dataclasses
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Final
 
-from pytest_torchmem.engine.gpu_profiles import GpuProfile
+from pytest_torchmem.engine.figures.gpu_profiles import GpuProfile
 from pytest_torchmem.engine.leaks.report import LeakReport, LeakSource
-from pytest_torchmem.engine.torch_release import require_supported_torch
+from pytest_torchmem.engine.torch_compat.torch_release import require_supported_torch
 
 if TYPE_CHECKING:
-    from pytest_torchmem.engine.request import StepRequest
+    from pytest_torchmem.engine.step.request import StepRequest
     from pytest_torchmem.engine.tracing.devices import DeviceModel
     from pytest_torchmem.engine.tracing.devices.cpu.profiles import CpuProfile
     from pytest_torchmem.engine.tracing.tracker import Tracker
@@ -61,7 +61,7 @@ def leaks(
     profiler's allocator events, on cuda ``torch.cuda``'s statistics), on copies.
     """
     require_supported_torch()
-    from pytest_torchmem.engine.request import step_request
+    from pytest_torchmem.engine.step.request import step_request
 
     if iterations is not None and (not isinstance(iterations, int) or isinstance(iterations, bool) or iterations < 3):
         raise ValueError(
@@ -129,7 +129,7 @@ def _estimated(request: StepRequest, gpu: Any, cpu: Any) -> LeakReport:
 
 
 def _measured(request: StepRequest) -> LeakReport:
-    from pytest_torchmem.engine.measuring import measure_held
+    from pytest_torchmem.engine.measuring.runs import measure_held
 
     marks, baseline, profile = measure_held(request)
     return _report(request, marks, baseline, profile, (), (), measured=True)
@@ -182,7 +182,7 @@ class _Explainer:
 
     def __call__(self, iteration: int, tracker: Tracker) -> None:
         from pytest_torchmem.engine.leaks.holders import explain
-        from pytest_torchmem.engine.world.journal import active
+        from pytest_torchmem.engine.user.journal import active
 
         self.firsts.append(len(tracker.timeline.storages))
         if iteration != self.last or len(self.firsts) < 3:

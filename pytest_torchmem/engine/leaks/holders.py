@@ -25,7 +25,7 @@ import torch
 from torch.nn.parameter import UninitializedTensorMixin
 
 from pytest_torchmem.engine.leaks.report import LeakSource
-from pytest_torchmem.engine.timeline import StorageInfo, Timeline
+from pytest_torchmem.engine.figures.timeline import StorageInfo, Timeline
 
 __all__ = ["explain"]
 

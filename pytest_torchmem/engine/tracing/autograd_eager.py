@@ -27,9 +27,9 @@ from typing import Any, Final
 
 import torch
 
-from pytest_torchmem.engine import threads
-from pytest_torchmem.engine.timeline import Phase
-from pytest_torchmem.engine.torch_private import private
+from pytest_torchmem.engine.parallel import threads
+from pytest_torchmem.engine.figures.timeline import Phase
+from pytest_torchmem.engine.torch_compat.torch_private import private
 from pytest_torchmem.engine.tracing.ledger import StorageLedger
 from pytest_torchmem.engine.tracing.op_plans import number_nbytes
 from pytest_torchmem.engine.tracing.rules import REPLICA, Formula, FormulaCall, TraceContext
@@ -43,7 +43,7 @@ __all__ = [
     "SAVED_PREFIX",
 ]
 
-# torch's private names (engine/torch_private.py), bound once: read per op in backward.
+# torch's private names (engine/torch_compat/torch_private.py), bound once: read per op in backward.
 _current_autograd_node: Final = private("torch._C._current_autograd_node")
 _storage_use_count: Final = private("torch._C._storage_Use_Count")
 _SavedTensor: Final = private("torch._C._autograd.SavedTensor")

@@ -77,10 +77,10 @@ from typing import Any, Final
 import torch
 from torch import nn
 
-from pytest_torchmem.engine.report import ROOT_NAME
-from pytest_torchmem.engine.step import hook_once
-from pytest_torchmem.engine.timeline import ALLOC, ENTER, EXIT, FREE, NAMED, RESIZE, Phase, StorageInfo
-from pytest_torchmem.engine.torch_private import present, private
+from pytest_torchmem.engine.figures.report import ROOT_NAME
+from pytest_torchmem.engine.step.built_in import hook_once
+from pytest_torchmem.engine.figures.timeline import ALLOC, ENTER, EXIT, FREE, NAMED, RESIZE, Phase, StorageInfo
+from pytest_torchmem.engine.torch_compat.torch_private import present, private
 from pytest_torchmem.engine.tracing.autograd_eager import number_holders
 from pytest_torchmem.engine.tracing import replay_caches
 from pytest_torchmem.engine.tracing.replay_events import Layout, layout_of, standin
@@ -236,7 +236,7 @@ class BlockReplay:
         forward, and are traced for every block; what runs inside is the same on every
         block. Anything else (DDP's reducer, whose hooks on the parameters' gradients a
         replayed backward would skip; tensor parallel's DTensors) is traced."""
-        from pytest_torchmem.engine.pipeline import Pipelined
+        from pytest_torchmem.engine.parallel.pipeline import Pipelined
 
         self.pipeline = isinstance(model, Pipelined)
         # (a copy apply replaced is not held; a pipeline's stages are the copy's, sharded in place)

@@ -26,9 +26,9 @@ from typing import Any, Final
 
 from torch import nn
 
-from pytest_torchmem.engine.torch_private import entry, present, private
-from pytest_torchmem.engine.torch_private_compiled import COMPILED_ENTRIES
-from pytest_torchmem.engine.torch_replacing import replacing
+from pytest_torchmem.engine.torch_compat.torch_private import entry, present, private
+from pytest_torchmem.engine.torch_compat.torch_private_compiled import COMPILED_ENTRIES
+from pytest_torchmem.engine.torch_compat.torch_replacing import replacing
 
 __all__ = [
     "EAGER_REASON",
@@ -90,7 +90,7 @@ def isolating() -> bool:
 @functools.cache
 def following_blocked() -> str | None:
     """The first private torch name that following a compiled program needs and this torch
-    lacks (:data:`~pytest_torchmem.engine.torch_private.COMPILED_ENTRIES`), or None. Where
+    lacks (:data:`~pytest_torchmem.engine.torch_compat.torch_private.COMPILED_ENTRIES`), or None. Where
     one is missing no compiled region is followed: each runs eagerly, listed with its name."""
     return next((e.path for e in COMPILED_ENTRIES if not present(e.path)), None)
 

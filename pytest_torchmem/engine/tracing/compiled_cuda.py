@@ -37,15 +37,15 @@ from typing import Any, Final, Protocol
 
 import torch
 
-from pytest_torchmem.engine.torch_private import private
-from pytest_torchmem.engine.torch_replacing import replacing, replacing_item
+from pytest_torchmem.engine.torch_compat.torch_private import private
+from pytest_torchmem.engine.torch_compat.torch_replacing import replacing, replacing_item
 from pytest_torchmem.engine.tracing.devices.cuda.gpu_view import autocast_opens_cuda_regions
 from pytest_torchmem.engine.tracing.devices.cuda.profiles import GpuProfile
 from pytest_torchmem.engine.tracing.inductor_device import Enter, as_the_gpu, unguarded
 
 __all__ = ["CudaProgram", "Gap", "GRAPH_POOL", "without_function_modes"]
 
-# torch's private names (engine/torch_private.py)
+# torch's private names (engine/torch_compat/torch_private.py)
 _FAKE_TENSOR: Final = "torch._subclasses.fake_tensor.FakeTensor"
 FakeTensor: Final = private(_FAKE_TENSOR)
 _len_torch_function_stack: Final = private("torch._C._len_torch_function_stack")

@@ -49,12 +49,12 @@ from typing import Any, Final, Protocol
 import torch
 from torch import nn
 
-from pytest_torchmem.engine.report import Unsupported
-from pytest_torchmem.engine.timeline import Phase
-from pytest_torchmem.engine.torch_private import private
-from pytest_torchmem.engine.torch_replacing import replacing
+from pytest_torchmem.engine.figures.report import Unsupported
+from pytest_torchmem.engine.figures.timeline import Phase
+from pytest_torchmem.engine.torch_compat.torch_private import private
+from pytest_torchmem.engine.torch_compat.torch_replacing import replacing
 from pytest_torchmem.engine.tracing.devices.cpu.profiles import CpuProfile
-from pytest_torchmem.engine.tracing.generated_code import output_directory, remember
+from pytest_torchmem.engine.user.generated_code import output_directory, remember
 from pytest_torchmem.engine.tracing.inductor_device import host_vector_isa
 
 __all__ = [

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Final
 
-from pytest_torchmem.engine.torch_private import private
+from pytest_torchmem.engine.torch_compat.torch_private import private
 
 __all__ = [
     "CANNOT_RUN",

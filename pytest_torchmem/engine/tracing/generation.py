@@ -30,8 +30,8 @@ from typing import Any, Final
 import torch
 from torch import nn
 
-from pytest_torchmem.engine.report import Unsupported
-from pytest_torchmem.engine.torch_replacing import swapped
+from pytest_torchmem.engine.figures.report import Unsupported
+from pytest_torchmem.engine.torch_compat.torch_replacing import swapped
 
 __all__ = ["beams_run_on"]
 

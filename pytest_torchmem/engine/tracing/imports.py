@@ -26,11 +26,11 @@ from typing import Any, Final
 
 import torch
 
-from pytest_torchmem.engine.torch_private import private
+from pytest_torchmem.engine.torch_compat.torch_private import private
 
 __all__ = ["IMPORTING", "importing", "imports_outside_the_step"]
 
-# torch's private names (engine/torch_private.py)
+# torch's private names (engine/torch_compat/torch_private.py)
 _disable_current_modes: Final = private("torch.utils._python_dispatch._disable_current_modes")
 _DisableTorchFunction: Final = private("torch._C.DisableTorchFunction")
 

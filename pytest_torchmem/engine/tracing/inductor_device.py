@@ -14,7 +14,7 @@
   this host, read from the CPU's flags instead of compiling and loading a
   probe program per ISA (seconds each, a large part of a small program's build).
 
-Every replacement goes through :mod:`pytest_torchmem.engine.torch_private` (each an
+Every replacement goes through :mod:`pytest_torchmem.engine.torch_compat.torch_private` (each an
 entry of its table) and is undone when its context ends.
 """
 
@@ -29,15 +29,15 @@ from typing import Any, Final
 import torch
 from torch.overrides import TorchFunctionMode
 
-from pytest_torchmem.engine.gpu_profiles import GpuProfile
-from pytest_torchmem.engine.torch_private import private
-from pytest_torchmem.engine.torch_replacing import on_this_thread, replacing, replacing_item
+from pytest_torchmem.engine.figures.gpu_profiles import GpuProfile
+from pytest_torchmem.engine.torch_compat.torch_private import private
+from pytest_torchmem.engine.torch_compat.torch_replacing import on_this_thread, replacing, replacing_item
 from pytest_torchmem.engine.tracing.devices.cuda.gpu_view import gpu_properties
-from pytest_torchmem.engine.tracing.generated_code import remember
+from pytest_torchmem.engine.user.generated_code import remember
 
 __all__ = ["Enter", "as_the_gpu", "host_vector_isa", "unguarded"]
 
-# torch's private names (engine/torch_private.py)
+# torch's private names (engine/torch_compat/torch_private.py)
 FakeTensor: Final = private("torch._subclasses.fake_tensor.FakeTensor")
 
 _GPU: Final = torch.device("cuda", 0)

@@ -35,8 +35,8 @@ from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final
 
-from pytest_torchmem.engine.holdings import lend
-from pytest_torchmem.engine.parallel import fake_world
+from pytest_torchmem.engine.step.holdings import lend
+from pytest_torchmem.engine.parallel.mesh import fake_world
 from pytest_torchmem.engine.tracing.compiled import watch_compiled
 from pytest_torchmem.engine.tracing.devices.cuda.gpu_view import gpu_view
 from pytest_torchmem.engine.tracing.devices.cuda.streams import GpuStreams
@@ -50,9 +50,9 @@ from pytest_torchmem.engine.tracing.rng_states import charged_rng_states
 if TYPE_CHECKING:
     from torch import nn
 
-    from pytest_torchmem.engine.holdings import Holdings
-    from pytest_torchmem.engine.model_state import Converted
-    from pytest_torchmem.engine.parallel import Parallel
+    from pytest_torchmem.engine.step.holdings import Holdings
+    from pytest_torchmem.engine.user.model_state import Converted
+    from pytest_torchmem.engine.parallel.mesh import Parallel
     from pytest_torchmem.engine.tracing.compiled_program import Following
     from pytest_torchmem.engine.tracing.tracker import Tracker
 

@@ -1,6 +1,6 @@
 """The storages of one trace: each recorded once when it is made, and freed when its last reference dies.
 
-The ledger keeps the trace's :class:`~pytest_torchmem.engine.timeline.Timeline`:
+The ledger keeps the trace's :class:`~pytest_torchmem.engine.figures.timeline.Timeline`:
 every storage the step makes or finds live before it, keyed by its identity
 (views and in-place results share their base's storage and cost nothing), with
 a weak reference that frees it exactly when the eager program would drop its
@@ -18,11 +18,11 @@ from typing import Any, Final
 
 import torch
 
-from pytest_torchmem.engine.layouts import parts
-from pytest_torchmem.engine.report import Category
-from pytest_torchmem.engine.timeline import Phase, StorageInfo, Timeline
-from pytest_torchmem.engine.torch_private import private
-from pytest_torchmem.engine.tracing.user_code import runner_dirs, user_frames
+from pytest_torchmem.engine.user.layouts import parts
+from pytest_torchmem.engine.figures.report import Category
+from pytest_torchmem.engine.figures.timeline import Phase, StorageInfo, Timeline
+from pytest_torchmem.engine.torch_compat.torch_private import private
+from pytest_torchmem.engine.user.user_code import runner_dirs, user_frames
 
 __all__ = ["StorageLedger", "autograd_node"]
 

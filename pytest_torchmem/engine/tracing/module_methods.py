@@ -33,12 +33,12 @@ from typing import Any, Final
 import torch
 from torch import nn
 
-from pytest_torchmem.engine.torch_private import private
-from pytest_torchmem.engine.torch_replacing import on_this_thread
+from pytest_torchmem.engine.torch_compat.torch_private import private
+from pytest_torchmem.engine.torch_compat.torch_replacing import on_this_thread
 
 __all__ = ["module_methods_on_fakes"]
 
-# torch's private names (engine/torch_private.py)
+# torch's private names (engine/torch_compat/torch_private.py)
 FakeTensor: Final = private("torch._subclasses.fake_tensor.FakeTensor")
 _has_compatible_shallow_copy_type: Final = private("torch._has_compatible_shallow_copy_type")
 

@@ -19,7 +19,7 @@ from typing import Any, Final
 
 import torch
 
-from pytest_torchmem.engine.torch_private import private
+from pytest_torchmem.engine.torch_compat.torch_private import private
 from pytest_torchmem.engine.tracing.rules import (
     CheckRule,
     CompositeRule,

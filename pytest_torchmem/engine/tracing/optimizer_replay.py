@@ -41,7 +41,7 @@ from typing import Any, Final
 
 import torch
 
-from pytest_torchmem.engine.torch_private import private
+from pytest_torchmem.engine.torch_compat.torch_private import private
 from pytest_torchmem.engine.tracing.replay_events import Kept, Said, made_and_touched, replay_events
 from pytest_torchmem.engine.tracing.replay_state import switches, tensor_state, value_state
 
@@ -64,7 +64,7 @@ FIRST_STEP_REPEATS: Final = frozenset(
     getattr(torch.optim, name) for name in ("Adam", "AdamW", "Adagrad", "Adamax", "NAdam", "RMSprop", "Adadelta")
 )
 
-#: Where torch keeps the hooks every optimizer's step runs (entries of engine/torch_private.py).
+#: Where torch keeps the hooks every optimizer's step runs (entries of engine/torch_compat/torch_private.py).
 _GLOBAL_HOOKS: Final = "torch.optim.optimizer."
 
 _DisableTorchFunction: Final = private("torch._C.DisableTorchFunction")

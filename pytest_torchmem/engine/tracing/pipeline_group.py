@@ -53,7 +53,7 @@ from typing import Any, Final
 
 import torch
 
-from pytest_torchmem.engine.torch_private import P2P_FUNCTIONS, present, private
+from pytest_torchmem.engine.torch_compat.torch_private import P2P_FUNCTIONS, present, private
 
 _no_modes: Final = private("torch.utils._python_dispatch._disable_current_modes")
 FakeTensor: Final = private("torch._subclasses.fake_tensor.FakeTensor")
@@ -292,7 +292,7 @@ class PipelineGroup:
         import torch.distributed as dist
         from torch.distributed import distributed_c10d
 
-        from pytest_torchmem.engine.torch_replacing import replacing
+        from pytest_torchmem.engine.torch_compat.torch_replacing import replacing
 
         world = private("torch.testing._internal.distributed.multi_threaded_pg.ThreadLocalWorld")
         isolation = private("torch._C._distributed_c10d._set_thread_isolation_mode")
@@ -426,7 +426,7 @@ def _ddp_forward_per_thread() -> Iterator[None]:
     restored around each forward, and ranks' forwards interleaved on threads would leave
     one rank's DDP module there after the estimate (every later ``torch.compile`` then
     splits its graphs for it)."""
-    from pytest_torchmem.engine.torch_replacing import replacing
+    from pytest_torchmem.engine.torch_compat.torch_replacing import replacing
 
     local = threading.local()
 

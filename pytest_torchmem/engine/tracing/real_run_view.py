@@ -51,8 +51,8 @@ from threading import get_ident
 from types import FrameType
 from typing import Any, Final
 
-from pytest_torchmem.engine.torch_private import private
-from pytest_torchmem.engine.torch_replacing import replacing_for_readers
+from pytest_torchmem.engine.torch_compat.torch_private import private
+from pytest_torchmem.engine.torch_compat.torch_replacing import replacing_for_readers
 from pytest_torchmem.engine.tracing.the_program import NOT_THE_PROGRAM, is_the_program, looks_it_up
 
 __all__ = ["FAKE_TENSOR_NAMES", "never_an_instance", "real_run_view"]

@@ -1,7 +1,7 @@
 """Trace once, replay the rest: a training loop's forward and backward, recorded in its
 first iteration and replayed in the later ones.
 
-The built-in step with an optimizer runs as a loop (step.py): the first iteration
+The built-in step with an optimizer runs as a loop (step/built_in.py): the first iteration
 makes the optimizer's state, the second is the steady state every later one
 repeats. The forward and backward of each iteration are the same Python program
 on the same model and batch, so they dispatch the same ops on the same shapes;
@@ -61,9 +61,9 @@ from typing import Any, Final
 import torch
 from torch import nn
 
-from pytest_torchmem.engine.containers import tensors_in
-from pytest_torchmem.engine.timeline import Phase
-from pytest_torchmem.engine.torch_private import private
+from pytest_torchmem.engine.user.containers import tensors_in
+from pytest_torchmem.engine.figures.timeline import Phase
+from pytest_torchmem.engine.torch_compat.torch_private import private
 from pytest_torchmem.engine.tracing.optimizer_replay import OptimizerReplay
 from pytest_torchmem.engine.tracing.replay_events import (
     Kept,

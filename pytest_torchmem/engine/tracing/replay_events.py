@@ -11,8 +11,8 @@ from typing import Any, Final
 
 import torch
 
-from pytest_torchmem.engine.timeline import ALLOC, FREE, PHASE, RESIZE
-from pytest_torchmem.engine.torch_private import private
+from pytest_torchmem.engine.figures.timeline import ALLOC, FREE, PHASE, RESIZE
+from pytest_torchmem.engine.torch_compat.torch_private import private
 
 __all__ = ["Kept", "Layout", "Said", "layout_of", "made_and_touched", "replay_events", "standin"]
 

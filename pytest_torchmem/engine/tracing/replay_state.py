@@ -8,8 +8,8 @@ from typing import Any, Final
 import torch
 from torch import nn
 
-from pytest_torchmem.engine.step import ModuleTracker
-from pytest_torchmem.engine.torch_private import private
+from pytest_torchmem.engine.step.built_in import ModuleTracker
+from pytest_torchmem.engine.torch_compat.torch_private import private
 
 __all__ = ["IMMUTABLE", "global_hooks", "hooked_modules", "model_state", "neutral", "own_hooks", "parameter_hooks", "switches", "tensor_state", "value_state"]
 

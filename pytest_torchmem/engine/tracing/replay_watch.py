@@ -50,7 +50,7 @@ from types import CodeType, FrameType
 from typing import Any, Final
 
 from pytest_torchmem.engine.tracing.replay_state import IMMUTABLE
-from pytest_torchmem.engine.tracing.user_code import OWN_DIRS
+from pytest_torchmem.engine.user.user_code import OWN_DIRS
 
 __all__ = ["Watch", "cell_contents", "module_globals", "unchanged"]
 

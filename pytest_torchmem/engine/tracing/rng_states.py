@@ -19,13 +19,13 @@ from typing import Any, Final
 
 import torch
 
-from pytest_torchmem.engine.torch_private import private
-from pytest_torchmem.engine.torch_replacing import replacing
+from pytest_torchmem.engine.torch_compat.torch_private import private
+from pytest_torchmem.engine.torch_compat.torch_replacing import replacing
 from pytest_torchmem.engine.tracing.the_program import dispatch_depth, out_of_the_programs_sight
 
 __all__ = ["charged_rng_states"]
 
-# torch's private names (engine/torch_private.py)
+# torch's private names (engine/torch_compat/torch_private.py)
 _FakeTensor: Final = private("torch._subclasses.fake_tensor.FakeTensor")
 _get_dispatch_mode: Final = private("torch._C._get_dispatch_mode")
 _FAKE_KEY: Final = private("torch._C._TorchDispatchModeKey.FAKE")

@@ -28,7 +28,7 @@ A device model describes, per aten op, what the fake trace cannot see:
   ``CompositeExplicitAutograd`` op with no meta kernel): the ops it calls are
   traced, and charged, one by one;
 * **sparse rules** replace the fake kernel of a call with a sparse argument
-  (a COO tensor: its memory is in its parts, ``engine/layouts.py``): the
+  (a COO tensor: its memory is in its parts, ``engine/user/layouts.py``): the
   fake kernel does not know how many elements a sparse result specifies
   (it makes none), so the rule makes the result's parts as the device's
   kernel does, with dense ops the trace records (``call.default()`` where
@@ -55,7 +55,7 @@ from typing import Any, Final, TypeAlias
 
 import torch
 
-from pytest_torchmem.engine.torch_private import private
+from pytest_torchmem.engine.torch_compat.torch_private import private
 
 __all__ = [
     "Alloc",
@@ -78,7 +78,7 @@ __all__ = [
     "Steps",
 ]
 
-# torch's private names (engine/torch_private.py)
+# torch's private names (engine/torch_compat/torch_private.py)
 OpOverload: Final = private("torch._ops.OpOverload")
 OpOverloadPacket: Final = private("torch._ops.OpOverloadPacket")
 

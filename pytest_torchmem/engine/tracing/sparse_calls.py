@@ -18,14 +18,14 @@ from typing import Any, Final
 
 import torch
 
-from pytest_torchmem.engine.layouts import parts, sparse_like
-from pytest_torchmem.engine.torch_private import private
+from pytest_torchmem.engine.user.layouts import parts, sparse_like
+from pytest_torchmem.engine.torch_compat.torch_private import private
 from pytest_torchmem.engine.tracing.rules import OpCall
 from pytest_torchmem.engine.tracing.values import MAX_NUMEL
 
 __all__ = ["eager_refusal", "fake_sparse_like", "quiet_meta_failures", "sparse_among", "sparse_in"]
 
-# torch's private names (engine/torch_private.py)
+# torch's private names (engine/torch_compat/torch_private.py)
 _DisableTorchDispatch: Final = private("torch._C._DisableTorchDispatch")
 FakeTensor: Final = private("torch._subclasses.fake_tensor.FakeTensor")
 FakeTensorMode: Final = private("torch._subclasses.fake_tensor.FakeTensorMode")

@@ -7,7 +7,7 @@ tensors caused it (:data:`READS_VALUES`) or where it came after a value-dependen
 op got a stand-in value (:data:`AFTER_STAND_IN`; a device mismatch there has
 advice of its own). :func:`stop_of` tells those exceptions from the program's
 own, which propagate unchanged. The trace then raises
-:class:`~pytest_torchmem.engine.stopped.TraceStopped` with the stop's entry and advice.
+:class:`~pytest_torchmem.engine.figures.stopped.TraceStopped` with the stop's entry and advice.
 """
 
 from __future__ import annotations
@@ -18,12 +18,12 @@ from typing import Final
 
 import torch
 
-from pytest_torchmem.engine.nesting import NestedStepError
-from pytest_torchmem.engine.report import Unsupported
-from pytest_torchmem.engine.stopped import STOPPED_HERE
-from pytest_torchmem.engine.torch_private import present, private
+from pytest_torchmem.engine.step.nesting import NestedStepError
+from pytest_torchmem.engine.figures.report import Unsupported
+from pytest_torchmem.engine.figures.stopped import STOPPED_HERE
+from pytest_torchmem.engine.torch_compat.torch_private import present, private
 from pytest_torchmem.engine.tracing.fake_limits import fake_tensor_limit, first_line
-from pytest_torchmem.engine.tracing.user_code import location_in
+from pytest_torchmem.engine.user.user_code import location_in
 
 __all__ = [
     "AFTER_STAND_IN",

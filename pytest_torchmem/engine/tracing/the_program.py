@@ -22,7 +22,7 @@ from typing import Final
 
 import torch
 
-from pytest_torchmem.engine.torch_private import private
+from pytest_torchmem.engine.torch_compat.torch_private import private
 from pytest_torchmem.engine.tracing.imports import importing
 
 __all__ = [
@@ -35,7 +35,7 @@ __all__ = [
     "out_of_the_programs_sight",
 ]
 
-# torch's private names (engine/torch_private.py)
+# torch's private names (engine/torch_compat/torch_private.py)
 _len_dispatch_stack: Final = private("torch._C._len_torch_dispatch_stack")
 _pop_mode: Final = private("torch.utils._python_dispatch._pop_mode")
 _push_mode: Final = private("torch.utils._python_dispatch._push_mode")

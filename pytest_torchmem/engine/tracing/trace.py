@@ -10,11 +10,11 @@ from typing import TYPE_CHECKING, Any, Final
 import torch
 from torch import nn
 
-from pytest_torchmem.engine.holdings import converted, holdings_of
-from pytest_torchmem.engine.layouts import sparse_like
-from pytest_torchmem.engine.model_state import Converted, StandIns, hook_failure
-from pytest_torchmem.engine.nesting import one_step
-from pytest_torchmem.engine.parallel import (
+from pytest_torchmem.engine.step.holdings import converted, holdings_of
+from pytest_torchmem.engine.user.layouts import sparse_like
+from pytest_torchmem.engine.user.model_state import Converted, StandIns, hook_failure
+from pytest_torchmem.engine.step.nesting import one_step
+from pytest_torchmem.engine.parallel.mesh import (
     Parallel,
     applied,
     entered_per_iteration,
@@ -22,9 +22,9 @@ from pytest_torchmem.engine.parallel import (
     local_tensors,
     model_copy,
 )
-from pytest_torchmem.engine.pipeline import Pipelined
-from pytest_torchmem.engine.report import Category, MemoryReport, StepPeaks, Unsupported
-from pytest_torchmem.engine.step import (
+from pytest_torchmem.engine.parallel.pipeline import Pipelined
+from pytest_torchmem.engine.figures.report import Category, MemoryReport, StepPeaks, Unsupported
+from pytest_torchmem.engine.step.built_in import (
     LossFn,
     ModuleTracker,
     NoModules,
@@ -33,10 +33,10 @@ from pytest_torchmem.engine.step import (
     module_names,
     run_step,
 )
-from pytest_torchmem.engine.step_function import StepFunction
-from pytest_torchmem.engine.stopped import TraceStopped
-from pytest_torchmem.engine.timeline import CATEGORY_RANK, Analysis, Phase, Timeline, analyze, highest
-from pytest_torchmem.engine.torch_private import private
+from pytest_torchmem.engine.step.step_function import StepFunction
+from pytest_torchmem.engine.figures.stopped import TraceStopped
+from pytest_torchmem.engine.figures.timeline import CATEGORY_RANK, Analysis, Phase, Timeline, analyze, highest
+from pytest_torchmem.engine.torch_compat.torch_private import private
 from pytest_torchmem.engine.tracing.block_replay import BlockReplay, BlockReplayMiss
 from pytest_torchmem.engine.tracing.compiled_program import (
     CompiledModules,
@@ -57,11 +57,11 @@ from pytest_torchmem.engine.tracing.stops import Stop
 from pytest_torchmem.engine.tracing.tracker import Tracker
 
 if TYPE_CHECKING:
-    from pytest_torchmem.engine.request import StepRequest
+    from pytest_torchmem.engine.step.request import StepRequest
 
 __all__ = ["Trace", "adopt", "fake_empty", "fake_standins", "trace", "trace_ranks", "trace_request", "trace_request_ranks"]
 
-# torch's private names (engine/torch_private.py)
+# torch's private names (engine/torch_compat/torch_private.py)
 FakeTensor: Final = private("torch._subclasses.fake_tensor.FakeTensor")
 FakeTensorMode: Final = private("torch._subclasses.fake_tensor.FakeTensorMode")
 no_dispatch: Final = private("torch.utils._mode_utils.no_dispatch")
@@ -127,10 +127,10 @@ def trace(
     optimizer step, as for compiled modules; a compiled optimizer step alone is
     compiled where it runs (its optimizer is new in each step).
 
-    A trace that stops raises :class:`~pytest_torchmem.engine.stopped.TraceStopped`,
+    A trace that stops raises :class:`~pytest_torchmem.engine.figures.stopped.TraceStopped`,
     with the partial report and this trace; the program's own errors propagate as
     they are. A trace started inside the step of another (or of a measurement) is
-    refused (:class:`~pytest_torchmem.engine.nesting.NestedStepError`).
+    refused (:class:`~pytest_torchmem.engine.step.nesting.NestedStepError`).
     """
     with one_step("tm.estimate()"), excepthook_kept():
         traced = _traced(
@@ -163,7 +163,7 @@ def trace_ranks(
     """:func:`trace` of each of ``ranks`` of ``parallel`` (``options`` as :func:`trace`
     takes them), by rank: a pipeline's ranks are traced together, once per pipeline, and
     the other stages of a pipeline traced for one of ``ranks`` come with it. A trace that
-    stops raises :class:`~pytest_torchmem.engine.stopped.TraceStopped` (the lowest such
+    stops raises :class:`~pytest_torchmem.engine.figures.stopped.TraceStopped` (the lowest such
     rank's)."""
     traces: dict[int, Trace] = {}
     for rank in ranks:
@@ -199,7 +199,7 @@ def _traced(
 ) -> Trace:
     """The trace of :func:`trace`, stopped or not; ``peers`` gets the traces of the
     other ranks of a pipeline, traced with it."""
-    from pytest_torchmem.engine.distributed import settle_autograd_threads
+    from pytest_torchmem.engine.parallel.real_ranks import settle_autograd_threads
 
     settle_autograd_threads()  # before the first fake mode: measure(parallel=...)'s ranks fork
     # the options of every trace of the step, whichever way it is traced
@@ -275,7 +275,7 @@ def _traced_pipeline(
     (pipeline_group.py), by rank: every rank's (``whole``), or ``rank``'s alone, its peers
     traced through their set-up only (None where a receive from one of them needed more
     than its bytes)."""
-    from pytest_torchmem.engine import threads
+    from pytest_torchmem.engine.parallel import threads
     from pytest_torchmem.engine.tracing.pipeline_group import (
         PeerGone,
         PipelineGroup,
@@ -283,7 +283,7 @@ def _traced_pipeline(
         SetUpOnly,
     )
 
-    from pytest_torchmem.engine.torch_release import PIPELINING, torch_minor
+    from pytest_torchmem.engine.torch_compat.torch_release import PIPELINING, torch_minor
 
     if not PIPELINING[0] <= torch_minor() <= PIPELINING[1]:
         raise NotImplementedError(
@@ -824,7 +824,7 @@ def _fake_parameter(t: torch.Tensor, requires_grad: bool) -> torch.Tensor:
     """Mark a fresh fake tensor as a parameter, as ``nn.Parameter`` does for tensor
     subclasses (``isinstance(t, nn.Parameter)`` holds), without its ``detach()``."""
     t.requires_grad_(requires_grad)
-    # nn.Parameter's isinstance check reads _is_param (engine/torch_private.py:
+    # nn.Parameter's isinstance check reads _is_param (engine/torch_compat/torch_private.py:
     # torch.nn.parameter._ParameterMeta.__instancecheck__)
     t._is_param = True  # type: ignore[attr-defined]
     return t

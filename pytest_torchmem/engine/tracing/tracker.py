@@ -12,7 +12,8 @@ Its rooms: :mod:`.ledger` keeps the storages (made, freed, resized);
 :mod:`.op_plans` works out once what each op's schema and the device's rules
 say; :mod:`.autograd_eager` makes autograd on fake tensors do what it does on
 plain ones; :mod:`.fake_limits` tells what fake tensors cannot do from the
-program's own errors.
+program's own errors; :mod:`.on_values` runs an op they cannot run on the values the
+trace knows.
 """
 
 from __future__ import annotations
@@ -26,12 +27,12 @@ from typing import Any, Final
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from pytest_torchmem.engine.layouts import COMPRESSED, parts
-from pytest_torchmem.engine.report import Category, Unsupported
-from pytest_torchmem.engine.timeline import ENTER as _ENTER
-from pytest_torchmem.engine.timeline import EXIT as _EXIT
-from pytest_torchmem.engine.timeline import Phase
-from pytest_torchmem.engine.torch_private import private
+from pytest_torchmem.engine.user.layouts import COMPRESSED, parts
+from pytest_torchmem.engine.figures.report import Category, Unsupported
+from pytest_torchmem.engine.figures.timeline import ENTER as _ENTER
+from pytest_torchmem.engine.figures.timeline import EXIT as _EXIT
+from pytest_torchmem.engine.figures.timeline import Phase
+from pytest_torchmem.engine.torch_compat.torch_private import private
 from pytest_torchmem.engine.tracing.autograd_eager import AutogradAsEager
 from pytest_torchmem.engine.tracing.fake_limits import (
     NEEDS_VALUES,
@@ -41,6 +42,7 @@ from pytest_torchmem.engine.tracing.fake_limits import (
     first_line,
 )
 from pytest_torchmem.engine.tracing.ledger import StorageLedger, autograd_node
+from pytest_torchmem.engine.tracing.on_values import OnValues
 from pytest_torchmem.engine.tracing.op_plans import OpPlan, OpPlanner, number_nbytes, wrapped_numbers, written
 from pytest_torchmem.engine.tracing.rules import (
     OUTPUTS,
@@ -54,9 +56,7 @@ from pytest_torchmem.engine.tracing.rules import (
     TraceContext,
 )
 from pytest_torchmem.engine.tracing.stops import (
-    CANNOT_RUN,
     COMPRESSED_SPARSE,
-    VALUES,
     Stop,
     stop_of,
     stopped_here,
@@ -68,7 +68,7 @@ from pytest_torchmem.engine.tracing.sparse_calls import (
     sparse_among,
     sparse_in,
 )
-from pytest_torchmem.engine.tracing.user_code import user_location
+from pytest_torchmem.engine.user.user_code import user_location
 from pytest_torchmem.engine.tracing.values import ABSORBING, KnownValues, ValueKind
 
 __all__ = [
@@ -79,7 +79,7 @@ __all__ = [
     "fake_tensor_limit",
 ]
 
-# torch's private names (engine/torch_private.py), bound once: the dispatch reads them per op.
+# torch's private names (engine/torch_compat/torch_private.py), bound once: the dispatch reads them per op.
 _DisableTorchFunction: Final = private("torch._C.DisableTorchFunction")
 _set_eval_frame: Final = private("torch._C._dynamo.eval_frame.set_eval_frame")
 _len_torch_dispatch_stack: Final = private("torch._C._len_torch_dispatch_stack")
@@ -121,7 +121,7 @@ def _skipped_by_dynamo() -> None:
         skip(dispatch)
 
 
-class Tracker(TorchDispatchMode):
+class Tracker(OnValues, TorchDispatchMode):
     """Records the storage timeline of the ops dispatched while it is active."""
 
     def __init__(
@@ -277,7 +277,7 @@ class Tracker(TorchDispatchMode):
         it is freed, from 0 it is a new block."""
         self.ledger.storage_resized(t)
 
-    # -- the step's progress (the Probe protocol of pytest_torchmem.engine.step) ----
+    # -- the step's progress (the Probe protocol of pytest_torchmem.engine.step.built_in) ----
 
     def new_forward(self) -> None:
         """A forward of its own begins within the phase (a pipeline stage's micro-batch: its
@@ -455,12 +455,7 @@ class Tracker(TorchDispatchMode):
             if not self.values.settled(args, kwargs):
                 self.unsettled_reads += 1
         if cannot_run is not None:
-            # where every argument's value is known, the op runs on them
-            known, real_out = self.values.run(func, plan.values, args, kwargs)
-            if not known:
-                self.values_missed += 1
-                self._abort(func, f"fake tensors cannot run it ({cannot_run})", CANNOT_RUN)
-            out = self._from_values(plan, real_out, args)
+            out, real_out = self._ran_on_values(plan, args, kwargs, cannot_run)
         elif needs_values is not None:
             out, real_out = self._data_dependent(plan, args, kwargs, needs_values)
 
@@ -774,54 +769,6 @@ class Tracker(TorchDispatchMode):
             self._inexact.add(entry)
             self.unsupported.append(entry)
 
-    def _data_dependent(self, plan: OpPlan, args: Any, kwargs: Any, why: str) -> tuple[Any, Any]:
-        """The outputs of a value-dependent op, and their real values (or ``None``):
-        run on the values where the trace knows every argument's, else the op's
-        fallback rule (exact where the values it needs are known)."""
-        func = plan.func
-        known, real = self.values.run(func, plan.values, args, kwargs)
-        if known:
-            return self._from_values(plan, real, args), real
-        self.values_missed += 1
-        fallback = self.rules.fallback_rule(func)
-        if fallback is None:
-            self._abort(func, f"output depends on tensor values ({why})", VALUES)
-        out, reason = fallback(OpCall(func, args, kwargs, context=self.context))
-        if reason is not None:
-            entry = Unsupported(str(func), reason, user_location())
-            self.unsupported.append(entry)
-            if self._assumed is None:
-                self._assumed = entry
-        return out, None
-
-    def _from_values(self, plan: OpPlan, real: Any, args: Any) -> Any:
-        """Fake outputs like ``real``, the op's outputs run on the values. The device
-        model vouches for the kernel's other buffers where it has a rule for the op
-        (a scratch rule, or a fallback written for it); otherwise the op is listed."""
-        if plan.scratch is None and self.rules.fallback_rule(plan.func) is None:
-            self._report_inexact(
-                plan.name,
-                "its outputs were made from the tensors' values (fake tensors cannot run it); "
-                "what its kernel allocates beside them is not modelled",
-            )
-        return self._faked(real, args)
-
-    def _faked(self, real: Any, args: Any) -> Any:
-        """Fake tensors with the geometry (and storage size) of the real outputs ``real``."""
-        if isinstance(real, (tuple, list)):
-            return type(real)(self._faked(r, args) for r in real)
-        if not isinstance(real, torch.Tensor):
-            return real
-        device = next(
-            (a.fake_device for a in _tensors_in(args) if type(a) is FakeTensor), self.device
-        )
-        # (not fake_like: FakeTensorMode's dispatch cache keeps the storage given to
-        # set_, which would never be freed)
-        out = torch.empty(
-            real.untyped_storage().nbytes() // real.element_size(), dtype=real.dtype, device=device
-        )
-        return out.as_strided_(real.shape, real.stride(), real.storage_offset())
-
     def _abort(self, func: Any, reason: str, advice: str) -> None:
         """Stop the trace at ``func`` (see :attr:`stop`)."""
         self._stopped(stopped_here(str(func), reason, user_location(), advice))
@@ -857,14 +804,6 @@ class Tracker(TorchDispatchMode):
 def _composite(func: Any) -> bool:
     """Whether ``func`` has a ``CompositeImplicitAutograd`` kernel."""
     return _has_kernel_for(func.name(), "CompositeImplicitAutograd")
-
-
-def _tensors_in(values: Any) -> Iterable[Any]:
-    for value in values:
-        if isinstance(value, (list, tuple)):
-            yield from value
-        else:
-            yield value
 
 
 def _needs_faking(value: Any) -> bool:

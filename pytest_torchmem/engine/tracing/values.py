@@ -49,7 +49,7 @@ from typing import Any, Final
 
 import torch
 
-from pytest_torchmem.engine.torch_private import private
+from pytest_torchmem.engine.torch_compat.torch_private import private
 from pytest_torchmem.engine.tracing.exchanged_values import EXCHANGES, exchanged
 
 __all__ = [
@@ -64,7 +64,7 @@ __all__ = [
     "value_kind",
 ]
 
-# torch's private names (engine/torch_private.py), bound once: read per op.
+# torch's private names (engine/torch_compat/torch_private.py), bound once: read per op.
 FakeTensor: Final = private("torch._subclasses.fake_tensor.FakeTensor")
 _DisableTorchDispatch: Final = private("torch._C._DisableTorchDispatch")
 _OpOverload: Final = private("torch._ops.OpOverload")

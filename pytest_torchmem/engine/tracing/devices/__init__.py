@@ -18,7 +18,7 @@ from typing import Any, Final
 
 import torch
 
-from pytest_torchmem.engine.timeline import Allocator
+from pytest_torchmem.engine.figures.timeline import Allocator
 from pytest_torchmem.engine.tracing.devices import cuda
 from pytest_torchmem.engine.tracing.devices.cpu import CPU
 from pytest_torchmem.engine.tracing.devices.cpu.router import CpuRouter

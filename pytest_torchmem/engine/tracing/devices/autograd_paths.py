@@ -55,14 +55,14 @@ from typing import Any, Final
 
 import torch
 
-from pytest_torchmem.engine.torch_private import private
-from pytest_torchmem.engine.torch_release import torch_minor
+from pytest_torchmem.engine.torch_compat.torch_private import private
+from pytest_torchmem.engine.torch_compat.torch_release import torch_minor
 from pytest_torchmem.engine.tracing.devices.meta_kernels import laid_out_as_cloned
 from pytest_torchmem.engine.tracing.rules import OpCall, RuleSet
 
 __all__ = ["EAGER_IN_PLACE", "EAGER_IN_PLACE_BINARY", "in_place_twin", "register_eager_in_place"]
 
-# torch's private names (engine/torch_private.py)
+# torch's private names (engine/torch_compat/torch_private.py)
 _current_autograd_node: Final = private("torch._C._current_autograd_node")
 
 aten = torch.ops.aten

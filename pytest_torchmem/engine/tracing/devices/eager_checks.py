@@ -17,7 +17,7 @@ from typing import Any, Final
 
 import torch
 
-from pytest_torchmem.engine.torch_release import torch_minor
+from pytest_torchmem.engine.torch_compat.torch_release import torch_minor
 from pytest_torchmem.engine.tracing.rules import OpCall, RuleSet
 
 __all__ = ["register_checks"]

@@ -22,14 +22,14 @@ from typing import Any, Final
 
 import torch
 
-from pytest_torchmem.engine.torch_private import private
-from pytest_torchmem.engine.torch_release import torch_minor
+from pytest_torchmem.engine.torch_compat.torch_private import private
+from pytest_torchmem.engine.torch_compat.torch_release import torch_minor
 from pytest_torchmem.engine.tracing.devices.tensor_iterator import non_overlapping_and_dense
 from pytest_torchmem.engine.tracing.rules import OpCall, RuleSet
 
 __all__ = ["laid_out_as_cloned", "register_meta_kernels"]
 
-# torch's private names (engine/torch_private.py)
+# torch's private names (engine/torch_compat/torch_private.py)
 suggest_memory_format: Final = private("torch._prims_common.suggest_memory_format")
 
 aten = torch.ops.aten

@@ -13,12 +13,12 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, ClassVar, Final
 
-from pytest_torchmem.engine.torch_private import present, private
-from pytest_torchmem.engine.torch_replacing import replacing
+from pytest_torchmem.engine.torch_compat.torch_private import present, private
+from pytest_torchmem.engine.torch_compat.torch_replacing import replacing
 
 __all__ = ["COMPOSITE_MODULES", "BodyRouting", "routed_unpacking"]
 
-# torch's private names (engine/torch_private.py)
+# torch's private names (engine/torch_compat/torch_private.py)
 _get_current_function_mode_stack: Final = private("torch.overrides._get_current_function_mode_stack")
 
 #: Modules whose Python functions run with the router active: their bodies call

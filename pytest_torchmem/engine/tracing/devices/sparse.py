@@ -1,6 +1,6 @@
 """Sparse tensors' ops that fake tensors follow as every device runs them.
 
-A sparse tensor's memory is its parts (``engine/layouts.py``). These ops make
+A sparse tensor's memory is its parts (``engine/user/layouts.py``). These ops make
 nothing new: they read a part or a number (``_indices``, ``_nnz``), set a
 flag (``_coalesced_``), or make a sparse tensor that shares the parts it is
 given (``_sparse_coo_tensor_with_dims_and_tensors``, which every COO

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
-from pytest_torchmem.engine.torch_private import private_any
+from pytest_torchmem.engine.torch_compat.torch_private import private_any
 
 __all__ = ["coalesce_dimensions", "non_overlapping_and_dense", "reorder_dimensions"]
 

@@ -33,8 +33,8 @@ from typing import Any, Final
 
 import torch
 
-from pytest_torchmem.engine.torch_private import private
-from pytest_torchmem.engine.torch_release import torch_minor
+from pytest_torchmem.engine.torch_compat.torch_private import private
+from pytest_torchmem.engine.torch_compat.torch_release import torch_minor
 from pytest_torchmem.engine.tracing.devices.cpu.base import CPU, native_kernel_gap, profile_of
 from pytest_torchmem.engine.tracing.devices.cpu.profiles import CpuProfile
 from pytest_torchmem.engine.tracing.devices.memo import BoundedMemo
@@ -42,7 +42,7 @@ from pytest_torchmem.engine.tracing.rules import OUTPUTS, Alloc, Inexact, OpCall
 
 __all__ = ["is_contiguous", "onednn_gemm_accumulator_bytes", "onednn_gemm_bytes"]
 
-# torch's private names (engine/torch_private.py)
+# torch's private names (engine/torch_compat/torch_private.py)
 DataDependentOutputException: Final = private("torch._subclasses.fake_tensor.DataDependentOutputException")
 
 aten = torch.ops.aten

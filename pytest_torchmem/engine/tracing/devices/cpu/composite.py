@@ -20,7 +20,7 @@ from typing import Any, Final
 
 import torch
 
-from pytest_torchmem.engine.torch_private import private
+from pytest_torchmem.engine.torch_compat.torch_private import private
 from pytest_torchmem.engine.tracing.devices.cpu.base import CPU, profile_of
 from pytest_torchmem.engine.tracing.devices.cpu.misc import arg, itemsize
 from pytest_torchmem.engine.tracing.devices.cpu.reduce import (
@@ -30,7 +30,7 @@ from pytest_torchmem.engine.tracing.devices.cpu.reduce import (
 )
 from pytest_torchmem.engine.tracing.rules import OUTPUTS, Alloc, Free, Inexact, OpCall, Steps
 
-# torch's private names (engine/torch_private.py)
+# torch's private names (engine/torch_compat/torch_private.py)
 DispatchKey: Final = private("torch._C.DispatchKey")
 DispatchKeySet: Final = private("torch._C.DispatchKeySet")
 

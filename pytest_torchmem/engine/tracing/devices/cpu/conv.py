@@ -34,7 +34,7 @@ from typing import Any, Final
 
 import torch
 
-from pytest_torchmem.engine.torch_private import private
+from pytest_torchmem.engine.torch_compat.torch_private import private
 from pytest_torchmem.engine.tracing.devices.cpu.base import CPU, profile_of
 from pytest_torchmem.engine.tracing.devices.cpu.misc import meta_tensor
 from pytest_torchmem.engine.tracing.devices.cpu.onednn import conv_list
@@ -52,7 +52,7 @@ from pytest_torchmem.engine.tracing.rules import (
     nbytes_of,
 )
 
-# torch's private names (engine/torch_private.py)
+# torch's private names (engine/torch_compat/torch_private.py)
 suggest_memory_format: Final = private("torch._prims_common.suggest_memory_format")
 are_strides_like_channels_last_or_false: Final = private("torch._prims_common.are_strides_like_channels_last_or_false")
 make_channels_last_strides_for: Final = private("torch._prims_common.make_channels_last_strides_for")

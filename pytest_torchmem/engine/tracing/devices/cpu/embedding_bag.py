@@ -30,7 +30,7 @@ from typing import Any, Final
 
 import torch
 
-from pytest_torchmem.engine.torch_release import torch_minor
+from pytest_torchmem.engine.torch_compat.torch_release import torch_minor
 from pytest_torchmem.engine.tracing.devices.cpu.base import CPU
 from pytest_torchmem.engine.tracing.devices.cpu.misc import arg, itemsize, promotion_casts
 from pytest_torchmem.engine.tracing.rules import (

@@ -31,12 +31,12 @@ from typing import Final
 
 import torch
 
-from pytest_torchmem.engine.torch_private import private
+from pytest_torchmem.engine.torch_compat.torch_private import private
 from pytest_torchmem.engine.tracing.devices.cpu.base import CPU
 from pytest_torchmem.engine.tracing.devices.cpu.misc import arg, view_strides
 from pytest_torchmem.engine.tracing.rules import OUTPUTS, Alloc, Free, OpCall, Steps, nbytes_of
 
-# torch's private names (engine/torch_private.py)
+# torch's private names (engine/torch_compat/torch_private.py)
 make_contiguous_strides_for: Final = private("torch._prims_common.make_contiguous_strides_for")
 
 aten = torch.ops.aten

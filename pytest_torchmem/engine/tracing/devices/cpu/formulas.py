@@ -45,8 +45,8 @@ from typing import Any, Final
 
 import torch
 
-from pytest_torchmem.engine.torch_private import private
-from pytest_torchmem.engine.torch_release import torch_minor
+from pytest_torchmem.engine.torch_compat.torch_private import private
+from pytest_torchmem.engine.torch_compat.torch_release import torch_minor
 from pytest_torchmem.engine.tracing.devices.cpu.base import CPU
 from pytest_torchmem.engine.tracing.rules import (
     OUTPUTS,
@@ -57,7 +57,7 @@ from pytest_torchmem.engine.tracing.rules import (
     Steps,
 )
 
-# torch's private names (engine/torch_private.py)
+# torch's private names (engine/torch_compat/torch_private.py)
 _current_autograd_node: Final = private("torch._C._current_autograd_node")
 
 aten = torch.ops.aten

@@ -24,7 +24,7 @@ from typing import Final
 
 import torch
 
-from pytest_torchmem.engine.torch_private import private_op
+from pytest_torchmem.engine.torch_compat.torch_private import private_op
 from pytest_torchmem.engine.tracing.devices.cpu import lapack
 from pytest_torchmem.engine.tracing.devices.cpu.base import CPU, profile_of
 from pytest_torchmem.engine.tracing.devices.cpu.blas import is_contiguous

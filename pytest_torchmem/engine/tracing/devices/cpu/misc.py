@@ -32,7 +32,7 @@ from typing import Any, Final
 
 import torch
 
-from pytest_torchmem.engine.torch_private import private
+from pytest_torchmem.engine.torch_compat.torch_private import private
 from pytest_torchmem.engine.tracing.devices.autograd_paths import in_place_twin
 from pytest_torchmem.engine.tracing.devices.cpu.base import CPU, profile_of
 from pytest_torchmem.engine.tracing.devices.cpu.profiles import CpuProfile
@@ -52,7 +52,7 @@ __all__ = [
     "index_long_copies",
 ]
 
-# torch's private names (engine/torch_private.py)
+# torch's private names (engine/torch_compat/torch_private.py)
 compute_elementwise_output_strides: Final = private("torch._prims_common.compute_elementwise_output_strides")
 _DisableTorchDispatch: Final = private("torch._C._DisableTorchDispatch")
 

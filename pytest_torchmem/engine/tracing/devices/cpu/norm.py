@@ -17,8 +17,8 @@ from typing import Any, Final
 
 import torch
 
-from pytest_torchmem.engine.torch_private import private
-from pytest_torchmem.engine.torch_release import torch_minor
+from pytest_torchmem.engine.torch_compat.torch_private import private
+from pytest_torchmem.engine.torch_compat.torch_release import torch_minor
 from pytest_torchmem.engine.tracing.devices.cpu.base import CPU, profile_of
 from pytest_torchmem.engine.tracing.devices.cpu.misc import arg, itemsize
 from pytest_torchmem.engine.tracing.devices.cpu.reduce import (
@@ -29,7 +29,7 @@ from pytest_torchmem.engine.tracing.devices.cpu.reduce import (
 )
 from pytest_torchmem.engine.tracing.rules import OUTPUTS, Alloc, Free, OpCall, Output, Steps, nbytes_of
 
-# torch's private names (engine/torch_private.py)
+# torch's private names (engine/torch_compat/torch_private.py)
 suggest_memory_format: Final = private("torch._prims_common.suggest_memory_format")
 
 aten = torch.ops.aten

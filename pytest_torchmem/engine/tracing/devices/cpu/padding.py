@@ -26,11 +26,11 @@ from typing import Any, Final
 
 import torch
 
-from pytest_torchmem.engine.torch_private import private
+from pytest_torchmem.engine.torch_compat.torch_private import private
 from pytest_torchmem.engine.tracing.devices.cpu.base import CPU
 from pytest_torchmem.engine.tracing.rules import OUTPUTS, Alloc, OpCall, Steps
 
-# torch's private names (engine/torch_private.py)
+# torch's private names (engine/torch_compat/torch_private.py)
 suggest_memory_format: Final = private("torch._prims_common.suggest_memory_format")
 
 aten = torch.ops.aten

@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final
 
-from pytest_torchmem.engine.torch_private import private
+from pytest_torchmem.engine.torch_compat.torch_private import private
 
 __all__ = [
     "CpuProfile",

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from pytest_torchmem.engine.torch_release import torch_minor
+from pytest_torchmem.engine.torch_compat.torch_release import torch_minor
 from pytest_torchmem.engine.tracing.devices.cpu.base import CPU, profile_of
 from pytest_torchmem.engine.tracing.devices.cpu.misc import arg, promotion_casts
 from pytest_torchmem.engine.tracing.devices.cpu.reduce import sum_steps

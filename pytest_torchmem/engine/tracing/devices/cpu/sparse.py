@@ -1,7 +1,7 @@
 """CPU rules: sparse COO tensors (``aten/src/ATen/native/sparse``).
 
 A sparse tensor's memory is its parts, its ``indices`` (sparse dims × nnz,
-int64) and ``values`` (nnz × dense dims) (``engine/layouts.py``). The fake
+int64) and ``values`` (nnz × dense dims) (``engine/user/layouts.py``). The fake
 kernels of sparse ops do not know how many elements (nnz) a result holds (a
 fake ``clone`` has none); each rule here makes the result as the CPU kernel
 does: its parts, and the scratch between them, allocated in the kernel's
@@ -25,20 +25,20 @@ from typing import Any, Final
 
 import torch
 
-from pytest_torchmem.engine.layouts import parts, sparse_like
-from pytest_torchmem.engine.report import Unsupported
-from pytest_torchmem.engine.torch_private import private
+from pytest_torchmem.engine.user.layouts import parts, sparse_like
+from pytest_torchmem.engine.figures.report import Unsupported
+from pytest_torchmem.engine.torch_compat.torch_private import private
 from pytest_torchmem.engine.tracing.devices.cpu.base import CPU
 from pytest_torchmem.engine.tracing.devices.sparse import refuse_memory_format
 from pytest_torchmem.engine.tracing.rules import OpCall
-from pytest_torchmem.engine.tracing.user_code import user_location
+from pytest_torchmem.engine.user.user_code import user_location
 from pytest_torchmem.engine.tracing.values import on_values
 
 __all__: list[str] = []
 
 aten = torch.ops.aten
 
-# torch's private names (engine/torch_private.py)
+# torch's private names (engine/torch_compat/torch_private.py)
 _current_autograd_node: Final = private("torch._C._current_autograd_node")
 
 _COO: Final = torch.sparse_coo

@@ -19,7 +19,7 @@ from typing import Any, Final
 
 import torch
 
-from pytest_torchmem.engine.torch_private import private
+from pytest_torchmem.engine.torch_compat.torch_private import private
 from pytest_torchmem.engine.tracing.devices.cpu import lapack
 from pytest_torchmem.engine.tracing.devices.cpu.base import CPU, profile_of
 from pytest_torchmem.engine.tracing.devices.cpu.linalg import (
@@ -39,7 +39,7 @@ from pytest_torchmem.engine.tracing.rules import OUTPUTS, Alloc, Free, Inexact, 
 
 __all__: list[str] = []
 
-# torch's private names (engine/torch_private.py)
+# torch's private names (engine/torch_compat/torch_private.py)
 DispatchKey: Final = private("torch._C.DispatchKey")
 
 aten = torch.ops.aten

@@ -44,7 +44,7 @@ other processes is the caller's to subtract.
 
 Streams are the caller's to name: ``malloc(nbytes, stream)`` keys the block, and a
 freed block returns to its own stream's free blocks (the trace charges FSDP2's
-side streams so, see ``engine/parallel.py``).
+side streams so, see ``engine/parallel/mesh.py``).
 
 Not modelled: CUDA graph private pools and mempools, ``record_stream`` and
 its events (so "active" equals "allocated"; FSDP2 and ProcessGroupNCCL of

@@ -18,7 +18,7 @@ from typing import Any, Final
 
 import torch
 
-from pytest_torchmem.engine.torch_release import torch_minor as _release
+from pytest_torchmem.engine.torch_compat.torch_release import torch_minor as _release
 from pytest_torchmem.engine.tracing.devices.cuda.routes import (
     LinalgFunctions,
     NNFunctions,

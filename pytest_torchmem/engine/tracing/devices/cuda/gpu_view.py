@@ -63,9 +63,9 @@ import torch.backends.cuda
 import torch.backends.cudnn
 import torch.cuda.amp.common
 
-from pytest_torchmem.engine.gpu_profiles import GpuProfile
-from pytest_torchmem.engine.torch_private import present, private
-from pytest_torchmem.engine.torch_replacing import appending, on_this_thread, replacing, replacing_for_readers
+from pytest_torchmem.engine.figures.gpu_profiles import GpuProfile
+from pytest_torchmem.engine.torch_compat.torch_private import present, private
+from pytest_torchmem.engine.torch_compat.torch_replacing import appending, on_this_thread, replacing, replacing_for_readers
 from pytest_torchmem.engine.tracing.devices.cuda.memory_stats import MemorySoFar
 from pytest_torchmem.engine.tracing.devices.cuda.streams import CudaEvent, CudaStream, GpuStreams, StreamContext
 from pytest_torchmem.engine.tracing.imports import importing
@@ -80,7 +80,7 @@ __all__ = [
     "torch_decides_as_on_the_gpu",
 ]
 
-# torch's private names (engine/torch_private.py)
+# torch's private names (engine/torch_compat/torch_private.py)
 _FAKE_TENSOR: Final = "torch._subclasses.fake_tensor.FakeTensor"
 FakeTensor: Final = private(_FAKE_TENSOR)
 

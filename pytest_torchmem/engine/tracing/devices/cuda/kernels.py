@@ -31,7 +31,7 @@ import torch
 
 from pytest_torchmem.engine.tracing.devices.cpu.blas import grouped_mm_output
 from pytest_torchmem.engine.tracing.devices.cuda.base import CUDA
-from pytest_torchmem.engine.torch_release import torch_minor
+from pytest_torchmem.engine.torch_compat.torch_release import torch_minor
 from pytest_torchmem.engine.tracing.rules import OUTPUTS, Alloc, Free, Inexact, OpCall, Steps
 
 __all__ = [

@@ -30,8 +30,8 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
-from pytest_torchmem.engine.gpu_profiles import GpuProfile, usable_memory
-from pytest_torchmem.engine.timeline import Timeline, replay
+from pytest_torchmem.engine.figures.gpu_profiles import GpuProfile, usable_memory
+from pytest_torchmem.engine.figures.timeline import Timeline, replay
 
 __all__ = ["MemorySoFar"]
 

@@ -14,7 +14,7 @@ from typing import Any, Final
 
 import torch
 
-from pytest_torchmem.engine.torch_release import torch_minor
+from pytest_torchmem.engine.torch_compat.torch_release import torch_minor
 from pytest_torchmem.engine.tracing.devices.cuda.routes import TRACE_DEVICE, Router, route
 
 __all__ = ["names_cuda", "place"]

@@ -32,7 +32,7 @@ from typing import Any, Final
 
 import torch
 
-from pytest_torchmem.engine.torch_private import private
+from pytest_torchmem.engine.torch_compat.torch_private import private
 from pytest_torchmem.engine.tracing.devices.cuda.base import CUDA
 from pytest_torchmem.engine.tracing.devices.cuda.kernel_choices import suggest_memory_format
 from pytest_torchmem.engine.tracing.devices.cuda.routes import Router, VariableFunctions, aten, bind, on_gpu, route
@@ -40,7 +40,7 @@ from pytest_torchmem.engine.tracing.rules import OpCall
 
 __all__ = ["takes_fused_rms_norm"]
 
-# torch's private names (engine/torch_private.py)
+# torch's private names (engine/torch_compat/torch_private.py)
 _BelowAutograd: Final = private("torch._C._AutoDispatchBelowAutograd")
 
 _CHANNELS_LAST: Final = (torch.channels_last, torch.channels_last_3d)

@@ -47,7 +47,7 @@ from pytest_torchmem.engine.tracing.devices.cuda import kernel_choices as _kerne
 from pytest_torchmem.engine.tracing.devices.cuda import placement as _placement  # noqa: F401
 from pytest_torchmem.engine.tracing.devices.cuda import rnn as _rnn  # noqa: F401
 from pytest_torchmem.engine.tracing.devices.cuda import rms_norm as _rms_norm  # noqa: F401
-from pytest_torchmem.engine.torch_private import private
+from pytest_torchmem.engine.torch_compat.torch_private import private
 from pytest_torchmem.engine.tracing.devices.cuda.autocast import AUTOCAST, autocast_policy
 from pytest_torchmem.engine.tracing.devices.cuda.placement import names_cuda
 from pytest_torchmem.engine.tracing.devices.cuda.routes import ROUTES, TRACE_DEVICE, eligible
@@ -57,7 +57,7 @@ from pytest_torchmem.engine.tracing.rules import TraceContext
 
 __all__ = ["CUDNN_VERSION", "CudaRouter", "SDPBackend", "autocast_policy", "select_sdp_backend"]
 
-# torch's private names (engine/torch_private.py): autocast's entry points, the
+# torch's private names (engine/torch_compat/torch_private.py): autocast's entry points, the
 # torch-function mode stack
 _ENTER_AUTOCAST: Final = private("torch.amp.autocast_mode._enter_autocast")
 _EXIT_AUTOCAST: Final = private("torch.amp.autocast_mode._exit_autocast")

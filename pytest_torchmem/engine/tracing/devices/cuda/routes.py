@@ -16,7 +16,7 @@ from typing import Any, Final, Protocol
 
 import torch
 
-from pytest_torchmem.engine.torch_private import private
+from pytest_torchmem.engine.torch_compat.torch_private import private
 from pytest_torchmem.engine.tracing.rules import TraceContext
 
 __all__ = [
@@ -41,7 +41,7 @@ aten = torch.ops.aten
 
 #: The device the trace keeps the modelled GPU's tensors on.
 TRACE_DEVICE: Final = torch.device("meta")
-# torch's private names (engine/torch_private.py): the C bindings the routes' keys are
+# torch's private names (engine/torch_compat/torch_private.py): the C bindings the routes' keys are
 VariableFunctions: Final = private("torch._C._VariableFunctions")
 NNFunctions: Final = private("torch._C._nn")
 LinalgFunctions: Final = private("torch._C._linalg")

@@ -20,8 +20,8 @@ from typing import Any, Final
 
 import torch
 
-from pytest_torchmem.engine.torch_private import private
-from pytest_torchmem.engine.torch_release import torch_minor as _release
+from pytest_torchmem.engine.torch_compat.torch_private import private
+from pytest_torchmem.engine.torch_compat.torch_release import torch_minor as _release
 from pytest_torchmem.engine.tracing.devices.cuda.routes import (
     FLOATS,
     HALVES,
@@ -35,7 +35,7 @@ from pytest_torchmem.engine.tracing.devices.cuda.routes import (
 
 __all__ = ["CUDNN_OF_RELEASE", "CUDNN_VERSION", "SDPBackend", "cudnn_version", "select_sdp_backend"]
 
-# torch's private names (engine/torch_private.py): the SDPA backends' order
+# torch's private names (engine/torch_compat/torch_private.py): the SDPA backends' order
 _get_sdp_priority_order: Final = private("torch._C._get_sdp_priority_order")
 
 #: The cuDNN each torch release's PyPI CUDA wheel installs (``cudnnGetVersion()``,

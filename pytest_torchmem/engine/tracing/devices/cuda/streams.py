@@ -47,7 +47,7 @@ CUDA_DEVICE_TYPE: Final = 1
 _CUDA: Final = torch.device("cuda", 0)
 
 #: The allocator pool of the program's first stream besides the default one (FSDP2's
-#: streams, made through its device handle, count up from 2: ``engine/parallel.py``).
+#: streams, made through its device handle, count up from 2: ``engine/parallel/mesh.py``).
 PROGRAM_STREAM_POOL: Final = 1024
 
 #: The trace's streams, by tracing thread (a pipeline's ranks trace on threads of their own).
@@ -197,7 +197,7 @@ class GpuStreams:
     ``pool`` and returns the pool charged before (``Tracker.charge_to``). The default
     stream's pool is 0; the program's other streams get ``first_pool``, then the
     next ones, in the order they are made (FSDP2's streams, made through its device
-    handle, have pools of their own below: ``engine/parallel.py``)."""
+    handle, have pools of their own below: ``engine/parallel/mesh.py``)."""
 
     def __init__(self, charge_to: Callable[[int], int], first_pool: int = PROGRAM_STREAM_POOL) -> None:
         self._charge_to = charge_to

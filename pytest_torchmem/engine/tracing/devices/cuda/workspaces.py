@@ -77,9 +77,9 @@ from typing import Any, Final, Literal
 
 import torch
 
-from pytest_torchmem.engine.torch_private import private
+from pytest_torchmem.engine.torch_compat.torch_private import private
 from pytest_torchmem.engine.tracing.devices.cuda.base import CUDA
-from pytest_torchmem.engine.tracing.devices.cuda.temporaries import reduction_steps
+from pytest_torchmem.engine.tracing.devices.cuda.reduce_launch import reduction_steps
 from pytest_torchmem.engine.tracing.devices.memo import BoundedMemo
 from pytest_torchmem.engine.tracing.devices.tensor_iterator import non_overlapping_and_dense
 from pytest_torchmem.engine.tracing.rules import (
@@ -93,8 +93,8 @@ from pytest_torchmem.engine.tracing.rules import (
     TraceContext,
     nbytes_of,
 )
-from pytest_torchmem.engine.torch_release import torch_minor as _release
-from pytest_torchmem.engine.units import parse_bytes
+from pytest_torchmem.engine.torch_compat.torch_release import torch_minor as _release
+from pytest_torchmem.engine.figures.units import parse_bytes
 
 __all__ = [
     "CONV_WORKSPACE_ENV",
@@ -107,7 +107,7 @@ __all__ = [
     "workspace_caching",
 ]
 
-# torch's private names (engine/torch_private.py)
+# torch's private names (engine/torch_compat/torch_private.py)
 suggest_memory_format: Final = private("torch._prims_common.suggest_memory_format")
 _current_autograd_node: Final = private("torch._C._current_autograd_node")
 

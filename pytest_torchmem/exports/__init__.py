@@ -1,1 +1,0 @@
-"""Exports of a run: the HTML report and timelines for PyTorch's memory viewer."""
