@@ -34,18 +34,28 @@ first step and its state), and is listed too.
 The table gives the issue's targets as ratios and times, with the verdict; the figures
 of the replayed and traced runs must be equal (checked here too). ``--check`` exits 1
 when a target is missed. Peak RSS is the process's (everything above included).
+
+``--profile`` (with ``--transformers``): where one estimate of each transformers
+contender, replayed, spends its time, from a cProfile of it (the profiler's overhead
+included, spread alike): each function's own time in the part of the code it belongs to
+(torch's fake tensors; the tracker and its rules; the block and loop replay; autograd's
+engine; the user's world and the step; FSDP2 and the parallel set-up; the timeline and
+the report; the model's own Python; the rest of torch; Python's builtins).
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import os
+import pstats
 import resource
 import statistics
 import sys
 import warnings
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 import torch
 from tabulate import tabulate
@@ -145,6 +155,38 @@ def _transformers_contenders(device: str, big: bool) -> list[Contender]:
     return contenders
 
 
+#: Where a function's own time goes, by the path of its file (the first that matches).
+_PARTS: Final = (
+    ("block and loop replay", ("/tracing/block_", "/tracing/replay", "/tracing/optimizer_replay")),
+    ("the tracker and its rules", ("pytest_torchmem/engine/tracing/",)),
+    ("the user's world and the step", ("pytest_torchmem/engine/user/", "pytest_torchmem/engine/step/")),
+    ("FSDP2 and the parallel set-up", ("torch/distributed/", "pytest_torchmem/engine/parallel/")),
+    ("the timeline and the report", ("pytest_torchmem/engine/figures/",)),
+    ("the rest of pytest-torchmem", ("pytest_torchmem/",)),
+    ("torch's fake tensors", ("torch/_subclasses/", "torch/_prims", "torch/_refs/", "torch/_decomp/",
+                              "torch/_meta_registrations", "torch/_ops.py", "torch/utils/_pytree",
+                              "torch/fx/experimental/symbolic_shapes")),
+    ("autograd's engine", ("torch/autograd/", "run_backward")),
+    ("the model's own Python", ("transformers/", "torch/nn/")),
+    ("the rest of torch", ("torch/",)),
+)
+
+
+def where_time_goes(run: Callable[[], Any]) -> list[tuple[str, float]]:
+    """``run()`` under cProfile: each function's own time, summed by :data:`_PARTS`."""
+    profiler = cProfile.Profile()
+    profiler.enable()
+    run()
+    profiler.disable()
+    totals: dict[str, float] = {}
+    for (filename, _, name), (_, _, tottime, _, _) in pstats.Stats(profiler).stats.items():  # type: ignore[attr-defined]
+        where = filename if filename != "~" else name
+        part = next((part for part, marks in _PARTS if any(mark in where for mark in marks)),
+                    "Python's builtins and the rest")
+        totals[part] = totals.get(part, 0.0) + tottime
+    return sorted(totals.items(), key=lambda item: -item[1])
+
+
 def _replay(on: bool) -> None:
     os.environ[ENV] = "1" if on else "0"
 
@@ -157,6 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-70b", dest="big70", action="store_false")
     parser.add_argument("--transformers", action="store_true")
     parser.add_argument("--transformers-70b", dest="transformers70", action="store_true")
+    parser.add_argument("--profile", action="store_true", help="where each transformers estimate's time goes")
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore")
     device = args.device
@@ -267,6 +310,14 @@ def main(argv: list[str] | None = None) -> int:
         same = same and equal
         print(f"{name}: {cpu[name]:.2f} s (traced {cpu[twin]:.2f} s, figures {'equal' if equal else 'DIFFERENT'}):",
               "; ".join(result[name].replayed) or "nothing")
+    if args.profile:
+        for contender in [c for c in contenders if c.name.startswith("transformers") and c.name.endswith("replayed")]:
+            state = contender.setup()
+            parts = where_time_goes(lambda: contender.call(state))
+            total = sum(seconds for _, seconds in parts)
+            print(f"\nwhere the time of {contender.name} goes (cProfile, {total:.2f} s with its overhead):")
+            print(tabulate([(part, f"{seconds:.2f}", f"{seconds / total:.0%}") for part, seconds in parts],
+                           headers=["part", "s", "share"]))
     missed = [name for name, _, _, ok in rows if ok is False]
     if not same:
         return 1
