@@ -16,7 +16,9 @@
 - Compiled code: :mod:`.compiled` (regions met), :mod:`.compiled_program` and
   :mod:`.compiled_cuda` (inductor's program, run on fake tensors), :mod:`.inductor_device`.
 - Trace once, replay the rest: :mod:`.replay` (a loop's forward and backward),
-  :mod:`.optimizer_replay`, :mod:`.block_replay` (a model's repeated blocks), with
+  :mod:`.optimizer_replay`, :mod:`.block_replay` (a model's repeated blocks: its keys,
+  :mod:`.block_keys`, templates, :mod:`.block_templates`, recorded backwards,
+  :mod:`.block_backward`, and FSDP2's units, :mod:`.block_parallel`), with
   :mod:`.replay_events`, :mod:`.replay_state`, :mod:`.replay_watch` and
   :mod:`.replay_caches` (the KV caches a replayed decoder fills).
 """

@@ -60,15 +60,16 @@ backward phase) and by whether the stages are being set up (their metadata infer
 forward and a backward in the forward phase). A group's template serves every later
 micro-batch, where FSDP2 takes each backward's gradients off the gathered parameters
 (:meth:`BlockReplay._grads_leave`): a replayed backward must find none there.
+
+This module is the driver; what decides a call's program, as values, is
+:mod:`.block_keys`; the templates a traced block leaves, :mod:`.block_templates`; a
+traced block's backward recorded and its graph, :mod:`.block_backward`; FSDP2's units,
+tensor parallel's hooks and DTensor's functions, :mod:`.block_parallel`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import functools
-import sys
-import types
 import weakref
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -78,14 +79,22 @@ import torch
 from torch import nn
 
 from pytest_torchmem.engine.figures.report import ROOT_NAME
-from pytest_torchmem.engine.step.built_in import hook_once
 from pytest_torchmem.engine.figures.timeline import ALLOC, ENTER, EXIT, FREE, NAMED, RESIZE, Phase, StorageInfo
-from pytest_torchmem.engine.torch_compat.torch_private import present, private
-from pytest_torchmem.engine.tracing.autograd_eager import number_holders
+from pytest_torchmem.engine.step.built_in import hook_once
+from pytest_torchmem.engine.torch_compat.torch_private import private
 from pytest_torchmem.engine.tracing import replay_caches
-from pytest_torchmem.engine.tracing.replay_events import Layout, layout_of, standin
-from pytest_torchmem.engine.tracing.replay_state import global_hooks, neutral, own_hooks, parameter_hooks, switches
-from pytest_torchmem.engine.tracing.replay_watch import Watch, cell_contents, unchanged
+from pytest_torchmem.engine.tracing.block_backward import Recorder, block_graph, holds
+from pytest_torchmem.engine.tracing.block_keys import (
+    DIFFERS, MIN_BLOCKS, PLAIN, arguments_key, block_lists, block_number, block_structure, cache_writes, difference,
+    free_names, free_places, masked, saving_hooks,
+)
+from pytest_torchmem.engine.tracing.block_parallel import (
+    dtensor_of, foreign_hooks, fsdp_state, hooked, moved_after_backward,
+)
+from pytest_torchmem.engine.tracing.block_templates import BackwardTemplate, ForwardTemplate, Group
+from pytest_torchmem.engine.tracing.replay_events import layout_of, standin
+from pytest_torchmem.engine.tracing.replay_state import global_hooks, parameter_hooks, switches
+from pytest_torchmem.engine.tracing.replay_watch import Watch, unchanged
 
 __all__ = ["MIN_BLOCKS", "BlockReplay", "BlockReplayMiss"]
 
@@ -93,23 +102,13 @@ FakeTensor: Final = private("torch._subclasses.fake_tensor.FakeTensor")
 tree_flatten: Final = private("torch.utils._pytree.tree_flatten")
 tree_unflatten: Final = private("torch.utils._pytree.tree_unflatten")
 _DisableTorchFunction: Final = private("torch._C.DisableTorchFunction")
-_current_autograd_node: Final = private("torch._C._current_autograd_node")
 _sequence_nr: Final = private("torch._C._autograd._get_sequence_nr")
-_SavedTensor: Final = private("torch._C._autograd.SavedTensor")
-_top_saved_tensors_hooks: Final = private("torch._C._autograd._top_saved_tensors_default_hooks")
 
-#: The fewest elements of one class a list must have for its blocks to be replayed: two
-#: traced to make the template, three traced at the end for the backward, one replayed.
-MIN_BLOCKS: Final = 6
 #: The elements at the end of a list that are traced: their backwards run first, and are
 #: recorded for the replayed ones (the last one's may differ: its gradient comes from
 #: the head).
 _TAIL: Final = 3
-_ACCUMULATE_GRAD: Final = "torch::autograd::AccumulateGrad"
 _STRIDED: Final = torch.strided
-_PLAIN: Final = (int, float, bool, str, bytes, type(None), torch.dtype, torch.device, torch.layout)
-#: The attribute types whose values may differ between blocks replayed alike, if never read.
-_NUMBERS: Final = (int, float, bool, str, type(None))
 _FORWARD: Final = Phase.FORWARD
 _BACKWARD: Final = Phase.BACKWARD
 
@@ -117,70 +116,6 @@ _BACKWARD: Final = Phase.BACKWARD
 class BlockReplayMiss(Exception):
     """A replay found, as it went, that it could not stand for the trace: the trace runs
     again without block replay."""
-
-
-@dataclasses.dataclass(frozen=True)
-class _Forward:
-    """A traced block's forward as a template."""
-
-    events: tuple[tuple[int, int, int], ...]  # storages by rank, modules by position
-    infos: tuple[StorageInfo, ...]  # by rank
-    modules: tuple[int | None, ...]  # by rank: the allocating module's position, if in the block
-    spec: Any  # the output's tree
-    outputs: tuple[Any, ...]  # its leaves: a Layout (and requires_grad), or a plain value
-    saved: frozenset[int]  # ranks alive at its end that the outputs do not hold
-    kept_inputs: tuple[int, ...]  # tensor inputs (by position) its graph saves
-    trailing: tuple[tuple[int, tuple[int, ...]], ...]  # inner modules given only inputs
-    leading: tuple[tuple[int, tuple[int, ...]], ...]  # inner modules returning outputs
-    #: what it left in the KV caches it was given (replay_caches.py): (the cache's position
-    #: among the call's leaves, the attribute whose value picks the cache's layer, and that
-    #: layer's attributes set: a plain value, or a Layout and requires_grad)
-    writes: tuple[tuple[int, str, tuple[tuple[str, Any], ...]], ...] = ()
-    #: the ranks of the tensors it left there that its graph saves too (freed when both let go)
-    cached_saved: frozenset[int] = frozenset()
-
-    def key(self) -> tuple[Any, ...]:
-        infos = tuple((i.nbytes, i.category, i.phase, i.op, i.pool) for i in self.infos)
-        return (self.events, infos, self.modules, str(self.spec), self.outputs, self.saved,
-                self.kept_inputs, self.trailing, self.leading, self.writes, self.cached_saved)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Backward:
-    """A traced block's backward as a template: storages as ``(kind, rank)``: ``b`` made in
-    it, ``f`` made in its forward, ``g`` the gradient it got, ``i`` a tensor input's."""
-
-    events: tuple[tuple[int, Any, int], ...]
-    infos: tuple[StorageInfo, ...]
-    modules: tuple[int | None, ...]
-    grad_out: Layout  # the gradient it got (key -1)
-    grads_in: tuple[tuple[int, Layout], ...]  # (input position, layout; key -1: grad_out's)
-    param_grads: tuple[tuple[Layout, Any] | None, ...]  # (its local tensor's, a DTensor's spec or None)
-
-    def key(self) -> tuple[Any, ...]:
-        infos = tuple((i.nbytes, i.category, i.phase, i.op, i.pool) for i in self.infos)
-        return (self.events, infos, self.modules, self.grad_out, self.grads_in, self.param_grads)
-
-
-@dataclasses.dataclass
-class _Group:
-    """The calls of one list's blocks with one signature."""
-
-    name: str
-    size: int
-    signature: Any
-    last: _Forward | None = None
-    forward: _Forward | None = None
-    backward: _Backward | None = None
-    recorded: _Backward | None = None  # the first backward recorded, awaiting its twin
-    why: str | None = None  # why its blocks are traced
-    start: int = 0  # the first position replayed: after the calls that made the template
-    made_in: int = -1  # the serial of the forward that made the template (Tracker.forwards)
-    free: tuple[str, ...] = ()  # the names of the attributes its blocks differ in (never read)
-    #: the plain globals its traced calls read, with the values read (:class:`Watch`)
-    globals: dict[tuple[int, str], tuple[dict[str, Any], str, Any]] = dataclasses.field(default_factory=dict)
-    replayed: int = 0
-    calls: int = 0
 
 
 class BlockReplay:
@@ -202,9 +137,9 @@ class BlockReplay:
         self._names = {id(m): name or ROOT_NAME for name, m in model.named_modules()}
         self._where: dict[int, tuple[str, int, int]] = {}  # id(block) -> (list, position, size)
         self._patched: list[nn.Module] = []
-        self._groups: list[_Group] = []
+        self._groups: list[Group] = []
         self._busy = False  # a block is running (blocks in blocks are traced)
-        self._recorders: list[_Recorder] = []
+        self._recorders: list[Recorder] = []
         self._unbound: list[weakref.ref[Any]] = []
         self._called: dict[int, int] = {}
         #: Why the blocks of a list are all traced, found as they were looked at (by the list's name).
@@ -212,7 +147,7 @@ class BlockReplay:
         #: The attributes a block's neighbours hold other plain values of (their places in its
         #: structure): replayed only where the traced calls never read them.
         self._free: dict[int, frozenset[int]] = {}
-        #: Under ``parallel=``: the blocks that are FSDP2 units (:func:`_fsdp_state`), found once.
+        #: Under ``parallel=``: the blocks that are FSDP2 units (:func:`fsdp_state`), found once.
         self._units: set[int] = set()
         #: In a pipeline: whether FSDP2 moves each unit's gradients off it (:meth:`_grads_leave`).
         self._leaving: dict[int, bool] = {}
@@ -241,36 +176,36 @@ class BlockReplay:
         self.pipeline = isinstance(model, Pipelined)
         # (a copy apply replaced is not held; a pipeline's stages are the copy's, sharded in place)
         same, self.model = model is self.model or self.pipeline, model
-        if not same or any(_foreign_hooks(m) for m in model.modules()):
-            if _lists(model):
+        if not same or any(foreign_hooks(m) for m in model.modules()):
+            if block_lists(model):
                 self.lines.append("blocks traced (under parallel=, only FSDP2's fully_shard units replay)")
             return
         if self.pipeline:
             self._names = {id(m): name for name, m in model.named_modules() if name}
         self._find()
-        if not self._patched and not self._unlike and _lists(model):
+        if not self._patched and not self._unlike and block_lists(model):
             self.lines.append("blocks traced (under parallel=, only FSDP2's fully_shard units replay)")
 
     def _find(self) -> None:
         owners = Counter(id(p) for m in self.model.modules() for p in m._parameters.values() if p is not None)
-        for container, same_class in _lists(self.model):
+        for container, same_class in block_lists(self.model):
             name = self._names.get(id(container), "")
             # the blocks alike in structure, in order (a backbone's stages widen: each
             # stage's blocks are a list of their own, whose last ones are traced)
             by_structure: dict[Any, list[nn.Module]] = {}
             if self.parallel:
-                self._units.update(id(block) for block in same_class if _fsdp_state(block) is not None)
+                self._units.update(id(block) for block in same_class if fsdp_state(block) is not None)
             with _DisableTorchFunction():
-                structures = [_structure(block, id(block) in self._units) for block in same_class]
-                free = _free(structures)
+                structures = [block_structure(block, id(block) in self._units) for block in same_class]
+                free = free_places(structures)
                 for block, structure in zip(same_class, structures):
-                    by_structure.setdefault(_masked(structure, free), []).append(block)
+                    by_structure.setdefault(masked(structure, free), []).append(block)
             for blocks in by_structure.values():
                 if len(blocks) >= MIN_BLOCKS:
                     self._patch(name, blocks, owners, free)
             if all(len(blocks) < MIN_BLOCKS for blocks in by_structure.values()):
                 a, b = list(by_structure)[:2]
-                self._unlike[name] = f"its blocks differ: {_difference((None, a), (None, b))}"
+                self._unlike[name] = f"its blocks differ: {difference((None, a), (None, b))}"
 
     def _patch(self, name: str, blocks: list[nn.Module], owners: Counter[int], free: frozenset[int]) -> None:
         """Set the forwards of ``blocks``, alike in class and structure but for the plain
@@ -317,7 +252,7 @@ class BlockReplay:
             # (a call alone in its group, the first of a list given the model's input, says nothing)
             whys = dict.fromkeys(group.why for group in groups if group.why is not None and group.calls > 1)
             if not whys and sum(group.calls for group in groups) >= MIN_BLOCKS > max(g.calls for g in groups):
-                whys = {f"its blocks differ: {_difference(groups[-2].signature, groups[-1].signature)}": None}
+                whys = {f"its blocks differ: {difference(groups[-2].signature, groups[-1].signature)}": None}
             if whys:
                 self.lines.append(f"{name}: blocks traced ({'; '.join(whys)})")
         for name, why in self._unlike.items():
@@ -340,13 +275,13 @@ class BlockReplay:
         leaves, spec = tree_flatten((args, kwargs))
         free = self._free[id(block)]
         with _DisableTorchFunction():
-            structure = _structure(block, id(block) in self._units)
+            structure = block_structure(block, id(block) in self._units)
             # (the KV caches it is given: the layers its numbers pick, as they are before the call)
             caches = [leaf for leaf in leaves if replay_caches.known(leaf)] if free else []
             slots = tuple(replay_caches.slot_state(cache, structure[place][2]) for cache in caches for place in sorted(free))
             signature = (
-                type(block), _masked(structure, free), _arguments(leaves), str(spec),
-                (*switches(), _saving()), phase, tracker.setting_up, slots,
+                type(block), masked(structure, free), arguments_key(leaves), str(spec),
+                (*switches(), saving_hooks()), phase, tracker.setting_up, slots,
             )
         group = self._group(name, size, signature)
         serial = tracker.forwards
@@ -373,7 +308,7 @@ class BlockReplay:
             return self._replay(group, block, leaves, grad, structure)
         return self._record(group, block, position, forward, args, kwargs, leaves, grad, structure, caches)
 
-    def _backward_finds_no_gradients(self, group: _Group, block: nn.Module, grad: bool) -> bool:
+    def _backward_finds_no_gradients(self, group: Group, block: nn.Module, grad: bool) -> bool:
         """Whether the backward of a call replayed now would find its block's parameters
         without gradients, as a replayed backward must: in a pipeline, where the
         micro-batches' backwards add theirs up on the parameters, only the set-up's."""
@@ -391,10 +326,10 @@ class BlockReplay:
         from theirs; 2.15, and a unit without a reduce dtype of its own, keep them."""
         found = self._leaving.get(id(block))
         if found is None:
-            found = self._leaving[id(block)] = _moved_after_backward(block)
+            found = self._leaving[id(block)] = moved_after_backward(block)
         return found
 
-    def _replayable(self, group: _Group, position: int, size: int) -> bool:
+    def _replayable(self, group: Group, position: int, size: int) -> bool:
         """Whether the call at ``position`` of ``size`` may be replayed, ``group``'s template
         made. In the forward that made it, the calls before it are traced; in a later one
         (a loop's next iteration, a pipeline's next micro-batch), only the first, whose
@@ -406,12 +341,12 @@ class BlockReplay:
         upper = size - 1 if group.backward is not None else size - _TAIL
         return lower <= position < upper
 
-    def _group(self, name: str, size: int, signature: Any) -> _Group:
+    def _group(self, name: str, size: int, signature: Any) -> Group:
         for group in self._groups:
             if group.name == name and group.signature == signature:
                 return group
-        free = tuple(dict.fromkeys(e[1] for e in signature[1] if e[0] == "attribute" and e[2] is _FREE))
-        group = _Group(name, size, signature, free=free)
+        free = tuple(dict.fromkeys(e[1] for e in signature[1] if e[0] == "attribute" and e[2] is DIFFERS))
+        group = Group(name, size, signature, free=free)
         self._groups.append(group)
         return group
 
@@ -434,7 +369,7 @@ class BlockReplay:
 
     def _record(
         self,
-        group: _Group,
+        group: Group,
         block: nn.Module,
         position: int,
         forward: Callable[..., Any],
@@ -454,7 +389,7 @@ class BlockReplay:
         # (a group traced for a reason already is not watched: the trace function slows
         # every frame the call runs)
         snapshots = [replay_caches.snapshot(cache) for cache in caches]
-        watched = Watch(_free_names(structure, self._free[id(block)]), replay_caches.update_code if caches else None)
+        watched = Watch(free_names(structure, self._free[id(block)]), replay_caches.update_code if caches else None)
         self._busy = True
         try:
             with watched if group.why is None else contextlib.nullcontext():
@@ -471,7 +406,7 @@ class BlockReplay:
             elif watched.wrote:
                 made, why = None, f"a block assigns or changes {watched.wrote}"
             else:
-                writes = _cache_writes(watched.indexed, snapshots, leaves, structure, self._free[id(block)])
+                writes = cache_writes(watched.indexed, snapshots, leaves, structure, self._free[id(block)])
                 if isinstance(writes, str):
                     made, why = None, writes
                 else:
@@ -479,7 +414,7 @@ class BlockReplay:
                         block, start, first, reads, output, inputs, grad, observer, (s0, s1), writes
                     )
             unit = id(block) in self._units
-            if made is not None and _masked(_structure(block, unit), self._free[id(block)]) != group.signature[1]:
+            if made is not None and masked(block_structure(block, unit), self._free[id(block)]) != group.signature[1]:
                 made, why = None, "a block changed its own attributes"
             if made is None:
                 group.why = group.why or why
@@ -515,7 +450,7 @@ class BlockReplay:
         observer: _Observer | None,
         sequence: tuple[int, int],
         writes: tuple[tuple[int, str, tuple[tuple[str, Any], ...]], ...],
-    ) -> tuple[tuple[_Forward, dict[int, int]] | None, str]:
+    ) -> tuple[tuple[ForwardTemplate, dict[int, int]] | None, str]:
         tracker = self.tracker
         timeline = tracker.timeline
         if tracker.stop is not None:
@@ -524,7 +459,7 @@ class BlockReplay:
             return None, "a block read tensor values"
         if not tracker.quiet():
             return None, "autograd's bookkeeping was pending after a block"
-        if _hooked(block, id(block) in self._units):
+        if hooked(block, id(block) in self._units):
             return None, "its blocks have hooks"
         if global_hooks():
             return None, "a module hook is registered for every module"
@@ -564,7 +499,7 @@ class BlockReplay:
                 held.add(sid)
                 differentiable += leaf.requires_grad
                 outputs.append((layout_of(leaf, ranks[sid]), leaf.requires_grad))
-            elif type(leaf) in _PLAIN:
+            elif type(leaf) in PLAIN:
                 outputs.append(leaf)
             else:
                 return None, f"a block returned a {type(leaf).__name__}"
@@ -578,7 +513,7 @@ class BlockReplay:
         for position, name, attributes in writes:
             values = []
             for attribute, value in attributes:
-                if type(value) in _PLAIN:
+                if type(value) in PLAIN:
                     values.append((attribute, value))
                     continue
                 if type(value) is not FakeTensor or value.layout is not _STRIDED:
@@ -601,10 +536,10 @@ class BlockReplay:
             # (only a backward frees what a block saved: without one, it keeps them)
             return None, "a block keeps tensors it made beside its output"
         if grad and differentiable:
-            found = _graph(block, out_leaves, inputs, sequence, ledger)
+            found = block_graph(block, out_leaves, inputs, sequence, ledger)
             if isinstance(found, str):
                 return None, found
-            if any(not _holds(ledger.holder(sid), found) for sid in saved - found):
+            if any(not holds(ledger.holder(sid), found) for sid in saved - found):
                 return None, "a block keeps a tensor it made beyond its output and its graph"
             kept = tuple(i for i, t in enumerate(inputs) if ledger.storage_id(t) in found)
             graph_cached = frozenset(ranks[sid] for sid in cached & found)
@@ -614,7 +549,7 @@ class BlockReplay:
             trailing = tuple(observer.trailing)
             at = {id(t): i for i, t in enumerate(out_leaves)}
             leading = tuple((where, tuple(at[id(t)] for t in ts)) for where, ts in observer.leading_of(out_leaves))
-        template = _Forward(
+        template = ForwardTemplate(
             tuple(events),
             infos,
             tuple(positions.get(info.module) for info in infos),
@@ -638,14 +573,14 @@ class BlockReplay:
 
     # -- replaying a block ---------------------------------------------------------------
 
-    def _replay(self, group: _Group, block: nn.Module, leaves: list[Any], grad: bool, structure: tuple[Any, ...]) -> Any:
+    def _replay(self, group: Group, block: nn.Module, leaves: list[Any], grad: bool, structure: tuple[Any, ...]) -> Any:
         tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
         template = group.forward
         assert template is not None
         # (the KV cache layers its numbers pick: where it leaves what the template left)
         free = self._free[id(block)]
         slots = [
-            (replay_caches.layer(leaves[position], _number(structure, free, name)), attributes)
+            (replay_caches.layer(leaves[position], block_number(structure, free, name)), attributes)
             for position, name, attributes in template.writes
         ]
         with _DisableTorchFunction():
@@ -668,7 +603,7 @@ class BlockReplay:
         return tree_unflatten(out_leaves, template.spec)
 
     def _forward(
-        self, ctx: Any, group: _Group, block: nn.Module, slots: list[tuple[Any, Any]], tensors: Sequence[torch.Tensor]
+        self, ctx: Any, group: Group, block: nn.Module, slots: list[tuple[Any, Any]], tensors: Sequence[torch.Tensor]
     ) -> tuple[Any, ...]:
         template = group.forward
         assert template is not None
@@ -711,7 +646,7 @@ class BlockReplay:
         return tuple(outputs)
 
     def _backward(self, ctx: Any, grads: tuple[Any, ...]) -> tuple[Any, ...]:
-        group: _Group = ctx.group
+        group: Group = ctx.group
         block: nn.Module = ctx.block
         tracker = self.tracker
         template = group.backward
@@ -775,16 +710,16 @@ class BlockReplay:
                     layout, spec = made
                     t = standin(tracker.fake_mode, layout)
                     ledger.bind(t, sids[layout.key])
-                    p.grad = t if spec is None else _dtensor(t, spec)
+                    p.grad = t if spec is None else dtensor_of(t, spec)
         return tuple(out)
 
     # -- recording a traced block's backward --------------------------------------------
 
     def _watch_backward(
         self,
-        group: _Group,
+        group: Group,
         block: nn.Module,
-        template: _Forward,
+        template: ForwardTemplate,
         ranks: dict[int, int],
         inputs: list[Any],
         output: Any,
@@ -797,7 +732,7 @@ class BlockReplay:
         if len(differentiable) != 1 or len(wanting) != 1:
             group.why = group.why or "a block's backward takes more than one input's or output's gradient"
             return
-        recorder = _Recorder(self, group, block, template, ranks, inputs, sequence, first)
+        recorder = Recorder(self, group, block, template, ranks, inputs, sequence, first)
         recorder.last = self._where[id(block)][1] == group.size - 1
         differentiable[0].register_hook(recorder.got)
         differentiable[0].grad_fn.register_prehook(recorder.begins)
@@ -810,7 +745,7 @@ class BlockReplay:
         for recorder in self._recorders:
             recorder.watch(kind, index)
 
-    def _recorded(self, recorder: _Recorder, template: _Backward | None, why: str) -> None:
+    def _recorded(self, recorder: Recorder, template: BackwardTemplate | None, why: str) -> None:
         self._recorders.remove(recorder)
         if not self._recorders:
             self.tracker.watch = None
@@ -867,7 +802,7 @@ class _Replayed(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: Any, replay: BlockReplay, group: _Group, block: nn.Module, slots: list[Any], *tensors: torch.Tensor
+        ctx: Any, replay: BlockReplay, group: Group, block: nn.Module, slots: list[Any], *tensors: torch.Tensor
     ) -> Any:
         ctx.replay = replay
         return replay._forward(ctx, group, block, slots, tensors)
@@ -893,182 +828,6 @@ class _Tether:
     def __del__(self) -> None:
         for sid in self.sids:
             self.timeline.free(sid)
-
-
-class _Recorder:
-    """Watches a traced block's backward: the window between its entry and the first event
-    of a node it did not make."""
-
-    def __init__(
-        self,
-        replay: BlockReplay,
-        group: _Group,
-        block: nn.Module,
-        forward: _Forward,
-        ranks: dict[int, int],
-        inputs: list[Any],
-        sequence: tuple[int, int],
-        first: int,
-    ) -> None:
-        self.replay = replay
-        self.group = group
-        self.index = replay._index[id(block)]
-        self.positions = replay._positions(block)
-        self.params = list(block.parameters())
-        self.param_ids = {id(p) for p in self.params}
-        self.forward = forward
-        self.ranks = ranks
-        self.output_sids = {
-            sid for sid, rank in ranks.items() if rank not in forward.saved and rank not in forward.cached_saved
-        }
-        ledger = replay.tracker.ledger
-        self.input_sids = {ledger.storage_id(t): i for i, t in enumerate(inputs)}
-        self.input_sids.pop(None, None)
-        self.sequence = sequence
-        self.state = "before"
-        self.start = self.end = self.bfirst = -1
-        self.gsid: int | None = None
-        self.grad_out: Layout | None = None
-        self.reads = 0
-        self.why = ""
-        #: The phase its backward runs in: the step's backward, or, for a pipeline stage's
-        #: set-up (its metadata inferred), the forward phase it ran in.
-        self.phase = _FORWARD if replay.tracker.setting_up else _BACKWARD
-        #: Whether the block is its list's last (:meth:`BlockReplay._recorded`).
-        self.last = False
-
-    def owns(self, node: Any) -> bool:
-        if node is None:
-            return False
-        s0, s1 = self.sequence
-        if s0 <= node._sequence_nr() < s1:
-            return True
-        return node.name() == _ACCUMULATE_GRAD and id(node.variable) in self.param_ids
-
-    def got(self, grad: torch.Tensor) -> None:
-        """The gradient of the block's output (before the module hooks' entry)."""
-        tracker = self.replay.tracker
-        self.gsid = tracker.ledger.storage_id(grad)
-        self.grad_out = layout_of(grad, -1) if type(grad) is FakeTensor else None
-        if any(p.grad is not None for p in self.params):
-            self.why = "a block's parameters had gradients before its backward"
-
-    def begins(self, grads: Any) -> None:
-        """The block's first node is about to run, every hook on its output run (a node
-        pre-hook: the module hooks' events on the output are the program's own, before)."""
-        tracker = self.replay.tracker
-        if self.state != "before" or tracker.phase is not self.phase:
-            self.why = self.why or "a block's backward began outside the step's backward"
-            return
-        self.state = "in"
-        self.start = len(tracker.timeline.events)
-        self.bfirst = len(tracker.timeline.storages)
-        self.reads = tracker.value_reads
-        if not tracker.quiet():
-            self.why = self.why or "autograd's bookkeeping was pending as a block's backward began"
-
-    def watch(self, kind: int, index: int) -> None:
-        if self.state == "in" and not self.owns(_current_autograd_node()):
-            self.state = "ended"
-            self.end = len(self.replay.tracker.timeline.events)
-
-    def gave(self, position: int, grad: torch.Tensor) -> None:
-        """The gradient of the block's input (the block's backward is over)."""
-        if self.state == "done":
-            return
-        self.state, state = "done", self.state
-        with _DisableTorchFunction():
-            template, why = self._template(position, grad, state)
-        self.replay._recorded(self, template, why)
-
-    def _template(self, position: int, grad: torch.Tensor, state: str) -> tuple[_Backward | None, str]:
-        tracker = self.replay.tracker
-        timeline, ledger = tracker.timeline, tracker.ledger
-        if self.why:
-            return None, self.why
-        if state != "ended":
-            return None, "a block's backward window could not be found"
-        if tracker.stop is not None or tracker.value_reads != self.reads:
-            return None, "a block's backward read tensor values, or the trace stopped"
-        if self.gsid is None or self.grad_out is None:
-            return None, "a block's output gradient was not tracked"
-        first = self.bfirst
-        ranks: dict[int, int] = {}
-        events: list[tuple[int, Any, int]] = []
-        freed_f: set[int] = set()
-        for kind, a, b in timeline.events[self.start : self.end]:
-            if kind == ALLOC or kind == FREE or kind == RESIZE:
-                if a >= first:
-                    events.append((kind, ("b", ranks.setdefault(a, len(ranks))), b))
-                    continue
-                if kind != FREE:
-                    return None, "a block's backward resized a storage made before it"
-                if a in self.ranks:
-                    rank = self.ranks[a]
-                    if a in self.output_sids:
-                        return None, "a block's backward freed its own output"
-                    freed_f.add(rank)
-                    events.append((kind, ("f", rank), b))
-                elif a == self.gsid:
-                    events.append((kind, ("g", 0), b))
-                elif a in self.input_sids:
-                    events.append((kind, ("i", self.input_sids[a]), b))
-                else:
-                    return None, "a block's backward freed a storage it was not given"
-            elif kind == ENTER or kind == EXIT:
-                where = self.positions.get(a)
-                if where is None:
-                    return None, "a block's backward ran a module outside it"
-                events.append((kind, where, 0))
-            else:
-                return None, "a block's backward changed the step's phase"
-        if freed_f - self.forward.cached_saved != set(self.forward.saved):
-            return None, "a block's backward left activations it saved alive"
-        if any(ev[1][0] == "i" and ev[1][1] not in self.forward.kept_inputs for ev in events if ev[0] == FREE and type(ev[1]) is tuple):
-            return None, "a block's backward freed an input its graph did not save"
-        by_rank = sorted(ranks, key=ranks.__getitem__)
-        infos = tuple(timeline.storages[sid] for sid in by_rank)
-        left: set[int] = set()
-        sid = ledger.storage_id(grad)
-        if type(grad) is not FakeTensor:
-            return None, f"a block's input gradient is a {type(grad).__name__}"
-        if sid == self.gsid:
-            # the gradient it got, summed into in place and handed on (a residual's)
-            if any(ev[1] == ("g", 0) for ev in events) or layout_of(grad, -1) != self.grad_out:
-                return None, "a block's backward handed on a view of the gradient it got"
-            grads_in: tuple[tuple[int, Layout], ...] = ((position, layout_of(grad, -1)),)
-        elif sid in ranks:
-            grads_in = ((position, layout_of(grad, ranks[sid])),)
-            left.add(sid)
-        else:
-            return None, "a block's input gradient was not made in its backward"
-        param_grads: list[Layout | None] = []
-        for p in self.params:
-            if p.grad is None:
-                param_grads.append(None)
-                continue
-            local, spec = _local(p.grad), getattr(p.grad, "_spec", None)
-            psid = ledger.storage_id(local)
-            if type(local) is not FakeTensor or psid not in ranks or psid in left:
-                return None, "a block's parameter gradient was not made in its backward"
-            left.add(psid)
-            param_grads.append((layout_of(local, ranks[psid]), spec))
-        alive = {s for s in ranks if ledger.holds(s)}
-        if alive != left:
-            return None, "a block's backward left tensors alive beside its gradients"
-        if any(ledger.nbytes_now(s) != timeline.storages[s].nbytes for s in alive):
-            return None, "a block's backward resized a gradient it left"
-        return (
-            _Backward(
-                tuple(events),
-                infos,
-                tuple(self.positions.get(info.module) for info in infos),
-                self.grad_out,
-                grads_in,
-                tuple(param_grads),
-            ),
-            "",
-        )
 
 
 class _Observer:
@@ -1181,459 +940,3 @@ def _moved(info: StorageInfo, module: int) -> StorageInfo:
     return StorageInfo(info.nbytes, info.category, info.phase, module, info.op, info.frames, info.node, info.pool)
 
 
-def _lists(model: nn.Module) -> list[tuple[nn.Module, list[nn.Module]]]:
-    """The ``nn.ModuleList`` and ``nn.Sequential`` of ``model`` with at least
-    :data:`MIN_BLOCKS` distinct elements of one class, each with those elements."""
-    found = []
-    for container in model.modules():
-        if not isinstance(container, (nn.ModuleList, nn.Sequential)):
-            continue
-        by_class: dict[type, list[nn.Module]] = {}
-        for child in container._modules.values():
-            if child is not None:
-                by_class.setdefault(type(child), []).append(child)
-        found.extend(
-            (container, same_class)
-            for same_class in by_class.values()
-            if len(same_class) >= MIN_BLOCKS and len({id(b) for b in same_class}) == len(same_class)
-        )
-    return found
-
-
-#: A module's hook dicts (``nn.Module.__init__``'s), which run outside its ``forward``.
-_HOOK_DICTS: Final = frozenset({
-    "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks", "_forward_hooks_with_kwargs",
-    "_forward_hooks_always_called", "_backward_pre_hooks", "_backward_hooks", "_is_full_backward_hook",
-})
-#: A module's state-dict hooks, which a step never runs (FSDP2 puts its own on the
-#: modules holding parameters).
-_STATE_DICT_HOOKS: Final = frozenset({
-    "_state_dict_hooks", "_state_dict_pre_hooks", "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks",
-})
-#: How torch's composable APIs (``fully_shard``) name the state and registry they put in a
-#: module's ``__dict__`` (``torch.distributed._composable.contract``: a uuid follows).
-_COMPOSABLE_STATE: Final = "__composable_api_state_key_"
-
-
-def _fsdp_state(block: nn.Module) -> Any:
-    """The FSDP2 state of ``block`` where ``fully_shard`` made it a unit and every hook of
-    its own is that state's (its forward's pre-hook and hook); else None."""
-    if "torch.distributed.fsdp" not in sys.modules:
-        return None
-    from torch.distributed.fsdp import FSDPModule, fully_shard
-
-    if not isinstance(block, FSDPModule):
-        return None
-    state = fully_shard.state(block)
-    hooks = own_hooks(block)
-    if state is None or not hooks or any(getattr(hook, "__self__", None) is not state for hook in hooks):
-        return None
-    return state
-
-
-def _moved_after_backward(block: nn.Module) -> bool:
-    """Whether FSDP2 moves the gradients of ``block``'s gathered parameters into gradients of
-    its reduce dtype after a backward that does not reduce them (:meth:`BlockReplay._grads_leave`)."""
-    moves = "torch.distributed.fsdp._fully_shard._fsdp_param.FSDPParam.to_accumulated_grad_if_needed"
-    group = getattr(_fsdp_state(block), "_fsdp_param_group", None)
-    if group is None or not present(moves):
-        return False
-    return all(
-        param.reduce_dtype is not None and param.reduce_dtype != (param.param_dtype or param.orig_dtype)
-        for param in group.fsdp_params
-    )
-
-
-def _foreign_hooks(module: nn.Module) -> bool:
-    """Under ``parallel=``: whether ``module`` is DDP, or carries hooks neither FSDP2 nor
-    tensor parallel put there (``replicate``'s, a user's)."""
-    if _fsdp_state(module) is not None:
-        return False
-    from torch.nn.parallel import DistributedDataParallel
-
-    return isinstance(module, DistributedDataParallel) or _other_hooks(module)
-
-
-def _other_hooks(module: nn.Module) -> bool:
-    """Whether ``module`` carries hooks of its own that are not tensor parallel's."""
-    return any(_parallel_style_hook(hook) is None for hook in own_hooks(module))
-
-
-def _hooked(block: nn.Module, unit: bool) -> bool:
-    """Whether one of ``block``'s modules carries hooks, but an FSDP2 unit's own (``unit``:
-    the block is one, under ``parallel=``) and tensor parallel's."""
-    modules = block.modules() if not unit else (m for child in block.children() for m in child.modules())
-    return any(_other_hooks(m) for m in modules)
-
-
-#: Where tensor parallel's ``distribute_module`` (``torch.distributed.tensor``'s public
-#: function) makes the hooks it puts on a module.
-_PARALLEL_STYLE_HOOKS: Final = "torch.distributed.tensor._api"
-
-
-def _parallel_style_hook(hook: Any) -> tuple[Any, ...] | None:
-    """A hook tensor parallel put on a module (``parallelize_module``: the redistribution
-    of its input or output, as its ``ParallelStyle`` says), as a value equal between
-    modules parallelised alike; None for any other hook. Such a hook keeps no state: what
-    it does is ops on the tensors it is given, which run inside a replayed block's forward."""
-    code = getattr(hook, "__code__", None)
-    if (
-        code is None
-        or getattr(hook, "__module__", None) != _PARALLEL_STYLE_HOOKS
-        or not hook.__qualname__.startswith("distribute_module.<locals>.")
-    ):
-        return None
-    cells = dict(zip(code.co_freevars, (cell.cell_contents for cell in hook.__closure__ or ())))
-    prepare = cells.get("input_fn", cells.get("output_fn"))
-    if set(cells) - {"input_fn", "output_fn", "device_mesh"}:
-        return None
-    if isinstance(prepare, functools.partial):
-        return (code, id(cells.get("device_mesh")), prepare.func, prepare.args, tuple(sorted(prepare.keywords.items())))
-    return (code, id(cells.get("device_mesh")), prepare)
-
-
-def _value(value: Any, depth: int = 0, within: dict[int, str] | None = None) -> Any:
-    """``value`` as a value equal between blocks that run the same program with it: plain
-    values by value, tensors by layout, small containers by their items; a function by its
-    code, defaults and what it closes over, a bound method by its function and object, a
-    partial by its parts (the per-instance closures a fine-tuning library's layers hold);
-    a module of the block (``within``: the block's modules by id) by its place in the
-    block; the rest by identity."""
-    kind = type(value)
-    if kind in _PLAIN or isinstance(value, _PLAIN):
-        return value
-    if isinstance(value, torch.Tensor):
-        return (torch.Tensor, value.dtype, tuple(value.shape), tuple(value.stride()), value.requires_grad)
-    if within is not None and id(value) in within:
-        return (nn.Module, within[id(value)])
-    if kind in (list, tuple, set, frozenset, dict) or isinstance(value, dict):
-        if depth > 2 or len(value) > 32:
-            return (kind, id(value), len(value))
-        items = value.items() if isinstance(value, dict) else value
-        if kind in (set, frozenset):
-            items = sorted(items, key=repr)
-        return (kind, tuple(_value(v, depth + 1, within) for v in items))
-    if depth <= 2 and kind in _CALLABLES:
-        deeper = functools.partial(_value, depth=depth + 1, within=within)
-        if kind is types.FunctionType:
-            cells = tuple(deeper(cell_contents(cell, _EMPTY)) for cell in value.__closure__ or ())
-            return (kind, value.__code__, id(value.__globals__), deeper(value.__defaults__),
-                    deeper(value.__kwdefaults__), cells)
-        if kind is types.MethodType:
-            return (kind, deeper(value.__func__), deeper(value.__self__))
-        return (kind, deeper(value.func), deeper(value.args), deeper(value.keywords))
-    if depth == 0 and not isinstance(value, nn.Module) and type(getattr(value, "__dict__", None)) is dict:
-        # (an object the blocks share, a config: what it holds of plain values, which the
-        # program may change between the blocks' calls)
-        return (kind, id(value), tuple((k, v) for k, v in vars(value).items() if type(v) in _PLAIN))
-    return (kind, id(value))
-
-
-#: The callables :func:`_value` takes by their parts.
-_CALLABLES: Final = (types.FunctionType, types.MethodType, functools.partial)
-#: What a closure's cell not yet filled holds, to :func:`_value`.
-_EMPTY: Final = object()
-
-
-def _saving() -> Any:
-    """The saved-tensor hooks a call runs under (a checkpoint, ``save_on_cpu``, an
-    offloader the caller put around it), as a value equal between calls under hooks that
-    do the same: their functions' code and the plain values they close over."""
-    hooks = _top_saved_tensors_hooks(False)
-    if hooks is None:
-        return None
-    out = []
-    for hook in hooks:
-        function = getattr(hook, "__func__", hook)
-        code = getattr(function, "__code__", None)
-        if code is None:
-            out.append((type(hook), id(hook)))
-            continue
-        cells = (cell_contents(cell, _EMPTY) for cell in function.__closure__ or ())
-        out.append((code, tuple(value if type(value) in _PLAIN else type(value) for value in cells)))
-    return tuple(out)
-
-
-def _class_attributes(cls: type) -> tuple[Any, ...]:
-    """The plain values and containers ``cls`` and its bases up to ``nn.Module`` hold (a
-    class-level list a block appends to, a class-level counter)."""
-    out = []
-    for base in cls.__mro__:
-        if base is nn.Module or base is object:
-            break
-        for name, value in vars(base).items():
-            if type(value) in _PLAIN or type(value) in (list, dict, set):
-                out.append((name, _value(value, 1)))
-    return tuple(out)
-
-
-def _structure(block: nn.Module, unit: bool) -> tuple[Any, ...]:
-    """``block``'s modules' classes and attributes, as a value equal between blocks that
-    dispatch the same ops: parameters and buffers by layout, the rest by value (``unit``:
-    the block is an FSDP2 unit, whose own hooks and state are left out)."""
-    out: list[Any] = []
-    modules = list(block.modules())
-    within = {id(module): place for place, module in enumerate(modules)}  # (by place: one walk)
-    for module in modules:
-        out.append(("class", type(module)))
-        out.append(("class attributes", _class_attributes(type(module))))
-        # (the engine's own neutral hooks, by their handles' ids: the hooks' dicts and those
-        # that say how each is called)
-        skipped = {key for hooks in (module._forward_pre_hooks, module._forward_hooks) for key, hook in hooks.items()
-                   if neutral(hook)}
-        for name, value in module.__dict__.items():
-            if name == "forward" and module is block:
-                continue
-            if name in _STATE_DICT_HOOKS:
-                continue
-            if unit and module is block and (name in _HOOK_DICTS or name.startswith(_COMPOSABLE_STATE)):
-                continue  # (FSDP2's own, alike on every unit but for the ids: :func:`_fsdp_state`)
-            if name in _HOOK_DICTS and value and isinstance(value, dict):
-                # (tensor parallel's hooks, by what they do: their handles' ids differ)
-                hooks = tuple(
-                    _parallel_style_hook(hook) or (type(hook), id(hook)) for key, hook in value.items()
-                    if key not in skipped
-                )
-                # (none left: as an empty dict of hooks is)
-                out.append(("hooks", name, hooks) if hooks else ("attribute", name, _value(type(value)())))
-            elif name in ("_parameters", "_buffers"):
-                out.append((name, tuple(
-                    (key, None if t is None else (t.dtype, tuple(t.shape), tuple(t.stride()), t.requires_grad,
-                                                  t.grad is None, t.layout))
-                    for key, t in value.items()
-                )))
-            elif name == "_modules":
-                out.append((name, tuple(value)))
-            else:
-                out.append(("attribute", name, _value(value, within=within)))
-    return tuple(out)
-
-
-class _FreeValue:
-    """Stands for a plain attribute's value where blocks hold different ones."""
-
-    __slots__ = ()
-
-    def __repr__(self) -> str:
-        return "<differs>"
-
-
-_FREE: Final = _FreeValue()
-
-
-def _free(structures: list[tuple[Any, ...]]) -> frozenset[int]:
-    """The places of the plain attributes (numbers, strings, booleans) that blocks of one
-    class hold different values of, where their structures are otherwise alike in length
-    and names (transformers' ``layer_idx``)."""
-    first = structures[0]
-    if any(len(s) != len(first) for s in structures):
-        return frozenset()
-    places = set()
-    for place, entry in enumerate(first):
-        if entry[0] != "attribute" or type(entry[2]) not in _NUMBERS:
-            continue
-        if all(s[place][:2] == entry[:2] and type(s[place][2]) in _NUMBERS for s in structures) and any(
-            s[place] != entry for s in structures
-        ):
-            places.add(place)
-    return frozenset(places)
-
-
-def _number(structure: tuple[Any, ...], free: frozenset[int], name: str) -> int | None:
-    """The value ``structure`` holds of the attribute ``name`` at its places ``free``, where
-    every such place holds one int (a decoder layer's ``layer_idx``, in it and its
-    attention), else None."""
-    values = {structure[place][2] for place in free if structure[place][1] == name}
-    if len(values) != 1:
-        return None
-    [value] = values
-    return value if type(value) is int else None
-
-
-def _cache_writes(
-    indexed: dict[str, int],
-    snapshots: list[replay_caches.Snapshot],
-    leaves: list[Any],
-    structure: tuple[Any, ...],
-    free: frozenset[int],
-) -> tuple[tuple[int, str, tuple[tuple[str, Any], ...]], ...] | str:
-    """What a traced call left in the KV caches it was given (``snapshots``, taken before
-    it): for each cache it handed one of its numbers (``indexed``, by the attribute's name:
-    :class:`Watch`), the attributes it set on the layer its number picks; or why it cannot
-    be replayed, in words. A cache it changed without one is one it changed otherwise."""
-    if len(indexed) > 1 or any(count != 1 for count in indexed.values()) or len(snapshots) > 1 and indexed:
-        return "a block handed its numbers to KV caches more than once"
-    out = []
-    for snapshot in snapshots:
-        name = next(iter(indexed), None)
-        found = replay_caches.written(snapshot)
-        if found is None:
-            if name is not None:
-                return "a block handed its number to its KV cache, which kept nothing"
-            continue
-        if isinstance(found, str):
-            return found
-        if name is None:
-            return "a block changed a layer of its KV cache without its number"
-        index, attributes = found
-        if _number(structure, free, name) != index:
-            return f"a block changed a layer of its KV cache other than its {name} picks"
-        position = next(i for i, leaf in enumerate(leaves) if leaf is snapshot.cache)
-        out.append((position, name, attributes))
-    return tuple(out)
-
-
-def _masked(structure: tuple[Any, ...], free: frozenset[int]) -> tuple[Any, ...]:
-    if not free:
-        return structure
-    return tuple((e[0], e[1], _FREE) if place in free else e for place, e in enumerate(structure))
-
-
-def _free_names(structure: tuple[Any, ...], free: frozenset[int]) -> frozenset[str]:
-    """The names of the attributes at the places ``free`` of ``structure``."""
-    return frozenset(structure[place][1] for place in free)
-
-
-def _difference(a: tuple[Any, ...], b: tuple[Any, ...]) -> str:
-    """What differs between two calls' signatures (or two blocks' structures: ``(None,
-    structure)``), in words."""
-    if a[1] != b[1]:
-        for x, y in zip(a[1], b[1]):
-            if x != y:
-                if x[0] == "attribute":
-                    return f"their attribute {x[1]}"
-                return {
-                    "_parameters": "their parameters' layouts",
-                    "_buffers": "their buffers' layouts",
-                    "class attributes": "their classes' attributes",
-                }.get(x[0], "their modules")
-        return "their modules"
-    if a[2] != b[2] or a[3] != b[3]:
-        return "their arguments' layouts"
-    if a[4] != b[4]:
-        return "torch's switches or the saved-tensor hooks they run under"
-    return "the layers of the KV cache they are given" if a[7] != b[7] else "the step's phase"
-
-
-def _arguments(leaves: list[Any]) -> tuple[Any, ...]:
-    """A call's arguments as a value: tensors by layout, autograd state and which share a
-    storage; the rest by value. (Whether the trace knows a tensor's values is not part of
-    it: a replayed block's outputs carry none, and where an op needs them the trace runs
-    again without replay: :meth:`BlockReplay.vouch`.)"""
-    out: list[Any] = []
-    storages: dict[int, int] = {}
-    for leaf in leaves:
-        if isinstance(leaf, torch.Tensor):
-            if type(leaf) is not FakeTensor or leaf.layout is not _STRIDED:
-                out.append((type(leaf), id(leaf)))
-                continue
-            key = leaf.untyped_storage()._cdata
-            out.append((
-                leaf.dtype, tuple(leaf.shape), tuple(leaf.stride()), leaf.storage_offset(),
-                leaf.untyped_storage().nbytes(), leaf.fake_device, leaf.requires_grad, leaf.grad_fn is None,
-                storages.setdefault(key, len(storages)),
-            ))
-        else:
-            out.append(_value(leaf))
-    return tuple(out)
-
-
-#: DTensor's own autograd functions (``to_local``, ``from_local``, ``redistribute``).
-_DTENSOR_FUNCTIONS: Final = (
-    "torch.distributed.tensor._api._ToTorchTensor",
-    "torch.distributed.tensor._api._FromTorchTensor",
-    "torch.distributed.tensor._redistribute.Redistribute",
-)
-
-
-def _dtensor_function(node: Any) -> bool:
-    """Whether ``node`` is one of DTensor's own autograd functions: its backward
-    redistributes the gradient it gets, ops and collectives a traced block's backward
-    records."""
-    cls = getattr(node, "_forward_cls", None)
-    return cls is not None and cls in _dtensor_functions()
-
-
-@functools.cache
-def _dtensor_functions() -> frozenset[type]:
-    """:data:`_DTENSOR_FUNCTIONS`, resolved once (a recorded block's graph asks of each of
-    its custom nodes)."""
-    return frozenset(private(path) for path in _DTENSOR_FUNCTIONS)
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local tensor (whose storage is the rank's), any other tensor itself."""
-    return getattr(t, "_local_tensor", t) if type(t).__name__ == "DTensor" else t
-
-
-def _dtensor(local: torch.Tensor, spec: Any) -> torch.Tensor:
-    """A DTensor of ``local`` laid out as ``spec`` says (a replayed gradient of a parameter
-    tensor parallel sharded)."""
-    from torch.distributed.tensor import DTensor
-
-    return DTensor(local, spec, requires_grad=False)
-
-
-def _holds(holder: Any, found: set[int]) -> bool:
-    """Whether ``holder`` (:meth:`StorageLedger.holder`: a wrapped number's tensor, a
-    node's token) is among what :func:`_graph` found its graph holds."""
-    if holder is None:
-        return False
-    return (holder._cdata if isinstance(holder, torch.Tensor) else id(holder)) in found
-
-
-def _node_key(node: Any) -> tuple[int, str]:
-    return node._sequence_nr(), node.name()
-
-
-def _graph(
-    block: nn.Module, out_leaves: list[Any], inputs: list[Any], sequence: tuple[int, int], ledger: Any
-) -> set[int] | str:
-    """The storages the block's graph saves, and the keys (:func:`_holds`) of what holds
-    the wrapped numbers it saved; or why the graph cannot be replayed (it reaches tensors
-    the block was not given, it has a custom function)."""
-    s0, s1 = sequence
-    params = {id(p) for p in block.parameters()}
-    given = {id(t) for t in inputs}
-    # (by sequence number and name: a node's Python object is not the same object each
-    # time on every release)
-    given_nodes = {_node_key(t.grad_fn) for t in inputs if t.grad_fn is not None}
-    saved: set[int] = set()
-    seen: set[Any] = set()
-    stack = [t.grad_fn for t in out_leaves if isinstance(t, torch.Tensor) and t.grad_fn is not None]
-    while stack:
-        node = stack.pop()
-        key = _node_key(node)
-        if key in seen:
-            continue
-        seen.add(key)
-        if isinstance(node, torch.autograd.function.BackwardCFunction) and not _dtensor_function(node):
-            return "a block runs a custom autograd function"
-        saved.update(id(token) for token in number_holders(node))
-        for attr in dir(node):
-            if attr.startswith("_raw_saved_"):
-                raw = getattr(node, attr)
-                if isinstance(raw, _SavedTensor) and raw.unpack_hook is not None:
-                    return "a block saves tensors through hooks (a checkpoint)"
-            elif attr.startswith("_saved_"):
-                value = getattr(node, attr)
-                for t in value if isinstance(value, (tuple, list)) else (value,):
-                    if isinstance(t, torch.Tensor):
-                        sid = ledger.storage_id(_local(t))
-                        if sid is not None:
-                            saved.add(sid)
-                        elif type(t) is torch.Tensor:  # (a wrapped number, held by the node)
-                            saved.add(t._cdata)
-        for next_node, _ in node.next_functions:
-            if next_node is None:
-                continue
-            if next_node.name() == _ACCUMULATE_GRAD:
-                variable = next_node.variable
-                if id(variable) not in params and id(variable) not in given:
-                    return "a block's graph reaches a tensor it was not given"
-                continue
-            if s0 <= next_node._sequence_nr() < s1:
-                stack.append(next_node)
-            elif _node_key(next_node) not in given_nodes:
-                return "a block's graph reaches a tensor it was not given"
-    return saved
