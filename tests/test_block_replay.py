@@ -14,8 +14,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from fingerprint import fingerprint
-from replay_checks import both, same_figures
+from replay_checks import both, both_steps, same_figures, transformers_decoder
 
 import pytest_torchmem as tm
 from pytest_torchmem.engine.torch_compat.torch_private import present
@@ -253,26 +252,7 @@ def test_blocks_that_differ_in_an_attribute_their_forward_never_reads_replay(mon
 def test_transformers_decoder_layers_replay(name: str, device: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """transformers' numbered decoder layers, trained without a KV cache (with one:
     tests/test_replay_kv_cache.py)."""
-    from torchvision_import import import_torchvision
-
-    import_torchvision()  # (before transformers imports it)
-    transformers = pytest.importorskip("transformers")
-
-    def make() -> tuple[nn.Module, Any]:
-        torch.manual_seed(0)
-        if name == "gpt2":
-            config = transformers.GPT2Config(n_layer=8, n_embd=64, n_head=4, vocab_size=128, n_positions=64)
-            model = transformers.GPT2LMHeadModel(config)
-        else:
-            config = transformers.LlamaConfig(
-                num_hidden_layers=8, hidden_size=64, intermediate_size=128, num_attention_heads=4,
-                num_key_value_heads=2, vocab_size=128,
-            )
-            model = transformers.LlamaForCausalLM(config)
-        ids = torch.randint(0, 128, (2, 16))
-        return model, {"input_ids": ids, "labels": ids, "use_cache": False}
-
-    replayed, traced = both(monkeypatch, make, device=device, optimizer=_adamw)
+    replayed, traced = both(monkeypatch, transformers_decoder(name, False), device=device, optimizer=_adamw)
     same_figures(replayed, traced)
     layers = "transformer.h" if name == "gpt2" else "model.layers"
     line = _blocks_line(replayed, layers)
@@ -884,15 +864,6 @@ def test_a_step_functions_blocks_replay_to_the_same_bytes(step: Any, device: str
     (the engine's own hooks on them, which count module calls and refuse modules the walk
     did not reach, are the replay's to skip). (A step function of transformers' Llama is
     ``measure`` on cpu: tests/test_replay_kv_cache.py.)"""
-    make = _llama(8)
-    reports = []
-    for replay in ("1", "0"):
-        monkeypatch.setenv(ENV, replay)
-        model, batch = make()
-        opt = _adamw(model.parameters())
-        before = fingerprint(model, batch, opt)
-        reports.append(tm.estimate(step, (model, batch, opt), device=device))
-        assert fingerprint(model, batch, opt) == before
-    replayed, traced = reports
+    replayed, traced = both_steps(monkeypatch, _llama(8), step, _adamw, device=device)
     same_figures(replayed, traced)
     assert _replayed_calls(replayed, "model.layers") > 0

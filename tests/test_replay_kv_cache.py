@@ -16,11 +16,9 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from fingerprint import fingerprint
-from replay_checks import both, same_figures
+from replay_checks import both, both_steps, same_figures, transformers_decoder
 
 import pytest_torchmem as tm
-from pytest_torchmem.engine.tracing.replay import ENV
 
 PICKS = "read only to pick the layer of the KV cache they fill"
 
@@ -55,38 +53,10 @@ def _traced(report: tm.MemoryReport, name: str, why: str) -> None:
 # -- transformers' own decoders, as they train by default ----------------------------------
 
 
-def _decoder(name: str, cache: bool) -> Any:
-    transformers = _transformers()
-
-    def make() -> tuple[nn.Module, Any]:
-        torch.manual_seed(0)
-        if name == "gpt2":
-            config = transformers.GPT2Config(n_layer=8, n_embd=64, n_head=4, vocab_size=128, n_positions=64)
-            model = transformers.GPT2LMHeadModel(config)
-        elif name == "qwen2 sliding":
-            # (every other layer slides: the cache's layers of two kinds)
-            config = transformers.Qwen2Config(
-                num_hidden_layers=16, hidden_size=64, intermediate_size=128, num_attention_heads=4,
-                num_key_value_heads=2, vocab_size=128, use_sliding_window=True, sliding_window=8,
-                max_window_layers=0, layer_types=["sliding_attention", "full_attention"] * 8,
-            )
-            model = transformers.Qwen2ForCausalLM(config)
-        else:
-            config = transformers.LlamaConfig(
-                num_hidden_layers=8, hidden_size=64, intermediate_size=128, num_attention_heads=4,
-                num_key_value_heads=2, vocab_size=128,
-            )
-            model = transformers.LlamaForCausalLM(config)
-        ids = torch.randint(0, 128, (2, 16))
-        return model, {"input_ids": ids, "labels": ids, "use_cache": cache}
-
-    return make
-
-
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
 @pytest.mark.parametrize("name", ["llama", "gpt2"])
 def test_transformers_decoders_filling_their_cache_replay(name: str, device: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    replayed, traced = both(monkeypatch, _decoder(name, True), device=device, optimizer=_adamw)
+    replayed, traced = both(monkeypatch, transformers_decoder(name, True), device=device, optimizer=_adamw)
     same_figures(replayed, traced)
     _replays(replayed, "transformer.h" if name == "gpt2" else "model.layers")
     assert "iteration 2: forward and backward replayed from iteration 1" in replayed.replayed, replayed.replayed
@@ -95,13 +65,13 @@ def test_transformers_decoders_filling_their_cache_replay(name: str, device: str
 def test_layers_sliding_and_not_in_turn_are_traced_and_say_why(monkeypatch: pytest.MonkeyPatch) -> None:
     # (their attention reads its sliding window, None on every other layer: one program per
     # kind, but the blocks of a list are replayed alike or not at all)
-    replayed, traced = both(monkeypatch, _decoder("qwen2 sliding", True), device="cuda", optimizer=_adamw)
+    replayed, traced = both(monkeypatch, transformers_decoder("qwen2 sliding", True), device="cuda", optimizer=_adamw)
     same_figures(replayed, traced)
     _traced(replayed, "model.layers", "its blocks differ in attribute sliding_window, which their forward reads")
 
 
 def test_a_decoder_filling_its_cache_estimates_what_a_real_run_measures() -> None:
-    make = _decoder("llama", True)
+    make = transformers_decoder("llama", True)
     estimated = tm.estimate(*make(), optimizer=_adamw)
     _replays(estimated, "model.layers")
     assert estimated.phase_peaks() == tm.measure(*make(), optimizer=_adamw).phase_peaks()
@@ -111,14 +81,14 @@ def test_a_decoder_filling_its_cache_estimates_what_a_real_run_measures() -> Non
 def test_a_leak_check_of_a_decoder_filling_its_cache_replays_to_the_same_growth(
     device: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    replayed, traced = both(monkeypatch, _decoder("llama", True), tm.leaks, device=device, optimizer=_adamw,
+    replayed, traced = both(monkeypatch, transformers_decoder("llama", True), tm.leaks, device=device, optimizer=_adamw,
                             iterations=3)
     assert (replayed.held, replayed.growth, replayed.per_iteration) == (traced.held, traced.growth, traced.per_iteration)
 
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
 def test_forward_only_a_decoder_filling_its_cache_replays(device: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    replayed, traced = both(monkeypatch, _decoder("llama", True), device=device, train=False)
+    replayed, traced = both(monkeypatch, transformers_decoder("llama", True), device=device, train=False)
     same_figures(replayed, traced)
     _replays(replayed, "model.layers")
 
@@ -133,7 +103,7 @@ def test_a_cache_held_through_the_backward_or_dropped_before_it_replays_to_the_s
 ) -> None:
     # (kept: the cache holds the keys and values the graph let go; dropped: the graph holds
     # what it saved of them, freed in the backward)
-    make = _decoder("llama", True)
+    make = transformers_decoder("llama", True)
     replayed, traced = both(monkeypatch, make, device=device, optimizer=_adamw, keep_output=keep_output)
     same_figures(replayed, traced)
     _replays(replayed, "model.layers")
@@ -278,16 +248,8 @@ def _drops_the_output(model: nn.Module, batch: dict[str, Any], opt: torch.optim.
 def test_a_step_functions_decoder_filling_its_cache_replays_to_the_same_bytes(
     step: Any, device: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    make = _decoder("llama", True)
-    reports = []
-    for replay in ("1", "0"):
-        monkeypatch.setenv(ENV, replay)
-        model, batch = make()
-        opt = _adamw(model.parameters())
-        before = fingerprint(model, batch, opt)
-        reports.append(tm.estimate(step, (model, batch, opt), device=device))
-        assert fingerprint(model, batch, opt) == before
-    replayed, traced = reports
+    make = transformers_decoder("llama", True)
+    replayed, traced = both_steps(monkeypatch, make, step, _adamw, device=device)
     same_figures(replayed, traced)
     _replays(replayed, "model.model.layers")
     if device == "cpu":
