@@ -616,3 +616,43 @@ def test_a_lazy_module_not_yet_run_is_refused_with_the_fix() -> None:
             check(model, torch.randn(2, 3))
     model(torch.randn(2, 3))
     assert tm.estimate(model, torch.randn(2, 3)).phase_peaks() == tm.measure(model, torch.randn(2, 3)).phase_peaks()
+
+
+def test_the_request_carries_its_device_the_profile_resolved_once_and_the_rank(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One object goes down from each entry point (issue 58): the request holds the device
+    (a ModelledDevice, its predicates in place of names compared), the GPU or CPU profile
+    resolved once, and parallel= with the rank traced."""
+    from pytest_torchmem.engine import api
+    from pytest_torchmem.engine.figures import gpu_profiles
+    from pytest_torchmem.engine.figures.modelled_device import ModelledDevice, device_kind
+    from pytest_torchmem.engine.step.request import step_request
+    from pytest_torchmem.engine.tracing.devices.cpu.profiles import CpuProfile
+
+    model, x = nn.Linear(2, 2), torch.randn(1, 2)
+    parallel = tm.Parallel({"dp": 2}, lambda m, mesh: m, rank=1)
+    request = step_request("estimate", model, x, "cuda:1", None, None, True, parallel=parallel)
+    assert request.device == ModelledDevice("cuda") and request.device.is_cuda and not request.device.is_cpu
+    assert (request.parallel, request.rank) == (parallel, 1)
+    on_a100 = api.with_profiles(request, "A100-40GB", None)
+    assert on_a100.device.gpu == gpu_profiles.gpu_profile("A100-40GB") and on_a100.device.profile == on_a100.device.gpu
+    on_cpu = api.with_profiles(step_request("estimate", model, x, "cpu", None, None, True), None, "avx2:4")
+    assert on_cpu.device == ModelledDevice("cpu", cpu=CpuProfile("avx2", 4)) and on_cpu.rank == 0
+    with pytest.raises(ValueError, match="applies to device='cuda' only"):
+        ModelledDevice("cpu", gpu=gpu_profiles.gpu_profile("H100"))
+    assert device_kind("cuda:3") == "cuda"
+    # the GPU profile is resolved once per estimate, by the entry point: every module's name
+    # for the resolver counted
+    import sys
+
+    calls: list[object] = []
+    resolve = gpu_profiles.gpu_profile
+
+    def counted(value: object, custom: object = None) -> object:
+        calls.append(value)
+        return resolve(value, custom)  # type: ignore[arg-type]
+
+    for name, module in list(sys.modules.items()):
+        if name.startswith("pytest_torchmem") and getattr(module, "gpu_profile", None) is resolve:
+            monkeypatch.setattr(module, "gpu_profile", counted)
+    assert tm.estimate(nn.Linear(4, 4), torch.randn(2, 4), device="cuda", gpu="L4").profile == "L4"
+    assert calls == ["L4"]

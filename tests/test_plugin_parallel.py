@@ -367,3 +367,70 @@ def test_the_marker_keeps_a_train_context(pytester: pytest.Pytester) -> None:
     )
     assert list(stored) == ["default @ tp=2 rank=1"]
     assert pytester.runpytest_inprocess().ret == 0
+
+
+def test_a_parallel_check_gets_no_advice(pytester: pytest.Pytester) -> None:
+    """--torchmem-advise changes a module's built-in step, unsharded: a parallel check over
+    its budget gets none, and says why (it was advised on the unsharded model while
+    parallel= lived beside the check's request)."""
+    pytester.makepyfile(
+        test_m=HEADER
+        + """
+@pytest.mark.memory_budget(peak=1, devices=("cpu",))
+def test_ddp(torchmem):
+    torchmem.check(MODEL, X, optimizer=adamw, parallel=tm.Parallel({"dp": 2}, ddp))
+"""
+    )
+    result = pytester.runpytest_inprocess("--torchmem-update", "--torchmem-advise")
+    assert result.ret == pytest.ExitCode.TESTS_FAILED
+    result.stdout.fnmatch_lines(["*no advice (--torchmem-advise): the advice does not change parallel steps yet*"])
+    assert "what would bring it within" not in result.stdout.str()
+
+
+def test_a_parallel_check_is_not_measured_on_the_gpu(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where the run measures cuda checks on this machine's GPU, a parallel check is not
+    measured (one rank of a run no process here starts; measure_step refuses parallel= on
+    cuda, and the step unsharded is another step): it says so, and its entry holds no
+    measurement. The GPU is made up: the plugin's check for one, and the GPU it reads."""
+    from pytest_torchmem.engine.figures.gpu_profiles import GpuProfile, gpu_profile
+    from pytest_torchmem.engine.measuring import runs
+    from pytest_torchmem.engine.step.request import step_request
+    from pytest_torchmem.plugin import estimating
+
+    measured: list[Any] = []
+
+    def measure_step(request: Any) -> Any:
+        measured.append(request)
+        raise AssertionError("a parallel check measured on the GPU")
+
+    monkeypatch.setattr(estimating, "gpu_present", lambda: True)
+    monkeypatch.setattr(GpuProfile, "from_device", classmethod(lambda cls, device=None, name=None: gpu_profile("H100")))
+    monkeypatch.setattr(runs, "measure_step", measure_step)
+    pytester.makepyfile(
+        test_m=HEADER
+        + """
+@pytest.mark.memory_budget(devices=("cuda",))
+def test_ddp(torchmem):
+    torchmem.check(MODEL, X, optimizer=adamw, parallel=tm.Parallel({"dp": 2}, ddp))
+"""
+    )
+    result = pytester.runpytest_inprocess("--torchmem-update")
+    assert result.ret == 0, result.stdout.str()
+    assert measured == []
+    result.stdout.fnmatch_lines(
+        [
+            "*TorchmemWarning: torchmem: test_m.py::test_ddp ?default @ dp=2 rank=0? on cuda: "
+            "a parallel= check is not measured on this machine's GPU*"
+        ]
+    )
+    entry = _stored(pytester)["test_ddp"]["default @ dp=2 rank=0"]["cuda"]
+    assert "measured" not in entry
+    # the decision: a check without parallel= is measured
+    model = nn.Linear(2, 2)
+    plain = step_request("torchmem.check", model, torch.randn(1, 2), "cuda", None, None, True)
+    assert estimating.not_measured(plain) is None
+    parallel = tm.Parallel({"dp": 2}, lambda m, mesh: m)
+    ranked = step_request("torchmem.check", model, torch.randn(1, 2), "cuda", None, None, True, parallel=parallel)
+    assert "not measured on this machine's GPU" in (estimating.not_measured(ranked) or "")

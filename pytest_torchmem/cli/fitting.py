@@ -33,6 +33,7 @@ from typing import Any, Final, TextIO
 
 from tabulate import tabulate
 
+from pytest_torchmem.engine.figures.modelled_device import is_cpu, is_cuda
 from pytest_torchmem.engine.figures.units import format_bytes, parse_bytes
 
 __all__ = ["FactoryError", "add_commands", "fit_command", "rank_command", "ranks_command"]
@@ -205,7 +206,7 @@ def fit_command(args: argparse.Namespace, err: TextIO) -> tuple[str, int]:
     budget = None if args.budget is None else _budget(args.budget)
     if budget is None and not gpus:
         raise FactoryError("fit needs a target: --gpu NAME (repeatable) or --budget BYTES")
-    if args.device == "cpu" and gpus:
+    if is_cpu(args.device) and gpus:
         raise FactoryError("--gpu is for --device cuda; on cpu give --budget")
     _check_gpus(gpus)
     model, inputs_for, options = _load(args.factory, args.device, {"device": "give --device", "gpu": "give --gpu"})
@@ -322,7 +323,7 @@ def ranks_command(args: argparse.Namespace) -> tuple[str, int]:
     if args.size < 1:
         raise FactoryError(f"--size must be a positive integer, got {args.size}")
     if args.gpu is not None:
-        if args.device != "cuda":
+        if not is_cuda(args.device):
             raise FactoryError("--gpu is for --device cuda")
         _check_gpus([args.gpu])
     model, inputs_for, options = _load(
@@ -339,7 +340,7 @@ def ranks_command(args: argparse.Namespace) -> tuple[str, int]:
             model, inputs_for(args.size), parallel=parallel, device=args.device, gpu=args.gpu, **options
         )
     code = 1 if any(entry.fits is False for entry in figures) else 0
-    cuda = args.device == "cuda"
+    cuda = is_cuda(args.device)
     if args.format == "json":
         rows = [
             {
@@ -549,7 +550,7 @@ def _check_options(spec: str, options: dict[Any, Any], device: str, flags: dict[
                 f"{spec}: the options hold {key!r}, which estimate() does not take; {hint}"
                 f"its options are {', '.join(known)}"
             )
-    if "cpu" in options and options["cpu"] is not None and device != "cpu":
+    if "cpu" in options and options["cpu"] is not None and not is_cpu(device):
         raise FactoryError(
             f"{spec}: the options hold cpu={options['cpu']!r}, a CPU profile, and this command "
             "estimates on the fake cuda device: leave it out, or run fit with --device cpu"

@@ -7,6 +7,7 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from pytest_torchmem.engine.figures.gpu_profiles import GpuProfile, gpu_profile
+from pytest_torchmem.engine.figures.modelled_device import ModelledDevice
 from pytest_torchmem.engine.figures.report import MemoryReport
 from pytest_torchmem.engine.torch_compat.torch_release import require_supported_torch
 
@@ -16,9 +17,10 @@ if TYPE_CHECKING:  # imported when called, after the torch release is checked
     from pytest_torchmem.engine.every_rank import RankFigures
     from pytest_torchmem.engine.parallel.mesh import Parallel
     from pytest_torchmem.engine.step.built_in import LossFn, OptimizerFactory
+    from pytest_torchmem.engine.step.request import StepRequest
     from pytest_torchmem.engine.tracing.devices.cpu.profiles import CpuProfile
 
-__all__ = ["estimate", "every_rank", "measure"]
+__all__ = ["check_profiles", "estimate", "every_rank", "measure", "with_profiles"]
 
 
 def estimate(
@@ -100,17 +102,16 @@ def estimate(
     from pytest_torchmem.engine.tracing.trace import trace_request
 
     request = step_request(
-        "estimate", model, inputs, device, loss_fn, optimizer, train, keep_output, compile
+        "estimate", model, inputs, device, loss_fn, optimizer, train, keep_output, compile, parallel
     )
     check_profiles(request.device, gpu, cpu)
-    profile = gpu_profile(gpu) if request.device == "cuda" else None
     check_parallel(parallel, request.model)
-    request = as_compiled(request, parallel)
+    request = with_profiles(as_compiled(request), gpu, cpu)
     if parallel is not None and parallel.rank == "max":
         from pytest_torchmem.engine.every_rank import request_ranks
 
-        return request_ranks(request, profile, cpu, parallel)[0].report
-    return trace_request(request, profile, cpu, parallel=parallel, rank=int(parallel.rank) if parallel else 0).report
+        return request_ranks(request)[0].report
+    return trace_request(request).report
 
 
 def every_rank(
@@ -138,12 +139,14 @@ def every_rank(
     from pytest_torchmem.engine.every_rank import request_ranks
     from pytest_torchmem.engine.step.request import as_compiled, step_request
 
-    request = step_request("every_rank", model, inputs, device, loss_fn, optimizer, train, keep_output, compile)
+    request = step_request(
+        "every_rank", model, inputs, device, loss_fn, optimizer, train, keep_output, compile, parallel
+    )
     check_profiles(request.device, gpu, cpu)
     if parallel is None:
         raise TypeError("every_rank() needs parallel=tm.Parallel(mesh=..., apply=...)")
     check_parallel(parallel, request.model)
-    return request_ranks(as_compiled(request, parallel), gpu, cpu, parallel)
+    return request_ranks(with_profiles(as_compiled(request), gpu, cpu))
 
 
 def check_parallel(parallel: Any, model: Any = None) -> None:
@@ -202,17 +205,28 @@ def measure(
 
     settle_autograd_threads()  # before any fake mode: forked ranks can run backward
     request = step_request(
-        "measure", model, inputs, device, loss_fn, optimizer, train, keep_output, compile
+        "measure", model, inputs, device, loss_fn, optimizer, train, keep_output, compile, parallel
     )
     check_parallel(parallel, request.model)
-    return measure_step(as_compiled(dataclasses.replace(request, parallel=parallel)))
+    return measure_step(as_compiled(request))
 
 
-
-
-def check_profiles(device: str, gpu: Any, cpu: Any) -> None:
+def check_profiles(device: ModelledDevice, gpu: Any, cpu: Any) -> None:
     """``gpu=`` applies to ``device="cuda"`` only, ``cpu=`` to ``"cpu"`` only."""
-    if gpu is not None and device != "cuda":
-        raise ValueError(f"gpu={gpu!r} applies to device='cuda' only, not {device!r}")
-    if cpu is not None and device != "cpu":
-        raise ValueError(f"cpu={cpu!r} applies to device='cpu' only, not {device!r}")
+    if gpu is not None and not device.is_cuda:
+        raise ValueError(f"gpu={gpu!r} applies to device='cuda' only, not {device.kind!r}")
+    if cpu is not None and not device.is_cpu:
+        raise ValueError(f"cpu={cpu!r} applies to device='cpu' only, not {device.kind!r}")
+
+
+def with_profiles(request: StepRequest, gpu: Any, cpu: Any) -> StepRequest:
+    """``request`` with its device's profile resolved, once, from the entry point's ``gpu=``
+    (a name or a :class:`GpuProfile`; None: :data:`~pytest_torchmem.engine.figures.gpu_profiles.DEFAULT_GPU`)
+    or ``cpu=`` (a profile's name or a ``CpuProfile``; None: this host, as this process runs
+    now), the one its device follows; the other must be None (:func:`check_profiles`)."""
+    check_profiles(request.device, gpu, cpu)
+    if request.device.is_cuda:
+        return dataclasses.replace(request, device=request.device.following(gpu=gpu_profile(gpu)))
+    from pytest_torchmem.engine.tracing.devices.cpu.profiles import cpu_profile
+
+    return dataclasses.replace(request, device=request.device.following(cpu=cpu_profile(cpu)))

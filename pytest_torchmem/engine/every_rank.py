@@ -215,20 +215,21 @@ def _beside(
     return Beside(lambda: traced(ranks))
 
 
-def request_ranks(request: StepRequest, gpu: Any, cpu: Any, parallel: Parallel) -> tuple[RankFigures, ...]:
-    """The distinct ranks of a checked step request (``gpu``: a name or a profile), as
-    :func:`~pytest_torchmem.engine.api.every_rank` returns them."""
-    from pytest_torchmem.engine.figures.gpu_profiles import gpu_profile, usable_memory
+def request_ranks(request: StepRequest) -> tuple[RankFigures, ...]:
+    """The distinct ranks of a checked step request's parallel run, on its device and the
+    profile it follows (resolved by the entry point; on cpu the host's as this process runs:
+    a forked child runs one thread), as :func:`~pytest_torchmem.engine.api.every_rank`
+    returns them."""
+    from pytest_torchmem.engine.figures.gpu_profiles import usable_memory
     from pytest_torchmem.engine.parallel.traced_beside import beside_enabled
-    from pytest_torchmem.engine.tracing.devices.cpu.profiles import cpu_profile
     from pytest_torchmem.engine.tracing.trace import trace_request_ranks
 
-    profile = gpu_profile(gpu) if request.device == "cuda" else None
-    if request.device == "cpu":
-        cpu = cpu_profile(cpu)  # (the host's, as this process runs: a forked child runs one thread)
+    parallel = request.parallel
+    assert parallel is not None
+    profile = request.device.gpu
 
     def traced(ranks: Sequence[int]) -> dict[int, TracedRank]:
-        traces = trace_request_ranks(request, profile, cpu, parallel=parallel, ranks=ranks)
+        traces = trace_request_ranks(request, ranks=ranks)
         return {rank: traced_rank(one) for rank, one in traces.items()}
 
     # a pipeline's trace is the search's unit of time: one beside another where two cores are

@@ -13,8 +13,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from pytest_torchmem.engine.figures.gpu_profiles import GpuProfile
-
 if TYPE_CHECKING:
     from pytest_torchmem.engine.step.request import StepRequest
     from pytest_torchmem.plugin.judging import Result
@@ -22,8 +20,9 @@ if TYPE_CHECKING:
 __all__ = ["advice_lines"]
 
 
-def advice_lines(request: StepRequest, result: Result, gpu: GpuProfile, cpu: Any) -> tuple[str, ...]:
-    """The failure message's lines of advice for ``result``, or none where it did not
+def advice_lines(request: StepRequest, result: Result) -> tuple[str, ...]:
+    """The failure message's lines of advice for ``result`` of ``request`` (on the device,
+    following the profile, that ``result`` was estimated on), or none where it did not
     break a budget or a ``fits=`` GPU."""
     target: dict[str, Any] = {}
     unfit = [room for room in result.rooms if room.unfit]
@@ -33,8 +32,8 @@ def advice_lines(request: StepRequest, result: Result, gpu: GpuProfile, cpu: Any
         target["gpu"] = unfit[0].profile
     elif breaches:
         target["budget"] = min(breach.limit for breach in breaches)
-        if result.key.device.startswith("cuda"):
-            target["gpu"] = gpu
+        if request.device.is_cuda:
+            target["gpu"] = request.device.gpu
     else:
         return ()
     why = _not_advised(request)
@@ -49,11 +48,11 @@ def advice_lines(request: StepRequest, result: Result, gpu: GpuProfile, cpu: Any
         "train": request.train,
         "keep_output": request.keep_output,
     }
-    if result.key.device == "cpu":
-        options["cpu"] = cpu
+    if request.device.is_cpu:
+        options["cpu"] = request.device.cpu
     inputs: Any = request.kwargs if request.kwargs else request.args
     try:
-        advice = advise(request.model, inputs, device=result.key.device, **target, **options)
+        advice = advise(request.model, inputs, device=request.device.kind, **target, **options)
     except TraceStopped as stop:  # (advise traces with the built-in rules, not the conftests')
         return (f"no advice (--torchmem-advise): {stop}",)
     head = (

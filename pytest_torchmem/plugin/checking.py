@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 import pytest
 
+from pytest_torchmem.engine.figures.modelled_device import CPU, modelled_device, names_cuda
 from pytest_torchmem.engine.figures.units import format_bytes
 from pytest_torchmem.plugin.advising import advice_lines
 from pytest_torchmem.plugin.estimating import Estimator
@@ -248,7 +249,7 @@ class CheckRunner:
             compile = settings.compile if spec.compile is None else spec.compile
         try:
             request = step_request(
-                "torchmem.check", model, inputs, "cpu", loss_fn, optimizer, train, keep_output, compile
+                "torchmem.check", model, inputs, CPU, loss_fn, optimizer, train, keep_output, compile, parallel
             )
         except (TypeError, ValueError) as exc:
             if not _raised_by_the_engine(exc):  # torch's or the user's: its traceback whole
@@ -263,7 +264,7 @@ class CheckRunner:
             compiled="" if request.compile is None else request.compile.key,
             mesh="" if parallel is None else f"{parallel.key} rank={parallel.rank}",
         )
-        request = as_compiled(request, parallel)
+        request = as_compiled(request)
         devices = spec.devices or settings.devices
         gpu = spec.gpu or settings.gpu
         cpu = _cpu_profile(spec.cpu or settings.cpu)
@@ -275,12 +276,14 @@ class CheckRunner:
         results: list[Result] = []
         stopped_on: set[str] = set()
         for device in devices:
+            # the request on this device, following the run's GPU or CPU profile (resolved once)
+            on_device = dataclasses.replace(request, device=modelled_device(device, gpu, cpu))
             try:
-                figures = self._estimator.figures(
-                    item, request, device, name, gpu, cpu, parallel, spec.fits
-                )
+                figures = self._estimator.figures(item, on_device, name, spec.fits)
             except StepArgumentError as exc:  # as the arguments above: at the test's call
                 raise TypeError(str(exc)) from None
+            if figures.unmeasured is not None:
+                item.warn(TorchmemWarning(f"torchmem: {item.nodeid} [{entry_name}] on {device}: {figures.unmeasured}"))
             key = Key(module_test_id(item), entry_name, device)
             common: dict[str, Any] = {
                 "nodeid": item.nodeid,
@@ -309,7 +312,7 @@ class CheckRunner:
                 )
                 reports[device] = figures.report
             if result.failed and settings.advise and result.stopped is None:
-                advice = advice_lines(request, result, gpu, cpu)
+                advice = advice_lines(on_device, result)
                 result = dataclasses.replace(result, advice=tuple(map(self._places.locations, advice)))
             write = settings.update and result.stopped is None
             self._record.add(result, str(path), figures.entry if write else None)
@@ -344,17 +347,15 @@ class CheckRunner:
         from pytest_torchmem.engine.figures.stopped import TraceStopped
 
         for device in devices:
-            on_device = dataclasses.replace(request, device=device)
+            on_device = dataclasses.replace(request, device=modelled_device(device, gpu, cpu))
             try:
-                report = leak_check(
-                    on_device, gpu=gpu if device == "cuda" else None, cpu=cpu if device == "cpu" else None
-                )
+                report = leak_check(on_device)
             except TraceStopped as exc:
                 why = self._places.locations(str(exc))
                 self._verdicts.add(item.nodeid, f"torchmem: the leak check of {name!r} on {device} stopped: {why}")
                 continue
             measured = None
-            if device == "cuda" and self._estimator.measures(gpu):
+            if on_device.device.is_cuda and self._estimator.measures(gpu):
                 measured = leak_check(on_device, measure=True)
             record = LeakRecord.of(item.nodeid, name, report, allowed, measured)
             self._record.leaks.append(record)
@@ -457,7 +458,7 @@ class CheckRunner:
 
         if at_least is not None and (isinstance(at_least, bool) or not isinstance(at_least, int) or at_least < 1):
             raise TypeError(f"torchmem.fit(at_least=...) takes a positive int, got {at_least!r}")
-        on_cuda = device is None or str(device).startswith("cuda")
+        on_cuda = device is None or names_cuda(device)
         profile = None
         if on_cuda and (budget is None or gpu is not None):
             if gpu is not None:

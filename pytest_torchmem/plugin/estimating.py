@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Final, Literal
 import pytest
 
 from pytest_torchmem.engine.figures.gpu_profiles import GpuProfile
+from pytest_torchmem.engine.figures.modelled_device import ModelledDevice
 from pytest_torchmem.engine.figures.stopped import TraceStopped
 from pytest_torchmem.plugin import releases
 from pytest_torchmem.plugin.headroom import Room, room
@@ -24,20 +25,17 @@ from pytest_torchmem.plugin.settings import Settings, gpu_present
 from pytest_torchmem.plugin.snapshots import Entry
 
 if TYPE_CHECKING:
-    from pytest_torchmem.engine.parallel.mesh import Parallel
     from pytest_torchmem.engine.figures.report import MemoryReport
     from pytest_torchmem.engine.step.request import StepRequest
     from pytest_torchmem.engine.tracing.rules import RuleSet
     from pytest_torchmem.engine.tracing.trace import Trace
 
-__all__ = ["DeviceFigures", "Estimator", "device_environment"]
+__all__ = ["DeviceFigures", "Estimator", "device_environment", "not_measured"]
 
-def device_environment(
-    device: str, gpu: GpuProfile, cpu: str, keep_output: bool = False, loop: bool = False
-) -> dict[str, Any]:
-    """What the figures of ``device`` depend on besides the model: recorded in each entry.
+def device_environment(device: ModelledDevice, keep_output: bool = False, loop: bool = False) -> dict[str, Any]:
+    """What the figures on ``device`` depend on besides the model: recorded in each entry.
 
-    The CPU rules follow the CPU profile (``cpu``: its full name, with cache sizes
+    The CPU rules follow the CPU profile (``device.cpu``: its full name, with cache sizes
     where they are not the level's), the CUDA rules the GPU profile (its name, and
     for a profile that is not one of the named ones its properties, ``gpu_memory``,
     ``gpu_cc``, ``gpu_sms``, ...: a line of the ini table changed since is noticed)
@@ -53,7 +51,9 @@ def device_environment(
         environment["keep_output"] = True
     if loop:
         environment["figures"] = "training loop"
-    if device.startswith("cuda"):
+    if device.is_cuda:
+        gpu = device.gpu
+        assert gpu is not None
         environment["gpu"] = gpu.name
         if not gpu.builtin:
             environment.update({f"gpu_{key}": value for key, value in gpu.properties().items()})
@@ -61,7 +61,7 @@ def device_environment(
         if alloc_conf:  # recorded only when set, so that the default leaves no trace
             environment["cuda_alloc_conf"] = alloc_conf
     else:
-        environment["cpu"] = cpu
+        environment["cpu"] = str(device.cpu)
     return environment
 
 
@@ -80,6 +80,9 @@ class DeviceFigures:
     #: The trace stopped (there or on a GPU ``fits=`` names): no figures, ``report`` and
     #: ``entry`` are of the part of the step that ran, ``trace`` that part's.
     stopped: TraceStopped | None = None
+    #: Why the run, which measures cuda checks on this machine's GPU, did not measure this
+    #: one (:func:`not_measured`), or None.
+    unmeasured: str | None = None
 
 
 class Estimator:
@@ -94,62 +97,54 @@ class Estimator:
         self,
         item: pytest.Item,
         request: StepRequest,
-        device: str,
         name: str,
-        gpu: GpuProfile,
-        cpu: Any,
-        parallel: Parallel | None,
         fits: tuple[GpuProfile, ...] | Literal[True] | None,
     ) -> DeviceFigures:
-        """The figures of check ``name`` of ``item`` on ``device``: estimated, measured on the
-        GPU where the run measures, and the room on the GPUs ``fits`` names; or, where a
-        trace stopped, what it left (:attr:`DeviceFigures.stopped`), nothing measured."""
+        """The figures of check ``name`` of ``item`` on the request's device: estimated,
+        measured on the GPU where the run measures (but see :func:`not_measured`), and the room on
+        the GPUs ``fits`` names; or, where a trace stopped, what it left
+        (:attr:`DeviceFigures.stopped`), nothing measured."""
+        device = request.device
         try:
-            report, traced = self.estimate(item, request, device, name, gpu, cpu, parallel)
-            rooms = self.rooms(item, request, device, name, gpu, cpu, parallel, report, fits)
+            report, traced = self.estimate(item, request, name)
+            rooms = self.rooms(item, request, name, report, fits)
         except TraceStopped as stop:
-            environment = device_environment(device, gpu, str(cpu), request.keep_output)
+            environment = device_environment(device, request.keep_output)
             partial = Entry.from_report(stop.report, environment)
             return DeviceFigures(stop.report, stop.trace, partial, (), stop)
         measured = None
-        if device.startswith("cuda") and self.measures(gpu):
-            # What measure(device="cuda") does: the step on the real GPU, from
-            # the state measuring/runs.py defines (empty caches, no cuBLAS workspace).
-            from pytest_torchmem.engine.measuring.runs import measure_step
+        unmeasured = None
+        if device.is_cuda and device.gpu is not None and self.measures(device.gpu):
+            unmeasured = not_measured(request)
+            if unmeasured is None:
+                # What measure(device="cuda") does: the step on the real GPU, from
+                # the state measuring/runs.py defines (empty caches, no cuBLAS workspace).
+                from pytest_torchmem.engine.measuring.runs import measure_step
 
-            measured = measure_step(dataclasses.replace(request, device="cuda"))
-        environment = device_environment(
-            device, gpu, str(cpu), request.keep_output, loop=report.first_step is not None
-        )
+                measured = measure_step(request)
+        environment = device_environment(device, request.keep_output, loop=report.first_step is not None)
         entry = Entry.from_report(report, environment, measured)
-        return DeviceFigures(report, traced, entry, rooms)
+        return DeviceFigures(report, traced, entry, rooms, unmeasured=unmeasured)
 
-    def estimate(
-        self,
-        item: pytest.Item,
-        request: StepRequest,
-        device: str,
-        name: str,
-        gpu: GpuProfile,
-        cpu: Any,
-        parallel: Parallel | None = None,
-    ) -> tuple[MemoryReport, Trace]:
-        """The estimate on ``device`` with this run's rules, as the hooks adjust it,
-        and the trace it was read from (``parallel``: of its rank; ``"max"``: the
+    def estimate(self, item: pytest.Item, request: StepRequest, name: str) -> tuple[MemoryReport, Trace]:
+        """The estimate on the request's device with this run's rules, as the hooks adjust
+        it, and the trace it was read from (a parallel request: of its rank; ``"max"``: the
         worst of the distinct ranks, :mod:`~pytest_torchmem.engine.every_rank`)."""
         from pytest_torchmem.engine.every_rank import TracedRank, distinct_ranks, traced_rank
         from pytest_torchmem.engine.figures.report import MemoryReport
         from pytest_torchmem.engine.tracing.devices import device_model
         from pytest_torchmem.engine.tracing.trace import Trace, trace, trace_ranks
 
+        device = request.device
+        parallel = request.parallel
         options: dict[str, Any] = dict(
-            device=dataclasses.replace(device_model(device), rules=self.rules(item, device)),
+            device=dataclasses.replace(device_model(device.kind), rules=self.rules(item, device.kind)),
             loss_fn=request.loss_fn,
             optimizer=request.optimizer,
             train=request.train,
             keep_output=request.keep_output,
-            gpu=gpu if device.startswith("cuda") else None,
-            cpu=cpu if device == "cpu" else None,
+            gpu=device.gpu,
+            cpu=device.cpu,
             record_frames=self._settings.record_frames,
         )
         if parallel is not None and parallel.rank == "max":
@@ -162,10 +157,9 @@ class Estimator:
 
             traced = traces[distinct_ranks(parallel, traced_ranks)[0].rank]
         else:
-            rank = int(parallel.rank) if parallel is not None else 0
-            traced = trace(request.model, request.args, request.kwargs, parallel=parallel, rank=rank, **options)
+            traced = trace(request.model, request.args, request.kwargs, parallel=parallel, rank=request.rank, **options)
         adjusted = item.ihook.pytest_torchmem_adjust_report(
-            item=item, device=device, name=name, report=traced.report
+            item=item, device=device.kind, name=name, report=traced.report
         )
         if adjusted is None:
             return traced.report, traced
@@ -184,25 +178,23 @@ class Estimator:
         self,
         item: pytest.Item,
         request: StepRequest,
-        device: str,
         name: str,
-        gpu: GpuProfile,
-        cpu: Any,
-        parallel: Parallel | None,
         report: MemoryReport,
         fits: tuple[GpuProfile, ...] | Literal[True] | None,
     ) -> tuple[Room, ...]:
         """A cuda check's room on the GPU it follows, then on each other GPU that ``fits=``
         names (estimated on it: its kernels and workspaces are its own)."""
-        if not device.startswith("cuda") or report.reserved_peak is None:
+        gpu = request.device.gpu
+        if not request.device.is_cuda or gpu is None or report.reserved_peak is None:
             return ()
         named = () if fits is None or fits is True else fits
         rooms = [room(gpu, report.reserved_peak, required=fits is True or gpu in named)]
         for other in named:
             if other != gpu:
-                on_other, _ = self.estimate(item, request, device, name, other, cpu, parallel)
-                assert on_other.reserved_peak is not None
-                rooms.append(room(other, on_other.reserved_peak, required=True))
+                on_other = dataclasses.replace(request, device=request.device.following(gpu=other))
+                other_report, _ = self.estimate(item, on_other, name)
+                assert other_report.reserved_peak is not None
+                rooms.append(room(other, other_report.reserved_peak, required=True))
         return tuple(rooms)
 
     def rules(self, item: pytest.Item, device: str) -> RuleSet:
@@ -247,6 +239,20 @@ class Estimator:
             return GpuProfile.from_device()
         except GpuProfileError:
             return None
+
+
+def not_measured(request: StepRequest) -> str | None:
+    """Why a cuda check that the run would measure on this machine's GPU is not measured
+    there, or None: a parallel check is one rank of a run that this process does not start
+    (``measure(parallel=...)`` runs gloo ranks on the CPU), and the step unsharded on the GPU
+    is another step."""
+    if request.parallel is not None:
+        return (
+            "a parallel= check is not measured on this machine's GPU: it is one rank of a "
+            "parallel run, and the step unsharded would be another step; its estimate is "
+            "compared with the snapshot and the budgets only"
+        )
+    return None
 
 
 def _whole_bytes(report: MemoryReport) -> MemoryReport:

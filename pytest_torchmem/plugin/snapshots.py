@@ -56,6 +56,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
+from pytest_torchmem.engine.figures.modelled_device import is_cpu
 from pytest_torchmem.plugin.releases import Release
 
 if TYPE_CHECKING:
@@ -499,7 +500,7 @@ class SnapshotFile:
                             raise refuse(f"it has a malformed entry {key}: {exc}") from None
                         malformed[key] = (entry, f"it is malformed: {exc}")
                         continue
-                    if schema == 1 and device == "cpu":
+                    if schema == 1 and is_cpu(device):
                         entries[key] = _upgraded_cpu_entry(entries[key])
         snapshot = cls(path, entries)
         snapshot.malformed = malformed

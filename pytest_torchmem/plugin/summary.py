@@ -13,6 +13,7 @@ from typing import Any, Final
 
 from tabulate import tabulate
 
+from pytest_torchmem.engine.figures.modelled_device import is_cuda
 from pytest_torchmem.engine.figures.units import format_bytes, format_delta
 from pytest_torchmem.plugin.snapshots import Key, legacy_cpu
 from pytest_torchmem.plugin.judging import Result, Status, release_change
@@ -105,7 +106,7 @@ def _device(result: Result, gpu: str | None) -> str:
     the run's (``gpu``: the header names that one)."""
     device = result.key.device
     followed = result.estimate.environment.get("gpu")
-    if device.startswith("cuda") and followed is not None and followed != gpu:
+    if is_cuda(device) and followed is not None and followed != gpu:
         return f"{device} ({followed})"
     return device
 

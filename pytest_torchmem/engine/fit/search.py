@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, Final, Literal
 from pytest_torchmem.engine.figures.units import format_bytes, parse_bytes
 
 from pytest_torchmem.engine.figures.gpu_profiles import usable_memory
+from pytest_torchmem.engine.figures.modelled_device import device_kind, is_cpu, is_cuda
 
 if TYPE_CHECKING:
     from pytest_torchmem.engine.figures.report import MemoryReport
@@ -209,7 +210,7 @@ def rank_gpus(
     from pytest_torchmem.engine.api import estimate
     from pytest_torchmem.engine.figures.gpu_profiles import PROFILES, gpu_profile
 
-    if "device" in options and options.pop("device") != "cuda":
+    if "device" in options and not is_cuda(options.pop("device")):
         raise ValueError("rank_gpus() estimates on the fake cuda device: leave device out")
     profiles = [gpu_profile(gpu) for gpu in (gpus if gpus is not None else list(PROFILES))]
     if not profiles:
@@ -256,9 +257,9 @@ def resolved_target(
     device = _fit_device(device, gpu)
     if figure not in (None, "peak", "reserved"):
         raise ValueError(f"figure must be 'peak' or 'reserved', got {figure!r}")
-    if figure == "reserved" and device != "cuda":
+    if figure == "reserved" and not is_cuda(device):
         raise ValueError("figure='reserved' is the caching allocator's: it needs device='cuda'")
-    profile = gpu_profile(gpu) if device == "cuda" else None
+    profile = gpu_profile(gpu) if is_cuda(device) else None
     if budget is not None:
         limit = parse_bytes(budget)
         target = f"budget {format_bytes(limit)}" + (f" on {profile}" if gpu is not None else "")
@@ -267,7 +268,7 @@ def resolved_target(
         assert profile is not None
         limit, target = usable_memory(profile), str(profile)
         chosen = figure or "reserved"
-    if device == "cuda":
+    if is_cuda(device):
         options["gpu"] = profile
     return device, limit, target, chosen
 
@@ -275,11 +276,11 @@ def resolved_target(
 def _fit_device(device: Any, gpu: Any) -> str:
     if device is None:
         return "cuda"
-    name = str(device)
-    kind = name.split(":", 1)[0]
-    if kind not in ("cpu", "cuda"):
-        raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
-    if kind == "cpu" and gpu is not None:
+    try:
+        kind = device_kind(str(device))
+    except ValueError:
+        raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}") from None
+    if is_cpu(kind) and gpu is not None:
         raise ValueError(f"gpu={gpu!r} applies to device='cuda' only")
     return kind
 

@@ -71,23 +71,21 @@ def leaks(
     request = step_request("leaks", model, inputs, device, loss_fn, optimizer, train, keep_output)
     if measure and (gpu is not None or cpu is not None):
         raise ValueError("leaks(measure=True) measures this machine: gpu= and cpu= apply to the estimate only")
-    return leak_check(request, iterations, measure=measure, gpu=gpu, cpu=cpu)
+    if not measure:
+        from pytest_torchmem.engine.api import with_profiles
+
+        request = with_profiles(request, gpu, cpu)
+    return leak_check(request, iterations, measure=measure)
 
 
-def leak_check(
-    request: StepRequest,
-    iterations: int | None = None,
-    *,
-    measure: bool = False,
-    gpu: str | GpuProfile | None = None,
-    cpu: str | CpuProfile | None = None,
-) -> LeakReport:
-    """:func:`leaks` of a request made (the plugin's checks make theirs)."""
+def leak_check(request: StepRequest, iterations: int | None = None, *, measure: bool = False) -> LeakReport:
+    """:func:`leaks` of a request made (the plugin's checks make theirs): estimated on its
+    device, following the profile it holds, or (``measure``) measured on this machine."""
     counts = (iterations,) if iterations is not None else DEFAULT_ITERATIONS
     report: LeakReport | None = None
     for count in counts:
         repeated = dataclasses.replace(request, repeat=count)
-        report = _measured(repeated) if measure else _estimated(repeated, gpu, cpu)
+        report = _measured(repeated) if measure else _estimated(repeated)
         if report.steady_from is not None:
             break
     assert report is not None
@@ -107,15 +105,13 @@ def steady_state(baseline: int, held: tuple[int, ...]) -> tuple[int | None, int]
     return first + 1, growth[-1]
 
 
-def _estimated(request: StepRequest, gpu: Any, cpu: Any) -> LeakReport:
-    from pytest_torchmem.engine.api import check_profiles
+def _estimated(request: StepRequest) -> LeakReport:
     from pytest_torchmem.engine.tracing.devices import device_model
     from pytest_torchmem.engine.tracing.trace import trace_request
 
-    check_profiles(request.device, gpu, cpu)
-    device = device_model(request.device)
+    device = device_model(request.device.kind)
     explained = _Explainer(request, device)
-    traced = trace_request(request, gpu, cpu, record_frames=True, repeat=request.repeat, at_iteration_end=explained)
+    traced = trace_request(request, record_frames=True, repeat=request.repeat, at_iteration_end=explained)
     return _report(
         request,
         list(traced.analysis.marks),
@@ -150,10 +146,10 @@ def _report(
     steady_from, per_iteration = steady_state(baseline, held)
     reserved = tuple(r for _, _, r in marks if r is not None)
     reserved_growth = None
-    if request.device == "cuda" and len(reserved) >= 2:
+    if request.device.is_cuda and len(reserved) >= 2:
         reserved_growth = reserved[-1] - reserved[-2]
     return LeakReport(
-        device=request.device,
+        device=request.device.kind,
         iterations=len(held),
         baseline=baseline,
         held=held,

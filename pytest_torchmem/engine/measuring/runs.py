@@ -131,7 +131,7 @@ def _measured(request: StepRequest) -> MemoryReport:
     compiled_ran = False
     # the step draws from the process's generators (dropout, a data loader's seed): they
     # are the user's, and are as they were after (the estimate draws from copies)
-    devices = [torch.cuda.current_device()] if request.device == "cuda" and torch.cuda.is_available() else []
+    devices = [torch.cuda.current_device()] if request.device.is_cuda and torch.cuda.is_available() else []
     with (
         torch.random.fork_rng(devices=devices),
         CacheRegions(_MEASURED_REGION) as cache,
@@ -139,7 +139,7 @@ def _measured(request: StepRequest) -> MemoryReport:
     ):
         if request.parallel is not None:
             report = _measure_ranks(request)
-        elif request.device == "cuda":
+        elif request.device.is_cuda:
             report = _measure_cuda(request, hook_failed)
         else:
             warm = has_compiled_modules(request.model)
@@ -161,9 +161,9 @@ def measure_held(request: StepRequest) -> tuple[list[tuple[int, int, int | None]
     """A repeated step (``request.repeat``) run for real: ``(iteration, live bytes, reserved
     bytes or None)`` as each iteration ends, the bytes live as the step starts, and the
     machine measured (a leak check's counterpart of the trace)."""
-    devices = [torch.cuda.current_device()] if request.device == "cuda" and torch.cuda.is_available() else []
+    devices = [torch.cuda.current_device()] if request.device.is_cuda and torch.cuda.is_available() else []
     with torch.random.fork_rng(devices=devices):
-        if request.device == "cuda":
+        if request.device.is_cuda:
             held: list[tuple[int, int]] = []
             report = _measure_cuda(request, held=held)
             (_, base), *ends = held
@@ -503,10 +503,10 @@ def _measure_ranks(request: StepRequest) -> MemoryReport:
 
     parallel = request.parallel
     assert parallel is not None
-    if request.device != "cpu":
+    if not request.device.is_cpu:
         raise ValueError(
             "measure(parallel=...) runs the ranks as gloo processes on the CPU; "
-            f"device={request.device!r} is not supported, use device='cpu'"
+            f"device={request.device.kind!r} is not supported, use device='cpu'"
         )
     reports = run_ranks(parallel, functools.partial(_rank_report, request))
     parsed = [MemoryReport.from_json(text) for text in reports]

@@ -12,6 +12,7 @@ from typing import Any, Final
 import torch
 from torch import nn
 
+from pytest_torchmem.engine.figures.modelled_device import ModelledDevice, modelled_device
 from pytest_torchmem.engine.step.compiling import CompileOptions, compile_options
 from pytest_torchmem.engine.step.built_in import LossFn, OptimizerFactory
 from pytest_torchmem.engine.step.step_function import step_function
@@ -25,12 +26,15 @@ _COMPILED_CALL: Final = private_name("torch.nn.Module._compiled_call_impl")
 
 @dataclass(frozen=True)
 class StepRequest:
-    """Validated arguments of :func:`estimate` and :func:`measure`."""
+    """Validated arguments of :func:`estimate` and :func:`measure`: the one object the
+    entry points hand down, holding the device (with its profile, resolved once by the
+    entry point) and the parallel rank."""
 
     model: nn.Module
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
-    device: str
+    #: The device, and the GPU or CPU profile it follows once the entry point resolved it.
+    device: ModelledDevice
     loss_fn: LossFn | None
     optimizer: OptimizerFactory | None
     train: bool
@@ -44,6 +48,12 @@ class StepRequest:
     #: built-in step with an optimizer: a loop of two).
     repeat: int | None = None
 
+    @property
+    def rank(self) -> int:
+        """The rank traced of :attr:`parallel` (0 without one; not ``"max"``: every rank
+        is searched then, :mod:`~pytest_torchmem.engine.every_rank`)."""
+        return 0 if self.parallel is None else int(self.parallel.rank)
+
 
 def step_request(
     entry: str,
@@ -55,7 +65,10 @@ def step_request(
     train: Any,
     keep_output: Any = False,
     compile: Any = None,
+    parallel: Any = None,
 ) -> StepRequest:
+    """The validated request (``device``: a name, ``"cpu"``, ``"cuda"`` or ``"cuda:N"``;
+    its profile is the entry point's to resolve, :meth:`ModelledDevice.following`)."""
     if not isinstance(model, nn.Module) and not callable(model):
         raise TypeError(
             f"{entry}() needs an nn.Module or a step function as model, got "
@@ -82,11 +95,7 @@ def step_request(
         )
     if isinstance(device, torch.device):
         device = str(device)
-    if not isinstance(device, str):
-        raise TypeError(f"device must be 'cpu' or 'cuda', got {device!r}")
-    kind, _, index = device.partition(":")
-    if kind not in ("cpu", "cuda") or (index and (kind == "cpu" or not index.isdecimal())):
-        raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}")
+    modelled = modelled_device(device)
     if isinstance(optimizer, torch.optim.Optimizer):  # it would hold the model's real parameters
         raise TypeError(
             "optimizer must be a factory that makes the optimizer from the parameters it is "
@@ -103,7 +112,9 @@ def step_request(
     if not isinstance(model, nn.Module):
         _check_takes_inputs(entry, model, args, kwargs)
         _check_function_options(entry, loss_fn, optimizer, train, keep_output, compile)
-        return StepRequest(step_function(model, args, kwargs), args, kwargs, kind, None, None, True)
+        return StepRequest(
+            step_function(model, args, kwargs), args, kwargs, modelled, None, None, True, parallel=parallel
+        )
     compiled = compile_options(compile)
     if compiled is not None and has_compiled_modules(model):
         raise ValueError(
@@ -111,7 +122,9 @@ def step_request(
             f"this {type(model).__name__} already holds compiled modules (torch.compile, "
             ".compile()); pass it without compile=, or pass the eager model"
         )
-    return StepRequest(model, args, kwargs, kind, loss_fn, optimizer, train, keep_output, compile=compiled)
+    return StepRequest(
+        model, args, kwargs, modelled, loss_fn, optimizer, train, keep_output, parallel=parallel, compile=compiled
+    )
 
 
 def _check_takes_inputs(entry: str, function: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -184,13 +197,12 @@ def has_compiled_modules(model: nn.Module) -> bool:
     )
 
 
-def as_compiled(request: StepRequest, parallel: Any = None) -> StepRequest:
+def as_compiled(request: StepRequest) -> StepRequest:
     """``request`` with its model as ``torch.compile(model, **options)`` of ``compile=``
-    (an ``OptimizedModule`` around the user's model, which is not changed); ``parallel``:
-    the run's :class:`~pytest_torchmem.Parallel` where ``request`` does not hold it."""
+    (an ``OptimizedModule`` around the user's model, which is not changed)."""
     if request.compile is None:
         return request
-    if request.parallel is not None or parallel is not None:
+    if request.parallel is not None:
         raise ValueError(
             "compile= and parallel= together are not supported: compile the model inside "
             "parallel.apply, or check the rank eagerly"

@@ -20,6 +20,7 @@ import torch
 
 from pytest_torchmem.engine.step.nesting import NestedStepError
 from pytest_torchmem.engine.figures.report import Unsupported
+from pytest_torchmem.engine.figures.modelled_device import is_cuda
 from pytest_torchmem.engine.figures.stopped import STOPPED_HERE
 from pytest_torchmem.engine.torch_compat.torch_private import present, private
 from pytest_torchmem.engine.tracing.fake_limits import fake_tensor_limit, first_line
@@ -125,7 +126,7 @@ def stop_of(
             f'move the batch to the device (batch.to("{device}")), and any tensor the step takes '
             "from outside its inputs (labels a loss reads: labels.to(logits.device)), as a GPU "
             "would require"
-            if device == "cuda"
+            if is_cuda(device)
             else f"move every tensor of the step to {device}, as a real run would require"
         )
         return stopped_here(

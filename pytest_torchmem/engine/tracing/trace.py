@@ -48,7 +48,7 @@ from pytest_torchmem.engine.tracing.devices import DeviceModel
 from pytest_torchmem.engine.tracing.devices.cpu.profiles import CpuProfile
 from pytest_torchmem.engine.tracing.compiled_cuda import CudaProgram
 from pytest_torchmem.engine.tracing.devices.cuda.memory_stats import MemorySoFar
-from pytest_torchmem.engine.tracing.devices.cuda.profiles import GpuProfile, gpu_profile
+from pytest_torchmem.engine.tracing.devices.cuda.profiles import DEFAULT_GPU, PROFILES, GpuProfile
 from pytest_torchmem.engine.tracing.fake_limits import first_line
 from pytest_torchmem.engine.tracing.layers import FAKE_WORLD, WARM_UP_LAYERS, Scene, entered
 from pytest_torchmem.engine.tracing.replay import LoopReplay, replay_enabled
@@ -241,7 +241,7 @@ def _traced(
     # compiled modules run inductor's program (on cuda: built by inductor's cuda backend);
     # compiled functions and optimizer steps are followed on cpu
     found = compiled_modules(model) if parallel is None else CompiledModules()
-    follows_functions = device.name == "cpu" and parallel is None
+    follows_functions = device.is_cpu and parallel is None
 
     def once(follow: bool, warm: bool) -> tuple[Trace, Phase | None]:
         try:
@@ -360,41 +360,52 @@ def _unsure(traced: Trace | None) -> bool:
     return traced is not None and traced.values_missed > 0
 
 
-def trace_request(request: StepRequest, gpu: Any = None, cpu: Any = None, **options: Any) -> Trace:
-    """:func:`trace` of ``request``'s step on its device: ``gpu`` (a name or a profile) is
-    the GPU a ``cuda`` step follows, ``cpu`` the CPU profile a ``cpu`` step follows; the
-    other ``options`` as :func:`trace` takes them."""
-    return trace(request.model, request.args, request.kwargs, **_request_options(request, gpu, cpu), **options)
-
-
-def trace_request_ranks(
-    request: StepRequest, gpu: Any = None, cpu: Any = None, *, parallel: Parallel, ranks: Sequence[int], **options: Any
-) -> dict[int, Trace]:
-    """:func:`trace_ranks` of ``request``'s step on its device (``gpu``, ``cpu`` as
-    :func:`trace_request` takes them)."""
-    return trace_ranks(
+def trace_request(request: StepRequest, **options: Any) -> Trace:
+    """:func:`trace` of ``request``'s step on its device, following the profile its device
+    holds, of its rank where it holds a parallel run (:attr:`StepRequest.rank`); the other
+    ``options`` as :func:`trace` takes them."""
+    return trace(
         request.model,
         request.args,
         request.kwargs,
-        parallel=parallel,
-        ranks=ranks,
-        **_request_options(request, gpu, cpu),
+        parallel=request.parallel,
+        rank=request.rank,
+        **_request_options(request),
         **options,
     )
 
 
-def _request_options(request: StepRequest, gpu: Any, cpu: Any) -> dict[str, Any]:
-    from pytest_torchmem.engine.tracing.devices import device_model
-    from pytest_torchmem.engine.tracing.devices.cpu.profiles import cpu_profile
+def trace_request_ranks(request: StepRequest, *, ranks: Sequence[int], **options: Any) -> dict[int, Trace]:
+    """:func:`trace_ranks` of ``ranks`` of ``request``'s parallel run, on its device (as
+    :func:`trace_request`)."""
+    assert request.parallel is not None
+    return trace_ranks(
+        request.model,
+        request.args,
+        request.kwargs,
+        parallel=request.parallel,
+        ranks=ranks,
+        **_request_options(request),
+        **options,
+    )
 
+
+def _request_options(request: StepRequest) -> dict[str, Any]:
+    """What :func:`trace` takes of ``request``: its device model and profile (resolved by the
+    entry point: :func:`~pytest_torchmem.engine.api.with_profiles`), its step's options."""
+    from pytest_torchmem.engine.tracing.devices import device_model
+
+    modelled = request.device
+    if modelled.profile is None:
+        raise ValueError(f"the request's {modelled.kind} device has no profile: resolve it first (with_profiles)")
     return dict(
-        device=device_model(request.device),
+        device=device_model(modelled.kind),
         loss_fn=request.loss_fn,
         optimizer=request.optimizer,
         train=request.train,
         keep_output=request.keep_output,
-        gpu=gpu_profile(gpu) if request.device == "cuda" else None,
-        cpu=cpu_profile(cpu) if request.device == "cpu" else None,
+        gpu=modelled.gpu,
+        cpu=modelled.cpu,
     )
 
 
@@ -447,7 +458,7 @@ def _trace(
         following.prepare_optimizer(optimizer)
 
     with fake_mode:
-        host = fake_standins(torch.device("cpu"), fake_mode) if where.type != "cpu" else None
+        host = fake_standins(torch.device("cpu"), fake_mode) if not device.is_cpu else None
         standins = converted(holdings, args, kwargs, fake_standins(where, fake_mode), hook_failed, host)
     step_model = model if parallel is None else model_copy(model, holdings, standins.model)
     tracker = Tracker(
@@ -477,17 +488,17 @@ def _trace(
     # the torch-function mode stack of the warm-up, which has none (on cuda the program is
     # entered with the router popped: see CudaProgram.around; on cpu the router steps aside
     # for a compiled optimizer step: see _Routing)
-    routed = device.router is not None and (not warm or device.name == "cuda")
+    routed = device.router is not None and (not warm or device.is_cuda)
     routing = device.router(context) if device.router is not None and routed else None
     router: Any = _Routing(routing) if routing is not None and follow and not warm else routing
     # on cuda inductor's cuda program is built (AOTAutograd under the router) and entered
     # with no torch-function mode, so the router routes the rest of the step
     cuda_build = (
-        CudaProgram(gpu_profile(gpu), where, lambda: device.router(context), tracker)
-        if found and device.name == "cuda" and device.router is not None
+        CudaProgram(gpu if gpu is not None else PROFILES[DEFAULT_GPU], where, lambda: device.router(context), tracker)
+        if found and device.is_cuda and device.router is not None
         else None
     )
-    built_for = cpu if device.name == "cpu" else None
+    built_for = cpu if device.is_cpu else None
     program = (
         following_compiled(
             found,
@@ -553,7 +564,7 @@ def _trace(
             rank=rank,
             gpu=gpu,
             memory=(
-                MemorySoFar(tracker.timeline, lambda: baseline, lambda: device.allocator(context), gpu_profile(gpu))
+                MemorySoFar(tracker.timeline, lambda: baseline, lambda: device.allocator(context), gpu)
                 if gpu is not None and device.allocator is not None
                 else None
             ),
@@ -626,8 +637,8 @@ def _trace(
         breakdown=analysis.breakdown,
         reserved_peak=analysis.reserved_peak,
         modules=analysis.modules,
-        unsupported=(*tracker.unsupported, *_parallel_gaps(device.name, parallel)),
-        profile=_profile_name(device.name, gpu, cpu),
+        unsupported=(*tracker.unsupported, *_parallel_gaps(device, parallel)),
+        profile=_profile_name(device, gpu, cpu),
         first_step=None if analysis.first_step is None else StepPeaks(*analysis.first_step),
         phases=analysis.named,
         iterations=analysis.iterations if isinstance(model, StepFunction) else (),
@@ -773,12 +784,12 @@ NCCL_GAP: Final = Unsupported(
 )
 
 
-def _parallel_gaps(device: str, parallel: Parallel | None) -> tuple[Unsupported, ...]:
-    return (NCCL_GAP,) if parallel is not None and device == "cuda" else ()
+def _parallel_gaps(device: DeviceModel, parallel: Parallel | None) -> tuple[Unsupported, ...]:
+    return (NCCL_GAP,) if parallel is not None and device.is_cuda else ()
 
 
-def _profile_name(device: str, gpu: GpuProfile | None, cpu: CpuProfile | None) -> str | None:
-    profile = gpu if device == "cuda" else cpu
+def _profile_name(device: DeviceModel, gpu: GpuProfile | None, cpu: CpuProfile | None) -> str | None:
+    profile = gpu if device.is_cuda else cpu
     return str(profile) if profile is not None else None
 
 

@@ -20,6 +20,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
 from pytest_torchmem.engine.figures.report import Category
+from pytest_torchmem.engine.figures.modelled_device import is_cuda
 from pytest_torchmem.engine.figures.units import format_bytes, format_delta
 
 __all__ = ["COLORS", "escape", "json_for_script", "nice_ticks", "render"]
@@ -176,7 +177,7 @@ def _check_label(view: Mapping[str, Any]) -> str:
 
 def _device_label(view: Mapping[str, Any]) -> str:
     env = view.get("environment", {})
-    if view["device"].startswith("cuda") and env.get("gpu"):
+    if is_cuda(view["device"]) and env.get("gpu"):
         return f"{view['device']} ({env['gpu']})"
     if env.get("cpu"):
         return f"{view['device']} ({env['cpu']})"

@@ -53,6 +53,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final, NamedTuple
 
 from pytest_torchmem import __version__
+from pytest_torchmem.engine.figures.modelled_device import is_cpu
 from pytest_torchmem.engine.figures.timeline import PHASE, Charge, Frame, Phase, Timeline, replay
 
 if TYPE_CHECKING:
@@ -138,7 +139,7 @@ def trace_snapshot(traced: Trace, *, nodeid: str = "", name: str = "") -> dict[s
         "nodeid": nodeid,
         "check": name,
         "device": report.device,
-        "gpu_profile": None if gpu is None or report.device == "cpu" else str(gpu.name),
+        "gpu_profile": None if gpu is None or is_cpu(report.device) else str(gpu.name),
         "forward_peak": report.forward_peak,
         "backward_peak": report.backward_peak,
         "step_peak": report.step_peak,

@@ -47,6 +47,15 @@ class DeviceModel:
     #: The contexts its traced step runs in, outermost first (see layers.py: each says why).
     layers: tuple[Layer, ...] = CPU_LAYERS
 
+    @property
+    def is_cuda(self) -> bool:
+        """The fake ``cuda`` device's model (its callers ask, rather than compare names)."""
+        return self.name == "cuda"
+
+    @property
+    def is_cpu(self) -> bool:
+        return self.name == "cpu"
+
 
 DEVICES: Final[dict[str, DeviceModel]] = {
     "cpu": DeviceModel(
