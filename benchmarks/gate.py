@@ -19,7 +19,9 @@ machine moves little (both are torch's fake dispatch at heart). ``benchmarks/gat
 holds the ratios recorded per machine class (architecture, the CPU's level, cores);
 where this class has none, the gate compares with the first class recorded, and says so.
 It exits 1 where a ratio is more than 1.25 times the recorded one, naming it; ``--record``
-writes this class's ratios instead.
+writes this class's ratios instead. A quiet machine's ratios still vary by a fifth from
+run to run (the 70B rank most): the ratios recorded are the highest of several quiet
+runs, so that the gate fails on a change, not on a run's noise.
 """
 
 from __future__ import annotations
