@@ -14,7 +14,7 @@ from fingerprint import fingerprint
 import pytest_torchmem as tm
 from pytest_torchmem.engine.tracing.replay import ENV
 
-__all__ = ["both", "both_steps", "same_figures", "transformers_decoder"]
+__all__ = ["both", "both_steps", "import_transformers", "same_figures", "transformers_decoder"]
 
 
 def both(monkeypatch: pytest.MonkeyPatch, make: Any, check: Any = tm.estimate, **options: Any) -> tuple[Any, Any]:
@@ -51,14 +51,20 @@ def both_steps(monkeypatch: pytest.MonkeyPatch, make: Any, step: Any, optimizer:
     return reports[0], reports[1]
 
 
+def import_transformers() -> Any:
+    """transformers, or the test skipped where it is not installed (torchvision imported
+    first: see tests/torchvision_import.py)."""
+    from torchvision_import import import_torchvision
+
+    import_torchvision()
+    return pytest.importorskip("transformers")
+
+
 def transformers_decoder(name: str, cache: bool) -> Any:
     """A maker of one of transformers' small decoders (8 layers, width 64: ``"gpt2"``,
     ``"llama"``; ``"qwen2 sliding"``: 16 layers, every other one's attention sliding) and
     its batch (2 x 16 token ids, the labels the same), trained with ``use_cache=cache``."""
-    from torchvision_import import import_torchvision
-
-    import_torchvision()  # (before transformers imports it)
-    transformers = pytest.importorskip("transformers")
+    transformers = import_transformers()
 
     def make() -> tuple[Any, Any]:
         torch.manual_seed(0)

@@ -16,18 +16,11 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from replay_checks import both, both_steps, same_figures, transformers_decoder
+from replay_checks import both, both_steps, import_transformers, same_figures, transformers_decoder
 
 import pytest_torchmem as tm
 
 PICKS = "read only to pick the layer of the KV cache they fill"
-
-
-def _transformers() -> Any:
-    from torchvision_import import import_torchvision
-
-    import_torchvision()  # (before transformers imports it)
-    return pytest.importorskip("transformers")
 
 
 def _adamw(params: Any) -> torch.optim.Optimizer:
@@ -162,7 +155,7 @@ class _FillsTwo(_Block):
 
 
 def _cache_kinds() -> dict[str, Any]:
-    transformers = _transformers()
+    transformers = import_transformers()
 
     class OwnUpdate(transformers.DynamicCache):
         def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any) -> Any:

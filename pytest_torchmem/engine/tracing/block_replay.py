@@ -388,7 +388,7 @@ class BlockReplay:
         observer = _Observer(self, block, inputs) if grad else None
         # (a group traced for a reason already is not watched: the trace function slows
         # every frame the call runs)
-        snapshots = [replay_caches.snapshot(cache) for cache in caches]
+        snapshots = [replay_caches.Snapshot(cache) for cache in caches]
         watched = Watch(free_names(structure, self._free[id(block)]), replay_caches.update_code if caches else None)
         self._busy = True
         try:

@@ -32,19 +32,21 @@ from typing import Any, Final
 
 import torch
 
-__all__ = ["Snapshot", "known", "layer", "slot_state", "snapshot", "update_code", "written"]
+from pytest_torchmem.engine.tracing.replay_state import IMMUTABLE
+
+__all__ = ["Snapshot", "known", "layer", "slot_state", "update_code", "written"]
 
 #: The cache's ``update`` transformers defines: ``self.layers[layer_idx].update(...)``, the
 #: number used for nothing else but growing the list of layers (where none were made) and
 #: offloading (the neighbours' layers moved: not replayed, :func:`known`).
 _UPDATES: Final = frozenset({("transformers.cache_utils", "Cache.update")})
-_PLAIN: Final = (int, float, bool, str, bytes, type(None), torch.dtype, torch.device)
 _MISSING: Final = object()
 
 
 def known(obj: Any) -> bool:
     """Whether ``obj`` is a transformers cache whose ``update`` only picks one of its
-    layers by the number given, and whose layers' own ``update`` is transformers'."""
+    layers by the number given (the layer a call fills must be transformers' own too:
+    :func:`written`)."""
     cache_utils = sys.modules.get("transformers.cache_utils")
     if cache_utils is None or not isinstance(obj, cache_utils.Cache):
         return False
@@ -53,10 +55,7 @@ def known(obj: Any) -> bool:
         return False
     if getattr(obj, "offloading", False):
         return False
-    layers = getattr(obj, "layers", None)
-    return type(layers) is list and all(
-        getattr(type(layer).update, "__module__", None) == "transformers.cache_utils" for layer in layers
-    )
+    return type(getattr(obj, "layers", None)) is list
 
 
 def update_code(code: Any) -> bool:
@@ -67,7 +66,7 @@ def update_code(code: Any) -> bool:
 
 
 def _state(value: Any) -> Any:
-    if type(value) in _PLAIN:
+    if type(value) in IMMUTABLE:
         return value
     if isinstance(value, torch.Tensor):
         return (torch.Tensor, type(value), value.dtype, tuple(value.shape), tuple(value.stride()),
@@ -111,10 +110,6 @@ class Snapshot:
         self.slots = [dict(vars(layer)) for layer in self.layers]
 
 
-def snapshot(cache: Any) -> Snapshot:
-    return Snapshot(cache)
-
-
 def written(before: Snapshot) -> tuple[int, tuple[tuple[str, Any], ...]] | str | None:
     """What a call changed of the cache ``before`` was taken of: ``(index, ((attribute,
     new value), ...))`` where it changed the attributes of one layer only (set, not
@@ -151,4 +146,7 @@ def written(before: Snapshot) -> tuple[int, tuple[tuple[str, Any], ...]] | str |
         return None
     if len(changed) != 1:
         return f"a block changed {len(changed)} layers of its KV cache"
+    index, _ = changed[0]
+    if getattr(type(layers[index]).update, "__module__", None) != "transformers.cache_utils":
+        return "a block filled a KV cache layer whose update is not transformers'"
     return changed[0]
