@@ -8,14 +8,15 @@ from __future__ import annotations
 import re
 from typing import Any
 
+import pytest
+
 import torch
 from torch import nn
 
 import pytest_torchmem as tm
 from pytest_torchmem.engine.tracing.devices.cuda import CUDA
 from pytest_torchmem.engine.tracing.devices.cuda.profiles import gpu_profile
-from pytest_torchmem.engine.tracing.devices.cuda import reduce_launch, temporaries
-from pytest_torchmem.engine.tracing.devices.cuda.temporaries import cub_sort_pairs_temp_bytes
+from pytest_torchmem.engine.tracing.devices.cuda import cub_storage, reduce_launch, temporaries
 from pytest_torchmem.engine.tracing.rules import (
     OUTPUTS,
     Alloc,
@@ -25,7 +26,16 @@ from pytest_torchmem.engine.tracing.rules import (
     TraceContext,
 )
 
-from torch_sources import header_constant, header_text
+from pytest_torchmem.engine.torch_compat.torch_release import torch_minor
+from torch_sources import (
+    cuda_library,
+    disassembly,
+    has_function,
+    header_constant,
+    header_text,
+    instructions,
+    wheel_requirement,
+)
 
 aten = torch.ops.aten
 
@@ -162,33 +172,175 @@ def test_embedding_backward_direct_kernel_up_to_3072_indices() -> None:
     assert steps == [OUTPUTS]
 
 
-def test_embedding_backward_sorted_path() -> None:
-    """4096 int64 indices into 1000 rows of 16 floats: sorted and original indices and
-    the arange (32768 bytes each), the radix sort's temp storage (bins 8 x 256 x 4,
-    one look-back tile 1024, alternate keys and values 32768 each, counters 32 ->
-    256, plus 255), then the result and the segment buffers for at most 1000
-    segments and 1000 + 3096 // 10 = 1309 partial segments (16 floats each)."""
-    assert (
-        cub_sort_pairs_temp_bytes(4096, 8, 8) == 8192 + 1024 + 32768 + 32768 + 256 + 255
-    )
+#: The releases the embedding backward differs between: 2.10 (CCCL 2.7, all 64 key bits, no
+#: fused path), 2.11 and 2.12 (CCCL 3.0, 64 bits, fused path), 2.13 and 2.14 (CCCL 3.0, the
+#: bits of num_weights), 2.15 (CCCL 3.2, as 2.13).
+RELEASES = [(2, 10), (2, 11), (2, 12), (2, 13), (2, 14), (2, 15)]
+
+
+@pytest.fixture
+def release(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> tuple[int, int]:
+    """The embedding rule and cub's storage as they follow torch ``request.param``."""
+    monkeypatch.setattr(temporaries, "torch_minor", lambda: request.param)
+    monkeypatch.setattr(cub_storage, "torch_minor", lambda: request.param)
+    return request.param
+
+
+def embedding_allocs(
+    n: int, num_weights: int, dim: int, *, dtype: torch.dtype = torch.float32,
+    index: torch.dtype = torch.long, padding_idx: int = -1, scale: bool = False, gpu: str = "H100",
+) -> list[tuple[str, int]]:
     steps = run_rule(
         aten.embedding_dense_backward.default,
-        (meta(4096, 16), meta(4096, dtype=torch.long), 1000, -1, False),
-        meta(1000, 16),
+        (meta(n, dim, dtype=dtype), meta(n, dtype=index), num_weights, padding_idx, scale),
+        meta(num_weights, dim, dtype=dtype),
+        gpu=gpu,
     )
-    allocs = [(s.tag, s.nbytes) for s in steps if isinstance(s, Alloc)]
-    assert allocs == [
+    assert not any(isinstance(s, Inexact) for s in steps)  # no value decides a size
+    return [(s.tag, s.nbytes) for s in steps if isinstance(s, Alloc)]
+
+
+@pytest.mark.parametrize("release", RELEASES, indirect=True)
+def test_embedding_backward_sorted_path(release: tuple[int, int]) -> None:
+    """4096 int64 indices into 1000 rows of 16 floats on an H100 (132 SMs).
+
+    Embedding.cu, embedding_dense_backward_cuda: sorted_indices, orig_indices and
+    range, 4096 x 8 = 32768 bytes each; cub::DeviceRadixSort::SortPairs
+    (dispatch_radix_sort.cuh, InvokeOnesweep; Policy900's OnesweepPolicyKey64
+    <384, 24> and SingleTilePolicy <256, 19> under RegBoundScaling for 8-byte items:
+    12 items -> tile 384 x 12 = 4608, single tile 256 x 9 = 2304 < 4096): one tile;
+    2.13 on sort get_num_bits(1000) = 10 bits, 2 passes of 8 bits, before 2.13 all
+    64 bits, 8 passes. Parts, each rounded to 256 (AliasTemporaries), plus 255:
+    bins passes x 256 x 8 (OffsetT unsigned long long), look-back 1 x 256 x 4,
+    alternate keys and values 32768 each, counters passes x 4.
+
+    EmbeddingBackwardKernel.cu, embedding_backward_cuda_kernel: segment_offsets 32768,
+    the int64 segment count (8), unique_by_key's keys (32768) and its temp storage
+    (DeviceSelect::UniqueByKey, tile 448 x 11 = 4928: one tile; ScanTileState of
+    8-byte offsets, (1 + 32) x 16 = 528 bytes of descriptors -> 768; CCCL 3 wraps
+    them in its own AliasTemporaries, 768 + 255 = 1023 -> 1024, before the
+    dispatch's 255), partials_per_segment and its offsets over max_segments =
+    min(4096, 1000) = 1000 (8000 bytes each), the exclusive sum's temp storage
+    (DeviceScan, ceil(1000 / 896) = 2 tiles: (2 + 32) x 16 = 544 -> 768, wrapped
+    likewise in CCCL 3), the partial count (8), partial_segment_offset over
+    4096 // 10 + 1000 = 1409 (11272 bytes), and, two-pass (the sum-and-scatter grid,
+    1000 x 32 / 32 = 1000 blocks, is not below 132 x 4 = 528),
+    grad_weight_per_segment 1409 x 16 x 4 = 90176."""
+    passes = 2 if release >= (2, 13) else 8
+    sort = (passes * 256 * 8) + 1024 + 32768 + 32768 + 256 + 255
+    cccl3 = release >= (2, 11)
+    tile_state = (768 + 255 + 1) if cccl3 else 768  # 768 + 255 rounded to 256 again
+    assert embedding_allocs(4096, 1000, 16) == [
         ("sorted_indices", 32768),
         ("orig_indices", 32768),
         ("range", 32768),
-        ("cub_sort", 75263),
+        ("sort:temp", sort),
         ("segment_offsets", 32768),
+        ("num_of_segments", 8),
+        ("unique_by_key:keys", 32768),
+        ("unique_by_key:temp", tile_state + 255),
         ("partials_per_segment", 8000),
         ("partials_per_segment_offset", 8000),
-        ("partial_segment_offset", 1309 * 8),
-        ("grad_weight_per_segment", 1309 * 16 * 4),
+        ("exclusive_sum:temp", tile_state + 255),
+        ("num_of_partial_segments", 8),
+        ("partial_segment_offset", 1409 * 8),
+        ("grad_weight_per_segment", 1409 * 16 * 4),
     ]
-    assert any(isinstance(s, Inexact) for s in steps)
+    assert sort == (71167 if release >= (2, 13) else 83455)
+
+
+@pytest.mark.parametrize("release", RELEASES, indirect=True)
+def test_embedding_backward_fused_path_of_a_small_vocabulary(release: tuple[int, int]) -> None:
+    """4096 int64 indices into 100 rows of 16 bfloat16 values (a position or type
+    embedding): max_segments = 100, 4096 // 10 + 100 = 509 partial segments;
+    the sum-and-scatter grid is 100 x 32 / 32 = 100 blocks, below 132 x 4 = 528, and
+    509 > 4 x 100: from 2.11 the fused atomic kernel runs (EmbeddingBackwardKernel.cu,
+    use_fused_kernel): partial_to_segment_idx (509 x 8) and, for bfloat16, the float
+    accumulator zeros({100, 16}) (6400 bytes) instead of grad_weight_per_segment
+    (509 x 16 x 4 = 32576). The sort covers get_num_bits(100) = 7 bits from 2.13: one
+    pass, no alternate buffers (bins 2048, look-back 1024, counters 4 -> 256)."""
+    allocs = embedding_allocs(4096, 100, 16, dtype=torch.bfloat16)
+    tail = allocs[-2:] if release >= (2, 11) else allocs[-1:]
+    if release >= (2, 11):
+        assert tail == [("partial_to_segment_idx", 509 * 8), ("grad_weight_acc", 100 * 16 * 4)]
+    else:
+        assert tail == [("grad_weight_per_segment", 509 * 16 * 4)]
+    sort = dict(allocs)["sort:temp"]
+    assert sort == (2048 + 1024 + 256 + 255 if release >= (2, 13) else 16384 + 1024 + 2 * 32768 + 256 + 255)
+
+
+def test_embedding_backward_fused_path_yields_to_determinism() -> None:
+    """torch.use_deterministic_algorithms(True): the two-pass kernels, atomics avoided."""
+    torch.use_deterministic_algorithms(True)
+    try:
+        allocs = embedding_allocs(4096, 100, 16, dtype=torch.bfloat16)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert allocs[-1] == ("grad_weight_per_segment", 509 * 16 * 4)
+
+
+@pytest.mark.parametrize("release", [(2, 10), (2, 13)], indirect=True)
+def test_embedding_backward_scale_grad_by_freq(release: tuple[int, int]) -> None:
+    """scale_grad_by_freq with 2048 int32 indices into 300 rows of 8 floats: the sorted
+    path at any count. The sort fits one tile (SingleTilePolicy <256, 19>, 4-byte items:
+    256 x 19 = 4864): cub asks 1 byte. Then count (2048 x 4) and two scans by key
+    (DeviceScan::InclusiveSumByKey / InclusiveScanByKey: ReduceByKeyScanTileState of a
+    4-byte key and value, one 16-byte word, ceil(2048 / 896) = 3 tiles: (3 + 32) x 16 =
+    560 -> 768, and a key per tile plus one, 4 x 4 = 16 -> 256; plus 255)."""
+    allocs = embedding_allocs(2048, 300, 8, index=torch.int32, scale=True)
+    assert allocs[:8] == [
+        ("sorted_indices", 8192),
+        ("orig_indices", 8192),
+        ("range", 8192),
+        ("sort:temp", 1),
+        ("count", 8192),
+        ("sum_by_key:temp", 768 + 256 + 255),
+        ("max_by_key:temp", 768 + 256 + 255),
+        ("segment_offsets", 8192),
+    ]
+
+
+@pytest.mark.parametrize("release", [(2, 13)], indirect=True)
+def test_embedding_backward_padding_idx_sorts_the_same_bits(release: tuple[int, int]) -> None:
+    """padding_idx only skips a row in sum_and_scatter; the sort's bits are
+    get_num_bits(num_weights) for padding_idx >= 0 and get_num_bits(num_weights - 1 -
+    padding_idx) below: 1000 -> 10 bits either way for padding_idx 0 and -1."""
+    assert embedding_allocs(4096, 1000, 16, padding_idx=0) == embedding_allocs(4096, 1000, 16)
+
+
+@pytest.mark.parametrize("release", [(2, 13)], indirect=True)
+def test_embedding_backward_on_an_a100(release: tuple[int, int]) -> None:
+    """On an A100 (sm80, 108 SMs) Policy800's onesweep policy <384, 21> for 8-byte keys:
+    10 items, tile 3840 -> 2 tiles of 4096 (look-back 2 x 1024); UniqueByKey's sm80 tile
+    192 x 7 = 1344 -> 4 tiles: (4 + 32) x 16 = 576 -> 768 (the same bytes)."""
+    allocs = dict(embedding_allocs(4096, 1000, 16, gpu="A100"))
+    assert allocs["sort:temp"] == 4096 + 2048 + 32768 + 32768 + 256 + 255
+    assert allocs["unique_by_key:temp"] == 1024 + 255
+
+
+def test_embedding_estimate_with_token_ids_is_complete() -> None:
+    """An embedding trained on real token ids reports complete on cuda: the backward's
+    buffers do not depend on the ids, so repeated ids, distinct ids and ids the trace
+    cannot know (meta) give one figure."""
+
+    class Lookup(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(1000, 16)
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return self.embed(ids).sum()
+
+    reports = [
+        tm.estimate(Lookup(), ids, device="cuda")
+        for ids in (
+            torch.zeros(4096, dtype=torch.long),
+            torch.arange(4096) % 1000,
+            torch.empty(4096, dtype=torch.long, device="meta"),
+        )
+    ]
+    assert all(report.unsupported == () for report in reports)
+    assert len({report.backward_peak for report in reports}) == 1
 
 
 # -- layer norm backward ------------------------------------------------------------------
@@ -337,3 +489,50 @@ def test_foreach_chunk_size_is_pinned_by_the_installed_header() -> None:
     kernel, the unit of ``_foreach_norm``'s partial results."""
     value = header_constant("ATen/native/cuda/MultiTensorApply.cuh", "kChunkSize")
     assert value == temporaries.KCHUNK_SIZE == 65536
+
+
+def test_embedding_backward_constants_are_pinned_by_the_installed_header() -> None:
+    """``MAX_BLOCK_SIZE`` of ``SortingCommon.cuh`` as CUDA compiles it (1024; 256 is
+    ROCm's), the fused path's block width; ``get_num_bits`` of ``cub.h`` as
+    :func:`temporaries._num_bits` follows it."""
+    text = header_text("ATen/native/cuda/SortingCommon.cuh")  # #if defined(USE_ROCM) 256 #else 1024
+    assert _values(r"#else\s*constexpr int MAX_BLOCK_SIZE = (\d+);", text) == {temporaries._MAX_BLOCK_SIZE} == {1024}
+    cub_h = header_text("ATen/cuda/cub.h")
+    assert re.search(
+        r"int get_num_bits\(uint64_t max_key\) \{\s*int num_bits = 1;\s*while \(max_key > 1\) \{\s*"
+        r"max_key >>= 1;\s*num_bits\+\+;",
+        cub_h,
+    )
+    assert [temporaries._num_bits(k) for k in (1, 2, 100, 256, 1000, 32000)] == [1, 2, 7, 9, 10, 15]
+
+
+#: The CUDA toolkit a wheel pins (``cuda-toolkit[...]`` from 2.11, ``nvidia-cuda-runtime-cu12``
+#: in 2.10) and the CCCL that toolkit ships (``nvidia-cuda-cccl`` 12.8.90: CUB 2.7.0; 13.0.85:
+#: 3.0.1; 13.2.86: 3.2.0).
+CUB_OF_TOOLKIT = {(12, 8): 200700, (13, 0): 300001, (13, 2): 300200}
+
+
+def test_cub_version_is_pinned_by_the_installed_wheel() -> None:
+    """The CUDA toolkit the installed CUDA wheel pins gives the CCCL modelled for its
+    release, and its radix sort kernels carry that CCCL's policy names (CCCL 2's
+    ``DeviceRadixSortPolicy<...>::Policy900``, CCCL 3's ``policy_hub<...>::Policy1000``)."""
+    path = cuda_library("libtorch_cuda.so")
+    pinned = wheel_requirement(r"cuda-toolkit\[[^\]]*\]|nvidia-cuda-runtime-cu12")
+    assert pinned is not None
+    major, minor = (int(part) for part in pinned.split(".")[:2])
+    assert CUB_OF_TOOLKIT[(major, minor)] == cub_storage.cub_version()
+    onesweep = r"DeviceRadixSortOnesweepKernel.*Policy1000" if cub_storage.cub_version() >= 300000 else (
+        r"DeviceRadixSortOnesweepKernel.*DeviceRadixSortPolicy.*Policy900"
+    )
+    assert has_function(path, onesweep)
+
+
+def test_embedding_backward_paths_are_pinned_by_the_installed_library() -> None:
+    """The fused atomic kernel exists from 2.11 (``compute_grad_weight_atomic_accumulate``);
+    the sort passes ``end_bit = 64`` (``push $0x40``) before 2.13 and ``get_num_bits``'s
+    count from 2.13."""
+    path = cuda_library("libtorch_cuda.so")
+    fused = has_function(path, r"compute_grad_weight_atomic_accumulate")
+    assert fused == (torch_minor() >= temporaries.EMBEDDING_FUSED_FROM)
+    code = instructions(disassembly(path, r"^_ZN2at6native29embedding_dense_backward_cudaERKNS_6TensorES3_llb$"))
+    assert ("push $0x40" in code) == (torch_minor() < temporaries.EMBEDDING_NBITS_FROM)

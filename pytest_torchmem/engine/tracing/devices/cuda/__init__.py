@@ -8,7 +8,8 @@ tensors), it adds what a GPU does differently:
   :mod:`.routes` (:mod:`.placement`, :mod:`.kernel_choices` for dropout, batch norm
   and softmax, :mod:`.sdpa` for the attention backend, :mod:`.rnn`, :mod:`.autocast`);
 * per-op rules in :data:`CUDA`: library workspaces (:mod:`.workspaces`) and kernel
-  temporaries (:mod:`.temporaries`), a reduction's launch modelled in :mod:`.reduce_launch`;
+  temporaries (:mod:`.temporaries`), a reduction's launch modelled in :mod:`.reduce_launch`,
+  cub's temporary storage in :mod:`.cub_storage`;
 * :mod:`.allocator`: the caching allocator every storage is charged through
   (block sizes, reserved segments), with its settings (:mod:`.allocator_config`),
   constants (:mod:`.allocator_constants`) and blocks (:mod:`.allocator_blocks`);

@@ -20,10 +20,10 @@ cycle, whose logic these parts did not change):
 * **``embedding_dense_backward``** (``Embedding.cu``,
   ``EmbeddingBackwardKernel.cu``): above 3072 indices (or with
   ``scale_grad_by_freq``) the indices are radix-sorted with their positions
-  (cub temp storage through the allocator) and the gradient is summed per
-  segment of equal indices into a ``[partial segments, dim]`` accumulator; how
-  many segments there are depends on the index values, so the largest count
-  (every index distinct) is charged and the op is listed as inexact.
+  and the gradient is summed per segment of equal indices; every buffer is
+  sized by the number of indices and ``num_weights`` (never by the index
+  values), the cub temp storages as :mod:`.cub_storage` models them, per
+  release (the fused atomic path from 2.11, the sort's key bits from 2.13).
 * **``native_layer_norm_backward``** (``layer_norm_kernel.cu``,
   ``LaunchGammaBetaBackwardCUDAKernel``): when ``M > 65536`` rows and
   ``N / 32 < sm_count / 2``, the weight and bias gradients are first summed per
@@ -57,7 +57,14 @@ from typing import Any, Final
 
 import torch
 
+from pytest_torchmem.engine.torch_compat.torch_release import torch_minor
 from pytest_torchmem.engine.tracing.devices.cuda.base import CUDA
+from pytest_torchmem.engine.tracing.devices.cuda.cub_storage import (
+    exclusive_scan_bytes,
+    radix_sort_pairs_bytes,
+    scan_by_key_bytes,
+    unique_by_key_bytes,
+)
 from pytest_torchmem.engine.tracing.devices.cuda.reduce_launch import (
     WELFORD_VT0,
     acc_size,
@@ -70,7 +77,7 @@ from pytest_torchmem.engine.tracing.devices.cuda.reduce_launch import (
 from pytest_torchmem.engine.tracing.devices.tensor_iterator import non_overlapping_and_dense
 from pytest_torchmem.engine.tracing.rules import OUTPUTS, Alloc, Free, Inexact, OpCall, Step, nbytes_of
 
-__all__ = ["KCHUNK_SIZE"]
+__all__ = ["EMBEDDING_FUSED_FROM", "EMBEDDING_NBITS_FROM", "KCHUNK_SIZE"]
 
 aten = torch.ops.aten
 
@@ -302,55 +309,80 @@ _NROWS_PER_THREAD: Final = 10
 #: ``num_indices <= 3072 && !scale_grad_by_freq``): at most this many indices take
 #: the direct kernel.
 _EMBEDDING_DIRECT_MAX: Final = 3072
-#: cub's ``AliasTemporaries`` alignment of each temporary (``ALIGN_BYTES = 256``).
-_CUB_ALIGN: Final = 256
-#: Tile of cub's onesweep radix sort for 8-byte keys (``AgentRadixSortOnesweepPolicy``
-#: of cub's sm80+ policies: 384 threads x 16 items).
-_ONESWEEP_TILE: Final = 384 * 16
+#: ``MAX_ATOMIC_ACCUM_BLOCKS_PER_SM`` (``EmbeddingBackwardKernel.cu``, from 2.11: pytorch#172454):
+#: the fused atomic kernel runs where the sum-and-scatter grid is below this many blocks per SM.
+_ATOMIC_ACCUM_BLOCKS_PER_SM: Final = 4
+#: ``MAX_BLOCK_SIZE`` (``ATen/native/cuda/SortingCommon.cuh``, the CUDA branch).
+_MAX_BLOCK_SIZE: Final = 1024
+#: The first release whose ``embedding_backward_cuda_kernel`` has the fused atomic path
+#: (``compute_grad_weight_atomic_accumulate``: in each wheel's kernel names from 2.11.0, not 2.10.0).
+EMBEDDING_FUSED_FROM: Final = (2, 11)
+#: The first release whose ``embedding_dense_backward_cuda`` sorts only the bits of
+#: ``num_weights`` (pytorch#183578, ``get_num_bits``): 2.10.0 to 2.12.1 pass ``end_bit = 64``
+#: (``push $0x40`` before the ``radix_sort_pairs_impl<long, 8>`` call), 2.13.0 to 2.15.0 the
+#: loop's count (``shr %rax`` ... ``push -0x328(%rbp)``).
+EMBEDDING_NBITS_FROM: Final = (2, 13)
 
 
-def _cub_align(n: int) -> int:
-    return (n + _CUB_ALIGN - 1) // _CUB_ALIGN * _CUB_ALIGN
+def _num_bits(max_key: int) -> int:
+    """``at::cuda::cub::get_num_bits`` (``ATen/cuda/cub.h``)."""
+    bits = 1
+    while max_key > 1:
+        max_key >>= 1
+        bits += 1
+    return bits
 
 
-def cub_sort_pairs_temp_bytes(n: int, key_size: int, value_size: int) -> int:
-    """Temp storage of ``cub::DeviceRadixSort::SortPairs`` (onesweep, full key
-    bits) for ``n`` items: the per-pass bins, the look-back tile states, the
-    alternate key and value buffers and the pass counters, each aligned to 256
-    bytes by ``AliasTemporaries`` (plus 255 bytes of base alignment). The tile
-    size is cub's sm80+ onesweep policy; the two alternate buffers, which
-    dominate, are exact."""
-    passes = div_up(key_size * 8, 8)
-    blocks = div_up(max(n, 1), _ONESWEEP_TILE)
-    parts = (
-        passes * 256 * 4,  # bins
-        blocks * 256 * 4,  # lookback
-        n * key_size,  # alternate keys
-        n * value_size,  # alternate values
-        passes * 4,  # counters
-    )
-    return sum(_cub_align(p) for p in parts) + _CUB_ALIGN - 1
+def _embedding_sort_bits(num_weights: int, padding_idx: int, key_size: int) -> int:
+    """The key bits the radix sort of the indices covers in this release."""
+    if torch_minor() < EMBEDDING_NBITS_FROM:
+        return key_size * 8
+    return _num_bits(num_weights if padding_idx >= 0 else num_weights - 1 - padding_idx)
+
+
+def _embedding_fused(
+    call: OpCall, max_segments: int, max_partials: int, dim: int
+) -> bool:
+    """``use_fused_kernel`` (2.11 on): the sum-and-scatter grid is small against the SMs
+    and the partial segments outnumber it fourfold, unless deterministic algorithms
+    are asked for."""
+    if torch_minor() < EMBEDDING_FUSED_FROM or torch.are_deterministic_algorithms_enabled():
+        return False
+    gpu = call.context.gpu if call.context is not None else None
+    stride_warped = div_up(dim, 32) * 32
+    block = min(stride_warped, _MAX_BLOCK_SIZE)
+    grid = div_up(max_segments * stride_warped, block)
+    return grid < sm_count(gpu) * _ATOMIC_ACCUM_BLOCKS_PER_SM and max_partials > grid * 4
 
 
 @CUDA.scratch(aten.embedding_dense_backward.default)
 def _embedding_dense_backward(call: OpCall) -> list[Step]:
     """``embedding_dense_backward_cuda`` (``Embedding.cu``) and
-    ``embedding_backward_cuda_kernel`` (``EmbeddingBackwardKernel.cu``).
+    ``embedding_backward_cuda_kernel`` (``EmbeddingBackwardKernel.cu``), sync-free
+    (pytorch#70943, bounds of pytorch#78588): every buffer is sized from the number
+    of indices and ``num_weights``, never from the index values, so the figure is
+    exact whatever the token ids.
 
     ``indices.contiguous()`` and ``grad.contiguous()`` copies come first. Up to
     3072 indices without ``scale_grad_by_freq``: one kernel into the zeroed
     result, nothing else. Otherwise: ``sorted_indices`` and ``orig_indices``
-    (``empty_like(indices)``), ``arange(num_indices)`` and the radix sort's cub
-    temp storage (freed after the sort), ``count`` with ``scale_grad_by_freq``,
-    then the result, ``segment_offsets`` (numel indices), per-segment counts
-    and offsets (2 x segments), ``partial_segment_offset`` (partial segments)
-    and ``grad_weight_per_segment`` (``[partial segments, dim]`` in the
-    accumulate type). The segment counts depend on the index values: every
-    index distinct is assumed (at most ``min(numel, num_weights)`` segments,
-    each of at most ``1 + (rows - 1) / 10`` partial segments)."""
+    (``empty_like(indices)``), ``range = arange(num_indices)`` and the radix
+    sort's cub temp storage (freed after the sort, then the range); with
+    ``scale_grad_by_freq`` ``count`` and the temp storage of two scans by key.
+    Then the result (``zeros``), ``segment_offsets`` (numel), the segment count,
+    ``unique_by_key``'s key output (numel) and temp storage,
+    ``partials_per_segment`` and its offsets (``max_segments = min(numel,
+    num_weights)`` each), the exclusive sum's temp storage, the partial-segment
+    count and ``partial_segment_offset`` (``numel / 10 + max_segments``). Last,
+    two-pass: ``grad_weight_per_segment`` (``[max_partial_segment, dim]`` in the
+    opmath type); fused (2.11 on, :func:`_embedding_fused`):
+    ``partial_to_segment_idx`` and, for half/bfloat16, a float accumulator of
+    the result's shape."""
     grad, indices = call.args[0], call.args[1]
     num_weights = int(call.args[2])
+    padding_idx = int(call.arg(3, "padding_idx", -1))
     scale = bool(call.arg(4, "scale_grad_by_freq", False))
+    gpu = call.context.gpu if call.context is not None else None
     steps: list[Step] = []
     if not indices.is_contiguous():
         steps.append(Alloc("indices", nbytes_of(indices)))
@@ -361,31 +393,47 @@ def _embedding_dense_backward(call: OpCall) -> list[Step]:
         return [*steps, OUTPUTS]
     isz = indices.element_size()
     dim = grad.shape[-1] if grad.dim() else 1
+    bits = _embedding_sort_bits(num_weights, padding_idx, isz)
     steps += [
         Alloc("sorted_indices", n * isz),
         Alloc("orig_indices", n * isz),
         Alloc("range", n * isz),
-        Alloc("cub_sort", cub_sort_pairs_temp_bytes(n, isz, 8)),
-        Free("cub_sort"),
+        Alloc("sort:temp", radix_sort_pairs_bytes(n, isz, isz, bits, gpu)),
+        Free("sort:temp"),
         Free("range"),
     ]
     if scale:
-        steps.append(Alloc("count", n * isz))
-    segments = min(n, num_weights)
-    partials = segments + (n - segments) // _NROWS_PER_THREAD
-    acc = 4 if grad.dtype in (torch.float16, torch.bfloat16) else grad.element_size()
+        steps += [
+            Alloc("count", n * isz),
+            Alloc("sum_by_key:temp", scan_by_key_bytes(n, isz)),
+            Free("sum_by_key:temp"),
+            Alloc("max_by_key:temp", scan_by_key_bytes(n, isz)),
+            Free("max_by_key:temp"),
+        ]
+    max_segments = min(n, num_weights)
+    max_partials = n // _NROWS_PER_THREAD + max_segments
+    opmath = 4 if grad.dtype in (torch.float16, torch.bfloat16) else grad.element_size()
     steps += [
         OUTPUTS,
         Alloc("segment_offsets", n * isz),
-        Alloc("partials_per_segment", segments * isz),
-        Alloc("partials_per_segment_offset", segments * isz),
-        Alloc("partial_segment_offset", partials * isz),
-        Alloc("grad_weight_per_segment", partials * dim * acc),
-        Inexact(
-            "embedding backward sums per distinct index: every index was assumed distinct "
-            "(an upper bound on its segment buffers)"
-        ),
+        Alloc("num_of_segments", 8),
+        Alloc("unique_by_key:keys", n * isz),
+        Alloc("unique_by_key:temp", unique_by_key_bytes(n, gpu)),
+        Free("unique_by_key:temp"),
+        Free("unique_by_key:keys"),
+        Alloc("partials_per_segment", max_segments * isz),
+        Alloc("partials_per_segment_offset", max_segments * isz),
+        Alloc("exclusive_sum:temp", exclusive_scan_bytes(max_segments, isz)),
+        Free("exclusive_sum:temp"),
+        Alloc("num_of_partial_segments", 8),
+        Alloc("partial_segment_offset", max_partials * isz),
     ]
+    if _embedding_fused(call, max_segments, max_partials, dim):
+        steps.append(Alloc("partial_to_segment_idx", max_partials * isz))
+        if opmath != grad.element_size():
+            steps.append(Alloc("grad_weight_acc", num_weights * dim * opmath))
+    else:
+        steps.append(Alloc("grad_weight_per_segment", max_partials * dim * opmath))
     return steps
 
 
