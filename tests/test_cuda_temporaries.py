@@ -400,17 +400,21 @@ def test_layer_norm_backward_many_rows() -> None:
 # -- contiguous copies ------------------------------------------------------------------------
 
 
-def test_softmax_backward_copies_an_expanded_gradient() -> None:
-    """softmax(x).sum(): the gradient is a stride-0 expand of (4, 10), which
-    host_softmax_backward copies contiguous (160 bytes, one 512-byte block);
-    the forward on a contiguous input copies nothing."""
+def test_softmax_backward_multiplies_before_it_copies() -> None:
+    """softmax(x).sum(): the gradient is a stride-0 expand of (4, 10) floats.
+    SoftMax.cu, softmax_backward_cuda_out: tmp = grad * output, 4 x 10 x 4 = 160
+    bytes (one 512-byte block), laid out by TensorIterator: the expand's stride-0
+    dimensions do not order it (reorder_dimensions skips them), the contiguous
+    output does: tmp is contiguous, so host_softmax_backward's grad_.contiguous()
+    and output_.contiguous() copy nothing. The forward on a contiguous input copies
+    nothing; on a transposed one host_softmax's input_.contiguous() copies 160."""
     grad = meta(1, 1).expand(4, 10)
     steps = run_rule(
         aten._softmax_backward_data.default,
         (grad, meta(4, 10), 1, torch.float32),
         meta(4, 10),
     )
-    assert steps == [OUTPUTS, Alloc("grad", 160), Alloc("output", 0)]
+    assert steps == [OUTPUTS, Alloc("tmp", 4 * 10 * 4), Alloc("grad", 0), Alloc("output", 0)]
     assert run_rule(aten._softmax.default, (meta(4, 10), 1, False), meta(4, 10)) == [
         OUTPUTS,
         Alloc("input", 0),
@@ -420,6 +424,76 @@ def test_softmax_backward_copies_an_expanded_gradient() -> None:
         OUTPUTS,
         Alloc("input", 160),
     ]
+
+
+def test_softmax_backward_of_a_transposed_gradient_copies_the_product() -> None:
+    """A transposed (4, 10) gradient (strides (1, 4)): grad * output follows the first
+    operand's strides (reorder_dimensions: grad decides before output), so tmp (160
+    bytes) is transposed too and host_softmax_backward copies it contiguous (160)."""
+    steps = run_rule(
+        aten._softmax_backward_data.default,
+        (meta(10, 4).t(), meta(4, 10), 1, torch.float32),
+        meta(4, 10),
+    )
+    assert steps == [OUTPUTS, Alloc("tmp", 160), Alloc("grad", 160), Alloc("output", 0)]
+
+
+def test_log_softmax_backward_copies_an_expanded_gradient() -> None:
+    """log_softmax_backward_cuda_out calls host_softmax_backward on grad itself (no
+    product): a stride-0 expand of (4, 10) floats is copied contiguous, 160 bytes."""
+    steps = run_rule(
+        aten._log_softmax_backward_data.default,
+        (meta(1, 1).expand(4, 10), meta(4, 10), 1, torch.float32),
+        meta(4, 10),
+    )
+    assert steps == [OUTPUTS, Alloc("grad", 160), Alloc("output", 0)]
+
+
+def test_softmax_backward_half_to_float_multiplies_in_float() -> None:
+    """softmax of fp16 into fp32 (half_to_float): the backward gets fp32 grad and
+    output and writes an fp16 gradient; tmp is their fp32 product, 8 x 1000 x 4 =
+    32000 bytes."""
+    steps = run_rule(
+        aten._softmax_backward_data.default,
+        (meta(8, 1000), meta(8, 1000), 1, torch.float16),
+        meta(8, 1000, dtype=torch.float16),
+    )
+    assert steps == [OUTPUTS, Alloc("tmp", 8 * 1000 * 4), Alloc("grad", 0), Alloc("output", 0)]
+
+
+#: An RTX 3090 (sm86, 82 SMs), where the short-row figures were published.
+RTX3090 = "RTX3090: memory=24GiB cc=8.6 sms=82"
+
+
+class _Scaled(nn.Module):
+    """``(f(x, -1) * 2).sum()``: the gradient reaching f's backward is a new contiguous
+    tensor (mul's backward), not an expand."""
+
+    def __init__(self, f: Any) -> None:
+        super().__init__()
+        self.f = f
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (self.f(x, -1) * 2).sum()
+
+
+@pytest.mark.parametrize("rows", [2048, 4096])
+def test_softmax_of_short_rows_estimates_the_product_buffer(rows: int) -> None:
+    """(softmax(x, -1) * 2).sum() of rows x 64 floats (short rows: the persistent
+    kernel, PersistentSoftmax.cuh, allocates nothing) on an RTX 3090. Backward peak,
+    each tensor rows x 64 x 4 = rows x 256 bytes (a multiple of 512, its own block):
+    the input x, softmax's saved output, mul's backward gradient (grad * 2), the
+    gradient of x (the structured output), and SoftMax.cu's softmax_backward_cuda_out
+    tmp = grad * output (contiguous: no further copy); plus two 512-byte blocks, the
+    loss and sum's backward ones_like. log_softmax's backward (LogSoftMaxBackwardEpilogue)
+    takes no tmp: one tensor less."""
+    x = torch.empty(rows, 64, device="meta", requires_grad=True)
+    tensor = rows * 64 * 4
+    softmax = tm.estimate(_Scaled(torch.softmax), x, device="cuda", gpu=RTX3090)
+    log_softmax = tm.estimate(_Scaled(torch.log_softmax), x, device="cuda", gpu=RTX3090)
+    assert softmax.backward_peak == 5 * tensor + 2 * 512
+    assert log_softmax.backward_peak == 4 * tensor + 2 * 512
+    assert softmax.unsupported == log_softmax.unsupported == ()
 
 
 def test_cumsum_of_a_mask_casts_it() -> None:
@@ -525,6 +599,17 @@ def test_cub_version_is_pinned_by_the_installed_wheel() -> None:
         r"DeviceRadixSortOnesweepKernel.*DeviceRadixSortPolicy.*Policy900"
     )
     assert has_function(path, onesweep)
+
+
+def test_softmax_backward_product_is_pinned_by_the_installed_library() -> None:
+    """``softmax_backward_cuda_out`` calls ``at::mul`` (``tmp = grad * output``) before
+    ``host_softmax_backward``; ``log_softmax_backward_cuda_out`` does not (2.10, 2.11
+    and 2.15 read: the same)."""
+    path = cuda_library("libtorch_cuda.so")
+    softmax = disassembly(path, r"^_ZN2at6native36structured_softmax_backward_cuda_out4impl")
+    log_softmax = disassembly(path, r"^_ZN2at6native40structured_log_softmax_backward_cuda_out4impl")
+    assert "mul_Tensor4call" in softmax
+    assert "mul_Tensor" not in log_softmax
 
 
 def test_embedding_backward_paths_are_pinned_by_the_installed_library() -> None:

@@ -41,6 +41,10 @@ one-dimensional inputs (``cub::DeviceScan`` temp storage), ``unique``,
 ``native_batch_norm`` when cuDNN does not take it (the channels-last
 statistics kernels' staging buffers).
 
+* **softmax backward** (``SoftMax.cu``, ``softmax_backward_cuda_out``): the
+  product ``tmp = grad * output`` that ``host_softmax_backward`` runs on, a
+  tensor of the gradient's size (every release; not ``log_softmax``'s).
+
 Contiguous copies that kernels make of their operands are charged where the
 kernel takes them: ``host_softmax``/``host_softmax_backward`` (``SoftMax.cu``),
 ``nll_loss_forward``/``backward`` (``Loss.cu``), ``cumsum``/``cumprod``
@@ -74,7 +78,7 @@ from pytest_torchmem.engine.tracing.devices.cuda.reduce_launch import (
     reduction_steps,
     sm_count,
 )
-from pytest_torchmem.engine.tracing.devices.tensor_iterator import non_overlapping_and_dense
+from pytest_torchmem.engine.tracing.devices.tensor_iterator import non_overlapping_and_dense, reorder_dimensions
 from pytest_torchmem.engine.tracing.rules import OUTPUTS, Alloc, Free, Inexact, OpCall, Step, nbytes_of
 
 __all__ = ["EMBEDDING_FUSED_FROM", "EMBEDDING_NBITS_FROM", "KCHUNK_SIZE"]
@@ -541,10 +545,61 @@ def _softmax(call: OpCall) -> list[Step]:
     return [OUTPUTS, Alloc("input", _contiguous_copy(call.args[0]))]
 
 
-@CUDA.scratch(
-    aten._softmax_backward_data.default, aten._log_softmax_backward_data.default
-)
+def _is_contiguous(sizes: Sequence[int], strides: Sequence[int]) -> bool:
+    """``is_contiguous()`` of a layout: row-major over the dimensions longer than 1."""
+    expected = 1
+    for size, stride in zip(reversed(sizes), reversed(strides)):
+        if size != 1:
+            if stride != expected:
+                return False
+            expected *= size
+    return True
+
+
+def _elementwise_result_contiguous(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a * b`` of two tensors of one shape comes out contiguous, as
+    ``TensorIteratorBase::build`` lays out a new output: contiguous when both are
+    (``compute_fast_setup_type``); the operands' own strides when both are
+    non-overlapping and dense with equal strides; otherwise the order
+    ``reorder_dimensions`` gives the operands' strides (``allocate_or_resize_outputs``)."""
+    sizes = list(a.shape)
+    if a.is_contiguous() and b.is_contiguous():
+        return True
+    if non_overlapping_and_dense(a) and non_overlapping_and_dense(b) and a.stride() == b.stride():
+        return _is_contiguous(sizes, a.stride())
+    perm = reorder_dimensions(sizes, [a.stride(), b.stride()], n_outputs=0)
+    strides = [0] * len(sizes)
+    step = 1
+    for dim in perm:  # fastest first
+        strides[dim] = step
+        step *= sizes[dim]
+    return _is_contiguous(sizes, strides)
+
+
+@CUDA.scratch(aten._softmax_backward_data.default)
 def _softmax_backward(call: OpCall) -> list[Step]:
+    """``softmax_backward_cuda_out`` (``SoftMax.cu``; every release 2.10-2.15 calls
+    ``at::mul`` there, read in each wheel's ``libtorch_cuda.so``): ``tmp = grad *
+    output``, a new tensor of the shape in the promoted dtype, laid out as
+    TensorIterator lays out a new output (contiguous when ``output`` is, unless
+    ``grad``'s strides order the dimensions otherwise); then ``host_softmax_backward``
+    takes ``tmp.contiguous()`` and ``output.contiguous()``. ``tmp`` lives until the
+    op returns. ``_log_softmax_backward_data`` has no ``tmp``
+    (:func:`_log_softmax_backward`)."""
+    grad, output = call.args[0], call.args[1]
+    numel = output.numel()
+    tmp_size = itemsize(torch.promote_types(grad.dtype, output.dtype))
+    tmp_copy = 0 if _elementwise_result_contiguous(grad, output) else numel * tmp_size
+    return [
+        OUTPUTS,
+        Alloc("tmp", numel * tmp_size),
+        Alloc("grad", tmp_copy),
+        Alloc("output", _contiguous_copy(output)),
+    ]
+
+
+@CUDA.scratch(aten._log_softmax_backward_data.default)
+def _log_softmax_backward(call: OpCall) -> list[Step]:
     """``host_softmax_backward`` (``SoftMax.cu``): ``grad_.contiguous()`` and
     ``output_.contiguous()`` (a gradient that ``sum()``'s backward expanded is
     copied)."""
