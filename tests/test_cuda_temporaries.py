@@ -621,3 +621,95 @@ def test_embedding_backward_paths_are_pinned_by_the_installed_library() -> None:
     assert fused == (torch_minor() >= temporaries.EMBEDDING_FUSED_FROM)
     code = instructions(disassembly(path, r"^_ZN2at6native29embedding_dense_backward_cudaERKNS_6TensorES3_llb$"))
     assert ("push $0x40" in code) == (torch_minor() < temporaries.EMBEDDING_NBITS_FROM)
+
+
+# -- sort --------------------------------------------------------------------------------------
+
+
+def sort_allocs(*shape: int, dtype: torch.dtype = torch.float32, gpu: str = "H100") -> list[tuple[str, int]]:
+    x = meta(*shape, dtype=dtype)
+    steps = run_rule(aten.sort.default, (x, -1, True), (meta(*shape, dtype=dtype), meta(*shape, dtype=torch.long)), gpu=gpu)
+    assert not any(isinstance(s, Inexact) for s in steps)
+    return [(s.tag, s.nbytes) for s in steps if isinstance(s, Alloc)]
+
+
+@pytest.mark.parametrize("release", RELEASES, indirect=True)
+def test_sort_of_short_slices_writes_an_arange(release: tuple[int, int]) -> None:
+    """4 x 100 floats: Sort.h, should_use_small_sort (nsort <= 4096): Sort.cpp's
+    fillSliceWithIndex copies at::arange(100) (int64, 800 bytes) into the indices,
+    and sortKeyValueInplace sorts in place (its kernels take nothing). The same at
+    4096, the threshold."""
+    assert sort_allocs(4, 100) == [("sort:arange", 100 * 8)]
+    assert sort_allocs(2, 4096) == [("sort:arange", 4096 * 8)]
+
+
+@pytest.mark.parametrize("release", RELEASES, indirect=True)
+def test_sort_of_many_long_slices_is_cub_segmented(release: tuple[int, int]) -> None:
+    """256 x 8192 floats (a sparsemax over a vocabulary of 8192): 256 slices, not below
+    128: SortStable.cu, segmented_sort_pairs: reverse indices n x 8 = 2,097,152 x 8,
+    then cub::DeviceSegmentedRadixSort::SortPairs (dispatch_segmented_radix_sort.cuh,
+    the same in CCCL 2.7, 3.0 and 3.2): its alternate keys n x 4 and values n x 8,
+    each rounded to 256 (already multiples), plus 255."""
+    n = 256 * 8192
+    assert sort_allocs(256, 8192) == [("sort:reverse_indices", n * 8), ("sort:temp", n * 4 + n * 8 + 255)]
+
+
+@pytest.mark.parametrize("release", RELEASES, indirect=True)
+def test_sort_of_a_few_long_slices_sorts_them_all_at_once(release: tuple[int, int]) -> None:
+    """16 x 8192 floats on an H100: fewer than 128 slices: segmented_sort_pairs_by_full_sort.
+    Two int2 buffers of n = 131072 (1,048,576 bytes each); radix_sort_pairs<float, int2>
+    with keys_out null, so cub-RadixSortPairs.cuh allocates the keys out (n x 4), and
+    SortPairs (Policy900's OnesweepPolicyKey32 for 8-byte values and OffsetT of 8 bytes:
+    <384, 29>, RegBoundScaling for 8-byte items: 14 items, tile 5376, 25 tiles): bins
+    4 passes x 256 x 8 = 8192, look-back 25 x 1024 = 25600, alternate keys 524288 and
+    values 1048576, counters 16 -> 256, plus 255. Then radix_sort_keys<int64_t> over
+    ceil(log2(16)) = 4 bits (one pass, no alternate keys): OnesweepPolicyKey64 for
+    keys only <384, 30> -> 15 items, tile 5760, 23 tiles: bins 2048, look-back 23 x
+    1024 = 23552, counters 4 -> 256, plus 255 (the keys-only tile is read from
+    tuning_radix_sort.cuh of CCCL 3.2; an assumption for 2.7 and 3.0, where it only
+    matters past one tile)."""
+    n = 16 * 8192
+    assert sort_allocs(16, 8192) == [
+        ("sort:indices_and_segment", n * 8),
+        ("sort:indices_and_segment2", n * 8),
+        ("sort:keys_out", n * 4),
+        ("sort:temp", 8192 + 25600 + n * 4 + n * 8 + 256 + 255),
+        ("sort:segment_temp", 2048 + 23552 + 256 + 255),
+    ]
+
+
+@pytest.mark.parametrize("release", RELEASES, indirect=True)
+def test_sort_of_one_long_slice_is_one_radix_sort(release: tuple[int, int]) -> None:
+    """One row of 8192 floats: segmented_sort_large_segments: the reverse indices (a
+    DeviceArray of 8192 int64) and one SortPairs<float, int64_t> of 8192 items: tile
+    5376 (as above), 2 tiles: bins 8192, look-back 2048, alternate keys 32768 and
+    values 65536, counters 256, plus 255."""
+    assert sort_allocs(1, 8192) == [
+        ("sort:reverse_indices", 8192 * 8),
+        ("sort:temp", 8192 + 2048 + 32768 + 65536 + 256 + 255),
+    ]
+
+
+def test_sort_of_half_keys_beyond_the_small_sort_is_flagged() -> None:
+    """cub tunes 2-byte keys apart (sm90_small_key_tuning): not modelled, listed."""
+    steps = run_rule(aten.sort.default, (meta(16, 8192, dtype=torch.float16), -1, False), None)
+    assert any(isinstance(s, Inexact) for s in steps)
+    # the segmented path's storage does not depend on the tuning
+    steps = run_rule(aten.sort.default, (meta(256, 8192, dtype=torch.float16), -1, False), None)
+    assert not any(isinstance(s, Inexact) for s in steps)
+
+
+def test_sort_estimate_of_a_vocabulary_counts_cubs_buffers() -> None:
+    """torch.sort(x, -1, descending=True) of 256 x 8192 floats on an RTX 3090, forward
+    only: x and the values (8 MiB each), the int64 indices (16 MiB), then the reverse
+    indices (16 MiB) and cub's segmented storage (25,166,079 bytes: a 25,166,336-byte
+    block, 512-byte rounding) live together at the peak."""
+
+    class Sort(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.sort(x, -1, descending=True)[0]
+
+    report = tm.estimate(Sort(), torch.empty(256, 8192, device="meta"), device="cuda", gpu=RTX3090, train=False)
+    mib = 1 << 20
+    assert report.forward_peak == 8 * mib + 8 * mib + 16 * mib + 16 * mib + 25166336
+    assert report.unsupported == ()

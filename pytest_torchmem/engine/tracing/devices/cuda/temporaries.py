@@ -33,8 +33,14 @@ Library memory that the caching allocator does not see (cudnn/cublas handles,
 cuFFT plans, NCCL buffers, the CUDA context) is not charged: neither is it by
 ``max_memory_allocated()``.
 
+* **``sort``** (``Sort.cpp``, ``sort_cuda_kernel``; ``SortStable.cu``,
+  ``launch_stable_sort_kernel``; the same in every release, cub's storage per
+  release): up to 4096 elements per slice the index ``arange``; beyond, one of
+  three cub paths by the number of slices, each with its index buffers and
+  cub's temporary storage.
+
 Not modelled (the outputs are exact, these kernels' scratch is not):
-cub-based ``sort``/``argsort`` of large segments, ``cumsum``/``cumprod`` of
+``cumsum``/``cumprod`` of
 one-dimensional inputs (``cub::DeviceScan`` temp storage), ``unique``,
 ``nonzero``, ``index_put_(accumulate=True)`` (its sort of the linear index),
 ``multinomial`` and ``topk`` of very long rows (radix-select buffers), and
@@ -64,6 +70,7 @@ import torch
 from pytest_torchmem.engine.torch_compat.torch_release import torch_minor
 from pytest_torchmem.engine.tracing.devices.cuda.base import CUDA
 from pytest_torchmem.engine.tracing.devices.cuda.cub_storage import (
+    alias_temporaries,
     exclusive_scan_bytes,
     radix_sort_pairs_bytes,
     scan_by_key_bytes,
@@ -438,6 +445,96 @@ def _embedding_dense_backward(call: OpCall) -> list[Step]:
             steps.append(Alloc("grad_weight_acc", num_weights * dim * opmath))
     else:
         steps.append(Alloc("grad_weight_per_segment", max_partials * dim * opmath))
+    return steps
+
+
+# -- sort ---------------------------------------------------------------------------------
+
+#: ``should_use_small_sort`` (``ATen/native/cuda/Sort.h``): slices of at most 4096 elements
+#: are sorted in place by ``sortKeyValueInplace``.
+SMALL_SORT_MAX: Final = 4096
+#: ``do_launch_stable_sort_kernel`` (``SortStable.cu``): one slice, or slices of a million
+#: elements and more, are radix-sorted one by one; fewer than 128 slices by one full sort.
+_SORT_ONE_BY_ONE: Final = 1_000_000
+_SORT_FULL_BELOW: Final = 128
+_INT_MAX: Final = 2**31 - 1
+
+
+@CUDA.scratch(aten.sort.default, aten.sort.stable)
+def _sort(call: OpCall) -> list[Step]:
+    """``sort_cuda_kernel`` (``Sort.cpp``) after the structured outputs.
+
+    Up to :data:`SMALL_SORT_MAX` elements per slice, ``fillSliceWithIndex`` writes
+    ``at::arange(nsort)`` (int64) into the indices, freed before the in-place sort
+    (``sortKeyValueInplace``'s kernels take nothing). Beyond, for an input dense with
+    the sorted dimension innermost (``stride(dim) == 1``; other layouts are copied
+    and listed as inexact), ``launch_stable_sort_kernel`` (``SortStable.cu``) sorts
+    batches of ``INT_MAX // nsort`` slices:
+
+    * one slice, or ``nsort >= 1e6`` (``segmented_sort_large_segments``): the
+      reverse indices ``nsort x 8``, then per slice ``cub::DeviceRadixSort::SortPairs``;
+    * fewer than 128 slices (``segmented_sort_pairs_by_full_sort``): two ``int2``
+      buffers of ``n x 8``, ``SortPairs`` of the keys with the ``int2`` pairs (its keys
+      out allocated, ``n x sizeof(key)``), then ``SortKeys`` of the pairs as int64 over
+      ``ceil(log2(nsegments))`` bits;
+    * otherwise (``segmented_sort_pairs``): the reverse indices ``n x 8`` and
+      ``cub::DeviceSegmentedRadixSort::SortPairs``, whose storage is its alternate keys
+      and values (``n x sizeof(key)`` and ``n x 8``, through ``AliasTemporaries``).
+
+    The radix sorts' storage is :mod:`.cub_storage`'s onesweep model, for keys of 4
+    and 8 bytes; smaller keys take other tunings and are listed as inexact there.
+    """
+    self = call.args[0]
+    dim = call.kwargs.get("dim", -1) if call.func is aten.sort.stable else call.arg(1, "dim", -1)
+    steps: list[Step] = [OUTPUTS]
+    if self.dim() == 0 or self.numel() == 0:
+        return steps
+    dim = dim % self.dim()
+    nsort = int(self.shape[dim])
+    if nsort <= SMALL_SORT_MAX:
+        return [*steps, Alloc("sort:arange", nsort * 8), Free("sort:arange")]
+    if not (non_overlapping_and_dense(self) and self.stride(dim) == 1):
+        return [Inexact("sort of a layout copied with its sorted dimension innermost"), *steps]
+    key = self.element_size()
+    gpu = call.context.gpu if call.context is not None else None
+    numel = self.numel()
+    nbatch = (min(numel, _INT_MAX) // nsort) * nsort
+    remaining = numel
+    while remaining > 0:
+        n = min(remaining, nbatch)
+        nsegments = n // nsort
+        if nsegments == 1 or nsort >= _SORT_ONE_BY_ONE:
+            if key not in (4, 8):
+                return [Inexact(f"cub's radix sort of {key}-byte keys"), *steps]
+            temp = radix_sort_pairs_bytes(nsort, key, 8, key * 8, gpu)
+            steps.append(Alloc("sort:reverse_indices", nsort * 8))
+            for _ in range(nsegments):
+                steps += [Alloc("sort:temp", temp), Free("sort:temp")]
+            steps.append(Free("sort:reverse_indices"))
+        elif nsegments < _SORT_FULL_BELOW:
+            if key not in (4, 8):
+                return [Inexact(f"cub's radix sort of {key}-byte keys"), *steps]
+            segment_bits = max(1, math.ceil(math.log2(nsegments)))
+            steps += [
+                Alloc("sort:indices_and_segment", n * 8),
+                Alloc("sort:indices_and_segment2", n * 8),
+                Alloc("sort:keys_out", n * key),
+                Alloc("sort:temp", radix_sort_pairs_bytes(n, key, 8, key * 8, gpu)),
+                Free("sort:temp"),
+                Free("sort:keys_out"),
+                Alloc("sort:segment_temp", radix_sort_pairs_bytes(n, 8, 0, segment_bits, gpu)),
+                Free("sort:segment_temp"),
+                Free("sort:indices_and_segment2"),
+                Free("sort:indices_and_segment"),
+            ]
+        else:
+            steps += [
+                Alloc("sort:reverse_indices", n * 8),
+                Alloc("sort:temp", alias_temporaries(n * key, n * 8)),
+                Free("sort:temp"),
+                Free("sort:reverse_indices"),
+            ]
+        remaining -= n
     return steps
 
 
