@@ -713,3 +713,55 @@ def test_sort_estimate_of_a_vocabulary_counts_cubs_buffers() -> None:
     mib = 1 << 20
     assert report.forward_peak == 8 * mib + 8 * mib + 16 * mib + 16 * mib + 25166336
     assert report.unsupported == ()
+
+
+# -- group norm backward -------------------------------------------------------------------------
+
+
+def test_group_norm_backward_sums_per_channel_and_group() -> None:
+    """native_group_norm_backward of (4, 64, 16, 16) floats in 8 groups with a weight:
+    group_norm_kernel.cu, GroupNormBackwardKernelImplInternal: ds and db at::empty({N, C})
+    of the accumulation type, 4 x 64 x 4 = 1024 bytes each; for dX, c1 (empty({0})
+    resized by the rstd * gamma TensorIterator to N x G x D = 4 x 8 x 8 floats = 1024),
+    c2 and c3 ({N, G}: 4 x 8 x 4 = 128 each). Without a weight no c1; without dX
+    (output_mask [False, True, True]) only ds and db; bfloat16 sums in float."""
+
+    def allocs(dtype: torch.dtype = torch.float32, weight: bool = True, mask: list[bool] | None = None) -> list[tuple[str, int]]:
+        x = meta(4, 64, 16, 16, dtype=dtype)
+        args = (x, x, meta(4, 8, dtype=dtype), meta(4, 8, dtype=dtype), meta(64, dtype=dtype) if weight else None,
+                4, 64, 256, 8, mask or [True, True, True])
+        steps = run_rule(aten.native_group_norm_backward.default, args, None)
+        return [(s.tag, s.nbytes) for s in steps if isinstance(s, Alloc)]
+
+    assert allocs() == [("ds", 1024), ("db", 1024), ("c1", 1024), ("c2", 128), ("c3", 128)]
+    assert allocs(weight=False) == [("ds", 1024), ("db", 1024), ("c2", 128), ("c3", 128)]
+    assert allocs(mask=[False, True, True]) == [("ds", 1024), ("db", 1024)]
+    assert allocs(dtype=torch.bfloat16) == [("ds", 1024), ("db", 1024), ("c1", 1024), ("c2", 128), ("c3", 128)]
+
+
+def test_group_norm_of_one_position_takes_the_1d_kernel() -> None:
+    """HxW == 1 (a (32, 64) input, 8 groups): ds and db (32 x 64 x 4 = 8192 each) are
+    made, then GroupNorm1dBackward takes its own c2 and c3 ({N, G}: 32 x 8 x 4 = 1024
+    each; its two at::empty calls, read in the 2.15 wheel) and no c1."""
+    x = meta(32, 64)
+    steps = run_rule(
+        aten.native_group_norm_backward.default,
+        (x, x, meta(32, 8), meta(32, 8), meta(64), 32, 64, 1, 8, [True, True, True]),
+        None,
+    )
+    assert [(s.tag, s.nbytes) for s in steps if isinstance(s, Alloc)] == [
+        ("ds", 8192), ("db", 8192), ("c2", 1024), ("c3", 1024),
+    ]
+
+
+def test_group_norm_estimate_counts_the_backward_buffers() -> None:
+    """nn.GroupNorm(8, 64) on (4, 64, 16, 16) floats, the loss the output's sum, on an
+    RTX 3090. Backward peak: x, sum's gradient cloned contiguous, dX (262144 bytes
+    each); eight 512-byte blocks (weight, bias, the saved mean and rstd, the loss, sum's
+    ones, dgamma, dbeta); and the kernel's ds, db, c1 (1024 each) and c2, c3 (128 each,
+    a 512-byte block each): 4096 bytes, which the estimate lacked before."""
+    report = tm.estimate(
+        nn.GroupNorm(8, 64), torch.empty(4, 64, 16, 16, device="meta", requires_grad=True), device="cuda", gpu=RTX3090
+    )
+    assert report.backward_peak == 3 * 262144 + 8 * 512 + (3 * 1024 + 2 * 512)
+    assert report.unsupported == ()

@@ -33,6 +33,9 @@ Library memory that the caching allocator does not see (cudnn/cublas handles,
 cuFFT plans, NCCL buffers, the CUDA context) is not charged: neither is it by
 ``max_memory_allocated()``.
 
+* **``native_group_norm_backward``** (``group_norm_kernel.cu``): the per-sample,
+  per-channel sums ``ds`` and ``db`` and the coefficients ``c1``-``c3`` in the
+  accumulation type.
 * **``sort``** (``Sort.cpp``, ``sort_cuda_kernel``; ``SortStable.cu``,
   ``launch_stable_sort_kernel``; the same in every release, cub's storage per
   release): up to 4096 elements per slice the index ``arange``; beyond, one of
@@ -535,6 +538,34 @@ def _sort(call: OpCall) -> list[Step]:
                 Free("sort:reverse_indices"),
             ]
         remaining -= n
+    return steps
+
+
+# -- group norm backward ------------------------------------------------------------------
+
+
+@CUDA.scratch(aten.native_group_norm_backward.default)
+def _group_norm_backward(call: OpCall) -> list[Step]:
+    """``GroupNormBackwardKernelImplInternal`` (``group_norm_kernel.cu``; five
+    ``at::empty`` calls in every release's code, read in the 2.15 wheel): after the
+    outputs, ``ds`` and ``db`` (``N x C`` in the accumulation type: float for half
+    and bfloat16), live to the end; for ``dX``, ``c1`` (``empty({0})`` that the
+    ``rstd * gamma`` TensorIterator resizes to ``N x G x D = N x C``; nothing
+    without a weight), ``c2`` and ``c3`` (``N x G`` each). With ``HxW == 1``
+    ``GroupNorm1dBackward`` runs instead after ``ds`` and ``db``: ``c2`` and ``c3``
+    only (its two ``at::empty`` calls)."""
+    x = call.args[1]
+    weight = call.args[4]
+    n, c, hxw, group = (int(v) for v in call.args[5:9])
+    mask = list(call.args[9]) if len(call.args) > 9 else [True, True, True]
+    if n == 0:
+        return [OUTPUTS]
+    acc = acc_size(x.dtype)
+    steps: list[Step] = [OUTPUTS, Alloc("ds", n * c * acc), Alloc("db", n * c * acc)]
+    if mask[0]:
+        if hxw != 1 and isinstance(weight, torch.Tensor):
+            steps.append(Alloc("c1", n * c * acc))
+        steps += [Alloc("c2", n * group * acc), Alloc("c3", n * group * acc)]
     return steps
 
 
