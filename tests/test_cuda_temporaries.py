@@ -34,6 +34,7 @@ from torch_sources import (
     header_constant,
     header_text,
     instructions,
+    library,
     wheel_requirement,
 )
 
@@ -759,9 +760,38 @@ def test_group_norm_estimate_counts_the_backward_buffers() -> None:
     RTX 3090. Backward peak: x, sum's gradient cloned contiguous, dX (262144 bytes
     each); eight 512-byte blocks (weight, bias, the saved mean and rstd, the loss, sum's
     ones, dgamma, dbeta); and the kernel's ds, db, c1 (1024 each) and c2, c3 (128 each,
-    a 512-byte block each): 4096 bytes, which the estimate lacked before."""
+    a 512-byte block each): 4096 bytes, which the estimate lacked before. The same
+    bytes in every release: before 2.15 the autograd formula clones the gradient (a
+    traced op), from 2.15 native_group_norm_backward copies it contiguous itself."""
     report = tm.estimate(
         nn.GroupNorm(8, 64), torch.empty(4, 64, 16, 16, device="meta", requires_grad=True), device="cuda", gpu=RTX3090
     )
     assert report.backward_peak == 3 * 262144 + 8 * 512 + (3 * 1024 + 2 * 512)
     assert report.unsupported == ()
+
+
+@pytest.mark.parametrize("release", [(2, 13), (2, 15)], indirect=True)
+def test_group_norm_backward_copies_its_operands_from_2_15(release: tuple[int, int]) -> None:
+    """group_norm.cpp, native_group_norm_backward from 2.15: dY.contiguous() of a
+    stride-0 expand of (4, 64, 16, 16) floats (262144 bytes) before the outputs; X,
+    mean, rstd and gamma already contiguous. Before 2.15 nothing (the autograd
+    formula's grad.contiguous() is an op of its own)."""
+    x = meta(4, 64, 16, 16)
+    dy = meta(1, 1, 1, 1).expand(4, 64, 16, 16)
+    steps = run_rule(
+        aten.native_group_norm_backward.default,
+        (dy, x, meta(4, 8), meta(4, 8), meta(64), 4, 64, 256, 8, [True, True, True]),
+        None,
+    )
+    before = steps[: steps.index(OUTPUTS)]
+    assert before == ([Alloc("dY contiguous", 262144)] if release >= (2, 15) else [])
+
+
+def test_group_norm_backward_copies_are_pinned_by_the_installed_library() -> None:
+    """native_group_norm_backward calls contiguous five times (dY, X, mean, rstd, gamma)
+    from GROUP_NORM_CONTIGUOUS_FROM, none before (libtorch_cpu.so, in every build)."""
+    code = disassembly(
+        library("libtorch_cpu.so"), r"^_ZN2at6native26native_group_norm_backwardERKNS_6TensorE.*Lm3EE$"
+    )
+    calls = len(re.findall(r"call.*__dispatch_contiguous", code))
+    assert calls == (5 if torch_minor() >= temporaries.GROUP_NORM_CONTIGUOUS_FROM else 0)

@@ -91,7 +91,7 @@ from pytest_torchmem.engine.tracing.devices.cuda.reduce_launch import (
 from pytest_torchmem.engine.tracing.devices.tensor_iterator import non_overlapping_and_dense, reorder_dimensions
 from pytest_torchmem.engine.tracing.rules import OUTPUTS, Alloc, Free, Inexact, OpCall, Step, nbytes_of
 
-__all__ = ["EMBEDDING_FUSED_FROM", "EMBEDDING_NBITS_FROM", "KCHUNK_SIZE"]
+__all__ = ["EMBEDDING_FUSED_FROM", "EMBEDDING_NBITS_FROM", "GROUP_NORM_CONTIGUOUS_FROM", "KCHUNK_SIZE", "SMALL_SORT_MAX"]
 
 aten = torch.ops.aten
 
@@ -543,6 +543,9 @@ def _sort(call: OpCall) -> list[Step]:
 
 # -- group norm backward ------------------------------------------------------------------
 
+#: The first release whose ``native_group_norm_backward`` makes its operands contiguous.
+GROUP_NORM_CONTIGUOUS_FROM: Final = (2, 15)
+
 
 @CUDA.scratch(aten.native_group_norm_backward.default)
 def _group_norm_backward(call: OpCall) -> list[Step]:
@@ -553,15 +556,26 @@ def _group_norm_backward(call: OpCall) -> list[Step]:
     ``rstd * gamma`` TensorIterator resizes to ``N x G x D = N x C``; nothing
     without a weight), ``c2`` and ``c3`` (``N x G`` each). With ``HxW == 1``
     ``GroupNorm1dBackward`` runs instead after ``ds`` and ``db``: ``c2`` and ``c3``
-    only (its two ``at::empty`` calls)."""
-    x = call.args[1]
-    weight = call.args[4]
+    only (its two ``at::empty`` calls).
+
+    From 2.15 ``native_group_norm_backward`` (``group_norm.cpp``) takes ``dY``, ``X``,
+    ``mean``, ``rstd`` and ``gamma`` ``.contiguous()`` itself, before its outputs (five
+    ``contiguous`` calls in 2.15's ``libtorch_cpu.so``, none in 2.10, 2.11 and 2.13,
+    whose autograd formula passes ``grad.contiguous()``: a traced op there). 2.12 and
+    2.14 were not read: taken as their neighbours, before 2.15."""
+    dy, x, mean, rstd, weight = call.args[:5]
     n, c, hxw, group = (int(v) for v in call.args[5:9])
     mask = list(call.args[9]) if len(call.args) > 9 else [True, True, True]
     if n == 0:
         return [OUTPUTS]
+    steps: list[Step] = []
+    if torch_minor() >= GROUP_NORM_CONTIGUOUS_FROM:
+        if not x.is_contiguous():
+            return [Inexact("group norm backward of a non-contiguous input (its memory format)"), OUTPUTS]
+        operands = (("dY", dy), ("mean", mean), ("rstd", rstd), ("gamma", weight))
+        steps += [Alloc(f"{name} contiguous", size) for name, t in operands if (size := _contiguous_copy(t))]
     acc = acc_size(x.dtype)
-    steps: list[Step] = [OUTPUTS, Alloc("ds", n * c * acc), Alloc("db", n * c * acc)]
+    steps += [OUTPUTS, Alloc("ds", n * c * acc), Alloc("db", n * c * acc)]
     if mask[0]:
         if hxw != 1 and isinstance(weight, torch.Tensor):
             steps.append(Alloc("c1", n * c * acc))
