@@ -33,11 +33,18 @@ import torch
 __all__ = ["backward_by_hand"]
 
 
+def _dense(t: torch.Tensor) -> bool:
+    """``is_non_overlapping_and_dense_or_false`` (torch._prims_common, from 2.11; 2.10 has
+    ``is_non_overlapping_and_dense``, the same for tensors of concrete sizes)."""
+    import torch._prims_common as prims_common
+
+    check = getattr(prims_common, "is_non_overlapping_and_dense_or_false", None)
+    return bool(check(t)) if check is not None else bool(prims_common.is_non_overlapping_and_dense(t))
+
+
 def _obeys_layout_contract(grad: torch.Tensor, variable: torch.Tensor) -> bool:
     """``torch::autograd::utils::obeys_layout_contract`` (accumulate_grad.h)."""
-    from torch._prims_common import is_non_overlapping_and_dense_or_false
-
-    if is_non_overlapping_and_dense_or_false(variable):
+    if _dense(variable):
         for size, stride, vstride in zip(grad.shape, grad.stride(), variable.stride()):
             if size != 1 and stride != vstride:
                 return False
@@ -52,12 +59,10 @@ def _accumulate_grad(variable: torch.Tensor, grad: torch.Tensor) -> None:
     incoming gradient when it obeys the layout contract (the engine's buffer holds
     its only reference), else copy it into the variable's layout; add in place
     into an existing ``.grad``."""
-    from torch._prims_common import is_non_overlapping_and_dense_or_false
-
     if variable.grad is None:
         if _obeys_layout_contract(grad, variable):
             variable.grad = grad.detach()
-        elif is_non_overlapping_and_dense_or_false(variable):
+        elif _dense(variable):
             variable.grad = grad.new_empty_strided(variable.shape, variable.stride()).copy_(grad)
         else:
             variable.grad = grad.clone(memory_format=torch.contiguous_format)
@@ -70,10 +75,8 @@ def _buffer_only(t: torch.Tensor) -> bool:
     (``InputBuffer::accumulate``, ``can_accumulate_inplace``): dense, and no one
     but the buffer holds it or its storage. (The engine never does for tensor
     subclasses; the tracker makes it do so, as for plain tensors.)"""
-    from torch._prims_common import is_non_overlapping_and_dense_or_false
-
     return (
-        is_non_overlapping_and_dense_or_false(t)
+        _dense(t)
         and t._use_count() == 1
         and sys.getrefcount(t) <= 3  # the buffer's list, the argument, getrefcount's own
         # the tensor's reference and the one of the storage object asked here
