@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import time
 import warnings
 from collections import Counter
@@ -89,6 +90,8 @@ PHASES: Final = ("forward", "backward")
 aten = torch.ops.aten
 _PRIM_DEVICE: Final = torch.ops.prim.device.default
 _COPIES: Final = (aten._to_copy.default, aten.copy_.default)
+#: " at <file>:<line>:" of an ``unsupported`` entry.
+_WHERE: Final = re.compile(r" at \S+:\d+:")
 #: Ops the backward by hand adds (see the module's docstring), not compared there.
 _HAND_BACKWARD: Final = frozenset({"aten.clone.default"})
 
@@ -341,7 +344,8 @@ def emulate(subject: Subject) -> dict[str, Any]:
                 report = tm.estimate(call, inputs, device="cuda", **options)
             except tm.TraceStopped as stopped:
                 report = stopped.report
-            found["unsupported"] = [str(u) for u in report.unsupported]
+            # (without where in the sample's code each was met: a path of this machine)
+            found["unsupported"] = [_WHERE.sub(":", str(u), count=1) for u in report.unsupported]
         except Exception as exc:  # noqa: BLE001 - a tracer failure is a finding
             found["error"] = _describe(exc)
     found["forward"], found["backward"] = record["forward"], record["backward"]
