@@ -88,6 +88,8 @@ sys.path.insert(0, str(ROOT))
 import torch
 from torch import nn
 
+from hand_backward import backward_by_hand
+
 SCHEMA: Final = 1
 PHASES: Final = ("forward", "backward", "step")
 #: Seconds one model may take to record (in its own process).
@@ -586,136 +588,9 @@ def step_probe(case: Any, device: Any, prepare: Callable[[Any, Any], None] | Non
 # -- backward without autograd's engine ------------------------------------------------
 #
 # On a CUDA build without a GPU, autograd's engine refuses cuda tensors before it
-# runs any node ("hasPrimaryContext expects a valid device index"). The nodes
-# themselves run: called one by one from Python, in the engine's order (a node is
-# ready once every edge into it has delivered, the ready node with the highest
-# sequence number first, AccumulateGrad at once), each runs the backward
-# formulas that CUDA dispatch picks. What this cannot do is release each node's
-# saved tensors after it ran (no Python API): the ops and the bytes they allocate
-# are the engine's, the live bytes during and after the backward are not.
-
-
-def _obeys_layout_contract(grad: torch.Tensor, variable: torch.Tensor) -> bool:
-    """``torch::autograd::utils::obeys_layout_contract`` (accumulate_grad.h)."""
-    from torch._prims_common import is_non_overlapping_and_dense_or_false
-
-    if is_non_overlapping_and_dense_or_false(variable):
-        for size, stride, vstride in zip(grad.shape, grad.stride(), variable.stride()):
-            if size != 1 and stride != vstride:
-                return False
-            if size == 1 and stride == 0:
-                return False
-        return True
-    return grad.is_contiguous()
-
-
-def _accumulate_grad(variable: torch.Tensor, grad: torch.Tensor) -> None:
-    """``AccumulateGrad::accumulateGrad`` for dense tensors, grad mode off: steal the
-    incoming gradient when it obeys the layout contract (the engine's buffer holds
-    its only reference), else copy it into the variable's layout; add in place
-    into an existing ``.grad``."""
-    from torch._prims_common import is_non_overlapping_and_dense_or_false
-
-    if variable.grad is None:
-        if _obeys_layout_contract(grad, variable):
-            variable.grad = grad.detach()
-        elif is_non_overlapping_and_dense_or_false(variable):
-            variable.grad = grad.new_empty_strided(variable.shape, variable.stride()).copy_(grad)
-        else:
-            variable.grad = grad.clone(memory_format=torch.contiguous_format)
-    else:
-        variable.grad.add_(grad)
-
-
-def _buffer_only(t: torch.Tensor) -> bool:
-    """Whether the engine's input buffer would add into ``t`` in place
-    (``InputBuffer::accumulate``, ``can_accumulate_inplace``): dense, and no one
-    but the buffer holds it or its storage. (The engine never does for tensor
-    subclasses; the tracker makes it do so, as for plain tensors.)"""
-    from torch._prims_common import is_non_overlapping_and_dense_or_false
-
-    return (
-        is_non_overlapping_and_dense_or_false(t)
-        and t._use_count() == 1
-        and sys.getrefcount(t) <= 3  # the buffer's list, the argument, getrefcount's own
-        # the tensor's reference and the one of the storage object asked here
-        and torch._C._storage_Use_Count(t.untyped_storage()._cdata) <= 2
-    )
-
-
-def backward_by_hand(root: torch.Tensor, gradient: torch.Tensor | None = None) -> None:
-    """``root.backward(gradient)`` with each autograd node called directly."""
-    import heapq
-
-    from torch.autograd.function import BackwardCFunction
-
-    node = root.grad_fn
-    if node is None:
-        raise RuntimeError("element 0 of tensors does not require grad and does not have a grad_fn")
-    if gradient is None:
-        gradient = torch.ones_like(root, memory_format=torch.preserve_format)
-    dependencies: Counter[Any] = Counter()
-    inputs: dict[Any, int] = {}
-    seen, stack = {node}, [node]
-    while stack:
-        current = stack.pop()
-        for child, nr in current.next_functions:
-            if child is None:
-                continue
-            dependencies[child] += 1
-            inputs[child] = max(inputs.get(child, 0), nr + 1)
-            if child not in seen:
-                seen.add(child)
-                stack.append(child)
-
-    def width(n: Any) -> int:
-        meta = getattr(n, "_input_metadata", None)
-        return len(meta) if meta is not None else inputs.get(n, 1)
-
-    buffers: dict[Any, list[Any]] = {node: [gradient] + [None] * (width(node) - 1)}
-    del gradient
-    order = 0
-    ready = [(-node._sequence_nr(), order, node)]
-    with torch.no_grad():
-        while ready:
-            _, _, current = heapq.heappop(ready)
-            grads = buffers.pop(current)
-            if type(current).__name__ == "AccumulateGrad" or current.name().endswith("AccumulateGrad"):
-                if grads[0] is not None:
-                    _accumulate_grad(current.variable, grads.pop(0))
-                continue
-            if isinstance(current, BackwardCFunction):
-                outs = current.apply(*grads)
-            else:
-                outs = current(*grads)
-            del grads
-            if not isinstance(outs, (tuple, list)):
-                outs = (outs,)
-            for (child, nr), grad in zip(current.next_functions, outs):
-                if child is None:
-                    continue
-                meta = getattr(child, "_input_metadata", None)
-                if grad is not None and meta is not None:
-                    # the engine's validate_outputs: reduce broadcast gradients, cast dtypes
-                    expected = meta[nr]
-                    if tuple(grad.shape) != tuple(expected.shape):
-                        grad = grad.sum_to_size(expected.shape)
-                    if grad.dtype != expected.dtype:
-                        grad = grad.to(expected.dtype)
-                slot = buffers.setdefault(child, [None] * width(child))
-                if grad is not None:
-                    if slot[nr] is None:
-                        slot[nr] = grad
-                    elif _buffer_only(slot[nr]):
-                        slot[nr].add_(grad)
-                    else:
-                        slot[nr] = slot[nr] + grad
-                del grad
-                dependencies[child] -= 1
-                if dependencies[child] == 0:
-                    order += 1
-                    heapq.heappush(ready, (-child._sequence_nr(), order, child))
-            del outs
+# runs any node ("hasPrimaryContext expects a valid device index"): the backward runs
+# by hand (tests/hand_backward.py, shared with the device audit), each node called
+# from Python in the engine's order.
 
 
 class _HandBackward:

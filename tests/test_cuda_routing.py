@@ -504,6 +504,21 @@ def test_math_attention_with_dropout_uses_the_fused_dropout() -> None:
     assert "aten.bernoulli_.float" not in ops(rows)
 
 
+def test_math_attention_with_dropout_masks_and_scales_as_the_composite_does() -> None:
+    """Causal math attention with dropout on (2, 4, 16, 8) fp32 runs the ops torch's own
+    composite runs on fake cuda tensors in 2.10 to 2.15 (the device audit's reference):
+    q and k scaled by a number (``mul.Scalar``), the (16, 16) causal mask made additive by
+    ``where`` of the mask itself (1024 B, a 1024 B block; no ``logical_not``, 256 B) and
+    added out of place into a new (2, 4, 16, 16) fp32 score (8192 B), not into the score."""
+    with sdpa_kernel(Backend.MATH):
+        _, rows = trace(sdpa(dropout_p=0.1, is_causal=True), qkv(2, 4, 16, 8, torch.float32))
+    assert "aten.logical_not.default" not in ops(rows)
+    assert of(rows, "aten.where.self", FWD) == [(1024, OUT)]
+    assert of(rows, "aten.add.Tensor", FWD) == [(8192, OUT)]
+    assert [n for n, _ in of(rows, "aten.mul.Scalar", FWD)] == [4096, 4096]
+    assert "aten.mul.Tensor" not in {op for p, op, _n, _k in rows if p == FWD}
+
+
 def test_multi_head_attention_module_reaches_the_fused_backend() -> None:
     """``nn.MultiheadAttention`` (need_weights=False) calls SDPA from Python code."""
     mha = nn.MultiheadAttention(16, 2, batch_first=True)

@@ -408,10 +408,22 @@ def _aligned(t: torch.Tensor, alignment: int) -> bool:
     return all(t.stride(i) % alignment == 0 for i in range(t.dim() - 1)) and t.stride(-1) == 1
 
 
+def _math_mask(mask: Any, dtype: torch.dtype) -> Any:
+    """``convert_boolean_attn_mask`` as the math path calls it in 2.10 to 2.15 (its ops
+    on torch's own fake cuda tensors, ``tests/device_audit.py``): ``where(mask, 0, -inf)``,
+    the zero a 0-d tensor of ``dtype`` on the mask's device; no ``logical_not``."""
+    if mask is None or mask.dtype != torch.bool:
+        return mask
+    return torch.where(mask, torch.scalar_tensor(0.0, dtype=dtype, device=mask.device), -math.inf)
+
+
 def _sdpa_math(q, k, v, mask, dropout_p, is_causal, scale, enable_gqa):  # type: ignore[no-untyped-def]
     """``_scaled_dot_product_attention_math`` with CUDA's ``at::dropout``
     (``native_dropout``); used when dropout is on, where meta's composite
-    would take the bernoulli path."""
+    would take the bernoulli path. As the composite does: the scaling by a number
+    (``mul.Scalar``), the boolean mask made additive without negating it
+    (:func:`_math_mask`), the mask added out of place (the device audit found the
+    scaling by a wrapped number, ``logical_not`` and an in-place add here before)."""
     origin = q.dtype
     reduce_low = torch.backends.cuda.fp16_bf16_reduction_math_sdp_allowed()
 
@@ -421,16 +433,16 @@ def _sdpa_math(q, k, v, mask, dropout_p, is_causal, scale, enable_gqa):  # type:
     q_acc, k_acc, v_acc = acc(q), acc(k), acc(v)
     negative = scale is not None and scale < 0
     factor = math.sqrt(_scale(q_acc, abs(scale) if negative else scale))
-    query = q_acc * (-factor if negative else factor)
+    query = aten.mul.Scalar(q_acc, -factor if negative else factor)
     if is_causal:
         causal = torch.ones(query.size(-2), k_acc.size(-2), dtype=torch.bool, device=query.device).tril()
-        mask = _bool_mask_to_additive(causal, query.dtype, -math.inf)
+        mask = _math_mask(causal, query.dtype)
     if enable_gqa and not (q.size(-3) == k.size(-3) == v.size(-3)):
         k_acc = k_acc.repeat_interleave(query.size(-3) // k_acc.size(-3), -3)
         v_acc = v_acc.repeat_interleave(query.size(-3) // v_acc.size(-3), -3)
-    attn = torch.matmul(query, k_acc.transpose(-2, -1) * factor)
+    attn = torch.matmul(query, aten.mul.Scalar(k_acc.transpose(-2, -1), factor))
     if mask is not None:
-        attn.add_(mask)
+        attn = attn + mask
     attn = aten._safe_softmax.default(attn, -1)
     if dropout_p > 0.0:
         if dropout_p < 1.0 and attn.numel() > 0:
@@ -488,6 +500,6 @@ def _sdpa(router: Router, func: Any, types_: Any, args: tuple[Any, ...], kwargs:
         )
         return out[0]
     if backend == SDPBackend.MATH and dropout_p > 0.0:
-        mask = _bool_mask_to_additive(mask, q.dtype, -math.inf)
+        mask = _math_mask(mask, q.dtype)
         return _sdpa_math(q, k, v, mask, dropout_p, is_causal, scale, enable_gqa)
     return func(*args, **kwargs)
