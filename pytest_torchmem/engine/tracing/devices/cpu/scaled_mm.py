@@ -23,7 +23,7 @@ from typing import Any, Final
 
 import torch
 
-from pytest_torchmem.engine.tracing.devices.cpu.base import CPU, profile_of
+from pytest_torchmem.engine.tracing.devices.cpu.base import CPU, NATIVE_INSTRUCTIONS, profile_of
 from pytest_torchmem.engine.tracing.rules import OUTPUTS, Inexact, OpCall, Steps
 
 __all__: list[str] = []
@@ -39,8 +39,9 @@ _FLOAT8: Final = frozenset(
 _SCALED_RESULT: Final = frozenset({torch.float8_e4m3fn, torch.float8_e5m2})
 
 _ONEDNN_GAP: Final = Inexact(
-    "_scaled_mm on the amx level runs oneDNN's float8 matmul (mkldnn_scaled_mm), whose "
-    "scratch is not modelled; the figure is that of the emulated kernel of lower levels"
+    f"_scaled_mm on the amx level {NATIVE_INSTRUCTIONS} runs oneDNN's float8 matmul "
+    "(mkldnn_scaled_mm), whose scratch is not modelled; the figure is that of the emulated "
+    "kernel of lower levels"
 )
 
 
