@@ -117,6 +117,9 @@ EXHAUSTIVE: Final = (
     "tests/test_block_replay.py::test_repeated_blocks_replay_to_the_same_bytes[once-encoder pre-norm-cpu]",
     "tests/test_block_replay.py::test_repeated_blocks_replay_to_the_same_bytes[forward only-encoder post-norm-cpu]",
     "tests/test_block_replay.py::test_repeated_blocks_replay_to_the_same_bytes[forward only-encoder pre-norm-cpu]",
+    # every case of each GPU census recorded for this release (test_gpu_census.py: the
+    # first cases of each record)
+    "tests/test_gpu_census.py::test_every_recorded_case_replays_to_the_record",
     # Llama 7B under FSDP2 at 8 and 64 ranks (test_parallel.py: small models against gloo ranks)
     "tests/test_scale.py::test_llama_7b_fsdp2_per_rank_hand_count_on_cuda",
     # the plugin's behaviours under xdist, each the twin of a one-process run of the same

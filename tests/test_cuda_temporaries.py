@@ -33,6 +33,7 @@ from torch_sources import (
     has_function,
     header_constant,
     header_text,
+    immediates,
     instructions,
     library,
     wheel_requirement,
@@ -714,6 +715,155 @@ def test_sort_estimate_of_a_vocabulary_counts_cubs_buffers() -> None:
     mib = 1 << 20
     assert report.forward_peak == 8 * mib + 8 * mib + 16 * mib + 16 * mib + 25166336
     assert report.unsupported == ()
+
+
+# -- topk --------------------------------------------------------------------------------------
+
+
+def topk_allocs(
+    shape: tuple[int, ...], k: int, *, dtype: torch.dtype = torch.float32, gpu: str = "H100",
+    sorted_: bool = True, x: torch.Tensor | None = None,
+) -> list[tuple[str, int]]:
+    x = meta(*shape, dtype=dtype) if x is None else x
+    out = (meta(*shape[:-1], k, dtype=dtype), meta(*shape[:-1], k, dtype=torch.long))
+    steps = run_rule(aten.topk.default, (x, k, -1, True, sorted_), out, gpu=gpu)
+    assert steps[0] is OUTPUTS  # the structured outputs come first
+    assert not any(isinstance(s, Inexact) for s in steps)
+    allocs = [s.tag for s in steps if isinstance(s, Alloc)]
+    assert sorted(allocs) == sorted(s.tag for s in steps if isinstance(s, Free))  # all freed on return
+    return [(s.tag, s.nbytes) for s in steps if isinstance(s, Alloc)]
+
+
+#: scan_by_key of up to 16 scan tiles of 4-byte keys and values (cub's DeviceScanByKey,
+#: ReduceByKeyScanTileState<uint32_t, int>: a 16-byte word): (tiles + 32) x 16 <= 768,
+#: keys (tiles + 1) x 4 <= 256, aliased: 768 + 256 + 255.
+TOPK_SCAN = 768 + 256 + 255
+
+
+def topk_buffers(slices: int, blocks: int, t: int = 4, radix: int = 4) -> list[tuple[str, int]]:
+    return [
+        ("topk:kthValues", slices * t),
+        ("topk:ks_to_find", 2 * slices * 4),
+        ("topk:desired", 2 * slices * radix),
+        ("topk:counts", blocks * 256 * 2),
+        ("topk:digit_cum_sum", slices * 256 * 4),
+        ("topk:withinKCounts", blocks * 4),
+        ("topk:kthCounts", blocks * 4),
+        ("topk:sum_by_key:temp", TOPK_SCAN),
+        ("topk:sum_by_key:temp", TOPK_SCAN),
+    ]
+
+
+@pytest.mark.parametrize("release", RELEASES, indirect=True)
+def test_topk_of_one_long_row_is_the_multiblock_radix_select(release: tuple[int, int]) -> None:
+    """topk(k=10) of one row of 1,000,000 floats on an H100 (132 SMs). TensorTopK.cu,
+    should_use_multiblock: 1 slice (<= 20) of >= 20,000: mbtopk::launch.
+    get_items_per_thread: 65536 registers / (40 x 256) = 6 blocks an SM, ceil(1e6 /
+    (132 x 6 x 256 = 202,752)) = 5 items a thread (within 4..64); blocks_per_slice =
+    ceil(1e6 / (5 x 256)) = 782. Its buffers: kthValues 1 x 4, ks_to_find 2 x 1 x 4,
+    desired 2 x 1 x 4 (uint32 RadixType), counts 782 x 256 shorts = 400,384,
+    digit_cum_sum 1 x 256 x 4, withinKCounts and kthCounts 782 x 4 = 3,128 each, and
+    two InclusiveSumByKey over 782 blocks (one scan tile). k = 10 <= 4096: the sort
+    is sortKeyValueInplace's, in place. The same code in every wheel 2.10-2.15."""
+    assert topk_allocs((1, 1_000_000), 10) == topk_buffers(1, 782)
+    assert topk_buffers(1, 782)[3] == ("topk:counts", 400_384)
+
+
+def test_topk_blocks_follow_the_sm_count() -> None:
+    """The same row on an A100 (108 SMs): ceil(1e6 / (108 x 6 x 256 = 165,888)) = 7
+    items, ceil(1e6 / 1792) = 559 blocks: counts 559 x 512 = 286,208."""
+    assert topk_allocs((1, 1_000_000), 10, gpu="A100") == topk_buffers(1, 559)
+
+
+def test_topk_of_int64_and_half_rows() -> None:
+    """4 rows of 50,000 (4 slices, >= 20,000): int64 keys have a uint64 RadixType and
+    8-byte kthValues; half keeps uint32 and 2-byte kthValues. ceil(200,000 / 202,752) = 1
+    item -> clamped to 4, ceil(50,000 / 1024) = 49 blocks a slice, 196 in all."""
+    assert topk_allocs((4, 50_000), 8, dtype=torch.long) == topk_buffers(4, 196, t=8, radix=8)
+    assert topk_allocs((4, 50_000), 8, dtype=torch.half) == topk_buffers(4, 196, t=2, radix=4)
+
+
+def test_topk_of_short_rows_is_one_block_a_slice() -> None:
+    """32 x 100 and 4 x 5,000 (4 slices need >= 20,000; 4001 slices need >= 400):
+    sbtopk's single-block kernel, which takes nothing."""
+    assert topk_allocs((32, 100), 8) == []
+    assert topk_allocs((4, 5_000), 8) == []
+    assert temporaries.topk_multiblock(4001, 400) and not temporaries.topk_multiblock(4000, 799)
+
+
+def test_topk_of_a_transposed_input_copies_it_first() -> None:
+    """launch_gather_topk_kernel runs on self.contiguous(): 100 x 64 floats seen
+    transposed (25,600 bytes), held while the (single-block) kernel runs."""
+    x = meta(100, 64).t()
+    assert topk_allocs((64, 100), 8, x=x) == [("topk:input", 25_600)]
+
+
+@pytest.mark.parametrize("release", RELEASES, indirect=True)
+def test_topk_of_more_than_4096_sorts_the_values_and_gathers(release: tuple[int, int]) -> None:
+    """topk(k=5000) of 2 x 100,000 floats on an H100: multi-block (2 slices of >=
+    20,000): 1 item -> 4, ceil(100,000 / 1024) = 98 blocks a slice, 196 in all. Then
+    sorted with k > 4096 (TensorTopK.cpp): sortedIndices (2 x 5000 x 8) and sortedValues
+    (2 x 5000 x 4), at::cuda::sort_outf of the values: 2 slices of 5000 (< 128 slices),
+    segmented_sort_pairs_by_full_sort of n = 10,000: two int2 buffers 80,000 each, the
+    keys out 40,000, SortPairs<float, int2> (tile 5376 as for sort, 2 tiles): bins 4 x
+    256 x 8 = 8192, look-back 2 x 1024, alternate keys 40,000 -> 40,192 and values 80,000
+    -> 80,128, counters 16 -> 256, plus 255 = 131,071; SortKeys<int64> over 1 bit (tile
+    5760, 2 tiles): bins 2048, look-back 2048, counters 256, plus 255 = 4,607. Then
+    indices.gather(dim, sortedIndices): 80,000."""
+    sort_temp = 8192 + 2048 + 40_192 + 80_128 + 256 + 255
+    assert sort_temp == 131_071
+    assert topk_allocs((2, 100_000), 5000) == [
+        *topk_buffers(2, 196),
+        ("topk:sortedIndices", 80_000),
+        ("topk:sortedValues", 40_000),
+        ("topk:sort:indices_and_segment", 80_000),
+        ("topk:sort:indices_and_segment2", 80_000),
+        ("topk:sort:keys_out", 40_000),
+        ("topk:sort:temp", sort_temp),
+        ("topk:sort:segment_temp", 2048 + 2048 + 256 + 255),
+        ("topk:gather", 80_000),
+    ]
+    assert topk_allocs((2, 100_000), 5000, sorted_=False) == topk_buffers(2, 196)
+
+
+def test_topk_estimate_of_a_long_row_counts_the_radix_select() -> None:
+    """torch.topk(x, 10) of one row of 1,000,000 floats on the default H100, forward
+    only: x (4,000,000 bytes: a 4,000,256-byte block), the outputs (40 and 80 bytes: a
+    512-byte block each), then the multi-block buffers as blocks of 512: kthValues,
+    ks_to_find, desired 512 each, counts 400,384, digit_cum_sum 1024, withinKCounts
+    and kthCounts 3,584 each, one scan's storage 1,536."""
+
+    class TopK(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.topk(x, 10).values
+
+    report = tm.estimate(TopK(), torch.empty(1, 1_000_000, device="meta"), device="cuda", train=False)
+    assert report.forward_peak == 4_000_256 + 2 * 512 + 3 * 512 + 400_384 + 1024 + 2 * 3584 + 1536
+    assert report.unsupported == ()
+
+
+def test_topk_paths_are_pinned_by_the_installed_library() -> None:
+    """structured_topk_out_cuda::impl launches the gather kernel, sorts in place up to
+    4096 ($0x1000) and otherwise calls at::cuda::sort_outf and gather, never the
+    full-sort fallback (at::cuda::sort: should_use_sort is false on CUDA);
+    should_use_multiblock's table and get_items_per_thread's 40 x 256 registers
+    (a division by 10,240: 0x66666667 >> 44) and clamp (4, 64); mbtopk::launch zeroes
+    digit_cum_sum and withinKCounts and scans by key (every wheel 2.10-2.15)."""
+    path = cuda_library("libtorch_cuda.so")
+    impl = disassembly(path, r"^_ZN2at6native24structured_topk_out_cuda4implE")
+    assert "launch_gather_topk_kernel" in impl and "sort_outf" in impl and "gather4call" in impl
+    assert "_ZN2at4cuda4sortE" not in impl
+    assert 0x1000 in immediates(impl)
+    table = immediates(disassembly(path, r"^_ZN2at6native21should_use_multiblockEll$"))
+    rows = [*temporaries._TOPK_MULTIBLOCK, (None, temporaries._TOPK_MULTIBLOCK_MANY)]
+    assert {shortest - 1 for _, shortest in rows} <= table  # slice_size > shortest - 1
+    assert {20, 4000} <= table
+    items = disassembly(path, r"^_ZN2at6native6mbtopk20get_items_per_threadEmm$")
+    assert {0x66666667, 0x2C, 4, 64} <= immediates(items)
+    assert 65536 // 10240 == 65536 // (temporaries._TOPK_REGS_PER_THREAD * temporaries._TOPK_BLOCK_THREADS)
+    launch = disassembly(path, r"^_ZN2at6native6mbtopk6launchIfjLi1EEEv")
+    assert len(re.findall(r"call.*cudaMemsetAsync", launch)) == 2
+    assert "InclusiveSumByKey" in launch
 
 
 # -- group norm backward -------------------------------------------------------------------------

@@ -46,9 +46,15 @@ Not modelled (the outputs are exact, these kernels' scratch is not):
 ``cumsum``/``cumprod`` of
 one-dimensional inputs (``cub::DeviceScan`` temp storage), ``unique``,
 ``nonzero``, ``index_put_(accumulate=True)`` (its sort of the linear index),
-``multinomial`` and ``topk`` of very long rows (radix-select buffers), and
+``multinomial`` (radix-select buffers), and
 ``native_batch_norm`` when cuDNN does not take it (the channels-last
 statistics kernels' staging buffers).
+
+* **``topk``** (``TensorTopK.cpp``, ``structured_topk_out_cuda::impl``;
+  ``TensorTopK.cu``, ``launch_gather_topk_kernel``; the same in every release):
+  the input's contiguous copy; for many long slices the multi-block radix select's
+  buffers and two cub scans by key (blocks from the GPU's SM count); above
+  ``k = 4096`` the sort of the values (as ``sort``'s), both index buffers and the gather.
 
 * **softmax backward** (``SoftMax.cu``, ``softmax_backward_cuda_out``): the
   product ``tmp = grad * output`` that ``host_softmax_backward`` runs on, a
@@ -73,6 +79,7 @@ import torch
 from pytest_torchmem.engine.torch_compat.torch_release import torch_minor
 from pytest_torchmem.engine.tracing.devices.cuda.base import CUDA
 from pytest_torchmem.engine.tracing.devices.cuda.cub_storage import (
+    SCAN_TILE_ITEMS,
     alias_temporaries,
     exclusive_scan_bytes,
     radix_sort_pairs_bytes,
@@ -489,17 +496,24 @@ def _sort(call: OpCall) -> list[Step]:
     """
     self = call.args[0]
     dim = call.kwargs.get("dim", -1) if call.func is aten.sort.stable else call.arg(1, "dim", -1)
-    steps: list[Step] = [OUTPUTS]
+    gpu = call.context.gpu if call.context is not None else None
+    return [OUTPUTS, *sort_kernel_steps(self, dim, gpu)]
+
+
+def sort_kernel_steps(self: torch.Tensor, dim: int, gpu: Any, tag: str = "sort") -> list[Step]:
+    """What ``sort_cuda_kernel`` takes beside its outputs to sort ``self`` along ``dim``
+    (:func:`_sort`), its buffers tagged ``{tag}:...``; an :class:`Inexact` first where
+    the layout or the key size is not modelled."""
+    steps: list[Step] = []
     if self.dim() == 0 or self.numel() == 0:
         return steps
     dim = dim % self.dim()
     nsort = int(self.shape[dim])
     if nsort <= SMALL_SORT_MAX:
-        return [*steps, Alloc("sort:arange", nsort * 8), Free("sort:arange")]
+        return [Alloc(f"{tag}:arange", nsort * 8), Free(f"{tag}:arange")]
     if not (non_overlapping_and_dense(self) and self.stride(dim) == 1):
-        return [Inexact("sort of a layout copied with its sorted dimension innermost"), *steps]
+        return [Inexact("sort of a layout copied with its sorted dimension innermost")]
     key = self.element_size()
-    gpu = call.context.gpu if call.context is not None else None
     numel = self.numel()
     nbatch = (min(numel, _INT_MAX) // nsort) * nsort
     remaining = numel
@@ -508,36 +522,163 @@ def _sort(call: OpCall) -> list[Step]:
         nsegments = n // nsort
         if nsegments == 1 or nsort >= _SORT_ONE_BY_ONE:
             if key not in (4, 8):
-                return [Inexact(f"cub's radix sort of {key}-byte keys"), *steps]
+                return [Inexact(f"cub's radix sort of {key}-byte keys")]
             temp = radix_sort_pairs_bytes(nsort, key, 8, key * 8, gpu)
-            steps.append(Alloc("sort:reverse_indices", nsort * 8))
+            steps.append(Alloc(f"{tag}:reverse_indices", nsort * 8))
             for _ in range(nsegments):
-                steps += [Alloc("sort:temp", temp), Free("sort:temp")]
-            steps.append(Free("sort:reverse_indices"))
+                steps += [Alloc(f"{tag}:temp", temp), Free(f"{tag}:temp")]
+            steps.append(Free(f"{tag}:reverse_indices"))
         elif nsegments < _SORT_FULL_BELOW:
             if key not in (4, 8):
-                return [Inexact(f"cub's radix sort of {key}-byte keys"), *steps]
+                return [Inexact(f"cub's radix sort of {key}-byte keys")]
             segment_bits = max(1, math.ceil(math.log2(nsegments)))
             steps += [
-                Alloc("sort:indices_and_segment", n * 8),
-                Alloc("sort:indices_and_segment2", n * 8),
-                Alloc("sort:keys_out", n * key),
-                Alloc("sort:temp", radix_sort_pairs_bytes(n, key, 8, key * 8, gpu)),
-                Free("sort:temp"),
-                Free("sort:keys_out"),
-                Alloc("sort:segment_temp", radix_sort_pairs_bytes(n, 8, 0, segment_bits, gpu)),
-                Free("sort:segment_temp"),
-                Free("sort:indices_and_segment2"),
-                Free("sort:indices_and_segment"),
+                Alloc(f"{tag}:indices_and_segment", n * 8),
+                Alloc(f"{tag}:indices_and_segment2", n * 8),
+                Alloc(f"{tag}:keys_out", n * key),
+                Alloc(f"{tag}:temp", radix_sort_pairs_bytes(n, key, 8, key * 8, gpu)),
+                Free(f"{tag}:temp"),
+                Free(f"{tag}:keys_out"),
+                Alloc(f"{tag}:segment_temp", radix_sort_pairs_bytes(n, 8, 0, segment_bits, gpu)),
+                Free(f"{tag}:segment_temp"),
+                Free(f"{tag}:indices_and_segment2"),
+                Free(f"{tag}:indices_and_segment"),
             ]
         else:
             steps += [
-                Alloc("sort:reverse_indices", n * 8),
-                Alloc("sort:temp", alias_temporaries(n * key, n * 8)),
-                Free("sort:temp"),
-                Free("sort:reverse_indices"),
+                Alloc(f"{tag}:reverse_indices", n * 8),
+                Alloc(f"{tag}:temp", alias_temporaries(n * key, n * 8)),
+                Free(f"{tag}:temp"),
+                Free(f"{tag}:reverse_indices"),
             ]
         remaining -= n
+    return steps
+
+
+# -- topk -------------------------------------------------------------------------------------
+
+#: ``mbtopk`` (``aten/src/ATen/native/cuda/TensorTopK.cu``): ``BLOCK_THREADS`` and
+#: ``RADIX_DIGITS`` (``1 << RADIX_BITS``, 8 bits), the clamp of ``get_items_per_thread``
+#: (``MIN_ITEMS_PER_THREAD``, ``MAX_ITEMS_PER_THREAD``) and its ``REGS_PER_THREAD``.
+_TOPK_BLOCK_THREADS: Final = 256
+_TOPK_RADIX_DIGITS: Final = 256
+_TOPK_ITEMS_PER_THREAD: Final = (4, 64)
+_TOPK_REGS_PER_THREAD: Final = 40
+#: ``cudaDeviceProp::regsPerMultiprocessor`` of every GPU the rules model (64 Ki). With
+#: 40 x 256 registers a block, 6 blocks fit an SM, below ``maxBlocksPerMultiProcessor``
+#: (16 to 32 from compute capability 7.0), so ``get_items_per_thread`` takes 6.
+_REGS_PER_SM: Final = 65536
+#: ``should_use_multiblock`` (``TensorTopK.cu``, pytorch#74267's table): the multi-block
+#: radix select runs for ``(largest slice count, shortest slice)`` rows, the first that
+#: holds the slice count.
+_TOPK_MULTIBLOCK: Final = ((20, 20000), (40, 10000), (80, 8000), (199, 5000), (799, 3000), (4000, 800))
+_TOPK_MULTIBLOCK_MANY: Final = 400
+_UINT32_MAX: Final = 2**32 - 1
+
+
+def topk_multiblock(slices: int, slice_size: int) -> bool:
+    """``should_use_multiblock``: many long slices take ``mbtopk::launch``, the rest the
+    single-block ``sbtopk`` kernel (which takes nothing)."""
+    if slices > _UINT32_MAX or slice_size > _UINT32_MAX:
+        return False
+    for most, shortest in _TOPK_MULTIBLOCK:
+        if slices <= most:
+            return slice_size >= shortest
+    return slice_size >= _TOPK_MULTIBLOCK_MANY
+
+
+def topk_items_per_thread(slices: int, slice_size: int, gpu: Any) -> int:
+    """``mbtopk::get_items_per_thread``: the items that fill every SM's resident blocks
+    once, clamped to 4..64."""
+    blocks_per_sm = _REGS_PER_SM // (_TOPK_REGS_PER_THREAD * _TOPK_BLOCK_THREADS)
+    items = div_up(slice_size * slices, sm_count(gpu) * blocks_per_sm * _TOPK_BLOCK_THREADS)
+    low, high = _TOPK_ITEMS_PER_THREAD
+    return max(low, min(items, high))
+
+
+def _topk_radix_type_size(dtype: torch.dtype) -> int:
+    """``sizeof(TopKTypeConfig<T>::RadixType)`` (``SortingRadixSelect.cuh``): ``uint64_t``
+    for ``int64_t`` and ``double``, ``uint32_t`` for every other type."""
+    return 8 if dtype in (torch.int64, torch.float64) else 4
+
+
+def _topk_multiblock_steps(self: torch.Tensor, slices: int, slice_size: int, gpu: Any) -> list[Step]:
+    """``mbtopk::launch``: seven buffers from the caching allocator, then two
+    ``inclusive_sum_by_key`` of the per-block counts (cub's storage each), all freed
+    when it returns."""
+    items = topk_items_per_thread(slices, slice_size, gpu)
+    blocks = slices * div_up(slice_size, items * _TOPK_BLOCK_THREADS)
+    buffers = (
+        ("kthValues", slices * self.element_size()),
+        ("ks_to_find", 2 * slices * 4),
+        ("desired", 2 * slices * _topk_radix_type_size(self.dtype)),
+        ("counts", blocks * _TOPK_RADIX_DIGITS * 2),  # short
+        ("digit_cum_sum", slices * _TOPK_RADIX_DIGITS * 4),
+        ("withinKCounts", blocks * 4),
+        ("kthCounts", blocks * 4),
+    )
+    steps: list[Step] = []
+    if blocks > 16 * SCAN_TILE_ITEMS:
+        steps.append(Inexact("cub's scan-by-key storage of topk past 16 scan tiles"))
+    steps += [Alloc(f"topk:{name}", nbytes) for name, nbytes in buffers]
+    scan = scan_by_key_bytes(blocks, 4)
+    for _ in range(2):  # withinKCounts, kthCounts
+        steps += [Alloc("topk:sum_by_key:temp", scan), Free("topk:sum_by_key:temp")]
+    steps += [Free(f"topk:{name}") for name, _ in reversed(buffers)]
+    return steps
+
+
+@CUDA.scratch(aten.topk.default)
+def _topk(call: OpCall) -> list[Step]:
+    """``structured_topk_out_cuda::impl`` (``TensorTopK.cpp``; read in every wheel
+    2.10-2.15: the same calls) after the structured outputs; nothing for ``k == 0``.
+
+    ``launch_gather_topk_kernel`` (``TensorTopK.cu``) takes ``self.contiguous()``;
+    where :func:`topk_multiblock` says so, ``mbtopk::launch`` takes ``kthValues``
+    (slices x ``sizeof(T)``), ``ks_to_find`` (2 x slices x 4), ``desired`` (2 x slices x
+    the radix type), ``counts`` (blocks x 256 shorts), ``digit_cum_sum`` (slices x 256 x
+    4), ``withinKCounts`` and ``kthCounts`` (blocks x 4 each), and cub's storage of two
+    ``InclusiveSumByKey`` over the blocks; blocks = slices x ``ceil(slice / (items x
+    256))`` (:func:`topk_items_per_thread`: the GPU's SM count). The single-block kernel
+    takes nothing. (``should_use_sort`` is false on CUDA builds, whose cub scans by key:
+    the full-sort fallback never runs.)
+
+    Then, when ``sorted`` and ``k > 4096`` (``should_use_small_sort`` fails; up to 4096
+    ``sortKeyValueInplace`` sorts in place): ``sortedIndices`` and ``sortedValues``
+    (``empty_like``), ``at::cuda::sort_outf`` of the values (:func:`sort_kernel_steps`),
+    ``indices.gather(dim, sortedIndices)`` (a new int64 tensor of the indices' size,
+    copied into them and freed), all freed on return."""
+    self = call.args[0]
+    k = int(call.arg(1, "k"))
+    dim = int(call.arg(2, "dim", -1))
+    sorted_ = bool(call.arg(4, "sorted", True))
+    values, indices = call.out
+    steps: list[Step] = [OUTPUTS]
+    if k == 0:
+        return steps
+    dim = dim % self.dim() if self.dim() else 0
+    slice_size = int(self.shape[dim]) if self.dim() else 1
+    copy = _contiguous_copy(self)
+    if copy:
+        steps.append(Alloc("topk:input", copy))
+    if self.numel() > 0:
+        slices = self.numel() // slice_size
+        if topk_multiblock(slices, slice_size):
+            gpu = call.context.gpu if call.context is not None else None
+            steps += _topk_multiblock_steps(self, slices, slice_size, gpu)
+    if copy:
+        steps.append(Free("topk:input"))
+    if sorted_ and values.numel() > 1 and k > SMALL_SORT_MAX:
+        gpu = call.context.gpu if call.context is not None else None
+        steps += [
+            Alloc("topk:sortedIndices", nbytes_of(indices)),
+            Alloc("topk:sortedValues", nbytes_of(values)),
+            *sort_kernel_steps(values, dim, gpu, tag="topk:sort"),
+            Alloc("topk:gather", nbytes_of(indices)),
+            Free("topk:gather"),
+            Free("topk:sortedValues"),
+            Free("topk:sortedIndices"),
+        ]
     return steps
 
 
