@@ -194,6 +194,23 @@ def _vit_l_16() -> tm.MemoryReport:
     return tm.estimate(train, (model, optimizer, features, targets), device="cuda", gpu="A100")
 
 
+# -- pytorch/pytorch#72450: softmax of a 3 GB bfloat16 leaf, forward and backward --------
+
+
+def _softmax_leaf(dtype: torch.dtype) -> Callable[[], tm.MemoryReport]:
+    def step() -> None:
+        """The issue's script, as it ran (``x`` is rebound to the softmax's output)."""
+        x = torch.rand([5120, 2, 384, 384], dtype=dtype, device="cuda:0", requires_grad=True)
+        x = F.softmax(x, dim=-1)
+        loss = torch.mean(x)
+        loss.backward()
+
+    def build() -> tm.MemoryReport:
+        return tm.estimate(step, (), device="cuda", gpu="A100")
+
+    return build
+
+
 CORPUS: tuple[Published, ...] = (
     Published(
         key="linear-rtx3090",
@@ -316,5 +333,52 @@ CORPUS: tuple[Published, ...] = (
         ),
         build=_vit_l_16,
         heavy=True,
+    ),
+    Published(
+        key="softmax-bf16-leaf",
+        source="https://github.com/pytorch/pytorch/issues/72450",
+        gpu="not named (any GPU: no library workspace takes part; an A100 here)",
+        release="a nightly of March 2022 (1.12.0.dev)",
+        protocol=(
+            "x = torch.rand([5120, 2, 384, 384], dtype=torch.bfloat16, device='cuda:0', "
+            "requires_grad=True); x = softmax(x, dim=-1); loss = torch.mean(x); loss.backward(); "
+            "max_memory_allocated() in bytes at the end of a fresh process"
+        ),
+        figure="peak",
+        theirs="15099495424",
+        unit="B",
+        ours=15_099_495_424,
+        verdict="exact",
+        why=(
+            "five times the 3 GB input (3,019,898,880 B) in backward: the leaf, which the graph "
+            "holds, the softmax's output (saved), mean's gradient expanded and divided, "
+            "softmax_backward_cuda_out's product tmp = grad * output, and the input's gradient, "
+            "beside two 512 B blocks (the loss and its gradient); "
+            "the report lists mean's reduction over more than 2**31 bytes in unsupported (its "
+            "32-bit sub-iterations), which does not reach the peak"
+        ),
+        build=_softmax_leaf(torch.bfloat16),
+    ),
+    Published(
+        key="softmax-fp32-leaf",
+        source="https://github.com/pytorch/pytorch/issues/72450",
+        gpu="not named (one of more than 30 GB: an A100 80GB, say; the profile changes nothing)",
+        release="a nightly of March 2022 (1.12.0.dev)",
+        protocol=(
+            "softmax-bf16-leaf's script with x in float32; the issue gives the peak in words: "
+            "'the peak memory consumption is 30GB, also 5x the original 6GB' (decimal GB, whole: "
+            "the input is 6.04 GB)"
+        ),
+        figure="peak",
+        theirs="30",
+        unit="GB",
+        ours=30_198_989_824,
+        verdict="exact",
+        why=(
+            "the same five input-sized tensors in float32 (6,039,797,760 B each) and two 512 B "
+            "blocks (the loss and its gradient): 30.2 GB, published as 30GB; exact only at that "
+            "rounding"
+        ),
+        build=_softmax_leaf(torch.float32),
     ),
 )
