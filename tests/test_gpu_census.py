@@ -91,7 +91,7 @@ def test_every_recorded_case_replays_to_the_record() -> None:
 def fake_record(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out = tmp_path_factory.mktemp("census")
     code = census.main(
-        ["--fake", "--out", str(out), "--gpu", "A100", "--ops", "abs,topk,unique", "--models", "mlp",
+        ["--fake", "--out", str(out), "--gpu", "A100", "--ops", "abs,topk,unique,nonzero", "--models", "mlp",
          "--dtypes", "float32,bfloat16"]
     )
     assert code == 0
@@ -106,7 +106,8 @@ def test_the_fake_census_records_the_estimates_beside_a_placeholder(fake_record:
     ids = [entry["id"] for entry in fake_record["cases"]]
     assert ids == [
         "op:abs:float32:0", "op:abs:bfloat16:0", "op:topk:float32:0", "op:topk:bfloat16:0",
-        "op:unique:float32:0", "op:unique:bfloat16:0", "model:mlp:float32", "model:mlp:bfloat16",
+        "op:unique:float32:0", "op:unique:bfloat16:0", "op:nonzero:float32:0", "op:nonzero:bfloat16:0",
+        "model:mlp:float32", "model:mlp:bfloat16",
     ]
     for entry in fake_record["cases"]:
         assert entry["measured"] is None and entry["exact"] is False
@@ -114,7 +115,8 @@ def test_the_fake_census_records_the_estimates_beside_a_placeholder(fake_record:
         assert entry["inputs"] and all(" at /" not in line for line in entry["unsupported"])
     by_id = {entry["id"]: entry for entry in fake_record["cases"]}
     assert by_id["op:topk:float32:0"]["train"] and not by_id["op:unique:float32:0"]["train"]
-    assert by_id["op:unique:float32:0"]["unsupported"]  # cub's storage of unique: not modelled yet
+    assert by_id["op:unique:float32:0"]["unsupported"] == []  # unique's outputs and cub's storage, modelled
+    assert by_id["op:nonzero:float32:0"]["unsupported"]  # cub's storage of nonzero: not modelled yet
     assert by_id["model:mlp:float32"]["estimate"]["backward"] > by_id["model:mlp:bfloat16"]["estimate"]["backward"]
 
 

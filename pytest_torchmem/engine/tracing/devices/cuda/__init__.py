@@ -8,7 +8,7 @@ tensors), it adds what a GPU does differently:
   :mod:`.routes` (:mod:`.placement`, :mod:`.kernel_choices` for dropout, batch norm
   and softmax, :mod:`.sdpa` for the attention backend, :mod:`.rnn`, :mod:`.autocast`);
 * per-op rules in :data:`CUDA`: library workspaces (:mod:`.workspaces`) and kernel
-  temporaries (:mod:`.temporaries`), a reduction's launch modelled in :mod:`.reduce_launch`,
+  temporaries (:mod:`.temporaries`, ``unique``'s in :mod:`.unique`), a reduction's launch modelled in :mod:`.reduce_launch`,
   cub's temporary storage in :mod:`.cub_storage`;
 * :mod:`.allocator`: the caching allocator every storage is charged through
   (block sizes, reserved segments), with its settings (:mod:`.allocator_config`),
@@ -27,6 +27,7 @@ from pytest_torchmem.engine.tracing.devices.cuda import kernels as _kernels  # n
 from pytest_torchmem.engine.tracing.devices.cuda import masks as _masks  # noqa: F401
 from pytest_torchmem.engine.tracing.devices.cuda import pinned as _pinned  # noqa: F401
 from pytest_torchmem.engine.tracing.devices.cuda import temporaries as _temporaries  # noqa: F401
+from pytest_torchmem.engine.tracing.devices.cuda import unique as _unique  # noqa: F401
 from pytest_torchmem.engine.tracing.devices.cuda import workspaces as _workspaces  # noqa: F401
 from pytest_torchmem.engine.tracing.devices.cuda.allocator import AllocatorConfig, CachingAllocator
 from pytest_torchmem.engine.tracing.devices.cuda.base import CUDA

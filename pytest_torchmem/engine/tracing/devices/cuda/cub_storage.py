@@ -51,9 +51,12 @@ __all__ = [
     "alias_temporaries",
     "cub_version",
     "exclusive_scan_bytes",
+    "inclusive_scan_int_bytes",
+    "run_length_encode_bytes",
     "policy_arch",
     "radix_sort_pairs_bytes",
     "scan_by_key_bytes",
+    "select_unique_bytes",
     "unique_by_key_bytes",
 ]
 
@@ -186,3 +189,47 @@ def scan_by_key_bytes(n: int, key_size: int) -> int:
     release) and a key per tile plus one."""
     tiles = math.ceil(n / SCAN_TILE_ITEMS)
     return alias_temporaries((tiles + _TILE_STATUS_PADDING) * 16, key_size * (tiles + 1))
+
+
+#: ``DeviceRunLengthEncode::Encode`` with 8-byte lengths (ATen's counts are ``int64_t``): every
+#: release's policies for sm80, sm86, sm90 and sm100 are tuned for 4-byte lengths only, so the
+#: default ``AgentReduceByKeyPolicy<128, 6>`` runs (``tuning_run_length_encode.cuh``: six items
+#: per thread wherever key and length fit 8 bytes each).
+RLE_TILE_ITEMS: Final = 128 * 6
+#: The smallest tile ``DeviceSelect::Unique`` may run with, by key size: the default policy's
+#: ``128 x min(10, max(1, 40 / sizeof(key)))`` (``tuning_select_if.cuh``; every tuned tile of
+#: 2.7, 3.0 and 3.2 for these key sizes is larger). Its tile state (8-byte descriptors, the
+#: per-partition offset being ``int``) does not depend on the tile size up to 32 tiles.
+SELECT_TILE_ITEMS: Final = {1: 128 * 10, 2: 128 * 10, 4: 128 * 10, 8: 128 * 5}
+#: The smallest tile of ``DeviceScan``'s policies for a 4-byte accumulator (``Policy500``'s
+#: ``AgentScanPolicy<128, 12>``; sm90 128 x 24, sm80 320 x 12, the others 128 x 15).
+SCAN_INT_TILE_ITEMS: Final = 128 * 12
+#: Tiles up to which a tile state of 8-byte descriptors keeps its size: 32 padding descriptors
+#: and up to 32 tiles fill 512 bytes, one 256-byte alignment step more than the padding alone.
+FLAT_TILES_8: Final = 32
+
+
+def run_length_encode_bytes(n: int) -> int:
+    """``DeviceRunLengthEncode::Encode`` of ``n`` items with ``int64_t`` counts
+    (``DispatchReduceByKey``, every release): one ``ReduceByKeyScanTileState<int64_t, int,
+    true>`` of 16-byte descriptors, raw, through ``AliasTemporaries``."""
+    tiles = math.ceil(n / RLE_TILE_ITEMS)
+    return alias_temporaries((tiles + _TILE_STATUS_PADDING) * 16)
+
+
+def select_unique_bytes(n: int, key_size: int, version: int | None = None) -> tuple[int, bool]:
+    """``DeviceSelect::Unique`` of ``n`` keys (``DispatchSelectIf``: the tile state, no virtual
+    shared memory, no streaming below ``INT_MAX`` items), and whether the figure is exact
+    whatever the GPU's policy (the smallest candidate tile spans at most 32 tiles)."""
+    version = cub_version() if version is None else version
+    tiles = math.ceil(n / SELECT_TILE_ITEMS[key_size])
+    return alias_temporaries(_tile_state_bytes(tiles, 8, version)), tiles <= FLAT_TILES_8
+
+
+def inclusive_scan_int_bytes(n: int, version: int | None = None) -> tuple[int, bool]:
+    """``DeviceScan::InclusiveScan`` of ``n`` ``int`` items into ``int64_t`` (ATen's
+    ``inclusive_sum_truncating``: the accumulator is the input's ``int``, 8-byte descriptors),
+    and whether the figure is exact whatever the GPU's policy."""
+    version = cub_version() if version is None else version
+    tiles = math.ceil(n / SCAN_INT_TILE_ITEMS)
+    return alias_temporaries(_tile_state_bytes(tiles, 8, version)), tiles <= FLAT_TILES_8

@@ -3,9 +3,9 @@
 Where the trace knows the values (``values.py``) the outputs of ``nonzero``,
 ``masked_select``, ``unique`` and boolean-mask indexing are exact; on the GPU
 these kernels also take ``cub`` temporary storage (``nonzero``'s count and
-select, ``unique``'s radix sort, ``equal``'s comparison and reduction) from the
+select, ``unique_dim``'s sort, ``equal``'s comparison and reduction) from the
 caching allocator, which no rule follows yet: each call is listed in
-``unsupported``, never silently short.
+``unsupported``, never silently short. ``unique`` without ``dim`` is modelled in :mod:`.unique`.
 """
 
 from __future__ import annotations
@@ -25,10 +25,8 @@ _GAP: Final = "its CUDA kernel's temporary storage ({}) is not modelled"
 _UNMODELLED: Final = {
     aten.nonzero.default: "cub's count and select",
     aten.masked_select.default: "the mask's prefix sums",
-    aten._unique2.default: "cub's radix sort",
-    aten._unique.default: "cub's radix sort",
-    aten.unique_consecutive.default: "cub's run-length encoding",
     aten.unique_dim.default: "the sorted index",
+    aten.unique_dim_consecutive.default: "the sorted index",
     aten.equal.default: "the comparison and its reduction",
 }
 
