@@ -56,6 +56,7 @@ from pytest_torchmem.engine.tracing.rules import (
     TraceContext,
 )
 from pytest_torchmem.engine.tracing.stops import (
+    CANNOT_RUN,
     COMPRESSED_SPARSE,
     Stop,
     stop_of,
