@@ -57,9 +57,10 @@ def _where(function: object) -> str:
     return f"{code.co_filename}:{code.co_firstlineno}"
 
 
+@pytest.mark.skipif(isolating(), reason="torch 2.13 on: compiled functions are followed on cuda too")
 def test_a_compiled_function_on_cuda_is_listed_as_traced_eagerly() -> None:
-    """On cuda compiled modules are followed (tests/test_compiled_cuda.py), compiled
-    functions are not: the eager figures, said."""
+    """Where no compiled region is followed (torch 2.10 to 2.12): the eager figures, said.
+    (From 2.13 a compiled function in forward is followed on cuda: test_compiled_cuda.py.)"""
     report = tm.estimate(_CallsCompiledFunction(), torch.randn(4, 16), device="cuda")
     compiled = [entry for entry in report.unsupported if entry.op.startswith("torch.compile")]
     assert [(entry.op, entry.reason, entry.location) for entry in compiled] == [

@@ -487,18 +487,11 @@ def test_the_estimate_leaves_torch_as_it_was() -> None:
     assert saved == state()
 
 
-def test_a_compiled_function_in_forward_is_still_listed_on_cuda() -> None:
-    """Only compiled modules are followed; a compiled function runs eagerly, listed."""
-    model, name, where = _compiled("compiled function in forward")
-    report = tm.estimate(model, torch.randn(4, 16), device="cuda")
-    assert [(u.op, u.location) for u in report.unsupported] == [(f"torch.compile: {name}", where)]
-
-
-
-@pytest.mark.parametrize("kind", [kind for kind in KINDS if kind != "compiled function in forward"])
+@pytest.mark.parametrize("kind", KINDS)
 @follows_compiled
-def test_each_way_of_compiling_a_module_is_followed(kind: str) -> None:
-    """``torch.compile(model)``, ``model.compile()`` and regional compilation."""
+def test_each_way_of_compiling_is_followed(kind: str) -> None:
+    """``torch.compile(model)``, ``model.compile()``, regional compilation and a compiled
+    function called in ``forward`` (checked by hand in test_compiled_everywhere.py)."""
     model, _, _ = _compiled(kind)
     report = tm.estimate(model, torch.randn(4, 16), device="cuda")
     assert report.unsupported == ()

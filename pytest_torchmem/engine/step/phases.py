@@ -49,6 +49,7 @@ __all__ = ["PhaseWatch", "hooked_modules", "naming_phases", "phase"]
 
 # torch's private names (engine/torch_compat/torch_private.py)
 _DisableTorchFunction: Final = private("torch._C.DisableTorchFunction")
+_TracingContext: Final = private("torch._guards.TracingContext")
 
 
 class PhaseWatch:
@@ -137,7 +138,9 @@ class PhaseWatch:
 
     def _backward(self, run: Callable[..., Any]) -> Callable[..., Any]:
         def backward(*args: Any, **kwargs: Any) -> Any:
-            if self.backwards or self.steps:
+            if self.backwards or self.steps or _TracingContext.try_get() is not None:
+                # (AOTAutograd traces a compiled region's joint graph with autograd.grad
+                # while dynamo compiles the region in the forward: no backward of the step)
                 return run(*args, **kwargs)
             self._begin(Phase.BACKWARD)
             self.backwards += 1

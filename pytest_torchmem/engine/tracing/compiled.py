@@ -21,7 +21,8 @@ import inspect
 import sys
 import warnings
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
+from dataclasses import dataclass
 from typing import Any, Final
 
 from torch import nn
@@ -32,6 +33,7 @@ from pytest_torchmem.engine.torch_compat.torch_replacing import replacing
 
 __all__ = [
     "EAGER_REASON",
+    "Held",
     "MEASURED_EAGER_REASON",
     "UNISOLATED_REASON",
     "Redirect",
@@ -134,8 +136,20 @@ def region_of(wrapper_frame: Any) -> tuple[str, str]:
 
 
 #: Where a compiled region the watch meets goes: the callback to run it with (the
-#: region's own one, or one the trace follows it with), or None: run it eagerly, flagged.
+#: region's own one, or one the trace follows it with), or None: run it eagerly, flagged;
+#: or a :class:`Held` callback, with what must hold while the region runs.
 Redirect = Callable[[Any, Any], Any]
+
+
+@dataclass(frozen=True)
+class Held:
+    """A callback a region runs with, and a context entered when dynamo's
+    ``compile_wrapper`` enters the region and left when it leaves it (a compiled
+    function on the fake cuda device runs with the router popped, as its program was
+    built: see :meth:`~pytest_torchmem.engine.tracing.compiled_cuda.CudaProgram.entering`)."""
+
+    callback: Any
+    context: Callable[[], AbstractContextManager[Any]]
 
 
 @contextmanager
@@ -155,15 +169,29 @@ def watch_compiled(on_region: Callable[[str, str], None], redirect: Redirect | N
     """
     real = private("torch._dynamo.eval_frame._maybe_set_eval_frame")
     ran_eagerly: list[bool] = []
+    # the compile_wrapper frames of the regions running with a Held context, innermost last
+    held: list[tuple[Any, ExitStack]] = []
 
     def noticing(callback: Any) -> Any:
+        caller = sys._getframe(1)
+        if held and caller is held[-1][0]:
+            # compile_wrapper puts back the callback before it: the region is left
+            _, stack = held.pop()
+            try:
+                return real(callback)
+            finally:
+                stack.close()
         if callback is not None and callback is not False:
-            caller = sys._getframe(1)
             if caller.f_code.co_name == "compile_wrapper":
                 if redirect is None:
                     on_region(*region_of(caller))
                     return real(callback)
                 followed = redirect(callback, caller)
+                if isinstance(followed, Held):
+                    stack = ExitStack()
+                    stack.enter_context(followed.context())
+                    held.append((caller, stack))
+                    return real(followed.callback)
                 if followed is not None:
                     return real(followed)
                 on_region(*region_of(caller))

@@ -51,6 +51,7 @@ FakeTensor: Final = private(_FAKE_TENSOR)
 _len_torch_function_stack: Final = private("torch._C._len_torch_function_stack")
 _pop_torch_function_stack: Final = private("torch._C._pop_torch_function_stack")
 _push_on_torch_function_stack: Final = private("torch._C._push_on_torch_function_stack")
+_disable_current_modes: Final = private("torch.utils._python_dispatch._disable_current_modes")
 
 _GPU: Final = torch.device("cuda", 0)
 
@@ -311,14 +312,20 @@ class CudaProgram:
         the module's tensors and its autocast regions as a GPU's."""
 
         def entered(*args: Any, **kwargs: Any) -> Any:
-            with (
-                without_function_modes(),
-                _dynamo_sees_the_gpu(self.router),
-                autocast_opens_cuda_regions(self.profile),
-            ):
+            with self.entering():
                 return call(*args, **kwargs)
 
         return entered
+
+    @contextmanager
+    def entering(self) -> Iterator[None]:
+        """While a compiled module or function runs (see :meth:`around`)."""
+        with (
+            without_function_modes(),
+            _dynamo_sees_the_gpu(self.router),
+            autocast_opens_cuda_regions(self.profile),
+        ):
+            yield
 
     def _inner(
         self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, graphs: bool, **kwargs: Any
@@ -327,9 +334,11 @@ class CudaProgram:
         if any(_may_pad(node) for node in gm.graph.nodes):
             self._gap(PAD_MM_GAP)
         enter = self._in_graph_pool(frozenset(kwargs.get("static_input_idxs", ()))) if graphs else None
-        # (no grad: an op autograd records on a cuda fake tensor aborts a CPU-only torch)
+        # (no grad: an op autograd records on a cuda fake tensor aborts a CPU-only torch;
+        # no dispatch mode: AOTAutograd compiles a backward lazily, at its first run, where
+        # the warm-up's tracker would place the graph's cuda values on the trace's device)
         gpu = as_the_gpu(self.profile, self.trace_device, enter)
-        with torch.no_grad(), without_function_modes(), gpu, unguarded():
+        with torch.no_grad(), _disable_current_modes(), without_function_modes(), gpu, unguarded():
             return compile_fx_inner(gm, _to_gpu(gm, example_inputs), **kwargs)
 
     def _in_graph_pool(self, static: frozenset[int]) -> Enter:

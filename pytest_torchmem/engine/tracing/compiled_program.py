@@ -42,7 +42,7 @@ import inspect
 import warnings
 import weakref
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import ExitStack, contextmanager
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Final, Protocol
 
@@ -263,6 +263,9 @@ class Builder(Protocol):
     def around(self, call: Callable[..., Any]) -> Callable[..., Any]:
         """The compiled module's callable, as the traced step calls it."""
 
+    def entering(self) -> AbstractContextManager[None]:
+        """What holds while a compiled function runs, as :meth:`around` holds it."""
+
 
 class _FakeInductor:
     """A dynamo backend: the user's inductor compile, with no kernels and fake-run
@@ -399,12 +402,18 @@ class Following:
                 return region.entered
         context = wrapper_frame.f_locals.get("self")
         wrapper = followable(context)
-        if wrapper is None or self.builder is not None:
+        if wrapper is None:
             return None
         if not self.active:
             phase = self.phase()
             phase = Phase.FORWARD if phase is None else phase
             self.met = phase if self.met is None else min(self.met, phase)
+            return None
+        if self.builder is not None and self.phase() not in (None, Phase.FORWARD):
+            # on the fake cuda device, compiled functions are followed in the forward (a
+            # loss, a chunked loss, a helper); one called once the backward began (an
+            # optimizer step: dynamo makes its state on the trace's devices, where the
+            # step's scalars are not on the host as a GPU's are) runs eagerly, listed
             return None
         known = self.functions.get(id(context))
         if known is None:
@@ -428,6 +437,11 @@ class Following:
         self.entering()
         # compile_wrapper set the user's region and puts back the one before it on exit
         set_eval_frame_isolate_recompiles_id(region.region)
+        if self.builder is not None:
+            # entered as the builder enters a compiled module (with no torch-function mode)
+            from pytest_torchmem.engine.tracing.compiled import Held
+
+            return Held(region.entered, self.builder.entering)
         return region.entered
 
     def _alike(self, wrapper_frame: Any) -> list[tuple[Any, Any, _Region]]:
@@ -567,12 +581,22 @@ def following_compiled(
         restore.callback(_drop_loaded, loaded)
         restore.callback(_invalidate, following)
         restore.enter_context(no_kernels(loaded, cpu))
+        # modules of one class compiled alike share one of our cache regions, as they share
+        # the user's: dynamo keeps compiled code on the code object, and a block's program,
+        # built for the first of them, runs for the others where its guards pass (the
+        # parameters are the graph's inputs), so that identical blocks compile once
+        alike: dict[tuple[type, bool, Any], list[tuple[Any, Any]]] = {}
         for compiled in found.followed:
             restore.callback(_put_back, compiled)
             following.put_backs.append(lambda compiled=compiled: _put_back(compiled))  # type: ignore[misc]
             module = compiled.module
-            place = _place(getattr(module, "_orig_mod", module))
-            optimized, _ = following._follow(compiled.context, _inductor_wrapper(compiled.context), place)
+            inner_module = getattr(module, "_orig_mod", module)
+            context, wrapper = compiled.context, _inductor_wrapper(compiled.context)
+            kind = alike.setdefault((type(inner_module), bool(context.fullgraph), context._dynamic), [])
+            optimized = next((made for other, made in kind if other == wrapper), None)
+            if optimized is None:
+                optimized, _ = following._follow(context, wrapper, _place(inner_module))
+                kind.append((wrapper, optimized))
 
             def ours(call: Callable[..., Any], optimized: Any = optimized) -> Callable[..., Any]:
                 compiled_call = optimized(call)

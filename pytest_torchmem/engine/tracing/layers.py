@@ -308,10 +308,12 @@ CUDA_LAYERS: Final = (
     BEAMS_RUN_ON,
 )
 
-#: The layers of the untracked warm-up step in which the followed compiled programs are
-#: built (trace._warm_up), outermost first: the watch (it redirects the regions the trace
+#: The layers of the warm-up step in which the followed compiled programs are built
+#: (trace._warm_up), outermost first: the watch (it redirects the regions the trace
 #: follows, and runs the others eagerly, unflagged: the traced step flags them), the
-#: warm-up's own stand-ins, and the fake mode alone.
+#: warm-up's own stand-ins, the fake mode and a tracker of the warm-up's own (the values
+#: the traced step knows: the program takes the branches it takes in the traced step).
+#: No GPU view: dynamo, compiling here, reads torch's own device functions.
 WARM_UP_LAYERS: Final = (
     Layer(
         "watch compiled regions, unflagged",
@@ -325,6 +327,7 @@ WARM_UP_LAYERS: Final = (
         lambda scene: lend(scene.holdings, scene.standins, compiled=True),
     ),
     FAKE_MODE,
+    TRACKER,
     MODULE_METHODS,
     REAL_RUN_VIEW,
 )

@@ -241,7 +241,7 @@ def _traced(
     # compiled modules run inductor's program (on cuda: built by inductor's cuda backend);
     # compiled functions and optimizer steps are followed on cpu
     found = compiled_modules(model) if parallel is None else CompiledModules()
-    follows_functions = device.is_cpu and parallel is None
+    follows_functions = parallel is None
 
     def once(follow: bool, warm: bool) -> tuple[Trace, Phase | None]:
         try:
@@ -461,6 +461,18 @@ def _trace(
         host = fake_standins(torch.device("cpu"), fake_mode) if not device.is_cpu else None
         standins = converted(holdings, args, kwargs, fake_standins(where, fake_mode), hook_failed, host)
     step_model = model if parallel is None else model_copy(model, holdings, standins.model)
+    def new_tracker(**options: Any) -> Tracker:
+        return Tracker(
+            fake_mode,
+            where,
+            device.rules,
+            context=TraceContext(device.name, gpu=gpu, cpu=cpu),
+            aliases=device.aliases,
+            wraps_numbers=device.wraps_numbers,
+            optimizer_hook=prepare_optimizer,
+            **options,
+        )
+
     tracker = Tracker(
         fake_mode,
         where,
@@ -495,7 +507,7 @@ def _trace(
     # with no torch-function mode, so the router routes the rest of the step
     cuda_build = (
         CudaProgram(gpu if gpu is not None else PROFILES[DEFAULT_GPU], where, lambda: device.router(context), tracker)
-        if found and device.is_cuda and device.router is not None
+        if follow and device.is_cuda and device.router is not None
         else None
     )
     built_for = cpu if device.is_cpu else None
@@ -538,6 +550,7 @@ def _trace(
                     fake_mode,
                     where,
                     following,
+                    new_tracker(runs_compiled_code=True),
                     loss_fn=loss_fn,
                     train=train,
                     keep_output=keep_output,
@@ -548,6 +561,7 @@ def _trace(
                 # inductor or dynamo could not build the program (or the model failed, which
                 # the traced step shows again): the modules run eagerly there, flagged
                 following.abandon()
+        following.phase = lambda: tracker.phase
         if follow:
             following.warm_up_done()
         scene = Scene(
@@ -694,6 +708,16 @@ def _visible(fake_mode: FakeTensorMode, tracker: Tracker) -> Iterator[None]:
         yield
 
 
+class _WarmUpProbe(QuietProbe):
+    """The warm-up's probe: it keeps the phase the step is in (a compiled region is
+    followed or not by the phase it is met in)."""
+
+    phase: Phase | None = None
+
+    def set_phase(self, phase: Phase | None, iteration: int = 1) -> None:
+        self.phase = phase
+
+
 def _warm_up(
     model: nn.Module,
     args: tuple[Any, ...],
@@ -701,6 +725,7 @@ def _warm_up(
     fake_mode: FakeTensorMode,
     where: torch.device,
     following: Following,
+    tracker: Tracker,
     *,
     loss_fn: LossFn | None,
     train: bool,
@@ -708,16 +733,25 @@ def _warm_up(
     looped: bool,
     repeat: int | None = None,
 ) -> None:
-    """One untracked step on fresh fake stand-ins, in which dynamo and our backend
-    compile the followed modules and the compiled functions the step calls (the
-    optimizer is left out: the traced step makes a new one, whose compiled step is
-    compiled anew). ``looped``: the traced step runs as a training loop, and so does
-    this one, running the compiled code as often; ``repeat``: as often as a leak check
-    runs it."""
+    """One step on fresh fake stand-ins, in which dynamo and our backend compile the
+    followed modules and the compiled functions the step calls (the optimizer is left
+    out: the traced step makes a new one, whose compiled step is compiled anew).
+    ``looped``: the traced step runs as a training loop, and so does this one, running
+    the compiled code as often; ``repeat``: as often as a leak check runs it.
+
+    The program must take the branches here that it takes in the traced step, or what is
+    compiled here is not what runs there: ``tracker`` (a tracker of its own, whose figures
+    are dropped) knows the values the traced step's knows, so that an op that reads them
+    (a mask's ``.item()`` outside the compiled regions) runs as it does there."""
     holdings = holdings_of(model, args, kwargs)  # (the traced step's were lent there, and let go of)
     with fake_mode:
         copies = converted(holdings, args, kwargs, fake_standins(where, fake_mode))
-    with entered(WARM_UP_LAYERS, Scene(holdings, copies, model, fake_mode, following)):
+    probe = _WarmUpProbe()
+    following.phase = lambda: probe.phase
+    adopt(tracker, copies)
+    _know_values(tracker, copies)
+    scene = Scene(holdings, copies, model, fake_mode, following, tracker=tracker)
+    with entered(WARM_UP_LAYERS, scene):
         run_step(
             model,
             copies.args,
@@ -727,7 +761,7 @@ def _warm_up(
             loss_fn=loss_fn,
             optimizer=None,
             train=train,
-            probe=QuietProbe(),
+            probe=probe,
             keep_output=keep_output,
             loop=looped,
             optimizers=copies.optimizers,
