@@ -272,6 +272,19 @@ EXHAUSTIVE: Final = (
     # layer.compile() twin stays) and the 128k vocabulary's loss in four chunks (one stays)
     "tests/test_compiled_everywhere.py::test_layers_compiled_one_by_one_through_a_step_function_equal_measure[torch.compile(layer)]",
     "tests/test_compiled_everywhere.py::test_a_compiled_loss_keeps_no_float32_logits_at_a_128k_vocabulary[4]",
+    # an ini table's GPU through the plugin (the marker's and the option's GPUs stay), a
+    # compiled cuda program's listed op located (the cpu program's buffers located stays),
+    # the command line gating CI on a size (its other commands stay), two processes
+    # updating one file (the one-process updates stay), advice added to a failure through
+    # the plugin (tests/test_advice.py's API stays), two compiled families on cuda (the
+    # other four stay)
+    "tests/test_plugin_gpu_profiles.py::test_a_gpu_of_the_ini_table_is_checked_recorded_and_named",
+    "tests/test_compiled_cuda.py::test_an_op_listed_in_a_compiled_program_is_located_at_the_users_line",
+    "tests/test_cli_fit.py::test_at_least_gates_ci",
+    "tests/test_plugin_lifecycle.py::test_two_processes_updating_one_file_lose_no_entry",
+    "tests/test_plugin_fit.py::test_advise_adds_what_would_fit_to_the_failure",
+    "tests/test_compiled_cuda.py::test_the_cuda_program_is_followed[conv-bn-relu]",
+    "tests/test_compiled_cuda.py::test_the_cuda_program_is_followed[regional]",
 )
 
 
