@@ -39,7 +39,7 @@ from pytest_torchmem.engine.user.layouts import parts
 #: torchao does not give)
 pytestmark = pytest.mark.filterwarnings("ignore:OptimState.* does not implement _stable_hash_for_caching:UserWarning")
 from pytest_torchmem.engine.figures.report import Category
-from pytest_torchmem.engine.tracing.devices.cpu.profiles import ISA_LEVELS, CpuProfile
+from pytest_torchmem.engine.tracing.devices.cpu.profiles import ISA_LEVELS, CpuProfile, host_profile
 
 
 def _exact(name: str, **options: object) -> tm.MemoryReport:
@@ -181,6 +181,13 @@ def test_torchao_is_exact_on_every_level(profile: CpuProfile) -> None:
     level and thread count (``ATEN_CPU_CAPABILITY``, ``ONEDNN_MAX_CPU_ISA``, ...)."""
     here = as_measured_here(profile)
     names = list(CASES) if profile.threads == 1 else [case.name for case in FLOAT8]
+    if host_profile().isa == "amx":
+        # on an AMX host torch runs _scaled_mm on oneDNN's float8 matmul whatever the caps,
+        # and oneDNN capped below AMX cannot make its primitive: the real run fails there
+        # ("could not create a primitive descriptor for the matmul primitive")
+        names = [name for name in names if name not in {case.name for case in FLOAT8}]
+        if not names:
+            pytest.skip("float8 on an AMX host capped below AMX: the real _scaled_mm cannot run")
     measured = measure_torchao(here, names)
     wrong = {}
     for name in names:
