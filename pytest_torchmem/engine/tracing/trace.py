@@ -120,12 +120,13 @@ def trace(
     ``parallel``: the step of rank ``rank`` of that mesh, over a fake process
     group; ``parallel.apply`` runs on a copy of the model holding the stand-ins.
 
-    On cpu the compiled regions of the step are followed (their compiled programs
-    run): compiled modules are found before the step; a compiled function (or
+    The compiled regions of the step are followed (their compiled programs run):
+    compiled modules are found before the step; a compiled function (or, on cpu, an
     optimizer step) is found when the step calls it, and then the step is traced
     again, following it: after a warm-up step that compiles what runs before the
     optimizer step, as for compiled modules; a compiled optimizer step alone is
-    compiled where it runs (its optimizer is new in each step).
+    compiled where it runs (its optimizer is new in each step). On cuda a compiled
+    function met once the backward began runs eagerly, listed.
 
     A trace that stops raises :class:`~pytest_torchmem.engine.figures.stopped.TraceStopped`,
     with the partial report and this trace; the program's own errors propagate as
@@ -239,7 +240,8 @@ def _traced(
             peers.update(group)
         return group[rank]
     # compiled modules run inductor's program (on cuda: built by inductor's cuda backend);
-    # compiled functions and optimizer steps are followed on cpu
+    # so do the compiled functions the step calls (on cuda those of its forward) and, on
+    # cpu, compiled optimizer steps
     found = compiled_modules(model) if parallel is None else CompiledModules()
     follows_functions = parallel is None
 
@@ -461,26 +463,21 @@ def _trace(
         host = fake_standins(torch.device("cpu"), fake_mode) if not device.is_cpu else None
         standins = converted(holdings, args, kwargs, fake_standins(where, fake_mode), hook_failed, host)
     step_model = model if parallel is None else model_copy(model, holdings, standins.model)
-    def new_tracker(**options: Any) -> Tracker:
+
+    def new_tracker(context: TraceContext, **options: Any) -> Tracker:
         return Tracker(
             fake_mode,
             where,
             device.rules,
-            context=TraceContext(device.name, gpu=gpu, cpu=cpu),
+            context=context,
             aliases=device.aliases,
             wraps_numbers=device.wraps_numbers,
             optimizer_hook=prepare_optimizer,
             **options,
         )
 
-    tracker = Tracker(
-        fake_mode,
-        where,
-        device.rules,
-        context=context,
-        aliases=device.aliases,
-        wraps_numbers=device.wraps_numbers,
-        optimizer_hook=prepare_optimizer,
+    tracker = new_tracker(
+        context,
         record_frames=record_frames,
         # per-module hooks would make dynamo's guards fail in the traced step: no per-module figures
         module_names=() if warm else module_names(step_model),
@@ -550,7 +547,8 @@ def _trace(
                     fake_mode,
                     where,
                     following,
-                    new_tracker(runs_compiled_code=True),
+                    # (a tracker of the warm-up's own, whose figures are dropped)
+                    new_tracker(TraceContext(device.name, gpu=gpu, cpu=cpu), runs_compiled_code=True),
                     loss_fn=loss_fn,
                     train=train,
                     keep_output=keep_output,
