@@ -19,21 +19,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from compiled import _cpu_seconds  # (benchmarks/compiled.py: this process's and its children's)
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 TARGET = 3.0
-
-
-def _cpu_seconds() -> float:
-    own = resource.getrusage(resource.RUSAGE_SELF)
-    children = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
 
 
 def _child(kind: str, layers: int, tokens: int, device: str) -> dict[str, object]:

@@ -14,14 +14,18 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Mapping
 from functools import cache
-from typing import Final
+from typing import Final, TypeVar
+
+T = TypeVar("T")
 
 __all__ = [
     "PIPELINING",
     "SUPPORTED",
     "TorchReleaseError",
     "installed_release",
+    "of_release",
     "release_problem",
     "require_supported_torch",
     "supported_range",
@@ -71,6 +75,13 @@ def torch_minor() -> tuple[int, int]:
     follow (asked on every op that differs between releases)."""
     major, minor, _ = installed_release()
     return major, minor
+
+
+def of_release(table: Mapping[tuple[int, int], T], release: tuple[int, int]) -> T:
+    """The entry of ``table`` (by ``(major, minor)``) for torch ``release``; outside the
+    table's releases, that of the nearest one in it."""
+    known = sorted(table)
+    return table[min(max(release, known[0]), known[-1])]
 
 
 def release_problem(version: str) -> str | None:

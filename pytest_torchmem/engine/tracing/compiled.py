@@ -173,8 +173,7 @@ def watch_compiled(on_region: Callable[[str, str], None], redirect: Redirect | N
     held: list[tuple[Any, ExitStack]] = []
 
     def noticing(callback: Any) -> Any:
-        caller = sys._getframe(1)
-        if held and caller is held[-1][0]:
+        if held and sys._getframe(1) is held[-1][0]:
             # compile_wrapper puts back the callback before it: the region is left
             _, stack = held.pop()
             try:
@@ -182,6 +181,7 @@ def watch_compiled(on_region: Callable[[str, str], None], redirect: Redirect | N
             finally:
                 stack.close()
         if callback is not None and callback is not False:
+            caller = sys._getframe(1)
             if caller.f_code.co_name == "compile_wrapper":
                 if redirect is None:
                     on_region(*region_of(caller))

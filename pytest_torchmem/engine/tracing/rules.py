@@ -185,6 +185,11 @@ class OpCall:
             return self.args[index]
         return self.kwargs.get(name, default)
 
+    @property
+    def gpu(self) -> Any:
+        """The GPU profile the call's trace models (None outside one, or on cpu)."""
+        return self.context.gpu if self.context is not None else None
+
     def value(self, t: Any) -> torch.Tensor | None:
         """The real value of the fake tensor ``t`` where the trace knows it (a small
         tensor computed from the step's real inputs), else ``None``. Read only."""

@@ -559,7 +559,6 @@ def _trace(
                 # inductor or dynamo could not build the program (or the model failed, which
                 # the traced step shows again): the modules run eagerly there, flagged
                 following.abandon()
-        following.phase = lambda: tracker.phase
         if follow:
             following.warm_up_done()
         scene = Scene(
@@ -745,26 +744,29 @@ def _warm_up(
     with fake_mode:
         copies = converted(holdings, args, kwargs, fake_standins(where, fake_mode))
     probe = _WarmUpProbe()
-    following.phase = lambda: probe.phase
+    traced_phase, following.phase = following.phase, lambda: probe.phase
     adopt(tracker, copies)
     _know_values(tracker, copies)
     scene = Scene(holdings, copies, model, fake_mode, following, tracker=tracker)
-    with entered(WARM_UP_LAYERS, scene):
-        run_step(
-            model,
-            copies.args,
-            copies.kwargs,
-            parameters=copies.parameters,
-            inputs=copies.inputs,
-            loss_fn=loss_fn,
-            optimizer=None,
-            train=train,
-            probe=probe,
-            keep_output=keep_output,
-            loop=looped,
-            optimizers=copies.optimizers,
-            repeat=repeat,
-        )
+    try:
+        with entered(WARM_UP_LAYERS, scene):
+            run_step(
+                model,
+                copies.args,
+                copies.kwargs,
+                parameters=copies.parameters,
+                inputs=copies.inputs,
+                loss_fn=loss_fn,
+                optimizer=None,
+                train=train,
+                probe=probe,
+                keep_output=keep_output,
+                loop=looped,
+                optimizers=copies.optimizers,
+                repeat=repeat,
+            )
+    finally:
+        following.phase = traced_phase  # (the traced step's phases again)
 
 
 def _apply(

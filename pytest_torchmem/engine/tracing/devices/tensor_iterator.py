@@ -14,7 +14,7 @@ import torch
 
 from pytest_torchmem.engine.torch_compat.torch_private import private_any
 
-__all__ = ["coalesce_dimensions", "non_overlapping_and_dense", "reorder_dimensions"]
+__all__ = ["coalesce_dimensions", "is_contiguous", "non_overlapping_and_dense", "reorder_dimensions"]
 
 
 def reorder_dimensions(
@@ -79,6 +79,20 @@ def coalesce_dimensions(
                     strides[prev] = strides[dim]
                 sizes[prev] = sizes[dim]
     return sizes[: prev + 1], [strides[: prev + 1] for strides in operands]
+
+
+def is_contiguous(sizes: Sequence[int], strides: Sequence[int]) -> bool:
+    """``TensorImpl::is_contiguous`` (row-major) on sizes and strides: dimensions of
+    size 1 are ignored, and an empty tensor is contiguous."""
+    if 0 in sizes:
+        return True
+    expected = 1
+    for size, stride in zip(reversed(sizes), reversed(strides)):
+        if size != 1:
+            if stride != expected:
+                return False
+            expected *= size
+    return True
 
 
 def non_overlapping_and_dense(t: torch.Tensor) -> bool:

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
-from collections.abc import Sequence
 from typing import Any, Final
 
 import torch
@@ -38,6 +37,7 @@ from pytest_torchmem.engine.torch_compat.torch_release import torch_minor
 from pytest_torchmem.engine.tracing.devices.cpu.base import CPU, native_kernel_gap, profile_of
 from pytest_torchmem.engine.tracing.devices.cpu.profiles import CpuProfile
 from pytest_torchmem.engine.tracing.devices.memo import BoundedMemo
+from pytest_torchmem.engine.tracing.devices.tensor_iterator import is_contiguous
 from pytest_torchmem.engine.tracing.rules import OUTPUTS, Alloc, Inexact, OpCall, Step, Steps, nbytes_of
 
 __all__ = ["is_contiguous", "onednn_gemm_accumulator_bytes", "onednn_gemm_bytes"]
@@ -282,20 +282,6 @@ def _addmm(call: OpCall) -> Steps:
 
 
 # -- bmm_out_or_baddbmm_ ---------------------------------------------------------
-
-
-def is_contiguous(sizes: Sequence[int], strides: Sequence[int]) -> bool:
-    """``TensorImpl::is_contiguous`` (row-major) on sizes and strides: dimensions of
-    size 1 are ignored, and an empty tensor is contiguous."""
-    if 0 in sizes:
-        return True
-    expected = 1
-    for size, stride in zip(reversed(sizes), reversed(strides)):
-        if size != 1:
-            if stride != expected:
-                return False
-            expected *= size
-    return True
 
 
 def _mkldnn_optimized_format(sizes: tuple[int, ...], strides: tuple[int, ...]) -> bool:

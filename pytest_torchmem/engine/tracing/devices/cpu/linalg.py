@@ -27,7 +27,7 @@ import torch
 from pytest_torchmem.engine.torch_compat.torch_private import private_op
 from pytest_torchmem.engine.tracing.devices.cpu import lapack
 from pytest_torchmem.engine.tracing.devices.cpu.base import CPU, profile_of
-from pytest_torchmem.engine.tracing.devices.cpu.blas import is_contiguous
+from pytest_torchmem.engine.tracing.devices.tensor_iterator import is_contiguous
 from pytest_torchmem.engine.tracing.devices.cpu.misc import arg, itemsize, transpose_copy
 from pytest_torchmem.engine.tracing.devices.cpu.reduce import two_pass_buffer
 from pytest_torchmem.engine.tracing.rules import (

@@ -42,7 +42,7 @@ from __future__ import annotations
 import math
 from typing import Any, Final
 
-from pytest_torchmem.engine.torch_compat.torch_release import torch_minor
+from pytest_torchmem.engine.torch_compat.torch_release import of_release, torch_minor
 
 __all__ = [
     "CUB_ALIGN",
@@ -94,10 +94,7 @@ _UNIQUE_BY_KEY_TILE: Final = {900: 448 * 11, 800: 192 * 7}
 def cub_version(release: tuple[int, int] | None = None) -> int:
     """``CUB_VERSION`` modelled for torch ``release`` (the installed one by default);
     outside the window, that of the nearest release in it."""
-    release = torch_minor() if release is None else release
-    known = sorted(CUB_OF_RELEASE)
-    release = min(max(release, known[0]), known[-1])
-    return CUB_OF_RELEASE[release]
+    return of_release(CUB_OF_RELEASE, torch_minor() if release is None else release)
 
 
 def _align(nbytes: int) -> int:

@@ -51,7 +51,7 @@ def _round_up(x: int, m: int) -> int:
 
 
 def _sm_count(call: OpCall) -> int:
-    gpu = call.context.gpu if call.context is not None else None
+    gpu = call.gpu
     return gpu.sm_count if gpu is not None else 132
 
 
@@ -280,7 +280,7 @@ def _cudnn_attention_decode(call: OpCall) -> Steps:
     (``is_cudnn_attention_decode_disabled``; its wheel has cuDNN 9.24.0), under
     conditions read at run time that the router does not follow: such a call is
     listed as possibly another backend's."""
-    gpu = call.context.gpu if call.context is not None else None
+    gpu = call.gpu
     major = getattr(gpu, "compute_capability", (9, 0))[0]
     if torch_minor() != (2, 14) or major not in (10, 11) or call.args[0].size(2) != 1:
         return ()

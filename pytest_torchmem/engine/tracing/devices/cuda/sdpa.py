@@ -21,7 +21,7 @@ from typing import Any, Final
 import torch
 
 from pytest_torchmem.engine.torch_compat.torch_private import private
-from pytest_torchmem.engine.torch_compat.torch_release import torch_minor as _release
+from pytest_torchmem.engine.torch_compat.torch_release import of_release, torch_minor as _release
 from pytest_torchmem.engine.tracing.devices.cuda.routes import (
     FLOATS,
     HALVES,
@@ -56,10 +56,7 @@ CUDNN_OF_RELEASE: Final = {
 def cudnn_version(release: tuple[int, int] | None = None) -> int:
     """The cuDNN version modelled for torch ``release`` (the installed one by default);
     outside the window, that of the nearest release of it."""
-    release = _release() if release is None else release
-    known = sorted(CUDNN_OF_RELEASE)
-    release = min(max(release, known[0]), known[-1])
-    return CUDNN_OF_RELEASE[release]
+    return of_release(CUDNN_OF_RELEASE, _release() if release is None else release)
 
 
 #: The cuDNN version modelled for the installed torch (see :func:`cudnn_version`).

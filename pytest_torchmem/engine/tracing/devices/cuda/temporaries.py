@@ -95,7 +95,11 @@ from pytest_torchmem.engine.tracing.devices.cuda.reduce_launch import (
     reduction_steps,
     sm_count,
 )
-from pytest_torchmem.engine.tracing.devices.tensor_iterator import non_overlapping_and_dense, reorder_dimensions
+from pytest_torchmem.engine.tracing.devices.tensor_iterator import (
+    is_contiguous,
+    non_overlapping_and_dense,
+    reorder_dimensions,
+)
 from pytest_torchmem.engine.tracing.rules import OUTPUTS, Alloc, Free, Inexact, OpCall, Step, nbytes_of
 
 __all__ = ["EMBEDDING_FUSED_FROM", "EMBEDDING_NBITS_FROM", "GROUP_NORM_CONTIGUOUS_FROM", "KCHUNK_SIZE", "SMALL_SORT_MAX"]
@@ -369,7 +373,7 @@ def _embedding_fused(
     are asked for."""
     if torch_minor() < EMBEDDING_FUSED_FROM or torch.are_deterministic_algorithms_enabled():
         return False
-    gpu = call.context.gpu if call.context is not None else None
+    gpu = call.gpu
     stride_warped = div_up(dim, 32) * 32
     block = min(stride_warped, _MAX_BLOCK_SIZE)
     grid = div_up(max_segments * stride_warped, block)
@@ -403,7 +407,7 @@ def _embedding_dense_backward(call: OpCall) -> list[Step]:
     num_weights = int(call.args[2])
     padding_idx = int(call.arg(3, "padding_idx", -1))
     scale = bool(call.arg(4, "scale_grad_by_freq", False))
-    gpu = call.context.gpu if call.context is not None else None
+    gpu = call.gpu
     steps: list[Step] = []
     if not indices.is_contiguous():
         steps.append(Alloc("indices", nbytes_of(indices)))
@@ -496,8 +500,7 @@ def _sort(call: OpCall) -> list[Step]:
     """
     self = call.args[0]
     dim = call.kwargs.get("dim", -1) if call.func is aten.sort.stable else call.arg(1, "dim", -1)
-    gpu = call.context.gpu if call.context is not None else None
-    return [OUTPUTS, *sort_kernel_steps(self, dim, gpu)]
+    return [OUTPUTS, *sort_kernel_steps(self, dim, call.gpu)]
 
 
 def sort_kernel_steps(self: torch.Tensor, dim: int, gpu: Any, tag: str = "sort") -> list[Step]:
@@ -664,16 +667,14 @@ def _topk(call: OpCall) -> list[Step]:
     if self.numel() > 0:
         slices = self.numel() // slice_size
         if topk_multiblock(slices, slice_size):
-            gpu = call.context.gpu if call.context is not None else None
-            steps += _topk_multiblock_steps(self, slices, slice_size, gpu)
+            steps += _topk_multiblock_steps(self, slices, slice_size, call.gpu)
     if copy:
         steps.append(Free("topk:input"))
     if sorted_ and values.numel() > 1 and k > SMALL_SORT_MAX:
-        gpu = call.context.gpu if call.context is not None else None
         steps += [
             Alloc("topk:sortedIndices", nbytes_of(indices)),
             Alloc("topk:sortedValues", nbytes_of(values)),
-            *sort_kernel_steps(values, dim, gpu, tag="topk:sort"),
+            *sort_kernel_steps(values, dim, call.gpu, tag="topk:sort"),
             Alloc("topk:gather", nbytes_of(indices)),
             Free("topk:gather"),
             Free("topk:sortedValues"),
@@ -785,7 +786,7 @@ def _gamma_beta_blocks(
     the gradients ``names`` (``"dgamma"``, ``"dbeta"``) where it splits the rows."""
     n = math.prod(int(s) for s in normalized_shape)
     m = input_.numel() // n if n else 0
-    gpu = call.context.gpu if call.context is not None else None
+    gpu = call.gpu
     if weight is None or not names:
         return [OUTPUTS]
     rows = _LAYER_NORM_BLOCK_ROWS
@@ -828,17 +829,6 @@ def _softmax(call: OpCall) -> list[Step]:
     return [OUTPUTS, Alloc("input", _contiguous_copy(call.args[0]))]
 
 
-def _is_contiguous(sizes: Sequence[int], strides: Sequence[int]) -> bool:
-    """``is_contiguous()`` of a layout: row-major over the dimensions longer than 1."""
-    expected = 1
-    for size, stride in zip(reversed(sizes), reversed(strides)):
-        if size != 1:
-            if stride != expected:
-                return False
-            expected *= size
-    return True
-
-
 def _elementwise_result_contiguous(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether ``a * b`` of two tensors of one shape comes out contiguous, as
     ``TensorIteratorBase::build`` lays out a new output: contiguous when both are
@@ -849,14 +839,14 @@ def _elementwise_result_contiguous(a: torch.Tensor, b: torch.Tensor) -> bool:
     if a.is_contiguous() and b.is_contiguous():
         return True
     if non_overlapping_and_dense(a) and non_overlapping_and_dense(b) and a.stride() == b.stride():
-        return _is_contiguous(sizes, a.stride())
+        return is_contiguous(sizes, a.stride())
     perm = reorder_dimensions(sizes, [a.stride(), b.stride()], n_outputs=0)
     strides = [0] * len(sizes)
     step = 1
     for dim in perm:  # fastest first
         strides[dim] = step
         step *= sizes[dim]
-    return _is_contiguous(sizes, strides)
+    return is_contiguous(sizes, strides)
 
 
 @CUDA.scratch(aten._softmax_backward_data.default)

@@ -110,7 +110,7 @@ def _unique_scratch(call: OpCall) -> list[Step]:
     n = self.numel()
     if n == 0:
         return [Output(0), Output(1), Output(2)]
-    gpu = call.context.gpu if call.context is not None else None
+    gpu = call.gpu
     consecutive, inverse, counts = unique_flags(call)
     steps: list[Step] = []
     held: list[str] = []

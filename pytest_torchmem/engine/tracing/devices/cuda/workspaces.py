@@ -844,7 +844,7 @@ def _convolution(call: OpCall) -> list[Step]:
     c = _conv(input, weight, call.args[3:9])
     out = call.out
     backend = _backend(
-        c, call.context.gpu if call.context else None, _out_per_sample(c, out)
+        c, call.gpu, _out_per_sample(c, out)
     )
     steps: list[Step] = []
     if c.conv1d and not input.is_contiguous():
@@ -926,7 +926,7 @@ def _convolution_backward(call: OpCall) -> list[Step]:
     mask = list(call.args[10])
     outs = call.out
     grad_bias = outs[2] if mask[2] else None
-    gpu = call.context.gpu if call.context else None
+    gpu = call.gpu
     backend = _backend(c, gpu, _out_per_sample(c, grad_output))
     steps: list[Step] = [OUTPUTS]
     if backend == "empty":
