@@ -911,8 +911,8 @@ def test_group_norm_estimate_counts_the_backward_buffers() -> None:
     each); eight 512-byte blocks (weight, bias, the saved mean and rstd, the loss, sum's
     ones, dgamma, dbeta); and the kernel's ds, db, c1 (1024 each) and c2, c3 (128 each,
     a 512-byte block each): 4096 bytes, which the estimate lacked before. The same
-    bytes in every release: before 2.15 the autograd formula clones the gradient (a
-    traced op), from 2.15 native_group_norm_backward copies it contiguous itself."""
+    bytes in every release: before 2.14 the autograd formula clones the gradient (a
+    traced op), from 2.14 native_group_norm_backward copies it contiguous itself."""
     report = tm.estimate(
         nn.GroupNorm(8, 64), torch.empty(4, 64, 16, 16, device="meta", requires_grad=True), device="cuda", gpu=RTX3090
     )
@@ -920,11 +920,11 @@ def test_group_norm_estimate_counts_the_backward_buffers() -> None:
     assert report.unsupported == ()
 
 
-@pytest.mark.parametrize("release", [(2, 13), (2, 15)], indirect=True)
-def test_group_norm_backward_copies_its_operands_from_2_15(release: tuple[int, int]) -> None:
-    """group_norm.cpp, native_group_norm_backward from 2.15: dY.contiguous() of a
+@pytest.mark.parametrize("release", [(2, 13), (2, 14), (2, 15)], indirect=True)
+def test_group_norm_backward_copies_its_operands_from_2_14(release: tuple[int, int]) -> None:
+    """group_norm.cpp, native_group_norm_backward from 2.14: dY.contiguous() of a
     stride-0 expand of (4, 64, 16, 16) floats (262144 bytes) before the outputs; X,
-    mean, rstd and gamma already contiguous. Before 2.15 nothing (the autograd
+    mean, rstd and gamma already contiguous. Before 2.14 nothing (the autograd
     formula's grad.contiguous() is an op of its own)."""
     x = meta(4, 64, 16, 16)
     dy = meta(1, 1, 1, 1).expand(4, 64, 16, 16)
@@ -934,7 +934,7 @@ def test_group_norm_backward_copies_its_operands_from_2_15(release: tuple[int, i
         None,
     )
     before = steps[: steps.index(OUTPUTS)]
-    assert before == ([Alloc("dY contiguous", 262144)] if release >= (2, 15) else [])
+    assert before == ([Alloc("dY contiguous", 262144)] if release >= (2, 14) else [])
 
 
 def test_group_norm_backward_copies_are_pinned_by_the_installed_library() -> None:

@@ -686,7 +686,7 @@ def _topk(call: OpCall) -> list[Step]:
 # -- group norm backward ------------------------------------------------------------------
 
 #: The first release whose ``native_group_norm_backward`` makes its operands contiguous.
-GROUP_NORM_CONTIGUOUS_FROM: Final = (2, 15)
+GROUP_NORM_CONTIGUOUS_FROM: Final = (2, 14)
 
 
 @CUDA.scratch(aten.native_group_norm_backward.default)
@@ -700,11 +700,11 @@ def _group_norm_backward(call: OpCall) -> list[Step]:
     ``GroupNorm1dBackward`` runs instead after ``ds`` and ``db``: ``c2`` and ``c3``
     only (its two ``at::empty`` calls).
 
-    From 2.15 ``native_group_norm_backward`` (``group_norm.cpp``) takes ``dY``, ``X``,
+    From 2.14 ``native_group_norm_backward`` (``group_norm.cpp``) takes ``dY``, ``X``,
     ``mean``, ``rstd`` and ``gamma`` ``.contiguous()`` itself, before its outputs (five
-    ``contiguous`` calls in 2.15's ``libtorch_cpu.so``, none in 2.10, 2.11 and 2.13,
-    whose autograd formula passes ``grad.contiguous()``: a traced op there). 2.12 and
-    2.14 were not read: taken as their neighbours, before 2.15."""
+    ``contiguous`` calls in the ``libtorch_cpu.so`` of 2.14.0, 2.14.1 and 2.15.0, none
+    in 2.10 to 2.13, whose autograd formula passes ``grad.contiguous()``: a traced op
+    there)."""
     dy, x, mean, rstd, weight = call.args[:5]
     n, c, hxw, group = (int(v) for v in call.args[5:9])
     mask = list(call.args[9]) if len(call.args) > 9 else [True, True, True]
