@@ -276,13 +276,22 @@ class _FakeInductor:
     (``failed`` says so); without it the error reaches the caller (the warm-up,
     which then gives up following)."""
 
-    def __init__(self, wrapper: Any, builder: Builder | None = None, fallback: bool = False) -> None:
+    def __init__(
+        self,
+        wrapper: Any,
+        builder: Builder | None = None,
+        fallback: bool = False,
+        phase: Callable[[], Phase | None] = lambda: None,
+    ) -> None:
         self.wrapper = wrapper
         self.builder = builder
         self.fallback = fallback
         self.failed = False
         self.compiled = 0
         self.calls = 0
+        self.phase = phase
+        #: the step's phase when each graph was built
+        self.phases: list[Phase | None] = []
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
         # no_kernels is on for all of following_compiled: AOTAutograd compiles the
@@ -298,6 +307,7 @@ class _FakeInductor:
             self.failed = True
             return gm.forward
         self.compiled += 1
+        self.phases.append(self.phase())
         return self._counted(program)
 
     def _counted(self, program: Callable[..., Any]) -> Callable[..., Any]:
@@ -469,7 +479,7 @@ class Following:
         return None
 
     def _follow(self, context: Any, wrapper: Any, place: tuple[str, str]) -> tuple[Any, _Region]:
-        backend = _FakeInductor(wrapper, self.builder, fallback=self.warmed)
+        backend = _FakeInductor(wrapper, self.builder, fallback=self.warmed, phase=lambda: self.phase())
         ours = private("torch._dynamo.optimize")(
             backend,
             nopython=bool(context.fullgraph),
@@ -485,6 +495,7 @@ class Following:
         """Note what each region's backend did in the warm-up step."""
         for region in self.regions:
             region.warm = (region.backend.compiled, region.backend.calls)
+            region.backend.fallback = True  # (a graph built later that inductor cannot build runs eagerly, flagged)
         self.warmed = True
 
     def abandon(self) -> None:
@@ -526,7 +537,15 @@ class Following:
                 wrong = backend.failed or backend.calls == 0
             else:
                 compiled, calls = region.warm
-                wrong = backend.compiled != compiled or backend.calls - calls != calls
+                late = backend.phases[compiled:]
+                if late and all(phase is Phase.STEP for phase in late):
+                    # built anew in the optimizer step (a step function's optimizer holds
+                    # the traced step's tensors, on which the warm-up's guards fail):
+                    # compiled there with every mode popped, as the built-in step's
+                    # optimizer step is, and followed
+                    wrong = backend.failed or backend.calls == calls
+                else:
+                    wrong = backend.compiled != compiled or backend.calls - calls != calls
             if wrong:
                 name, where = region.place
                 flagged.append(Unsupported(f"torch.compile: {name}", NOT_FOLLOWED_REASON, where))
