@@ -101,9 +101,11 @@ class PhaseWatch:
         with ExitStack() as stack:
             stack.enter_context(replacing("torch.autograd.backward", self._backward(torch.autograd.backward)))
             stack.enter_context(replacing("torch.autograd.grad", self._backward(torch.autograd.grad)))
+            # (dynamo traces global hooks into a compiled optimizer step: these run as
+            # they are, outside its graphs, whose ops are then those of a real run's step)
             handles = [
-                register_optimizer_step_pre_hook(self._stepping),
-                register_optimizer_step_post_hook(self._stepped),
+                register_optimizer_step_pre_hook(torch.compiler.disable(self._stepping)),
+                register_optimizer_step_post_hook(torch.compiler.disable(self._stepped)),
             ]
             for module in self.hooked:
                 handles.append(module.register_forward_pre_hook(self._module_called))

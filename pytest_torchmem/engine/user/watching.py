@@ -118,7 +118,8 @@ def watching(
             made = recording(real)
             real.append(stack.enter_context(replacing(path, made)))
             functools.update_wrapper(made, real[0])
-        handles = [register_optimizer_step_pre_hook(optimizer_stepping)]
+        # (run as it is in a compiled optimizer step, outside its graphs: see phases.py)
+        handles = [register_optimizer_step_pre_hook(torch.compiler.disable(optimizer_stepping))]
         if calls:
             handles.append(nn.modules.module.register_module_forward_pre_hook(module_called))
         for handle in handles:
