@@ -272,15 +272,15 @@ class _FakeInductor:
     allocations (built by ``builder``, if given). ``compiled`` counts the graphs it
     built, ``calls`` their runs.
 
-    With ``fallback`` a graph inductor cannot build runs as dynamo traced it
-    (``failed`` says so); without it the error reaches the caller (the warm-up,
-    which then gives up following)."""
+    Where ``fallback()`` (once the warm-up is over) a graph inductor cannot build runs
+    as dynamo traced it (``failed`` says so); before, the error reaches the caller
+    (the warm-up, which then gives up following)."""
 
     def __init__(
         self,
         wrapper: Any,
         builder: Builder | None = None,
-        fallback: bool = False,
+        fallback: Callable[[], bool] = lambda: False,
         phase: Callable[[], Phase | None] = lambda: None,
     ) -> None:
         self.wrapper = wrapper
@@ -302,7 +302,7 @@ class _FakeInductor:
             else:
                 program = self.wrapper(gm, example_inputs)
         except Exception:
-            if not self.fallback:
+            if not self.fallback():
                 raise
             self.failed = True
             return gm.forward
@@ -479,7 +479,7 @@ class Following:
         return None
 
     def _follow(self, context: Any, wrapper: Any, place: tuple[str, str]) -> tuple[Any, _Region]:
-        backend = _FakeInductor(wrapper, self.builder, fallback=self.warmed, phase=lambda: self.phase())
+        backend = _FakeInductor(wrapper, self.builder, fallback=lambda: self.warmed, phase=lambda: self.phase())
         ours = private("torch._dynamo.optimize")(
             backend,
             nopython=bool(context.fullgraph),
@@ -495,7 +495,6 @@ class Following:
         """Note what each region's backend did in the warm-up step."""
         for region in self.regions:
             region.warm = (region.backend.compiled, region.backend.calls)
-            region.backend.fallback = True  # (a graph built later that inductor cannot build runs eagerly, flagged)
         self.warmed = True
 
     def abandon(self) -> None:
