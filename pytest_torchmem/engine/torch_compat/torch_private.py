@@ -27,7 +27,7 @@ import importlib
 from typing import Any, Final
 
 from pytest_torchmem.engine.torch_compat.private_name import Private, Release, table
-from pytest_torchmem.engine.torch_compat.torch_private_compiled import COMPILED_ENTRIES
+from pytest_torchmem.engine.torch_compat.torch_private_compiled import COMPILED_ENTRIES, COMPILED_WHERE_PRESENT
 from pytest_torchmem.engine.torch_compat.torch_release import (
     SUPPORTED,
     TorchReleaseError,
@@ -973,6 +973,7 @@ PRIVATE: Final = table(
     ),
     # -- compiled models (torch.compile): COMPILED, below ------------------------------
     *COMPILED_ENTRIES,
+    *COMPILED_WHERE_PRESENT,
 )
 
 

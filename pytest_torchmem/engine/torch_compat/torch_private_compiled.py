@@ -10,7 +10,7 @@ from typing import Final
 
 from pytest_torchmem.engine.torch_compat.private_name import Private
 
-__all__ = ["COMPILED_ENTRIES"]
+__all__ = ["COMPILED_ENTRIES", "COMPILED_WHERE_PRESENT"]
 
 
 #: The private names of compiled models (torch.compile): the watch of compiled regions,
@@ -272,6 +272,19 @@ COMPILED_ENTRIES: Final = (
         replaced=True,
     ),
     Private(
+        "torch._dynamo.variables.optimizer.OptimizerVariable._set_capturable",
+        "dynamo makes a compiled optimizer step capturable where the parameters are on a "
+        "GPU: the fake cuda device's are (their stand-ins are on the trace's meta device)",
+        replaced=True,
+    ),
+    Private(
+        "torch.tensor",
+        "a tensor made from a Python number while inductor's decompositions run for the fake "
+        "cuda device: on the host, where it keeps its value (compiled_cuda.py)",
+        replaced=True,
+        thread_scoped=True,
+    ),
+    Private(
         "torch._dynamo.utils.run_node",
         "dynamo runs each op on its fake values: placed by the device's router",
         replaced=True,
@@ -312,6 +325,27 @@ COMPILED_ENTRIES: Final = (
         "every aten overload holds (this one's stands for all): while AOTAutograd traces a "
         "cuda program's joint graph on meta, the ops that lose their gradient there resolve "
         "AutogradMeta to their composite, as AutogradCUDA does (compiled_cuda)",
+        replaced=True,
+    ),
+)
+
+
+#: The private names of compiled models that only some releases have, where dynamo or
+#: inductor moved what the entries of :data:`COMPILED_ENTRIES` reach on the others: used
+#: where present, and none of them blocks following where absent.
+COMPILED_WHERE_PRESENT: Final = (
+    Private(
+        "torch._dynamo.variables.optimizer.OptimizerVariable._safe_to_set_capturable",
+        "where dynamo asks whether a compiled optimizer step's parameters are on a GPU "
+        "from 2.15 (per parameter group; _set_capturable before)",
+        since=(2, 15),
+        replaced=True,
+    ),
+    Private(
+        "torch._dynamo.variables.optimizer.OptimizerVariable.tp_methods",
+        "dynamo's handler of an optimizer's _init_group, which it calls eagerly while it "
+        "compiles the step: run with the trace's modes visible (compiled_program.py)",
+        since=(2, 15),
         replaced=True,
     ),
 )

@@ -37,8 +37,8 @@ from typing import Any, Final, Protocol
 
 import torch
 
-from pytest_torchmem.engine.torch_compat.torch_private import private
-from pytest_torchmem.engine.torch_compat.torch_replacing import replacing, replacing_item
+from pytest_torchmem.engine.torch_compat.torch_private import present, private
+from pytest_torchmem.engine.torch_compat.torch_replacing import on_this_thread, replacing, replacing_item
 from pytest_torchmem.engine.tracing.devices.cuda.gpu_view import autocast_opens_cuda_regions
 from pytest_torchmem.engine.tracing.devices.cuda.profiles import GpuProfile
 from pytest_torchmem.engine.tracing.inductor_device import Enter, as_the_gpu, unguarded
@@ -175,11 +175,12 @@ def _random_ops_replaced() -> Iterator[None]:
 
 @contextmanager
 def _dynamo_sees_the_gpu(router: Callable[[], Any]) -> Iterator[None]:
-    """While dynamo traces a compiled module's code: the code sees its tensors on
+    """While dynamo traces a compiled region's code: the code sees its tensors on
     ``cuda`` (``x.device``, ``x.is_cuda``), as on a GPU, not on the trace's ``meta``
-    device; what it makes on ``cuda`` is placed on ``meta`` by the device's router
-    while dynamo runs each op on its fake values (and while AOTAutograd traces the
-    graph: :meth:`CudaProgram.compile`)."""
+    device, and so does dynamo where it makes an optimizer step capturable (its
+    parameters are on a GPU); what the code makes on ``cuda`` is placed on ``meta`` by
+    the device's router while dynamo runs each op on its fake values (and while
+    AOTAutograd traces the graph: :meth:`CudaProgram.compile`)."""
     placing = router()
 
     def specialize(value: torch.Tensor) -> dict[str, Any]:
@@ -192,12 +193,31 @@ def _dynamo_sees_the_gpu(router: Callable[[], Any]) -> Iterator[None]:
         with placing:
             return real_run_node(tracer, node, args, kwargs, nnmodule)
 
+    def capturable(*args: Any) -> Any:
+        # (a compiled optimizer step: dynamo makes it capturable where every parameter is
+        # on a GPU, and its state's step counters are then made there, not on the host)
+        with replacing(f"{_FAKE_TENSOR}.is_cuda", _ON_CUDA):
+            return real_capturable(*args)
+
     specializing = "torch._dynamo.variables.tensor.TensorVariable.specialize"
     with (
         replacing(specializing, staticmethod(specialize)) as real_specialize,
         replacing("torch._dynamo.utils.run_node", run_node) as real_run_node,
+        replacing(_asks_for_the_gpu(), capturable) as real_capturable,
     ):
         yield
+
+
+def _asks_for_the_gpu() -> str:
+    """Where dynamo asks whether a compiled optimizer step's parameters are on a GPU."""
+    optimizer = "torch._dynamo.variables.optimizer.OptimizerVariable"
+    if present(f"{optimizer}._safe_to_set_capturable"):
+        return f"{optimizer}._safe_to_set_capturable"  # (torch 2.15: per parameter group)
+    return f"{optimizer}._set_capturable"
+
+
+#: ``is_cuda`` of the trace's tensors as a GPU's: its ``meta`` device stands for cuda.
+_ON_CUDA: Final = property(lambda t: t.fake_device.type in ("meta", "cuda"))
 
 
 #: Inductor options whose choices are made by benchmarking on the GPU, not made here.
@@ -290,6 +310,7 @@ class CudaProgram:
         with (
             self.router(),
             _as_in_cuda_decompositions(),
+            _scalars_keep_their_values(),
             _autograd_as_on_cuda(),
             _meta_outputs_computed(),
             _random_ops_replaced(),
@@ -415,6 +436,25 @@ def _as_in_cuda_decompositions() -> Iterator[None]:
         return device == "meta" or real(device)
 
     with replacing("torch._inductor.decomposition.is_gpu", is_gpu) as real:
+        yield
+
+
+@contextmanager
+def _scalars_keep_their_values() -> Iterator[None]:
+    """A one-element tensor the joint graph makes from a Python number on the trace's
+    ``meta`` device (torch 2.15's decomposition of ``_foreach_lerp`` makes its weight so,
+    on its inputs' device) is made on the host instead, where it keeps its value: the
+    graph holds it as a constant, which inductor inlines by its value (``.item()``), as
+    it inlines the GPU's. A ``meta`` constant has no value, and the program could not be
+    built; a host scalar mixes with the GPU's tensors as a GPU's own does."""
+    real: Callable[..., torch.Tensor]  # torch.tensor, bound below
+
+    def tensor(data: Any, *args: Any, device: Any = None, **kwargs: Any) -> torch.Tensor:
+        if device is not None and isinstance(data, (bool, int, float, complex)) and torch.device(device).type == "meta":
+            device = "cpu"
+        return real(data, *args, device=device, **kwargs)
+
+    with on_this_thread("torch.tensor", tensor) as real:
         yield
 
 

@@ -15,10 +15,9 @@ tracker see them. Kernels only write into buffers the wrapper allocated; what
 they compute does not matter to memory.
 
 On the fake ``cuda`` device a :class:`Builder` (:mod:`compiled_cuda`) builds the
-program with inductor's cuda backend instead, for compiled modules only.
-Compiled functions and optimizer steps on cuda, and regions with a backend
-other than inductor, are not followed: they run eagerly and are listed in
-``unsupported`` (see :mod:`compiled`).
+program with inductor's cuda backend instead. Regions with a backend other than
+inductor are not followed: they run eagerly and are listed in ``unsupported``
+(see :mod:`compiled`).
 
 Nothing of this may reach the user's own compiled calls:
 
@@ -51,8 +50,8 @@ from torch import nn
 
 from pytest_torchmem.engine.figures.report import Unsupported
 from pytest_torchmem.engine.figures.timeline import Phase
-from pytest_torchmem.engine.torch_compat.torch_private import private
-from pytest_torchmem.engine.torch_compat.torch_replacing import replacing
+from pytest_torchmem.engine.torch_compat.torch_private import present, private
+from pytest_torchmem.engine.torch_compat.torch_replacing import replacing, replacing_item
 from pytest_torchmem.engine.tracing.devices.cpu.profiles import CpuProfile
 from pytest_torchmem.engine.user.generated_code import output_directory, remember
 from pytest_torchmem.engine.tracing.inductor_device import host_vector_isa
@@ -403,6 +402,8 @@ class Following:
     visible: Callable[[], Any] | None = None
     #: inductor's count of autotuned kernel choices when following began
     autotuned: int = 0
+    #: the optimizers whose _init_group dynamo calls with :attr:`visible` (torch 2.15)
+    optimizers: weakref.WeakSet[torch.optim.Optimizer] = field(default_factory=weakref.WeakSet)
 
     def redirect(self, callback: Any, wrapper_frame: Any) -> Any:
         """The callback a compiled region entered through ``wrapper_frame`` (dynamo's
@@ -418,12 +419,6 @@ class Following:
             phase = self.phase()
             phase = Phase.FORWARD if phase is None else phase
             self.met = phase if self.met is None else min(self.met, phase)
-            return None
-        if self.builder is not None and self.phase() not in (None, Phase.FORWARD):
-            # on the fake cuda device, compiled functions are followed in the forward (a
-            # loss, a chunked loss, a helper); one called once the backward began (an
-            # optimizer step: dynamo makes its state on the trace's devices, where the
-            # step's scalars are not on the host as a GPU's are) runs eagerly, listed
             return None
         known = self.functions.get(id(context))
         if known is None:
@@ -514,6 +509,11 @@ class Following:
         init_group = getattr(optimizer, "_init_group", None)
         if init_group is None or self.visible is None:
             return
+        if present(_INIT_GROUP_HANDLERS):
+            # torch 2.15: dynamo finds its handler of _init_group on the optimizer's class,
+            # and would trace a function of the instance instead (see _init_group_seen)
+            self.optimizers.add(optimizer)
+            return
         visible = self.visible
 
         def seen_init_group(*args: Any, **kwargs: Any) -> Any:
@@ -549,6 +549,30 @@ class Following:
                 name, where = region.place
                 flagged.append(Unsupported(f"torch.compile: {name}", NOT_FOLLOWED_REASON, where))
         return flagged
+
+
+#: Dynamo's handlers of an optimizer's methods by name (torch 2.15), ``_init_group``'s among them.
+_INIT_GROUP_HANDLERS: Final = "torch._dynamo.variables.optimizer.OptimizerVariable.tp_methods"
+
+
+@contextmanager
+def _init_group_seen(following: Following) -> Iterator[None]:
+    """On torch 2.15, dynamo's handler of ``_init_group`` (which calls the optimizer's own,
+    eagerly, while it compiles the step) runs with the trace's modes visible for the
+    optimizers :meth:`Following.prepare_optimizer` was given."""
+    if not present(_INIT_GROUP_HANDLERS):
+        yield
+        return
+    real = private(_INIT_GROUP_HANDLERS)["_init_group"]
+
+    def handler(variable: Any, tx: Any, args: Any, kwargs: Any) -> Any:
+        if following.visible is not None and variable.value in following.optimizers:
+            with following.visible():
+                return real.handler(variable, tx, args, kwargs)
+        return real.handler(variable, tx, args, kwargs)
+
+    with replacing_item(_INIT_GROUP_HANDLERS, "_init_group", type(real)(handler)):
+        yield
 
 
 def followable(context: Any) -> Any:
@@ -599,6 +623,7 @@ def following_compiled(
         restore.callback(_drop_loaded, loaded)
         restore.callback(_invalidate, following)
         restore.enter_context(no_kernels(loaded, cpu))
+        restore.enter_context(_init_group_seen(following))
         # modules of one class compiled alike share one of our cache regions, as they share
         # the user's: dynamo keeps compiled code on the code object, and a block's program,
         # built for the first of them, runs for the others where its guards pass (the

@@ -360,10 +360,21 @@ class _OnTheGpu(list):  # type: ignore[type-arg]
     for a kernel CUDA lacks, ``+ ["cpu"]``, holds for ``meta`` too)."""
 
     def __contains__(self, device_type: object) -> bool:
-        return list.__contains__(self, "cuda" if device_type == "meta" else device_type)
+        # (a loop, not list.__contains__, which dynamo cannot call on a list of a subclass
+        # when it compiles a region that asks: an optimizer step)
+        wanted = "cuda" if device_type == "meta" else device_type
+        return any(found == wanted for found in self)
 
     def __add__(self, other: Any) -> _OnTheGpu:
         return _OnTheGpu(list.__add__(self, other))
+
+
+def _on_the_thread(tracing: int) -> bool:
+    """Whether the caller runs on the tracing thread. Dynamo, compiling a region the trace
+    follows (an optimizer step asks torch's device lists), cannot trace ``get_ident``
+    and would break the graph there: while it compiles the answer is yes (it compiles on
+    the thread that runs the region, the tracing thread for the regions the trace builds)."""
+    return torch.compiler.is_compiling() or get_ident() == tracing
 
 
 class _StandIns:
@@ -374,7 +385,7 @@ class _StandIns:
         self.thread = thread
 
     def __eq__(self, other: object) -> bool:
-        return other is FakeTensor and get_ident() == self.thread
+        return other is FakeTensor and _on_the_thread(self.thread)
 
     __hash__ = object.__hash__
 
@@ -392,7 +403,7 @@ def torch_decides_as_on_the_gpu() -> Iterator[None]:
     def on_the_gpu(real: list[Callable[..., list[str]]]) -> Callable[..., list[str]]:
         def devices(*args: Any, **kwargs: Any) -> list[str]:
             found = real[0](*args, **kwargs)
-            return _OnTheGpu(found) if get_ident() == tracing else found
+            return _OnTheGpu(found) if _on_the_thread(tracing) else found
 
         return devices
 
