@@ -245,9 +245,11 @@ def gpu_view(profile: Any, streams: GpuStreams | None = None, memory: MemorySoFa
         replaced.enter_context(replacing(f"{_FAKE_TENSOR}.is_meta", property(is_meta)))
         replaced.enter_context(replacing(f"{_FAKE_TENSOR}.get_device", get_device))
         real_record_stream = replaced.enter_context(replacing(f"{_FAKE_TENSOR}.record_stream", record_stream))
-        real_get_device_module = replaced.enter_context(
-            replacing("torch.get_device_module", answering(get_device_module, [torch.get_device_module]))
-        )
+        device_module = answering(get_device_module, [torch.get_device_module])
+        # (dynamo keys its handler of the call by the function torch.get_device_module's
+        # cache wraps, read the first time it compiles in the process: maybe now)
+        device_module.__wrapped__ = getattr(torch.get_device_module, "__wrapped__", torch.get_device_module)  # type: ignore[attr-defined]
+        real_get_device_module = replaced.enter_context(replacing("torch.get_device_module", device_module))
         if streams is not None:
             replaced.enter_context(streams.on())
             for path, made in (
