@@ -258,11 +258,11 @@ def test_a_compiled_optimizer_step_in_a_step_function_equals_measure_on_cpu(how:
     assert estimated.step_peak < tm.estimate(eager_step, (x,)).step_peak
 
 
-
 @pytest.mark.parametrize("how", ["opt.step = torch.compile(opt.step)", "a compiled function that steps it"])
 def test_a_compiled_optimizer_step_in_a_step_function_is_followed_on_cuda(how: str) -> None:
     """On a GPU dynamo makes a compiled optimizer step capturable where its parameters
-    are on cuda (``OptimizerVariable._set_capturable``): AdamW's state, made while
+    are on cuda (``OptimizerVariable._set_capturable``; ``_safe_to_set_capturable`` from
+    2.15): AdamW's state, made while
     dynamo compiles, has its step counters on the GPU (four one-element tensors, a
     512-byte block each), not on the host; inductor then updates parameters and state
     in place, with no buffer of its own. Eager foreach AdamW keeps its counters on the

@@ -27,7 +27,10 @@ import importlib
 from typing import Any, Final
 
 from pytest_torchmem.engine.torch_compat.private_name import Private, Release, table
-from pytest_torchmem.engine.torch_compat.torch_private_compiled import COMPILED_ENTRIES, COMPILED_WHERE_PRESENT
+from pytest_torchmem.engine.torch_compat.torch_private_compiled import (
+    COMPILED_ENTRIES,
+    COMPILED_WHERE_PRESENT,
+)
 from pytest_torchmem.engine.torch_compat.torch_release import (
     SUPPORTED,
     TorchReleaseError,

@@ -278,6 +278,17 @@ COMPILED_ENTRIES: Final = (
         replaced=True,
     ),
     Private(
+        "torch._inductor.utils.copy_misaligned_inputs",
+        "a compiled program's check of its inputs' alignment when it runs on the GPU: by the "
+        "storage offset on the fake cuda device, where a fake tensor has no address",
+        replaced=True,
+    ),
+    Private("torch._inductor.utils.ALIGNMENT", "the alignment copy_misaligned_inputs checks"),
+    Private(
+        "torch._inductor.utils.clone_preserve_strides",
+        "the copy copy_misaligned_inputs makes of a misaligned input",
+    ),
+    Private(
         "torch.tensor",
         "a tensor made from a Python number while inductor's decompositions run for the fake "
         "cuda device: on the host, where it keeps its value (compiled_cuda.py)",

@@ -220,6 +220,28 @@ def _asks_for_the_gpu() -> str:
 _ON_CUDA: Final = property(lambda t: t.fake_device.type in ("meta", "cuda"))
 
 
+def _copy_misaligned_inputs(
+    new_inputs: list[Any], check_inputs_idxs: Sequence[int], return_pair_idxs: Any = None
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Inductor's check, as a compiled program makes it on the GPU when it runs: an input
+    it took to be aligned whose address is not (``data_ptr() % ALIGNMENT``) is cloned,
+    with its strides, before the program runs. A fake tensor has no address; a block of
+    the caching allocator is 512-byte aligned, so an input's address is aligned where
+    its storage offset is, in bytes."""
+    alignment = private("torch._inductor.utils.ALIGNMENT")
+    clone_preserve_strides = private("torch._inductor.utils.clone_preserve_strides")
+    old: list[torch.Tensor] = []
+    new: list[torch.Tensor] = []
+    for i in check_inputs_idxs:
+        tensor = new_inputs[i]
+        if tensor.storage_offset() * tensor.element_size() % alignment:
+            new_inputs[i] = clone_preserve_strides(tensor)
+            if return_pair_idxs is not None and i in return_pair_idxs:
+                old.append(tensor)
+                new.append(new_inputs[i])
+    return old, new
+
+
 #: Inductor options whose choices are made by benchmarking on the GPU, not made here.
 _AUTOTUNING: Final = ("max_autotune", "max_autotune_gemm", "max_autotune_pointwise")
 
@@ -345,6 +367,7 @@ class CudaProgram:
             without_function_modes(),
             _dynamo_sees_the_gpu(self.router),
             autocast_opens_cuda_regions(self.profile),
+            replacing("torch._inductor.utils.copy_misaligned_inputs", _copy_misaligned_inputs),
         ):
             yield
 
@@ -450,7 +473,8 @@ def _scalars_keep_their_values() -> Iterator[None]:
     real: Callable[..., torch.Tensor]  # torch.tensor, bound below
 
     def tensor(data: Any, *args: Any, device: Any = None, **kwargs: Any) -> torch.Tensor:
-        if device is not None and isinstance(data, (bool, int, float, complex)) and torch.device(device).type == "meta":
+        number = isinstance(data, (bool, int, float, complex))
+        if number and device is not None and torch.device(device).type == "meta":
             device = "cpu"
         return real(data, *args, device=device, **kwargs)
 

@@ -121,12 +121,11 @@ def trace(
     group; ``parallel.apply`` runs on a copy of the model holding the stand-ins.
 
     The compiled regions of the step are followed (their compiled programs run):
-    compiled modules are found before the step; a compiled function (or, on cpu, an
-    optimizer step) is found when the step calls it, and then the step is traced
-    again, following it: after a warm-up step that compiles what runs before the
-    optimizer step, as for compiled modules; a compiled optimizer step alone is
-    compiled where it runs (its optimizer is new in each step). On cuda a compiled
-    function met once the backward began runs eagerly, listed.
+    compiled modules are found before the step; a compiled function (or optimizer
+    step) is found when the step calls it, and then the step is traced again,
+    following it: after a warm-up step that compiles what runs before the optimizer
+    step, as for compiled modules; a compiled optimizer step alone is compiled where
+    it runs (its optimizer is new in each step).
 
     A trace that stops raises :class:`~pytest_torchmem.engine.figures.stopped.TraceStopped`,
     with the partial report and this trace; the program's own errors propagate as

@@ -248,7 +248,8 @@ def gpu_view(profile: Any, streams: GpuStreams | None = None, memory: MemorySoFa
         device_module = answering(get_device_module, [torch.get_device_module])
         # (dynamo keys its handler of the call by the function torch.get_device_module's
         # cache wraps, read the first time it compiles in the process: maybe now)
-        device_module.__wrapped__ = getattr(torch.get_device_module, "__wrapped__", torch.get_device_module)  # type: ignore[attr-defined]
+        wrapped = getattr(torch.get_device_module, "__wrapped__", torch.get_device_module)
+        device_module.__wrapped__ = wrapped  # type: ignore[attr-defined]
         real_get_device_module = replaced.enter_context(replacing("torch.get_device_module", device_module))
         if streams is not None:
             replaced.enter_context(streams.on())
