@@ -353,10 +353,16 @@ COMPILED_WHERE_PRESENT: Final = (
         replaced=True,
     ),
     Private(
-        "torch._dynamo.variables.optimizer.OptimizerVariable.tp_methods",
+        "torch._dynamo.variables.optimizer.OptimizerVariable._init_group",
         "dynamo's handler of an optimizer's _init_group, which it calls eagerly while it "
         "compiles the step: run with the trace's modes visible (compiled_program.py)",
         since=(2, 15),
+    ),
+    Private(
+        "torch._dynamo.variables.optimizer.OptimizerVariable.tp_methods",
+        "the table of handlers by name where dynamo finds _init_group's (2.15; from 2.14 "
+        "every variable has one, an optimizer's inherited and empty before 2.15)",
+        since=(2, 14),
         replaced=True,
     ),
 )

@@ -509,7 +509,7 @@ class Following:
         init_group = getattr(optimizer, "_init_group", None)
         if init_group is None or self.visible is None:
             return
-        if present(_INIT_GROUP_HANDLERS):
+        if present(_INIT_GROUP_HANDLER):
             # torch 2.15: dynamo finds its handler of _init_group on the optimizer's class,
             # and would trace a function of the instance instead (see _init_group_seen)
             self.optimizers.add(optimizer)
@@ -551,7 +551,9 @@ class Following:
         return flagged
 
 
-#: Dynamo's handlers of an optimizer's methods by name (torch 2.15), ``_init_group``'s among them.
+#: Dynamo's handler of an optimizer's ``_init_group`` (torch 2.15), and the table of its
+#: handlers by name where dynamo finds it.
+_INIT_GROUP_HANDLER: Final = "torch._dynamo.variables.optimizer.OptimizerVariable._init_group"
 _INIT_GROUP_HANDLERS: Final = "torch._dynamo.variables.optimizer.OptimizerVariable.tp_methods"
 
 
@@ -560,7 +562,7 @@ def _init_group_seen(following: Following) -> Iterator[None]:
     """On torch 2.15, dynamo's handler of ``_init_group`` (which calls the optimizer's own,
     eagerly, while it compiles the step) runs with the trace's modes visible for the
     optimizers :meth:`Following.prepare_optimizer` was given."""
-    if not present(_INIT_GROUP_HANDLERS):
+    if not present(_INIT_GROUP_HANDLER):
         yield
         return
     real = private(_INIT_GROUP_HANDLERS)["_init_group"]
