@@ -215,19 +215,23 @@ def _mlp_and_batch() -> tuple[nn.Module, torch.Tensor]:
     return nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 256)), torch.randn(64, 256)
 
 
-@pytest.mark.parametrize("how", ["opt.step = torch.compile(opt.step)", "a compiled function that steps it"])
-def test_a_compiled_optimizer_step_in_a_step_function_equals_measure_on_cpu(how: str) -> None:
-    """The optimizer holds the traced step's tensors, on which the guards of the program
-    the warm-up built fail: dynamo builds it again in the optimizer step, where it is
-    compiled with every mode popped (as the built-in step's is) and followed, not listed.
-    The compiled step's peak is the measured one, and below the eager step's (foreach
-    AdamW's intermediate lists, which inductor fuses away)."""
+#: The ways users compile an optimizer step (None: eagerly).
+COMPILED_STEPS = ["opt.step = torch.compile(opt.step)", "a compiled function that steps it"]
+
+
+def _adamw_step(
+    how: str | None,
+) -> tuple[nn.Module, torch.optim.Optimizer, Callable[[torch.Tensor], None], torch.Tensor]:
+    """The MLP's training step with AdamW, as a step function writes it, its optimizer
+    step compiled ``how`` (one of :data:`COMPILED_STEPS`) or eager: the model, the
+    optimizer, the step and its batch."""
     model, x = _mlp_and_batch()
     optimizer = torch.optim.AdamW(model.parameters())
-    if how.startswith("opt.step"):
+    stepper: Callable[[], Any] = optimizer.step
+    if how == COMPILED_STEPS[0]:
         optimizer.step = torch.compile(optimizer.step)  # type: ignore[method-assign]
         stepper = optimizer.step
-    else:
+    elif how == COMPILED_STEPS[1]:
         stepper = torch.compile(lambda: optimizer.step())
 
     def step(x: torch.Tensor) -> None:
@@ -235,6 +239,17 @@ def test_a_compiled_optimizer_step_in_a_step_function_equals_measure_on_cpu(how:
         stepper()
         optimizer.zero_grad()
 
+    return model, optimizer, step, x
+
+
+@pytest.mark.parametrize("how", COMPILED_STEPS)
+def test_a_compiled_optimizer_step_in_a_step_function_equals_measure_on_cpu(how: str) -> None:
+    """The optimizer holds the traced step's tensors, on which the guards of the program
+    the warm-up built fail: dynamo builds it again in the optimizer step, where it is
+    compiled with every mode popped (as the built-in step's is) and followed, not listed.
+    The compiled step's peak is the measured one, and below the eager step's (foreach
+    AdamW's intermediate lists, which inductor fuses away)."""
+    model, optimizer, step, x = _adamw_step(how)
     before = [p.detach().clone() for p in model.parameters()]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -247,45 +262,25 @@ def test_a_compiled_optimizer_step_in_a_step_function_equals_measure_on_cpu(how:
     assert estimated.unsupported == ()
     assert every_peak(estimated) == every_peak(tm.measure(step, (x,)))
 
-    eager_model, x = _mlp_and_batch()
-    eager_optimizer = torch.optim.AdamW(eager_model.parameters())
-
-    def eager_step(x: torch.Tensor) -> None:
-        eager_model(x).square().mean().backward()
-        eager_optimizer.step()
-        eager_optimizer.zero_grad()
-
+    _, _, eager_step, x = _adamw_step(None)
     assert estimated.step_peak < tm.estimate(eager_step, (x,)).step_peak
 
 
-@pytest.mark.parametrize("how", ["opt.step = torch.compile(opt.step)", "a compiled function that steps it"])
+@pytest.mark.parametrize("how", COMPILED_STEPS)
 def test_a_compiled_optimizer_step_in_a_step_function_is_followed_on_cuda(how: str) -> None:
     """On a GPU dynamo makes a compiled optimizer step capturable where its parameters
     are on cuda (``OptimizerVariable._set_capturable``; ``_safe_to_set_capturable`` from
-    2.15): AdamW's state, made while
-    dynamo compiles, has its step counters on the GPU (four one-element tensors, a
-    512-byte block each), not on the host; inductor then updates parameters and state
-    in place, with no buffer of its own. Eager foreach AdamW keeps its counters on the
-    host and makes one list of the parameters' size (``_foreach_sqrt`` of exp_avg_sq)
-    at its peak.
+    2.15): AdamW's state, made while dynamo compiles, has its step counters on the GPU
+    (four one-element tensors, a 512-byte block each), not on the host; inductor then
+    updates parameters and state in place, with no buffer of its own. Eager foreach
+    AdamW keeps its counters on the host and makes one list of the parameters' size
+    (``_foreach_sqrt`` of exp_avg_sq) at its peak.
 
     Parameters 256x512 + 512 + 512x256 + 256 floats: 1,051,648 bytes (every tensor a
     whole number of blocks): the compiled step's peak is that much below the eager
     one's, less the four counters (2,048 bytes).
     """
-    model, x = _mlp_and_batch()
-    optimizer = torch.optim.AdamW(model.parameters())
-    if how.startswith("opt.step"):
-        optimizer.step = torch.compile(optimizer.step)  # type: ignore[method-assign]
-        stepper = optimizer.step
-    else:
-        stepper = torch.compile(lambda: optimizer.step())
-
-    def step(x: torch.Tensor) -> None:
-        model(x).square().mean().backward()
-        stepper()
-        optimizer.zero_grad()
-
+    model, optimizer, step, x = _adamw_step(how)
     parameters = 1_051_648
     assert sum(p.nbytes for p in model.parameters()) == parameters
     before = [p.detach().clone() for p in model.parameters()]
@@ -299,14 +294,7 @@ def test_a_compiled_optimizer_step_in_a_step_function_is_followed_on_cuda(how: s
     assert optimizer.param_groups[0]["capturable"] is False  # the user's optimizer, as it was
     assert compiled.unsupported == ()
 
-    eager_model, x = _mlp_and_batch()
-    eager_optimizer = torch.optim.AdamW(eager_model.parameters())
-
-    def eager_step(x: torch.Tensor) -> None:
-        eager_model(x).square().mean().backward()
-        eager_optimizer.step()
-        eager_optimizer.zero_grad()
-
+    _, _, eager_step, x = _adamw_step(None)
     eager = tm.estimate(eager_step, (x,), device="cuda")
     # (at each step's peak the rest is alike: parameters, gradients, exp_avg, exp_avg_sq)
     assert eager.step_peak - compiled.step_peak == parameters - 4 * 512

@@ -208,8 +208,10 @@ def _dynamo_sees_the_gpu(router: Callable[[], Any]) -> Iterator[None]:
         yield
 
 
+@functools.cache
 def _asks_for_the_gpu() -> str:
-    """Where dynamo asks whether a compiled optimizer step's parameters are on a GPU."""
+    """Where dynamo asks whether a compiled optimizer step's parameters are on a GPU (read
+    once: each compiled region the trace enters replaces it)."""
     optimizer = "torch._dynamo.variables.optimizer.OptimizerVariable"
     if present(f"{optimizer}._safe_to_set_capturable"):
         return f"{optimizer}._safe_to_set_capturable"  # (torch 2.15: per parameter group)
