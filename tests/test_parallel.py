@@ -228,6 +228,92 @@ def test_ranks_run_gloo_work_on_one_thread_each() -> None:
     assert run_ranks(parallel, _gloo_workers) == ["1,1,1"] * 4
 
 
+def _killed_once_as_it_joins(marker: str, kills: int) -> Callable[..., object]:
+    """torch's init_device_mesh, but rank 1 is killed in it (SIGKILL, as the system's
+    out-of-memory killer does) the first ``kills`` times; each kill leaves a file beside
+    ``marker``."""
+    import signal
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    def joining(*args: object, **kwargs: object) -> object:
+        import torch.distributed as dist
+
+        if dist.get_rank() == 1:
+            for attempt in range(kills):
+                try:  # (one file per kill, made by the one rank that is killed)
+                    os.close(os.open(f"{marker}.{attempt}", os.O_CREAT | os.O_EXCL))
+                except FileExistsError:
+                    continue
+                os.kill(os.getpid(), signal.SIGKILL)
+        return init_device_mesh(*args, **kwargs)
+
+    return joining
+
+
+def test_ranks_whose_groups_did_not_form_are_started_again(
+    tmp_path: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A rank killed as it joins its groups (CI saw it: SIGKILL, gloo's connection to it
+    then refused on rank 0) has every rank started again; no step had run, and the run's
+    results are those of ranks that joined."""
+    from pytest_torchmem.engine.parallel.real_ranks import run_ranks
+
+    marker = str(tmp_path / "killed")
+    monkeypatch.setattr("torch.distributed.device_mesh.init_device_mesh", _killed_once_as_it_joins(marker, 1))
+    parallel = tm.Parallel({"dp": 2, "tp": 2}, lambda model, mesh: model)
+    assert run_ranks(parallel, _gloo_workers) == ["1,1,1"] * 4
+    assert sorted(os.listdir(tmp_path)) == ["killed.0"]
+
+
+def test_ranks_that_never_form_their_groups_fail_in_one_message(
+    tmp_path: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from pytest_torchmem.engine.parallel.real_ranks import FORK_ATTEMPTS, run_ranks
+
+    marker = str(tmp_path / "killed")
+    monkeypatch.setattr(
+        "torch.distributed.device_mesh.init_device_mesh", _killed_once_as_it_joins(marker, FORK_ATTEMPTS)
+    )
+    parallel = tm.Parallel({"dp": 2}, lambda model, mesh: model)
+    with pytest.raises(RuntimeError) as failed:
+        run_ranks(parallel, _gloo_workers)
+    assert str(failed.value) == (
+        f"measure(parallel=...) could not form the mesh's process groups in {FORK_ATTEMPTS} tries; the "
+        "last time, rank 1:\nrank 1 was killed by SIGKILL (the system's out-of-memory killer sends it) "
+        "as it joined its groups"
+    )
+    assert len(os.listdir(tmp_path)) == FORK_ATTEMPTS
+
+
+def _private_dirty_after_a_collection(mesh: object) -> str:
+    import gc
+
+    gc.collect()
+    with open("/proc/self/smaps_rollup") as rollup:
+        fields = dict(line.split(":", 1) for line in rollup if ":" in line)
+    return fields["Private_Dirty"].split()[0]
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps_rollup"), reason="needs Linux's /proc/self/smaps_rollup")
+def test_forked_ranks_collect_garbage_without_copying_their_parents_objects() -> None:
+    """Python's collector writes to every object it scans: a forked rank's first full
+    collection would copy every page of its parent's objects (660 MB of a 1.6 GB parent,
+    in each of four ranks: a 2-core CI machine's memory, with two test workers). The
+    parent's objects are frozen out of its reach while the ranks are forked, and the
+    parent's own collector is as it was after."""
+    import gc
+
+    from pytest_torchmem.engine.parallel.real_ranks import run_ranks
+
+    objects = [{"a": i, "b": [i]} for i in range(1_000_000)]  # about 300 MB of objects
+    frozen_before = gc.get_freeze_count()
+    dirty = run_ranks(tm.Parallel({"dp": 2}, lambda model, mesh: model), _private_dirty_after_a_collection)
+    assert gc.get_freeze_count() == frozen_before
+    assert all(int(kib) < 100_000 for kib in dirty), dirty  # (copied, each rank's would be above 300 MB)
+    del objects
+
+
 def _fsdp(reshard_after_forward: bool | int = True, bf16: bool = False):
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 

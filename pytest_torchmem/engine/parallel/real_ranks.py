@@ -64,7 +64,8 @@ COLLECTIVE_TIMEOUT: Final = 120
 #: Seconds a forked rank may take to multiply two small matrices and run one backward
 #: (milliseconds, on a busy machine seconds); past it the rank is stuck (see ``_rank_main``).
 READY_TIMEOUT: Final = 60
-#: How many times the ranks are forked before they are started fresh (``spawn``).
+#: How many times the ranks are forked before they are started fresh (``spawn``), and
+#: started where their group did not form.
 FORK_ATTEMPTS: Final = 3
 #: Seconds :meth:`FreedOnThisThread.drain` and :func:`collectives_completed_here` wait
 #: for gloo's threads to let go of a tensor.
@@ -76,8 +77,12 @@ DRAIN_TIMEOUT: Final = 10.0
 _FORKED_AUTOGRAD: Final = "autograd's threading in combination with fork-based multiprocessing"
 #: A forked child's first message once it is ready (:func:`forked_child`).
 READY: Final = "ready"
-#: The parent's mark of a rank that did not get ready (never sent by a rank).
+#: A rank's message once every group of its mesh has formed (:func:`_rank_main`).
+JOINED: Final = "joined"
+#: The parent's marks of a rank that did not get ready, and of a rank that failed or
+#: ended before its groups formed (never sent by a rank).
 _STALLED: Final = "stalled"
+_UNJOINED: Final = "unjoined"
 
 
 def _probe_blas() -> None:
@@ -140,7 +145,10 @@ def run_ranks(parallel: Parallel, body: Callable[[Any], str]) -> list[str]:
 
     The ranks are forked; where this process's autograd can no longer fork
     (see the module's docstring) they are spawned, and ``body`` (with all it
-    holds) must pickle.
+    holds) must pickle. Ranks whose groups did not form (a rank killed as it
+    joined, a connection of gloo's refused) are started again, all of them,
+    up to :data:`FORK_ATTEMPTS` times: no step has run yet, nothing is measured
+    twice.
     """
     import multiprocessing
 
@@ -158,11 +166,10 @@ def run_ranks(parallel: Parallel, body: Callable[[Any], str]) -> list[str]:
     methods = multiprocessing.get_all_start_methods()
     if "fork" in methods:
         for _ in range(FORK_ATTEMPTS):
-            threads.before_fork()
             results, exitcodes = _started(multiprocessing.get_context("fork"), parallel, body, READY_TIMEOUT)
-            if not any(result is not None and result[0] == _STALLED for result in results):
+            if not _marked(results, _STALLED, _UNJOINED):
                 break
-        stalled = any(result is not None and result[0] == _STALLED for result in results)
+        stalled = _marked(results, _STALLED)
         if not stalled and not any(result is not None and result[0] == "forked-autograd" for result in results):
             return _collected(results, exitcodes)
         why = (
@@ -188,29 +195,39 @@ def run_ranks(parallel: Parallel, body: Callable[[Any], str]) -> list[str]:
             "backward in this process"
         ) from exc
     # (a fresh interpreter imports torch before it is ready: the whole run's time)
-    results, exitcodes = _started(multiprocessing.get_context("spawn"), parallel, body, TIMEOUT)
+    for _ in range(FORK_ATTEMPTS):
+        results, exitcodes = _started(multiprocessing.get_context("spawn"), parallel, body, TIMEOUT)
+        if not _marked(results, _UNJOINED):
+            break
     return _collected(results, exitcodes)
+
+
+def _marked(results: list[tuple[str, str] | None], *marks: str) -> bool:
+    return any(result is not None and result[0] in marks for result in results)
 
 
 def _started(
     context: Any, parallel: Parallel, body: Callable[[Any], str], ready_timeout: float
 ) -> tuple[list[tuple[str, str] | None], list[int | None]]:
     """Start the ranks in ``context`` and wait for them: each one's result and exit code
-    (a rank not ready within ``ready_timeout`` seconds: ``"stalled"``)."""
+    (a rank not ready within ``ready_timeout`` seconds: ``"stalled"``; the first rank
+    that failed or ended before its groups formed: ``"unjoined"``)."""
     world = parallel.world
+    forked = context.get_start_method() == "fork"
     with tempfile.TemporaryDirectory(prefix="torchmem-ranks-") as tmp:
         store = os.path.join(tmp, "store")
         pipes = []
         processes = []
-        for rank in range(world):
-            receive, send = context.Pipe(duplex=False)
-            process = context.Process(
-                target=_rank_main, args=(parallel, rank, store, body, send), daemon=True
-            )
-            process.start()
-            send.close()
-            pipes.append(receive)
-            processes.append(process)
+        with threads.forking() if forked else contextlib.nullcontext():
+            for rank in range(world):
+                receive, send = context.Pipe(duplex=False)
+                process = context.Process(
+                    target=_rank_main, args=(parallel, rank, store, body, send), daemon=True
+                )
+                process.start()
+                send.close()
+                pipes.append(receive)
+                processes.append(process)
         results: list[tuple[str, str] | None] = [None] * world
         try:
             # each rank first says it is ready (its probe ran) before it joins the group
@@ -222,11 +239,20 @@ def _started(
                 if results[rank] is None or results[rank][0] != READY:  # type: ignore[index]
                     break  # (forked-autograd: every rank meets it before it joins the group)
             else:
-                results = [_received(receive) if receive.poll(TIMEOUT) else None for receive in pipes]
+                # then each rank says its groups formed (a rank that failed to join leaves
+                # the others waiting for it: they are killed and started again)
+                unjoined = _first_unjoined(pipes, processes)
+                if unjoined is not None:
+                    rank, why = unjoined
+                    results[rank] = (_UNJOINED, why)
+                else:
+                    results = [_received(receive) if receive.poll(TIMEOUT) else None for receive in pipes]
         finally:
             # ranks that answered exit on their own (a few seconds in all to do so); ranks
             # that stalled, or a run cut short, are killed at once
-            answered = all(result is not None and result[0] not in (_STALLED, READY) for result in results)
+            answered = all(
+                result is not None and result[0] not in (_STALLED, _UNJOINED, READY) for result in results
+            )
             deadline = time.monotonic() + (5 if answered else 0)
             for process in processes:
                 process.join(max(0.0, deadline - time.monotonic()))
@@ -234,6 +260,43 @@ def _started(
                     process.kill()
                     process.join()
     return results, [process.exitcode for process in processes]
+
+
+def _first_unjoined(pipes: list[Any], processes: list[Any]) -> tuple[int, str] | None:
+    """Wait until every rank says its groups formed: None; or the first rank that
+    failed or ended before, and why (its traceback, or how it ended)."""
+    from multiprocessing.connection import wait
+
+    pending = {receive: rank for rank, receive in enumerate(pipes)}
+    deadline = time.monotonic() + TIMEOUT
+    while pending:
+        ready = wait(list(pending), timeout=max(0.0, deadline - time.monotonic()))
+        if not ready:
+            rank = min(pending.values())
+            return rank, f"rank {rank} did not join its groups within {TIMEOUT} s"
+        for receive in ready:
+            rank = pending.pop(receive)
+            message = _received(receive)
+            if message is None:
+                return rank, _ended(rank, processes[rank])
+            if message[0] != JOINED:
+                return rank, message[1]
+    return None
+
+
+def _ended(rank: int, process: Any) -> str:
+    """Why ``rank`` sent nothing: its exit, as far as it is known."""
+    process.join(5)
+    code = process.exitcode
+    if code is None:
+        return f"rank {rank} closed its pipe as it joined its groups"
+    if code < 0:
+        import signal
+
+        name = signal.Signals(-code).name
+        killed = " (the system's out-of-memory killer sends it)" if name == "SIGKILL" else ""
+        return f"rank {rank} was killed by {name}{killed} as it joined its groups"
+    return f"rank {rank} ended with exit code {code} as it joined its groups"
 
 
 def _received(receive: Any) -> tuple[str, str] | None:
@@ -245,10 +308,19 @@ def _received(receive: Any) -> tuple[str, str] | None:
 
 
 def _collected(results: list[tuple[str, str] | None], exitcodes: list[int | None]) -> list[str]:
+    unjoined = [(rank, result[1]) for rank, result in enumerate(results) if result is not None and result[0] == _UNJOINED]
+    if unjoined:  # (the other ranks were killed waiting for it)
+        rank, why = unjoined[0]
+        raise RuntimeError(
+            f"measure(parallel=...) could not form the mesh's process groups in {FORK_ATTEMPTS} "
+            f"tries; the last time, rank {rank}:\n{why}"
+        )
     failures = []
     for rank, result in enumerate(results):
         if result is None:
-            failures.append(f"rank {rank}: the process ended with no result (exit code {exitcodes[rank]})")
+            code = exitcodes[rank]
+            how = f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
+            failures.append(f"rank {rank}: the process ended with no result ({how})")
         elif result[0] != "ok":
             failures.append(f"rank {rank}:\n{result[1]}")
     if failures:
@@ -290,7 +362,10 @@ def _rank_main(parallel: Parallel, rank: int, store: str, body: Callable[[Any], 
     autograd cannot fork says so (``"forked-autograd"``), and is started again
     fresh; one that never gets ready (forked while another thread of the parent
     held a lock of MKL's: its first GEMM spins forever) is killed with the others
-    and forked again.
+    and forked again. Once every group of its mesh has formed it says so too
+    (``"joined"``); where one rank fails before that (killed as it joined,
+    gloo's connection to a peer refused), the others are killed and all start
+    again: nothing of the step has run.
     """
 
     def joined() -> str:
@@ -309,6 +384,7 @@ def _rank_main(parallel: Parallel, rank: int, store: str, body: Callable[[Any], 
             )
             try:
                 mesh = init_device_mesh("cpu", parallel.sizes, mesh_dim_names=parallel.names)
+                send.send((JOINED, ""))
                 return body(mesh)
             finally:
                 dist.destroy_process_group()

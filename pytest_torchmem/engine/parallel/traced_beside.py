@@ -62,11 +62,11 @@ class Beside(Generic[T]):
     def __init__(self, work: Callable[[], T]) -> None:
         import multiprocessing
 
-        threads.before_fork()
         context = multiprocessing.get_context("fork")
         self._receive, send = context.Pipe(duplex=False)
         self._process = context.Process(target=forked_child, args=(send, work), daemon=True)
-        self._process.start()
+        with threads.forking():
+            self._process.start()
         send.close()
         self._started = time.monotonic()
 
