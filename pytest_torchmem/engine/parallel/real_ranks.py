@@ -61,6 +61,9 @@ MAX_REAL_RANKS: Final = 4
 TIMEOUT: Final = 600
 #: Seconds a rank waits in a collective for the others (one that failed never comes).
 COLLECTIVE_TIMEOUT: Final = 120
+#: Seconds the ranks may take to form their mesh's groups (gloo gives up on a peer after
+#: ``COLLECTIVE_TIMEOUT``); past it they are started again.
+JOIN_TIMEOUT: Final = COLLECTIVE_TIMEOUT + 60
 #: Seconds a forked rank may take to multiply two small matrices and run one backward
 #: (milliseconds, on a busy machine seconds); past it the rank is stuck (see ``_rank_main``).
 READY_TIMEOUT: Final = 60
@@ -268,12 +271,12 @@ def _first_unjoined(pipes: list[Any], processes: list[Any]) -> tuple[int, str] |
     from multiprocessing.connection import wait
 
     pending = {receive: rank for rank, receive in enumerate(pipes)}
-    deadline = time.monotonic() + TIMEOUT
+    deadline = time.monotonic() + JOIN_TIMEOUT
     while pending:
         ready = wait(list(pending), timeout=max(0.0, deadline - time.monotonic()))
         if not ready:
             rank = min(pending.values())
-            return rank, f"rank {rank} did not join its groups within {TIMEOUT} s"
+            return rank, f"rank {rank} did not join its groups within {JOIN_TIMEOUT} s"
         for receive in ready:
             rank = pending.pop(receive)
             message = _received(receive)
@@ -382,12 +385,13 @@ def _rank_main(parallel: Parallel, rank: int, store: str, body: Callable[[Any], 
                 world_size=parallel.world,
                 timeout=timedelta(seconds=COLLECTIVE_TIMEOUT),
             )
-            try:
-                mesh = init_device_mesh("cpu", parallel.sizes, mesh_dim_names=parallel.names)
-                send.send((JOINED, ""))
-                return body(mesh)
-            finally:
-                dist.destroy_process_group()
+            # (a rank that fails leaves its group as it is: os._exit ends it, where gloo's
+            # shutdown could wait for the peer it lost and its error never be sent)
+            mesh = init_device_mesh("cpu", parallel.sizes, mesh_dim_names=parallel.names)
+            send.send((JOINED, ""))
+            result = body(mesh)
+            dist.destroy_process_group()
+            return result
 
     forked_child(send, joined)
 
