@@ -254,9 +254,9 @@ def _killed_once_as_it_joins(marker: str, kills: int) -> Callable[..., object]:
 def test_ranks_whose_groups_did_not_form_are_started_again(
     tmp_path: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A rank killed as it joins its groups (CI saw it: SIGKILL, gloo's connection to it
-    then refused on rank 0) has every rank started again; no step had run, and the run's
-    results are those of ranks that joined."""
+    """A rank that dies as it joins its groups has every rank started again (CI saw one
+    stop answering there, gloo's connection to it refused on rank 0); no step had run,
+    and the run's results are those of ranks that joined."""
     from pytest_torchmem.engine.parallel.real_ranks import run_ranks
 
     marker = str(tmp_path / "killed")
