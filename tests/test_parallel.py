@@ -493,31 +493,6 @@ def test_ranks_start_fresh_where_autograd_can_no_longer_fork(tmp_path) -> None:
         assert "Define the functions at module level" in refused
 
 
-@pytest.mark.parametrize("fullgraph", [True, False], ids=["fullgraph", "graph-breaks"])
-@pytest.mark.parametrize("device", ["cpu", "cuda"])
-def test_blocks_compiled_before_fully_shard_run_eagerly_and_are_listed(device: str, fullgraph: bool) -> None:
-    """torchtitan's order: each block compiled inside ``apply``, then ``fully_shard``. The
-    blocks are not followed under ``parallel=`` yet: they run eagerly, each listed, never
-    an error (``fullgraph=True`` refused a call that compiled no frame, issue 27 item 15),
-    and the figures are the eager model's."""
-    from torch.distributed.fsdp import fully_shard
-
-    def compiled_then_sharded(model: nn.Module, mesh: object) -> nn.Module:
-        for index, block in enumerate(model):
-            model[index] = torch.compile(block, fullgraph=fullgraph)
-        for block in model:
-            fully_shard(block, mesh=mesh)
-        return fully_shard(model, mesh=mesh)
-
-    model, x = _blocks(4), torch.randn(8, 64)
-    compiled = tm.estimate(model, x, device=device, optimizer=_adamw,
-                           parallel=tm.Parallel(mesh={"dp": 2}, apply=compiled_then_sharded))
-    eager = tm.estimate(model, x, device=device, optimizer=_adamw, parallel=tm.Parallel(mesh={"dp": 2}, apply=_fsdp()))
-    listed = [entry for entry in compiled.unsupported if entry.op.startswith("torch.compile")]
-    assert listed and all("eager" in entry.reason for entry in listed), compiled.unsupported
-    assert _peaks(compiled) == _peaks(eager) and compiled.first_step == eager.first_step
-
-
 def _with_scratch(model: nn.Module, mesh: object) -> nn.Module:
     """An ``apply`` that makes and drops 1 GiB on the rank's device before it returns
     (as ``fully_shard`` drops the unsharded parameters it copied its shards from)."""

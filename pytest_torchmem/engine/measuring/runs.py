@@ -18,6 +18,7 @@ import functools
 import gc
 from contextlib import ExitStack, nullcontext
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Final
 
 import torch
@@ -107,13 +108,78 @@ def measure_step(request: StepRequest) -> MemoryReport:
 
 def _measured(request: StepRequest) -> MemoryReport:
     """The report of :func:`measure_step`."""
+    # the step draws from the process's generators (dropout, a data loader's seed): they
+    # are the user's, and are as they were after (the estimate draws from copies)
+    devices = [torch.cuda.current_device()] if request.device.is_cuda and torch.cuda.is_available() else []
+    with torch.random.fork_rng(devices=devices):
+        if request.parallel is not None:
+            return _measure_ranks(request)  # (each rank watches its own compiled regions)
+        if request.device.is_cuda:
+            return _measured_cuda(request)
+        return _measured_cpu(request)
+
+
+def _measured_cuda(request: StepRequest) -> MemoryReport:
+    """The report of one step on the GPU; every compiled region it entered is listed
+    (the steady state of compiled code is measured on the CPU only)."""
     seen = _Seen()
     hooks: list[Unsupported] = []
+    with CacheRegions(_MEASURED_REGION) as cache, watch_compiled(seen.noted, _isolated(seen, cache)):
+        report = _measure_cuda(request, _noting(hooks))
+    return _listing(report, [*hooks, *seen.regions])
+
+
+def _measured_cpu(request: StepRequest, mesh: Any = None) -> MemoryReport:
+    """The report of one step on the CPU (under ``request.parallel``: this rank's, on its
+    ``mesh``), compiled regions in their steady state: where the step meets one before
+    its optimizer step and no warm-up ran, it is measured again after one, in a cache
+    region of its own (the optimizer steps compiled there stay apart); a region whose
+    compiled code did not run in the measured step is listed."""
+    seen = _Seen()
+    hooks: list[Unsupported] = []
+    hook_failed = _noting(hooks)
+    with CacheRegions(_MEASURED_REGION) as cache, watch_compiled(seen.noted, _isolated(seen, cache)):
+        warm = has_compiled_modules(request.model)
+        try:
+            report, compiled_ran = _measure_cpu(request, hook_failed, mesh, warm=warm, seen=seen)
+        except _CompiledByApply:
+            warm = True  # (every rank's apply compiles alike: all of them start again, warmed up)
+            report, compiled_ran = _measure_cpu(request, hook_failed, mesh, warm=warm, seen=seen)
+        if seen.before_step and not warm:
+            seen.regions.clear()
+            hooks.clear()
+            cache.new()
+            report, compiled_ran = _measure_cpu(request, hook_failed, mesh, warm=True, seen=seen)
+    return _listing(report, [*hooks, *(() if compiled_ran else seen.regions)])
+
+
+class _CompiledByApply(Exception):
+    """``parallel.apply`` compiled modules of the rank's model, and the measurement was not
+    warmed up: it starts again after a warm-up step (the measured step's per-module hooks
+    would break the compiled regions' graphs, or fail them under activation checkpointing)."""
+
+
+def _noting(hooks: list[Unsupported]) -> HookError:
+    """A hook error handler that lists each failing hook once in ``hooks``."""
 
     def hook_failed(hook: Any, exc: Exception) -> None:
         entry = hook_failure(hook, exc)
         if entry not in hooks:
             hooks.append(entry)
+
+    return hook_failed
+
+
+def _listing(report: MemoryReport, flagged: list[Unsupported]) -> MemoryReport:
+    """``report`` with ``flagged`` added to its ``unsupported`` entries."""
+    if not flagged:
+        return report
+    return dataclasses.replace(report, unsupported=(*report.unsupported, *flagged))
+
+
+def _isolated(seen: _Seen, cache: CacheRegions) -> Callable[[Any, Any], Any]:
+    """The watch's redirect of a measurement: each compiled region runs compiled in the
+    measurement's cache region (``cache.current``), noted in ``seen``."""
 
     def isolated(callback: Any, wrapper_frame: Any) -> Any:
         if not isolating():
@@ -128,33 +194,7 @@ def _measured(request: StepRequest) -> MemoryReport:
         set_eval_frame_isolate_recompiles_id(cache.current)
         return callback
 
-    compiled_ran = False
-    # the step draws from the process's generators (dropout, a data loader's seed): they
-    # are the user's, and are as they were after (the estimate draws from copies)
-    devices = [torch.cuda.current_device()] if request.device.is_cuda and torch.cuda.is_available() else []
-    with (
-        torch.random.fork_rng(devices=devices),
-        CacheRegions(_MEASURED_REGION) as cache,
-        watch_compiled(seen.noted, isolated),
-    ):
-        if request.parallel is not None:
-            report = _measure_ranks(request)
-        elif request.device.is_cuda:
-            report = _measure_cuda(request, hook_failed)
-        else:
-            warm = has_compiled_modules(request.model)
-            report, compiled_ran = _measure_cpu(request, hook_failed, warm=warm, seen=seen)
-            if seen.before_step and not warm:
-                # a compiled function compiled inside that step: measured again, warmed up,
-                # in a cache region of its own (the optimizer steps compiled there stay apart)
-                seen.regions.clear()
-                hooks.clear()
-                cache.new()
-                report, compiled_ran = _measure_cpu(request, hook_failed, warm=True, seen=seen)
-    flagged = [*hooks, *(() if compiled_ran else seen.regions)]
-    if flagged:
-        report = dataclasses.replace(report, unsupported=(*report.unsupported, *flagged))
-    return report
+    return isolated
 
 
 def measure_held(request: StepRequest) -> tuple[list[tuple[int, int, int | None]], int, str | None]:
@@ -262,7 +302,7 @@ def profile_cpu_step(
     device = torch.device("cpu")
     compiled = has_compiled_modules(request.model) if warm is None else warm
     if compiled:
-        _warm_up(request, device, on_hook_error)
+        _warm_up(request, device, on_hook_error, mesh)
     holdings = holdings_of(request.model, request.args, request.kwargs)
     parallel = request.parallel
     profiler = ExitStack()
@@ -303,6 +343,8 @@ def profile_cpu_step(
                 step_model = applied(parallel, step_model, mesh)
                 standins.model.clear()
                 frees.drain()
+            if not compiled and has_compiled_modules(step_model):
+                raise _CompiledByApply
             standins.parameters = standins.buffers = standins.attributes = []
             parameters = list(step_model.parameters())
             probe.settle()
@@ -366,16 +408,43 @@ def _warm_up(
     request: StepRequest,
     device: torch.device,
     on_hook_error: HookError | None = None,
+    mesh: Any = None,
 ) -> None:
     """One step of a compiled model on copies of its tensors, unmeasured: it compiles.
 
     Without the optimizer: the measured step makes a new one, and a compiled step of
-    it compiles there all the same (dynamo compiles a step per optimizer)."""
+    it compiles there all the same (dynamo compiles a step per optimizer). Under
+    ``request.parallel``, on a copy of the model that ``apply`` parallelizes on
+    ``mesh``, as the measured step's is (the blocks it compiles compile here)."""
     with torch.no_grad():
         holdings = holdings_of(request.model, request.args, request.kwargs)
         copies = converted(holdings, request.args, request.kwargs, _copies(device), on_hook_error)
-    with lend(holdings, copies, compiled=True):
-        _run(dataclasses.replace(request, optimizer=None, repeat=None), copies, QuietProbe())
+    warm_up = dataclasses.replace(request, optimizer=None, repeat=None)
+    parallel = request.parallel
+    if parallel is None:
+        with lend(holdings, copies, compiled=True):
+            _run(warm_up, copies, QuietProbe())
+        return
+    model = applied(parallel, model_copy(request.model, holdings, copies.model), mesh)
+    copies.model.clear()
+    train_context = entered_per_iteration(parallel, model, mesh, copies.args, copies.kwargs)
+    # (without collectives_completed_here: inductor, building the programs here, reads the
+    # name of the wait it replaces)
+    run_step(
+        model,
+        copies.args,
+        copies.kwargs,
+        parameters=list(model.parameters()),
+        inputs=copies.inputs,
+        hook_optimizers=copies.hook_optimizers,
+        optimizers=copies.optimizers,
+        loss_fn=request.loss_fn,
+        optimizer=None,
+        train=request.train,
+        probe=QuietProbe(),
+        keep_output=request.keep_output,
+        train_context=train_context,
+    )
 
 
 def _measure_cuda(
@@ -516,16 +585,9 @@ def _measure_ranks(request: StepRequest) -> MemoryReport:
 
 
 def _rank_report(request: StepRequest, mesh: Any) -> str:
-    """One rank's report, as JSON: its step measured on ``mesh``, the hooks that failed
-    in it listed in ``unsupported`` (a module-level function: it pickles, for spawned ranks)."""
-    hooks: list[Unsupported] = []
-
-    def hook_failed(hook: Any, exc: Exception) -> None:
-        entry = hook_failure(hook, exc)
-        if entry not in hooks:
-            hooks.append(entry)
-
-    report = _measure_cpu(request, hook_failed, mesh)[0]
-    if hooks:
-        report = dataclasses.replace(report, unsupported=(*report.unsupported, *hooks))
-    return report.to_json()
+    """One rank's report, as JSON: its step measured on ``mesh`` as :func:`_measured_cpu`
+    measures it (compiled blocks that ``apply`` made in their steady state; the hooks that
+    failed listed in ``unsupported``; a module-level function: it pickles, for spawned
+    ranks). Every rank meets the same compiled regions, so all of them measure again
+    after a warm-up, together."""
+    return _measured_cpu(request, mesh).to_json()

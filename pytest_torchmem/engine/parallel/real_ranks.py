@@ -517,6 +517,19 @@ def _functional_completed_here(wrap: Callable[[torch.Tensor], Any]) -> Callable[
     return completed
 
 
+def _compiled_wait_completed_here(wait: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The wait a compiled program (inductor's code) calls on a functional collective's
+    buffer, which then waits for gloo's thread to let go of it too: the program's own
+    drop of the buffer is its last, seen."""
+
+    def completed(tensor: torch.Tensor) -> torch.Tensor:
+        out = wait(tensor)
+        _let_go_by_gloo([tensor], [1])  # (the program's buffer: held by its Python object)
+        return out
+
+    return completed
+
+
 @contextlib.contextmanager
 def collectives_completed_here() -> Iterator[None]:
     """Run every collective Python code calls to completion where it is called.
@@ -557,7 +570,16 @@ def collectives_completed_here() -> Iterator[None]:
         replaced.enter_context(replacing(path, rebuild_buckets))
         wrap = "torch.distributed._functional_collectives._maybe_wrap_tensor"
         replaced.enter_context(replacing(wrap, _functional_completed_here(private(wrap))))
+        # inductor's programs wait for their functional collectives through this name (read
+        # as they run; inductor reads it too as it builds one, which therefore happens
+        # outside this block: in the warm-up step)
+        replaced.enter_context(replacing(_COMPILED_WAIT, _compiled_wait_completed_here(private(_COMPILED_WAIT))))
         yield
+
+
+#: What inductor's programs call to wait for a functional collective.
+_COMPILED_WAIT: Final = "torch.ops._c10d_functional.wait_tensor.default"
+
 
 
 def _rebuild_freed_here(rebuild: Callable[[Any], bool], reducer: Any) -> bool:

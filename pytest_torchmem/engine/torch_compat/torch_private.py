@@ -487,6 +487,13 @@ PRIVATE: Final = table(
         for name in COLLECTIVES
     ),
     Private(
+        "torch.ops._c10d_functional.wait_tensor.default",
+        "what inductor's programs call to wait for a functional collective (the name is read "
+        "as the program runs): measure(parallel=...) waits there for gloo's thread to let go "
+        "of the buffer too (distributed.collectives_completed_here)",
+        replaced=True,
+    ),
+    Private(
         "torch.distributed._functional_collectives._maybe_wrap_tensor",
         "where every functional collective (DTensor's, loss_parallel's all-reduces) wraps the "
         "tensor its op made: measure(parallel=...) waits for it there, and for gloo's thread to "

@@ -288,6 +288,9 @@ class _FakeInductor:
         self.failed = False
         self.compiled = 0
         self.calls = 0
+        #: whether dynamo is compiling a frame of the region (DDPOptimizer runs the parts it
+        #: built on fake inputs then: not the step's runs, not counted)
+        self.compiling = False
         self.phase = phase
         #: the step's phase when each graph was built
         self.phases: list[Phase | None] = []
@@ -314,7 +317,7 @@ class _FakeInductor:
 
         def run(*args: Any) -> Any:
             backend = ref()
-            if backend is not None:
+            if backend is not None and not backend.compiling:
                 backend.calls += 1
             return program(*args)
 
@@ -352,11 +355,23 @@ def _collected_after_compile(callback: Any, backend: _FakeInductor) -> Callable[
     A compile the trace follows allocates more than a real one, so those cycles can be
     older by then, and would hold the step's gradients past ``zero_grad`` into the next
     iteration of the loop; here they are collected in full, as a real compile leaves them.
+
+    The callback runs with no dispatch mode, as dynamo runs its compiles: its branch for
+    a frame inside DDP's forward (``DDPOptimizer``, which splits the graph at DDP's
+    buckets, torch 2.10 to 2.15) leaves the modes on, and the trace's tracker, above
+    AOTAutograd's functional mode, would take its ops (they fail) and charge its runs
+    of the compiled parts on fake inputs.
     """
+    disabled = private("torch.utils._python_dispatch._disable_current_modes")
 
     def run(*args: Any, **kwargs: Any) -> Any:
-        compiled = backend.compiled
-        result = callback(*args, **kwargs)
+        compiled, compiling = backend.compiled, backend.compiling
+        backend.compiling = True
+        try:
+            with disabled():
+                result = callback(*args, **kwargs)
+        finally:
+            backend.compiling = compiling
         if backend.compiled != compiled:
             gc.collect()
         return result

@@ -311,8 +311,9 @@ CUDA_LAYERS: Final = (
 #: The layers of the warm-up step in which the followed compiled programs are built
 #: (trace._warm_up), outermost first: the watch (it redirects the regions the trace
 #: follows, and runs the others eagerly, unflagged: the traced step flags them), the
-#: warm-up's own stand-ins, the fake mode and a tracker of the warm-up's own (the values
-#: the traced step knows: the program takes the branches it takes in the traced step).
+#: warm-up's own stand-ins, the rank's fake process group (under parallel=: apply runs in
+#: the warm-up too), the fake mode and a tracker of the warm-up's own (the values the
+#: traced step knows: the program takes the branches it takes in the traced step).
 #: No GPU view: dynamo, compiling here, reads torch's own device functions.
 WARM_UP_LAYERS: Final = (
     Layer(
@@ -326,6 +327,7 @@ WARM_UP_LAYERS: Final = (
         STAND_INS.why,
         lambda scene: lend(scene.holdings, scene.standins, compiled=True),
     ),
+    FAKE_WORLD,
     FAKE_MODE,
     TRACKER,
     MODULE_METHODS,

@@ -239,10 +239,10 @@ def _traced(
             peers.update(group)
         return group[rank]
     # compiled modules run inductor's program (on cuda: built by inductor's cuda backend);
-    # so do the compiled functions the step calls (on cuda those of its forward) and, on
-    # cpu, compiled optimizer steps
+    # so do the compiled functions the step calls (on cuda those of its forward), compiled
+    # optimizer steps, and under parallel= the blocks apply compiles (the rank's model is
+    # made by apply: its compiled regions are found as the step meets them)
     found = compiled_modules(model) if parallel is None else CompiledModules()
-    follows_functions = parallel is None
 
     def once(follow: bool, warm: bool) -> tuple[Trace, Phase | None]:
         try:
@@ -257,7 +257,7 @@ def _traced(
             )
 
     traced, met = once(follow=bool(found), warm=bool(found))
-    if follows_functions and not found and met is not None:
+    if not found and met is not None:
         traced, _ = once(follow=True, warm=met != Phase.STEP)
     return traced
 
@@ -553,6 +553,8 @@ def _trace(
                     keep_output=keep_output,
                     looped=optimizer is not None or bool(standins.hook_optimizers),
                     repeat=repeat,
+                    parallel=parallel,
+                    rank=rank,
                 )
             except Exception:
                 # inductor or dynamo could not build the program (or the model failed, which
@@ -728,12 +730,19 @@ def _warm_up(
     keep_output: bool,
     looped: bool,
     repeat: int | None = None,
+    parallel: Parallel | None = None,
+    rank: int = 0,
 ) -> None:
     """One step on fresh fake stand-ins, in which dynamo and our backend compile the
     followed modules and the compiled functions the step calls (the optimizer is left
     out: the traced step makes a new one, whose compiled step is compiled anew).
     ``looped``: the traced step runs as a training loop, and so does this one, running
     the compiled code as often; ``repeat``: as often as a leak check runs it.
+
+    Under ``parallel``, the step runs on a copy of the model that ``apply`` parallelizes
+    over the rank's fake process group, as the traced step's is: the blocks ``apply``
+    compiles are built here, and the traced step's ``apply`` (another copy) finds them in
+    dynamo's cache.
 
     The program must take the branches here that it takes in the traced step, or what is
     compiled here is not what runs there: ``tracker`` (a tracker of its own, whose figures
@@ -746,14 +755,21 @@ def _warm_up(
     traced_phase, following.phase = following.phase, lambda: probe.phase
     adopt(tracker, copies)
     _know_values(tracker, copies)
-    scene = Scene(holdings, copies, model, fake_mode, following, tracker=tracker)
+    step_model = model if parallel is None else model_copy(model, holdings, copies.model)
+    scene = Scene(holdings, copies, step_model, fake_mode, following, tracker=tracker, parallel=parallel, rank=rank)
     try:
-        with entered(WARM_UP_LAYERS, scene):
+        with entered(WARM_UP_LAYERS, scene) as layers:
+            parameters = copies.parameters
+            train_context = nullcontext
+            if parallel is not None:
+                mesh = layers[FAKE_WORLD.name]
+                step_model, parameters = _apply(tracker, parallel, step_model, mesh, copies)
+                train_context = entered_per_iteration(parallel, step_model, mesh, copies.args, copies.kwargs)
             run_step(
-                model,
+                step_model,
                 copies.args,
                 copies.kwargs,
-                parameters=copies.parameters,
+                parameters=parameters,
                 inputs=copies.inputs,
                 loss_fn=loss_fn,
                 optimizer=None,
@@ -763,6 +779,7 @@ def _warm_up(
                 loop=looped,
                 optimizers=copies.optimizers,
                 repeat=repeat,
+                train_context=train_context,
             )
     finally:
         following.phase = traced_phase  # (the traced step's phases again)

@@ -1,0 +1,212 @@
+"""Blocks compiled inside ``Parallel.apply`` (issue 55): DDP, FSDP2 (with and without
+``reshard_after_forward``, activation checkpointing around the compiled block,
+``fullgraph=True``) and tensor parallel, as large-scale trainers build their ranks
+(torchtitan's order: checkpoint, compile each block, then shard).
+
+On cpu the estimate follows inductor's program on the rank and equals
+``measure(parallel=...)``, which runs the compiled program in its steady state on real
+gloo ranks (a warm-up step first); on cuda there is no GPU to measure, so the compiled
+figures are checked against the eager program's, from which they differ where the
+programs do (a figure equal to the eager one would be the eager program's, silently).
+A pipeline's stages are not followed yet: their compiled blocks are listed.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from fingerprint import fingerprint
+from torch import nn
+
+import pytest_torchmem as tm
+from following import follows_compiled
+
+pytestmark = pytest.mark.skipif(
+    not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
+    reason="needs torch.distributed with gloo",
+)
+
+
+class Block(nn.Module):
+    """A transformer's MLP half: what inductor fuses (the norm, the GELU) differs in
+    memory from the eager program."""
+
+    def __init__(self, width: int = 64) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.up = nn.Linear(width, 4 * width)
+        self.down = nn.Linear(4 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.nn.functional.gelu(self.up(self.norm(x))) * 0.5)
+
+
+def _model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(Block(), Block())
+
+
+def _input() -> torch.Tensor:
+    torch.manual_seed(1)
+    return torch.randn(4, 32, 64)
+
+
+def _adamw(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+    # (foreach=False: tensor parallel's rank mixes DTensor and plain parameters, which
+    # AdamW's foreach kernels refuse on a GPU, as they do here on the fake one)
+    return torch.optim.AdamW(params, lr=1e-3, foreach=False)
+
+
+def _peaks(report: tm.MemoryReport) -> tuple[int, int, int]:
+    return report.forward_peak, report.backward_peak, report.step_peak
+
+
+def _compiled_entries(report: tm.MemoryReport) -> list[str]:
+    return [entry.op for entry in report.unsupported if entry.op.startswith("torch.compile")]
+
+
+def _blocks(model: nn.Sequential, *, compiled: bool, checkpointed: bool = False, fullgraph: bool = False) -> None:
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    for index, block in enumerate(model):
+        if checkpointed:
+            block = checkpoint_wrapper(block)
+        if compiled:
+            block = torch.compile(block, fullgraph=fullgraph)
+        model[index] = block
+
+
+def _ddp(model: nn.Sequential, mesh: object, compiled: bool = True) -> nn.Module:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    _blocks(model, compiled=compiled)
+    return DDP(model)
+
+
+def _fsdp(
+    model: nn.Sequential,
+    mesh: object,
+    compiled: bool = True,
+    reshard: bool = True,
+    checkpointed: bool = False,
+    fullgraph: bool = False,
+) -> nn.Module:
+    from torch.distributed.fsdp import fully_shard
+
+    _blocks(model, compiled=compiled, checkpointed=checkpointed, fullgraph=fullgraph)
+    for block in model:
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
+    return fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
+
+
+def _tp(model: nn.Sequential, mesh: object, compiled: bool = True) -> nn.Module:
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    for block in model:
+        parallelize_module(block, mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()})
+    _blocks(model, compiled=compiled)
+    return model
+
+
+#: Each rank's parallelization, its blocks compiled (and the same, eager: ``compiled=False``).
+CASES = {
+    "DDP": _ddp,
+    "FSDP2": _fsdp,
+    "FSDP2 kept gathered": functools.partial(_fsdp, reshard=False),
+    "FSDP2 checkpointed": functools.partial(_fsdp, checkpointed=True),
+    "FSDP2 fullgraph": functools.partial(_fsdp, fullgraph=True),
+    "TP": _tp,
+}
+#: The README run's share; the others run in CI's exhaustive run.
+QUICK = ("DDP", "FSDP2 checkpointed", "TP")
+
+
+def _cases(quick: tuple[str, ...] = QUICK) -> list[object]:
+    return [
+        pytest.param(name, marks=() if name in quick else pytest.mark.exhaustive, id=name) for name in CASES
+    ]
+
+
+def _parallel(name: str, compiled: bool = True) -> tm.Parallel:
+    return tm.Parallel({"tp" if name == "TP" else "dp": 2}, functools.partial(CASES[name], compiled=compiled))
+
+
+@follows_compiled
+@pytest.mark.parametrize("name", _cases())
+def test_blocks_compiled_inside_apply_are_followed_and_equal_measure(name: str) -> None:
+    model, x = _model(), _input()
+    before = fingerprint(model, x)
+    estimated = tm.estimate(model, x, optimizer=_adamw, parallel=_parallel(name))
+    measured = tm.measure(model, x, optimizer=_adamw, parallel=_parallel(name))
+    eager = tm.estimate(model, x, optimizer=_adamw, parallel=_parallel(name, compiled=False))
+    assert _compiled_entries(estimated) == [] and measured.unsupported == ()
+    assert _peaks(estimated) == _peaks(measured)
+    assert estimated.forward_peak != eager.forward_peak  # (the real run ran the compiled program)
+    assert fingerprint(model, x) == before
+
+
+@follows_compiled
+@pytest.mark.parametrize("name", _cases(quick=("FSDP2", "DDP")))
+def test_blocks_compiled_inside_apply_are_followed_on_cuda(name: str) -> None:
+    """No GPU to measure: followed (no ``torch.compile`` entry), and what the compiled
+    program holds at its peak differs from what the eager one holds, as on cpu (on a
+    GPU this small model's peaks are cuBLAS's workspaces, and under tensor parallel the
+    compiled forward's peak is the eager one's: the activation inductor fuses away is
+    the size of the copy its functional all-reduce makes)."""
+    model, x = _model(), _input()
+    compiled = tm.estimate(model, x, device="cuda", optimizer=_adamw, parallel=_parallel(name))
+    eager = tm.estimate(model, x, device="cuda", optimizer=_adamw, parallel=_parallel(name, compiled=False))
+    assert _compiled_entries(compiled) == []
+    assert compiled.breakdown != eager.breakdown
+
+
+def _pipeline_stage(model: nn.Sequential, mesh: object, compiled: bool = True) -> object:
+    from torch.distributed.pipelining import PipelineStage
+
+    pp = mesh["pp"]  # type: ignore[index]
+    stage, stages = pp.get_local_rank(), pp.size()
+    kept = nn.Sequential(model[stage])
+    _blocks(kept, compiled=compiled)
+    device = torch.device("cuda" if mesh.device_type == "meta" else "cpu")  # type: ignore[attr-defined]
+    return PipelineStage(kept, stage, stages, device, group=pp.get_group())
+
+
+@follows_compiled
+def test_a_pipeline_stages_compiled_blocks_are_listed_and_measured_compiled() -> None:
+    """A pipeline's stages are traced on threads of one process and are not followed yet:
+    each compiled block is listed, with the eager figures; ``measure`` runs them compiled
+    after a warm-up step, and lists nothing."""
+    from torch.distributed.pipelining import ScheduleGPipe
+
+    model, x = _model(), _input()
+    parallel = tm.Parallel(mesh={"pp": 2}, apply=_pipeline_stage, rank=0, schedule=ScheduleGPipe, microbatches=2)
+    eager_parallel = tm.Parallel(
+        mesh={"pp": 2}, apply=functools.partial(_pipeline_stage, compiled=False), rank=0,
+        schedule=ScheduleGPipe, microbatches=2,
+    )
+    estimated = tm.estimate(model, x, optimizer=_adamw, parallel=parallel)
+    eager = tm.estimate(model, x, optimizer=_adamw, parallel=eager_parallel)
+    measured = tm.measure(model, x, optimizer=_adamw, parallel=parallel)
+    assert _compiled_entries(estimated) == ["torch.compile: Block.forward"]
+    assert _peaks(estimated) == _peaks(eager)
+    assert measured.unsupported == () and measured.forward_peak != eager.forward_peak
+
+
+def test_blocks_compiled_inside_apply_are_listed_where_torch_cannot_follow_them() -> None:
+    """On torch 2.10 to 2.12 (no dynamo cache regions of our own) no compiled region is
+    followed: each block runs eagerly, listed, in the estimate and in ``measure``; from
+    2.13 both follow them (above)."""
+    from pytest_torchmem.engine.tracing.compiled import following_blocked
+
+    model, x = _model(), _input()
+    estimated = tm.estimate(model, x, optimizer=_adamw, parallel=_parallel("FSDP2"))
+    eager = tm.estimate(model, x, optimizer=_adamw, parallel=_parallel("FSDP2", compiled=False))
+    if following_blocked() is None:
+        assert _compiled_entries(estimated) == [] and _peaks(estimated) != _peaks(eager)
+        return
+    assert _compiled_entries(estimated) == ["torch.compile: Block.forward"]
+    assert _peaks(estimated) == _peaks(eager)
+    measured = tm.measure(model, x, optimizer=_adamw, parallel=_parallel("FSDP2"))
+    assert [entry.op for entry in measured.unsupported] == ["torch.compile: Block.forward"]
