@@ -223,10 +223,16 @@ def with_profiles(request: StepRequest, gpu: Any, cpu: Any) -> StepRequest:
     """``request`` with its device's profile resolved, once, from the entry point's ``gpu=``
     (a name or a :class:`GpuProfile`; None: :data:`~pytest_torchmem.engine.figures.gpu_profiles.DEFAULT_GPU`)
     or ``cpu=`` (a profile's name or a ``CpuProfile``; None: this host, as this process runs
-    now), the one its device follows; the other must be None (:func:`check_profiles`)."""
+    now; under ``parallel=``, this host at one intra-op thread: each rank is a process of
+    its own, as torchrun starts it, with ``OMP_NUM_THREADS=1``, and as
+    ``measure(parallel=...)`` runs it), the one its device follows; the other must be None
+    (:func:`check_profiles`)."""
     check_profiles(request.device, gpu, cpu)
     if request.device.is_cuda:
         return dataclasses.replace(request, device=request.device.following(gpu=gpu_profile(gpu)))
     from pytest_torchmem.engine.tracing.devices.cpu.profiles import cpu_profile
 
-    return dataclasses.replace(request, device=request.device.following(cpu=cpu_profile(cpu)))
+    profile = cpu_profile(cpu)
+    if cpu is None and request.parallel is not None:
+        profile = dataclasses.replace(profile, threads=1)
+    return dataclasses.replace(request, device=request.device.following(cpu=profile))
