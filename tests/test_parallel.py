@@ -618,3 +618,20 @@ def test_what_apply_leaves_out_of_the_model_it_returns_is_freed() -> None:
     estimated = tm.estimate(model, x, parallel=parallel)
     assert estimated.breakdown[tm.Category.PARAMETERS] == sum(p.nbytes for p in model.layers[0].parameters())
     _a_real_run_equal_to(estimated, lambda: tm.measure(model, x, parallel=parallel))
+
+
+def test_a_ranks_estimate_on_this_host_models_one_thread_as_its_measurement_runs() -> None:
+    """``cpu=None`` under ``parallel=``: this host at one intra-op thread, the profile
+    ``measure(parallel=...)``'s ranks report (each rank of a launch is a process of its
+    own, which torchrun starts with ``OMP_NUM_THREADS=1``); a named profile as given."""
+    from pytest_torchmem.engine.tracing.devices.cpu.profiles import host_profile
+
+    model, x = _blocks(1), torch.randn(8, 64)
+    parallel = tm.Parallel({"dp": 2}, lambda model, mesh: DDP(model))
+    estimated = tm.estimate(model, x, optimizer=_adamw, parallel=parallel)
+    measured = tm.measure(model, x, optimizer=_adamw, parallel=parallel)
+    one_thread = f"{host_profile().isa}:1"
+    assert estimated.profile is not None and estimated.profile.split(" ")[0] == one_thread
+    assert measured.profile is not None and measured.profile.split(" ")[0] == one_thread
+    named = tm.estimate(model, x, optimizer=_adamw, parallel=parallel, cpu="avx2:4")
+    assert named.profile is not None and named.profile.startswith("avx2:4")
