@@ -1,6 +1,6 @@
 """A step with its layers compiled one by one (regional compilation), beside the eager step.
 
-    python benchmarks/compiled_layers.py [--layers N] [--tokens T] [--device cuda|cpu]
+    python benchmarks/compiled_layers.py [--layers N] [--tokens T] [--device cuda|cpu] [--fsdp W]
 
 Llama-3-8B's shape (width 4096, 14,336 in the MLP, 32 heads of which 8 key-value,
 a vocabulary of 128,256; 32 layers unless ``--layers``), transformers' ``LlamaForCausalLM``
@@ -13,6 +13,11 @@ followed (no ``torch.compile`` entry in ``unsupported``). The target (issue 55) 
 compiled estimate within 3x the eager one: identical layers share one compile (one
 class, the same options: dynamo's guards pass for the others), and the traced step runs
 the programs built in the warm-up.
+
+``--fsdp W``: one rank of FSDP2 over W ranks instead (``parallel=``, the built-in step
+with AdamW), each decoder layer compiled inside ``apply`` and then sharded, as
+large-scale trainers build a rank (the eager row: the same ``apply`` without the
+compile).
 """
 
 from __future__ import annotations
@@ -31,7 +36,18 @@ ROOT = HERE.parent
 TARGET = 3.0
 
 
-def _child(kind: str, layers: int, tokens: int, device: str) -> dict[str, object]:
+def _fsdp(compiled: bool, model: object, mesh: object) -> object:
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    policy = MixedPrecisionPolicy(reduce_dtype=None)
+    for layer in model.model.layers:  # type: ignore[attr-defined]
+        if compiled:
+            layer.compile()
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
+    return fully_shard(model, mesh=mesh, mp_policy=policy)
+
+
+def _child(kind: str, layers: int, tokens: int, device: str, fsdp: int = 0) -> dict[str, object]:
     sys.path.insert(0, str(ROOT / "tests"))
     from torchvision_import import import_torchvision
 
@@ -48,19 +64,32 @@ def _child(kind: str, layers: int, tokens: int, device: str) -> dict[str, object
     )
     with torch.device("meta"):
         model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
-    if kind == "compiled":
-        for layer in model.model.layers:
-            layer.compile()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
     ids = torch.randint(0, config.vocab_size, (1, tokens))
-
-    def step(ids: torch.Tensor) -> None:
-        model(input_ids=ids, labels=ids).loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-
+    profile = {"gpu": "H100"} if device == "cuda" else {}
     wall, cpu = time.perf_counter(), _cpu_seconds()
-    report = tm.estimate(step, (ids,), device=device, **({"gpu": "H100"} if device == "cuda" else {}))
+    if fsdp:
+        import functools
+
+        report = tm.estimate(
+            model, {"input_ids": ids, "labels": ids}, device=device,
+            loss_fn=lambda output: output.loss,
+            optimizer=lambda params: torch.optim.AdamW(params, lr=1e-5),
+            parallel=tm.Parallel({"dp": fsdp}, functools.partial(_fsdp, kind == "compiled")),
+            **profile,
+        )
+    else:
+        if kind == "compiled":
+            for layer in model.model.layers:
+                layer.compile()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+
+        def step(ids: torch.Tensor) -> None:
+            model(input_ids=ids, labels=ids).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+
+        wall, cpu = time.perf_counter(), _cpu_seconds()
+        report = tm.estimate(step, (ids,), device=device, **profile)
     return {
         "wall": time.perf_counter() - wall,
         "cpu": _cpu_seconds() - cpu,
@@ -76,21 +105,23 @@ def main() -> int:
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    parser.add_argument("--fsdp", type=int, default=0, help="one rank of FSDP2 over this many ranks")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     options = parser.parse_args()
     if options.child:
-        print(json.dumps(_child(options.child, options.layers, options.tokens, options.device)))
+        print(json.dumps(_child(options.child, options.layers, options.tokens, options.device, options.fsdp)))
         return 0
     rows = {}
     for kind in ("eager", "compiled"):
         out = subprocess.run(
             [sys.executable, __file__, "--child", kind, "--layers", str(options.layers),
-             "--tokens", str(options.tokens), "--device", options.device],
+             "--tokens", str(options.tokens), "--device", options.device, "--fsdp", str(options.fsdp)],
             check=True, capture_output=True, text=True, cwd=ROOT,
         )
         rows[kind] = json.loads(out.stdout.strip().splitlines()[-1])
     gib = 1 << 30
-    print(f"Llama-3-8B shape, {options.layers} layers, {options.tokens} tokens, bf16, AdamW, {options.device}")
+    rank = f", one rank of FSDP2 over {options.fsdp}" if options.fsdp else ", a step function"
+    print(f"Llama-3-8B shape, {options.layers} layers, {options.tokens} tokens, bf16, AdamW, {options.device}{rank}")
     print(f"{'':10} {'wall s':>8} {'cpu s':>8} {'peak GiB':>9} {'forward':>9} {'backward':>9}  followed")
     for kind, row in rows.items():
         print(

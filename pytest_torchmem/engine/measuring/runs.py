@@ -16,9 +16,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 import gc
+from collections.abc import Callable
 from contextlib import ExitStack, nullcontext
 from dataclasses import dataclass, field
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Final
 
 import torch
