@@ -60,6 +60,7 @@ __all__ = [
     "AUTOTUNED",
     "NOT_FOLLOWED_REASON",
     "Builder",
+    "CompiledCodeMet",
     "CompiledModules",
     "Following",
     "compiled_modules",
@@ -379,6 +380,17 @@ def _collected_after_compile(callback: Any, backend: _FakeInductor) -> Callable[
     return run
 
 
+class CompiledCodeMet(BaseException):
+    """A trace that does not follow met, in the step's forward, a compiled function it could
+    follow (:attr:`Following.met`): the trace is given up at its next op, since the step is
+    traced again, following (a ``BaseException``: the step's own ``except Exception``
+    clauses let it through)."""
+
+    def __init__(self, phase: Phase) -> None:
+        super().__init__(phase)
+        self.phase = phase
+
+
 @dataclass
 class Following:
     """What :func:`following_compiled` set up: the compiled regions the trace follows.
@@ -405,6 +417,9 @@ class Following:
     #: the earliest phase of the step in which a compiled function of inductor was met
     #: while not following (None: none was)
     met: Phase | None = None
+    #: whether a trace that does not follow gives up once it met one in the forward
+    #: (:class:`CompiledCodeMet`: the step is traced again, following)
+    gives_up_when_met: bool = False
     #: the phase of the step now (the trace's tracker's)
     phase: Callable[[], Phase | None] = lambda: None
     #: called before a compiled function runs followed (the trace's router steps aside)
@@ -434,7 +449,7 @@ class Following:
             phase = self.phase()
             phase = Phase.FORWARD if phase is None else phase
             self.met = phase if self.met is None else min(self.met, phase)
-            return None
+            return None  # (run eagerly; a trace that gives up does so at its next op)
         known = self.functions.get(id(context))
         if known is None:
             known = self._compiled_alike(context, wrapper, wrapper_frame)
@@ -500,6 +515,14 @@ class Following:
         self.regions.append(region)
         self.cache_regions.append(region.region)
         return ours, region
+
+    def give_up_if_met(self, phase: Phase | None) -> None:
+        """Raise :class:`CompiledCodeMet` where this trace gives up on meeting a compiled
+        function it could follow, met in the forward, and the step is still there (the
+        tracker asks at each op: raised there, it unwinds the user's code as an error of
+        the op would, and the compiled region's own state is put back by dynamo)."""
+        if self.gives_up_when_met and self.met is Phase.FORWARD and phase in (None, Phase.FORWARD):
+            raise CompiledCodeMet(self.met)
 
     def warm_up_done(self) -> None:
         """Note what each region's backend did in the warm-up step."""

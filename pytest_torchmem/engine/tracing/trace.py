@@ -39,6 +39,7 @@ from pytest_torchmem.engine.figures.timeline import CATEGORY_RANK, Analysis, Pha
 from pytest_torchmem.engine.torch_compat.torch_private import private
 from pytest_torchmem.engine.tracing.block_replay import BlockReplay, BlockReplayMiss
 from pytest_torchmem.engine.tracing.compiled_program import (
+    CompiledCodeMet,
     CompiledModules,
     Following,
     compiled_modules,
@@ -244,21 +245,28 @@ def _traced(
     # made by apply: its compiled regions are found as the step meets them)
     found = compiled_modules(model) if parallel is None else CompiledModules()
 
-    def once(follow: bool, warm: bool) -> tuple[Trace, Phase | None]:
+    def once(follow: bool, warm: bool, gives_up: bool = False) -> tuple[Trace | None, Phase | None]:
         try:
-            return _trace(
-                model, args, kwargs, found=found, follow=follow, warm=warm, parallel=parallel, rank=rank, **options
-            )
-        except BlockReplayMiss as miss:
-            # a replayed block could not stand for its trace after all: traced again, every block
-            return _trace(
-                model, args, kwargs, found=found, follow=follow, warm=warm, parallel=parallel, rank=rank,
-                blocks_missed=str(miss), **options,
-            )
+            try:
+                return _trace(
+                    model, args, kwargs, found=found, follow=follow, warm=warm, parallel=parallel, rank=rank,
+                    gives_up=gives_up, **options,
+                )
+            except BlockReplayMiss as miss:
+                # a replayed block could not stand for its trace after all: traced again, every block
+                return _trace(
+                    model, args, kwargs, found=found, follow=follow, warm=warm, parallel=parallel, rank=rank,
+                    blocks_missed=str(miss), gives_up=gives_up, **options,
+                )
+        except CompiledCodeMet as met:
+            return None, met.phase
 
-    traced, met = once(follow=bool(found), warm=bool(found))
+    # (a trace that does not follow gives up where its forward meets a compiled function it
+    # could follow: the step is traced again, following, from the start)
+    traced, met = once(follow=bool(found), warm=bool(found), gives_up=not found)
     if not found and met is not None:
         traced, _ = once(follow=True, warm=met != Phase.STEP)
+    assert traced is not None
     return traced
 
 
@@ -432,6 +440,7 @@ def _trace(
     at_iteration_end: Callable[[int, Tracker], None] | None = None,
     turn: Callable[[Any], Any] | None = None,
     blocks_missed: str | None = None,
+    gives_up: bool = False,
 ) -> tuple[Trace, Phase | None]:
     """One trace (see :func:`trace`); ``follow``: follow the compiled regions (``found``,
     and the compiled functions the step calls); ``warm``: build them in a warm-up step
@@ -444,7 +453,9 @@ def _trace(
     the warm-up step, and the traced step inside the device's layers (layers.py).
 
     ``blocks_missed``: why an earlier try's block replay could not stand for the trace
-    (block_replay.py): this one traces every block, and says why.
+    (block_replay.py): this one traces every block, and says why. ``gives_up``: a trace
+    that does not follow raises :class:`CompiledCodeMet` at the first op after its forward
+    met a compiled function it could follow.
     """
     context = TraceContext(device.name, gpu=gpu, cpu=cpu)
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True, allow_fallback_kernels=False)
@@ -534,6 +545,9 @@ def _trace(
         return LoopReplay(tracker, model, leaves, replayed)
 
     with program as following:
+        if gives_up and not follow:
+            following.gives_up_when_met = True
+            tracker.gives_up = following.give_up_if_met
         # the compiled programs are built in an untracked step of their own, and the traced
         # step finds them in dynamo's cache (AOTAutograd compiles a backward lazily, at its
         # first run: in the traced step it would run under the tracker)

@@ -218,6 +218,10 @@ class Tracker(OnValues, TorchDispatchMode):
         #: (``watch(ENTER or EXIT, index)``) before it is recorded, while set (block_replay.py
         #: watches a block's backward).
         self.watch: Callable[[int, int], None] | None = None
+        #: Asked at each op with the step's phase: raises where the trace gives up (a trace
+        #: that does not follow, having met a compiled function it could follow:
+        #: ``Following.give_up_if_met``).
+        self.gives_up: Callable[[Phase | None], None] | None = None
         #: A forward's serial: bumped each time the phase is set, and at each forward of a
         #: pipeline stage's micro-batch (:meth:`new_forward`).
         self.forwards = 0
@@ -370,6 +374,8 @@ class Tracker(OnValues, TorchDispatchMode):
         if func is _PRIM_DEVICE and type(args[0]) is FakeTensor:
             # Asked constantly by autograd and C++ code; it allocates nothing.
             return args[0].fake_device
+        if self.gives_up is not None:
+            self.gives_up(self.phase)
         prior = _set_eval_frame(None)  # dynamo never traces the tracker's own code
         try:
             # Nor does a torch-function mode (a device's router) see its tensor
