@@ -141,10 +141,15 @@ def _measured_cpu(request: StepRequest, mesh: Any = None) -> MemoryReport:
     with CacheRegions(_MEASURED_REGION) as cache, watch_compiled(seen.noted, _isolated(seen, cache)):
         warm = has_compiled_modules(request.model)
         try:
-            report, compiled_ran = _measure_cpu(request, hook_failed, mesh, warm=warm, seen=seen)
+            measured: tuple[MemoryReport, bool] | None = _measure_cpu(request, hook_failed, mesh, warm=warm, seen=seen)
         except _CompiledByApply:
-            warm = True  # (every rank's apply compiles alike: all of them start again, warmed up)
-            report, compiled_ran = _measure_cpu(request, hook_failed, mesh, warm=warm, seen=seen)
+            measured = None
+        if measured is None:
+            # (every rank's apply compiles alike: all of them start again, warmed up; outside
+            # the handler, so that nothing compiled then carries its exception as context)
+            warm = True
+            measured = _measure_cpu(request, hook_failed, mesh, warm=warm, seen=seen)
+        report, compiled_ran = measured
         if seen.before_step and not warm:
             seen.regions.clear()
             hooks.clear()
