@@ -140,8 +140,9 @@ def _measured_cpu(request: StepRequest, mesh: Any = None) -> MemoryReport:
     hook_failed = _noting(hooks)
     with CacheRegions(_MEASURED_REGION) as cache, watch_compiled(seen.noted, _isolated(seen, cache)):
         warm = has_compiled_modules(request.model)
+        measured: tuple[MemoryReport, bool] | None
         try:
-            measured: tuple[MemoryReport, bool] | None = _measure_cpu(request, hook_failed, mesh, warm=warm, seen=seen)
+            measured = _measure_cpu(request, hook_failed, mesh, warm=warm, seen=seen)
         except _CompiledByApply:
             measured = None
         if measured is None:

@@ -173,7 +173,7 @@ def run_ranks(parallel: Parallel, body: Callable[[Any], str]) -> list[str]:
             if not _marked(results, _STALLED, _UNJOINED):
                 break
         stalled = _marked(results, _STALLED)
-        if not stalled and not any(result is not None and result[0] == "forked-autograd" for result in results):
+        if not stalled and not _marked(results, "forked-autograd"):
             return _collected(results, exitcodes)
         why = (
             f"its forked ranks did not start in {FORK_ATTEMPTS} tries (a lock of MKL's held by "
@@ -311,7 +311,7 @@ def _received(receive: Any) -> tuple[str, str] | None:
 
 
 def _collected(results: list[tuple[str, str] | None], exitcodes: list[int | None]) -> list[str]:
-    unjoined = [(rank, result[1]) for rank, result in enumerate(results) if result is not None and result[0] == _UNJOINED]
+    unjoined = [(rank, result[1]) for rank, result in enumerate(results) if _marked([result], _UNJOINED)]
     if unjoined:  # (the other ranks were killed waiting for it)
         rank, why = unjoined[0]
         raise RuntimeError(
@@ -517,7 +517,9 @@ def _functional_completed_here(wrap: Callable[[torch.Tensor], Any]) -> Callable[
     return completed
 
 
-def _compiled_wait_completed_here(wait: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
+def _compiled_wait_completed_here(
+    wait: Callable[[torch.Tensor], torch.Tensor],
+) -> Callable[[torch.Tensor], torch.Tensor]:
     """The wait a compiled program (inductor's code) calls on a functional collective's
     buffer, which then waits for gloo's thread to let go of it too: the program's own
     drop of the buffer is its last, seen."""
@@ -528,6 +530,10 @@ def _compiled_wait_completed_here(wait: Callable[[torch.Tensor], torch.Tensor]) 
         return out
 
     return completed
+
+
+#: What inductor's programs call to wait for a functional collective.
+_COMPILED_WAIT: Final = "torch.ops._c10d_functional.wait_tensor.default"
 
 
 @contextlib.contextmanager
@@ -573,13 +579,9 @@ def collectives_completed_here() -> Iterator[None]:
         # inductor's programs wait for their functional collectives through this name (read
         # as they run; inductor reads it too as it builds one, which therefore happens
         # outside this block: in the warm-up step)
-        replaced.enter_context(replacing(_COMPILED_WAIT, _compiled_wait_completed_here(private(_COMPILED_WAIT))))
+        waits = _compiled_wait_completed_here(private(_COMPILED_WAIT))
+        replaced.enter_context(replacing(_COMPILED_WAIT, waits))
         yield
-
-
-#: What inductor's programs call to wait for a functional collective.
-_COMPILED_WAIT: Final = "torch.ops._c10d_functional.wait_tensor.default"
-
 
 
 def _rebuild_freed_here(rebuild: Callable[[Any], bool], reducer: Any) -> bool:
