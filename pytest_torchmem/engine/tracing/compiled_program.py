@@ -417,9 +417,10 @@ class Following:
     #: the earliest phase of the step in which a compiled function of inductor was met
     #: while not following (None: none was)
     met: Phase | None = None
-    #: whether a trace that does not follow gives up once it met one in the forward
-    #: (:class:`CompiledCodeMet`: the step is traced again, following)
-    gives_up_when_met: bool = False
+    #: called when :attr:`met` is first set, in a trace that gives up then (it arms the
+    #: tracker's :meth:`give_up_if_met`: :class:`CompiledCodeMet`, and the step is traced
+    #: again, following); None: the trace goes on
+    on_met: Callable[[], None] | None = None
     #: the phase of the step now (the trace's tracker's)
     phase: Callable[[], Phase | None] = lambda: None
     #: called before a compiled function runs followed (the trace's router steps aside)
@@ -449,7 +450,9 @@ class Following:
             phase = self.phase()
             phase = Phase.FORWARD if phase is None else phase
             self.met = phase if self.met is None else min(self.met, phase)
-            return None  # (run eagerly; a trace that gives up does so at its next op)
+            if self.on_met is not None:
+                self.on_met()  # (a trace that gives up does so at its next op)
+            return None
         known = self.functions.get(id(context))
         if known is None:
             known = self._compiled_alike(context, wrapper, wrapper_frame)
@@ -521,7 +524,7 @@ class Following:
         function it could follow, met in the forward, and the step is still there (the
         tracker asks at each op: raised there, it unwinds the user's code as an error of
         the op would, and the compiled region's own state is put back by dynamo)."""
-        if self.gives_up_when_met and self.met is Phase.FORWARD and phase in (None, Phase.FORWARD):
+        if self.met is Phase.FORWARD and phase in (None, Phase.FORWARD):
             raise CompiledCodeMet(self.met)
 
     def warm_up_done(self) -> None:

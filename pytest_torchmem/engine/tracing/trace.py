@@ -546,8 +546,12 @@ def _trace(
 
     with program as following:
         if gives_up and not follow:
-            following.gives_up_when_met = True
-            tracker.gives_up = following.give_up_if_met
+
+            def arm() -> None:  # (the tracker asks at each op once the forward met one)
+                if following.met is Phase.FORWARD:
+                    tracker.gives_up = following.give_up_if_met
+
+            following.on_met = arm
         # the compiled programs are built in an untracked step of their own, and the traced
         # step finds them in dynamo's cache (AOTAutograd compiles a backward lazily, at its
         # first run: in the traced step it would run under the tracker)

@@ -220,7 +220,7 @@ class Tracker(OnValues, TorchDispatchMode):
         self.watch: Callable[[int, int], None] | None = None
         #: Asked at each op with the step's phase: raises where the trace gives up (a trace
         #: that does not follow, having met a compiled function it could follow:
-        #: ``Following.give_up_if_met``).
+        #: ``Following.give_up_if_met``, set once it met one).
         self.gives_up: Callable[[Phase | None], None] | None = None
         #: A forward's serial: bumped each time the phase is set, and at each forward of a
         #: pipeline stage's micro-batch (:meth:`new_forward`).
