@@ -68,14 +68,52 @@ def _compiled_entries(report: tm.MemoryReport) -> list[str]:
     return [entry.op for entry in report.unsupported if entry.op.startswith("torch.compile")]
 
 
-def _blocks(model: nn.Sequential, *, compiled: bool, checkpointed: bool = False, fullgraph: bool = False) -> None:
+def _recompute_all_but_matmuls(ctx: object, op: object, *args: object, **kwargs: object) -> object:
+    """Selective activation checkpointing's policy, as trainers write it: save the
+    matrix products, recompute the rest."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    saved = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
+    return CheckpointPolicy.MUST_SAVE if op in saved else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+class Checkpointed(nn.Module):
+    """``block`` under ``torch.utils.checkpoint`` inside its own forward (``selective``:
+    with the policy above), compiled with it."""
+
+    def __init__(self, block: nn.Module, selective: bool = False) -> None:
+        super().__init__()
+        self.block = block
+        self.selective = selective
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+
+        if not self.selective:
+            return checkpoint(self.block, x, use_reentrant=False)
+        contexts = functools.partial(create_selective_checkpoint_contexts, _recompute_all_but_matmuls)
+        return checkpoint(self.block, x, use_reentrant=False, context_fn=contexts)
+
+
+def _blocks(
+    model: nn.Sequential,
+    *,
+    compiled: bool,
+    checkpointed: bool = False,
+    inside: str | None = None,
+    **options: object,
+) -> None:
+    """Each block checkpointed around (``checkpoint_wrapper``) or inside (``"full"``,
+    ``"selective"``), then compiled with ``options``."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
     for index, block in enumerate(model):
         if checkpointed:
             block = checkpoint_wrapper(block)
+        if inside is not None:
+            block = Checkpointed(block, selective=inside == "selective")
         if compiled:
-            block = torch.compile(block, fullgraph=fullgraph)
+            block = torch.compile(block, **options)
         model[index] = block
 
 
@@ -86,17 +124,10 @@ def _ddp(model: nn.Sequential, mesh: object, compiled: bool = True) -> nn.Module
     return DDP(model)
 
 
-def _fsdp(
-    model: nn.Sequential,
-    mesh: object,
-    compiled: bool = True,
-    reshard: bool = True,
-    checkpointed: bool = False,
-    fullgraph: bool = False,
-) -> nn.Module:
+def _fsdp(model: nn.Sequential, mesh: object, compiled: bool = True, reshard: bool = True, **blocks: object) -> nn.Module:
     from torch.distributed.fsdp import fully_shard
 
-    _blocks(model, compiled=compiled, checkpointed=checkpointed, fullgraph=fullgraph)
+    _blocks(model, compiled=compiled, **blocks)
     for block in model:
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
     return fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
@@ -117,7 +148,11 @@ CASES = {
     "FSDP2": _fsdp,
     "FSDP2 kept gathered": functools.partial(_fsdp, reshard=False),
     "FSDP2 checkpointed": functools.partial(_fsdp, checkpointed=True),
+    "FSDP2 checkpointed inside": functools.partial(_fsdp, inside="full"),
+    "FSDP2 selective checkpointing": functools.partial(_fsdp, inside="selective"),
     "FSDP2 fullgraph": functools.partial(_fsdp, fullgraph=True),
+    "FSDP2 dynamic=False": functools.partial(_fsdp, dynamic=False),
+    "FSDP2 max-autotune-no-cudagraphs": functools.partial(_fsdp, mode="max-autotune-no-cudagraphs"),
     "TP": _tp,
 }
 #: The README run's share; the others run in CI's exhaustive run.
@@ -159,7 +194,10 @@ def test_blocks_compiled_inside_apply_are_followed_on_cuda(name: str) -> None:
     model, x = _model(), _input()
     compiled = tm.estimate(model, x, device="cuda", optimizer=_adamw, parallel=_parallel(name))
     eager = tm.estimate(model, x, device="cuda", optimizer=_adamw, parallel=_parallel(name, compiled=False))
-    assert _compiled_entries(compiled) == []
+    # (on a GPU inductor times its Triton templates against ATen's kernels: what it would
+    # choose is listed, as for any compiled model on cuda)
+    autotuned = ["torch.compile on cuda: max-autotune"] if "max-autotune" in name else []
+    assert _compiled_entries(compiled) == autotuned
     assert compiled.breakdown != eager.breakdown
 
 
