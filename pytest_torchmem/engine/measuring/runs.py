@@ -17,7 +17,7 @@ import dataclasses
 import functools
 import gc
 from collections.abc import Callable
-from contextlib import ExitStack, nullcontext
+from contextlib import AbstractContextManager, ExitStack, nullcontext
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final
 
@@ -366,22 +366,7 @@ def profile_cpu_step(
             lend(holdings, standins, compiled=compiled) if parallel is None else collectives_completed_here(),
             modules,
         ):
-            run_step(
-                step_model,
-                standins.args,
-                standins.kwargs,
-                parameters=parameters,
-                inputs=standins.inputs,
-                hook_optimizers=standins.hook_optimizers,
-                optimizers=standins.optimizers,
-                loss_fn=request.loss_fn,
-                optimizer=request.optimizer,
-                train=request.train,
-                probe=probe,
-                keep_output=request.keep_output,
-                repeat=request.repeat,
-                train_context=train_context,
-            )
+            _run(request, standins, probe, step_model, parameters, train_context)
         del step_model, parameters, train_context
         if parallel is not None:
             # DDP's reducer sits in reference cycles: freed here, seen freed (see _free_released)
@@ -391,13 +376,22 @@ def profile_cpu_step(
     return prof, timeline, baseline
 
 
-def _run(request: StepRequest, standins: Converted, probe: Any) -> None:
-    """``request``'s step on ``standins`` (which the model holds now), told to ``probe``."""
+def _run(
+    request: StepRequest,
+    standins: Converted,
+    probe: Any,
+    model: nn.Module | None = None,
+    parameters: list[torch.Tensor] | None = None,
+    train_context: Callable[[], AbstractContextManager[Any]] = nullcontext,
+) -> None:
+    """``request``'s step on ``standins`` (which the model holds now), told to ``probe``;
+    under ``parallel=``, of ``model`` (what ``apply`` returned) and its ``parameters``,
+    each iteration in ``train_context``."""
     run_step(
-        request.model,
+        request.model if model is None else model,
         standins.args,
         standins.kwargs,
-        parameters=standins.parameters,
+        parameters=standins.parameters if parameters is None else parameters,
         inputs=standins.inputs,
         hook_optimizers=standins.hook_optimizers,
         optimizers=standins.optimizers,
@@ -407,6 +401,7 @@ def _run(request: StepRequest, standins: Converted, probe: Any) -> None:
         probe=probe,
         keep_output=request.keep_output,
         repeat=request.repeat,
+        train_context=train_context,
     )
 
 
@@ -436,21 +431,7 @@ def _warm_up(
     train_context = entered_per_iteration(parallel, model, mesh, copies.args, copies.kwargs)
     # (without collectives_completed_here: inductor, building the programs here, reads the
     # name of the wait it replaces)
-    run_step(
-        model,
-        copies.args,
-        copies.kwargs,
-        parameters=list(model.parameters()),
-        inputs=copies.inputs,
-        hook_optimizers=copies.hook_optimizers,
-        optimizers=copies.optimizers,
-        loss_fn=request.loss_fn,
-        optimizer=None,
-        train=request.train,
-        probe=QuietProbe(),
-        keep_output=request.keep_output,
-        train_context=train_context,
-    )
+    _run(warm_up, copies, QuietProbe(), model, list(model.parameters()), train_context)
 
 
 def _measure_cuda(
