@@ -14,6 +14,7 @@ A pipeline's stages are not followed yet: their compiled blocks are listed.
 from __future__ import annotations
 
 import functools
+import pathlib
 
 import pytest
 import torch
@@ -249,3 +250,40 @@ def test_blocks_compiled_inside_apply_are_listed_where_torch_cannot_follow_them(
     assert _peaks(estimated) == _peaks(eager)
     measured = tm.measure(model, x, optimizer=_adamw, parallel=_parallel("FSDP2"))
     assert [entry.op for entry in measured.unsupported] == ["torch.compile: Block.forward"]
+
+
+class _Scaled(nn.Module):
+    """A block no other test compiles (its kernels are new to every process)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(24, 24)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.proj(x)) * 7.25 - x.square()
+
+
+def _compiled_replicas(model: nn.Module, mesh: object) -> nn.Module:
+    return torch.compile(model)
+
+
+@follows_compiled
+def test_ranks_compile_new_kernels_after_their_parent_compiled_with_its_thread_pool(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A parent that compiled a C++ kernel with inductor's pool of compile threads forks
+    ranks that inherit the executor without its threads: a rank's first new kernel
+    waited for it forever (CI: each such rank killed after ``TIMEOUT``). A fresh cache
+    directory makes every kernel new."""
+    from torch._inductor import config
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    torch.manual_seed(0)
+    model, x = _Scaled(), torch.randn(3, 24)
+    before = fingerprint(model, x)
+    with config.patch(compile_threads=2):
+        torch.compile(lambda a: torch.cos(a) * 3.5 + a)(torch.randn(5))  # (the parent's pool)
+        measured = tm.measure(model, x, parallel=tm.Parallel({"dp": 2}, _compiled_replicas))
+    eager = tm.measure(model, x, parallel=tm.Parallel({"dp": 2}, lambda model, mesh: model))
+    assert measured.unsupported == () and measured.forward_peak != eager.forward_peak
+    assert fingerprint(model, x) == before

@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import sys
 import tempfile
 import time
 import traceback
@@ -95,17 +96,31 @@ def _probe_blas() -> None:
     torch.mm(a, a)
 
 
+def _compile_on_this_thread() -> None:
+    """Have inductor compile this forked child's kernels on the calling thread
+    (``compile_threads = 1``, TORCHINDUCTOR_COMPILE_THREADS's setting; not part of the
+    keys of inductor's caches). Inductor resets its process pools in a forked child but
+    not its pool of threads (``AsyncCompile.pool``, 2.10-2.15): a parent that compiled a
+    C++ kernel left the child an executor whose threads it does not have."""
+    if "torch._inductor.config" in sys.modules:  # (else the child makes its own pool)
+        sys.modules["torch._inductor.config"].compile_threads = 1
+
+
 def ready_after_fork() -> str | None:
     """Ready a forked child to run a step: its kernels on one thread, its first matrix
     product and its first backward. Returns why it cannot run backward (its parent had
     started autograd's device threads), or None.
 
     A forked child cannot use the OpenMP thread pool of a parent that ran parallel
-    regions (GNU OpenMP then waits forever for threads the child does not have). A
-    child forked while another thread of the parent held a lock of MKL's never
-    returns from its first matrix product: its parent, told nothing, lets it go.
+    regions (GNU OpenMP then waits forever for threads the child does not have). Nor
+    inductor's pool of compile threads: the child inherits the parent's executor
+    without its threads, and its first new C++ kernel waits forever
+    (:func:`_compile_on_this_thread`). A child forked while another thread of the
+    parent held a lock of MKL's never returns from its first matrix product: its
+    parent, told nothing, lets it go.
     """
     torch.set_num_threads(1)
+    _compile_on_this_thread()
     _probe_blas()
     try:
         one = torch.zeros((), requires_grad=True)
