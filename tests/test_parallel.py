@@ -251,6 +251,39 @@ def _killed_once_as_it_joins(marker: str, kills: int) -> Callable[..., object]:
     return joining
 
 
+def _killed_with_a_peer_failing_as_it_joins(marker: str, kills: int) -> Callable[..., object]:
+    """As :func:`_killed_once_as_it_joins`, and rank 0 fails in it, as gloo fails a peer
+    whose connection to the killed rank closed."""
+    killed = _killed_once_as_it_joins(marker, kills)
+
+    def joining(*args: object, **kwargs: object) -> object:
+        import torch.distributed as dist
+
+        if dist.get_rank() == 0:
+            raise RuntimeError("[gloo] Connection closed by peer [rank 1]")
+        return killed(*args, **kwargs)
+
+    return joining
+
+
+def _all_at_once(wait: Callable[..., list[object]]) -> Callable[..., list[object]]:
+    """``multiprocessing.connection.wait`` of a parent too busy to look until every pipe
+    has something (each pipe's answer, in the pipes' order)."""
+    import time
+
+    def waited(objects: list[object], timeout: float | None = None) -> list[object]:
+        deadline = time.monotonic() + (600 if timeout is None else timeout)
+        ready: list[object] = []
+        while len(ready) < len(objects):
+            more = wait([o for o in objects if o not in ready], timeout=max(0.0, deadline - time.monotonic()))
+            if not more:
+                break
+            ready.extend(more)
+        return [o for o in objects if o in ready]
+
+    return waited
+
+
 def test_ranks_whose_groups_did_not_form_are_started_again(
     tmp_path: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -281,6 +314,30 @@ def test_ranks_that_never_form_their_groups_fail_in_one_message(
     assert str(failed.value) == (
         f"measure(parallel=...) could not form the mesh's process groups in {FORK_ATTEMPTS} tries; the "
         "last time, rank 1:\nrank 1 was killed by SIGKILL (the system's out-of-memory killer sends it) "
+        "as it joined its groups"
+    )
+    assert len(os.listdir(tmp_path)) == FORK_ATTEMPTS
+
+
+def test_the_rank_that_ended_is_named_before_a_peer_that_failed_with_it(
+    tmp_path: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A busy parent finds a killed rank and its peer's error at once (the peer's on the
+    lower rank's pipe): the message names the rank that was killed, whose end the peer's
+    error follows from (CI's 2.10 run once named rank 0's instead)."""
+    from multiprocessing import connection
+
+    from pytest_torchmem.engine.parallel.real_ranks import FORK_ATTEMPTS, run_ranks
+
+    marker = str(tmp_path / "killed")
+    monkeypatch.setattr(
+        "torch.distributed.device_mesh.init_device_mesh", _killed_with_a_peer_failing_as_it_joins(marker, FORK_ATTEMPTS)
+    )
+    monkeypatch.setattr(connection, "wait", _all_at_once(connection.wait))
+    with pytest.raises(RuntimeError) as failed:
+        run_ranks(tm.Parallel({"dp": 2}, lambda model, mesh: model), _gloo_workers)
+    assert str(failed.value).endswith(
+        "the last time, rank 1:\nrank 1 was killed by SIGKILL (the system's out-of-memory killer sends it) "
         "as it joined its groups"
     )
     assert len(os.listdir(tmp_path)) == FORK_ATTEMPTS

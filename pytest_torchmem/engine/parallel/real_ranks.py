@@ -281,8 +281,12 @@ def _started(
 
 
 def _first_unjoined(pipes: list[Any], processes: list[Any]) -> tuple[int, str] | None:
-    """Wait until every rank says its groups formed: None; or the first rank that
-    failed or ended before, and why (its traceback, or how it ended)."""
+    """Wait until every rank says its groups formed: None; or the rank that failed or
+    ended before, and why (its traceback, or how it ended).
+
+    Where one rank ended and another failed, the one that ended is named: its peers'
+    errors follow from it (gloo's connection to it closed), and a busy parent can
+    find both at once, the peer's error on the lower rank's pipe."""
     from multiprocessing.connection import wait
 
     pending = {receive: rank for rank, receive in enumerate(pipes)}
@@ -292,13 +296,23 @@ def _first_unjoined(pipes: list[Any], processes: list[Any]) -> tuple[int, str] |
         if not ready:
             rank = min(pending.values())
             return rank, f"rank {rank} did not join its groups within {JOIN_TIMEOUT} s"
+        failed: dict[int, tuple[str, str] | None] = {}
         for receive in ready:
             rank = pending.pop(receive)
             message = _received(receive)
-            if message is None:
-                return rank, _ended(rank, processes[rank])
-            if message[0] != JOINED:
-                return rank, message[1]
+            if message is None or message[0] != JOINED:
+                failed[rank] = message
+        if failed:
+            for receive, rank in pending.items():  # (a rank that ended meanwhile)
+                if processes[rank].exitcode is not None:
+                    message = _received(receive) if receive.poll() else None
+                    if message is None or message[0] != JOINED:
+                        failed[rank] = message
+            ended = sorted(rank for rank, message in failed.items() if message is None)
+            if ended:
+                return ended[0], _ended(ended[0], processes[ended[0]])
+            rank = min(failed)
+            return rank, failed[rank][1]  # type: ignore[index]
     return None
 
 
