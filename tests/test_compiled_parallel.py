@@ -125,7 +125,9 @@ def _ddp(model: nn.Sequential, mesh: object, compiled: bool = True) -> nn.Module
     return DDP(model)
 
 
-def _fsdp(model: nn.Sequential, mesh: object, compiled: bool = True, reshard: bool = True, **blocks: object) -> nn.Module:
+def _fsdp(
+    model: nn.Sequential, mesh: object, compiled: bool = True, reshard: bool = True, **blocks: object
+) -> nn.Module:
     from torch.distributed.fsdp import fully_shard
 
     _blocks(model, compiled=compiled, **blocks)
