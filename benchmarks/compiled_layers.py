@@ -11,8 +11,9 @@ process, both in one run, side by side: wall and CPU seconds (the clocks start a
 imports and the model's construction), the peaks, and whether the compiled step was
 followed (no ``torch.compile`` entry in ``unsupported``). The target (issue 55) is a
 compiled estimate within 3x the eager one: identical layers share one compile (one
-class, the same options: dynamo's guards pass for the others), and the traced step runs
-the programs built in the warm-up.
+class, the same options: dynamo's guards pass for the others), the warm-up runs that
+program in full once and then makes only its outputs, and the traced step replays the
+layers between its first and last few, as it replays eager blocks.
 
 ``--fsdp W``: one rank of FSDP2 over W ranks instead (``parallel=``, the built-in step
 with AdamW), each decoder layer compiled inside ``apply`` and then sharded, as

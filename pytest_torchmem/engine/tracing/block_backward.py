@@ -29,6 +29,9 @@ _FORWARD: Final = Phase.FORWARD
 _BACKWARD: Final = Phase.BACKWARD
 
 _ACCUMULATE_GRAD: Final = "torch::autograd::AccumulateGrad"
+#: The package of AOTAutograd's runtime, whose ``CompiledFunction`` a compiled program's
+#: forward applies (torch/_functorch/_aot_autograd/runtime_wrappers.py, 2.10 to 2.15).
+_AOT_AUTOGRAD: Final = "torch._functorch._aot_autograd"
 
 
 class Recorder:
@@ -72,6 +75,9 @@ class Recorder:
         self.phase = _FORWARD if replay.tracker.setting_up else _BACKWARD
         #: Whether the block is its list's last (:meth:`BlockReplay._recorded`).
         self.last = False
+        #: Whether the block is compiled alone: its backward is its program's one node,
+        #: which hands on its input's gradient with nothing after it (see :meth:`gave`).
+        self.compiled = replay._is_compiled(block)
 
     def owns(self, node: Any) -> bool:
         if node is None:
@@ -112,6 +118,11 @@ class Recorder:
         """The gradient of the block's input (the block's backward is over)."""
         if self.state == "done":
             return
+        if self.compiled and self.state == "in" and not self.owns(_current_autograd_node()):
+            # (the hook runs as the node its input came from begins: a compiled program's
+            # one node made every event of its backward by then)
+            self.state = "ended"
+            self.end = len(self.replay.tracker.timeline.events)
         self.state, state = "done", self.state
         with _DisableTorchFunction():
             template, why = self._template(position, grad, state)
@@ -215,16 +226,34 @@ def holds(holder: Any, found: set[int]) -> bool:
     return (holder._cdata if isinstance(holder, torch.Tensor) else id(holder)) in found
 
 
+def _compiled_program(node: Any) -> bool:
+    """Whether ``node`` is the autograd node of a compiled program (AOTAutograd's
+    ``CompiledFunction``)."""
+    forward = getattr(type(node), "_forward_cls", None)
+    return (
+        isinstance(node, torch.autograd.function.BackwardCFunction)
+        and forward is not None
+        and forward.__module__.startswith(_AOT_AUTOGRAD)
+    )
+
+
 def _node_key(node: Any) -> tuple[int, str]:
     return node._sequence_nr(), node.name()
 
 
 def block_graph(
-    block: nn.Module, out_leaves: list[Any], inputs: list[Any], sequence: tuple[int, int], ledger: Any
+    block: nn.Module,
+    out_leaves: list[Any],
+    inputs: list[Any],
+    sequence: tuple[int, int],
+    ledger: Any,
+    compiled: bool = False,
 ) -> set[int] | str:
     """The storages the block's graph saves, and the keys (:func:`holds`) of what holds
     the wrapped numbers it saved; or why the graph cannot be replayed (it reaches tensors
-    the block was not given, it has a custom function)."""
+    the block was not given, it has a custom function). ``compiled``: the block is compiled
+    alone, and its compiled program's node (AOTAutograd's function, which saves its
+    tensors with ``save_for_backward``) is read as autograd's own nodes are."""
     s0, s1 = sequence
     params = {id(p) for p in block.parameters()}
     given = {id(t) for t in inputs}
@@ -240,7 +269,14 @@ def block_graph(
         if key in seen:
             continue
         seen.add(key)
-        if isinstance(node, torch.autograd.function.BackwardCFunction) and not dtensor_function(node):
+        if compiled and _compiled_program(node):
+            for t in node.saved_tensors:
+                sid = ledger.storage_id(local_of(t)) if isinstance(t, torch.Tensor) else None
+                if sid is None and isinstance(t, torch.Tensor):
+                    return "a block's compiled program saved a tensor the trace does not know"
+                if sid is not None:
+                    saved.add(sid)
+        elif isinstance(node, torch.autograd.function.BackwardCFunction) and not dtensor_function(node):
             return "a block runs a custom autograd function"
         saved.update(id(token) for token in number_holders(node))
         for attr in dir(node):

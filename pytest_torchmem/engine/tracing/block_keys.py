@@ -154,10 +154,12 @@ def _class_attributes(cls: type) -> tuple[Any, ...]:
     return tuple(out)
 
 
-def block_structure(block: nn.Module, unit: bool) -> tuple[Any, ...]:
+def block_structure(block: nn.Module, unit: bool, compiled: bool = False) -> tuple[Any, ...]:
     """``block``'s modules' classes and attributes, as a value equal between blocks that
     dispatch the same ops: parameters and buffers by layout, the rest by value (``unit``:
-    the block is an FSDP2 unit, whose own hooks and state are left out)."""
+    the block is an FSDP2 unit, whose own hooks and state are left out; ``compiled``: the
+    block is compiled alone, its compiled callable left out, its program told apart by
+    its region)."""
     out: list[Any] = []
     modules = list(block.modules())
     within = {id(module): place for place, module in enumerate(modules)}  # (by place: one walk)
@@ -169,7 +171,7 @@ def block_structure(block: nn.Module, unit: bool) -> tuple[Any, ...]:
         skipped = {key for hooks in (module._forward_pre_hooks, module._forward_hooks) for key, hook in hooks.items()
                    if neutral(hook)}
         for name, value in module.__dict__.items():
-            if name == "forward" and module is block:
+            if module is block and (name == "forward" or (compiled and name == "_compiled_call_impl")):
                 continue
             if name in _STATE_DICT_HOOKS:
                 continue

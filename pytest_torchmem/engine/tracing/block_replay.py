@@ -61,6 +61,16 @@ forward and a backward in the forward phase). A group's template serves every la
 micro-batch, where FSDP2 takes each backward's gradients off the gathered parameters
 (:meth:`BlockReplay._grads_leave`): a replayed backward must find none there.
 
+Where the trace follows compiled code, only blocks compiled alone (``module.compile()``)
+replay, and only where the warm-up built each of their regions' programs during one
+block's call (compiled_blocks.py): dynamo's guards passed for the others, which ran
+those programs. Their ``_compiled_call_impl`` is set instead of their ``forward`` (which
+dynamo's guards look at), no module hook is registered while one runs (dynamo's guards
+see the global ones), their program's autograd node is read as autograd's own nodes are
+(:func:`~.block_backward.block_graph`), and a replayed call counts its programs' runs as
+the traced one ran them (:meth:`~.compiled_program.Following.not_followed` compares them
+with the warm-up's).
+
 This module is the driver; what decides a call's program, as values, is
 :mod:`.block_keys`; the templates a traced block leaves, :mod:`.block_templates`; a
 traced block's backward recorded and its graph, :mod:`.block_backward`; FSDP2's units,
@@ -109,6 +119,8 @@ _sequence_nr: Final = private("torch._C._autograd._get_sequence_nr")
 #: the head).
 _TAIL: Final = 3
 _STRIDED: Final = torch.strided
+#: Where ``module.compile()`` keeps a module's compiled callable.
+_COMPILED_CALL: Final = "_compiled_call_impl"
 _FORWARD: Final = Phase.FORWARD
 _BACKWARD: Final = Phase.BACKWARD
 
@@ -126,7 +138,15 @@ class BlockReplay:
     removed on exit).
     """
 
-    def __init__(self, tracker: Any, model: nn.Module, lines: list[str], *, parallel: bool = False) -> None:
+    def __init__(
+        self,
+        tracker: Any,
+        model: nn.Module,
+        lines: list[str],
+        *,
+        parallel: bool = False,
+        compiled: dict[int, Any] | None = None,
+    ) -> None:
         self.tracker = tracker
         self.model = model
         self.lines = lines
@@ -154,6 +174,11 @@ class BlockReplay:
         #: Under ``parallel=``: the model is a pipeline rank's stages (its micro-batches' forwards
         #: each a graph of their own; under 1F1B, the later ones in the step's backward phase).
         self.pipeline = False
+        #: In a trace that follows compiled code: the blocks compiled alone that replay, by
+        #: ``id``, with their regions (compiled_blocks.py); their compiled callables are set
+        #: instead of their forwards (which dynamo's guards see), and no other block replays.
+        self.compiled = compiled
+        self._compiled_calls: dict[int, Callable[..., Any]] = {}
 
     # -- entering: the blocks' forwards -------------------------------------------------
 
@@ -196,7 +221,8 @@ class BlockReplay:
             if self.parallel:
                 self._units.update(id(block) for block in same_class if fsdp_state(block) is not None)
             with _DisableTorchFunction():
-                structures = [block_structure(block, id(block) in self._units) for block in same_class]
+                structures = [block_structure(block, id(block) in self._units, self._is_compiled(block))
+                              for block in same_class]
                 free = free_places(structures)
                 for block, structure in zip(same_class, structures):
                     by_structure.setdefault(masked(structure, free), []).append(block)
@@ -211,7 +237,10 @@ class BlockReplay:
         """Set the forwards of ``blocks``, alike in class and structure but for the plain
         attributes ``free`` (by their place in the structure)."""
         for position, block in enumerate(blocks):
-            if id(block) in self._where or "forward" in block.__dict__:
+            if self.compiled is not None:
+                if id(block) not in self.compiled or id(block) in self._where:
+                    continue
+            elif id(block) in self._where or "forward" in block.__dict__:
                 continue
             if isinstance(block, torch.jit.ScriptModule):
                 continue
@@ -223,12 +252,22 @@ class BlockReplay:
                 continue  # (a module apply made: the step's module hooks do not number it)
             self._where[id(block)] = (name, position, len(blocks))
             self._free[id(block)] = free
-            block.__dict__["forward"] = _BlockForward(self, block)
+            if self.compiled is not None:
+                call = self._compiled_calls[id(block)] = block.__dict__[_COMPILED_CALL]
+                block.__dict__[_COMPILED_CALL] = _CompiledBlockCall(self, block, call)
+            else:
+                block.__dict__["forward"] = _BlockForward(self, block)
             self._patched.append(block)
+
+    def _is_compiled(self, block: nn.Module) -> bool:
+        return self.compiled is not None and id(block) in self.compiled
 
     def __exit__(self, *exc: object) -> None:
         for block in self._patched:
-            block.__dict__.pop("forward", None)
+            if id(block) in self._compiled_calls:
+                block.__dict__[_COMPILED_CALL] = self._compiled_calls.pop(id(block))
+            else:
+                block.__dict__.pop("forward", None)
         self._patched.clear()
         self.tracker.watch = None
         self._recorders.clear()  # (a block's backward that never ran: its recorder holds its parameters)
@@ -275,13 +314,14 @@ class BlockReplay:
         leaves, spec = tree_flatten((args, kwargs))
         free = self._free[id(block)]
         with _DisableTorchFunction():
-            structure = block_structure(block, id(block) in self._units)
+            structure = block_structure(block, id(block) in self._units, self._is_compiled(block))
             # (the KV caches it is given: the layers its numbers pick, as they are before the call)
             caches = [leaf for leaf in leaves if replay_caches.known(leaf)] if free else []
             slots = tuple(replay_caches.slot_state(cache, structure[place][2]) for cache in caches for place in sorted(free))
             signature = (
                 type(block), masked(structure, free), arguments_key(leaves), str(spec),
                 (*switches(), saving_hooks()), phase, tracker.setting_up, slots,
+                id(self.compiled[id(block)]) if self._is_compiled(block) else None,
             )
         group = self._group(name, size, signature)
         serial = tracker.forwards
@@ -385,7 +425,10 @@ class BlockReplay:
         start, first, reads = len(timeline.events), len(timeline.storages), tracker.value_reads
         s0 = _sequence_nr()
         inputs = [t for t in leaves if isinstance(t, torch.Tensor)]
-        observer = _Observer(self, block, inputs) if grad else None
+        # (no module hooks on a compiled block: dynamo's guards see the global ones)
+        region = self.compiled[id(block)] if self._is_compiled(block) else None
+        observer = _Observer(self, block, inputs) if grad and region is None else None
+        runs = region.backend.calls if region is not None else 0
         # (a group traced for a reason already is not watched: the trace function slows
         # every frame the call runs)
         snapshots = [replay_caches.Snapshot(cache) for cache in caches]
@@ -399,6 +442,13 @@ class BlockReplay:
             if observer is not None:
                 observer.remove()
         s1 = _sequence_nr()
+        if region is not None:
+            # (how often its compiled programs ran: a replayed call counts them as run)
+            runs = region.backend.calls - runs
+            if group.runs is None:
+                group.runs = runs
+            elif group.runs != runs:
+                group.why = group.why or "its compiled blocks ran their programs a different number of times"
         with _DisableTorchFunction():
             group.globals.update(watched.globals)
             if watched.read:
@@ -414,7 +464,8 @@ class BlockReplay:
                         block, start, first, reads, output, inputs, grad, observer, (s0, s1), writes
                     )
             unit = id(block) in self._units
-            if made is not None and masked(block_structure(block, unit), self._free[id(block)]) != group.signature[1]:
+            after = block_structure(block, unit, region is not None)
+            if made is not None and masked(after, self._free[id(block)]) != group.signature[1]:
                 made, why = None, "a block changed its own attributes"
             if made is None:
                 group.why = group.why or why
@@ -536,7 +587,7 @@ class BlockReplay:
             # (only a backward frees what a block saved: without one, it keeps them)
             return None, "a block keeps tensors it made beside its output"
         if grad and differentiable:
-            found = block_graph(block, out_leaves, inputs, sequence, ledger)
+            found = block_graph(block, out_leaves, inputs, sequence, ledger, self._is_compiled(block))
             if isinstance(found, str):
                 return None, found
             if any(not holds(ledger.holder(sid), found) for sid in saved - found):
@@ -577,6 +628,9 @@ class BlockReplay:
         tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
         template = group.forward
         assert template is not None
+        if self._is_compiled(block):
+            assert group.runs is not None
+            self.compiled[id(block)].backend.calls += group.runs  # type: ignore[index]
         # (the KV cache layers its numbers pick: where it leaves what the template left)
         free = self._free[id(block)]
         slots = [
@@ -795,6 +849,22 @@ class _BlockForward:
 
     def __repr__(self) -> str:
         return repr(self.__wrapped__)
+
+
+class _CompiledBlockCall:
+    """A compiled block's ``_compiled_call_impl`` while the replay is entered (an instance
+    attribute, as ``module.compile()`` sets it): the compiled callable, called through the
+    replay. The block's ``forward`` is left as it is (dynamo's guards look at it)."""
+
+    __slots__ = ("replay", "block", "call")
+
+    def __init__(self, replay: BlockReplay, block: nn.Module, call: Callable[..., Any]) -> None:
+        self.replay = replay
+        self.block = weakref.ref(block)
+        self.call = call
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.replay.call(self.block(), self.call, args, kwargs)  # type: ignore[arg-type]
 
 
 class _Replayed(torch.autograd.Function):

@@ -77,3 +77,5 @@ class Group:
     globals: dict[tuple[int, str], tuple[dict[str, Any], str, Any]] = dataclasses.field(default_factory=dict)
     replayed: int = 0
     calls: int = 0
+    #: a compiled block's: how often a traced call ran its compiled programs
+    runs: int | None = None

@@ -55,6 +55,7 @@ from pytest_torchmem.engine.torch_compat.torch_replacing import replacing, repla
 from pytest_torchmem.engine.tracing.devices.cpu.profiles import CpuProfile
 from pytest_torchmem.engine.user.generated_code import output_directory, remember
 from pytest_torchmem.engine.tracing.inductor_device import host_vector_isa
+from pytest_torchmem.engine.tracing.warm_up_runs import first_run_in_full
 
 __all__ = [
     "AUTOTUNED",
@@ -128,6 +129,8 @@ def no_kernels(loaded: list[Any], cpu: CpuProfile | None = None) -> Iterator[Non
         for name, replacement in _DISPATCHED.items():
             if hasattr(module, name):
                 setattr(module, name, replacement)
+        if hasattr(module, "call"):
+            module.call = first_run_in_full(module.call)
         loaded.append(module)
         return module
 
@@ -412,6 +415,8 @@ class Following:
     put_backs: list[Callable[[], None]] = field(default_factory=list)
     #: the compiled functions met so far, by ``id`` of their dynamo context (kept alive)
     functions: dict[int, tuple[Any, _Region]] = field(default_factory=dict)
+    #: the region of each followed compiled module, by ``id``
+    module_regions: dict[int, _Region] = field(default_factory=dict)
     #: the compiled functions met so far, by their code object (see :meth:`_compiled_alike`)
     compiled_code: dict[Any, list[tuple[Any, Any, _Region]]] = field(default_factory=dict)
     #: the earliest phase of the step in which a compiled function of inductor was met
@@ -539,6 +544,7 @@ class Following:
         for put_back in self.put_backs:
             put_back()
         self.regions.clear()
+        self.module_regions.clear()
         self.functions.clear()
         self.compiled_code.clear()
         self.active = False
@@ -671,7 +677,7 @@ def following_compiled(
         # the user's: dynamo keeps compiled code on the code object, and a block's program,
         # built for the first of them, runs for the others where its guards pass (the
         # parameters are the graph's inputs), so that identical blocks compile once
-        alike: dict[tuple[type, bool, Any], list[tuple[Any, Any]]] = {}
+        alike: dict[tuple[type, bool, Any], list[tuple[Any, Any, _Region]]] = {}
         for compiled in found.followed:
             restore.callback(_put_back, compiled)
             following.put_backs.append(lambda compiled=compiled: _put_back(compiled))  # type: ignore[misc]
@@ -679,10 +685,11 @@ def following_compiled(
             inner_module = getattr(module, "_orig_mod", module)
             context, wrapper = compiled.context, _inductor_wrapper(compiled.context)
             kind = alike.setdefault((type(inner_module), bool(context.fullgraph), context._dynamic), [])
-            optimized = next((made for other, made in kind if other == wrapper), None)
+            optimized, region = next(((made, made_for) for other, made, made_for in kind if other == wrapper), (None, None))
             if optimized is None:
-                optimized, _ = following._follow(context, wrapper, _place(inner_module))
-                kind.append((wrapper, optimized))
+                optimized, region = following._follow(context, wrapper, _place(inner_module))
+                kind.append((wrapper, optimized, region))
+            following.module_regions[id(module)] = region
 
             def ours(call: Callable[..., Any], optimized: Any = optimized) -> Callable[..., Any]:
                 compiled_call = optimized(call)

@@ -34,6 +34,7 @@ from pytest_torchmem.engine.torch_compat.torch_private import private
 from pytest_torchmem.engine.torch_compat.torch_replacing import on_this_thread, replacing, replacing_item
 from pytest_torchmem.engine.tracing.devices.cuda.gpu_view import gpu_properties
 from pytest_torchmem.engine.user.generated_code import remember
+from pytest_torchmem.engine.tracing.warm_up_runs import first_run_in_full
 
 __all__ = ["Enter", "as_the_gpu", "host_vector_isa", "unguarded"]
 
@@ -361,6 +362,8 @@ def _load(
         setattr(module, name, value)
     if enter is not None:
         module.call = enter(module.call)  # type: ignore[attr-defined]
+    if hasattr(module, "call"):
+        module.call = first_run_in_full(module.call)
     return module
 
 

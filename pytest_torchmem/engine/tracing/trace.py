@@ -47,6 +47,7 @@ from pytest_torchmem.engine.tracing.compiled_program import (
 )
 from pytest_torchmem.engine.tracing.devices import DeviceModel
 from pytest_torchmem.engine.tracing.devices.cpu.profiles import CpuProfile
+from pytest_torchmem.engine.tracing.compiled_blocks import WarmUpCompiles, replayable_blocks
 from pytest_torchmem.engine.tracing.compiled_cuda import CudaProgram
 from pytest_torchmem.engine.tracing.devices.cuda.memory_stats import MemorySoFar
 from pytest_torchmem.engine.tracing.devices.cuda.profiles import DEFAULT_GPU, PROFILES, GpuProfile
@@ -56,6 +57,7 @@ from pytest_torchmem.engine.tracing.replay import LoopReplay, replay_enabled
 from pytest_torchmem.engine.tracing.rules import TraceContext
 from pytest_torchmem.engine.tracing.stops import Stop
 from pytest_torchmem.engine.tracing.tracker import Tracker
+from pytest_torchmem.engine.tracing.warm_up_runs import warming_up
 
 if TYPE_CHECKING:
     from pytest_torchmem.engine.step.request import StepRequest
@@ -540,6 +542,12 @@ def _trace(
         and isinstance(modules, ModuleTracker) and not isinstance(model, Pipelined)
         else None
     )
+    # (following compiled code: the blocks compiled alone replay, where the warm-up found
+    # each of their regions built its programs in one block's call: compiled_blocks.py)
+    replays_compiled = (
+        follow and warm and parallel is None and replay_enabled() and blocks_missed is None
+        and not isinstance(model, Pipelined)
+    )
 
     def replaying(model: nn.Module, leaves: list[torch.Tensor]) -> LoopReplay:
         return LoopReplay(tracker, model, leaves, replayed)
@@ -555,31 +563,37 @@ def _trace(
         # the compiled programs are built in an untracked step of their own, and the traced
         # step finds them in dynamo's cache (AOTAutograd compiles a backward lazily, at its
         # first run: in the traced step it would run under the tracker)
+        compiles = WarmUpCompiles(step_model, following.module_regions) if replays_compiled else None
         if warm:
             try:
-                _warm_up(
-                    model,
-                    args,
-                    kwargs,
-                    fake_mode,
-                    where,
-                    following,
-                    # (a tracker of the warm-up's own, whose figures are dropped)
-                    new_tracker(TraceContext(device.name, gpu=gpu, cpu=cpu), runs_compiled_code=True),
-                    loss_fn=loss_fn,
-                    train=train,
-                    keep_output=keep_output,
-                    looped=optimizer is not None or bool(standins.hook_optimizers),
-                    repeat=repeat,
-                    parallel=parallel,
-                    rank=rank,
-                )
+                with warming_up(), compiles.counting() if compiles is not None else nullcontext():
+                    _warm_up(
+                        model,
+                        args,
+                        kwargs,
+                        fake_mode,
+                        where,
+                        following,
+                        # (a tracker of the warm-up's own, whose figures are dropped)
+                        new_tracker(TraceContext(device.name, gpu=gpu, cpu=cpu), runs_compiled_code=True),
+                        loss_fn=loss_fn,
+                        train=train,
+                        keep_output=keep_output,
+                        looped=optimizer is not None or bool(standins.hook_optimizers),
+                        repeat=repeat,
+                        parallel=parallel,
+                        rank=rank,
+                    )
             except Exception:
                 # inductor or dynamo could not build the program (or the model failed, which
                 # the traced step shows again): the modules run eagerly there, flagged
                 following.abandon()
         if follow:
             following.warm_up_done()
+        if compiles is not None and following.active:
+            replayable = replayable_blocks(compiles, block_lines)
+            if replayable:
+                blocks = BlockReplay(tracker, step_model, block_lines, compiled=replayable)
         scene = Scene(
             holdings,
             standins,

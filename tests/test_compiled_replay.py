@@ -1,0 +1,160 @@
+"""Block replay of layers compiled one by one (issue 55, item 3): a model's repeated blocks,
+each compiled alone (``layer.compile()``, as recipes compile their decoder layers), share
+one program; the traced step traces a few of them and replays the others, as it replays
+eager blocks (compiled_blocks.py, block_replay.py).
+
+A replay must give the figures of the step traced block by block (``TORCHMEM_REPLAY=0``),
+which on cpu are ``measure``'s, byte for byte; and blocks whose programs differ (dynamo
+specializes on an attribute that tells them apart, and builds one program per block) are
+traced, with the reason said.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import pytest_torchmem as tm
+from fingerprint import fingerprint
+from following import follows_compiled
+from profiled import every_peak
+from replay_checks import import_transformers
+
+pytestmark = follows_compiled
+
+LAYERS = 8
+
+
+def _llama() -> tuple[nn.Module, torch.optim.Optimizer, torch.Tensor]:
+    """transformers' Llama (8 layers, width 128), its decoder layers compiled one by one,
+    and AdamW."""
+    transformers = import_transformers()
+    config = transformers.LlamaConfig(
+        vocab_size=512, hidden_size=128, intermediate_size=344, num_hidden_layers=LAYERS,
+        num_attention_heads=4, num_key_value_heads=2, use_cache=False,
+    )
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config)
+    for layer in model.model.layers:
+        layer.compile()
+    return model, torch.optim.AdamW(model.parameters()), torch.randint(0, 512, (2, 64))
+
+
+def _train_step(model: nn.Module, optimizer: torch.optim.Optimizer, ids: torch.Tensor) -> None:
+    model(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def _replayed(report: tm.MemoryReport) -> list[str]:
+    return [line for line in report.replayed if "block calls replayed" in line]
+
+
+def _traced_block_by_block(monkeypatch: pytest.MonkeyPatch, *args: Any, **kwargs: Any) -> tm.MemoryReport:
+    with monkeypatch.context() as patched:
+        patched.setenv("TORCHMEM_REPLAY", "0")
+        report = tm.estimate(*args, **kwargs)
+    assert _replayed(report) == []
+    return report
+
+
+def test_compiled_layers_replay_and_equal_measure_on_cpu() -> None:
+    """Eight decoder layers compiled alone, through the recipe's own loop: the first ones
+    traced until two alike make the template, three at the end for their backwards, the
+    rest replayed; every figure ``measure``'s."""
+    model, optimizer, ids = _llama()
+    before = fingerprint(model, optimizer, ids)
+    report = tm.estimate(_train_step, (model, optimizer, ids))
+    assert fingerprint(model, optimizer, ids) == before
+    assert report.unsupported == ()
+    [line] = _replayed(report)
+    assert line.startswith("model.model.layers: ") and f" of {LAYERS} block calls replayed" in line, line
+    assert every_peak(report) == every_peak(tm.measure(_train_step, (model, optimizer, ids)))
+
+
+def test_compiled_layers_replay_on_cuda_as_traced_block_by_block(monkeypatch: pytest.MonkeyPatch) -> None:
+    model, optimizer, ids = _llama()
+    report = tm.estimate(_train_step, (model, optimizer, ids), device="cuda")
+    assert report.unsupported == ()
+    assert len(_replayed(report)) == 1
+    traced = _traced_block_by_block(monkeypatch, _train_step, (model, optimizer, ids), device="cuda")
+    assert every_peak(report) == every_peak(traced)
+    assert report.breakdown == traced.breakdown
+
+
+class _Numbered(nn.Module):
+    """A block whose forward branches on its number: dynamo specializes on the integer
+    attribute, and builds a program for each block (the layers' programs differ: the
+    first one keeps a copy of its input)."""
+
+    def __init__(self, number: int) -> None:
+        super().__init__()
+        self.number = number
+        self.up = nn.Linear(64, 256)
+        self.down = nn.Linear(256, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.down(torch.relu(self.up(x)))
+        return x + h * 2 if self.number == 0 else x + h
+
+
+def test_compiled_blocks_whose_programs_differ_are_traced_and_equal_measure(monkeypatch: pytest.MonkeyPatch) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(*(_Numbered(i) for i in range(6)))
+    for block in model:
+        block.compile()
+    x = torch.randn(32, 64)
+    report = tm.estimate(model, x)
+    assert report.unsupported == ()
+    assert _replayed(report) == []
+    assert "compiled blocks traced (dynamo built programs in 6 of their calls" in "\n".join(report.replayed)
+    assert every_peak(report) == every_peak(tm.measure(model, x))
+
+
+# -- a compiled program's runs in the warm-up -------------------------------------------
+
+
+def test_in_the_warm_up_a_program_runs_in_full_once_per_input_layout() -> None:
+    """An output module's ``call`` (warm_up_runs.py): in the warm-up its first run on inputs
+    of given layouts runs, the later ones make outputs of the layouts it returned; a run
+    on other layouts runs; a program that returns a view of its input always runs; outside
+    the warm-up every run runs."""
+    from pytest_torchmem.engine.tracing.warm_up_runs import first_run_in_full, warming_up
+
+    runs: list[int] = []
+
+    def program(args: list[Any]) -> tuple[torch.Tensor, ...]:
+        (x,) = args
+        args.clear()
+        runs.append(x.shape[0])
+        return (torch.empty(x.shape[0], 3), torch.empty(2, x.shape[0]).t())
+
+    call = first_run_in_full(program)
+    with warming_up():
+        first = call([torch.randn(4)])
+        again = [call([torch.randn(4)]) for _ in range(3)]
+        other = call([torch.randn(5)])
+    assert runs == [4, 5]
+    for out in again:
+        assert [(t.shape, t.stride(), t.dtype) for t in out] == [(t.shape, t.stride(), t.dtype) for t in first]
+        assert all(t.untyped_storage()._cdata != f.untyped_storage()._cdata for t, f in zip(out, first))
+    assert other[0].shape == (5, 3)
+    call([torch.randn(4)])
+    assert runs == [4, 5, 4]  # (outside the warm-up)
+
+    viewed: list[int] = []
+
+    def view_of_input(args: list[Any]) -> tuple[torch.Tensor]:
+        (x,) = args
+        args.clear()
+        viewed.append(1)
+        return (x[1:],)
+
+    call = first_run_in_full(view_of_input)
+    with warming_up():
+        for _ in range(3):
+            call([torch.randn(4)])
+    assert len(viewed) == 3
