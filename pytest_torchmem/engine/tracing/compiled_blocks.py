@@ -23,6 +23,7 @@ from typing import Any
 
 from torch import nn
 
+from pytest_torchmem.engine.figures.report import ROOT_NAME
 from pytest_torchmem.engine.tracing.block_keys import block_lists
 
 __all__ = ["WarmUpCompiles", "compiled_lists", "replayable_blocks"]
@@ -35,12 +36,12 @@ def compiled_lists(model: nn.Module, regions: dict[int, Any]) -> list[tuple[str,
     """``model``'s block lists (by name) with the blocks of each compiled alone
     (``module.compile()``) whose program the trace follows (``regions``: the followed
     modules' regions, by ``id``)."""
-    names = {id(m): name for name, m in model.named_modules()}
+    names = {id(m): name or ROOT_NAME for name, m in model.named_modules()}
     found = []
     for container, blocks in block_lists(model):
         compiled = [b for b in blocks if id(b) in regions and b.__dict__.get(_CALL) is not None]
         if compiled:
-            found.append((names.get(id(container), ""), compiled))
+            found.append((names.get(id(container), ROOT_NAME), compiled))
     return found
 
 
