@@ -1,7 +1,9 @@
-"""Block replay of layers compiled one by one (issue 55, item 3): a model's repeated blocks,
-each compiled alone (``layer.compile()``, as recipes compile their decoder layers), share
-one program; the traced step traces a few of them and replays the others, as it replays
-eager blocks (compiled_blocks.py, block_replay.py).
+"""Block replay where the trace follows compiled code (issue 55, item 3): a model's repeated
+blocks, each compiled alone (``layer.compile()``, as recipes compile their decoder layers),
+share one program; the traced step traces a few of them and replays the others, as it
+replays eager blocks (compiled_blocks.py, block_replay.py); and eager blocks beside
+compiled code (a compiled loss) replay as they do without it, but those that run inside
+compiled code or call it.
 
 A replay must give the figures of the step traced block by block (``TORCHMEM_REPLAY=0``),
 which on cpu are ``measure``'s, byte for byte; and blocks whose programs differ (dynamo
@@ -119,6 +121,91 @@ def test_compiled_blocks_whose_programs_differ_are_traced_and_equal_measure() ->
     assert report.unsupported == ()
     assert _replayed(report) == []
     assert "(model): compiled blocks traced (dynamo built programs in 3 of their calls" in "\n".join(report.replayed)
+    assert every_peak(report) == every_peak(tm.measure(model, x))
+
+
+# -- eager blocks beside compiled code ---------------------------------------------------
+
+
+@torch.compile
+def _chunked_cross_entropy(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy((h @ weight.t()).float(), labels, reduction="sum")
+
+
+def _eager_llama() -> tuple[nn.Module, torch.optim.Optimizer, torch.Tensor]:
+    transformers = import_transformers()
+    config = transformers.LlamaConfig(
+        vocab_size=512, hidden_size=128, intermediate_size=344, num_hidden_layers=LAYERS,
+        num_attention_heads=4, num_key_value_heads=2, use_cache=False,
+    )
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config)
+    return model, torch.optim.AdamW(model.parameters()), torch.randint(0, 512, (2, 64))
+
+
+def _step_with_a_compiled_loss(model: nn.Module, optimizer: torch.optim.Optimizer, ids: torch.Tensor) -> None:
+    """The recipe's loop with its loss compiled and computed chunk by chunk."""
+    hidden = model.model(input_ids=ids).last_hidden_state.flatten(0, 1)
+    labels = ids.flatten()
+    total = hidden.new_zeros((), dtype=torch.float32)
+    for part, part_labels in zip(hidden.chunk(4), labels.chunk(4)):
+        total = total + _chunked_cross_entropy(part, model.lm_head.weight, part_labels)
+    (total / labels.numel()).backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def test_eager_layers_beside_a_compiled_loss_replay_and_equal_measure_on_cpu() -> None:
+    model, optimizer, ids = _eager_llama()
+    before = fingerprint(model, optimizer, ids)
+    report = tm.estimate(_step_with_a_compiled_loss, (model, optimizer, ids))
+    assert fingerprint(model, optimizer, ids) == before
+    assert report.unsupported == ()
+    assert len(_replayed(report)) == 1
+    assert every_peak(report) == every_peak(tm.measure(_step_with_a_compiled_loss, (model, optimizer, ids)))
+
+
+def test_eager_layers_beside_a_compiled_loss_replay_on_cuda_as_traced_block_by_block(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    model, optimizer, ids = _eager_llama()
+    report = tm.estimate(_step_with_a_compiled_loss, (model, optimizer, ids), device="cuda")
+    assert report.unsupported == ()
+    assert len(_replayed(report)) == 1
+    traced = _traced_block_by_block(monkeypatch, _step_with_a_compiled_loss, (model, optimizer, ids), device="cuda")
+    assert every_peak(report) == every_peak(traced)
+
+
+@torch.compile
+def _gelu_mlp(x: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    return nn.functional.gelu(x @ up) @ down
+
+
+class _CallsCompiled(nn.Module):
+    """An eager block whose forward calls a compiled function."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Parameter(torch.randn(64, 256) / 8)
+        self.down = nn.Parameter(torch.randn(256, 64) / 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + _gelu_mlp(x, self.up, self.down)
+
+
+@pytest.mark.parametrize("how", ["blocks that call a compiled function", "the whole model compiled"])
+def test_eager_blocks_in_or_around_compiled_code_are_traced_and_equal_measure(how: str) -> None:
+    torch.manual_seed(0)
+    if how == "the whole model compiled":
+        model: nn.Module = nn.Sequential(*(nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64))
+                                           for _ in range(8)))
+        model.compile()
+    else:
+        model = nn.Sequential(*(_CallsCompiled() for _ in range(8)))
+    x = torch.randn(32, 64)
+    report = tm.estimate(model, x)
+    assert report.unsupported == ()
+    assert _replayed(report) == []
     assert every_peak(report) == every_peak(tm.measure(model, x))
 
 

@@ -75,9 +75,10 @@ class Recorder:
         self.phase = _FORWARD if replay.tracker.setting_up else _BACKWARD
         #: Whether the block is its list's last (:meth:`BlockReplay._recorded`).
         self.last = False
-        #: Whether the block is compiled alone: its backward is its program's one node,
-        #: which hands on its input's gradient with nothing after it (see :meth:`gave`).
-        self.compiled = replay._is_compiled(block)
+        #: Whether the trace follows compiled code: no module hook marks the end of the
+        #: block's backward (a compiled block's is its program's one node), which is over
+        #: once the node its input came from begins (see :meth:`gave`).
+        self.compiled = replay.compiled is not None
 
     def owns(self, node: Any) -> bool:
         if node is None:
@@ -119,8 +120,8 @@ class Recorder:
         if self.state == "done":
             return
         if self.compiled and self.state == "in" and not self.owns(_current_autograd_node()):
-            # (the hook runs as the node its input came from begins: a compiled program's
-            # one node made every event of its backward by then)
+            # (the hook runs as the node its input came from begins: autograd runs the
+            # block's nodes, made after that node, first; they made every event by then)
             self.state = "ended"
             self.end = len(self.replay.tracker.timeline.events)
         self.state, state = "done", self.state

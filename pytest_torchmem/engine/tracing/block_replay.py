@@ -61,15 +61,17 @@ forward and a backward in the forward phase). A group's template serves every la
 micro-batch, where FSDP2 takes each backward's gradients off the gathered parameters
 (:meth:`BlockReplay._grads_leave`): a replayed backward must find none there.
 
-Where the trace follows compiled code, only blocks compiled alone (``module.compile()``)
-replay, and only where the warm-up built each of their regions' programs during one
-block's call (compiled_blocks.py): dynamo's guards passed for the others, which ran
-those programs. Their ``_compiled_call_impl`` is set instead of their ``forward`` (which
-dynamo's guards look at), no module hook is registered while one runs (dynamo's guards
-see the global ones), their program's autograd node is read as autograd's own nodes are
+Where the trace follows compiled code, blocks compiled alone (``module.compile()``)
+replay where the warm-up built each of their regions' programs during one block's call
+(compiled_blocks.py): dynamo's guards passed for the others, which ran those programs.
+Their ``_compiled_call_impl`` is set instead of their ``forward`` (which dynamo's guards
+look at), their program's autograd node is read as autograd's own nodes are
 (:func:`~.block_backward.block_graph`), and a replayed call counts its programs' runs as
 the traced one ran them (:meth:`~.compiled_program.Following.not_followed` compares them
-with the warm-up's).
+with the warm-up's). Eager blocks replay beside compiled code, but those that run inside
+it (their forwards set, dynamo's guards would fail) or call it. No module hook is
+registered while a block runs (dynamo's guards see the global ones), and a block's
+backward ends where the node its input came from begins (no module hook marks it).
 
 This module is the driver; what decides a call's program, as values, is
 :mod:`.block_keys`; the templates a traced block leaves, :mod:`.block_templates`; a
@@ -146,6 +148,9 @@ class BlockReplay:
         *,
         parallel: bool = False,
         compiled: dict[int, Any] | None = None,
+        program_runs: Callable[[], int] = lambda: 0,
+        inside_compiled: frozenset[type] = frozenset(),
+        under_compiled: frozenset[int] = frozenset(),
     ) -> None:
         self.tracker = tracker
         self.model = model
@@ -175,10 +180,17 @@ class BlockReplay:
         #: each a graph of their own; under 1F1B, the later ones in the step's backward phase).
         self.pipeline = False
         #: In a trace that follows compiled code: the blocks compiled alone that replay, by
-        #: ``id``, with their regions (compiled_blocks.py); their compiled callables are set
-        #: instead of their forwards (which dynamo's guards see), and no other block replays.
+        #: ``id``, with their regions (compiled_blocks.py), whose compiled callables are set
+        #: instead of their forwards (which dynamo's guards see); eager blocks replay beside
+        #: them but those run inside compiled code (of the classes ``inside_compiled``,
+        #: which a compiled region's graph called; or modules of a compiled module, by
+        #: ``id`` in ``under_compiled``), whose forwards set dynamo would see, and those
+        #: whose traced calls ran compiled programs (``program_runs``: how many have run).
         self.compiled = compiled
         self._compiled_calls: dict[int, Callable[..., Any]] = {}
+        self.program_runs = program_runs
+        self.inside_compiled = inside_compiled
+        self.under_compiled = under_compiled
 
     # -- entering: the blocks' forwards -------------------------------------------------
 
@@ -237,10 +249,15 @@ class BlockReplay:
         """Set the forwards of ``blocks``, alike in class and structure but for the plain
         attributes ``free`` (by their place in the structure)."""
         for position, block in enumerate(blocks):
-            if self.compiled is not None:
-                if id(block) not in self.compiled or id(block) in self._where:
-                    continue
-            elif id(block) in self._where or "forward" in block.__dict__:
+            if id(block) in self._where:
+                continue
+            if self.compiled is not None and id(block) not in self.compiled and (
+                block.__dict__.get(_COMPILED_CALL) is not None
+                or type(block) in self.inside_compiled
+                or id(block) in self.under_compiled
+            ):
+                continue  # (compiled, but not alone or not alike; or run inside compiled code)
+            if id(block) not in (self.compiled or ()) and "forward" in block.__dict__:
                 continue
             if isinstance(block, torch.jit.ScriptModule):
                 continue
@@ -252,7 +269,7 @@ class BlockReplay:
                 continue  # (a module apply made: the step's module hooks do not number it)
             self._where[id(block)] = (name, position, len(blocks))
             self._free[id(block)] = free
-            if self.compiled is not None:
+            if self._is_compiled(block):
                 call = self._compiled_calls[id(block)] = block.__dict__[_COMPILED_CALL]
                 block.__dict__[_COMPILED_CALL] = _CompiledBlockCall(self, block, call)
             else:
@@ -425,10 +442,11 @@ class BlockReplay:
         start, first, reads = len(timeline.events), len(timeline.storages), tracker.value_reads
         s0 = _sequence_nr()
         inputs = [t for t in leaves if isinstance(t, torch.Tensor)]
-        # (no module hooks on a compiled block: dynamo's guards see the global ones)
+        # (following compiled code: no module hooks, which dynamo's guards see, and the
+        # traced step has no module tracker whose hooks the observer would see)
         region = self.compiled[id(block)] if self._is_compiled(block) else None
-        observer = _Observer(self, block, inputs) if grad and region is None else None
-        runs = region.backend.calls if region is not None else 0
+        observer = _Observer(self, block, inputs) if grad and self.compiled is None else None
+        runs = region.backend.calls if region is not None else self.program_runs()
         # (a group traced for a reason already is not watched: the trace function slows
         # every frame the call runs)
         snapshots = [replay_caches.Snapshot(cache) for cache in caches]
@@ -449,6 +467,8 @@ class BlockReplay:
                 group.runs = runs
             elif group.runs != runs:
                 group.why = group.why or "its compiled blocks ran their programs a different number of times"
+        elif self.program_runs() != runs:
+            group.why = group.why or "a block runs compiled code"
         with _DisableTorchFunction():
             group.globals.update(watched.globals)
             if watched.read:

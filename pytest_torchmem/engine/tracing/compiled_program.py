@@ -298,10 +298,16 @@ class _FakeInductor:
         self.phase = phase
         #: the step's phase when each graph was built
         self.phases: list[Phase | None] = []
+        #: the classes of the modules its graphs called (dynamo's ``nn_module_stack``)
+        self.classes: set[type] = set()
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
         # no_kernels is on for all of following_compiled: AOTAutograd compiles the
         # backward graph lazily, at the first backward, outside this call
+        for node in gm.graph.nodes:
+            for entry in (node.meta.get("nn_module_stack") or {}).values():
+                if isinstance(entry, tuple) and isinstance(entry[-1], type):
+                    self.classes.add(entry[-1])
         try:
             if self.builder is not None:
                 program = self.builder.compile(self.wrapper, gm, example_inputs)
@@ -523,6 +529,15 @@ class Following:
         self.regions.append(region)
         self.cache_regions.append(region.region)
         return ours, region
+
+    def program_runs(self) -> int:
+        """How many times the followed regions' programs have run."""
+        return sum(region.backend.calls for region in self.regions)
+
+    def compiled_classes(self) -> frozenset[type]:
+        """The classes of the modules the followed regions' graphs called (a block of one
+        of them runs inside compiled code)."""
+        return frozenset(kind for region in self.regions for kind in region.backend.classes)
 
     def give_up_if_met(self, phase: Phase | None) -> None:
         """Raise :class:`CompiledCodeMet` where this trace gives up on meeting a compiled

@@ -543,7 +543,8 @@ def _trace(
         else None
     )
     # (following compiled code: the blocks compiled alone replay, where the warm-up found
-    # each of their regions built its programs in one block's call: compiled_blocks.py)
+    # each of their regions built its programs in one block's call (compiled_blocks.py),
+    # and eager blocks that run neither inside compiled code nor compiled code inside them)
     replays_compiled = (
         follow and warm and parallel is None and replay_enabled() and blocks_missed is None
         and not isinstance(model, Pipelined)
@@ -591,9 +592,17 @@ def _trace(
         if follow:
             following.warm_up_done()
         if compiles is not None and following.active:
-            replayable = replayable_blocks(compiles, block_lines)
-            if replayable:
-                blocks = BlockReplay(tracker, step_model, block_lines, compiled=replayable)
+            blocks = BlockReplay(
+                tracker,
+                step_model,
+                block_lines,
+                compiled=replayable_blocks(compiles, block_lines),
+                program_runs=following.program_runs,
+                inside_compiled=following.compiled_classes(),
+                under_compiled=frozenset(
+                    id(module) for compiled in found.followed for module in compiled.module.modules()
+                ),
+            )
         scene = Scene(
             holdings,
             standins,
