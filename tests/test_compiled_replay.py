@@ -193,8 +193,15 @@ class _CallsCompiled(nn.Module):
         return x + _gelu_mlp(x, self.up, self.down)
 
 
-@pytest.mark.parametrize("how", ["blocks that call a compiled function", "the whole model compiled"])
-def test_eager_blocks_in_or_around_compiled_code_are_traced_and_equal_measure(how: str) -> None:
+@pytest.mark.parametrize(
+    ("how", "train"),
+    [("blocks that call a compiled function", True), ("blocks that call a compiled function", False),
+     ("the whole model compiled", True)],
+)
+def test_eager_blocks_in_or_around_compiled_code_are_traced_and_equal_measure(how: str, train: bool) -> None:
+    """Blocks that run compiled code, or run inside it, are traced (a replay would skip
+    their programs' runs, or set a forward that dynamo's guards see); a forward alone
+    (``train=False``) has no autograd node that tells a compiled program apart."""
     torch.manual_seed(0)
     if how == "the whole model compiled":
         model: nn.Module = nn.Sequential(*(nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64))
@@ -203,10 +210,10 @@ def test_eager_blocks_in_or_around_compiled_code_are_traced_and_equal_measure(ho
     else:
         model = nn.Sequential(*(_CallsCompiled() for _ in range(8)))
     x = torch.randn(32, 64)
-    report = tm.estimate(model, x)
+    report = tm.estimate(model, x, train=train)
     assert report.unsupported == ()
     assert _replayed(report) == []
-    assert every_peak(report) == every_peak(tm.measure(model, x))
+    assert every_peak(report) == every_peak(tm.measure(model, x, train=train))
 
 
 # -- a compiled program's runs in the warm-up -------------------------------------------
