@@ -700,7 +700,9 @@ def following_compiled(
             inner_module = getattr(module, "_orig_mod", module)
             context, wrapper = compiled.context, _inductor_wrapper(compiled.context)
             kind = alike.setdefault((type(inner_module), bool(context.fullgraph), context._dynamic), [])
-            optimized, region = next(((made, made_for) for other, made, made_for in kind if other == wrapper), (None, None))
+            optimized, region = next(
+                ((made, made_for) for other, made, made_for in kind if other == wrapper), (None, None)
+            )
             if optimized is None:
                 optimized, region = following._follow(context, wrapper, _place(inner_module))
                 kind.append((wrapper, optimized, region))
