@@ -30,9 +30,9 @@ pytestmark = follows_compiled
 LAYERS = 8
 
 
-def _llama() -> tuple[nn.Module, torch.optim.Optimizer, torch.Tensor]:
-    """transformers' Llama (8 layers, width 128), its decoder layers compiled one by one,
-    and AdamW."""
+def _llama(compile_layers: bool = True) -> tuple[nn.Module, torch.optim.Optimizer, torch.Tensor]:
+    """transformers' Llama (8 layers, width 128), its decoder layers compiled one by one
+    (or eager), and AdamW."""
     transformers = import_transformers()
     config = transformers.LlamaConfig(
         vocab_size=512, hidden_size=128, intermediate_size=344, num_hidden_layers=LAYERS,
@@ -40,8 +40,9 @@ def _llama() -> tuple[nn.Module, torch.optim.Optimizer, torch.Tensor]:
     )
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config)
-    for layer in model.model.layers:
-        layer.compile()
+    if compile_layers:
+        for layer in model.model.layers:
+            layer.compile()
     return model, torch.optim.AdamW(model.parameters()), torch.randint(0, 512, (2, 64))
 
 
@@ -132,17 +133,6 @@ def _chunked_cross_entropy(h: torch.Tensor, weight: torch.Tensor, labels: torch.
     return nn.functional.cross_entropy((h @ weight.t()).float(), labels, reduction="sum")
 
 
-def _eager_llama() -> tuple[nn.Module, torch.optim.Optimizer, torch.Tensor]:
-    transformers = import_transformers()
-    config = transformers.LlamaConfig(
-        vocab_size=512, hidden_size=128, intermediate_size=344, num_hidden_layers=LAYERS,
-        num_attention_heads=4, num_key_value_heads=2, use_cache=False,
-    )
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config)
-    return model, torch.optim.AdamW(model.parameters()), torch.randint(0, 512, (2, 64))
-
-
 def _step_with_a_compiled_loss(model: nn.Module, optimizer: torch.optim.Optimizer, ids: torch.Tensor) -> None:
     """The recipe's loop with its loss compiled and computed chunk by chunk."""
     hidden = model.model(input_ids=ids).last_hidden_state.flatten(0, 1)
@@ -156,7 +146,7 @@ def _step_with_a_compiled_loss(model: nn.Module, optimizer: torch.optim.Optimize
 
 
 def test_eager_layers_beside_a_compiled_loss_replay_and_equal_measure_on_cpu() -> None:
-    model, optimizer, ids = _eager_llama()
+    model, optimizer, ids = _llama(compile_layers=False)
     before = fingerprint(model, optimizer, ids)
     report = tm.estimate(_step_with_a_compiled_loss, (model, optimizer, ids))
     assert fingerprint(model, optimizer, ids) == before
@@ -168,7 +158,7 @@ def test_eager_layers_beside_a_compiled_loss_replay_and_equal_measure_on_cpu() -
 def test_eager_layers_beside_a_compiled_loss_replay_on_cuda_as_traced_block_by_block(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    model, optimizer, ids = _eager_llama()
+    model, optimizer, ids = _llama(compile_layers=False)
     report = tm.estimate(_step_with_a_compiled_loss, (model, optimizer, ids), device="cuda")
     assert report.unsupported == ()
     assert len(_replayed(report)) == 1

@@ -18,14 +18,14 @@ from typing import Any, Final
 import torch
 from torch import nn
 
-from pytest_torchmem.engine.torch_compat.torch_private import private
+from pytest_torchmem.engine.torch_compat.torch_private import private, private_name
 from pytest_torchmem.engine.tracing import replay_caches
 from pytest_torchmem.engine.tracing.block_parallel import COMPOSABLE_STATE, parallel_style_hook
 from pytest_torchmem.engine.tracing.replay_state import neutral
 from pytest_torchmem.engine.tracing.replay_watch import cell_contents
 
 __all__ = [
-    "DIFFERS", "HOOK_DICTS", "MIN_BLOCKS", "NUMBERS", "PLAIN", "arguments_key", "block_lists", "block_number",
+    "COMPILED_CALL", "DIFFERS", "HOOK_DICTS", "MIN_BLOCKS", "NUMBERS", "PLAIN", "arguments_key", "block_lists", "block_number",
     "block_structure", "cache_writes", "difference", "free_names", "free_places", "masked", "saving_hooks",
     "value_key",
 ]
@@ -33,6 +33,8 @@ __all__ = [
 FakeTensor: Final = private("torch._subclasses.fake_tensor.FakeTensor")
 _top_saved_tensors_hooks: Final = private("torch._C._autograd._top_saved_tensors_default_hooks")
 _STRIDED: Final = torch.strided
+#: Where ``module.compile()`` keeps a module's compiled callable (an instance attribute).
+COMPILED_CALL: Final = private_name("torch.nn.Module._compiled_call_impl")
 
 #: The fewest elements of one class a list must have for its blocks to be replayed: two
 #: traced to make the template, three traced at the end for the backward, one replayed.
@@ -171,7 +173,7 @@ def block_structure(block: nn.Module, unit: bool, compiled: bool = False) -> tup
         skipped = {key for hooks in (module._forward_pre_hooks, module._forward_hooks) for key, hook in hooks.items()
                    if neutral(hook)}
         for name, value in module.__dict__.items():
-            if module is block and (name == "forward" or (compiled and name == "_compiled_call_impl")):
+            if module is block and (name == "forward" or (compiled and name == COMPILED_CALL)):
                 continue
             if name in _STATE_DICT_HOOKS:
                 continue

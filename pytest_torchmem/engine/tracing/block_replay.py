@@ -97,7 +97,7 @@ from pytest_torchmem.engine.torch_compat.torch_private import private
 from pytest_torchmem.engine.tracing import replay_caches
 from pytest_torchmem.engine.tracing.block_backward import Recorder, block_graph, holds
 from pytest_torchmem.engine.tracing.block_keys import (
-    DIFFERS, MIN_BLOCKS, PLAIN, arguments_key, block_lists, block_number, block_structure, cache_writes, difference,
+    COMPILED_CALL, DIFFERS, MIN_BLOCKS, PLAIN, arguments_key, block_lists, block_number, block_structure, cache_writes, difference,
     free_names, free_places, masked, saving_hooks,
 )
 from pytest_torchmem.engine.tracing.block_parallel import (
@@ -121,8 +121,6 @@ _sequence_nr: Final = private("torch._C._autograd._get_sequence_nr")
 #: the head).
 _TAIL: Final = 3
 _STRIDED: Final = torch.strided
-#: Where ``module.compile()`` keeps a module's compiled callable.
-_COMPILED_CALL: Final = "_compiled_call_impl"
 _FORWARD: Final = Phase.FORWARD
 _BACKWARD: Final = Phase.BACKWARD
 
@@ -252,7 +250,7 @@ class BlockReplay:
             if id(block) in self._where:
                 continue
             if self.compiled is not None and id(block) not in self.compiled and (
-                block.__dict__.get(_COMPILED_CALL) is not None
+                block.__dict__.get(COMPILED_CALL) is not None
                 or type(block) in self.inside_compiled
                 or id(block) in self.under_compiled
             ):
@@ -270,8 +268,8 @@ class BlockReplay:
             self._where[id(block)] = (name, position, len(blocks))
             self._free[id(block)] = free
             if self._is_compiled(block):
-                call = self._compiled_calls[id(block)] = block.__dict__[_COMPILED_CALL]
-                block.__dict__[_COMPILED_CALL] = _CompiledBlockCall(self, block, call)
+                call = self._compiled_calls[id(block)] = block.__dict__[COMPILED_CALL]
+                block.__dict__[COMPILED_CALL] = _CompiledBlockCall(self, block, call)
             else:
                 block.__dict__["forward"] = _BlockForward(self, block)
             self._patched.append(block)
@@ -282,7 +280,7 @@ class BlockReplay:
     def __exit__(self, *exc: object) -> None:
         for block in self._patched:
             if id(block) in self._compiled_calls:
-                block.__dict__[_COMPILED_CALL] = self._compiled_calls.pop(id(block))
+                block.__dict__[COMPILED_CALL] = self._compiled_calls.pop(id(block))
             else:
                 block.__dict__.pop("forward", None)
         self._patched.clear()

@@ -24,13 +24,9 @@ from typing import Any
 from torch import nn
 
 from pytest_torchmem.engine.figures.report import ROOT_NAME
-from pytest_torchmem.engine.tracing.block_keys import block_lists
+from pytest_torchmem.engine.tracing.block_keys import COMPILED_CALL, block_lists
 
 __all__ = ["WarmUpCompiles", "compiled_lists", "replayable_blocks"]
-
-#: Where a compiled module's compiled callable is (``nn.Module.compile``).
-_CALL: str = "_compiled_call_impl"
-
 
 def compiled_lists(model: nn.Module, regions: dict[int, Any]) -> list[tuple[str, list[nn.Module]]]:
     """``model``'s block lists (by name) with the blocks of each compiled alone
@@ -39,7 +35,7 @@ def compiled_lists(model: nn.Module, regions: dict[int, Any]) -> list[tuple[str,
     names = {id(m): name or ROOT_NAME for name, m in model.named_modules()}
     found = []
     for container, blocks in block_lists(model):
-        compiled = [b for b in blocks if id(b) in regions and b.__dict__.get(_CALL) is not None]
+        compiled = [b for b in blocks if id(b) in regions and b.__dict__.get(COMPILED_CALL) is not None]
         if compiled:
             found.append((names.get(id(container), ROOT_NAME), compiled))
     return found
@@ -58,14 +54,14 @@ class WarmUpCompiles:
 
     @contextmanager
     def counting(self) -> Iterator[WarmUpCompiles]:
-        saved = [(block, block.__dict__[_CALL]) for block in self.blocks]
+        saved = [(block, block.__dict__[COMPILED_CALL]) for block in self.blocks]
         try:
             for block, call in saved:
-                block.__dict__[_CALL] = self._counted(self.regions[id(block)], call)
+                block.__dict__[COMPILED_CALL] = self._counted(self.regions[id(block)], call)
             yield self
         finally:
             for block, call in saved:
-                block.__dict__[_CALL] = call
+                block.__dict__[COMPILED_CALL] = call
 
     def _counted(self, region: Any, call: Callable[..., Any]) -> Callable[..., Any]:
         def run(*args: Any, **kwargs: Any) -> Any:
