@@ -319,6 +319,42 @@ def test_ranks_that_never_form_their_groups_fail_in_one_message(
     assert len(os.listdir(tmp_path)) == FORK_ATTEMPTS
 
 
+def _slow_to_join(marker: str) -> Callable[..., object]:
+    """torch's init_device_mesh, but rank 1 takes a second longer, and leaves ``marker``
+    once its mesh has formed."""
+    import time
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    def joining(*args: object, **kwargs: object) -> object:
+        import torch.distributed as dist
+
+        if dist.get_rank() != 1:
+            return init_device_mesh(*args, **kwargs)
+        time.sleep(1)
+        mesh = init_device_mesh(*args, **kwargs)
+        os.close(os.open(marker, os.O_CREAT | os.O_EXCL))
+        return mesh
+
+    return joining
+
+
+def test_no_rank_runs_its_step_before_every_rank_joined(
+    tmp_path: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A one-dimensional mesh forms on rank 0's side before rank 1's: rank 0 could run a
+    step without collectives and leave while rank 1 still joined, and rank 1's gloo then
+    failed on the connection rank 0 closed (CI, 2.15: the test above read rank 1's
+    "Connection closed by peer" where rank 1 was to be killed). Every rank's step starts
+    once every rank's mesh has formed."""
+    from pytest_torchmem.engine.parallel.real_ranks import run_ranks
+
+    marker = str(tmp_path / "rank-1-joined")
+    monkeypatch.setattr("torch.distributed.device_mesh.init_device_mesh", _slow_to_join(marker))
+    seen = run_ranks(tm.Parallel({"dp": 2}, lambda model, mesh: model), lambda mesh: str(os.path.exists(marker)))
+    assert seen == ["True", "True"]
+
+
 def test_the_rank_that_ended_is_named_before_a_peer_that_failed_with_it(
     tmp_path: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
 ) -> None:

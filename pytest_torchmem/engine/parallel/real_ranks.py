@@ -394,10 +394,10 @@ def _rank_main(parallel: Parallel, rank: int, store: str, body: Callable[[Any], 
     autograd cannot fork says so (``"forked-autograd"``), and is started again
     fresh; one that never gets ready (forked while another thread of the parent
     held a lock of MKL's: its first GEMM spins forever) is killed with the others
-    and forked again. Once every group of its mesh has formed it says so too
-    (``"joined"``); where one rank fails before that (killed as it joined,
-    gloo's connection to a peer refused), the others are killed and all start
-    again: nothing of the step has run.
+    and forked again. Once every group of its mesh has formed on every rank (a
+    barrier of them all) it says so too (``"joined"``); where one rank fails
+    before that (killed as it joined, gloo's connection to a peer refused), the
+    others are killed and all start again: nothing of the step has run.
     """
 
     def joined() -> str:
@@ -417,6 +417,10 @@ def _rank_main(parallel: Parallel, rank: int, store: str, body: Callable[[Any], 
             # (a rank that fails leaves its group as it is: os._exit ends it, where gloo's
             # shutdown could wait for the peer it lost and its error never be sent)
             mesh = init_device_mesh("cpu", parallel.sizes, mesh_dim_names=parallel.names)
+            # (a rank's groups can form on its side first: without the barrier it could run a
+            # step without collectives and leave while a peer still joins, whose gloo then
+            # fails on the connection it closed, and the rank that failed is not the cause)
+            dist.barrier()
             send.send((JOINED, ""))
             result = body(mesh)
             dist.destroy_process_group()
