@@ -250,3 +250,69 @@ def test_in_the_warm_up_a_program_runs_in_full_once_per_input_layout() -> None:
         for _ in range(3):
             call([torch.randn(4)])
     assert len(viewed) == 3
+
+
+def test_in_the_warm_up_a_training_graph_is_made_again_from_its_inputs() -> None:
+    """A training graph's forward returns the weights it saves for backward (its inputs
+    themselves), its backward None for an input that needs no gradient: the later runs
+    in the warm-up return those inputs and Nones where the first did, and fresh tensors
+    for the rest. Outputs that are views (of an input, or two on one storage) cannot be
+    made so: those runs run."""
+    from pytest_torchmem.engine.tracing.warm_up_runs import first_run_in_full, warming_up
+
+    runs: list[str] = []
+
+    def training_forward(args: list[Any]) -> tuple[Any, ...]:
+        x, weight = args
+        args.clear()
+        runs.append("forward")
+        return (x @ weight, weight, None)
+
+    call = first_run_in_full(training_forward)
+    with warming_up():
+        x, weight = torch.randn(4, 3), torch.randn(3, 2)
+        first = call([x, weight])
+        x2, weight2 = torch.randn(4, 3), torch.randn(3, 2)
+        again = call([x2, weight2])
+    assert runs == ["forward"]
+    assert again[1] is weight2 and again[2] is None and first[1] is weight
+    assert (again[0].shape, again[0].stride()) == ((4, 2), (2, 1))
+    assert again[0].untyped_storage()._cdata not in (x2.untyped_storage()._cdata, first[0].untyped_storage()._cdata)
+
+    def shared(args: list[Any]) -> tuple[torch.Tensor, ...]:
+        (x,) = args
+        args.clear()
+        runs.append("shared")
+        both = torch.empty(2, x.shape[0])
+        return (both[0], both[1])
+
+    call = first_run_in_full(shared)
+    with warming_up():
+        for _ in range(3):
+            call([torch.randn(4)])
+    assert runs.count("shared") == 3
+
+
+def test_in_the_warm_up_compiled_layers_run_in_full_once_each_way(monkeypatch: pytest.MonkeyPatch) -> None:
+    """transformers' Llama, its layers compiled one by one: in the warm-up the layers'
+    forward program (which returns the weights it saves) and backward program (which
+    returns None for the position ids' gradient) each run in full once; the other
+    seven calls of each make their outputs. The figures stay ``measure``'s."""
+    from pytest_torchmem.engine.tracing import compiled_program, inductor_device, warm_up_runs
+
+    full: list[int] = []
+
+    def counting(call: Any) -> Any:
+        def counted(args: list[Any]) -> Any:
+            if getattr(warm_up_runs._STATE, "on", False):
+                full.append(id(call))
+            return call(args)
+
+        return warm_up_runs.first_run_in_full(counted)
+
+    monkeypatch.setattr(compiled_program, "first_run_in_full", counting)
+    monkeypatch.setattr(inductor_device, "first_run_in_full", counting)
+    model, optimizer, ids = _llama()
+    report = tm.estimate(_train_step, (model, optimizer, ids))
+    assert sorted(full.count(program) for program in set(full)) == [1, 1]
+    assert every_peak(report) == every_peak(tm.measure(_train_step, (model, optimizer, ids)))

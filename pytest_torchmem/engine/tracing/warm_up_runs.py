@@ -12,9 +12,11 @@ around it, so that a block whose guards fail is compiled there as it would be, a
 backward is still built at its first run.
 
 Only a run on inputs of the layouts (and other values) of an earlier run is skipped,
-and only where that run's outputs were all fresh tensors (none is an input or a view of
-one, none a number). Outside the warm-up (:func:`warming_up`), on this thread, every
-run is in full.
+and only where each output of that run was a fresh tensor, one of its inputs itself (a
+training graph's forward returns the weights it saves for backward), or None (its
+backward's gradient of an input that needs none); none a view of an input or of another
+output, none a number. The skipped run returns the inputs and Nones where that run
+did. Outside the warm-up (:func:`warming_up`), on this thread, every run is in full.
 """
 
 from __future__ import annotations
@@ -60,36 +62,65 @@ def _key(args: list[Any]) -> tuple[Any, ...] | None:
     return tuple(key)
 
 
+#: How a run's outputs are made again: per output, its layout (size, stride, dtype,
+#: device) for a fresh tensor, the position of the input it is, or None for None.
+_Made = list[tuple[Any, ...] | int | None]
+
+
+def _how_made(out: Any, inputs: list[Any]) -> _Made | None:
+    """How a run's outputs ``out`` are made again from its ``inputs`` (None: they cannot
+    be: a view of an input or of another output, a number, a sparse tensor)."""
+    if not isinstance(out, (tuple, list)):
+        return None
+    given = {_storage(a): i for i, a in enumerate(inputs) if isinstance(a, torch.Tensor)}
+    made: _Made = []
+    fresh: set[int] = set()
+    for t in out:
+        if t is None:
+            made.append(None)
+            continue
+        if not isinstance(t, torch.Tensor) or t.layout is not torch.strided:
+            return None
+        storage = _storage(t)
+        if storage in given:
+            if inputs[given[storage]] is not t:
+                return None  # (a view of an input)
+            made.append(given[storage])
+            continue
+        if storage in fresh:
+            return None  # (two outputs on one storage)
+        fresh.add(storage)
+        made.append((tuple(t.shape), tuple(t.stride()), t.dtype, t.device))
+    return made
+
+
 def first_run_in_full(call: Callable[[list[Any]], Any]) -> Callable[[list[Any]], Any]:
     """An output module's ``call`` (which takes its inputs as a list, and empties it):
     in the warm-up, after its first run there on inputs of given layouts, its outputs
-    for inputs of those layouts are made anew without running."""
-    # (by the inputs' layouts: per output, (size, stride, dtype, device); None: an output
-    # is not a fresh tensor, so it runs)
-    outputs: dict[tuple[Any, ...], list[tuple[Any, ...]] | None] = {}
+    for inputs of those layouts are made anew without running (see the module's
+    docstring)."""
+    # (by the inputs' layouts; None: the outputs cannot be made without running)
+    outputs: dict[tuple[Any, ...], _Made | None] = {}
 
     def run(args: list[Any]) -> Any:
         key = _key(args) if getattr(_STATE, "on", False) else None
-        if key is not None and outputs.get(key) is not None:
+        if key is None:
+            return call(args)
+        made = outputs.get(key)
+        inputs = list(args)
+        if made is not None:
             args.clear()
             return tuple(
-                torch.empty_strided(size, stride, dtype=dtype, device=device)
-                for size, stride, dtype, device in outputs[key]  # type: ignore[union-attr]
+                None
+                if how is None
+                else inputs[how]
+                if isinstance(how, int)
+                else torch.empty_strided(how[0], how[1], dtype=how[2], device=how[3])
+                for how in made
             )
-        # (the inputs' storages, to tell an output on one of them: in the warm-up only)
-        given = {_storage(a) for a in args if isinstance(a, torch.Tensor)} if key is not None else None
         out = call(args)
-        if key is not None and key not in outputs:
-            assert given is not None
-            if (
-                isinstance(out, (tuple, list))
-                and all(isinstance(t, torch.Tensor) and t.layout is torch.strided for t in out)
-                and not any(_storage(t) in given for t in out)
-                and len({_storage(t) for t in out}) == len(out)
-            ):
-                outputs[key] = [(tuple(t.shape), tuple(t.stride()), t.dtype, t.device) for t in out]
-            else:
-                outputs[key] = None
+        if key not in outputs:
+            outputs[key] = _how_made(out, inputs)
         return out
 
     return run
