@@ -316,3 +316,93 @@ def test_in_the_warm_up_compiled_layers_run_in_full_once_each_way(monkeypatch: p
     report = tm.estimate(_train_step, (model, optimizer, ids))
     assert sorted(full.count(program) for program in set(full)) == [1, 1]
     assert every_peak(report) == every_peak(tm.measure(_train_step, (model, optimizer, ids)))
+
+
+# -- an optimizer's step in the warm-up ----------------------------------------------------
+
+
+def _compiled_blocks() -> tuple[nn.Module, torch.Tensor]:
+    torch.manual_seed(0)
+    model = nn.Sequential(*[_Special(False) for _ in range(4)])
+    for block in model:
+        block.compile()
+    return model, torch.randn(8, 64)
+
+
+class _SeenGradients(torch.optim.SGD):
+    """SGD that notes in the file ``notes``, at each step, whether the warm-up runs and
+    how many of its parameters have a gradient (a file: the trace puts back what the
+    step changed of the objects it reaches)."""
+
+    notes = ""
+
+    def step(self, closure: Any = None) -> Any:
+        from pytest_torchmem.engine.tracing import warm_up_runs
+
+        warming = getattr(warm_up_runs._STATE, "on", False)
+        with open(self.notes, "a") as notes:
+            notes.write(f"{warming} {sum(p.grad is not None for g in self.param_groups for p in g['params'])}\n")
+        return super().step(closure)
+
+
+def test_in_the_warm_up_an_optimizer_step_finds_no_gradient(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The warm-up's optimizer step builds nothing the traced step runs: it finds no
+    gradient, and updates nothing; the traced step's finds every one. The figures stay
+    ``measure``'s."""
+    model, x = _compiled_blocks()
+    optimizer = _SeenGradients(model.parameters(), lr=0.1)
+
+    def step(x: torch.Tensor) -> None:
+        model(x).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    monkeypatch.setattr(_SeenGradients, "notes", str(tmp_path / "notes"))
+    report = tm.estimate(step, (x,))
+    assert report.unsupported == ()
+    assert (tmp_path / "notes").read_text().splitlines() == ["True 0", "False 16"]
+    assert every_peak(report) == every_peak(tm.measure(step, (x,)))
+
+
+def test_a_step_that_reads_the_state_its_optimizer_step_made_is_followed() -> None:
+    """A step that reads its optimizer's state after the step (a log of the step counts)
+    fails in a warm-up whose optimizer step made none: the warm-up runs again with its
+    optimizer step in full, and the compiled blocks are followed (without that second
+    run they ran eagerly, listed)."""
+    model, x = _compiled_blocks()
+    optimizer = torch.optim.AdamW(model.parameters())
+
+    def step(x: torch.Tensor) -> float:
+        model(x).sum().backward()
+        optimizer.step()
+        counts = [float(optimizer.state[p]["step"]) for p in model.parameters()]
+        optimizer.zero_grad()
+        return sum(counts)
+
+    before = fingerprint(model, optimizer, x)
+    report = tm.estimate(step, (x,))
+    assert fingerprint(model, optimizer, x) == before
+    assert report.unsupported == ()
+    assert every_peak(report) == every_peak(tm.measure(step, (x,)))
+
+
+def test_an_optimizer_step_with_a_closure_in_the_warm_up_runs_the_closure() -> None:
+    """``optimizer.step(closure)`` (Lightning's loop): the closure's forward and backward
+    run inside the step, in the warm-up too, so the compiled blocks are built there."""
+    model, x = _compiled_blocks()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def step(x: torch.Tensor) -> None:
+        def closure() -> torch.Tensor:
+            optimizer.zero_grad()
+            loss = model(x).sum()
+            loss.backward()
+            return loss
+
+        optimizer.step(closure)
+
+    report = tm.estimate(step, (x,))
+    assert report.unsupported == ()
+    assert every_peak(report) == every_peak(tm.measure(step, (x,)))

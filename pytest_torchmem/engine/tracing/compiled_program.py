@@ -340,13 +340,17 @@ class _FakeInductor:
 class _Region:
     """One compiled region the trace follows: our backend and dynamo callback for it,
     its cache region, where it is defined, and what its backend had done by the end
-    of the warm-up (None: first met after it, in the traced step)."""
+    of the warm-up: the programs built, its runs, and its runs in the warm-up's last
+    try (None: first met after it, in the traced step)."""
 
     backend: _FakeInductor
     callback: Any
     region: int
     place: tuple[str, str]
-    warm: tuple[int, int] | None = None
+    warm: tuple[int, int, int] | None = None
+    #: its runs before the warm-up's last try began (trace.py runs a warm-up that failed
+    #: again: warm_up_started)
+    runs_before: int = 0
     #: the callback the region's frames run with (:func:`_collected_after_compile`)
     entered: Any = None
 
@@ -547,10 +551,17 @@ class Following:
         if self.met is Phase.FORWARD and phase in (None, Phase.FORWARD):
             raise CompiledCodeMet(self.met)
 
+    def warm_up_started(self) -> None:
+        """Note where each region's backend stands as a try of the warm-up step begins
+        (a warm-up that failed runs again: its runs there are the last try's)."""
+        for region in self.regions:
+            region.runs_before = region.backend.calls
+
     def warm_up_done(self) -> None:
         """Note what each region's backend did in the warm-up step."""
         for region in self.regions:
-            region.warm = (region.backend.compiled, region.backend.calls)
+            backend = region.backend
+            region.warm = (backend.compiled, backend.calls, backend.calls - region.runs_before)
         self.warmed = True
 
     def abandon(self) -> None:
@@ -597,7 +608,7 @@ class Following:
             if region.warm is None:
                 wrong = backend.failed or backend.calls == 0
             else:
-                compiled, calls = region.warm
+                compiled, calls, warm_runs = region.warm
                 late = backend.phases[compiled:]
                 if late and all(phase is Phase.STEP for phase in late):
                     # built anew in the optimizer step (a step function's optimizer holds
@@ -606,7 +617,7 @@ class Following:
                     # optimizer step is, and followed
                     wrong = backend.failed or backend.calls == calls
                 else:
-                    wrong = backend.compiled != compiled or backend.calls - calls != calls
+                    wrong = backend.compiled != compiled or backend.calls - calls != warm_runs
             if wrong:
                 name, where = region.place
                 flagged.append(Unsupported(f"torch.compile: {name}", NOT_FOLLOWED_REASON, where))

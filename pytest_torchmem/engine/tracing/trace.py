@@ -57,7 +57,7 @@ from pytest_torchmem.engine.tracing.replay import LoopReplay, replay_enabled
 from pytest_torchmem.engine.tracing.rules import TraceContext
 from pytest_torchmem.engine.tracing.stops import Stop
 from pytest_torchmem.engine.tracing.tracker import Tracker
-from pytest_torchmem.engine.tracing.warm_up_runs import warming_up
+from pytest_torchmem.engine.tracing.warm_up_runs import warmed_up
 
 if TYPE_CHECKING:
     from pytest_torchmem.engine.step.request import StepRequest
@@ -566,8 +566,10 @@ def _trace(
         # first run: in the traced step it would run under the tracker)
         compiles = WarmUpCompiles(step_model, following.module_regions) if replays_compiled else None
         if warm:
-            try:
-                with warming_up(), compiles.counting() if compiles is not None else nullcontext():
+
+            def warm_up() -> None:
+                following.warm_up_started()
+                with compiles.counting() if compiles is not None else nullcontext():
                     _warm_up(
                         model,
                         args,
@@ -585,6 +587,9 @@ def _trace(
                         parallel=parallel,
                         rank=rank,
                     )
+
+            try:
+                warmed_up(warm_up)
             except Exception:
                 # inductor or dynamo could not build the program (or the model failed, which
                 # the traced step shows again): the modules run eagerly there, flagged
