@@ -566,6 +566,7 @@ def _trace(
         # first run: in the traced step it would run under the tracker)
         compiles = WarmUpCompiles(step_model, following.module_regions) if replays_compiled else None
         if warm:
+            looped = optimizer is not None or bool(standins.hook_optimizers)
 
             def warm_up() -> None:
                 following.warm_up_started()
@@ -582,7 +583,7 @@ def _trace(
                         loss_fn=loss_fn,
                         train=train,
                         keep_output=keep_output,
-                        looped=optimizer is not None or bool(standins.hook_optimizers),
+                        looped=looped,
                         repeat=repeat,
                         parallel=parallel,
                         rank=rank,
