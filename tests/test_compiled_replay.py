@@ -254,9 +254,9 @@ def test_in_the_warm_up_a_program_runs_in_full_once_per_input_layout() -> None:
 
 def test_in_the_warm_up_a_training_graph_is_made_again_from_its_inputs() -> None:
     """A training graph's forward returns the weights it saves for backward (its inputs
-    themselves), its backward None for an input that needs no gradient: the later runs
-    in the warm-up return those inputs and Nones where the first did, and fresh tensors
-    for the rest. Outputs that are views (of an input, or two on one storage) cannot be
+    themselves) and, with dynamic shapes, the sizes its backward needs; its backward
+    None for an input that needs no gradient: the later runs in the warm-up return
+    those inputs, numbers and Nones where the first did, and fresh tensors for the rest. Outputs that are views (of an input, or two on one storage) cannot be
     made so: those runs run."""
     from pytest_torchmem.engine.tracing.warm_up_runs import first_run_in_full, warming_up
 
@@ -266,7 +266,7 @@ def test_in_the_warm_up_a_training_graph_is_made_again_from_its_inputs() -> None
         x, weight = args
         args.clear()
         runs.append("forward")
-        return (x @ weight, weight, None)
+        return (x @ weight, weight, None, x.shape[0])
 
     call = first_run_in_full(training_forward)
     with warming_up():
@@ -275,7 +275,7 @@ def test_in_the_warm_up_a_training_graph_is_made_again_from_its_inputs() -> None
         x2, weight2 = torch.randn(4, 3), torch.randn(3, 2)
         again = call([x2, weight2])
     assert runs == ["forward"]
-    assert again[1] is weight2 and again[2] is None and first[1] is weight
+    assert again[1] is weight2 and again[2] is None and again[3] == 4 and first[1] is weight
     assert (again[0].shape, again[0].stride()) == ((4, 2), (2, 1))
     assert again[0].untyped_storage()._cdata not in (x2.untyped_storage()._cdata, first[0].untyped_storage()._cdata)
 
@@ -293,11 +293,17 @@ def test_in_the_warm_up_a_training_graph_is_made_again_from_its_inputs() -> None
     assert runs.count("shared") == 3
 
 
-def test_in_the_warm_up_compiled_layers_run_in_full_once_each_way(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("shapes", ["static", "dynamic"])
+def test_in_the_warm_up_compiled_layers_run_in_full_once_each_way(monkeypatch: pytest.MonkeyPatch, shapes: str) -> None:
     """transformers' Llama, its layers compiled one by one: in the warm-up the layers'
     forward program (which returns the weights it saves) and backward program (which
     returns None for the position ids' gradient) each run in full once; the other
-    seven calls of each make their outputs. The figures stay ``measure``'s."""
+    seven calls of each make their outputs. The figures stay ``measure``'s.
+
+    ``dynamic``: the step was estimated at another length first, so dynamo compiles the
+    layer again with dynamic shapes (its programs take and return sizes), as a test
+    suite that estimates one model at two lengths has it (this process's earlier tests
+    may have done so in the static case too: dynamo keeps what it saw per code object)."""
     from pytest_torchmem.engine.tracing import compiled_program, inductor_device, warm_up_runs
 
     full: list[int] = []
@@ -313,6 +319,9 @@ def test_in_the_warm_up_compiled_layers_run_in_full_once_each_way(monkeypatch: p
     monkeypatch.setattr(compiled_program, "first_run_in_full", counting)
     monkeypatch.setattr(inductor_device, "first_run_in_full", counting)
     model, optimizer, ids = _llama()
+    if shapes == "dynamic":
+        tm.estimate(_train_step, (model, optimizer, ids[:, :32]))
+        full.clear()
     report = tm.estimate(_train_step, (model, optimizer, ids))
     assert sorted(full.count(program) for program in set(full)) == [1, 1]
     assert every_peak(report) == every_peak(tm.measure(_train_step, (model, optimizer, ids)))

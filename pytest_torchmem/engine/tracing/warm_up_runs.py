@@ -13,10 +13,11 @@ backward is still built at its first run.
 
 Only a run on inputs of the layouts (and other values) of an earlier run is skipped,
 and only where each output of that run was a fresh tensor, one of its inputs itself (a
-training graph's forward returns the weights it saves for backward), or None (its
-backward's gradient of an input that needs none); none a view of an input or of another
-output, none a number. The skipped run returns the inputs and Nones where that run
-did. Outside the warm-up (:func:`warming_up`), on this thread, every run is in full.
+training graph's forward returns the weights it saves for backward), a number (a
+program with dynamic shapes returns the sizes its backward needs, which the inputs'
+layouts and numbers decide), or None (its backward's gradient of an input that needs
+none); none a view of an input or of another output. The skipped run returns the
+inputs, numbers and Nones where that run did. Outside the warm-up (:func:`warming_up`), on this thread, every run is in full.
 
 An optimizer's step in the warm-up finds no gradient (:func:`warmed_up`): it builds no
 program the traced step runs (a compiled optimizer step guards on the warm-up's
@@ -120,14 +121,16 @@ def _key(args: list[Any]) -> tuple[Any, ...] | None:
     return tuple(key)
 
 
-#: How a run's outputs are made again: per output, its layout (size, stride, dtype,
-#: device) for a fresh tensor, the position of the input it is, or None for None.
-_Made = list[tuple[Any, ...] | int | None]
+#: How a run's outputs are made again, per output: ``("fresh", size, stride, dtype,
+#: device)`` a fresh tensor of that layout, ``("input", i)`` the ``i``-th input itself,
+#: ``("value", v)`` the number ``v`` (a dynamic program's sizes, kept for its backward),
+#: or None for None.
+_Made = list[tuple[Any, ...] | None]
 
 
 def _how_made(out: Any, inputs: list[Any]) -> _Made | None:
     """How a run's outputs ``out`` are made again from its ``inputs`` (None: they cannot
-    be: a view of an input or of another output, a number, a sparse tensor)."""
+    be: a view of an input or of another output, a sparse tensor, another object)."""
     if not isinstance(out, (tuple, list)):
         return None
     given = {_storage(a): i for i, a in enumerate(inputs) if isinstance(a, torch.Tensor)}
@@ -137,19 +140,31 @@ def _how_made(out: Any, inputs: list[Any]) -> _Made | None:
         if t is None:
             made.append(None)
             continue
+        if type(t) in (int, float, bool):
+            made.append(("value", t))  # (a function of the inputs' layouts and numbers: the key)
+            continue
         if not isinstance(t, torch.Tensor) or t.layout is not torch.strided:
             return None
         storage = _storage(t)
         if storage in given:
             if inputs[given[storage]] is not t:
                 return None  # (a view of an input)
-            made.append(given[storage])
+            made.append(("input", given[storage]))
             continue
         if storage in fresh:
             return None  # (two outputs on one storage)
         fresh.add(storage)
-        made.append((tuple(t.shape), tuple(t.stride()), t.dtype, t.device))
+        made.append(("fresh", tuple(t.shape), tuple(t.stride()), t.dtype, t.device))
     return made
+
+
+def _made_again(how: tuple[Any, ...] | None, inputs: list[Any]) -> Any:
+    if how is None:
+        return None
+    if how[0] == "fresh":
+        _, size, stride, dtype, device = how
+        return torch.empty_strided(size, stride, dtype=dtype, device=device)
+    return inputs[how[1]] if how[0] == "input" else how[1]
 
 
 def first_run_in_full(call: Callable[[list[Any]], Any]) -> Callable[[list[Any]], Any]:
@@ -168,14 +183,7 @@ def first_run_in_full(call: Callable[[list[Any]], Any]) -> Callable[[list[Any]],
         inputs = list(args)
         if made is not None:
             args.clear()
-            return tuple(
-                None
-                if how is None
-                else inputs[how]
-                if isinstance(how, int)
-                else torch.empty_strided(how[0], how[1], dtype=how[2], device=how[3])
-                for how in made
-            )
+            return tuple(_made_again(how, inputs) for how in made)
         out = call(args)
         if key not in outputs:
             outputs[key] = _how_made(out, inputs)
