@@ -9,6 +9,11 @@ A replay must give the figures of the step traced block by block (``TORCHMEM_REP
 which on cpu are ``measure``'s, byte for byte; and blocks whose programs differ (dynamo
 specializes on an attribute that tells them apart, and builds one program per block) are
 traced, with the reason said.
+
+The warm-up step that builds the programs takes shortcuts (warm_up_runs.py): a program's
+later runs there make only its outputs, and an optimizer's step there finds no gradient
+(the warm-up runs again in full where the step then fails); the figures stay
+``measure``'s.
 """
 
 from __future__ import annotations
@@ -256,8 +261,9 @@ def test_in_the_warm_up_a_training_graph_is_made_again_from_its_inputs() -> None
     """A training graph's forward returns the weights it saves for backward (its inputs
     themselves) and, with dynamic shapes, the sizes its backward needs; its backward
     None for an input that needs no gradient: the later runs in the warm-up return
-    those inputs, numbers and Nones where the first did, and fresh tensors for the rest. Outputs that are views (of an input, or two on one storage) cannot be
-    made so: those runs run."""
+    those inputs, numbers and Nones where the first did, and fresh tensors for the rest.
+    Outputs that are views (of an input, or two on one storage) cannot be made so: those
+    runs run."""
     from pytest_torchmem.engine.tracing.warm_up_runs import first_run_in_full, warming_up
 
     runs: list[str] = []
