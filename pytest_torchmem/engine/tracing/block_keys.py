@@ -25,9 +25,9 @@ from pytest_torchmem.engine.tracing.replay_state import neutral
 from pytest_torchmem.engine.tracing.replay_watch import cell_contents
 
 __all__ = [
-    "COMPILED_CALL", "DIFFERS", "HOOK_DICTS", "MIN_BLOCKS", "NUMBERS", "PLAIN", "arguments_key", "block_lists", "block_number",
-    "block_structure", "cache_writes", "difference", "free_names", "free_places", "masked", "saving_hooks",
-    "value_key",
+    "COMPILED_CALL", "DIFFERS", "HOOK_DICTS", "MIN_BLOCKS", "NUMBERS", "PLAIN", "arguments_key", "block_lists",
+    "block_number", "block_structure", "cache_writes", "difference", "free_names", "free_places", "masked",
+    "saving_hooks", "value_key",
 ]
 
 FakeTensor: Final = private("torch._subclasses.fake_tensor.FakeTensor")

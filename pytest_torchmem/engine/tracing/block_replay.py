@@ -97,8 +97,8 @@ from pytest_torchmem.engine.torch_compat.torch_private import private
 from pytest_torchmem.engine.tracing import replay_caches
 from pytest_torchmem.engine.tracing.block_backward import Recorder, block_graph, holds
 from pytest_torchmem.engine.tracing.block_keys import (
-    COMPILED_CALL, DIFFERS, MIN_BLOCKS, PLAIN, arguments_key, block_lists, block_number, block_structure, cache_writes, difference,
-    free_names, free_places, masked, saving_hooks,
+    COMPILED_CALL, DIFFERS, MIN_BLOCKS, PLAIN, arguments_key, block_lists, block_number, block_structure, cache_writes,
+    difference, free_names, free_places, masked, saving_hooks,
 )
 from pytest_torchmem.engine.tracing.block_parallel import (
     dtensor_of, foreign_hooks, fsdp_state, hooked, moved_after_backward,

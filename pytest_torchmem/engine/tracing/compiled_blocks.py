@@ -28,6 +28,7 @@ from pytest_torchmem.engine.tracing.block_keys import COMPILED_CALL, block_lists
 
 __all__ = ["WarmUpCompiles", "compiled_lists", "replayable_blocks"]
 
+
 def compiled_lists(model: nn.Module, regions: dict[int, Any]) -> list[tuple[str, list[nn.Module]]]:
     """``model``'s block lists (by name) with the blocks of each compiled alone
     (``module.compile()``) whose program the trace follows (``regions``: the followed

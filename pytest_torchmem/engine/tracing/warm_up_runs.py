@@ -17,7 +17,8 @@ training graph's forward returns the weights it saves for backward), a number (a
 program with dynamic shapes returns the sizes its backward needs, which the inputs'
 layouts and numbers decide), or None (its backward's gradient of an input that needs
 none); none a view of an input or of another output. The skipped run returns the
-inputs, numbers and Nones where that run did. Outside the warm-up (:func:`warming_up`), on this thread, every run is in full.
+inputs, numbers and Nones where that run did. Outside the warm-up (:func:`warming_up`),
+on this thread, every run is in full.
 
 An optimizer's step in the warm-up finds no gradient (:func:`warmed_up`): it builds no
 program the traced step runs (a compiled optimizer step guards on the warm-up's
