@@ -13,6 +13,7 @@ A pipeline's stages are not followed yet: their compiled blocks are listed.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import pathlib
 
@@ -204,13 +205,17 @@ def test_blocks_compiled_inside_apply_are_followed_on_cuda(name: str) -> None:
     assert compiled.breakdown != eager.breakdown
 
 
-def _pipeline_stage(model: nn.Sequential, mesh: object, compiled: bool = True) -> object:
+def _pipeline_stage(
+    model: nn.Sequential, mesh: object, compiled: bool = True, compiled_stages: tuple[int, ...] | None = None
+) -> object:
+    """The rank's stage of the pipeline (its block), compiled (on the stages of
+    ``compiled_stages`` only, where given)."""
     from torch.distributed.pipelining import PipelineStage
 
     pp = mesh["pp"]  # type: ignore[index]
     stage, stages = pp.get_local_rank(), pp.size()
     kept = nn.Sequential(model[stage])
-    _blocks(kept, compiled=compiled)
+    _blocks(kept, compiled=compiled and (compiled_stages is None or stage in compiled_stages))
     device = torch.device("cuda" if mesh.device_type == "meta" else "cpu")  # type: ignore[attr-defined]
     return PipelineStage(kept, stage, stages, device, group=pp.get_group())
 
@@ -234,6 +239,35 @@ def test_a_pipeline_stages_compiled_blocks_are_listed_and_measured_compiled() ->
     assert _compiled_entries(estimated) == ["torch.compile: Block.forward"]
     assert _peaks(estimated) == _peaks(eager)
     assert measured.unsupported == () and measured.forward_peak != eager.forward_peak
+
+
+@pytest.mark.parametrize("compiled_stage", [0, 1])
+def test_each_pipeline_stage_lists_its_own_compiled_blocks(compiled_stage: int) -> None:
+    """The stages of a pipeline are traced on threads of one process, each inside its own
+    watch of compiled regions: a block one stage compiles is listed in that rank's report,
+    never in another's. (Before, the watch entered last took every thread's regions: with
+    the first stage compiled, its rank's eager figure was given with nothing listed, and
+    the other rank listed a block it does not have.)"""
+    from torch.distributed.pipelining import ScheduleGPipe
+
+    model, x = _model(), _input()
+    before = fingerprint(model, x)
+    apply = functools.partial(_pipeline_stage, compiled_stages=(compiled_stage,))
+    parallel = tm.Parallel(mesh={"pp": 2}, apply=apply, rank=0, schedule=ScheduleGPipe, microbatches=2)
+    # every rank traced together (the whole pipeline), and each rank alone (its peers
+    # traced through their set-up only)
+    every = tm.every_rank(model, x, optimizer=_adamw, parallel=parallel)
+    together = {figures.rank: _compiled_entries(figures.report) for figures in every}
+    alone = {
+        rank: _compiled_entries(
+            tm.estimate(model, x, optimizer=_adamw, parallel=dataclasses.replace(parallel, rank=rank))
+        )
+        for rank in (0, 1)
+    }
+    expected = {rank: ["torch.compile: Block.forward"] if rank == compiled_stage else [] for rank in (0, 1)}
+    assert together == expected
+    assert alone == expected
+    assert fingerprint(model, x) == before
 
 
 def test_blocks_compiled_inside_apply_are_listed_where_torch_cannot_follow_them() -> None:

@@ -22,16 +22,19 @@ COMPILED_ENTRIES: Final = (
     Private(
         "torch._dynamo.eval_frame._maybe_set_eval_frame",
         "the call by which dynamo's compile_wrapper enters a compiled region: the watch of "
-        "compiled regions sees each one there and runs it followed, or eagerly and flagged",
+        "compiled regions sees each one there and runs it followed, or eagerly and flagged "
+        "(each tracing thread's own: a pipeline's stages are traced on threads of one process)",
         replaced=True,
+        thread_scoped=True,
     ),
     Private(
         "torch._dynamo.eval_frame.set_fullgraph_compiled_frame_count",
         "fullgraph=True counts the frames dynamo compiled in a call and refuses a call that "
         "compiled none ('found no compiled frames'): a region the watch runs eagerly on "
-        "purpose, flagged, is read back as one",
+        "purpose, flagged, is read back as one (on the thread whose watch ran it)",
         since=(2, 12),
         replaced=True,
+        thread_scoped=True,
     ),
     Private(
         "torch._dynamo.eval_frame.OptimizedModule",

@@ -38,6 +38,7 @@ from pytest_torchmem.engine.torch_compat.torch_private import _missing, _resolve
 
 __all__ = [
     "appending",
+    "caller_past_scoping",
     "in_effect",
     "on_this_thread",
     "replacing",
@@ -219,6 +220,15 @@ def on_this_thread(path: str, answer: Callable[..., Any]) -> Iterator[Callable[.
         real.append(original)
         functools.update_wrapper(scoped, original)
         yield original
+
+
+def caller_past_scoping(frame: types.FrameType) -> types.FrameType:
+    """``frame``, or, where it is one of :func:`on_this_thread`'s wrappers, the first frame
+    above them: who called the replaced function, through however many threads'
+    replacements of it the call went."""
+    while frame.f_code.co_name == "scoped" and frame.f_code.co_filename == __file__ and frame.f_back is not None:
+        frame = frame.f_back
+    return frame
 
 
 @contextmanager

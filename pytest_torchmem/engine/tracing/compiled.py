@@ -29,7 +29,7 @@ from torch import nn
 
 from pytest_torchmem.engine.torch_compat.torch_private import entry, present, private
 from pytest_torchmem.engine.torch_compat.torch_private_compiled import COMPILED_ENTRIES
-from pytest_torchmem.engine.torch_compat.torch_replacing import replacing
+from pytest_torchmem.engine.torch_compat.torch_replacing import caller_past_scoping, on_this_thread
 
 __all__ = [
     "EAGER_REASON",
@@ -173,7 +173,8 @@ def watch_compiled(on_region: Callable[[str, str], None], redirect: Redirect | N
     held: list[tuple[Any, ExitStack]] = []
 
     def noticing(callback: Any) -> Any:
-        if held and sys._getframe(1) is held[-1][0]:
+        caller = caller_past_scoping(sys._getframe(1))  # (on_this_thread's wrappers passed)
+        if held and caller is held[-1][0]:
             # compile_wrapper puts back the callback before it: the region is left
             _, stack = held.pop()
             try:
@@ -181,7 +182,6 @@ def watch_compiled(on_region: Callable[[str, str], None], redirect: Redirect | N
             finally:
                 stack.close()
         if callback is not None and callback is not False:
-            caller = sys._getframe(1)
             if caller.f_code.co_name == "compile_wrapper":
                 if redirect is None:
                     on_region(*region_of(caller))
@@ -199,9 +199,11 @@ def watch_compiled(on_region: Callable[[str, str], None], redirect: Redirect | N
                 return real(None)
         return real(callback)
 
+    # (on this thread only: the stages of a pipeline are traced on threads of one process,
+    # each inside its own watch, and a region one stage enters is that stage's)
     with (
-        replacing("torch._dynamo.eval_frame._maybe_set_eval_frame", noticing),
-        replacing(_FULLGRAPH_COUNT, _counting_eager_regions(ran_eagerly))
+        on_this_thread("torch._dynamo.eval_frame._maybe_set_eval_frame", noticing),
+        on_this_thread(_FULLGRAPH_COUNT, _counting_eager_regions(ran_eagerly))
         if present(_FULLGRAPH_COUNT)
         else nullcontext(),
         warnings.catch_warnings(),
