@@ -161,7 +161,8 @@ def _fake_world(scene: Scene) -> AbstractContextManager[Any] | None:
 
 WATCH_COMPILED: Final = Layer(
     "watch compiled regions",
-    "outermost (first in, last out): it replaces dynamo's entry for the whole process, so "
+    "outermost (first in, last out): it replaces dynamo's entry (on the tracing thread: a "
+    "pipeline's stages are traced on threads of one process, each with its own watch), so "
     "it covers everything the other layers do on entry and exit, and the step; the model "
     "never holds stand-ins, nor is a fake mode or the tracker active, while a compiled region "
     "could reach dynamo unwatched. Regions not followed run without dynamo: left to dynamo "
