@@ -50,6 +50,7 @@ from pytest_torchmem.engine.tracing.imports import imports_outside_the_step
 from pytest_torchmem.engine.step.request import has_compiled_modules
 
 if TYPE_CHECKING:
+    from pytest_torchmem.engine.parallel.mesh import Parallel
     from pytest_torchmem.engine.step.request import StepRequest
 
 __all__ = ["measure_held", "measure_step"]
@@ -157,6 +158,20 @@ def _measured_cpu(request: StepRequest, mesh: Any = None) -> MemoryReport:
             cache.new()
             report, compiled_ran = _measure_cpu(request, hook_failed, mesh, warm=True, seen=seen)
     return _listing(report, [*hooks, *(() if compiled_ran else seen.regions)])
+
+
+def _on_any_stage(parallel: Parallel, compiled: bool) -> bool:
+    """Whether ``apply`` compiled modules on this rank, or, in a pipeline (whose ranks'
+    stages differ: one may compile its blocks, another not), on any rank: every rank
+    then starts again warmed up, so that all run the same steps (a rank that ran one step
+    less would leave its peers waiting for the messages of the last)."""
+    if not parallel.pipelined:
+        return compiled  # (every rank's apply compiles alike)
+    import torch.distributed as dist
+
+    flag = torch.tensor([int(compiled)])
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
 
 
 class _CompiledByApply(Exception):
@@ -348,8 +363,9 @@ def profile_cpu_step(
             with FreedOnThisThread() as frees:
                 step_model = applied(parallel, step_model, mesh)
                 standins.model.clear()
+                compiled_here = not compiled and _on_any_stage(parallel, has_compiled_modules(step_model))
                 frees.drain()
-            if not compiled and has_compiled_modules(step_model):
+            if compiled_here:
                 raise _CompiledByApply
             standins.parameters = standins.buffers = standins.attributes = []
             parameters = list(step_model.parameters())

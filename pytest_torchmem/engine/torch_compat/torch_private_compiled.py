@@ -115,8 +115,10 @@ COMPILED_ENTRIES: Final = (
     Private(
         "torch._inductor.codecache.PyCodeCache.load_by_key_path",
         "loads an output module: ours run their allocations through the dispatcher, kept "
-        "out of the by-path cache",
+        "out of the by-path cache (each tracing thread's own: a pipeline's stages compile "
+        "on threads of one process)",
         replaced=True,
+        thread_scoped=True,
     ),
     Private(
         "torch._inductor.codecache.PyCodeCache.modules",

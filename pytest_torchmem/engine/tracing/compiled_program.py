@@ -51,7 +51,7 @@ from torch import nn
 from pytest_torchmem.engine.figures.report import Unsupported
 from pytest_torchmem.engine.figures.timeline import Phase
 from pytest_torchmem.engine.torch_compat.torch_private import present, private
-from pytest_torchmem.engine.torch_compat.torch_replacing import replacing, replacing_item
+from pytest_torchmem.engine.torch_compat.torch_replacing import on_this_thread, replacing, replacing_item
 from pytest_torchmem.engine.tracing.devices.cpu.profiles import CpuProfile
 from pytest_torchmem.engine.user.generated_code import output_directory, remember
 from pytest_torchmem.engine.tracing.inductor_device import host_vector_isa
@@ -143,9 +143,9 @@ def no_kernels(loaded: list[Any], cpu: CpuProfile | None = None) -> Iterator[Non
             replacing(f"{async_compile}.cpp_pybinding", lambda self, *args, **kwargs: _noop_kernel())
         )
         replaced.enter_context(replacing(f"{async_compile}.wait", lambda self, scope: None))
-        real_load = replaced.enter_context(
-            replacing("torch._inductor.codecache.PyCodeCache.load_by_key_path", staticmethod(load))
-        )
+        # (on this thread only: each stage of a pipeline, traced on a thread of its own,
+        # loads its own output modules)
+        real_load = replaced.enter_context(on_this_thread("torch._inductor.codecache.PyCodeCache.load_by_key_path", load))
         for option, value in options.items():
             replaced.enter_context(replacing(f"torch._inductor.config.{option}", value))
         replaced.enter_context(output_directory())

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any, Final
 from pytest_torchmem.engine.step.holdings import lend
 from pytest_torchmem.engine.parallel.mesh import fake_world
 from pytest_torchmem.engine.tracing.compiled import watch_compiled
-from pytest_torchmem.engine.tracing.devices.cuda.gpu_view import gpu_view
+from pytest_torchmem.engine.tracing.devices.cuda.gpu_view import generator_states_on_this_thread, gpu_view
 from pytest_torchmem.engine.tracing.devices.cuda.streams import GpuStreams
 from pytest_torchmem.engine.tracing.devices.routing import routed_unpacking
 from pytest_torchmem.engine.tracing.generation import beams_run_on
@@ -315,7 +315,9 @@ CUDA_LAYERS: Final = (
 #: warm-up's own stand-ins, the rank's fake process group (under parallel=: apply runs in
 #: the warm-up too), the fake mode and a tracker of the warm-up's own (the values the
 #: traced step knows: the program takes the branches it takes in the traced step).
-#: No GPU view: dynamo, compiling here, reads torch's own device functions.
+#: No GPU view: dynamo, compiling here, reads torch's own device functions; but a
+#: pipeline's ranks on the fake cuda device are answered the GPU generator's state (their
+#: stages' set-up saves and restores it).
 WARM_UP_LAYERS: Final = (
     Layer(
         "watch compiled regions, unflagged",
@@ -333,4 +335,15 @@ WARM_UP_LAYERS: Final = (
     TRACKER,
     MODULE_METHODS,
     REAL_RUN_VIEW,
+    Layer(
+        "the GPU generator's state",
+        "innermost, in the step only: a pipeline's stages on the fake cuda device save and "
+        "restore the GPU generator's state as they set up (torch.random.fork_rng), answered "
+        "as the GPU view answers it in the traced step",
+        lambda scene: (
+            generator_states_on_this_thread()
+            if scene.parallel is not None and scene.parallel.pipelined and _tracker(scene).device.type == "meta"
+            else None
+        ),
+    ),
 )

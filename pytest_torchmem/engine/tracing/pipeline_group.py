@@ -37,7 +37,9 @@ whose every rank waits for a message no rank will send is reported as such.
 The trace's contexts (layers.py) are entered by each thread in stage order,
 all before any step starts, and left in the reverse order once every step
 ended: the replacements of torch's functions nest, each thread's own ones
-acting on its thread only (``on_this_thread``).
+acting on its thread only (``on_this_thread``). A pipeline that follows
+compiled code does so twice, in rounds: its warm-up step's contexts (the
+step that builds the stages' programs), then its traced step's.
 """
 
 from __future__ import annotations
@@ -125,6 +127,9 @@ class PipelineGroup:
         self._cond = threading.Condition()
         self._boxes: dict[tuple[int, int], deque[Any]] = {}
         self._entered = 0
+        #: How many times each rank (by index) entered its contexts (a rank that follows
+        #: compiled code enters its warm-up step's, then its traced step's).
+        self._rounds: dict[int, int] = {}
         #: The ranks (by index) inside their contexts.
         self._inside: set[int] = set()
         self._waiting = 0
@@ -226,9 +231,15 @@ class PipelineGroup:
     @contextmanager
     def layered(self, index: int, layers: AbstractContextManager[Any]) -> Iterator[Any]:
         """Enter ``layers`` in stage order, wait until every rank entered, and leave them in
-        the reverse order once the later stages left theirs."""
+        the reverse order once the later stages left theirs. Every rank enters its layers
+        as often (once, or where the pipeline follows compiled code, for its warm-up step
+        and again for its traced step): a round begins once every rank left the last."""
         with self._cond:
-            self._wait_for(lambda: self._entered == index, "its turn to set up")
+            rounds = self._rounds.get(index, 0)
+            self._rounds[index] = rounds + 1
+            first = rounds * len(self.ranks)
+        with self._cond:
+            self._wait_for(lambda: self._entered == first + index, "its turn to set up")
         with layers as value:
             with self._cond:
                 self._inside.add(index)
@@ -236,7 +247,7 @@ class PipelineGroup:
                 self._cond.notify_all()
             try:
                 with self._cond:
-                    self._wait_for(lambda: self._entered == len(self.ranks), "the other ranks to set up")
+                    self._wait_for(lambda: self._entered == first + len(self.ranks), "the other ranks to set up")
                 yield value
             except SetUpOnly:
                 raise

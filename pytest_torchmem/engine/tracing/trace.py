@@ -224,20 +224,29 @@ def _traced(
         # needed more than its bytes (a value the trace did not know, an object)
         whole = peers is not None
 
-        def pipeline(whole: bool) -> dict[int, Trace] | None:
+        def pipeline(whole: bool, follow: bool = False, gives_up: bool = True) -> dict[int, Trace] | None:
+            how = dict(whole=whole, follow=follow, gives_up=gives_up)
             try:
-                return _traced_pipeline(model, args, kwargs, parallel, rank, whole=whole, **options)
+                return _traced_pipeline(model, args, kwargs, parallel, rank, **how, **options)
             except BlockReplayMiss as miss:
                 # a replayed block could not stand for its trace after all (a micro-batch's
                 # backward found its parameters holding an earlier one's gradients): the
                 # pipeline traced again, every block
-                return _traced_pipeline(
-                    model, args, kwargs, parallel, rank, whole=whole, blocks_missed=str(miss), **options
-                )
+                return _traced_pipeline(model, args, kwargs, parallel, rank, blocks_missed=str(miss), **how, **options)
 
-        group = pipeline(whole)
-        if group is None:
-            group = pipeline(True)
+        try:
+            group = pipeline(whole)
+            if group is None:
+                group = pipeline(True)
+        except CompiledCodeMet:
+            # a stage's forward met a compiled block it could follow: the whole pipeline is
+            # traced again, following, every rank through a warm-up step first (where that
+            # fails, the blocks run eagerly, listed)
+            try:
+                group = pipeline(True, follow=True)
+            except Exception:
+                group = pipeline(True, gives_up=False)
+        assert group is not None
         if peers is not None:
             peers.update(group)
         return group[rank]
@@ -280,12 +289,16 @@ def _traced_pipeline(
     rank: int,
     *,
     whole: bool,
+    follow: bool = False,
+    gives_up: bool = False,
     **options: Any,
 ) -> dict[int, Trace] | None:
     """The traces of the ranks of ``rank``'s pipeline, each traced on a thread of its own
     (pipeline_group.py), by rank: every rank's (``whole``), or ``rank``'s alone, its peers
     traced through their set-up only (None where a receive from one of them needed more
-    than its bytes)."""
+    than its bytes). ``follow``: each rank follows the compiled blocks its stage runs,
+    built in a warm-up step the ranks run together first; ``gives_up``: a trace that does
+    not follow raises :class:`CompiledCodeMet` where it meets one it could follow."""
     from pytest_torchmem.engine.parallel import threads
     from pytest_torchmem.engine.tracing.pipeline_group import (
         PeerGone,
@@ -322,11 +335,12 @@ def _traced_pipeline(
                     args,
                     kwargs,
                     found=CompiledModules(),
-                    follow=False,
-                    warm=False,
+                    follow=follow,
+                    warm=follow,
                     parallel=parallel,
                     rank=peer,
                     turn=lambda layers: group.layered(index, layers),
+                    gives_up=gives_up and not follow,
                     **options,
                 )
             traces[peer] = traced
@@ -587,6 +601,7 @@ def _trace(
                         repeat=repeat,
                         parallel=parallel,
                         rank=rank,
+                        turn=turn,
                     )
 
             try:
@@ -779,6 +794,7 @@ def _warm_up(
     repeat: int | None = None,
     parallel: Parallel | None = None,
     rank: int = 0,
+    turn: Callable[[Any], Any] | None = None,
 ) -> None:
     """One step on fresh fake stand-ins, in which dynamo and our backend compile the
     followed modules and the compiled functions the step calls (the optimizer is left
@@ -805,7 +821,9 @@ def _warm_up(
     step_model = model if parallel is None else model_copy(model, holdings, copies.model)
     scene = Scene(holdings, copies, step_model, fake_mode, following, tracker=tracker, parallel=parallel, rank=rank)
     try:
-        with entered(WARM_UP_LAYERS, scene) as layers:
+        layered = entered(WARM_UP_LAYERS, scene)
+        # (a pipeline's ranks enter their layers in turn: ``turn``, as in the traced step)
+        with turn(layered) if turn is not None else layered as layers:
             parameters = copies.parameters
             train_context = nullcontext
             if parallel is not None:

@@ -216,14 +216,6 @@ def gpu_view(profile: Any, streams: GpuStreams | None = None, memory: MemorySoFa
             )
         for home in ("torch.accelerator", "torch.accelerator.memory"):
             answers[f"{home}.get_memory_info"] = memory.mem_get_info
-    # The generator's state, as torch's own torch.random.fork_rng saves and restores it (a
-    # pipeline stage's metadata inference), on the tracing thread whoever asks: a host
-    # tensor, which the GPU's memory does not count.
-    on_the_thread: dict[str, Callable[..., Any]] = {
-        "torch.cuda.get_rng_state": lambda device="cuda": torch.zeros(16, dtype=torch.uint8),
-        "torch.cuda.set_rng_state": lambda new_state, device="cuda": None,
-    }
-
     def answering(answer: Callable[..., Any], real: list[Callable[..., Any]]) -> Callable[..., Any]:
         def query(*args: Any, **kwargs: Any) -> Any:
             if from_the_program(tracing) or _asks_for_the_program(getframe(1), tracing):
@@ -269,10 +261,23 @@ def gpu_view(profile: Any, streams: GpuStreams | None = None, memory: MemorySoFa
             query = answering(answer, real)
             real.append(replaced.enter_context(replacing(path, query)))
             functools.update_wrapper(query, real[0])
-        for path, answer in on_the_thread.items():
-            replaced.enter_context(on_this_thread(path, answer))
+        replaced.enter_context(generator_states_on_this_thread())
         replaced.enter_context(torch_decides_as_on_the_gpu())
         replaced.enter_context(autocast_opens_cuda_regions(profile))
+        yield
+
+
+@contextmanager
+def generator_states_on_this_thread() -> Iterator[None]:
+    """The GPU generator's state, as torch's own ``torch.random.fork_rng`` saves and
+    restores it (a pipeline stage's metadata inference), on the tracing thread whoever
+    asks: a host tensor, which the GPU's memory does not count. Part of the GPU view,
+    and of the warm-up step of a pipeline's ranks on the fake cuda device (which has no
+    GPU view: dynamo compiles there)."""
+    with (
+        on_this_thread("torch.cuda.get_rng_state", lambda device="cuda": torch.zeros(16, dtype=torch.uint8)),
+        on_this_thread("torch.cuda.set_rng_state", lambda new_state, device="cuda": None),
+    ):
         yield
 
 
