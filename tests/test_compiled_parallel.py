@@ -262,6 +262,38 @@ def test_a_pipelines_compiled_blocks_are_followed_and_equal_measure(compiled_sta
     assert fingerprint(model, x) == before
 
 
+def _sharded_pipeline_stage(model: nn.Sequential, mesh: object, compiled: bool = True) -> object:
+    """torchtitan's order on a pipeline's rank: the stage's block compiled, then sharded
+    with FSDP2 over "dp", in a stage over "pp"."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.pipelining import PipelineStage
+
+    pp = mesh["pp"]  # type: ignore[index]
+    kept = nn.Sequential(model[pp.get_local_rank()])
+    _blocks(kept, compiled=compiled)
+    fully_shard(kept[0], mesh=mesh["dp"])  # type: ignore[index]
+    fully_shard(kept, mesh=mesh["dp"])  # type: ignore[index]
+    return PipelineStage(kept, pp.get_local_rank(), pp.size(), torch.device("cpu"), group=pp.get_group())
+
+
+@follows_compiled
+def test_a_sharded_pipelines_compiled_blocks_are_followed_and_equal_measure() -> None:
+    """pp=2 × dp=2, each stage's block compiled and sharded with FSDP2: the last stage's
+    rank's figures are ``measure(parallel=...)``'s, and differ from the eager program's."""
+    from torch.distributed.pipelining import Schedule1F1B
+
+    model, x = _model(), _input()
+    compiled, eager = (
+        tm.Parallel(mesh={"pp": 2, "dp": 2}, apply=apply, rank=3, schedule=Schedule1F1B, microbatches=2)
+        for apply in (_sharded_pipeline_stage, functools.partial(_sharded_pipeline_stage, compiled=False))
+    )
+    estimated = tm.estimate(model, x, optimizer=_adamw, parallel=compiled)
+    measured = tm.measure(model, x, optimizer=_adamw, parallel=compiled)
+    assert estimated.unsupported == () and measured.unsupported == ()
+    assert every_peak(estimated) == every_peak(measured)
+    assert every_peak(estimated) != every_peak(tm.estimate(model, x, optimizer=_adamw, parallel=eager))
+
+
 @follows_compiled
 def test_a_pipelines_compiled_blocks_are_followed_on_cuda() -> None:
     """On the fake cuda device each rank follows inductor's cuda program of its stage's
