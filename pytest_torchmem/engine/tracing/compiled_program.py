@@ -145,7 +145,9 @@ def no_kernels(loaded: list[Any], cpu: CpuProfile | None = None) -> Iterator[Non
         replaced.enter_context(replacing(f"{async_compile}.wait", lambda self, scope: None))
         # (on this thread only: each stage of a pipeline, traced on a thread of its own,
         # loads its own output modules)
-        real_load = replaced.enter_context(on_this_thread("torch._inductor.codecache.PyCodeCache.load_by_key_path", load))
+        real_load = replaced.enter_context(
+            on_this_thread("torch._inductor.codecache.PyCodeCache.load_by_key_path", load)
+        )
         for option, value in options.items():
             replaced.enter_context(replacing(f"torch._inductor.config.{option}", value))
         replaced.enter_context(output_directory())

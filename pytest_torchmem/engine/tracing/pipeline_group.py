@@ -237,8 +237,7 @@ class PipelineGroup:
         with self._cond:
             rounds = self._rounds.get(index, 0)
             self._rounds[index] = rounds + 1
-            first = rounds * len(self.ranks)
-        with self._cond:
+            first = rounds * len(self.ranks)  # (the entries of the rounds before)
             self._wait_for(lambda: self._entered == first + index, "its turn to set up")
         with layers as value:
             with self._cond:
