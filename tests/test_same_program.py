@@ -9,8 +9,8 @@ on the fake cpu device, each recording the ATen ops it dispatches
 (``tests/same_program.py``). The traced sequence (op, argument shapes and dtypes,
 in order) equals the real run's, and every figure equals ``measure``'s. Six layers
 deep, where block replay replays repeated blocks, the built-in step's figures with
-replay on equal tracing every block, and ``measure``'s (``replayed`` says what replay
-did). A divergence names the first op that differs and the lines of code that chose each.
+replay on equal ``measure``'s (where they do not, every block is traced too, to tell
+replay's share from the trace's; ``replayed`` says what replay did). A divergence names the first op that differs and the lines of code that chose each.
 
 The README's command checks a row of each kind; CI's exhaustive run the whole
 matrix (``python tests/test_same_program.py`` prints it as a table).
@@ -106,22 +106,24 @@ def check(family: str, configuration: str) -> dict[str, Any]:
 
 def check_replay(family: str, configuration: str, layers: int) -> dict[str, Any]:
     """The case ``layers`` deep through the built-in step, where block replay replays
-    repeated blocks: measured for real, traced with every block, traced with replay."""
+    repeated blocks: measured for real and traced with replay; where the two differ, traced
+    again with every block, to tell replay's share from the trace's."""
     model, batch, _ = made(family, configuration, layers)
     positional = FAMILIES_BY_MODEL.get(type(model).__name__) == "torchvision"
     arguments = batch["pixel_values"] if positional else batch
     measured = tm.measure(model, arguments, loss_fn=loss_of)
-    with replay(False):
-        every_block = tm.estimate(model, arguments, loss_fn=loss_of)
     with replay(True):
         replayed = tm.estimate(model, arguments, loss_fn=loss_of)
-    return {
+    result = {
         "measured": every_peak(measured),
-        "every block": every_peak(every_block),
         "replayed": every_peak(replayed),
         "unsupported": replayed.unsupported,
         "replay lines": replayed.replayed,
     }
+    if result["replayed"] != result["measured"]:
+        with replay(False):
+            result["every block"] = every_peak(tm.estimate(model, arguments, loss_fn=loss_of))
+    return result
 
 
 #: The rows the README's command checks: a decoder without its cache and checkpointed, a
@@ -181,10 +183,11 @@ def _replay_marks(case: tuple[str, str]) -> Any:
     [_replay_marks(case) for case in cases() if case[1] in REPLAYED and FAMILIES[case[0]].depth],
 )
 def test_six_layers_deep_block_replay_gives_the_traced_figures(family: str, configuration: str) -> None:
+    """Replayed, every figure is measure's (where it is not, the message gives the figures
+    of the trace of every block beside them: replay's doing, or the trace's)."""
     result = check_replay(family, configuration, layers=6)
     assert result["unsupported"] == ()
-    assert result["replayed"] == result["every block"], result["replay lines"]
-    assert result["every block"] == result["measured"]
+    assert result["replayed"] == result["measured"], (result.get("every block"), result["replay lines"])
 
 
 # -- on cuda: torch's own fake cuda tensors as the oracle ------------------------------------
