@@ -293,6 +293,9 @@ EXHAUSTIVE: Final = (
     "tests/test_cli_fit.py::test_fit_names_the_size_and_prints_its_progress",
     "tests/test_block_replay.py::test_tensor_parallel_inside_fsdp2_units_replays_to_the_same_bytes[cuda]",
     "tests/test_measure_output.py::test_a_parallel_measure_writes_nothing_to_stderr",
+    # layers put back compiled (torch.compile(layer)) replaying on cuda (the cpu twin, against
+    # measure, and layer.compile()'s on cuda stay)
+    "tests/test_compiled_replay.py::test_compiled_layers_replay_on_cuda_as_traced_block_by_block[torch.compile(layer)]",
 )
 
 

@@ -1,9 +1,9 @@
 """Block replay where the trace follows compiled code (issue 55, item 3): a model's repeated
-blocks, each compiled alone (``layer.compile()``, as recipes compile their decoder layers),
-share one program; the traced step traces a few of them and replays the others, as it
-replays eager blocks (compiled_blocks.py, block_replay.py); and eager blocks beside
-compiled code (a compiled loss) replay as they do without it, but those that run inside
-compiled code or call it.
+blocks, each compiled alone (``layer.compile()``, or ``torch.compile(layer)`` put in the
+list, as recipes compile their decoder layers), share one program; the traced step traces
+a few of them and replays the others, as it replays eager blocks (compiled_blocks.py,
+block_replay.py); and eager blocks beside compiled code (a compiled loss) replay as they
+do without it, but those that run inside compiled code or call it.
 
 A replay must give the figures of the step traced block by block (``TORCHMEM_REPLAY=0``),
 which on cpu are ``measure``'s, byte for byte; and blocks whose programs differ (dynamo
@@ -35,9 +35,14 @@ pytestmark = follows_compiled
 LAYERS = 8
 
 
-def _llama(compile_layers: bool = True) -> tuple[nn.Module, torch.optim.Optimizer, torch.Tensor]:
+#: The ways recipes compile their decoder layers one by one: in place, or a compiled
+#: wrapper put in the list in the layer's place (torchtitan's way).
+HOW = ["layer.compile()", "torch.compile(layer)"]
+
+
+def _llama(compile_layers: bool = True, how: str = HOW[0]) -> tuple[nn.Module, torch.optim.Optimizer, torch.Tensor]:
     """transformers' Llama (8 layers, width 128), its decoder layers compiled one by one
-    (or eager), and AdamW."""
+    (``how``: one of :data:`HOW`) or eager, and AdamW."""
     transformers = import_transformers()
     config = transformers.LlamaConfig(
         vocab_size=512, hidden_size=128, intermediate_size=344, num_hidden_layers=LAYERS,
@@ -46,8 +51,12 @@ def _llama(compile_layers: bool = True) -> tuple[nn.Module, torch.optim.Optimize
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config)
     if compile_layers:
-        for layer in model.model.layers:
-            layer.compile()
+        layers = model.model.layers
+        for i, layer in enumerate(layers):
+            if how == HOW[0]:
+                layer.compile()
+            else:
+                layers[i] = torch.compile(layer)
     return model, torch.optim.AdamW(model.parameters()), torch.randint(0, 512, (2, 64))
 
 
@@ -69,11 +78,12 @@ def _traced_block_by_block(monkeypatch: pytest.MonkeyPatch, *args: Any, **kwargs
     return report
 
 
-def test_compiled_layers_replay_and_equal_measure_on_cpu() -> None:
+@pytest.mark.parametrize("how", HOW)
+def test_compiled_layers_replay_and_equal_measure_on_cpu(how: str) -> None:
     """Eight decoder layers compiled alone, through the recipe's own loop: the first ones
     traced until two alike make the template, three at the end for their backwards, the
     rest replayed; every figure ``measure``'s."""
-    model, optimizer, ids = _llama()
+    model, optimizer, ids = _llama(how=how)
     before = fingerprint(model, optimizer, ids)
     report = tm.estimate(_train_step, (model, optimizer, ids))
     assert fingerprint(model, optimizer, ids) == before
@@ -83,8 +93,9 @@ def test_compiled_layers_replay_and_equal_measure_on_cpu() -> None:
     assert every_peak(report) == every_peak(tm.measure(_train_step, (model, optimizer, ids)))
 
 
-def test_compiled_layers_replay_on_cuda_as_traced_block_by_block(monkeypatch: pytest.MonkeyPatch) -> None:
-    model, optimizer, ids = _llama()
+@pytest.mark.parametrize("how", HOW)
+def test_compiled_layers_replay_on_cuda_as_traced_block_by_block(how: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    model, optimizer, ids = _llama(how=how)
     report = tm.estimate(_train_step, (model, optimizer, ids), device="cuda")
     assert report.unsupported == ()
     assert len(_replayed(report)) == 1

@@ -26,8 +26,8 @@ from pytest_torchmem.engine.tracing.replay_watch import cell_contents
 
 __all__ = [
     "COMPILED_CALL", "DIFFERS", "HOOK_DICTS", "MIN_BLOCKS", "NUMBERS", "PLAIN", "arguments_key", "block_lists",
-    "block_number", "block_structure", "cache_writes", "difference", "free_names", "free_places", "masked",
-    "saving_hooks", "value_key",
+    "block_number", "block_structure", "cache_writes", "compiled_call_name", "difference", "free_names",
+    "free_places", "masked", "saving_hooks", "value_key",
 ]
 
 FakeTensor: Final = private("torch._subclasses.fake_tensor.FakeTensor")
@@ -35,6 +35,28 @@ _top_saved_tensors_hooks: Final = private("torch._C._autograd._top_saved_tensors
 _STRIDED: Final = torch.strided
 #: Where ``module.compile()`` keeps a module's compiled callable (an instance attribute).
 COMPILED_CALL: Final = private_name("torch.nn.Module._compiled_call_impl")
+#: What ``torch.compile(module)``'s wrapper (an ``OptimizedModule``) holds beside its
+#: compiled ``forward``, one of each per ``torch.compile`` call (``_opt_mod_attributes``
+#: in ``torch/_dynamo/eval_frame.py``): its dynamo context, its module's forward, its own
+#: ``id`` and the function the context sets on it.
+_WRAPPER_ATTRIBUTES: Final = frozenset(
+    {"dynamo_ctx", "_torchdynamo_orig_callable", "_torchdynamo_wrapper_id", "get_compiler_config"}
+)
+
+
+def compiled_call_name(block: nn.Module) -> str | None:
+    """The instance attribute that holds ``block``'s own compiled callable: ``module.compile()``'s
+    ``_compiled_call_impl``, or the ``forward`` of ``torch.compile(module)``'s wrapper (but a
+    lazy module's, whose ``forward`` checks its initialization first); None where ``block``
+    is not compiled alone."""
+    if block.__dict__.get(COMPILED_CALL) is not None:
+        return COMPILED_CALL
+    if (
+        "dynamo_ctx" in block.__dict__ and "forward" in block.__dict__ and "_forward" not in block.__dict__
+        and isinstance(block, private("torch._dynamo.eval_frame.OptimizedModule"))
+    ):
+        return "forward"
+    return None
 
 #: The fewest elements of one class a list must have for its blocks to be replayed: two
 #: traced to make the template, three traced at the end for the backward, one replayed.
@@ -160,8 +182,8 @@ def block_structure(block: nn.Module, unit: bool, compiled: bool = False) -> tup
     """``block``'s modules' classes and attributes, as a value equal between blocks that
     dispatch the same ops: parameters and buffers by layout, the rest by value (``unit``:
     the block is an FSDP2 unit, whose own hooks and state are left out; ``compiled``: the
-    block is compiled alone, its compiled callable left out, its program told apart by
-    its region)."""
+    block is compiled alone, its compiled callable (and a ``torch.compile`` wrapper's
+    context) left out, its program told apart by its region)."""
     out: list[Any] = []
     modules = list(block.modules())
     within = {id(module): place for place, module in enumerate(modules)}  # (by place: one walk)
@@ -173,7 +195,9 @@ def block_structure(block: nn.Module, unit: bool, compiled: bool = False) -> tup
         skipped = {key for hooks in (module._forward_pre_hooks, module._forward_hooks) for key, hook in hooks.items()
                    if neutral(hook)}
         for name, value in module.__dict__.items():
-            if module is block and (name == "forward" or (compiled and name == COMPILED_CALL)):
+            if module is block and (
+                name == "forward" or (compiled and (name == COMPILED_CALL or name in _WRAPPER_ATTRIBUTES))
+            ):
                 continue
             if name in _STATE_DICT_HOOKS:
                 continue

@@ -61,17 +61,19 @@ forward and a backward in the forward phase). A group's template serves every la
 micro-batch, where FSDP2 takes each backward's gradients off the gathered parameters
 (:meth:`BlockReplay._grads_leave`): a replayed backward must find none there.
 
-Where the trace follows compiled code, blocks compiled alone (``module.compile()``)
-replay where the warm-up built each of their regions' programs during one block's call
-(compiled_blocks.py): dynamo's guards passed for the others, which ran those programs.
-Their ``_compiled_call_impl`` is set instead of their ``forward`` (which dynamo's guards
-look at), their program's autograd node is read as autograd's own nodes are
-(:func:`~.block_backward.block_graph`), and a replayed call counts its programs' runs as
-the traced one ran them (:meth:`~.compiled_program.Following.not_followed` compares them
-with the warm-up's). Eager blocks replay beside compiled code, but those that run inside
-it (their forwards set, dynamo's guards would fail) or call it. No module hook is
-registered while a block runs (dynamo's guards see the global ones), and a block's
-backward ends where the node its input came from begins (no module hook marks it).
+Where the trace follows compiled code, blocks compiled alone (``module.compile()``, or
+``torch.compile(module)`` put in the list) replay where the warm-up built each of their
+regions' programs during one block's call (compiled_blocks.py): dynamo's guards passed
+for the others, which ran those programs. Their compiled callable is set
+(``_compiled_call_impl``, not the ``forward`` that dynamo's guards look at; a
+``torch.compile`` wrapper's ``forward``, which calls its module's), their program's
+autograd node is read as autograd's own nodes are (:func:`~.block_backward.block_graph`),
+and a replayed call counts its programs' runs as the traced one ran them
+(:meth:`~.compiled_program.Following.not_followed` compares them with the warm-up's).
+Eager blocks replay beside compiled code, but those that run inside it (their forwards
+set, dynamo's guards would fail) or call it. No module hook is registered while a block
+runs (dynamo's guards see the global ones), and a block's backward ends where the node
+its input came from begins (no module hook marks it).
 
 This module is the driver; what decides a call's program, as values, is
 :mod:`.block_keys`; the templates a traced block leaves, :mod:`.block_templates`; a
@@ -97,8 +99,8 @@ from pytest_torchmem.engine.torch_compat.torch_private import private
 from pytest_torchmem.engine.tracing import replay_caches
 from pytest_torchmem.engine.tracing.block_backward import Recorder, block_graph, holds
 from pytest_torchmem.engine.tracing.block_keys import (
-    COMPILED_CALL, DIFFERS, MIN_BLOCKS, PLAIN, arguments_key, block_lists, block_number, block_structure, cache_writes,
-    difference, free_names, free_places, masked, saving_hooks,
+    DIFFERS, MIN_BLOCKS, PLAIN, arguments_key, block_lists, block_number, block_structure, cache_writes,
+    compiled_call_name, difference, free_names, free_places, masked, saving_hooks,
 )
 from pytest_torchmem.engine.tracing.block_parallel import (
     dtensor_of, foreign_hooks, fsdp_state, hooked, moved_after_backward,
@@ -185,7 +187,7 @@ class BlockReplay:
         #: ``id`` in ``under_compiled``), whose forwards set dynamo would see, and those
         #: whose traced calls ran compiled programs (``program_runs``: how many have run).
         self.compiled = compiled
-        self._compiled_calls: dict[int, Callable[..., Any]] = {}
+        self._compiled_calls: dict[int, tuple[str, Callable[..., Any]]] = {}
         self.program_runs = program_runs
         self.inside_compiled = inside_compiled
         self.under_compiled = under_compiled
@@ -250,7 +252,7 @@ class BlockReplay:
             if id(block) in self._where:
                 continue
             if self.compiled is not None and id(block) not in self.compiled and (
-                block.__dict__.get(COMPILED_CALL) is not None
+                compiled_call_name(block) is not None
                 or type(block) in self.inside_compiled
                 or id(block) in self.under_compiled
             ):
@@ -268,8 +270,11 @@ class BlockReplay:
             self._where[id(block)] = (name, position, len(blocks))
             self._free[id(block)] = free
             if self._is_compiled(block):
-                call = self._compiled_calls[id(block)] = block.__dict__[COMPILED_CALL]
-                block.__dict__[COMPILED_CALL] = _CompiledBlockCall(self, block, call)
+                attribute = compiled_call_name(block)
+                assert attribute is not None
+                call = block.__dict__[attribute]
+                self._compiled_calls[id(block)] = (attribute, call)
+                block.__dict__[attribute] = _CompiledBlockCall(self, block, call)
             else:
                 block.__dict__["forward"] = _BlockForward(self, block)
             self._patched.append(block)
@@ -280,7 +285,8 @@ class BlockReplay:
     def __exit__(self, *exc: object) -> None:
         for block in self._patched:
             if id(block) in self._compiled_calls:
-                block.__dict__[COMPILED_CALL] = self._compiled_calls.pop(id(block))
+                attribute, call = self._compiled_calls.pop(id(block))
+                block.__dict__[attribute] = call
             else:
                 block.__dict__.pop("forward", None)
         self._patched.clear()
@@ -870,9 +876,10 @@ class _BlockForward:
 
 
 class _CompiledBlockCall:
-    """A compiled block's ``_compiled_call_impl`` while the replay is entered (an instance
-    attribute, as ``module.compile()`` sets it): the compiled callable, called through the
-    replay. The block's ``forward`` is left as it is (dynamo's guards look at it)."""
+    """A compiled block's compiled callable while the replay is entered (an instance
+    attribute: ``module.compile()``'s ``_compiled_call_impl``, whose block's ``forward`` is
+    left as it is, for dynamo's guards look at it; or the ``forward`` of ``torch.compile(module)``'s
+    wrapper, which calls its module's): called through the replay."""
 
     __slots__ = ("replay", "block", "call")
 

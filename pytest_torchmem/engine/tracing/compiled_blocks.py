@@ -24,19 +24,19 @@ from typing import Any
 from torch import nn
 
 from pytest_torchmem.engine.figures.report import ROOT_NAME
-from pytest_torchmem.engine.tracing.block_keys import COMPILED_CALL, block_lists
+from pytest_torchmem.engine.tracing.block_keys import block_lists, compiled_call_name
 
 __all__ = ["WarmUpCompiles", "compiled_lists", "replayable_blocks"]
 
 
 def compiled_lists(model: nn.Module, regions: dict[int, Any]) -> list[tuple[str, list[nn.Module]]]:
     """``model``'s block lists (by name) with the blocks of each compiled alone
-    (``module.compile()``) whose program the trace follows (``regions``: the followed
-    modules' regions, by ``id``)."""
+    (``module.compile()``, or ``torch.compile(module)`` put in the list) whose program the
+    trace follows (``regions``: the followed modules' regions, by ``id``)."""
     names = {id(m): name or ROOT_NAME for name, m in model.named_modules()}
     found = []
     for container, blocks in block_lists(model):
-        compiled = [b for b in blocks if id(b) in regions and b.__dict__.get(COMPILED_CALL) is not None]
+        compiled = [b for b in blocks if id(b) in regions and compiled_call_name(b) is not None]
         if compiled:
             found.append((names.get(id(container), ROOT_NAME), compiled))
     return found
@@ -55,14 +55,14 @@ class WarmUpCompiles:
 
     @contextmanager
     def counting(self) -> Iterator[WarmUpCompiles]:
-        saved = [(block, block.__dict__[COMPILED_CALL]) for block in self.blocks]
+        saved = [(block, name, block.__dict__[name]) for block in self.blocks for name in [compiled_call_name(block)]]
         try:
-            for block, call in saved:
-                block.__dict__[COMPILED_CALL] = self._counted(self.regions[id(block)], call)
+            for block, name, call in saved:
+                block.__dict__[name] = self._counted(self.regions[id(block)], call)
             yield self
         finally:
-            for block, call in saved:
-                block.__dict__[COMPILED_CALL] = call
+            for block, name, call in saved:
+                block.__dict__[name] = call
 
     def _counted(self, region: Any, call: Callable[..., Any]) -> Callable[..., Any]:
         def run(*args: Any, **kwargs: Any) -> Any:
