@@ -85,8 +85,11 @@ def test_compiled_layers_replay_and_equal_measure_on_cpu(how: str) -> None:
     rest replayed; every figure ``measure``'s."""
     model, optimizer, ids = _llama(how=how)
     before = fingerprint(model, optimizer, ids)
+    # (and every module's own attributes: a wrapper's forward, which the replay sets)
+    attributes = [dict(module.__dict__) for module in model.modules()]
     report = tm.estimate(_train_step, (model, optimizer, ids))
     assert fingerprint(model, optimizer, ids) == before
+    assert [dict(module.__dict__) for module in model.modules()] == attributes
     assert report.unsupported == ()
     [line] = _replayed(report)
     assert line.startswith("model.model.layers: ") and f" of {LAYERS} block calls replayed" in line, line
