@@ -7,14 +7,14 @@ a vocabulary of 128,256; 32 layers unless ``--layers``), transformers' ``LlamaFo
 on the meta device, bfloat16, one sequence of 4,096 tokens, AdamW, estimated on the fake
 cuda device (an H100's profile) through a step function, as recipes write their loop:
 eager, then with each decoder layer compiled (``layer.compile()``), then with each put
-back compiled (``torch.compile(layer)`` in the list, torchtitan's way; not with ``--fsdp``).
-Each in a fresh process, all in one run, side by side: wall and CPU seconds (the clocks start after the
-imports and the model's construction), the peaks, and whether the compiled step was
-followed (no ``torch.compile`` entry in ``unsupported``). The target (issue 55) is a
-compiled estimate within 3x the eager one: identical layers share one compile (one
-class, the same options: dynamo's guards pass for the others), the warm-up runs that
-program in full once and then makes only its outputs, and the traced step replays the
-layers between its first and last few, as it replays eager blocks.
+back compiled (``torch.compile(layer)`` in the list, torchtitan's way; not with
+``--fsdp``). Each in a fresh process, all in one run, side by side: wall and CPU seconds
+(the clocks start after the imports and the model's construction), the peaks, and
+whether the compiled step was followed (no ``torch.compile`` entry in ``unsupported``).
+The target (issue 55) is a compiled estimate within 3x the eager one: identical layers
+share one compile (one class, the same options: dynamo's guards pass for the others), the
+warm-up runs that program in full once and then makes only its outputs, and the traced
+step replays the layers between its first and last few, as it replays eager blocks.
 
 ``--fsdp W``: one rank of FSDP2 over W ranks instead (``parallel=``, the built-in step
 with AdamW), each decoder layer compiled inside ``apply`` and then sharded, as
@@ -137,7 +137,8 @@ def main() -> int:
         if kind != "eager":
             ratio = rows[kind]["cpu"] / rows["eager"]["cpu"]
             print(f"{kind} / eager, CPU seconds: {ratio:.2f} (target: at most {TARGET:g})")
-    print("(compiled: layer.compile(); wrapped: torch.compile(layer) put in the list)" if "wrapped" in rows else "")
+    if "wrapped" in rows:
+        print("(compiled: layer.compile(); wrapped: torch.compile(layer) put in the list)")
     return 0
 
 
