@@ -10,7 +10,8 @@ on the fake cpu device, each recording the ATen ops it dispatches
 in order) equals the real run's, and every figure equals ``measure``'s. Six layers
 deep, where block replay replays repeated blocks, the built-in step's figures with
 replay on equal ``measure``'s (where they do not, every block is traced too, to tell
-replay's share from the trace's; ``replayed`` says what replay did). A divergence names the first op that differs and the lines of code that chose each.
+replay's share from the trace's; ``replayed`` says what replay did). A divergence
+names the first op that differs and the lines of code that chose each.
 
 The README's command checks a row of each kind; CI's exhaustive run the whole
 matrix (``python tests/test_same_program.py`` prints it as a table).
