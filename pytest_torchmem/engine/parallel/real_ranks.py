@@ -39,7 +39,7 @@ import torch
 
 from pytest_torchmem.engine.parallel import threads
 from pytest_torchmem.engine.parallel.mesh import Parallel
-from pytest_torchmem.engine.torch_compat.torch_private import COLLECTIVES, private
+from pytest_torchmem.engine.torch_compat.torch_private import COLLECTIVES, COMPILED_COLLECTIVES, private
 
 __all__ = [
     "MAX_REAL_RANKS",
@@ -550,6 +550,38 @@ def _functional_completed_here(wrap: Callable[[torch.Tensor], Any]) -> Callable[
     return completed
 
 
+def _compiled_collective_completed_here(
+    collective: Callable[..., Any], wait: Callable[[torch.Tensor], torch.Tensor]
+) -> Callable[..., Any]:
+    """A functional collective as inductor's program issues it, waited for there, and
+    its tensors let go of by gloo's thread before it returns.
+
+    The program hands the collective a view of its buffer made for the call
+    (``reinterpret_tensor(buf8, ...)``) and waits, later, on another: gloo's work
+    item holds the first, whose storage is the buffer's, and the wait's view is
+    held by nothing else. So the wait alone cannot tell whether gloo's thread
+    still holds the buffer; where it did when the program dropped it (about one
+    real run in three of a compiled tensor-parallel block on two cores), the
+    buffer was freed on that thread, unseen, and counted to the end of the step.
+    Here the views the collective got are the ones waited on: the program's own
+    drop of the buffer is then the last, seen. Its later wait finds no work and
+    does nothing."""
+
+    def completed(*args: Any, **kwargs: Any) -> Any:
+        tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        counts = [t._use_count() for t in tensors]
+        result = collective(*args, **kwargs)
+        made = [t for t in tree_leaves(result) if isinstance(t, torch.Tensor)]
+        for tensor in made:
+            wait(tensor)
+        given = {id(t) for t in tensors}
+        fresh = [t for t in made if id(t) not in given]  # (the op's own: held by its Python object)
+        _let_go_by_gloo(tensors + fresh, counts + [1] * len(fresh))
+        return result
+
+    return completed
+
+
 def _compiled_wait_completed_here(
     wait: Callable[[torch.Tensor], torch.Tensor],
 ) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -585,9 +617,11 @@ def collectives_completed_here() -> Iterator[None]:
     item, when one was asked for), so the program's own drop is the last and
     is seen. A functional collective (DTensor's redistributions, ``loss_parallel``'s
     all-reduces of each token's maximum and sum) is waited for where its op
-    returns, before it is wrapped. Collectives issued from C++ are not affected, but for DDP's bucket
-    rebuild (:func:`_rebuild_freed_here`); its reducer's all-reduces write into
-    buckets the reducer holds.
+    returns, before it is wrapped; one an inductor program issues, where it is
+    issued (:func:`_compiled_collective_completed_here`). Collectives issued from
+    C++ are not affected, but for DDP's bucket rebuild
+    (:func:`_rebuild_freed_here`); its reducer's all-reduces write into buckets
+    the reducer holds.
     """
     import torch.distributed as dist
     from torch.distributed import distributed_c10d
@@ -609,11 +643,14 @@ def collectives_completed_here() -> Iterator[None]:
         replaced.enter_context(replacing(path, rebuild_buckets))
         wrap = "torch.distributed._functional_collectives._maybe_wrap_tensor"
         replaced.enter_context(replacing(wrap, _functional_completed_here(private(wrap))))
-        # inductor's programs wait for their functional collectives through this name (read
-        # as they run; inductor reads it too as it builds one, which therefore happens
-        # outside this block: in the warm-up step)
-        waits = _compiled_wait_completed_here(private(_COMPILED_WAIT))
-        replaced.enter_context(replacing(_COMPILED_WAIT, waits))
+        # inductor's programs issue and wait for their functional collectives through these
+        # names (read as they run; inductor reads them too as it builds one, which therefore
+        # happens outside this block: in the warm-up step)
+        wait = private(_COMPILED_WAIT)
+        replaced.enter_context(replacing(_COMPILED_WAIT, _compiled_wait_completed_here(wait)))
+        for name in COMPILED_COLLECTIVES:
+            issued = f"torch.ops._c10d_functional.{name}.default"
+            replaced.enter_context(replacing(issued, _compiled_collective_completed_here(private(issued), wait)))
         yield
 
 

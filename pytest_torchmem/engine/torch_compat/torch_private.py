@@ -60,6 +60,7 @@ _ACCELERATOR_MEMORY: Final = (*_STATISTICS, "get_memory_info")
 
 __all__ = [
     "COLLECTIVES",
+    "COMPILED_COLLECTIVES",
     "P2P_FUNCTIONS",
     "PRIVATE",
     "Private",
@@ -90,6 +91,22 @@ COLLECTIVES: Final = (
     "reduce_scatter_tensor",
     "_all_gather_base",
     "_reduce_scatter_base",
+)
+
+#: The functional collectives inductor's programs issue (``comm_lowering.py``: its
+#: lowerings call each by its ``default`` overload, a name read as the program runs),
+#: each replaced there by measure(parallel=...) (distributed.collectives_completed_here).
+COMPILED_COLLECTIVES: Final = (
+    "all_reduce_",
+    "all_reduce_coalesced_",
+    "all_gather_into_tensor",
+    "all_gather_into_tensor_coalesced",
+    "all_gather_into_tensor_out",
+    "reduce_scatter_tensor",
+    "reduce_scatter_tensor_coalesced",
+    "reduce_scatter_tensor_out",
+    "all_to_all_single",
+    "broadcast_",
 )
 
 #: The point-to-point functions of ``torch.distributed`` a pipeline's stages call, each
@@ -485,6 +502,16 @@ PRIVATE: Final = table(
         )
         for home in ("", ".distributed_c10d")
         for name in COLLECTIVES
+    ),
+    *(
+        Private(
+            f"torch.ops._c10d_functional.{name}.default",
+            f"{name}, as inductor's programs issue it (the name is read as the program runs): "
+            "measure(parallel=...) runs it to its end where it is issued, its tensors let go of "
+            "by gloo's thread (distributed.collectives_completed_here)",
+            replaced=True,
+        )
+        for name in COMPILED_COLLECTIVES
     ),
     Private(
         "torch.ops._c10d_functional.wait_tensor.default",
