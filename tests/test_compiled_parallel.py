@@ -308,6 +308,44 @@ def test_a_sharded_pipelines_compiled_blocks_are_followed_and_equal_measure() ->
     assert every_peak(estimated) != every_peak(tm.estimate(model, x, optimizer=_adamw, parallel=eager))
 
 
+def _two_stages_per_rank(model: nn.Sequential, mesh: object, compiled: bool = True) -> list[object]:
+    """Stages ``rank`` and ``rank + 2`` of four (looped, as interleaved schedules place
+    them), each a block of its own, compiled."""
+    from torch.distributed.pipelining import PipelineStage
+
+    pp = mesh["pp"]  # type: ignore[index]
+    rank, ranks = pp.get_local_rank(), pp.size()
+    stages = []
+    for index in (rank, rank + ranks):
+        kept = nn.Sequential(model[index])
+        _blocks(kept, compiled=compiled)
+        stages.append(PipelineStage(kept, index, 2 * ranks, torch.device("cpu"), group=pp.get_group()))
+    return stages
+
+
+@follows_compiled
+@pytest.mark.exhaustive
+def test_an_interleaved_pipelines_compiled_blocks_are_followed_and_equal_measure() -> None:
+    """Two stages per rank (``ScheduleInterleaved1F1B``, four stages, four micro-batches),
+    every stage's block compiled: each rank's figures are ``measure(parallel=...)``'s
+    and differ from the eager program's."""
+    from torch.distributed.pipelining import ScheduleInterleaved1F1B
+
+    torch.manual_seed(0)
+    model, x = nn.Sequential(*(Block() for _ in range(4))), _input()
+    before = fingerprint(model, x)
+    for rank in (0, 1):
+        compiled, eager = (
+            tm.Parallel(mesh={"pp": 2}, apply=apply, rank=rank, schedule=ScheduleInterleaved1F1B, microbatches=4)
+            for apply in (_two_stages_per_rank, functools.partial(_two_stages_per_rank, compiled=False))
+        )
+        estimated = tm.estimate(model, x, optimizer=_adamw, parallel=compiled)
+        measured = _a_real_run_equal_to(estimated, lambda: tm.measure(model, x, optimizer=_adamw, parallel=compiled))
+        assert estimated.unsupported == () and measured.unsupported == ()
+        assert every_peak(estimated) != every_peak(tm.estimate(model, x, optimizer=_adamw, parallel=eager)), rank
+    assert fingerprint(model, x) == before
+
+
 @follows_compiled
 def test_a_pipelines_compiled_blocks_are_followed_on_cuda() -> None:
     """On the fake cuda device each rank follows inductor's cuda program of its stage's
