@@ -656,3 +656,50 @@ def test_the_request_carries_its_device_the_profile_resolved_once_and_the_rank(m
             monkeypatch.setattr(module, "gpu_profile", counted)
     assert tm.estimate(nn.Linear(4, 4), torch.randn(2, 4), device="cuda", gpu="L4").profile == "L4"
     assert calls == ["L4"]
+
+
+# -- the garbage collector -------------------------------------------------------
+
+
+def test_the_trace_keeps_older_objects_out_of_the_collectors_passes() -> None:
+    """While the step is traced, the objects that lived before it are frozen out of the
+    collector's passes (a full pass over a large process takes a tenth of a second or
+    more); a cycle the step itself makes is still collected; afterwards nothing is
+    frozen, as before."""
+    import gc
+
+    model, x = _linear()
+    before = len(gc.get_objects())
+
+    def step(x: torch.Tensor) -> None:
+        # (the step's own assertions: the step's world is put back after the call, and
+        # an error of the program's propagates as it is)
+        assert gc.get_freeze_count() >= before
+        cycle: list[object] = []
+        cycle.append(cycle)
+        del cycle
+        assert gc.collect() >= 1
+        model(x).sum().backward()
+
+    assert gc.get_freeze_count() == 0
+    tm.estimate(step, (x,))
+    assert gc.get_freeze_count() == 0
+    with pytest.raises(AssertionError):
+        step(x)  # (the same step, run for real: nothing frozen)
+
+
+def test_objects_the_process_froze_itself_stay_frozen() -> None:
+    """A process that froze its objects (before forking workers, say) finds them frozen
+    after an estimate, and nothing more frozen."""
+    import gc
+
+    model, x = _linear()
+    mine: list[object] = [object()]
+    gc.freeze()
+    try:
+        frozen = gc.get_freeze_count()
+        tm.estimate(model, x)
+        assert not any(obj is mine for obj in gc.get_objects())  # (still frozen: out of its lists)
+        assert gc.get_freeze_count() <= frozen  # (a frozen object that died leaves the count)
+    finally:
+        gc.unfreeze()

@@ -26,6 +26,7 @@ from torch.nn.parameter import UninitializedTensorMixin
 
 from pytest_torchmem.engine.leaks.report import LeakSource
 from pytest_torchmem.engine.figures.timeline import StorageInfo, Timeline
+from pytest_torchmem.engine.tracing.collector import every_object_in_sight
 
 __all__ = ["explain"]
 
@@ -83,6 +84,18 @@ def explain(
             wanted[storage._cdata] = sid
     if not wanted:
         return []
+    with every_object_in_sight():  # (the trace's older objects are out of the collector's sight)
+        return _explained(timeline, wanted, paths, roots, size)
+
+
+def _explained(
+    timeline: Timeline,
+    wanted: dict[int, int],
+    paths: Mapping[int, str],
+    roots: Iterable[tuple[str, Any]],
+    size: Callable[[int], int],
+) -> list[LeakSource]:
+    """:func:`explain` of the storages ``wanted`` (their objects' ``_cdata`` -> sid)."""
     viewing: dict[int, list[torch.Tensor]] = defaultdict(list)
     for obj in gc.get_objects():
         if issubclass(type(obj), torch.Tensor) and not issubclass(type(obj), UninitializedTensorMixin):

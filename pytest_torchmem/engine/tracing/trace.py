@@ -14,6 +14,7 @@ from pytest_torchmem.engine.step.holdings import converted, holdings_of
 from pytest_torchmem.engine.user.layouts import sparse_like
 from pytest_torchmem.engine.user.model_state import Converted, StandIns, hook_failure
 from pytest_torchmem.engine.step.nesting import one_step
+from pytest_torchmem.engine.tracing.collector import older_objects_frozen
 from pytest_torchmem.engine.parallel.mesh import (
     Parallel,
     applied,
@@ -135,7 +136,7 @@ def trace(
     they are. A trace started inside the step of another (or of a measurement) is
     refused (:class:`~pytest_torchmem.engine.step.nesting.NestedStepError`).
     """
-    with one_step("tm.estimate()"), excepthook_kept():
+    with one_step("tm.estimate()"), excepthook_kept(), older_objects_frozen():
         traced = _traced(
             model,
             args,
