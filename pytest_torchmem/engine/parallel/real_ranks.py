@@ -586,8 +586,13 @@ def _compiled_wait_completed_here(
     wait: Callable[[torch.Tensor], torch.Tensor],
 ) -> Callable[[torch.Tensor], torch.Tensor]:
     """The wait a compiled program (inductor's code) calls on a functional collective's
-    buffer, which then waits for gloo's thread to let go of it too: the program's own
-    drop of the buffer is its last, seen."""
+    buffer, which then waits for gloo's thread to let go of the tensor it is given.
+
+    A collective of :data:`COMPILED_COLLECTIVES` has completed where it was issued
+    (:func:`_compiled_collective_completed_here`), so its wait finds no work; this
+    serves the program's other waits (its point-to-point ``isend``/``irecv``), where
+    the tensor waited on is the one gloo's work item holds only when the program
+    passes the buffer itself, not a view of it made for the call."""
 
     def completed(tensor: torch.Tensor) -> torch.Tensor:
         out = wait(tensor)
